@@ -1,0 +1,1 @@
+"""The Typer command-line interface: thin commands over `upr_cli.jobs`."""

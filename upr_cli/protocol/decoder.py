@@ -1,0 +1,185 @@
+"""Streaming frame decoder: feed bytes in any chunking, take `Frame`s out.
+
+Theory of operation. Received chunks are kept as a list and joined only when the
+next frame is complete, so feeding a large frame one byte at a time stays linear.
+The header is validated as soon as its 24 bytes are present (magic, body limit,
+framing+extras+key fitting in the body, dcp-wire §1.1/§1.3), before the declared body
+is waited for or allocated. Frames hold memoryview slices of the received buffer:
+no per-frame copy of keys or values. After an error the decoder is poisoned and
+raises the same error again. For any input it yields frames or raises
+`RemoteProtocolError`, nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from upr_cli.errors import RemoteProtocolError
+from upr_cli.protocol.header import ALT_MAGICS, HEADER, HEADER_LEN, VALID_MAGICS
+
+DEFAULT_MAX_BODY = 20 * 1024 * 1024
+_EMPTY = memoryview(b"")
+
+
+class Frame(NamedTuple):
+    """One packet as received: header fields and zero-copy views of the body parts.
+
+    `vbucket_or_status` is the vbucket id for requests and the status for responses.
+    """
+
+    magic: int
+    opcode: int
+    datatype: int
+    vbucket_or_status: int
+    opaque: int
+    cas: int
+    framing: memoryview
+    extras: memoryview
+    key: memoryview
+    value: memoryview
+
+    @property
+    def size(self) -> int:
+        """Full wire size: header plus body (what DCP flow control counts, dcp-wire §7.1)."""
+        return HEADER_LEN + len(self.framing) + len(self.extras) + len(self.key) + len(self.value)
+
+
+def check_header(hdr: tuple[int, ...], max_body: int) -> tuple[int, int, int, int]:
+    """Validate an unpacked header; return (framing_len, key_len, extras_len, body_len)."""
+    magic, _op, keylen, extlen, _dt, _vb, bodylen, _opaque, _cas = hdr
+    if magic not in VALID_MAGICS:
+        raise RemoteProtocolError(f"bad magic 0x{magic:02x}")
+    if bodylen > max_body:
+        raise RemoteProtocolError(f"body length {bodylen} exceeds the maximum {max_body}")
+    framelen = 0
+    if magic in ALT_MAGICS:
+        framelen, keylen = keylen >> 8, keylen & 0xFF
+    if framelen + extlen + keylen > bodylen:
+        raise RemoteProtocolError(
+            f"framing {framelen} + extras {extlen} + key {keylen} exceed body length {bodylen}"
+        )
+    return framelen, keylen, extlen, bodylen
+
+
+class FrameDecoder:
+    """Incremental decoder of memcached binary packets."""
+
+    __slots__ = ("_buf", "_chunks", "_error", "_max_body", "_need", "_off", "_pending")
+
+    def __init__(self, max_body: int = DEFAULT_MAX_BODY) -> None:
+        self._max_body = max_body
+        self._buf: bytes = b""
+        self._off = 0
+        self._chunks: list[bytes] = []
+        self._pending = 0  # bytes held in _chunks
+        self._need = HEADER_LEN  # bytes the next frame needs, from _off
+        self._error: RemoteProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as frames."""
+        return len(self._buf) - self._off + self._pending
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Add received bytes (copied only if mutable)."""
+        if data:
+            self._chunks.append(bytes(data))
+            self._pending += len(data)
+
+    def _fill(self) -> bool:
+        """Make at least `_need` bytes available in `_buf[_off:]`; False if not yet received."""
+        have = len(self._buf) - self._off
+        if have >= self._need:
+            return True
+        if have + self._pending < self._need:
+            return False
+        parts = [self._buf[self._off :]] if have else []
+        parts += self._chunks
+        self._buf = b"".join(parts) if len(parts) > 1 else parts[0]
+        self._off = 0
+        self._chunks = []
+        self._pending = 0
+        return True
+
+    def next_frame(self) -> Frame | None:
+        """Return the next complete frame, or None when more bytes are needed."""
+        if self._error is not None:
+            raise self._error
+        self._need = HEADER_LEN
+        if not self._fill():
+            return None
+        buf, off = self._buf, self._off
+        hdr = HEADER.unpack_from(buf, off)
+        try:
+            framelen, keylen, extlen, bodylen = check_header(hdr, self._max_body)
+        except RemoteProtocolError as exc:
+            self._error = exc
+            raise
+        self._need = HEADER_LEN + bodylen
+        if not self._fill():
+            return None
+        buf, off = self._buf, self._off
+        mv = memoryview(buf)
+        p = off + HEADER_LEN
+        framing = mv[p : p + framelen] if framelen else _EMPTY
+        p += framelen
+        extras = mv[p : p + extlen] if extlen else _EMPTY
+        p += extlen
+        key = mv[p : p + keylen]
+        p += keylen
+        end = off + HEADER_LEN + bodylen
+        self._off = end
+        return Frame(
+            hdr[0], hdr[1], hdr[4], hdr[5], hdr[7], hdr[8], framing, extras, key, mv[p:end]
+        )
+
+    def read_batch(self, limit: int = 4096) -> list[Frame]:
+        """Return up to `limit` complete frames (the batch fast path, no per-frame copies)."""
+        out: list[Frame] = []
+        append = out.append
+        unpack = HEADER.unpack_from
+        max_body = self._max_body
+        empty = _EMPTY
+        while len(out) < limit:
+            buf, off = self._buf, self._off
+            end_buf = len(buf)
+            mv = memoryview(buf)
+            # Fast loop: classic magics 0x80-0x83 with a sane header, body fully present.
+            while len(out) < limit and end_buf - off >= HEADER_LEN:
+                magic, opcode, keylen, extlen, datatype, vb, bodylen, opaque, cas = unpack(buf, off)
+                end = off + HEADER_LEN + bodylen
+                if not (
+                    0x80 <= magic <= 0x83
+                    and bodylen <= max_body
+                    and extlen + keylen <= bodylen
+                    and end <= end_buf
+                ):
+                    break
+                p = off + HEADER_LEN
+                extras = mv[p : p + extlen] if extlen else empty
+                p += extlen
+                k = p + keylen
+                append(
+                    Frame(
+                        magic, opcode, datatype, vb, opaque, cas, empty, extras, mv[p:k], mv[k:end]
+                    )
+                )
+                off = end
+            self._off = off
+            if len(out) >= limit:
+                break
+            # Checked path: alternate framing, a bad header, or bytes still to join/receive.
+            frame = self.next_frame()
+            if frame is None:
+                break
+            append(frame)
+        return out
+
+    def frames(self) -> list[Frame]:
+        """Return every complete frame currently buffered."""
+        out: list[Frame] = []
+        while True:
+            batch = self.read_batch()
+            if not batch:
+                return out
+            out += batch
