@@ -12,10 +12,25 @@ raises the same error again. For any input it yields frames or raises
 
 from __future__ import annotations
 
+import struct
 from typing import NamedTuple
 
 from upr_cli.errors import RemoteProtocolError
 from upr_cli.protocol.header import ALT_MAGICS, HEADER, HEADER_LEN, VALID_MAGICS
+
+# Header + DCP_MUTATION extras in one call (dcp-wire §1.1 + §2.8): 24 + 31 = 55 bytes.
+_MUTATION_FRAME = struct.Struct(">BBHBBHIIQ" + "QQIIIHB")
+_MUT_FIXED = _MUTATION_FRAME.size
+_DEL_V1 = struct.Struct(">QQH")  # §2.9 v1: by_seqno, rev_seqno, nmeta
+_DEL_V2 = struct.Struct(">QQIB")  # §2.9 v2: by_seqno, rev_seqno, delete_time, unused
+_EXPIRY = struct.Struct(">QQI")  # §2.10: by_seqno, rev_seqno, delete_time
+OP_MUTATION, OP_DELETION, OP_EXPIRATION = 0x57, 0x58, 0x59
+
+# Column order of a data row returned by `FrameDecoder.read_rows` (see `fast.DcpRecord`).
+ROW_FIELDS = (
+    "opcode", "vbucket", "by_seqno", "rev_seqno", "cas", "flags", "expiration",
+    "delete_time", "datatype", "key", "value", "opaque",
+)  # fmt: skip
 
 DEFAULT_MAX_BODY = 20 * 1024 * 1024
 _EMPTY = memoryview(b"")
@@ -101,24 +116,31 @@ class FrameDecoder:
         self._pending = 0
         return True
 
-    def next_frame(self) -> Frame | None:
-        """Return the next complete frame, or None when more bytes are needed."""
+    def _prepare(self) -> bool:
+        """Make the next whole frame contiguous at `_buf[_off:]`; False until it is all received.
+
+        The header is checked as soon as its 24 bytes are here, before the body is awaited.
+        """
         if self._error is not None:
             raise self._error
         self._need = HEADER_LEN
         if not self._fill():
-            return None
-        buf, off = self._buf, self._off
-        hdr = HEADER.unpack_from(buf, off)
+            return False
         try:
-            framelen, keylen, extlen, bodylen = check_header(hdr, self._max_body)
+            bodylen = check_header(HEADER.unpack_from(self._buf, self._off), self._max_body)[3]
         except RemoteProtocolError as exc:
             self._error = exc
             raise
         self._need = HEADER_LEN + bodylen
-        if not self._fill():
+        return self._fill()
+
+    def next_frame(self) -> Frame | None:
+        """Return the next complete frame, or None when more bytes are needed."""
+        if not self._prepare():
             return None
         buf, off = self._buf, self._off
+        hdr = HEADER.unpack_from(buf, off)
+        framelen, keylen, extlen, bodylen = check_header(hdr, self._max_body)
         mv = memoryview(buf)
         p = off + HEADER_LEN
         framing = mv[p : p + framelen] if framelen else _EMPTY
@@ -174,6 +196,138 @@ class FrameDecoder:
                 break
             append(frame)
         return out
+
+    def read_rows(self, limit: int = 4096) -> list[tuple[object, ...]]:
+        """The DCP fast path: up to `limit` items, data rows as plain tuples, the rest as Frames.
+
+        A mutation, deletion or expiration request (magic 0x80) becomes a tuple in
+        `ROW_FIELDS` order (one struct call for a mutation's header and extras, key and
+        value as memoryview slices, no copies); anything else comes back as a `Frame`
+        (`type(item) is Frame`) for `decode_message`.
+        """
+        out: list[tuple[object, ...]] = []
+        append = out.append
+        unpack_hdr = HEADER.unpack_from
+        unpack_mut = _MUTATION_FRAME.unpack_from
+        max_body = self._max_body
+        empty = _EMPTY
+        while len(out) < limit:
+            buf, off = self._buf, self._off
+            end_buf = len(buf)
+            mv = memoryview(buf)
+            room = limit - len(out)
+            while room and end_buf - off >= HEADER_LEN:
+                if end_buf - off >= _MUT_FIXED:
+                    (
+                        magic,
+                        opcode,
+                        keylen,
+                        extlen,
+                        datatype,
+                        vb,
+                        bodylen,
+                        opaque,
+                        cas,
+                        seq,
+                        rev,
+                        flags,
+                        exp,
+                        _lock,
+                        _nmeta,
+                        _nru,
+                    ) = unpack_mut(buf, off)
+                else:  # too short to be a whole mutation: header only
+                    magic, opcode, keylen, extlen, datatype, vb, bodylen, opaque, cas = unpack_hdr(
+                        buf, off
+                    )
+                    seq = rev = flags = exp = 0
+                end = off + HEADER_LEN + bodylen
+                if not (
+                    0x80 <= magic <= 0x83
+                    and bodylen <= max_body
+                    and extlen + keylen <= bodylen
+                    and end <= end_buf
+                ):
+                    break
+                room -= 1
+                p = off + HEADER_LEN
+                k = p + extlen
+                if opcode == OP_MUTATION and extlen == 31 and magic == 0x80:
+                    append(
+                        (
+                            opcode,
+                            vb,
+                            seq,
+                            rev,
+                            cas,
+                            flags,
+                            exp,
+                            0,
+                            datatype,
+                            mv[k : k + keylen],
+                            mv[k + keylen : end],
+                            opaque,
+                        )
+                    )
+                    off = end
+                    continue
+                if magic == 0x80 and OP_MUTATION <= opcode <= OP_EXPIRATION:
+                    if opcode == OP_DELETION and extlen == 21:
+                        seq, rev, dtime, _unused = _DEL_V2.unpack_from(buf, p)
+                    elif opcode == OP_DELETION and extlen == 18:
+                        seq, rev, _nmeta = _DEL_V1.unpack_from(buf, p)
+                        dtime = 0
+                    elif opcode == OP_EXPIRATION and extlen == 20:
+                        seq, rev, dtime = _EXPIRY.unpack_from(buf, p)
+                    else:
+                        self._off = off
+                        raise self._fail(f"opcode 0x{opcode:02x}: extras length {extlen} is wrong")
+                    append(
+                        (
+                            opcode,
+                            vb,
+                            seq,
+                            rev,
+                            cas,
+                            0,
+                            0,
+                            dtime,
+                            datatype,
+                            mv[k : k + keylen],
+                            mv[k + keylen : end],
+                            opaque,
+                        )
+                    )
+                    off = end
+                    continue
+                append(
+                    Frame(
+                        magic,
+                        opcode,
+                        datatype,
+                        vb,
+                        opaque,
+                        cas,
+                        empty,
+                        mv[p:k] if extlen else empty,
+                        mv[k : k + keylen],
+                        mv[k + keylen : end],
+                    )
+                )
+                off = end
+            self._off = off
+            if len(out) >= limit or not self._prepare():
+                break
+            if self._buf[self._off] in ALT_MAGICS:
+                frame = self.next_frame()  # flexible framing (e.g. stream-ids): typed path
+                assert frame is not None
+                append(frame)
+            # else: the next classic frame is now contiguous; the fast loop takes it
+        return out
+
+    def _fail(self, message: str) -> RemoteProtocolError:
+        self._error = RemoteProtocolError(message)
+        return self._error
 
     def frames(self) -> list[Frame]:
         """Return every complete frame currently buffered."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, cast
 
 from upr_cli.errors import LocalProtocolError, RemoteProtocolError
 from upr_cli.protocol.decoder import Frame, FrameDecoder
@@ -68,7 +68,9 @@ class Message:
         return int(getattr(self, self._HEADER_WORD))
 
     def _opcode(self) -> int:
-        return int(getattr(self, "opcode", self.SCHEMA.opcodes[0]))
+        if "opcode" in self._FIELD_NAMES:
+            return int(cast(Any, self).opcode)
+        return self.SCHEMA.opcodes[0]
 
     def _magic(self, framed: bool) -> int:
         if framed:
