@@ -155,7 +155,7 @@ class FrameDecoder:
             hdr[0], hdr[1], hdr[4], hdr[5], hdr[7], hdr[8], framing, extras, key, mv[p:end]
         )
 
-    def read_batch(self, limit: int = 4096) -> list[Frame]:
+    def read_batch(self, limit: int = 1024) -> list[Frame]:
         """Return up to `limit` complete frames (the batch fast path, no per-frame copies)."""
         out: list[Frame] = []
         append = out.append
@@ -197,7 +197,7 @@ class FrameDecoder:
             append(frame)
         return out
 
-    def read_rows(self, limit: int = 4096) -> list[tuple[object, ...]]:
+    def read_rows(self, limit: int = 1024) -> list[tuple[object, ...]]:
         """The DCP fast path: up to `limit` items, data rows as plain tuples, the rest as Frames.
 
         A mutation, deletion or expiration request (magic 0x80) becomes a tuple in

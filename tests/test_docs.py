@@ -1,0 +1,62 @@
+"""Docs are tested (STYLE 12): every command has help with an example, a README section
+and a man page; the README shows exactly the two set-up commands."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import typer
+
+from upr_cli.cli.app import app
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def commands() -> list[str]:
+    group = typer.main.get_command(app)
+    return sorted(group.commands)  # type: ignore[attr-defined]
+
+
+def test_there_are_commands() -> None:
+    assert "rollback-point" in commands()
+
+
+@pytest.mark.parametrize("name", commands())
+def test_help_has_an_example(name: str) -> None:
+    cmd = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
+    assert "Example" in (cmd.help or ""), f"`upr {name} --help` shows no example"
+
+
+@pytest.mark.parametrize("name", commands())
+def test_readme_section(name: str) -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(rf"^### `upr {re.escape(name)}`", readme, re.M), f"README lacks `upr {name}`"
+
+
+@pytest.mark.parametrize("name", commands())
+def test_man_page(name: str) -> None:
+    page = ROOT / "man" / f"upr-{name}.1"
+    assert page.exists(), f"missing {page.relative_to(ROOT)}"
+    text = page.read_text()
+    assert ".SH EXAMPLES" in text and ".SH EXIT STATUS" in text
+    assert f"upr-{name}" in (ROOT / "man" / "upr.1").read_text().replace("\\-", "-")
+
+
+def test_readme_quick_start_is_make_demo_and_make_test() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Quick start\s+```sh\n(.*?)```", readme, re.S)
+    assert block and block.group(1).split("\n")[:2] == ["make demo", "make test"]
+    assert "PERF_TABLE" not in readme
+
+
+def test_ci_runs_make_test() -> None:
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_formats_are_indexed() -> None:
+    index = (ROOT / "formats" / "README.md").read_text()
+    for spec in (ROOT / "formats").glob("*.md"):
+        if spec.name != "README.md":
+            assert spec.name in index, f"formats/README.md does not list {spec.name}"
