@@ -271,3 +271,21 @@ def test_read_rows_on_any_bytes_gives_items_or_remote_protocol_error(
                 for item in batch:
                     if type(item) is Frame:
                         decode_message(item)
+
+
+def test_fast_path_structs_match_the_message_layouts() -> None:
+    """The decoder cannot import messages (cycle); its struct codes must equal the schemas'."""
+    from upr_cli.protocol import decoder
+    from upr_cli.protocol.header import HEADER
+    from upr_cli.protocol.messages import (
+        DELETION_V1_EXTRAS,
+        DELETION_V2_EXTRAS,
+        EXPIRATION_EXTRAS,
+        MUTATION_EXTRAS,
+    )
+
+    assert decoder.MUTATION_FRAME.format == HEADER.format + MUTATION_EXTRAS.struct.format[1:]
+    assert decoder._MUT_EXTRAS.format == MUTATION_EXTRAS.struct.format
+    assert decoder._DEL_V1.format == DELETION_V1_EXTRAS.struct.format
+    assert decoder._DEL_V2.format == DELETION_V2_EXTRAS.struct.format
+    assert decoder._EXPIRY.format == EXPIRATION_EXTRAS.struct.format

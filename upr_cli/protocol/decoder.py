@@ -19,8 +19,9 @@ from upr_cli.errors import RemoteProtocolError
 from upr_cli.protocol.header import ALT_MAGICS, HEADER, HEADER_LEN, VALID_MAGICS
 
 # Header + DCP_MUTATION extras in one call (dcp-wire §1.1 + §2.8): 24 + 31 = 55 bytes.
-_MUTATION_FRAME = struct.Struct(">BBHBBHIIQ" + "QQIIIHB")
-_MUT_FIXED = _MUTATION_FRAME.size
+MUTATION_FRAME = struct.Struct(">BBHBBHIIQ" + "QQIIIHB")
+_MUT_FIXED = MUTATION_FRAME.size
+_MUT_EXTRAS = struct.Struct(">QQIIIHB")  # §2.8
 _DEL_V1 = struct.Struct(">QQH")  # §2.9 v1: by_seqno, rev_seqno, nmeta
 _DEL_V2 = struct.Struct(">QQIB")  # §2.9 v2: by_seqno, rev_seqno, delete_time, unused
 _EXPIRY = struct.Struct(">QQI")  # §2.10: by_seqno, rev_seqno, delete_time
@@ -34,6 +35,29 @@ ROW_FIELDS = (
 
 DEFAULT_MAX_BODY = 20 * 1024 * 1024
 _EMPTY = memoryview(b"")
+
+
+def data_fields(
+    opcode: int, buf: bytes | memoryview, p: int, extlen: int
+) -> tuple[int, int, int, int, int]:
+    """(by_seqno, rev_seqno, flags, expiration, delete_time) from a data record's extras.
+
+    Mutation §2.8 (31 B), deletion v1/v2 §2.9 (18/21 B), expiration §2.10 (20 B);
+    any other length raises RemoteProtocolError.
+    """
+    if opcode == OP_MUTATION and extlen == 31:
+        seq, rev, flags, exp, _lock, _nmeta, _nru = _MUT_EXTRAS.unpack_from(buf, p)
+        return seq, rev, flags, exp, 0
+    if opcode == OP_DELETION and extlen == 21:
+        seq, rev, dtime, _unused = _DEL_V2.unpack_from(buf, p)
+        return seq, rev, 0, 0, dtime
+    if opcode == OP_DELETION and extlen == 18:
+        seq, rev, _nmeta = _DEL_V1.unpack_from(buf, p)
+        return seq, rev, 0, 0, 0
+    if opcode == OP_EXPIRATION and extlen == 20:
+        seq, rev, dtime = _EXPIRY.unpack_from(buf, p)
+        return seq, rev, 0, 0, dtime
+    raise RemoteProtocolError(f"opcode 0x{opcode:02x}: extras length {extlen} is wrong")
 
 
 class Frame(NamedTuple):
@@ -208,7 +232,7 @@ class FrameDecoder:
         out: list[tuple[object, ...]] = []
         append = out.append
         unpack_hdr = HEADER.unpack_from
-        unpack_mut = _MUTATION_FRAME.unpack_from
+        unpack_mut = MUTATION_FRAME.unpack_from
         max_body = self._max_body
         empty = _EMPTY
         while len(out) < limit:
@@ -252,52 +276,19 @@ class FrameDecoder:
                 room -= 1
                 p = off + HEADER_LEN
                 k = p + extlen
-                if opcode == OP_MUTATION and extlen == 31 and magic == 0x80:
-                    append(
-                        (
-                            opcode,
-                            vb,
-                            seq,
-                            rev,
-                            cas,
-                            flags,
-                            exp,
-                            0,
-                            datatype,
-                            mv[k : k + keylen],
-                            mv[k + keylen : end],
-                            opaque,
-                        )
-                    )
-                    off = end
-                    continue
                 if magic == 0x80 and OP_MUTATION <= opcode <= OP_EXPIRATION:
-                    if opcode == OP_DELETION and extlen == 21:
-                        seq, rev, dtime, _unused = _DEL_V2.unpack_from(buf, p)
-                    elif opcode == OP_DELETION and extlen == 18:
-                        seq, rev, _nmeta = _DEL_V1.unpack_from(buf, p)
-                        dtime = 0
-                    elif opcode == OP_EXPIRATION and extlen == 20:
-                        seq, rev, dtime = _EXPIRY.unpack_from(buf, p)
+                    if opcode != OP_MUTATION or extlen != 31:  # the hot path has all fields
+                        try:
+                            seq, rev, flags, exp, dtime = data_fields(opcode, buf, p, extlen)
+                        except RemoteProtocolError as exc:
+                            self._off = off
+                            self._error = exc
+                            raise
                     else:
-                        self._off = off
-                        raise self._fail(f"opcode 0x{opcode:02x}: extras length {extlen} is wrong")
-                    append(
-                        (
-                            opcode,
-                            vb,
-                            seq,
-                            rev,
-                            cas,
-                            0,
-                            0,
-                            dtime,
-                            datatype,
-                            mv[k : k + keylen],
-                            mv[k + keylen : end],
-                            opaque,
-                        )
-                    )
+                        dtime = 0
+                    key, value = mv[k : k + keylen], mv[k + keylen : end]
+                    append((opcode, vb, seq, rev, cas, flags, exp, dtime, datatype,
+                            key, value, opaque))  # fmt: skip
                     off = end
                     continue
                 append(
@@ -324,10 +315,6 @@ class FrameDecoder:
                 append(frame)
             # else: the next classic frame is now contiguous; the fast loop takes it
         return out
-
-    def _fail(self, message: str) -> RemoteProtocolError:
-        self._error = RemoteProtocolError(message)
-        return self._error
 
     def frames(self) -> list[Frame]:
         """Return every complete frame currently buffered."""

@@ -1,10 +1,11 @@
 """The DCP data fast path: mutations, deletions and expirations as plain row tuples.
 
 A `Mutation` dataclass costs about 2 µs to build; a backup streams millions of them.
-Here one precompiled `struct` call decodes a data record's extras and the key and
-value stay memoryview slices of the received buffer (no per-frame copy). Rows are
-what sinks batch into segment blocks or `executemany` (DESIGN "Performance").
-Layouts are the same `Layout`s the message schemas use (dcp-wire §2.8-§2.10).
+`FrameDecoder.read_rows` decodes a mutation's header and extras in one precompiled
+`struct` call and leaves key and value as memoryview slices of the received buffer
+(no per-frame copy). Rows are what sinks batch into segment blocks or `executemany`
+(DESIGN "Performance"). This module adds the record type, the fallback for frames the
+row path hands back, and the producer's one-call mutation encoder.
 """
 
 from __future__ import annotations
@@ -12,27 +13,18 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-from upr_cli.errors import LocalProtocolError, RemoteProtocolError
-from upr_cli.protocol.decoder import Frame
-from upr_cli.protocol.header import HEADER, Magic, Opcode
-from upr_cli.protocol.messages import (
-    DELETION_V1_EXTRAS,
-    DELETION_V2_EXTRAS,
-    EXPIRATION_EXTRAS,
-    MUTATION_EXTRAS,
+from upr_cli.errors import LocalProtocolError
+from upr_cli.protocol.decoder import (
+    MUTATION_FRAME,
+    OP_DELETION,
+    OP_EXPIRATION,
+    OP_MUTATION,
+    Frame,
+    data_fields,
 )
+from upr_cli.protocol.header import Magic
 
-OP_MUTATION = Opcode.DCP_MUTATION
-OP_DELETION = Opcode.DCP_DELETION
-OP_EXPIRATION = Opcode.DCP_EXPIRATION
-
-_MUT = MUTATION_EXTRAS.struct
-_DEL1 = DELETION_V1_EXTRAS.struct
-_DEL2 = DELETION_V2_EXTRAS.struct
-_EXP = EXPIRATION_EXTRAS.struct
-# The header and the mutation extras in one call: 24 + 31 = 55 bytes (dcp-wire §2.8).
-_MUTATION_FRAME = struct.Struct(HEADER.format + MUTATION_EXTRAS.struct.format[1:])
-_MUTATION_FIXED = _MUTATION_FRAME.size
+__all__ = ["OP_DELETION", "OP_EXPIRATION", "OP_MUTATION", "DcpRecord", "encode_mutation"]
 
 
 class DcpRecord(NamedTuple):
@@ -53,69 +45,18 @@ class DcpRecord(NamedTuple):
 
 
 def record_from_frame(frame: Frame) -> DcpRecord | None:
-    """The data record in `frame`, or None if it is not a mutation/deletion/expiration."""
+    """The data record in `frame`, or None if it is not a mutation/deletion/expiration.
+
+    For frames the row fast path hands back (e.g. magic 0x08 with a stream-id).
+    """
     op = frame.opcode
-    ext = frame.extras
-    if frame.magic not in (Magic.REQUEST, Magic.ALT_REQUEST):
+    if frame.magic not in (Magic.REQUEST, Magic.ALT_REQUEST) or not (
+        OP_MUTATION <= op <= OP_EXPIRATION
+    ):
         return None
-    n = len(ext)
-    if op == OP_MUTATION and n == 31:
-        seq, rev, flags, exp, _lock, _nmeta, _nru = _MUT.unpack(ext)
-        return DcpRecord(
-            op,
-            frame.vbucket_or_status,
-            seq,
-            rev,
-            frame.cas,
-            flags,
-            exp,
-            0,
-            frame.datatype,
-            frame.key,
-            frame.value,
-            frame.opaque,
-        )
-    if op == OP_DELETION:
-        if n == 21:
-            seq, rev, dtime, _unused = _DEL2.unpack(ext)
-        elif n == 18:
-            seq, rev, _nmeta = _DEL1.unpack(ext)
-            dtime = 0
-        else:
-            raise RemoteProtocolError(f"DCP_DELETION extras length {n}, expected 18/21")
-        return DcpRecord(
-            op,
-            frame.vbucket_or_status,
-            seq,
-            rev,
-            frame.cas,
-            0,
-            0,
-            dtime,
-            frame.datatype,
-            frame.key,
-            frame.value,
-            frame.opaque,
-        )
-    if op == OP_EXPIRATION and n == 20:
-        seq, rev, dtime = _EXP.unpack(ext)
-        return DcpRecord(
-            op,
-            frame.vbucket_or_status,
-            seq,
-            rev,
-            frame.cas,
-            0,
-            0,
-            dtime,
-            frame.datatype,
-            frame.key,
-            frame.value,
-            frame.opaque,
-        )
-    if op in (OP_MUTATION, OP_EXPIRATION):
-        raise RemoteProtocolError(f"opcode 0x{op:02x}: extras length {n} is wrong")
-    return None
+    seq, rev, flags, exp, dtime = data_fields(op, frame.extras, 0, len(frame.extras))
+    return DcpRecord(op, frame.vbucket_or_status, seq, rev, frame.cas, flags, exp, dtime,
+                     frame.datatype, frame.key, frame.value, frame.opaque)  # fmt: skip
 
 
 def encode_mutation(
@@ -133,7 +74,7 @@ def encode_mutation(
     """A DCP_MUTATION packet in one struct call (the producer's hot path)."""
     klen = len(key)
     try:
-        head = _MUTATION_FRAME.pack(
+        head = MUTATION_FRAME.pack(
             Magic.REQUEST,
             OP_MUTATION,
             klen,
