@@ -102,7 +102,7 @@ def test_bad_magic_is_rejected_and_the_decoder_stays_poisoned() -> None:
     with pytest.raises(RemoteProtocolError, match="bad magic 0x42"):
         dec.next_frame()
     with pytest.raises(RemoteProtocolError):
-        dec.read_batch()
+        dec.frames()
 
 
 def test_oversized_body_is_rejected_from_the_header_alone() -> None:
@@ -122,7 +122,7 @@ def test_default_limit_is_20_mib() -> None:
     dec.feed(bytes.fromhex("80 57 0000 00 00 0000") + (20 * 1024 * 1024 + 1).to_bytes(4, "big"))
     dec.feed(bytes(12))
     with pytest.raises(RemoteProtocolError):
-        dec.read_batch()
+        dec.frames()
 
 
 @pytest.mark.parametrize(
@@ -159,7 +159,7 @@ def test_frames_are_zero_copy_views() -> None:
     m = Mutation(vbucket=1, by_seqno=1, key=b"key", value=b"value")
     dec = FrameDecoder()
     dec.feed(m.encode() * 3)
-    frames = dec.read_batch()
+    frames = dec.frames()
     assert len(frames) == 3
     assert all(isinstance(f.value, memoryview) for f in frames)
     assert frames[0].value.obj is frames[2].value.obj  # one buffer, sliced

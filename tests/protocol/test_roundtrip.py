@@ -145,7 +145,7 @@ def test_fast_mutation_path_matches_the_schema(
     assert data == msg.encode()
     dec = FrameDecoder()
     dec.feed(data)
-    (frame,) = dec.read_batch()
+    (frame,) = dec.frames()
     rec = record_from_frame(frame)
     assert rec is not None
     assert (rec.vbucket, rec.by_seqno, rec.rev_seqno, rec.cas, rec.flags, rec.expiration) == (

@@ -137,24 +137,16 @@ def rollback_point_cmd(
     """Compute where a client must roll back to and restart."""
     server = load_log(server_log, "--server-log", max_entries)
     client = load_log(client_log, "--client-log", max_entries) if client_log is not None else None
-    dcp = None
-    if rule == "dcp":
-        if start is None and seen_seq is not None:
-            start = seen_seq
-        if start is None or high_seq is None:
-            from upr_cli.errors import UsageError
-
-            raise UsageError("the dcp rule needs --start (or --seen-seq) and --high-seq")
-        dcp = DcpArgs(
-            start=start,
-            high=high_seq,
-            uuid=uuid,
-            snap_start=snap_start,
-            snap_end=snap_end,
-            purge_seq=purge_seq,
-            client_purge_seq=client_purge_seq,
-            strict=strict,
-        )
+    dcp = DcpArgs(
+        start=start,
+        high=high_seq,
+        uuid=uuid,
+        snap_start=snap_start,
+        snap_end=snap_end,
+        purge_seq=purge_seq,
+        client_purge_seq=client_purge_seq,
+        strict=strict,
+    )
     decision = compute(
         rule=rule,
         server_log=server,

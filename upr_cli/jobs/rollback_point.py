@@ -38,8 +38,8 @@ def load_log(spec: str, what: str, max_entries: int = MAX_ENTRIES) -> FailoverLo
 class DcpArgs:
     """The STREAM_REQ fields and server state the producer rule needs."""
 
-    start: int
-    high: int
+    start: int | None = None
+    high: int | None = None
     uuid: str | None = None
     snap_start: int | None = None
     snap_end: int | None = None
@@ -73,19 +73,20 @@ def compute(
         assert client_log is not None and snapshot_seq is not None and seen_seq is not None
         return rollback_point(server_log, client_log, snapshot_seq, seen_seq)
     if rule == "dcp":
-        if dcp is None:
-            raise UsageError("the dcp rule needs --start and --high-seq")
+        start = dcp.start if dcp is not None and dcp.start is not None else seen_seq
+        if dcp is None or start is None or dcp.high is None:
+            raise UsageError("the dcp rule needs --start (or --seen-seq) and --high-seq")
         if dcp.uuid is not None:
             uuid = parse_uuid(dcp.uuid, hex_strings=True, where="--uuid")
         elif client_log is not None and client_log.entries:
             uuid = client_log.latest.uuid
         else:
             raise UsageError("the dcp rule needs --uuid (or --client-log to take its newest uuid)")
-        snap_start = dcp.start if dcp.snap_start is None else dcp.snap_start
-        snap_end = dcp.start if dcp.snap_end is None else dcp.snap_end
+        snap_start = start if dcp.snap_start is None else dcp.snap_start
+        snap_end = start if dcp.snap_end is None else dcp.snap_end
         return needs_rollback(
             server_log,
-            start=dcp.start,
+            start=start,
             uuid=uuid,
             snap_start=snap_start,
             snap_end=snap_end,

@@ -179,48 +179,6 @@ class FrameDecoder:
             hdr[0], hdr[1], hdr[4], hdr[5], hdr[7], hdr[8], framing, extras, key, mv[p:end]
         )
 
-    def read_batch(self, limit: int = 1024) -> list[Frame]:
-        """Return up to `limit` complete frames (the batch fast path, no per-frame copies)."""
-        out: list[Frame] = []
-        append = out.append
-        unpack = HEADER.unpack_from
-        max_body = self._max_body
-        empty = _EMPTY
-        while len(out) < limit:
-            buf, off = self._buf, self._off
-            end_buf = len(buf)
-            mv = memoryview(buf)
-            # Fast loop: classic magics 0x80-0x83 with a sane header, body fully present.
-            while len(out) < limit and end_buf - off >= HEADER_LEN:
-                magic, opcode, keylen, extlen, datatype, vb, bodylen, opaque, cas = unpack(buf, off)
-                end = off + HEADER_LEN + bodylen
-                if not (
-                    0x80 <= magic <= 0x83
-                    and bodylen <= max_body
-                    and extlen + keylen <= bodylen
-                    and end <= end_buf
-                ):
-                    break
-                p = off + HEADER_LEN
-                extras = mv[p : p + extlen] if extlen else empty
-                p += extlen
-                k = p + keylen
-                append(
-                    Frame(
-                        magic, opcode, datatype, vb, opaque, cas, empty, extras, mv[p:k], mv[k:end]
-                    )
-                )
-                off = end
-            self._off = off
-            if len(out) >= limit:
-                break
-            # Checked path: alternate framing, a bad header, or bytes still to join/receive.
-            frame = self.next_frame()
-            if frame is None:
-                break
-            append(frame)
-        return out
-
     def read_rows(self, limit: int = 1024) -> list[tuple[object, ...]]:
         """The DCP fast path: up to `limit` items, data rows as plain tuples, the rest as Frames.
 
@@ -317,10 +275,8 @@ class FrameDecoder:
         return out
 
     def frames(self) -> list[Frame]:
-        """Return every complete frame currently buffered."""
+        """Return every complete frame currently buffered (the generic, typed-path reader)."""
         out: list[Frame] = []
-        while True:
-            batch = self.read_batch()
-            if not batch:
-                return out
-            out += batch
+        while (frame := self.next_frame()) is not None:
+            out.append(frame)
+        return out
