@@ -103,7 +103,7 @@ def check_header(hdr: tuple[int, ...], max_body: int) -> tuple[int, int, int, in
 class FrameDecoder:
     """Incremental decoder of memcached binary packets."""
 
-    __slots__ = ("_buf", "_chunks", "_error", "_max_body", "_need", "_off", "_pending")
+    __slots__ = ("_buf", "_chunks", "_consumed", "_error", "_max_body", "_need", "_off", "_pending")
 
     def __init__(self, max_body: int = DEFAULT_MAX_BODY) -> None:
         self._max_body = max_body
@@ -113,6 +113,12 @@ class FrameDecoder:
         self._pending = 0  # bytes held in _chunks
         self._need = HEADER_LEN  # bytes the next frame needs, from _off
         self._error: RemoteProtocolError | None = None
+        self._consumed = 0  # bytes of frames returned so far (flow control counts these)
+
+    @property
+    def consumed(self) -> int:
+        """Total bytes of all frames returned so far (DCP flow control counts them, §7.1)."""
+        return self._consumed
 
     @property
     def buffered(self) -> int:
@@ -175,6 +181,7 @@ class FrameDecoder:
         p += keylen
         end = off + HEADER_LEN + bodylen
         self._off = end
+        self._consumed += end - off
         return Frame(
             hdr[0], hdr[1], hdr[4], hdr[5], hdr[7], hdr[8], framing, extras, key, mv[p:end]
         )
@@ -264,6 +271,7 @@ class FrameDecoder:
                     )
                 )
                 off = end
+            self._consumed += off - self._off
             self._off = off
             if len(out) >= limit or not self._prepare():
                 break

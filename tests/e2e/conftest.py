@@ -1,0 +1,117 @@
+"""Real `upr serve` processes on free loopback ports (no mocks of our own node)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+USER, PASSWORD = "admin", "s3cret-pw"
+
+
+class Node:
+    """A `upr serve` child process; restartable on the same port and data directory."""
+
+    def __init__(self, data: Path, *args: str, partitions: int = 16) -> None:
+        self.data = data
+        self.args = list(args)
+        self.partitions = partitions
+        self.port = 0
+        self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def uri(self) -> str:
+        """upr:// URI with credentials."""
+        return f"upr://{USER}:{PASSWORD}@127.0.0.1:{self.port}/default"
+
+    def start(self, *extra: str) -> Node:
+        """Start and wait for the `listening` line (reusing the port after a restart)."""
+        cmd = [sys.executable, "-m", "upr_cli", "serve", "--data", str(self.data), "--port",
+               str(self.port), "--partitions", str(self.partitions), "--user", USER,
+               "--password", PASSWORD, *self.args, *extra]  # fmt: skip
+        for _attempt in range(50):
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True)  # fmt: skip
+            assert self.proc.stdout is not None
+            line = self.proc.stdout.readline()
+            if line.startswith("listening "):
+                self.port = int(line.rsplit(":", 1)[1].split("/")[0])
+                return self
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            self.proc.wait()
+            if "cannot listen" not in err:  # the old port may linger briefly after SIGKILL
+                raise RuntimeError(f"upr serve did not start: {err.strip()}")
+            time.sleep(0.1)
+        raise RuntimeError("upr serve could not get its port back")
+
+    def stop(self) -> int:
+        """SIGTERM: a clean stop."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=60)
+        self._close_pipes()
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL: an unclean stop that loses unpersisted writes."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        assert self.proc is not None
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+    def rss_kib(self) -> int:
+        """Resident set size of the node process."""
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        return 0
+
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+
+@pytest.fixture
+def node_factory(tmp_path: Path) -> Iterator[type[Node]]:
+    """Make nodes in tmp_path; every node still running at the end is killed."""
+    made: list[Node] = []
+
+    class Made(Node):
+        def __init__(self, *args: str, partitions: int = 16, name: str = "node") -> None:
+            super().__init__(tmp_path / name, *args, partitions=partitions)
+            made.append(self)
+
+    yield Made
+    for n in made:
+        if n.alive():
+            n.kill()
+
+
+@pytest.fixture
+def node(node_factory: type[Node]) -> Node:
+    """A started node with 16 partitions and a short flush interval."""
+    return node_factory("--flush-interval", "0.02").start()
+
+
+def upr(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the `upr` CLI as a real process."""
+    env = dict(os.environ)
+    env.pop("UPR_PASSWORD", None)
+    proc = subprocess.run([sys.executable, "-m", "upr_cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, check=False)  # fmt: skip
+    if check and proc.returncode != 0:
+        raise AssertionError(f"upr {' '.join(args[:2])} exited {proc.returncode}: {proc.stderr}")
+    return proc

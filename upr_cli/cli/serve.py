@@ -1,0 +1,147 @@
+"""`upr serve`: run a UPR node (one Couchbase data node) on the memcached binary protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from upr_cli.errors import UsageError
+from upr_cli.node.server import NodeConfig, NodeServer
+
+HELP = """Run a UPR node: KV front end, DCP producer, SQLite storage in --data DIR.
+
+The node prints "listening upr://HOST:PORT/BUCKET" on stdout once it serves. SIGTERM or
+SIGINT stop it cleanly (everything flushed, failover uuids kept); after a SIGKILL the
+next start adds a failover entry at the last persisted seq of every partition.
+
+Example:
+
+  upr serve --data /tmp/node --port 11210 --user admin --password secret
+
+Example (tests and demos on loopback, writes kept unpersisted for 60 s):
+
+  upr serve --data /tmp/node --port 0 --no-auth --flush-interval 60
+"""
+
+
+def register(app: typer.Typer) -> None:
+    """Add the command to the app."""
+    app.command("serve", help=HELP, no_args_is_help=True)(serve_cmd)
+
+
+def load_users(user: str | None, password: str | None, users_file: Path | None) -> dict[str, str]:
+    """Users from --user/--password and/or a JSON file {"name": "password", …}."""
+    users: dict[str, str] = {}
+    if users_file is not None:
+        try:
+            data = json.loads(users_file.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise UsageError(f"--users-file: cannot read {users_file}: {exc.strerror}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UsageError(f"--users-file: {users_file} is not a JSON object") from None
+        if not isinstance(data, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in data.items()
+        ):
+            raise UsageError('--users-file must hold a JSON object {"user": "password", …}')
+        users.update(data)
+    if (user is None) != (password is None):
+        raise UsageError("--user and --password go together")
+    if user is not None and password is not None:
+        users[user] = password
+    return users
+
+
+def serve_cmd(
+    data: Annotated[Path, typer.Option("--data", help="Directory for the bucket's SQLite file.")],
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option("--port", min=0, max=65535, help="TCP port (0: any free port).")
+    ] = 11210,
+    bucket: Annotated[str, typer.Option("--bucket", help="Bucket name.")] = "default",
+    partitions: Annotated[
+        int, typer.Option("--partitions", min=1, max=1024, help="Partitions (vbuckets).")
+    ] = 1024,
+    user: Annotated[str | None, typer.Option("--user", help="A user name.")] = None,
+    password: Annotated[
+        str | None,
+        typer.Option(
+            "--password",
+            help="Its password (or set UPR_PASSWORD).",
+            envvar="UPR_PASSWORD",
+            show_envvar=False,
+        ),
+    ] = None,
+    users_file: Annotated[
+        Path | None, typer.Option("--users-file", help='JSON object {"user": "password", …}.')
+    ] = None,
+    no_auth: Annotated[
+        bool, typer.Option("--no-auth", help="Serve without authentication (loopback only).")
+    ] = False,
+    flush_interval: Annotated[
+        float,
+        typer.Option(
+            "--flush-interval",
+            min=0.001,
+            help="Seconds the flusher gathers writes before committing.",
+        ),
+    ] = 0.05,
+    purge_age: Annotated[
+        float | None,
+        typer.Option(
+            "--purge-age",
+            min=0.0,
+            help="Purge tombstones older than this many seconds (checked every flush).",
+        ),
+    ] = None,
+    idle_timeout: Annotated[
+        float,
+        typer.Option(
+            "--dcp-idle-timeout",
+            min=0.1,
+            help="Disconnect a DCP peer silent this long (with noop on).",
+        ),
+    ] = 360.0,
+    log_level: Annotated[
+        str, typer.Option("--log-level", help="debug, info, warning or error.")
+    ] = "warning",
+) -> None:
+    """Run a UPR node."""
+    level = getattr(logging, log_level.upper(), None)
+    if not isinstance(level, int):
+        raise UsageError(f"--log-level: unknown level {log_level!r}")
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s upr-serve %(levelname)s %(message)s")  # fmt: skip
+    users = load_users(user, password, users_file)
+    config = NodeConfig(
+        data_dir=data, host=host, port=port, bucket=bucket, partitions=partitions, users=users,
+        no_auth=no_auth, flush_interval=flush_interval, purge_age=purge_age,
+        idle_timeout=idle_timeout,
+    )  # fmt: skip
+    asyncio.run(_serve(NodeServer(config)))
+
+
+async def _serve(server: NodeServer) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    cfg = server.config
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    sys.stdout.write(f"listening upr://{host}:{server.port}/{cfg.bucket}\n")
+    sys.stdout.flush()
+    try:
+        await stop.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        await server.stop(clean=True)

@@ -1,0 +1,87 @@
+"""`upr tail`: watch a bucket's changes (kcat-like)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from upr_cli.cli.output import stderr
+from upr_cli.errors import UsageError
+from upr_cli.jobs.tail import TailOptions, parse_partitions, tail
+from upr_cli.net.uri import SourceUri
+
+HELP = """Print a bucket's changes as they stream over DCP.
+
+URI is upr://[user[:password]@]host[:port]/bucket (couchbase:// too; the password may
+come from UPR_PASSWORD). --format json prints one object a line with partition, seq,
+op, key, value (the document itself when its datatype says JSON, else value_b64), cas
+(a decimal string), rev_seq, flags and expiry. Exit 0 at the end, 130 on Ctrl-C, 1 on
+a connection or authentication error.
+
+Example (everything up to now, as JSON lines):
+
+  upr tail upr://admin@127.0.0.1:11210/default --until-end --format json
+
+Example (follow new changes of partitions 0-15, keys matching user::):
+
+  upr tail upr://admin@127.0.0.1/default --from now --partitions 0-15 --keys 'user::'
+"""
+
+
+def register(app: typer.Typer) -> None:
+    """Add the command to the app."""
+    app.command("tail", help=HELP, no_args_is_help=True)(tail_cmd)
+
+
+def tail_cmd(
+    uri: Annotated[str, typer.Argument(help="upr://[user[:password]@]host[:port]/bucket")],
+    start: Annotated[
+        str, typer.Option("--from", help="beginning, now, or a seq number.")
+    ] = "beginning",
+    until_end: Annotated[
+        bool, typer.Option("--until-end", help="Stop at the high seqnos read at start.")
+    ] = False,
+    count: Annotated[
+        int | None, typer.Option("--count", min=1, help="Stop after N changes.")
+    ] = None,
+    partitions: Annotated[str | None, typer.Option("--partitions", help="e.g. 0-15,40")] = None,
+    keys: Annotated[
+        str | None, typer.Option("--keys", help="Only keys matching this regex.")
+    ] = None,
+    fmt: Annotated[str, typer.Option("--format", help="text or json.")] = "text",
+    verbose: Annotated[
+        bool,
+        typer.Option("-v", "--verbose", help="Also show snapshot markers, rollbacks, stream ends."),
+    ] = False,
+    state: Annotated[
+        Path | None,
+        typer.Option("--state", help="Resume from and save positions to this JSON file."),
+    ] = None,
+) -> None:
+    """Print a bucket's changes."""
+    if fmt not in ("text", "json"):
+        raise UsageError("--format takes text or json")
+    try:
+        pattern = re.compile(keys.encode()) if keys is not None else None
+    except re.error as exc:
+        raise UsageError(f"--keys: not a valid regex: {exc}") from None
+    opts = TailOptions(
+        start=start, until_end=until_end, count=count,
+        partitions=parse_partitions(partitions) if partitions else None, keys=pattern, fmt=fmt,
+        verbose=verbose, state=state,
+    )  # fmt: skip
+    source = SourceUri.parse(uri)
+    try:
+        summary = asyncio.run(tail(source, opts))
+    except BrokenPipeError:
+        # the reader went away (`upr tail … | head`): a normal end, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return
+    if sys.stderr.isatty():
+        stderr.print(f"{summary.items} changes, {summary.rollbacks} rollbacks")

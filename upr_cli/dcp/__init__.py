@@ -1,0 +1,1 @@
+"""DCP consumer: stream positions, the rollback protocol, flow control, noop, reconnect."""

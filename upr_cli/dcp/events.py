@@ -1,0 +1,48 @@
+"""What a DCP consumer hands its caller besides data rows (`DcpRecord`-ordered tuples)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from upr_cli.dcp.position import StreamPosition
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOpened:
+    """A stream was accepted; the server's failover log, newest first."""
+
+    partition: int
+    failover_log: tuple[tuple[int, int], ...]
+    position: StreamPosition
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A snapshot marker: the items that follow up to `end` form a consistent cut."""
+
+    partition: int
+    start: int
+    end: int
+    flags: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """The server answered ROLLBACK: the caller must undo everything above `to_seq`."""
+
+    partition: int
+    previous: StreamPosition
+    to_seq: int
+    uuid: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnded:
+    """The stream ended (status per dcp-wire §2.6; 0 = end seq reached)."""
+
+    partition: int
+    status: int
+    position: StreamPosition
+
+
+Event = StreamOpened | Snapshot | Rollback | StreamEnded

@@ -1,0 +1,210 @@
+"""`upr tail`: print a bucket's changes as they stream (kcat-like)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from upr_cli.dcp.consumer import DcpConsumer
+from upr_cli.dcp.events import Rollback, Snapshot, StreamEnded, StreamOpened
+from upr_cli.dcp.position import StreamPosition
+from upr_cli.errors import UprError, UsageError
+from upr_cli.failover import FailoverLog
+from upr_cli.net.uri import SourceUri
+
+OPS = {0x57: "mutation", 0x58: "deletion", 0x59: "expiration"}
+
+
+def parse_partitions(spec: str) -> list[int]:
+    """'0-15,40' → [0, …, 15, 40]."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise UsageError(f"--partitions: {part!r} is not N or N-M")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise UsageError(f"--partitions: {part!r} is an empty range")
+        out.update(range(lo, hi + 1))
+    return sorted(out)
+
+
+@dataclass
+class TailOptions:
+    """What `upr tail` was asked for."""
+
+    start: str = "beginning"  # beginning | now | SEQ
+    until_end: bool = False
+    count: int | None = None
+    partitions: list[int] | None = None
+    keys: re.Pattern[bytes] | None = None
+    fmt: str = "text"
+    verbose: bool = False
+    state: Path | None = None
+    buffer_size: int = 4 * 1024 * 1024
+
+
+@dataclass
+class TailSummary:
+    """Counts for the closing line."""
+
+    items: int = 0
+    rollbacks: int = 0
+
+
+def json_line(row: tuple[object, ...]) -> str:
+    """One change as a JSON object: the value spliced raw when its datatype says JSON."""
+    op, vb, seq, rev, cas, flags, exp, _dt, datatype, key, value, _opq = row
+    kb = bytes(key)  # type: ignore[call-overload]
+    try:
+        jkey = json.dumps(kb.decode())
+    except UnicodeDecodeError:
+        jkey = (
+            json.dumps(kb.decode(errors="replace"))
+            + ',"key_b64":"'
+            + base64.b64encode(kb).decode()
+            + '"'
+        )
+    vb_ = bytes(value)  # type: ignore[call-overload]
+    if op != 0x57:
+        body = ""
+    elif int(datatype) & 0x01 and not int(datatype) & 0x02:  # type: ignore[call-overload]  # JSON, not Snappy: the server checked it
+        body = ',"value":' + vb_.decode()
+    else:
+        body = ',"value_b64":"' + base64.b64encode(vb_).decode() + '"'
+    return (f'{{"partition":{vb},"seq":{seq},"op":"{OPS[op]}","key":{jkey}{body},'  # type: ignore[index]
+            f'"cas":"{cas}","rev_seq":{rev},"flags":{flags},"expiry":{exp}}}')  # fmt: skip
+
+
+def text_line(row: tuple[object, ...]) -> str:
+    """One change as a human-readable line."""
+    op, vb, seq, rev, cas, _flags, _exp, _dt, datatype, key, value, _opq = row
+    k = bytes(key).decode(errors="replace")  # type: ignore[call-overload]
+    v = bytes(value)  # type: ignore[call-overload]
+    shown = v.decode(errors="replace") if int(datatype) & 0x01 else repr(v)  # type: ignore[call-overload]
+    if len(shown) > 120:
+        shown = shown[:117] + "..."
+    tail = f" value={shown}" if op == 0x57 else ""
+    return f"p={vb} seq={seq} {OPS[op]} key={k} cas={cas} rev={rev}{tail}"  # type: ignore[index]
+
+
+def event_line(ev: object, fmt: str) -> str | None:
+    """Snapshot markers, rollbacks and stream ends (shown with -v)."""
+    if isinstance(ev, Snapshot):
+        d = {
+            "event": "snapshot",
+            "partition": ev.partition,
+            "start": ev.start,
+            "end": ev.end,
+            "flags": ev.flags,
+        }
+    elif isinstance(ev, Rollback):
+        d = {"event": "rollback", "partition": ev.partition, "from_seq": ev.previous.seq,
+             "to_seq": ev.to_seq, "uuid": str(ev.uuid)}  # fmt: skip
+    elif isinstance(ev, StreamEnded):
+        d = {
+            "event": "stream_end",
+            "partition": ev.partition,
+            "status": ev.status,
+            "seq": ev.position.seq,
+        }
+    elif isinstance(ev, StreamOpened):
+        d = {"event": "stream_open", "partition": ev.partition, "seq": ev.position.seq,
+             "failover_log": [[str(u), str(s)] for u, s in ev.failover_log]}  # fmt: skip
+    else:
+        return None
+    if fmt == "json":
+        return json.dumps(d, separators=(",", ":"))
+    return "# " + " ".join(f"{k}={v}" for k, v in d.items() if k != "event") + f"  [{d['event']}]"
+
+
+def load_state(path: Path) -> tuple[dict[int, StreamPosition], dict[int, FailoverLog]]:
+    """Positions and failover logs saved by an earlier `--state` run (empty if no file)."""
+    if not path.exists():
+        return {}, {}
+    try:
+        data = json.loads(path.read_text())
+        positions = {int(p["partition"]): StreamPosition.from_json(p) for p in data["positions"]}
+        logs = {int(p): FailoverLog.from_json(v) for p, v in data.get("failover_logs", {}).items()}
+        return positions, logs
+    except (OSError, ValueError, KeyError, TypeError, UprError) as exc:
+        raise UsageError(f"--state: {path} is not a tail state file: {exc}") from None
+
+
+def save_state(
+    path: Path, positions: dict[int, StreamPosition], logs: dict[int, FailoverLog]
+) -> None:
+    """Write positions and failover logs atomically (temp, fsync, rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    state = {
+        "version": 1,
+        "positions": [p.to_json() for _, p in sorted(positions.items())],
+        "failover_logs": {str(p): log.to_json() for p, log in sorted(logs.items())},
+    }
+    with open(tmp, "w") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+async def tail(
+    uri: SourceUri, opts: TailOptions, out: TextIO = sys.stdout,
+    on_progress: Callable[[TailSummary], None] | None = None,
+) -> TailSummary:  # fmt: skip
+    """Stream changes and print them; returns counts. Stops at the end (finite) or --count."""
+    positions, logs = load_state(opts.state) if opts.state else ({}, {})
+    start_seq = None
+    if opts.start not in ("beginning", "now"):
+        if not opts.start.isdigit():
+            raise UsageError("--from takes beginning, now or a seq number")
+        start_seq = int(opts.start)
+    consumer = DcpConsumer(
+        uri, partitions=opts.partitions, positions=positions, failover_logs=logs,
+        until_end=opts.until_end,
+        from_latest=opts.start == "now", start_seq=start_seq, buffer_size=opts.buffer_size,
+        name="upr-tail",
+    )  # fmt: skip
+    summary = TailSummary()
+    fmt_row = json_line if opts.fmt == "json" else text_line
+    keys = opts.keys
+    try:
+        await consumer.open()
+        async for batch in consumer.batches():
+            lines = []
+            for item in batch:
+                if type(item) is tuple:
+                    if keys is not None and not keys.search(bytes(item[9])):  # type: ignore[call-overload]
+                        continue
+                    lines.append(fmt_row(item))
+                    summary.items += 1
+                    if opts.count is not None and summary.items >= opts.count:
+                        break
+                else:
+                    if isinstance(item, Rollback):
+                        summary.rollbacks += 1
+                    if opts.verbose:
+                        line = event_line(item, opts.fmt)
+                        if line:
+                            lines.append(line)
+            if lines:
+                out.write("\n".join(lines) + "\n")
+            consumer.commit()
+            if on_progress is not None:
+                on_progress(summary)
+            if opts.count is not None and summary.items >= opts.count:
+                break
+        out.flush()
+    finally:
+        if opts.state is not None and consumer.parts:
+            save_state(opts.state, consumer.committed, consumer.failover_logs)
+        await consumer.aclose()
+    return summary

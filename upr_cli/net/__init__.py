@@ -1,0 +1,1 @@
+"""asyncio networking: connections, bootstrap, SASL, source URIs."""

@@ -1,0 +1,145 @@
+"""Connection bootstrap before DCP or KV (dcp-wire §5): HELLO → SASL → SELECT_BUCKET → config.
+
+SASL picks SCRAM-SHA512 when the server offers it, else PLAIN (couchbase-cli tools and
+servers that offer nothing else, §5.2). The cluster config gives the partition count
+(`vBucketServerMap.vBucketMap`, §5.5), which key hashing needs.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from upr_cli.errors import UprError
+from upr_cli.net.connection import Connection, ServerItems
+from upr_cli.net.scram import AuthenticationFailed, ScramClient, plain_message
+from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.header import Feature
+from upr_cli.protocol.messages import (
+    GetClusterConfig,
+    GetErrorMap,
+    Hello,
+    HelloResponse,
+    SaslAuth,
+    SaslListMechs,
+    SaslListMechsResponse,
+    SaslStep,
+    SelectBucket,
+)
+from upr_cli.protocol.status import AuthContinue, AuthError, KeyNotFound, Status, StatusError
+
+AGENT = "upr/0.1"
+WANTED = (Feature.TCP_NODELAY, Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON,
+          Feature.MUTATION_SEQNO)  # fmt: skip
+
+
+class BootstrapError(UprError):
+    """Authentication, bucket selection or configuration failed."""
+
+
+@dataclass(slots=True)
+class Session:
+    """A bootstrapped connection: what HELLO granted and the bucket's cluster config."""
+
+    conn: Connection
+    uri: SourceUri
+    features: frozenset[int]
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_partitions(self) -> int:
+        """Number of partitions (vbuckets) of the bucket."""
+        vbmap = self.config.get("vBucketServerMap", {}).get("vBucketMap", [])
+        return len(vbmap) if isinstance(vbmap, list) else 0
+
+
+def partition_of(key: bytes, num_partitions: int) -> int:
+    """Key → partition, as the SDKs map it (dcp-wire §5.5, CRC32)."""
+    return ((zlib.crc32(key) >> 16) & 0x7FFF) % num_partitions
+
+
+async def connect(
+    uri: SourceUri,
+    *,
+    timeout: float = 10.0,
+    on_server: Any = None,
+    on_close: Any = None,
+    name: str = "",
+    features: tuple[int, ...] = WANTED,
+) -> Session:
+    """Open a connection to `uri` and run the bootstrap sequence; errors are one-line UprErrors."""
+    conn = await Connection.open(uri.host, uri.port, timeout=timeout, name=name or uri.redacted(),
+                                 on_server=on_server, on_close=on_close)  # fmt: skip
+    try:
+        hello = await conn.request(Hello(agent=AGENT, features=features, opaque=conn.next_opaque()),
+                                   timeout=timeout)  # fmt: skip
+        granted = frozenset(hello.features) if isinstance(hello, HelloResponse) else frozenset()
+        if uri.username:
+            await _authenticate(conn, uri, timeout)
+        if Feature.XERROR in granted:
+            await conn.request(GetErrorMap(version=2, opaque=conn.next_opaque()), timeout=timeout)
+        if uri.bucket:
+            try:
+                await conn.request(SelectBucket(bucket=uri.bucket, opaque=conn.next_opaque()),
+                                   timeout=timeout)  # fmt: skip
+            except StatusError as exc:
+                raise BootstrapError(
+                    f"{uri.redacted()}: cannot select bucket {uri.bucket!r}: {exc}"
+                ) from None
+        config: dict[str, Any] = {}
+        try:
+            resp = await conn.request(GetClusterConfig(opaque=conn.next_opaque()), timeout=timeout)
+            raw = getattr(resp, "value", b"")
+            config = json.loads(raw) if raw else {}
+        except KeyNotFound:
+            config = {}
+        except json.JSONDecodeError as exc:
+            raise BootstrapError(
+                f"{uri.redacted()}: cluster config is not JSON: {exc.msg}"
+            ) from None
+        return Session(conn, uri, granted, config)
+    except BaseException:
+        await conn.aclose()
+        raise
+
+
+async def _authenticate(conn: Connection, uri: SourceUri, timeout: float) -> None:
+    assert uri.username is not None
+    password = uri.password or ""
+    resp = await conn.request(SaslListMechs(opaque=conn.next_opaque()), timeout=timeout)
+    offered = resp.names if isinstance(resp, SaslListMechsResponse) else ()
+    try:
+        if "SCRAM-SHA512" in offered:
+            scram = ScramClient("SCRAM-SHA512", uri.username, password)
+            first = await conn.request(
+                SaslAuth(mechanism="SCRAM-SHA512", payload=scram.first_message(),
+                         opaque=conn.next_opaque()), timeout=timeout, check=False,
+            )  # fmt: skip
+            if first.status != Status.AUTH_CONTINUE:
+                raise AuthError()
+            final = scram.final_message(getattr(first, "value", b""))
+            done = await conn.request(
+                SaslStep(mechanism="SCRAM-SHA512", payload=final, opaque=conn.next_opaque()),
+                timeout=timeout, check=False,
+            )  # fmt: skip
+            if done.status != Status.SUCCESS:
+                raise AuthError()
+            scram.verify(getattr(done, "value", b""))
+        elif "PLAIN" in offered:
+            await conn.request(
+                SaslAuth(mechanism="PLAIN", payload=plain_message(uri.username, password),
+                         opaque=conn.next_opaque()), timeout=timeout,
+            )  # fmt: skip
+        else:
+            raise BootstrapError(
+                f"{uri.redacted()}: no supported SASL mechanism offered ({' '.join(offered)})"
+            )
+    except (AuthError, AuthContinue, AuthenticationFailed):
+        raise BootstrapError(
+            f"{uri.redacted()}: authentication failed for user {uri.username!r}"
+        ) from None
+
+
+__all__ = ["BootstrapError", "ServerItems", "Session", "connect", "partition_of"]

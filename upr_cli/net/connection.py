@@ -1,0 +1,290 @@
+"""One asyncio connection speaking the memcached binary protocol (STYLE 7, aiokafka's good parts).
+
+Theory of operation. A single reader task owns the socket's read side: it feeds a
+`FrameDecoder` and hands out what arrives. Responses (magic 0x81/0x18) complete the
+request waiting on their opaque; everything else the server sends (DCP stream traffic:
+data rows and control frames, dcp-wire §1.5 "DCP is full duplex") goes, in batches, to
+the `on_server` callback together with the bytes those frames occupied, which DCP flow
+control must acknowledge (§7.1). One `close(reason, exc)` path fails every waiter, and
+every later call raises the same `ConnectionClosed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+
+from upr_cli.errors import RemoteProtocolError, UprError
+from upr_cli.protocol import Frame, FrameDecoder, Message, ResponseMessage, decode_message
+from upr_cli.protocol.header import RESPONSE_MAGICS
+from upr_cli.protocol.messages import Request, StatResponse
+from upr_cli.protocol.status import Status, status_error
+
+log = logging.getLogger(__name__)
+
+READ_SIZE = 256 * 1024
+ServerItems = list[tuple[object, ...]]  # data rows and `Frame`s, in wire order
+
+
+class ConnectionError_(UprError):
+    """Connecting, or talking to, a peer failed."""
+
+
+class ConnectionClosed(ConnectionError_):
+    """The connection is closed; pending and later requests fail with this."""
+
+    retriable = True
+
+
+class RequestTimeout(ConnectionError_):
+    """The peer did not answer in time."""
+
+    retriable = True
+
+
+class Connection:
+    """A client connection: `request()` matches responses by opaque; one reader task."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        name: str = "",
+        on_server: Callable[[ServerItems, int], None] | None = None,
+        on_close: Callable[[ConnectionClosed], None] | None = None,
+        max_body: int = 20 * 1024 * 1024,
+    ) -> None:
+        self.name = name
+        self._reader = reader
+        self._writer = writer
+        self._decoder = FrameDecoder(max_body=max_body)
+        self._pending: dict[int, asyncio.Future[list[Message]]] = {}
+        self._multi: dict[int, list[Message]] = {}  # STAT: responses until the empty one
+        self._opaques = itertools.count(1)
+        self._closed: ConnectionClosed | None = None
+        self.on_server = on_server
+        self.on_close = on_close
+        self._task = asyncio.get_running_loop().create_task(
+            self._read_loop(), name=f"reader {name}"
+        )
+
+    @classmethod
+    async def open(
+        cls,
+        host: str,
+        port: int,
+        *,
+        timeout: float = 10.0,
+        name: str = "",
+        on_server: Callable[[ServerItems, int], None] | None = None,
+        on_close: Callable[[ConnectionClosed], None] | None = None,
+    ) -> Connection:
+        """Connect to host:port within `timeout` seconds."""
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, limit=READ_SIZE), timeout
+            )
+        except TimeoutError:
+            raise ConnectionError_(
+                f"connecting to {host}:{port} timed out after {timeout:g}s"
+            ) from None
+        except OSError as exc:
+            raise ConnectionError_(
+                f"cannot connect to {host}:{port}: {exc.strerror or exc}"
+            ) from None
+        return cls(reader, writer, name=name or f"{host}:{port}", on_server=on_server,
+                   on_close=on_close)  # fmt: skip
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection has been closed for any reason."""
+        return self._closed is not None
+
+    def next_opaque(self) -> int:
+        """A fresh opaque (never 0)."""
+        return next(self._opaques) & 0xFFFFFFFF or next(self._opaques)
+
+    # -- sending ----------------------------------------------------------------
+
+    def send_bytes(self, data: bytes) -> None:
+        """Queue raw bytes for sending (replies such as NOOP responses, buffer acks)."""
+        if self._closed is not None:
+            raise self._closed
+        self._writer.write(data)
+
+    async def drain(self) -> None:
+        """Wait until the transport's buffer is below its high-water mark."""
+        if self._closed is not None:
+            raise self._closed
+        try:
+            await self._writer.drain()
+        except (ConnectionError, OSError) as exc:
+            self.close("send failed", exc)
+            raise self._closed or ConnectionClosed("closed") from None
+
+    def start_request(self, msg: Request, *, multi: bool = False) -> asyncio.Future[list[Message]]:
+        """Send `msg` (its opaque must be unique) and return a future of its response(s)."""
+        if self._closed is not None:
+            raise self._closed
+        fut: asyncio.Future[list[Message]] = asyncio.get_running_loop().create_future()
+        if msg.opaque in self._pending:
+            raise UprError(f"opaque {msg.opaque} is already in use")
+        self._pending[msg.opaque] = fut
+        if multi:
+            self._multi[msg.opaque] = []
+        self._writer.write(msg.encode())
+        return fut
+
+    async def request(
+        self, msg: Request, *, timeout: float | None = 30.0, check: bool = True
+    ) -> ResponseMessage:
+        """Send a request and wait for its response; a non-success status raises (if `check`)."""
+        fut = self.start_request(msg)
+        resp = (await self._wait(fut, msg, timeout))[0]
+        assert isinstance(resp, ResponseMessage)
+        if check:
+            raise_for_status(resp)
+        return resp
+
+    async def stats(self, group: str = "", *, timeout: float | None = 30.0) -> dict[str, str]:
+        """STAT: collect name/value pairs until the empty response ends the list (§5.7)."""
+        from upr_cli.protocol.messages import Stat
+
+        fut = self.start_request(Stat(group=group, opaque=self.next_opaque()), multi=True)
+        out: dict[str, str] = {}
+        for resp in await self._wait(fut, None, timeout):
+            if isinstance(resp, StatResponse):
+                out[resp.name] = resp.value
+            else:
+                assert isinstance(resp, ResponseMessage)
+                raise_for_status(resp)
+        return out
+
+    async def _wait(
+        self, fut: asyncio.Future[list[Message]], msg: Request | None, timeout: float | None
+    ) -> list[Message]:
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            what = type(msg).__name__ if msg is not None else "request"
+            exc = RequestTimeout(f"{self.name}: no answer to {what} within {timeout:g}s")
+            self.close("request timed out", exc)
+            raise exc from None
+
+    # -- receiving ------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        decoder = self._decoder
+        try:
+            while True:
+                data = await self._reader.read(READ_SIZE)
+                if not data:
+                    self.close("peer closed the connection")
+                    return
+                decoder.feed(data)
+                before = decoder.consumed
+                while items := decoder.read_rows(4096):
+                    self._dispatch(items, decoder.consumed - before)
+                    before = decoder.consumed
+        except asyncio.CancelledError:
+            raise
+        except RemoteProtocolError as exc:
+            self.close(f"protocol error from peer: {exc}", exc)
+        except (ConnectionError, OSError) as exc:
+            self.close(f"connection lost: {exc}", exc)
+        except Exception as exc:
+            log.exception("reader of %s failed", self.name)
+            self.close(f"internal error: {exc}", exc)
+
+    def _dispatch(self, items: list[tuple[object, ...]], nbytes: int) -> None:
+        server: ServerItems = []
+        for item in items:
+            if type(item) is Frame and item.magic in RESPONSE_MAGICS:
+                nbytes -= item.size  # responses are not counted by flow control
+                self._complete(item)
+            else:
+                server.append(item)
+        if server:
+            if self.on_server is None:
+                raise RemoteProtocolError(f"unexpected server request opcode {_opcode(server[0])}")
+            self.on_server(server, nbytes)
+
+    def _complete(self, frame: Frame) -> None:
+        fut = self._pending.get(frame.opaque)
+        if fut is None:
+            log.debug("%s: response with unknown opaque %d dropped", self.name, frame.opaque)
+            return
+        msg = decode_message(frame)
+        collected = self._multi.get(frame.opaque)
+        if collected is not None:
+            done = isinstance(msg, StatResponse) and not msg.name and not msg.value
+            if isinstance(msg, ResponseMessage) and msg.status != Status.SUCCESS:
+                done = True
+            if not done:
+                collected.append(msg)
+                return
+            if not isinstance(msg, StatResponse):
+                collected.append(msg)
+            del self._multi[frame.opaque]
+            result = collected
+        else:
+            result = [msg]
+        del self._pending[frame.opaque]
+        if not fut.done():
+            fut.set_result(result)
+
+    # -- closing ----------------------------------------------------------------------
+
+    def close(self, reason: str = "closed by us", exc: BaseException | None = None) -> None:
+        """Close once: fail every waiter with ConnectionClosed(reason)."""
+        if self._closed is not None:
+            return
+        err = ConnectionClosed(f"{self.name}: {reason}")
+        err.__cause__ = exc
+        self._closed = err
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+                fut.exception()  # mark retrieved: a waiter may have gone away
+        self._pending.clear()
+        self._multi.clear()
+        with contextlib.suppress(Exception):
+            self._writer.close()
+        if self._task is not asyncio.current_task():
+            self._task.cancel()
+        if self.on_close is not None:
+            self.on_close(err)
+
+    async def aclose(self) -> None:
+        """Close and wait for the reader task and the socket to finish."""
+        self.close()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def raise_for_status(resp: ResponseMessage) -> None:
+    """Raise the status's error class for a non-success response."""
+    if resp.status != Status.SUCCESS:
+        body = getattr(resp, "value", b"")
+        detail = body.decode(errors="replace")[:200] if isinstance(body, bytes) else ""
+        err = status_error(resp.status, body=body if isinstance(body, bytes) else b"",
+                           opcode=getattr(resp, "opcode", None))  # fmt: skip
+        if detail:
+            err.args = (f"{err}: {detail}",)
+        raise err
+
+
+def _opcode(item: Sequence[object]) -> str:
+    return f"0x{item[1]:02x}" if type(item) is Frame else f"0x{item[0]:02x}"

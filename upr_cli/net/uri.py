@@ -1,0 +1,167 @@
+"""Source URIs: upr://[user[:password]@]host[:port]/bucket, with couchbase:// as a synonym.
+
+The password is a secret: `str`, `repr` and every error message show at most "***", so a
+`SourceUri` can be logged or echoed as it is. Error messages quote nothing the user typed
+except a well-formed scheme, because a mistyped URI can put the password anywhere.
+
+User name, password and bucket are percent-decoded. The userinfo ends at the last "@", so
+a password with a raw "@", "/" or "?" still parses. A user given without a password takes
+it from $UPR_PASSWORD; "user:@" means an explicitly empty password. The port defaults to
+11210, the memcached data port (dcp-wire §5).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
+
+from upr_cli.errors import UsageError
+
+SCHEMES = ("upr", "couchbase")
+"""Accepted URI schemes; they mean the same."""
+DEFAULT_PORT = 11210
+"""The memcached data port, used when the URI gives none."""
+PASSWORD_ENV = "UPR_PASSWORD"
+"""Environment variable holding the password for a URI that names a user but no password."""
+FORM = "upr://[user[:password]@]host[:port]/bucket"
+"""The URI syntax, as shown in error messages."""
+
+_SCHEME_TOKEN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,19}")
+_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}")
+_PORT = re.compile(r"[0-9]{1,5}")
+_BAD_PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")
+# Couchbase bucket names: letters, digits, "_", "-", ".", "%"; at most 100; no leading ".".
+_BUCKET = re.compile(r"[A-Za-z0-9_%-][A-Za-z0-9_.%-]{0,99}")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class SourceUri:
+    """Where to read from: a node address, a bucket and optional credentials."""
+
+    scheme: str
+    host: str
+    port: int = DEFAULT_PORT
+    bucket: str | None = None
+    username: str | None = None
+    password: str | None = None
+
+    @classmethod
+    def parse(
+        cls, text: str, *, env: Mapping[str, str] = os.environ, bucket_optional: bool = False
+    ) -> SourceUri:
+        """Parse `text`; raise `UsageError` (without the password) when it is invalid."""
+        scheme, sep, rest = text.strip().partition("://")
+        if not sep:
+            raise UsageError(f"source URI must look like {FORM}")
+        if scheme.lower() not in SCHEMES:
+            shown = f" {scheme!r}" if _SCHEME_TOKEN.fullmatch(scheme) else ""
+            raise UsageError(f"unknown source URI scheme{shown}: use upr:// or couchbase://")
+
+        userinfo, at, location = rest.rpartition("@")
+        username = password = None
+        if at:
+            user_text, colon, password_text = userinfo.partition(":")
+            username = _decode(user_text, "user name")
+            if not username:
+                raise UsageError("source URI has an empty user name")
+            password = _decode(password_text, "password") if colon else env.get(PASSWORD_ENV)
+
+        if "?" in location or "#" in location:
+            raise UsageError("source URI cannot have a query or a fragment")
+        hostport, _, path = location.partition("/")
+        host, port = _host_port(hostport)
+        bucket = _bucket(path, bucket_optional)
+        return cls(scheme.lower(), host, port, bucket, username, password)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) for `asyncio.open_connection`; IPv6 hosts without brackets."""
+        return (self.host, self.port)
+
+    def redacted(self) -> str:
+        """The URI with the password shown as "***" (if one is set)."""
+        userinfo = ""
+        if self.username is not None:
+            secret = "" if self.password is None else ":***"
+            userinfo = f"{quote(self.username, safe='')}{secret}@"
+        host = f"[{self.host.replace('%', '%25')}]" if ":" in self.host else self.host
+        path = "" if self.bucket is None else "/" + quote(self.bucket, safe="")
+        return f"{self.scheme}://{userinfo}{host}:{self.port}{path}"
+
+    def __str__(self) -> str:
+        """The redacted URI."""
+        return self.redacted()
+
+    def __repr__(self) -> str:
+        """Field by field, with the password redacted."""
+        secret = None if self.password is None else "***"
+        return (
+            f"SourceUri(scheme={self.scheme!r}, host={self.host!r}, port={self.port!r}, "
+            f"bucket={self.bucket!r}, username={self.username!r}, password={secret!r})"
+        )
+
+
+def _decode(text: str, what: str) -> str:
+    """Percent-decode one URI component, strictly (bad escapes and bad UTF-8 are errors)."""
+    if _BAD_PERCENT.search(text):
+        raise UsageError(f"source URI {what} has an invalid percent-escape")
+    try:
+        value = unquote(text, errors="strict")
+    except UnicodeDecodeError:
+        raise UsageError(f"source URI {what} is not UTF-8 once percent-decoded") from None
+    if "\0" in value:
+        raise UsageError(f"source URI {what} contains a NUL")
+    return value
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise UsageError("source URI has an unclosed '[' in its host")
+        host = text[1:end].replace("%25", "%")  # RFC 6874 zone id: [fe80::1%25eth0]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise UsageError("source URI has an invalid IPv6 address in brackets") from None
+        after = text[end + 1 :]
+        if after and not after.startswith(":"):
+            raise UsageError("source URI has unexpected text after the ']' of its host")
+        port_text = after[1:] if after else None
+    else:
+        host, colon, port_text_or_empty = text.partition(":")
+        if ":" in port_text_or_empty:
+            raise UsageError("IPv6 hosts go in brackets, e.g. upr://[::1]:11210/bucket")
+        if not host:
+            raise UsageError("source URI has an empty host")
+        if not _HOST.fullmatch(host):
+            raise UsageError("source URI has an invalid host name")
+        port_text = port_text_or_empty if colon else None
+    return host, _port(port_text)
+
+
+def _port(text: str | None) -> int:
+    if text is None:
+        return DEFAULT_PORT
+    if not _PORT.fullmatch(text) or not 1 <= int(text) <= 65535:
+        raise UsageError("source URI port must be a number from 1 to 65535")
+    return int(text)
+
+
+def _bucket(path: str, optional: bool) -> str | None:
+    if "/" in path:
+        raise UsageError("source URI path must be a single bucket name")
+    bucket = _decode(path, "bucket")
+    if not bucket:
+        if optional:
+            return None
+        raise UsageError(f"source URI needs a bucket: {FORM}")
+    if not _BUCKET.fullmatch(bucket):
+        raise UsageError(
+            "bucket names use letters, digits, '_', '-', '.', '%' (at most 100, no leading '.')"
+        )
+    return bucket

@@ -1,0 +1,1 @@
+"""The UPR node (`upr serve`): storage, partitions, write queue, KV front end, DCP producer."""

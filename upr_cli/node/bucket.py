@@ -1,0 +1,302 @@
+"""A bucket of the node: partitions, the KV write path, the flusher and start-up recovery.
+
+Write path (seed 000 "How KV mutations flow into ep-engine and write queue"; DESIGN data
+flow 1): CAS check → next per-partition seqno → write queue → acknowledged; the flusher
+commits every queued item in one transaction per round (group commit) and only then
+advances `persisted_seq`, so OBSERVE_SEQNO tells clients when a write is durable.
+
+Failover entries (seed 000 "Failover Log", dcp-wire §4.3): one {uuid, 0} at creation;
+after an unclean shutdown, one per active partition at its last persisted complete
+snapshot (`snap_end` if the high seq equals it, else `snap_start`), written to disk
+before the node serves. A clean shutdown flushes everything and keeps the uuids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from upr_cli.failover import FailoverLog, new_uuid
+from upr_cli.node.partition import ACTIVE, Partition
+from upr_cli.node.storage import DocRow, NodeStorage, PartitionRecord
+from upr_cli.protocol.status import KeyExists, KeyNotFound, NotMyVbucket
+
+log = logging.getLogger(__name__)
+
+FLUSH_CHUNK = 50_000  # docs per transaction at most
+
+
+def checked_datatype(datatype: int, value: bytes) -> int:
+    """Clear the JSON bit of a value that is not JSON, as a server must (dcp-wire §1.4)."""
+    if datatype & 0x01 and not datatype & 0x02:
+        try:
+            json.loads(value)
+        except (ValueError, UnicodeDecodeError):
+            return datatype & ~0x01
+    return datatype & 0x07
+
+
+class Bucket:
+    """One bucket: its partitions, write path and flusher."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        name: str,
+        num_partitions: int,
+        *,
+        flush_interval: float = 0.05,
+        purge_age: float | None = None,
+        sync_full: bool = False,
+    ) -> None:
+        self.data_dir = data_dir
+        self.storage = NodeStorage(data_dir, name, sync_full=sync_full)
+        self.name = name
+        self.num_partitions = num_partitions
+        self.flush_interval = flush_interval
+        self.purge_age = purge_age
+        self.partitions: dict[int, Partition] = {}
+        self._lookup = NodeStorage(data_dir, name)  # loop-thread point reads
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flush-{name}")
+        self._flush_lock = asyncio.Lock()
+        self._flusher: asyncio.Task[None] | None = None
+        self._last_cas = 0
+        self.started_unclean = False
+
+    # -- life cycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load or create partitions, add failover entries after an unclean stop, start flushing."""
+        records = self.storage.load_partitions()
+        clean = self.storage.clean_shutdown()
+        fresh = not records
+        changed: list[PartitionRecord] = []
+        for vb in range(self.num_partitions):
+            rec = records.get(vb)
+            if rec is None:
+                part = Partition(vb, ACTIVE, FailoverLog.initial())
+                changed.append(part.record())
+            else:
+                part = Partition.from_record(rec)
+                if not clean and part.state == ACTIVE:
+                    # dcp-wire §4.3: at warm-up after an unclean shutdown, an entry at the last
+                    # persisted complete snapshot.
+                    seq = part.snap_end if part.persisted_seq == part.snap_end else part.snap_start
+                    part.failover = part.failover.add_entry(new_uuid(), seq)
+                    changed.append(part.record())
+            self.partitions[vb] = part
+        for vb in sorted(set(records) - set(self.partitions)):
+            log.warning(
+                "bucket %s: partition %d on disk beyond --partitions, ignored", self.name, vb
+            )
+        self.started_unclean = not clean and not fresh
+        if changed:
+            self.storage.save_partitions(changed)
+        self.storage.set_clean_shutdown(False)
+        self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="flusher")
+
+    async def stop(self, *, clean: bool = True) -> None:
+        """Stop flushing; on a clean stop flush everything and mark the shutdown clean."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+            self._flusher = None
+        if clean:
+            await self.flush()
+            self.storage.set_clean_shutdown(True)
+        self._pool.shutdown(wait=True)
+        self._lookup.close()
+        self.storage.close()
+
+    # -- reads ---------------------------------------------------------------------
+
+    def partition(self, vb: int, *, active: bool = True) -> Partition:
+        """The partition, or NOT_MY_VBUCKET if absent or (with `active`) not active."""
+        part = self.partitions.get(vb)
+        if part is None or (active and part.state != ACTIVE):
+            raise NotMyVbucket(f"partition {vb} is not active here")
+        return part
+
+    def lookup(self, vb: int, key: bytes) -> DocRow | None:
+        """The latest version of a key, tombstones included (queue first, then disk)."""
+        part = self.partitions[vb]
+        doc = part.get(key)
+        if doc is None:
+            doc = self._lookup.get(vb, key)
+        return doc
+
+    def get(self, vb: int, key: bytes) -> DocRow:
+        """A live, unexpired document or KEY_ENOENT."""
+        self.partition(vb)
+        doc = self.lookup(vb, key)
+        if doc is None or doc.deleted or (doc.expiry and doc.expiry <= time.time()):
+            raise KeyNotFound(f"no such key in partition {vb}")
+        return doc
+
+    # -- writes --------------------------------------------------------------------
+
+    def next_cas(self) -> int:
+        """A fresh CAS: nanosecond clock, strictly increasing."""
+        self._last_cas = max(self._last_cas + 1, time.time_ns())
+        return self._last_cas
+
+    def store(
+        self,
+        op: str,
+        vb: int,
+        key: bytes,
+        value: bytes,
+        *,
+        flags: int = 0,
+        expiry: int = 0,
+        datatype: int = 0,
+        cas: int = 0,
+    ) -> DocRow:
+        """SET / ADD / REPLACE with the memcached CAS rules; returns the new version."""
+        part = self.partition(vb)
+        old = self.lookup(vb, key)
+        live = old is not None and not old.deleted
+        if op == "add" and live:
+            raise KeyExists("key exists")
+        if op == "replace" and not live:
+            raise KeyNotFound("no such key")
+        if cas:
+            if not live:
+                raise KeyNotFound("no such key (CAS given)")
+            assert old is not None
+            if old.cas != cas:
+                raise KeyExists("CAS mismatch")
+        doc = DocRow(
+            vbucket=vb, key=key, seq=part.high_seq + 1, rev_seq=(old.rev_seq + 1) if old else 1,
+            datatype=checked_datatype(datatype, value),
+            cas=self.next_cas(), flags=flags, expiry=expiry, deleted=False, delete_time=0,
+            value=value,
+        )  # fmt: skip
+        part.append(doc)
+        return doc
+
+    def delete(self, vb: int, key: bytes, *, cas: int = 0) -> DocRow:
+        """DELETE: a tombstone with a new seq; KEY_ENOENT if absent, KEY_EEXISTS on CAS mismatch."""
+        part = self.partition(vb)
+        old = self.lookup(vb, key)
+        if old is None or old.deleted:
+            raise KeyNotFound("no such key")
+        if cas and old.cas != cas:
+            raise KeyExists("CAS mismatch")
+        doc = DocRow(
+            vbucket=vb, key=key, seq=part.high_seq + 1, rev_seq=old.rev_seq + 1,
+            cas=self.next_cas(), flags=old.flags, expiry=0, datatype=0, deleted=True,
+            delete_time=int(time.time()), value=b"",
+        )  # fmt: skip
+        part.append(doc)
+        return doc
+
+    def store_with_meta(
+        self,
+        vb: int,
+        key: bytes,
+        value: bytes,
+        *,
+        deleted: bool,
+        flags: int,
+        expiry: int,
+        rev_seq: int,
+        item_cas: int,
+        datatype: int,
+        options: int = 0,
+        cas: int = 0,
+    ) -> DocRow:
+        """SET/DEL_WITH_META: keep the given metadata; rev-seq conflict resolution (dcp-wire §6)."""
+        part = self.partition(vb)
+        old = self.lookup(vb, key)
+        if cas and (old is None or old.cas != cas):
+            raise (KeyNotFound if old is None else KeyExists)("CAS guard failed")
+        force = options & (0x01 | 0x08)
+        if old is not None and not force:
+            theirs = (rev_seq, item_cas) if deleted else (rev_seq, item_cas, expiry, -flags)
+            ours = (
+                (old.rev_seq, old.cas)
+                if deleted
+                else (old.rev_seq, old.cas, old.expiry, -old.flags)
+            )
+            if theirs <= ours:
+                raise KeyExists("conflict resolution kept the existing version")
+        doc = DocRow(
+            vbucket=vb, key=key, seq=part.high_seq + 1, rev_seq=rev_seq, cas=item_cas,
+            flags=flags, expiry=0 if deleted else expiry,
+            datatype=0 if deleted else checked_datatype(datatype, value), deleted=deleted,
+            delete_time=int(time.time()) if deleted else 0, value=value,
+        )  # fmt: skip
+        self._last_cas = max(self._last_cas, item_cas)
+        part.append(doc)
+        return doc
+
+    # -- flushing -------------------------------------------------------------------
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_interval)
+            try:
+                await self.flush()
+                if self.purge_age is not None:
+                    await self.purge(self.purge_age)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("bucket %s: flush failed; will retry", self.name)
+
+    async def flush(self) -> int:
+        """Commit every queued item (group commit) and advance persisted seqnos; returns count."""
+        async with self._flush_lock:
+            total = 0
+            loop = asyncio.get_running_loop()
+            while True:
+                batches: list[tuple[Partition, list[DocRow]]] = []
+                size = 0
+                for part in self.partitions.values():
+                    if len(part.queue) and size < FLUSH_CHUNK:
+                        docs = part.queue.snapshot()
+                        batches.append((part, docs))
+                        size += len(docs)
+                if not batches:
+                    return total
+                records = []
+                for part, docs in batches:
+                    top = docs[-1].seq
+                    records.append(
+                        replace(part.record(), high_seq=top, snap_start=top, snap_end=top)
+                    )
+                docs_all = [d for _, docs in batches for d in docs]
+                await loop.run_in_executor(self._pool, self.storage.write_batch, docs_all, records)
+                for (part, docs), rec in zip(batches, records, strict=True):
+                    part.persisted_seq = rec.high_seq
+                    part.snap_start, part.snap_end = rec.snap_start, rec.snap_end
+                    part.queue.remove_flushed(docs)
+                    part.notify()
+                total += len(docs_all)
+
+    async def persist_state(self, parts: list[Partition]) -> None:
+        """Write partition records (failover log or state changed) durably."""
+        async with self._flush_lock:
+            recs = [p.record() for p in parts]
+            await asyncio.get_running_loop().run_in_executor(
+                self._pool, self.storage.save_partitions, recs
+            )
+
+    async def purge(self, older_than: float) -> dict[int, int]:
+        """Purge tombstones older than `older_than` seconds; raise purge seqnos."""
+        await self.flush()
+        async with self._flush_lock:
+            purged = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self.storage.purge_tombstones, older_than
+            )
+        for vb, seq in purged.items():
+            self.partitions[vb].purge_seq = max(self.partitions[vb].purge_seq, seq)
+        return purged

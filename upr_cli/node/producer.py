@@ -1,0 +1,486 @@
+"""The node's DCP producer: one per connection after DCP_OPEN (dcp-wire §2, §4, §7).
+
+Streams (seed 000 "How ep-engine streams a consistent snapshot"): a stream first
+backfills from disk what is at or below the partition's persisted seq, reading one
+consistent SQLite snapshot and sending it as one Disk snapshot (marker flags 0x06),
+then follows the write queue in Memory snapshots (0x01). The disk holds one row per key
+and the queue one entry per key, so both phases deduplicate. The first marker carries
+the requested start, later ones their first item's seq (§2.7). A finite stream ends
+with STREAM_END(OK) after the snapshot that reaches its end seq, so the client always
+stops on a snapshot boundary (a consistent cut), possibly a little past end.
+
+Flow control (§7.1): every message but NOOP counts its full size; the connection
+stops sending once unacknowledged bytes reach the window and resumes on BUFFER_ACK.
+Streams hand the sender bounded batches, so a client that never acks stalls its
+streams without the node's memory growing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from upr_cli.failover import needs_rollback
+from upr_cli.node.bucket import Bucket
+from upr_cli.node.partition import ACTIVE, REPLICA, Partition
+from upr_cli.node.storage import DocRow
+from upr_cli.protocol.fast import encode_mutation
+from upr_cli.protocol.messages import (
+    Deletion,
+    DeletionV2,
+    Noop,
+    Response,
+    SnapshotMarker,
+    StreamEnd,
+    StreamRequest,
+)
+from upr_cli.protocol.status import (
+    DcpStreamIdInvalid,
+    InvalidArguments,
+    KeyExists,
+    KeyNotFound,
+    NotMyVbucket,
+    NotSupported,
+    OutOfRange,
+    Status,
+)
+
+log = logging.getLogger(__name__)
+
+# DCP_OPEN flags (§2.1)
+OPEN_PRODUCER, OPEN_NOTIFIER, OPEN_XATTRS, OPEN_NO_VALUE = 0x01, 0x02, 0x04, 0x08
+OPEN_DELETE_TIMES, OPEN_NO_VALUE_DT, OPEN_DELETED_USER_XATTRS = 0x20, 0x40, 0x100
+OPEN_SKIP_DELETES = 0x200
+# Stream-request flags (§2.2)
+S_TAKEOVER, S_DISK_ONLY, S_TO_LATEST, S_ACTIVE_ONLY = 0x01, 0x02, 0x04, 0x10
+S_STRICT_UUID, S_FROM_LATEST, S_IGNORE_PURGED, S_CACHE_TRANSFER = 0x20, 0x40, 0x80, 0x100
+S_KNOWN = 0x1F7  # every defined bit but the removed 0x08
+# Snapshot marker flags (§2.7) and stream-end statuses (§2.6)
+MARKER_MEMORY, MARKER_DISK_CHECKPOINT = 0x01, 0x06
+END_OK, END_CLOSED, END_STATE_CHANGED, END_DISCONNECTED = 0, 1, 2, 3
+
+BATCH_ITEMS = 512
+BATCH_BYTES = 64 * 1024
+BACKFILL_ROWS = 1000
+MIN_NOOP_INTERVAL = 0.1  # connection_manager_interval (§2.14)
+BARRIER_CONTROL = "upr_barrier_cookies"  # our extension, formats/barrier.md
+
+CONTROL_KEYS = {
+    "connection_buffer_size", "enable_noop", "set_noop_interval", "set_priority",
+    "supports_cursor_dropping", "supports_cursor_dropping_vulcan", "supports_hifi_MFU",
+    "send_stream_end_on_client_close_stream", "enable_expiry_opcode", "enable_stream_id",
+    "enable_sync_writes", "consumer_name", "force_value_compression",
+    "enable_out_of_order_snapshots", "include_deleted_user_xattrs", "v7_dcp_status_codes",
+    "flatbuffers_system_events", "change_streams", "max_marker_version", "backfill_order",
+    "cache_transfer", "stream_buffer_size", BARRIER_CONTROL,
+}  # fmt: skip
+
+
+class DcpSender:
+    """Serialises a connection's DCP output and enforces the flow-control window."""
+
+    def __init__(self, write: Callable[[bytes], None], drain: Callable[[], object]) -> None:
+        self._write = write
+        self._drain = drain
+        self.window = 0  # 0: flow control off
+        self.outstanding = 0
+        self._credit = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    async def send(self, msgs: list[bytes]) -> None:
+        """Send messages in order, pausing while unacknowledged bytes ≥ window (§7.1)."""
+        async with self._lock:
+            i, n = 0, len(msgs)
+            while i < n:
+                if self.window and self.outstanding >= self.window:
+                    self._credit.clear()
+                    await self._credit.wait()
+                    continue
+                j = i
+                while j < n and (not self.window or self.outstanding < self.window):
+                    self.outstanding += len(msgs[j])
+                    j += 1
+                self._write(b"".join(msgs[i:j]) if j - i > 1 else msgs[i])
+                i = j
+                await self._drain()  # type: ignore[misc]
+
+    def send_uncounted(self, data: bytes) -> None:
+        """NOOPs and responses: not counted by flow control."""
+        self._write(data)
+
+    def ack(self, nbytes: int) -> None:
+        """BUFFER_ACK: release credit."""
+        self.outstanding = max(0, self.outstanding - nbytes)
+        if not self.window or self.outstanding < self.window:
+            self._credit.set()
+
+    def set_window(self, nbytes: int) -> None:
+        """CONTROL connection_buffer_size."""
+        self.window = nbytes
+        self.ack(0)
+
+
+@dataclass(slots=True)
+class StreamSpec:
+    """What a STREAM_REQ asked for, after the §4.1 adjustments."""
+
+    vbucket: int
+    opaque: int
+    flags: int
+    start: int
+    end: int
+    uuid: int
+    snap_start: int
+    snap_end: int
+
+
+class DcpProducer:
+    """DCP state of one connection: open flags, controls, streams, noop, flow control."""
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        name: str,
+        flags: int,
+        sender: DcpSender,
+        backfill_pool: ThreadPoolExecutor,
+        backfill_slots: asyncio.Semaphore,
+        on_fatal: Callable[[str], None],
+        idle_timeout: float,
+    ) -> None:
+        self.bucket = bucket
+        self.name = name
+        self.flags = flags
+        self.sender = sender
+        self.streams: dict[int, asyncio.Task[None]] = {}
+        self.specs: dict[int, StreamSpec] = {}
+        self.controls: dict[str, str] = {}
+        self.noop_enabled = False
+        self.noop_interval = 1.0
+        self.idle_timeout = idle_timeout
+        self.last_received = time.monotonic()
+        self._noop_task: asyncio.Task[None] | None = None
+        self._noop_opaque = 0x7FFF_0000
+        self._pool = backfill_pool
+        self._slots = backfill_slots
+        self._on_fatal = on_fatal
+        self.barriers = None  # set by the connection when the barrier extension is on
+
+    # -- controls -----------------------------------------------------------------
+
+    def control(self, key: str, value: str) -> None:
+        """DCP_CONTROL (§2.14): unknown keys or invalid values raise EINVAL."""
+        if key not in CONTROL_KEYS:
+            raise InvalidArguments(f"unknown DCP control key {key!r}")
+        v = value.strip()
+        if key == "connection_buffer_size":
+            if not v.isdigit():
+                raise InvalidArguments("connection_buffer_size must be a decimal byte count")
+            self.sender.set_window(int(v))
+        elif key == "enable_noop":
+            if v not in ("true", "false"):
+                raise InvalidArguments("enable_noop takes true or false")
+            self.noop_enabled = v == "true"
+            self._restart_noop()
+        elif key == "set_noop_interval":
+            try:
+                secs = float(v)
+            except ValueError:
+                raise InvalidArguments("set_noop_interval takes seconds") from None
+            if not secs >= MIN_NOOP_INTERVAL:
+                raise InvalidArguments(f"set_noop_interval must be >= {MIN_NOOP_INTERVAL}")
+            self.noop_interval = secs
+            self._restart_noop()
+        elif key == "set_priority":
+            if v not in ("high", "medium", "low"):
+                raise InvalidArguments("set_priority takes high, medium or low")
+        elif key == "enable_expiry_opcode":
+            if v != "true" or not self.flags & OPEN_DELETE_TIMES:
+                raise InvalidArguments("enable_expiry_opcode needs DCP_OPEN IncludeDeleteTimes")
+        elif key in ("stream_buffer_size", "cache_transfer", "change_streams", "enable_stream_id"):
+            raise NotSupported(f"{key} is not supported by upr serve")
+        elif key in ("force_value_compression", "max_marker_version"):
+            raise InvalidArguments(f"{key} needs a feature this connection did not negotiate")
+        elif key == "backfill_order":
+            if v not in ("round-robin", "sequential"):
+                raise InvalidArguments("backfill_order takes round-robin or sequential")
+        elif key == BARRIER_CONTROL:
+            if v != "true":
+                raise InvalidArguments(f"{BARRIER_CONTROL} takes true")
+        elif key != "consumer_name" and v not in ("true", "true_with_seqno_advanced"):
+            raise InvalidArguments(f"{key} takes true")
+        self.controls[key] = v
+
+    def _restart_noop(self) -> None:
+        if self._noop_task is not None:
+            self._noop_task.cancel()
+            self._noop_task = None
+        if self.noop_enabled:
+            self._noop_task = asyncio.get_running_loop().create_task(self._noop_loop())
+
+    async def _noop_loop(self) -> None:
+        """Send NOOPs (§2.12, not flow-controlled); disconnect an idle peer (§7.2)."""
+        while True:
+            await asyncio.sleep(self.noop_interval)
+            if time.monotonic() - self.last_received > self.idle_timeout:
+                self._on_fatal(f"DCP peer idle for more than {self.idle_timeout:g}s")
+                return
+            self._noop_opaque = (self._noop_opaque + 1) & 0xFFFFFFFF
+            self.sender.send_uncounted(Noop(opaque=self._noop_opaque).encode())
+
+    # -- streams --------------------------------------------------------------------
+
+    def stream_request(self, req: StreamRequest) -> tuple[StreamSpec, tuple[tuple[int, int], ...]]:
+        """The checks of dcp-wire §4.1 in order; returns the stream and the failover log.
+
+        Raises a status error, or RollbackRequired carrying the seq in its message via
+        `RollbackTo`.
+        """
+        vb, flags = req.vbucket, req.flags
+        if flags & ~S_KNOWN or flags & 0x08:
+            raise InvalidArguments(f"unknown stream flags 0x{flags:x}")
+        if flags & (S_TAKEOVER | S_CACHE_TRANSFER):
+            raise NotSupported("takeover and cache-transfer streams are not supported")
+        # 1. the partition and its state
+        part = self.bucket.partitions.get(vb)
+        allowed = (ACTIVE,) if flags & S_ACTIVE_ONLY else (ACTIVE, REPLICA)
+        if part is None or part.state not in allowed:
+            raise NotMyVbucket(f"partition {vb} cannot be streamed here")
+        # 2. FromLatest
+        high = part.high_seq
+        start, end, uuid = req.start_seqno, req.end_seqno, req.vbucket_uuid
+        snap_start, snap_end = req.snap_start_seqno, req.snap_end_seqno
+        if flags & S_FROM_LATEST:
+            start = snap_start = snap_end = high
+            uuid = uuid or part.uuid
+        # 3. noop is mandatory with xattrs (we negotiate no collections)
+        if self.flags & OPEN_XATTRS and not self.noop_enabled:
+            raise NotSupported("IncludeXattrs streams need enable_noop=true")
+        # 4-5. ranges
+        if start > end:
+            raise OutOfRange(f"start {start} > end {end}")
+        if not snap_start <= start <= snap_end:
+            raise OutOfRange(f"snapshot [{snap_start}, {snap_end}] does not contain start {start}")
+        # 6. the value is allowed only with collections, which we never grant
+        if req.value:
+            raise InvalidArguments("a stream-request value needs collections")
+        if req.stream_id is not None:
+            raise DcpStreamIdInvalid("stream-ids are not enabled on this connection")
+        # 7. an active stream for this partition already exists
+        task = self.streams.get(vb)
+        if task is not None and not task.done():
+            raise KeyExists(f"a stream for partition {vb} is already open")
+        # 8. the producer rule (§4.2)
+        decision = needs_rollback(
+            part.failover, start=start, uuid=uuid, snap_start=snap_start, snap_end=snap_end,
+            high=high, purge_seq=0 if flags & S_IGNORE_PURGED else part.purge_seq,
+            strict=bool(flags & S_STRICT_UUID),
+        )  # fmt: skip
+        if decision.rollback:
+            raise RollbackTo(decision.rollback_seq)
+        # 9-10. end adjustments and the final range checks
+        if flags & S_TO_LATEST:
+            end = high
+        elif flags & S_DISK_ONLY:
+            end = part.persisted_seq
+        if start > end:
+            raise OutOfRange(f"start {start} > end {end}")
+        if start > high:
+            raise OutOfRange(f"start {start} > high seqno {high}")
+        spec = StreamSpec(vb, req.opaque, flags, start, end, uuid, snap_start, snap_end)
+        return spec, part.failover.pairs()
+
+    def start_stream(self, spec: StreamSpec) -> None:
+        """Start the stream task (after the SUCCESS response was sent)."""
+        self.specs[spec.vbucket] = spec
+        self.streams[spec.vbucket] = asyncio.get_running_loop().create_task(
+            self._run_stream(spec), name=f"stream vb{spec.vbucket}"
+        )
+
+    def has_stream(self, vb: int) -> bool:
+        """True while a stream for the partition is running."""
+        task = self.streams.get(vb)
+        return task is not None and not task.done()
+
+    async def close_stream(self, vb: int) -> None:
+        """DCP_CLOSE_STREAM (§2.3): KEY_ENOENT if none; STREAM_END(1) only if asked for."""
+        task = self.streams.pop(vb, None)
+        spec = self.specs.pop(vb, None)
+        if task is None or task.done() or spec is None:
+            raise KeyNotFound(f"no stream for partition {vb}")
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if self.controls.get("send_stream_end_on_client_close_stream") == "true":
+            await self.sender.send(
+                [StreamEnd(vbucket=vb, opaque=spec.opaque, status=END_CLOSED).encode()]
+            )
+
+    def end_streams_for(self, vb: int) -> None:
+        """The partition changed state: its stream ends with StateChanged (§2.6)."""
+        task = self.streams.get(vb)
+        if task is not None and not task.done():
+            self.bucket.partitions[vb].notify()
+
+    async def aclose(self) -> None:
+        """Stop every stream and the noop task."""
+        tasks = [t for t in self.streams.values() if not t.done()]
+        if self._noop_task is not None:
+            tasks.append(self._noop_task)
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self.streams.clear()
+
+    async def _run_stream(self, spec: StreamSpec) -> None:
+        try:
+            status = await self._stream(spec)
+        except asyncio.CancelledError:
+            raise
+        except (ConnectionError, OSError):
+            return
+        except Exception:
+            log.exception("stream of partition %d failed", spec.vbucket)
+            self._on_fatal(f"internal error in the stream of partition {spec.vbucket}")
+            return
+        await self.sender.send(
+            [StreamEnd(vbucket=spec.vbucket, opaque=spec.opaque, status=status).encode()]
+        )
+        if self.specs.get(spec.vbucket) is spec:
+            del self.specs[spec.vbucket]
+
+    async def _stream(self, spec: StreamSpec) -> int:
+        """Send snapshots until the end seq is passed; returns the STREAM_END status."""
+        vb, end = spec.vbucket, spec.end
+        part = self.bucket.partitions[vb]
+        cursor, first = spec.start, True
+        allowed = (ACTIVE,) if spec.flags & S_ACTIVE_ONLY else (ACTIVE, REPLICA)
+        while True:
+            if self.bucket.partitions.get(vb) is not part or part.state not in allowed:
+                return END_STATE_CHANGED
+            if cursor >= end:
+                return END_OK
+            if cursor < part.persisted_seq:
+                cursor = await self._backfill(spec, part, cursor, first)
+                first = False
+                continue
+            items = part.queue.items_after(cursor, BATCH_ITEMS)
+            if items:
+                start = spec.start if first else items[0].seq
+                first = False
+                msgs = [
+                    SnapshotMarker(
+                        vbucket=vb,
+                        opaque=spec.opaque,
+                        start_seqno=start,
+                        end_seqno=items[-1].seq,
+                        flags=MARKER_MEMORY,
+                    ).encode()
+                ]
+                msgs += self._encode(spec, items)  # fmt: skip
+                await self._send_batched(msgs)
+                cursor = items[-1].seq
+                continue
+            await part.wait_change(timeout=1.0)
+
+    async def _backfill(self, spec: StreamSpec, part: Partition, cursor: int, first: bool) -> int:
+        """Stream one consistent disk snapshot of (cursor, disk high]; returns the new cursor."""
+        loop = asyncio.get_running_loop()
+        async with self._slots:
+            reader = await loop.run_in_executor(self._pool, self.bucket.storage.open_reader)
+            try:
+                bf = await loop.run_in_executor(
+                    self._pool, lambda: reader.backfill(spec.vbucket, cursor, batch=BACKFILL_ROWS)
+                )
+                try:
+                    rows = await loop.run_in_executor(self._pool, bf.fetch)
+                    if not rows:
+                        # only purged tombstones lay between cursor and the persisted seq
+                        return max(cursor, bf.high_seq, part.persisted_seq)
+                    marker = SnapshotMarker(
+                        vbucket=spec.vbucket, opaque=spec.opaque,
+                        start_seqno=spec.start if first else rows[0].seq,
+                        end_seqno=bf.high_seq, flags=MARKER_DISK_CHECKPOINT,
+                    )  # fmt: skip
+                    await self.sender.send([marker.encode()])
+                    while rows:
+                        await self._send_batched(self._encode(spec, rows))
+                        rows = await loop.run_in_executor(self._pool, bf.fetch)
+                    return max(cursor, bf.high_seq)
+                finally:
+                    await loop.run_in_executor(self._pool, bf.close)
+            finally:
+                await loop.run_in_executor(self._pool, reader.close)
+
+    async def _send_batched(self, msgs: list[bytes]) -> None:
+        batch: list[bytes] = []
+        size = 0
+        for m in msgs:
+            batch.append(m)
+            size += len(m)
+            if size >= BATCH_BYTES:
+                await self.sender.send(batch)
+                batch, size = [], 0
+        if batch:
+            await self.sender.send(batch)
+
+    def _encode(self, spec: StreamSpec, docs: list[DocRow]) -> list[bytes]:
+        no_value = self.flags & (OPEN_NO_VALUE | OPEN_NO_VALUE_DT)
+        keep_dt = self.flags & OPEN_NO_VALUE_DT
+        v2 = self.flags & OPEN_DELETE_TIMES
+        out = []
+        opaque, vb = spec.opaque, spec.vbucket
+        for d in docs:
+            if not d.deleted:
+                value = b"" if no_value else d.value
+                dt = d.datatype if (not no_value or keep_dt) else 0
+                out.append(encode_mutation(vb, opaque, d.cas, dt, d.seq, d.rev_seq, d.flags,
+                                           d.expiry, d.key, value))  # fmt: skip
+            elif v2:
+                out.append(DeletionV2(vbucket=vb, opaque=opaque, cas=d.cas, by_seqno=d.seq,
+                                      rev_seqno=d.rev_seq, delete_time=d.delete_time,
+                                      key=d.key).encode())  # fmt: skip
+            else:
+                out.append(Deletion(vbucket=vb, opaque=opaque, cas=d.cas, by_seqno=d.seq,
+                                    rev_seqno=d.rev_seq, key=d.key).encode())  # fmt: skip
+        return out
+
+
+class RollbackTo(Exception):
+    """STREAM_REQ must be answered with ROLLBACK(seq)."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__(seq)
+        self.seq = seq
+
+
+def open_flags_problem(flags: int) -> str | None:
+    """Why DCP_OPEN flags are invalid (§2.1), or None."""
+    if flags & (OPEN_NOTIFIER | 0x10 | 0x80):
+        return f"removed or unused DCP_OPEN flags in 0x{flags:x}"
+    if flags & ~0x3FF:
+        return f"unknown DCP_OPEN flags 0x{flags:x}"
+    if flags & OPEN_NO_VALUE and flags & OPEN_NO_VALUE_DT:
+        return "NoValue and NoValueWithUnderlyingDatatype exclude each other"
+    if flags & OPEN_DELETED_USER_XATTRS and not flags & OPEN_XATTRS:
+        return "IncludeDeletedUserXattrs needs IncludeXattrs"
+    if flags & OPEN_SKIP_DELETES:
+        return "SkipDeletesInInitialBackfill needs collections"
+    return None
+
+
+def error_response(opcode: int, opaque: int, status: int, message: str) -> bytes:
+    """A response with a status and an XERROR-style JSON context (§1.5)."""
+    body = json.dumps({"error": {"context": message}}).encode()
+    return Response(opcode=opcode, opaque=opaque, status=status, value=body, datatype=1).encode()
+
+
+__all__ = ["DcpProducer", "DcpSender", "RollbackTo", "Status", "error_response"]

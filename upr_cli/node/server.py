@@ -1,0 +1,631 @@
+"""The node's front end: the memcached binary protocol on TCP (dcp-wire §5, §9).
+
+One `ClientSession` per connection reads frames in order (no unordered execution,
+§1.5) and answers each request before taking the next. Authentication is required
+unless the node runs with `--no-auth` on loopback. Statuses for a misuse, as documented
+in the README: wrong password → AUTH_ERROR (0x20); a bucket command before
+SELECT_BUCKET → NO_BUCKET (0x08); SELECT_BUCKET or DCP_OPEN before authenticating →
+EACCESS (0x24). A peer sending bytes that do not frame (bad magic, huge lengths) is
+disconnected; the node keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from upr_cli.errors import RemoteProtocolError, UprError
+from upr_cli.net.scram import (
+    AuthenticationFailed,
+    ScramServer,
+    StoredCredential,
+    make_credential,
+    parse_plain,
+)
+from upr_cli.node.bucket import Bucket
+from upr_cli.node.partition import ACTIVE, STATE_CODES
+from upr_cli.node.producer import (
+    OPEN_PRODUCER,
+    DcpProducer,
+    DcpSender,
+    RollbackTo,
+    error_response,
+    open_flags_problem,
+)
+from upr_cli.protocol import Frame, FrameDecoder, decode_message
+from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, Opcode
+from upr_cli.protocol.messages import (
+    Add,
+    AddStream,
+    BufferAck,
+    CloseStream,
+    Control,
+    DcpOpen,
+    Delete,
+    DelWithMeta,
+    FailoverLogResponse,
+    Get,
+    GetAllVbSeqnos,
+    GetAllVbSeqnosResponse,
+    GetClusterConfig,
+    GetErrorMap,
+    GetFailoverLog,
+    GetResponse,
+    Hello,
+    HelloResponse,
+    Message,
+    Noop,
+    ObserveSeqno,
+    ObserveSeqnoResponse,
+    Replace,
+    Response,
+    SaslAuth,
+    SaslListMechs,
+    SaslListMechsResponse,
+    SaslStep,
+    SelectBucket,
+    Set,
+    SetWithMeta,
+    Stat,
+    StatResponse,
+    StoreResponse,
+    StreamRequest,
+    StreamRequestOk,
+    StreamRequestRollback,
+)
+from upr_cli.protocol.status import (
+    AccessDenied,
+    AuthError,
+    InvalidArguments,
+    KeyNotFound,
+    NoBucket,
+    NotSupported,
+    Status,
+    StatusError,
+    UnknownCommand,
+    registered_statuses,
+)
+
+log = logging.getLogger(__name__)
+
+GRANTABLE = {
+    Feature.TCP_NODELAY,
+    Feature.XERROR,
+    Feature.SELECT_BUCKET,
+    Feature.JSON,
+    Feature.MUTATION_SEQNO,
+    Feature.ALT_REQUEST_SUPPORT,
+}
+MECHANISMS = "SCRAM-SHA512 PLAIN"
+
+
+class ServeError(UprError):
+    """The node cannot start (bad options, port in use, unusable data directory)."""
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class NodeConfig:
+    """Options of `upr serve`."""
+
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 11210
+    bucket: str = "default"
+    partitions: int = 1024
+    users: dict[str, str] = field(default_factory=dict)
+    no_auth: bool = False
+    flush_interval: float = 0.05
+    purge_age: float | None = None
+    idle_timeout: float = 360.0
+    max_body: int = 20 * 1024 * 1024
+    backfills: int = 4
+
+
+class NodeServer:
+    """`upr serve`: buckets plus the TCP listener."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        if not config.users and not config.no_auth:
+            raise ServeError("no users: give --user/--password or --users-file (or --no-auth)")
+        if config.no_auth and not is_loopback(config.host):
+            raise ServeError("--no-auth is allowed only on a loopback address")
+        if not 1 <= config.partitions <= 1024:
+            raise ServeError("--partitions must be between 1 and 1024")
+        self.config = config
+        self.credentials: dict[str, StoredCredential] = {
+            u: make_credential("SCRAM-SHA512", p) for u, p in config.users.items()
+        }
+        self.buckets: dict[str, Bucket] = {}
+        self.sessions: set[ClientSession] = set()
+        self._server: asyncio.Server | None = None
+        self.backfill_pool = ThreadPoolExecutor(
+            max_workers=config.backfills, thread_name_prefix="backfill"
+        )
+        self.backfill_slots = asyncio.Semaphore(config.backfills)
+        self.port = config.port
+        self.rev = 1
+
+    async def start(self) -> None:
+        """Open the buckets (recovery included) and start listening."""
+        cfg = self.config
+        try:
+            cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ServeError(f"cannot use data directory {cfg.data_dir}: {exc.strerror}") from None
+        bucket = Bucket(
+            cfg.data_dir,
+            cfg.bucket,
+            cfg.partitions,
+            flush_interval=cfg.flush_interval,
+            purge_age=cfg.purge_age,
+        )
+        await bucket.start()
+        self.buckets[cfg.bucket] = bucket
+        try:
+            self._server = await asyncio.start_server(
+                self._accept, cfg.host, cfg.port, limit=1 << 18
+            )
+        except OSError as exc:
+            await bucket.stop(clean=True)
+            raise ServeError(
+                f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}"
+            ) from None
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self, *, clean: bool = True) -> None:
+        """Stop listening, drop sessions, flush (if clean) and close the buckets."""
+        if self._server is not None:
+            self._server.close()
+        for s in list(self.sessions):
+            await s.aclose()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+        for b in self.buckets.values():
+            await b.stop(clean=clean)
+        self.backfill_pool.shutdown(wait=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        session = ClientSession(self, reader, writer)
+        self.sessions.add(session)
+        try:
+            await session.run()
+        finally:
+            self.sessions.discard(session)
+
+    def cluster_config(self, bucket: Bucket) -> dict[str, Any]:
+        """Terse single-node bucket config (dcp-wire §5.5)."""
+        port = self.port
+        return {
+            "rev": self.rev,
+            "revEpoch": 1,
+            "name": bucket.name,
+            "uuid": bucket.storage.bucket_uuid(),
+            "nodeLocator": "vbucket",
+            "uri": f"/pools/default/buckets/{bucket.name}",
+            "streamingUri": f"/pools/default/bucketsStreaming/{bucket.name}",
+            "bucketCapabilitiesVer": "",
+            "bucketCapabilities": ["couchapi", "dcp", "cbhello", "touch", "cccp", "nodesExt"],
+            "collectionsManifestUid": "0",
+            "ddocs": {"uri": f"/pools/default/buckets/{bucket.name}/ddocs"},
+            "vBucketServerMap": {
+                "hashAlgorithm": "CRC",
+                "numReplicas": 0,
+                "serverList": [f"$HOST:{port}"],
+                "vBucketMap": [
+                    [0 if p.state == ACTIVE else -1] for _, p in sorted(bucket.partitions.items())
+                ],
+            },
+            "nodes": [
+                {
+                    "hostname": "$HOST:8091",
+                    "ports": {"direct": port},
+                    "couchApiBase": f"http://$HOST:8092/{bucket.name}",
+                }
+            ],
+            "nodesExt": [{"thisNode": True, "services": {"kv": port}}],
+            "clusterCapabilitiesVer": [1, 0],
+            "clusterCapabilities": {},
+        }
+
+
+class ClientSession:
+    """One client connection."""
+
+    def __init__(
+        self, server: NodeServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.server = server
+        self.reader = reader
+        self.writer = writer
+        peer = writer.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "?"
+        self.authenticated = server.config.no_auth
+        self.user: str | None = None
+        self.bucket: Bucket | None = None
+        self.features: set[int] = set()
+        self.scram: ScramServer | None = None
+        self.dcp: DcpProducer | None = None
+        self.sender = DcpSender(writer.write, writer.drain)
+        self._closing = False
+
+    async def run(self) -> None:
+        """Read and answer requests until the peer leaves or misbehaves."""
+        decoder = FrameDecoder(max_body=self.server.config.max_body)
+        try:
+            while not self._closing:
+                data = await self.reader.read(1 << 18)
+                if not data:
+                    return
+                decoder.feed(data)
+                if self.dcp is not None:
+                    self.dcp.last_received = time.monotonic()
+                for frame in decoder.frames():
+                    await self.handle(frame)
+                    if self._closing:
+                        return
+        except RemoteProtocolError as exc:
+            log.info("%s: disconnecting: %s", self.peer, exc)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            await self.aclose()
+
+    def fatal(self, reason: str) -> None:
+        """Disconnect this peer (idle DCP peer, internal stream error)."""
+        log.info("%s: disconnecting: %s", self.peer, reason)
+        self._closing = True
+        self.writer.close()
+
+    async def aclose(self) -> None:
+        """Stop DCP streams and close the socket."""
+        self._closing = True
+        if self.dcp is not None:
+            dcp, self.dcp = self.dcp, None
+            await dcp.aclose()
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+    def send(self, msg: Message | bytes) -> None:
+        """Write a response (not flow-controlled)."""
+        self.writer.write(msg if isinstance(msg, bytes) else msg.encode())
+
+    async def handle(self, frame: Frame) -> None:
+        """Answer one request; status errors become responses, not disconnects."""
+        if frame.magic in RESPONSE_MAGICS:
+            return  # a client's reply: NOOP (§2.12), marker ack, set-vbucket-state
+        try:
+            msg = decode_message(frame)
+        except RemoteProtocolError as exc:
+            self.send(error_response(frame.opcode, frame.opaque, Status.EINVAL, str(exc)))
+            return
+        try:
+            await self.dispatch(msg)
+        except RollbackTo as rb:
+            self.send(StreamRequestRollback(opaque=msg.opaque, rollback_seqno=rb.seq))
+        except StatusError as exc:
+            self.send(error_response(frame.opcode, frame.opaque, exc.code, str(exc)))
+
+    def need_bucket(self) -> Bucket:
+        """The selected bucket, or NO_BUCKET."""
+        if self.bucket is None:
+            raise NoBucket("no bucket selected")
+        return self.bucket
+
+    async def dispatch(self, msg: Message) -> None:
+        """Route a request by type."""
+        op = type(msg)
+        if op is Hello:
+            assert isinstance(msg, Hello)
+            granted = tuple(dict.fromkeys(f for f in msg.features if f in GRANTABLE))
+            self.features = set(granted)
+            self.send(HelloResponse(opaque=msg.opaque, features=granted))
+        elif op is SaslListMechs:
+            self.send(SaslListMechsResponse(opaque=msg.opaque, mechanisms=MECHANISMS))
+        elif op in (SaslAuth, SaslStep):
+            self.sasl(msg)  # type: ignore[arg-type]
+        elif op is GetErrorMap:
+            errors = {
+                f"{code:x}": {
+                    "name": cls.__name__,
+                    "desc": (cls.__doc__ or "").strip(),
+                    "attrs": ["temp"] if cls.retriable else ["item-only"],
+                }
+                for code, cls in registered_statuses().items()
+            }
+            body = json.dumps({"version": 2, "revision": 1, "errors": errors}).encode()
+            self.send(
+                Response(opcode=Opcode.GET_ERROR_MAP, opaque=msg.opaque, value=body, datatype=1)
+            )
+        elif op is SelectBucket:
+            assert isinstance(msg, SelectBucket)
+            if not self.authenticated:
+                raise AccessDenied("authenticate before selecting a bucket")
+            bucket = self.server.buckets.get(msg.bucket)
+            if bucket is None:
+                raise AccessDenied(f"no bucket {msg.bucket!r}")
+            self.bucket = bucket
+            self.send(Response(opcode=Opcode.SELECT_BUCKET, opaque=msg.opaque))
+        elif op is GetClusterConfig:
+            body = json.dumps(self.server.cluster_config(self.need_bucket())).encode()
+            self.send(
+                Response(
+                    opcode=Opcode.GET_CLUSTER_CONFIG, opaque=msg.opaque, value=body, datatype=1
+                )
+            )
+        elif op is Stat:
+            assert isinstance(msg, Stat)
+            self.stats(msg)
+        elif op in (
+            Get,
+            Set,
+            Add,
+            Replace,
+            Delete,
+            SetWithMeta,
+            DelWithMeta,
+            ObserveSeqno,
+            GetAllVbSeqnos,
+        ):
+            self.kv(msg)
+        elif op in (
+            DcpOpen,
+            Control,
+            StreamRequest,
+            CloseStream,
+            GetFailoverLog,
+            BufferAck,
+            AddStream,
+            Noop,
+        ):
+            await self.dcp_request(msg)
+        else:
+            raise UnknownCommand(f"opcode 0x{getattr(msg, 'opcode', 0):02x} is not supported")
+
+    def sasl(self, msg: SaslAuth | SaslStep) -> None:
+        """SASL PLAIN and SCRAM-SHA512 (dcp-wire §5.2)."""
+        creds = self.server.credentials
+        try:
+            if isinstance(msg, SaslAuth) and msg.mechanism == "PLAIN":
+                user, password = parse_plain(msg.payload)
+                stored = creds.get(user)
+                if (
+                    stored is None
+                    or make_credential(
+                        "SCRAM-SHA512", password, salt=stored.salt, iterations=stored.iterations
+                    )
+                    != stored
+                ):
+                    raise AuthenticationFailed("bad credentials")
+                self._authenticated(user, msg, b"")
+            elif isinstance(msg, SaslAuth) and msg.mechanism == "SCRAM-SHA512":
+                self.scram = ScramServer("SCRAM-SHA512", creds.get)
+                challenge = self.scram.first(msg.payload)
+                self.send(
+                    Response(
+                        opcode=Opcode.SASL_AUTH,
+                        opaque=msg.opaque,
+                        status=Status.AUTH_CONTINUE,
+                        value=challenge,
+                    )
+                )
+            elif isinstance(msg, SaslStep) and self.scram is not None:
+                final = self.scram.final(msg.payload)
+                self._authenticated(self.scram.username or "", msg, final)
+                self.scram = None
+            else:
+                raise AuthenticationFailed(f"unsupported mechanism {msg.mechanism!r}")
+        except AuthenticationFailed:
+            self.scram = None
+            raise AuthError("authentication failed") from None
+
+    def _authenticated(self, user: str, msg: SaslAuth | SaslStep, payload: bytes) -> None:
+        self.authenticated, self.user = True, user
+        opcode = Opcode.SASL_AUTH if isinstance(msg, SaslAuth) else Opcode.SASL_STEP
+        self.send(Response(opcode=opcode, opaque=msg.opaque, value=payload))
+
+    def stats(self, msg: Stat) -> None:
+        """STAT groups `""`, `vbucket-seqno [vb]` and `failovers [vb]` (§5.7)."""
+        bucket = self.need_bucket()
+        group, _, arg = msg.group.partition(" ")
+        parts = sorted(bucket.partitions.items())
+        if arg:
+            if not arg.isdigit() or int(arg) not in bucket.partitions:
+                raise InvalidArguments(f"no partition {arg!r}")
+            parts = [(int(arg), bucket.partitions[int(arg)])]
+        pairs: list[tuple[str, str]] = []
+        if group == "":
+            pairs = [
+                ("pid", str(os.getpid())),
+                ("curr_connections", str(len(self.server.sessions))),
+                ("ep_num_vbuckets", str(len(bucket.partitions))),
+                ("bucket", bucket.name),
+            ]
+        elif group == "vbucket-seqno":
+            for vb, p in parts:
+                pairs += [
+                    (f"vb_{vb}:high_seqno", str(p.high_seq)),
+                    (f"vb_{vb}:abs_high_seqno", str(p.high_seq)),
+                    (f"vb_{vb}:last_persisted_seqno", str(p.persisted_seq)),
+                    (f"vb_{vb}:uuid", str(p.uuid)),
+                    (f"vb_{vb}:purge_seqno", str(p.purge_seq)),
+                    (f"vb_{vb}:last_persisted_snap_start", str(p.snap_start)),
+                    (f"vb_{vb}:last_persisted_snap_end", str(p.snap_end)),
+                ]
+        elif group == "failovers":
+            for vb, p in parts:
+                pairs.append((f"vb_{vb}:num_entries", str(len(p.failover))))
+                for i, e in enumerate(p.failover.entries):
+                    pairs += [(f"vb_{vb}:{i}:id", str(e.uuid)), (f"vb_{vb}:{i}:seq", str(e.seq))]
+        else:
+            raise KeyNotFound(f"unknown stat group {group!r}")
+        out = [StatResponse(opaque=msg.opaque, name=k, value=v).encode() for k, v in pairs]
+        out.append(StatResponse(opaque=msg.opaque).encode())
+        self.send(b"".join(out))
+
+    def kv(self, msg: Message) -> None:
+        """GET/SET/ADD/REPLACE/DELETE/*_WITH_META, OBSERVE_SEQNO, GET_ALL_VB_SEQNOS."""
+        bucket = self.need_bucket()
+        if isinstance(msg, GetAllVbSeqnos):
+            want = {1: "active", 2: "replica", 3: "pending", 4: "dead"}.get(msg.state or 0)
+            seqnos = tuple(
+                (vb, p.high_seq)
+                for vb, p in sorted(bucket.partitions.items())
+                if (p.state == want if want else p.state != "dead")
+            )
+            self.send(GetAllVbSeqnosResponse(opaque=msg.opaque, seqnos=seqnos))
+            return
+        vb = getattr(msg, "vbucket", 0)
+        if isinstance(msg, Get):
+            doc = bucket.get(vb, msg.key)
+            self.send(
+                GetResponse(
+                    opaque=msg.opaque,
+                    cas=doc.cas,
+                    flags=doc.flags,
+                    value=doc.value,
+                    datatype=doc.datatype,
+                )
+            )
+            return
+        if isinstance(msg, ObserveSeqno):
+            part = bucket.partition(vb)
+            idx = part.failover.find(msg.vbucket_uuid)
+            if idx is None:
+                raise KeyNotFound(f"uuid {msg.vbucket_uuid:x} is not in partition {vb}'s history")
+            hard = idx > 0  # a hard failover happened since: format 1
+            self.send(
+                ObserveSeqnoResponse(
+                    opaque=msg.opaque,
+                    format=1 if hard else 0,
+                    observed_vbucket=vb,
+                    vbucket_uuid=part.uuid,
+                    persisted_seqno=part.persisted_seq,
+                    current_seqno=part.high_seq,
+                    old_vbucket_uuid=msg.vbucket_uuid if hard else None,
+                    last_received_seqno=part.failover.entries[idx - 1].seq if hard else None,
+                )
+            )
+            return
+        if isinstance(msg, SetWithMeta):  # DelWithMeta is a subclass
+            doc = bucket.store_with_meta(
+                vb,
+                msg.key,
+                msg.value,
+                deleted=isinstance(msg, DelWithMeta),
+                flags=msg.flags,
+                expiry=msg.expiration,
+                rev_seq=msg.rev_seqno,
+                item_cas=msg.item_cas,
+                datatype=msg.datatype,
+                options=msg.options or 0,
+                cas=msg.cas,
+            )
+        elif isinstance(msg, Set):  # Add and Replace are subclasses
+            op = "add" if isinstance(msg, Add) else "replace" if isinstance(msg, Replace) else "set"
+            doc = bucket.store(
+                op,
+                vb,
+                msg.key,
+                msg.value,
+                flags=msg.flags,
+                expiry=msg.expiration,
+                datatype=msg.datatype,
+                cas=msg.cas,
+            )
+        elif isinstance(msg, Delete):
+            doc = bucket.delete(vb, msg.key, cas=msg.cas)
+        else:
+            raise UnknownCommand("unsupported KV request")
+        with_seq = Feature.MUTATION_SEQNO in self.features
+        self.send(
+            StoreResponse(
+                opaque=msg.opaque,
+                opcode=int(msg.SCHEMA.opcodes[0]),
+                cas=doc.cas,
+                vbucket_uuid=bucket.partitions[vb].uuid if with_seq else None,
+                seqno=doc.seq if with_seq else None,
+            )
+        )
+
+    async def dcp_request(self, msg: Message) -> None:
+        """DCP_OPEN, CONTROL, STREAM_REQ, CLOSE_STREAM, GET_FAILOVER_LOG, BUFFER_ACK."""
+        if isinstance(msg, GetFailoverLog) and msg.opcode == Opcode.GET_FAILOVER_LOG:
+            part = self.need_bucket().partition(msg.vbucket, active=False)
+            self.send(
+                FailoverLogResponse(
+                    opaque=msg.opaque, opcode=msg.opcode, failover_log=part.failover.pairs()
+                )
+            )
+            return
+        if isinstance(msg, DcpOpen):
+            if not self.authenticated:
+                raise AccessDenied("authenticate before DCP_OPEN")
+            bucket = self.need_bucket()
+            if self.dcp is not None:
+                raise InvalidArguments("DCP_OPEN was already sent on this connection")
+            problem = open_flags_problem(msg.flags)
+            if problem:
+                raise InvalidArguments(problem)
+            if not msg.flags & OPEN_PRODUCER:
+                raise NotSupported("upr serve accepts producer (client) DCP connections only")
+            if msg.value:
+                raise InvalidArguments("a producer DCP_OPEN takes no value")
+            self.dcp = DcpProducer(
+                bucket,
+                msg.name,
+                msg.flags,
+                self.sender,
+                self.server.backfill_pool,
+                self.server.backfill_slots,
+                self.fatal,
+                self.server.config.idle_timeout,
+            )
+            self.send(Response(opcode=Opcode.DCP_OPEN, opaque=msg.opaque))
+            return
+        dcp = self.dcp
+        if dcp is None:
+            raise InvalidArguments("send DCP_OPEN first")
+        if isinstance(msg, BufferAck):
+            dcp.sender.ack(msg.acked)  # no response on success (§2.13)
+        elif isinstance(msg, Control):
+            dcp.control(msg.name, msg.value)
+            self.send(Response(opcode=Opcode.DCP_CONTROL, opaque=msg.opaque))
+        elif isinstance(msg, StreamRequest):
+            spec, log_pairs = dcp.stream_request(msg)
+            self.send(StreamRequestOk(opaque=msg.opaque, failover_log=log_pairs))
+            dcp.start_stream(spec)
+        elif isinstance(msg, CloseStream):
+            if not dcp.has_stream(msg.vbucket):
+                raise KeyNotFound(f"no stream for partition {msg.vbucket}")
+            self.send(Response(opcode=Opcode.DCP_CLOSE_STREAM, opaque=msg.opaque))
+            await dcp.close_stream(msg.vbucket)
+        elif isinstance(msg, GetFailoverLog):
+            part = dcp.bucket.partition(msg.vbucket, active=False)
+            self.send(FailoverLogResponse(opaque=msg.opaque, failover_log=part.failover.pairs()))
+        elif isinstance(msg, Noop):
+            self.send(Response(opcode=Opcode.DCP_NOOP, opaque=msg.opaque))
+        else:
+            raise NotSupported("ADD_STREAM is for consumer connections, which upr serve lacks")
+
+
+__all__ = ["STATE_CODES", "NodeConfig", "NodeServer", "ServeError", "is_loopback"]

@@ -1,0 +1,620 @@
+"""SQLite storage of one bucket of the UPR node: documents, tombstones, partition state.
+
+Theory of operation
+-------------------
+* **Two trees in one table** (couchstore's by-id and by-seq b-trees, seed 000 "How
+  ep-engine streams a consistent snapshot"). `docs` is keyed by (vbucket, key) and
+  holds only the latest version of each key, live or tombstone; the UNIQUE index
+  `docs_by_seq(vbucket, seq)` is the by-seq tree. Writing a newer version of a key
+  replaces its row, so the by-seq tree holds one entry per key: a stream from disk is
+  deduplicated for free. A version must carry a higher seq than the stored one.
+* **Group commit.** The node's flusher hands `write_batch` everything it drained from
+  the write queue; documents and the partition records that describe them (high seq,
+  last complete snapshot) commit in ONE transaction, with `executemany`. In WAL mode
+  with `synchronous=NORMAL` a commit survives a process crash but may be lost with the
+  machine; `sync_full=True` syncs every commit. State changes that must be durable
+  before the node acts on them (`save_partitions`, `set_clean_shutdown`, `rollback`)
+  always commit with `synchronous=FULL`, which also makes every earlier commit durable.
+* **Snapshot reads.** The node has one writer connection (this class; the node runs
+  one write at a time) and any number of `StorageReader` connections, one per worker
+  thread. A `Backfill` reads one partition inside one read transaction: WAL mode gives
+  it a fixed snapshot while the writer keeps committing, so the rows it returns and
+  its `high_seq` agree with each other, as a DCP snapshot must (dcp-wire §4).
+* **64-bit values.** SQLite integers are signed 64-bit. Every u64 column (seq, rev_seq,
+  cas, and the partition seqnos) is stored as its two's complement i64, so values up to
+  2^64-1 round-trip; failover logs are JSON with decimal strings (STYLE 8). Ordering
+  and comparisons in SQL are signed, so the by-seq order, `after_seq`, `high_seq`,
+  purge and rollback are exact only for seqs < 2^63, which is the range ep-engine ever
+  hands out. The seq-regression check of `write_batch` compares as unsigned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import operator
+import re
+import secrets
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from upr_cli.errors import UprError, UsageError
+
+SCHEMA_VERSION = 1
+PARTITION_STATES = frozenset({"active", "replica", "pending", "dead"})
+U64_MAX = (1 << 64) - 1
+_I64_MAX = (1 << 63) - 1
+_TWO64 = 1 << 64
+_BUCKET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.%-]{0,99}")
+_DECIMAL = re.compile(r"[0-9]{1,20}")
+_BUSY_TIMEOUT_S = 10.0
+_WRITER_CACHE_KIB = 32 * 1024
+_BY_KEY = operator.itemgetter(0, 1)
+
+_SCHEMA = (
+    """CREATE TABLE meta (
+        key TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    )""",
+    """CREATE TABLE docs (
+        vbucket INTEGER NOT NULL,
+        key BLOB NOT NULL,
+        seq INTEGER NOT NULL,
+        rev_seq INTEGER NOT NULL,
+        cas INTEGER NOT NULL,
+        flags INTEGER NOT NULL,
+        expiry INTEGER NOT NULL,
+        datatype INTEGER NOT NULL,
+        deleted INTEGER NOT NULL,
+        delete_time INTEGER NOT NULL,
+        value BLOB NOT NULL,
+        PRIMARY KEY (vbucket, key)
+    ) WITHOUT ROWID""",
+    "CREATE UNIQUE INDEX docs_by_seq ON docs (vbucket, seq)",
+    # Only tombstones are indexed: purge finds old ones without scanning live documents.
+    "CREATE INDEX docs_tombstones ON docs (delete_time) WHERE deleted = 1",
+    """CREATE TABLE partitions (
+        vbucket INTEGER PRIMARY KEY,
+        state TEXT NOT NULL,
+        failover_log TEXT NOT NULL,
+        high_seq INTEGER NOT NULL,
+        purge_seq INTEGER NOT NULL,
+        snap_start INTEGER NOT NULL,
+        snap_end INTEGER NOT NULL
+    )""",
+)
+
+_DOC_COLUMNS = (
+    "vbucket, key, seq, rev_seq, cas, flags, expiry, datatype, deleted, delete_time, value"
+)
+
+# The WHERE clause makes a stale version a no-op (0 changes), which write_batch detects.
+# `excluded.seq > docs.seq` as unsigned 64-bit numbers stored as i64 (see header).
+_UPSERT_DOC = f"""
+INSERT INTO docs ({_DOC_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (vbucket, key) DO UPDATE SET
+    seq = excluded.seq, rev_seq = excluded.rev_seq, cas = excluded.cas,
+    flags = excluded.flags, expiry = excluded.expiry, datatype = excluded.datatype,
+    deleted = excluded.deleted, delete_time = excluded.delete_time, value = excluded.value
+WHERE CASE WHEN (excluded.seq < 0) = (docs.seq < 0) THEN excluded.seq > docs.seq
+           ELSE excluded.seq < 0 END
+"""
+
+_UPSERT_PARTITION = """
+INSERT INTO partitions (vbucket, state, failover_log, high_seq, purge_seq, snap_start, snap_end)
+VALUES (?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (vbucket) DO UPDATE SET
+    state = excluded.state, failover_log = excluded.failover_log,
+    high_seq = excluded.high_seq, purge_seq = excluded.purge_seq,
+    snap_start = excluded.snap_start, snap_end = excluded.snap_end
+"""
+
+
+class _StaleVersion(Exception):
+    """Internal: a doc of a batch did not advance its key's seq (the batch is rolled back)."""
+
+
+class StorageError(UprError):
+    """The node's database file is unusable: not SQLite, not ours, too new, or corrupt."""
+
+
+@dataclass(frozen=True, slots=True)
+class DocRow:
+    """One document version as stored: a live document or a tombstone."""
+
+    vbucket: int
+    key: bytes
+    seq: int
+    rev_seq: int
+    cas: int
+    flags: int
+    expiry: int
+    datatype: int
+    deleted: bool
+    delete_time: int  # unix seconds when deleted (0 for live docs)
+    value: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionRecord:
+    """Persistent state of one partition."""
+
+    vbucket: int
+    state: str  # "active" | "replica" | "pending" | "dead"
+    failover_log: tuple[tuple[int, int], ...]  # (uuid, seq) newest first
+    high_seq: int  # highest seq persisted for this partition
+    purge_seq: int
+    snap_start: int  # last complete snapshot persisted
+    snap_end: int
+
+
+def _i64(value: int) -> int:
+    """Encode a u64 as the i64 SQLite can store (two's complement)."""
+    if value > _I64_MAX:
+        if value > U64_MAX:
+            raise ValueError(f"{value} does not fit in 64 bits")
+        return value - _TWO64
+    if value < 0:
+        raise ValueError(f"{value} is negative, expected an unsigned 64-bit value")
+    return value
+
+
+def _u64(value: int) -> int:
+    """Decode an i64 column back into the u64 it stores."""
+    return value + _TWO64 if value < 0 else value
+
+
+def _rows_to_docs(rows: list[Any]) -> list[DocRow]:
+    """Turn `_DOC_COLUMNS` rows into DocRows (inlined conversions: this is the hot loop)."""
+    t = _TWO64
+    return [
+        DocRow(
+            vb,
+            k,
+            s if s >= 0 else s + t,
+            r if r >= 0 else r + t,
+            c if c >= 0 else c + t,
+            f,
+            e,
+            dt,
+            d == 1,
+            tm,
+            v,
+        )
+        for vb, k, s, r, c, f, e, dt, d, tm, v in rows
+    ]
+
+
+def _doc_params(docs: Sequence[DocRow]) -> list[tuple[Any, ...]]:
+    """Bind parameters of `_UPSERT_DOC` for each doc."""
+    return [
+        (
+            d.vbucket,
+            d.key,
+            _i64(d.seq),
+            _i64(d.rev_seq),
+            _i64(d.cas),
+            d.flags,
+            d.expiry,
+            d.datatype,
+            1 if d.deleted else 0,
+            d.delete_time,
+            d.value,
+        )
+        for d in docs
+    ]
+
+
+def _partition_params(rec: PartitionRecord) -> tuple[Any, ...]:
+    """Bind parameters of `_UPSERT_PARTITION` for one record."""
+    if rec.state not in PARTITION_STATES:
+        raise ValueError(f"vb {rec.vbucket}: unknown partition state {rec.state!r}")
+    log = json.dumps([{"uuid": str(u), "seq": str(s)} for u, s in rec.failover_log])
+    return (
+        rec.vbucket,
+        rec.state,
+        log,
+        _i64(rec.high_seq),
+        _i64(rec.purge_seq),
+        _i64(rec.snap_start),
+        _i64(rec.snap_end),
+    )
+
+
+def _parse_failover_log(text: str) -> tuple[tuple[int, int], ...]:
+    """Parse the failover_log column; raises ValueError on anything but our JSON shape."""
+    data = json.loads(text)
+    if not isinstance(data, list):
+        raise ValueError("not a JSON list")
+    out = []
+    for entry in data:
+        if not isinstance(entry, dict) or set(entry) != {"uuid", "seq"}:
+            raise ValueError(f"bad entry {entry!r}")
+        uuid, seq = entry["uuid"], entry["seq"]
+        if not all(isinstance(x, str) and _DECIMAL.fullmatch(x) for x in (uuid, seq)):
+            raise ValueError(f"bad entry {entry!r}")
+        u, s = int(uuid), int(seq)
+        if u > U64_MAX or s > U64_MAX:
+            raise ValueError(f"entry out of range {entry!r}")
+        out.append((u, s))
+    return tuple(out)
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    """Open a connection in autocommit mode: transactions are explicit BEGIN/COMMIT."""
+    return sqlite3.connect(
+        path, timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+    )
+
+
+class NodeStorage:
+    """The database of one bucket, `<data_dir>/<bucket>.sqlite3`, and its writer connection.
+
+    One thread at a time may use an instance (the node serialises writes); readers on
+    other threads use `open_reader`.
+    """
+
+    def __init__(self, data_dir: Path, bucket: str, *, sync_full: bool = False) -> None:
+        if not _BUCKET_NAME.fullmatch(bucket):
+            raise UsageError(f"invalid bucket name {bucket!r}")
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.path = data_dir / f"{bucket}.sqlite3"
+        self._sync = "FULL" if sync_full else "NORMAL"
+        self._conn: sqlite3.Connection | None = None
+        try:
+            conn = _connect(self.path)
+        except sqlite3.Error as exc:
+            raise StorageError(f"cannot open {self.path}: {exc}") from exc
+        try:
+            conn.execute('PRAGMA page_size = 4096')
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if mode != "wal":
+                raise StorageError(f"{self.path}: cannot switch to WAL mode (got {mode})")
+            conn.execute(f"PRAGMA synchronous = {self._sync}")
+            conn.execute(f"PRAGMA cache_size = -{_WRITER_CACHE_KIB}")
+            self._bucket_uuid = self._init_schema(conn)
+        except sqlite3.Error as exc:
+            conn.close()
+            raise StorageError(f"cannot open {self.path}: {exc}") from exc
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    def _init_schema(self, conn: sqlite3.Connection) -> str:
+        """Create the schema on first use, else check it is ours and not too new."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            names = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema")}
+            if "meta" not in names:
+                if names:
+                    raise StorageError(f"{self.path}: not an upr node database (no meta table)")
+                for stmt in _SCHEMA:
+                    conn.execute(stmt)
+                conn.executemany(
+                    "INSERT INTO meta (key, value) VALUES (?, ?)",
+                    [
+                        ("schema_version", str(SCHEMA_VERSION)),
+                        ("bucket_uuid", secrets.token_hex(16)),
+                        ("clean_shutdown", "0"),
+                    ],
+                )
+            meta = {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta")}
+            version = meta.get("schema_version", "")
+            if not version.isdigit():
+                raise StorageError(f"{self.path}: bad schema version {version!r}")
+            if int(version) > SCHEMA_VERSION:
+                raise StorageError(
+                    f"{self.path}: schema version {version} is newer than this upr "
+                    f"supports ({SCHEMA_VERSION})"
+                )
+            uuid = meta.get("bucket_uuid", "")
+            if not re.fullmatch(r"[0-9a-f]{32}", uuid):
+                raise StorageError(f"{self.path}: bad bucket uuid {uuid!r}")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return uuid
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise ValueError(f"{self.path}: storage is closed")
+        return self._conn
+
+    @contextlib.contextmanager
+    def _transaction(self, *, durable: bool) -> Iterator[sqlite3.Connection]:
+        """One write transaction; rolled back unless the block completes."""
+        db = self._db
+        raise_sync = durable and self._sync != "FULL"
+        if raise_sync:
+            db.execute("PRAGMA synchronous = FULL")
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            finally:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+        finally:
+            if raise_sync:
+                db.execute(f"PRAGMA synchronous = {self._sync}")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the writer connection (idempotent); readers stay open until closed."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # --- meta
+
+    def clean_shutdown(self) -> bool:
+        """Whether the clean-shutdown marker is set (the last run ended cleanly)."""
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'clean_shutdown'").fetchone()
+        return row is not None and row[0] == "1"
+
+    def set_clean_shutdown(self, clean: bool) -> None:
+        """Set or clear the clean-shutdown marker, durably."""
+        with self._transaction(durable=True) as db:
+            db.execute(
+                "INSERT INTO meta (key, value) VALUES ('clean_shutdown', ?)"
+                " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                ("1" if clean else "0",),
+            )
+
+    def bucket_uuid(self) -> str:
+        """The bucket's uuid (32 hex digits), created with the database and never changed."""
+        return self._bucket_uuid
+
+    # --- partitions
+
+    def load_partitions(self) -> dict[int, PartitionRecord]:
+        """Every stored partition record, by vbucket."""
+        out: dict[int, PartitionRecord] = {}
+        rows = self._db.execute(
+            "SELECT vbucket, state, failover_log, high_seq, purge_seq, snap_start, snap_end"
+            " FROM partitions ORDER BY vbucket"
+        )
+        for vb, state, log, high, purge, s_start, s_end in rows:
+            try:
+                failover_log = _parse_failover_log(log)
+            except (ValueError, TypeError) as exc:
+                raise StorageError(f"{self.path}: vb {vb}: corrupt failover log: {exc}") from exc
+            if state not in PARTITION_STATES:
+                raise StorageError(f"{self.path}: vb {vb}: unknown partition state {state!r}")
+            out[vb] = PartitionRecord(
+                vb, state, failover_log, _u64(high), _u64(purge), _u64(s_start), _u64(s_end)
+            )
+        return out
+
+    def save_partitions(self, records: Iterable[PartitionRecord]) -> None:
+        """Upsert partition records in one transaction, durable before returning."""
+        params = [_partition_params(r) for r in records]
+        with self._transaction(durable=True) as db:
+            db.executemany(_UPSERT_PARTITION, params)
+
+    # --- write path
+
+    def write_batch(self, docs: Sequence[DocRow], records: Iterable[PartitionRecord]) -> None:
+        """Upsert docs (newest version per key) and partition records in ONE transaction.
+
+        Raises ValueError, committing nothing, when a doc's seq is not above the stored
+        seq of its key, or reuses the seq of another key of its partition.
+        """
+        # Key order gives the by-key tree locality (25% faster on random keys); the sort is
+        # stable, so versions of one key keep their order.
+        doc_params = sorted(_doc_params(docs), key=_BY_KEY)
+        rec_params = [_partition_params(r) for r in records]
+        if not doc_params and not rec_params:
+            return
+        try:
+            with self._transaction(durable=False) as db:
+                changed = db.executemany(_UPSERT_DOC, doc_params).rowcount if doc_params else 0
+                if changed != len(doc_params):
+                    raise _StaleVersion  # some upsert was a no-op: see _UPSERT_DOC
+                db.executemany(_UPSERT_PARTITION, rec_params)
+        except sqlite3.IntegrityError as exc:
+            raise ValueError(f"write_batch: {exc} (a seq reused within a partition)") from exc
+        except _StaleVersion:
+            # Rolled back: explain against the stored state, walking the batch in order.
+            raise ValueError(f"write_batch: {self._seq_regression(docs)}") from None
+
+    def _seq_regression(self, docs: Sequence[DocRow]) -> str:
+        """Describe the first doc of a rejected batch whose seq does not advance its key."""
+        latest: dict[tuple[int, bytes], int] = {}
+        for d in docs:
+            ident = (d.vbucket, d.key)
+            prev = latest.get(ident)
+            if prev is None:
+                row = self._db.execute(
+                    "SELECT seq FROM docs WHERE vbucket = ? AND key = ?", ident
+                ).fetchone()
+                prev = None if row is None else _u64(row[0])
+            if prev is not None and d.seq <= prev:
+                return f"vb {d.vbucket} key {d.key!r}: seq {d.seq} is not above stored seq {prev}"
+            latest[ident] = d.seq
+        return "a doc's seq does not advance its key"  # pragma: no cover - rowcount mismatch
+
+    # --- reads
+
+    def get(self, vbucket: int, key: bytes) -> DocRow | None:
+        """The stored version of a key, tombstones included (`deleted=True`), or None."""
+        rows = self._db.execute(
+            f"SELECT {_DOC_COLUMNS} FROM docs WHERE vbucket = ? AND key = ?", (vbucket, key)
+        ).fetchall()
+        return _rows_to_docs(rows)[0] if rows else None
+
+    def open_reader(self) -> StorageReader:
+        """A separate read-only connection, for one worker thread at a time.
+
+        Safe to call from any thread: it does not touch the writer connection.
+        """
+        try:
+            conn = _connect(self.path)
+            conn.execute("PRAGMA query_only = ON")
+        except sqlite3.Error as exc:
+            raise StorageError(f"cannot open {self.path}: {exc}") from exc
+        return StorageReader(conn, self.path)
+
+    def doc_count(self, vbucket: int | None = None, *, include_deleted: bool = False) -> int:
+        """Number of stored keys, of one partition or all; tombstones only if asked."""
+        where = []
+        params: list[int] = []
+        if vbucket is not None:
+            where.append("vbucket = ?")
+            params.append(vbucket)
+        if not include_deleted:
+            where.append("deleted = 0")
+        sql = "SELECT count(*) FROM docs" + (" WHERE " + " AND ".join(where) if where else "")
+        return int(self._db.execute(sql, params).fetchone()[0])
+
+    # --- maintenance
+
+    def purge_tombstones(self, older_than: float, now: float | None = None) -> dict[int, int]:
+        """Delete tombstones deleted before `now - older_than` and raise purge_seq.
+
+        Returns {vbucket: new purge_seq} for each partition that lost tombstones; the
+        purge_seq of a stored partition record is updated in the same transaction.
+        """
+        cutoff = (time.time() if now is None else now) - older_than
+        out: dict[int, int] = {}
+        with self._transaction(durable=False) as db:
+            purged = db.execute(
+                "SELECT vbucket, max(seq) FROM docs INDEXED BY docs_tombstones"
+                " WHERE deleted = 1 AND delete_time < ?"
+                " GROUP BY vbucket",
+                (cutoff,),
+            ).fetchall()
+            if purged:
+                db.execute("DELETE FROM docs WHERE deleted = 1 AND delete_time < ?", (cutoff,))
+                stored = dict(db.execute("SELECT vbucket, purge_seq FROM partitions").fetchall())
+                for vb, top in purged:
+                    out[vb] = max(_u64(top), _u64(stored.get(vb, 0)))
+                db.executemany(
+                    "UPDATE partitions SET purge_seq = ? WHERE vbucket = ?",
+                    [(_i64(seq), vb) for vb, seq in out.items()],
+                )
+        return out
+
+    def rollback(self, vbucket: int, to_seq: int) -> int:
+        """Delete the partition's rows with seq > to_seq, durably; returns how many.
+
+        Only the latest version of a key is kept, so a key whose latest version is above
+        `to_seq` disappears entirely. The stored record's high_seq and snapshot are
+        clamped to `to_seq` in the same transaction.
+        """
+        seq = _i64(to_seq)
+        with self._transaction(durable=True) as db:
+            count = db.execute(
+                "DELETE FROM docs WHERE vbucket = ? AND seq > ?", (vbucket, seq)
+            ).rowcount
+            db.execute(
+                "UPDATE partitions SET high_seq = min(high_seq, :s),"
+                " snap_start = min(snap_start, :s), snap_end = min(snap_end, :s)"
+                " WHERE vbucket = :vb",
+                {"s": seq, "vb": vbucket},
+            )
+        return int(count)
+
+
+class StorageReader:
+    """A read connection; `backfill` gives a consistent snapshot of one partition."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self._conn: sqlite3.Connection | None = conn
+        self.path = path
+        self._active: Backfill | None = None
+
+    def backfill(self, vbucket: int, after_seq: int, *, batch: int = 1000) -> Backfill:
+        """Start reading the partition's rows with seq > after_seq (one at a time per reader)."""
+        if self._conn is None:
+            raise ValueError(f"{self.path}: reader is closed")
+        if batch < 1:
+            raise ValueError(f"batch must be positive, got {batch}")
+        if self._active is not None and not self._active.done:
+            raise RuntimeError("this reader already has an open backfill; close it first")
+        self._active = Backfill(self._conn, vbucket, after_seq, batch)
+        return self._active
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End any open backfill and close the connection (idempotent)."""
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class Backfill:
+    """Rows of one partition with seq > after_seq in seq order, from ONE read transaction."""
+
+    high_seq: int  # max seq of the partition in this snapshot (0 if empty)
+
+    def __init__(self, conn: sqlite3.Connection, vbucket: int, after_seq: int, batch: int) -> None:
+        self._conn = conn
+        self._batch = batch
+        self.done = False  # True once the read transaction has ended
+        conn.execute("BEGIN")
+        try:
+            # The first SELECT fixes the WAL snapshot: high_seq and the rows agree.
+            top = conn.execute(
+                "SELECT max(seq) FROM docs WHERE vbucket = ?", (vbucket,)
+            ).fetchone()[0]
+            self.high_seq = 0 if top is None else _u64(top)
+            self._cursor: sqlite3.Cursor = conn.execute(
+                f"SELECT {_DOC_COLUMNS} FROM docs WHERE vbucket = ? AND seq > ? ORDER BY seq",
+                (vbucket, _i64(after_seq)),
+            )
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def fetch(self) -> list[DocRow]:
+        """The next batch (at most `batch` rows); [] when done, and the transaction ends."""
+        if self.done:
+            return []
+        rows = self._cursor.fetchmany(self._batch)
+        if len(rows) < self._batch:
+            self.close()
+        return _rows_to_docs(rows)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the read transaction early (idempotent)."""
+        if not self.done:
+            self.done = True
+            self._cursor.close()
+            self._conn.execute("COMMIT")
