@@ -477,3 +477,21 @@ def test_write_batches_match_a_dict_model(
                 assert reader.backfill(vb, after).high_seq == high
         for (vb, key), d in model.items():
             assert s.get(vb, key) == d
+
+
+def test_get_many_matches_get(tmp_path: Path) -> None:
+    """get_many returns exactly what get returns for each pair, absent keys left out."""
+    store = NodeStorage(tmp_path, "b")
+    docs = [DocRow(vb, f"k{i}".encode(), i + 1, 1, 7, 0, 0, 0, i % 5 == 0, 0, b"v")
+            for vb in range(3) for i in range(700)]  # fmt: skip
+    store.write_batch(docs, [])
+    pairs = [(vb, f"k{i}".encode()) for vb in range(4) for i in range(0, 800, 3)]
+    got = store.get_many(pairs)
+    assert got == {p: d for p in pairs if (d := store.get(*p)) is not None}
+    plan = store._db.execute(
+        "EXPLAIN QUERY PLAN SELECT d.key FROM (VALUES (?,?),(?,?)) AS v CROSS JOIN docs AS d "
+        "ON d.vbucket = v.column1 AND d.key = v.column2",
+        (1, b"a", 2, b"b"),
+    ).fetchall()
+    assert "SEARCH d USING PRIMARY KEY" in str(plan) and "SCAN d" not in str(plan)
+    store.close()

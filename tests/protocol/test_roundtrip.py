@@ -152,3 +152,41 @@ def test_fast_mutation_path_matches_the_schema(
         vb, seq, rev, cas, flags, exp,
     )  # fmt: skip
     assert bytes(rec.key) == key and bytes(rec.value) == value and rec.datatype == dt
+
+
+@settings(max_examples=150)
+@given(
+    st.sampled_from([0x01, 0x02, 0x03]), st.integers(0, 0xFFFF), st.integers(0, 2**32 - 1),
+    st.binary(max_size=40), st.binary(max_size=100), st.integers(0, 2**32 - 1),
+    st.integers(0, 2**32 - 1), st.integers(0, 255), u64,
+)  # fmt: skip
+def test_fast_set_matches_the_schema(
+    op: int, vb: int, opaque: int, key: bytes, value: bytes, flags: int, exp: int, dt: int,
+    cas: int,
+) -> None:  # fmt: skip
+    from upr_cli.protocol.fast import encode_set, parse_set
+    from upr_cli.protocol.messages import Add, Replace, Set
+
+    cls = {0x01: Set, 0x02: Add, 0x03: Replace}[op]
+    msg = cls(vbucket=vb, opaque=opaque, key=key, value=value, flags=flags, expiration=exp,
+              datatype=dt, cas=cas)  # fmt: skip
+    data = encode_set(op, vb, opaque, key, value, flags=flags, expiration=exp, datatype=dt, cas=cas)
+    assert data == msg.encode()
+    dec = FrameDecoder()
+    dec.feed(data)
+    frame = dec.next_frame()
+    assert frame is not None and parse_set(frame) == (flags, exp, key, value)
+
+
+@settings(max_examples=100)
+@given(st.sampled_from([0x01, 0x02, 0x03, 0x04, 0xA2, 0xA8]), st.integers(0, 2**32 - 1), u64,
+       st.none() | st.tuples(u64, u64))  # fmt: skip
+def test_fast_store_response_matches_the_schema(
+    op: int, opaque: int, cas: int, seq: tuple[int, int] | None
+) -> None:
+    from upr_cli.protocol.fast import encode_store_response
+    from upr_cli.protocol.messages import StoreResponse
+
+    uuid, seqno = seq if seq else (None, None)
+    msg = StoreResponse(opcode=op, opaque=opaque, cas=cas, vbucket_uuid=uuid, seqno=seqno)
+    assert encode_store_response(op, opaque, cas, uuid, seqno) == msg.encode()

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from upr_cli.errors import UsageError
 from upr_cli.net.bootstrap import connect, partition_of
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol import ResponseMessage
-from upr_cli.protocol.messages import Delete, Message, Set
+from upr_cli.protocol import Frame
+from upr_cli.protocol.fast import encode_set
+from upr_cli.protocol.header import Opcode
+from upr_cli.protocol.messages import Delete
 from upr_cli.protocol.status import Status
 
 WORDS = (
@@ -114,14 +116,14 @@ async def load(
     live: list[str] = []
     next_id = 0
     summary = LoadSummary()
-    inflight: deque[asyncio.Future[list[Message]]] = deque()
+    inflight: deque[asyncio.Future[Frame]] = deque()
     started = time.monotonic()
 
-    def settle(result: list[Message]) -> None:
-        resp = result[0]
-        if isinstance(resp, ResponseMessage) and resp.status != Status.SUCCESS:
+    def settle(reply: Frame) -> None:
+        status = reply.vbucket_or_status
+        if status != Status.SUCCESS:
             summary.errors += 1
-            summary.error_statuses[resp.status] = summary.error_statuses.get(resp.status, 0) + 1
+            summary.error_statuses[status] = summary.error_statuses.get(status, 0) + 1
 
     try:
         for i in range(docs):
@@ -129,9 +131,8 @@ async def load(
             if live and r < delete_ratio:
                 key = live.pop(rng.randrange(len(live)))
                 kb = key.encode()
-                msg: Set | Delete = Delete(
-                    key=kb, vbucket=partition_of(kb, n_parts), opaque=conn.next_opaque()
-                )
+                opaque = conn.next_opaque()
+                data = Delete(key=kb, vbucket=partition_of(kb, n_parts), opaque=opaque).encode()
                 summary.deletes += 1
             else:
                 if live and r < delete_ratio + update_ratio:
@@ -143,26 +144,27 @@ async def load(
                     live.append(key)
                     summary.sets += 1
                 kb = key.encode()
-                msg = Set(
-                    key=kb,
-                    value=make_doc(rng, i, size),
-                    datatype=1,
-                    vbucket=partition_of(kb, n_parts),
-                    opaque=conn.next_opaque(),
-                )
-            inflight.append(conn.start_request(msg))
+                opaque = conn.next_opaque()
+                data = encode_set(Opcode.SET, partition_of(kb, n_parts), opaque, kb,
+                                  make_doc(rng, i, size), datatype=1)  # fmt: skip
+            inflight.append(conn.start_raw(data, opaque, defer=True))
             summary.ops += 1
+            if len(inflight) % 64 == 0:
+                conn.flush_writes()
             if len(inflight) >= window:
+                conn.flush_writes()
                 settle(await inflight.popleft())
                 while inflight and inflight[0].done():
                     settle(inflight.popleft().result())
             if rate:
                 ahead = summary.ops / rate - (time.monotonic() - started)
                 if ahead > 0.001:
+                    conn.flush_writes()
                     await asyncio.sleep(ahead)
             if on_progress is not None and i % 2048 == 0:
                 summary.seconds = time.monotonic() - started
                 on_progress(summary)
+        conn.flush_writes()
         while inflight:
             settle(await inflight.popleft())
         summary.seconds = time.monotonic() - started

@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from upr_cli.errors import RemoteProtocolError, UprError
 from upr_cli.protocol import Frame, FrameDecoder, Message, ResponseMessage, decode_message
@@ -64,6 +65,8 @@ class Connection:
         self._decoder = FrameDecoder(max_body=max_body)
         self._pending: dict[int, asyncio.Future[list[Message]]] = {}
         self._multi: dict[int, list[Message]] = {}  # STAT: responses until the empty one
+        self._raw: dict[int, asyncio.Future[Frame]] = {}  # start_raw: undecoded replies
+        self._wbuf: list[bytes] = []  # deferred requests
         self._opaques = itertools.count(1)
         self._closed: ConnectionClosed | None = None
         self.on_server = on_server
@@ -138,6 +141,31 @@ class Connection:
             self._multi[msg.opaque] = []
         self._writer.write(msg.encode())
         return fut
+
+    def start_raw(self, data: bytes, opaque: int, *, defer: bool = False) -> asyncio.Future[Frame]:
+        """Send an encoded request; its reply comes back as an undecoded `Frame` (fast path).
+
+        The frame's `vbucket_or_status` is the status; it is valid until the next read.
+        With `defer`, the bytes wait for `flush_writes()` (one syscall for many requests).
+        """
+        if self._closed is not None:
+            raise self._closed
+        fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        if opaque in self._raw or opaque in self._pending:
+            raise UprError(f"opaque {opaque} is already in use")
+        self._raw[opaque] = fut
+        if defer:
+            self._wbuf.append(data)
+        else:
+            self.flush_writes()
+            self._writer.write(data)
+        return fut
+
+    def flush_writes(self) -> None:
+        """Write every deferred request in one call."""
+        if self._wbuf:
+            buf, self._wbuf = self._wbuf, []
+            self._writer.write(b"".join(buf))
 
     async def request(
         self, msg: Request, *, timeout: float | None = 30.0, check: bool = True
@@ -214,6 +242,11 @@ class Connection:
             self.on_server(server, nbytes)
 
     def _complete(self, frame: Frame) -> None:
+        raw = self._raw.pop(frame.opaque, None)
+        if raw is not None:
+            if not raw.done():
+                raw.set_result(frame)
+            return
         fut = self._pending.get(frame.opaque)
         if fut is None:
             log.debug("%s: response with unknown opaque %d dropped", self.name, frame.opaque)
@@ -246,11 +279,13 @@ class Connection:
         err = ConnectionClosed(f"{self.name}: {reason}")
         err.__cause__ = exc
         self._closed = err
-        for fut in self._pending.values():
+        waiters: list[asyncio.Future[Any]] = [*self._pending.values(), *self._raw.values()]
+        for fut in waiters:
             if not fut.done():
                 fut.set_exception(err)
                 fut.exception()  # mark retrieved: a waiter may have gone away
         self._pending.clear()
+        self._raw.clear()
         self._multi.clear()
         with contextlib.suppress(Exception):
             self._writer.close()

@@ -30,6 +30,7 @@ from upr_cli.protocol.status import KeyExists, KeyNotFound, NotMyVbucket
 log = logging.getLogger(__name__)
 
 FLUSH_CHUNK = 50_000  # docs per transaction at most
+_MISSING = object()
 
 
 def checked_datatype(datatype: int, value: bytes) -> int:
@@ -68,6 +69,10 @@ class Bucket:
         self._flusher: asyncio.Task[None] | None = None
         self._last_cas = 0
         self.started_unclean = False
+        # Disk versions prefetched for a batch of writes; valid while no flush intervened.
+        self._disk_gen = 0
+        self._prefetched: dict[tuple[int, bytes], DocRow | None] = {}
+        self._prefetched_gen = -1
 
     # -- life cycle -------------------------------------------------------------
 
@@ -129,8 +134,25 @@ class Bucket:
         part = self.partitions[vb]
         doc = part.get(key)
         if doc is None:
+            if self._prefetched_gen == self._disk_gen:
+                hit = self._prefetched.get((vb, key), _MISSING)
+                if hit is not _MISSING:
+                    return hit  # type: ignore[return-value]
             doc = self._lookup.get(vb, key)
         return doc
+
+    def prefetch(self, keys: list[tuple[int, bytes]]) -> None:
+        """Read the disk versions of a batch of keys in one query (the write path's lookups)."""
+        want = [
+            (vb, k)
+            for vb, k in keys
+            if vb in self.partitions and self.partitions[vb].get(k) is None
+        ]
+        if not want:
+            return
+        found = self._lookup.get_many(want)
+        self._prefetched = {pair: found.get(pair) for pair in want}
+        self._prefetched_gen = self._disk_gen
 
     def get(self, vb: int, key: bytes) -> DocRow:
         """A live, unexpired document or KEY_ENOENT."""
@@ -275,6 +297,7 @@ class Bucket:
                     )
                 docs_all = [d for _, docs in batches for d in docs]
                 await loop.run_in_executor(self._pool, self.storage.write_batch, docs_all, records)
+                self._disk_gen += 1
                 for (part, docs), rec in zip(batches, records, strict=True):
                     part.persisted_seq = rec.high_seq
                     part.snap_start, part.snap_end = rec.snap_start, rec.snap_end
@@ -297,6 +320,7 @@ class Bucket:
             purged = await asyncio.get_running_loop().run_in_executor(
                 self._pool, self.storage.purge_tombstones, older_than
             )
+            self._disk_gen += 1
         for vb, seq in purged.items():
             self.partitions[vb].purge_seq = max(self.partitions[vb].purge_seq, seq)
         return purged

@@ -42,7 +42,8 @@ from upr_cli.node.producer import (
     open_flags_problem,
 )
 from upr_cli.protocol import Frame, FrameDecoder, decode_message
-from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, Opcode
+from upr_cli.protocol.fast import encode_store_response, parse_set
+from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, Magic, Opcode
 from upr_cli.protocol.messages import (
     Add,
     AddStream,
@@ -97,6 +98,7 @@ from upr_cli.protocol.status import (
 
 log = logging.getLogger(__name__)
 
+FAST_STORE: dict[int, str] = {Opcode.SET: "set", Opcode.ADD: "add", Opcode.REPLACE: "replace"}
 GRANTABLE = {
     Feature.TCP_NODELAY,
     Feature.XERROR,
@@ -265,8 +267,9 @@ class ClientSession:
         self.features: set[int] = set()
         self.scram: ScramServer | None = None
         self.dcp: DcpProducer | None = None
-        self.sender = DcpSender(writer.write, writer.drain)
+        self.sender = DcpSender(self._write_now, writer.drain)
         self._closing = False
+        self._out: list[bytes] = []  # responses of the current read, written in one go
 
     async def run(self) -> None:
         """Read and answer requests until the peer leaves or misbehaves."""
@@ -279,10 +282,17 @@ class ClientSession:
                 decoder.feed(data)
                 if self.dcp is not None:
                     self.dcp.last_received = time.monotonic()
-                for frame in decoder.frames():
+                frames = decoder.frames()
+                if self.bucket is not None and len(frames) > 8:
+                    self.bucket.prefetch([
+                        (f.vbucket_or_status, bytes(f.key)) for f in frames
+                        if f.opcode in FAST_STORE and f.magic == Magic.REQUEST
+                    ])  # fmt: skip
+                for frame in frames:
                     await self.handle(frame)
                     if self._closing:
                         return
+                self.flush_out()
         except RemoteProtocolError as exc:
             log.info("%s: disconnecting: %s", self.peer, exc)
         except (ConnectionError, OSError):
@@ -298,6 +308,8 @@ class ClientSession:
 
     async def aclose(self) -> None:
         """Stop DCP streams and close the socket."""
+        with contextlib.suppress(Exception):
+            self.flush_out()
         self._closing = True
         if self.dcp is not None:
             dcp, self.dcp = self.dcp, None
@@ -306,13 +318,31 @@ class ClientSession:
             self.writer.close()
 
     def send(self, msg: Message | bytes) -> None:
-        """Write a response (not flow-controlled)."""
-        self.writer.write(msg if isinstance(msg, bytes) else msg.encode())
+        """Queue a response (not flow-controlled); written at the end of the read or before
+        anything that lets DCP stream output interleave."""
+        self._out.append(msg if isinstance(msg, bytes) else msg.encode())
+
+    def flush_out(self) -> None:
+        """Write queued responses in one call."""
+        if self._out:
+            out, self._out = self._out, []
+            self.writer.write(out[0] if len(out) == 1 else b"".join(out))
+
+    def _write_now(self, data: bytes) -> None:
+        """DCP output: our queued responses go first, so a STREAM_REQ reply precedes its data."""
+        self.flush_out()
+        self.writer.write(data)
 
     async def handle(self, frame: Frame) -> None:
         """Answer one request; status errors become responses, not disconnects."""
         if frame.magic in RESPONSE_MAGICS:
             return  # a client's reply: NOOP (§2.12), marker ack, set-vbucket-state
+        if frame.opcode in FAST_STORE and frame.magic == Magic.REQUEST and len(frame.extras) == 8:
+            try:
+                self.fast_store(frame)
+            except StatusError as exc:
+                self.send(error_response(frame.opcode, frame.opaque, exc.code, str(exc)))
+            return
         try:
             msg = decode_message(frame)
         except RemoteProtocolError as exc:
@@ -324,6 +354,19 @@ class ClientSession:
             self.send(StreamRequestRollback(opaque=msg.opaque, rollback_seqno=rb.seq))
         except StatusError as exc:
             self.send(error_response(frame.opcode, frame.opaque, exc.code, str(exc)))
+
+    def fast_store(self, frame: Frame) -> None:
+        """SET/ADD/REPLACE without building message objects (the load path)."""
+        bucket = self.need_bucket()
+        flags, expiration, key, value = parse_set(frame)
+        vb = frame.vbucket_or_status
+        doc = bucket.store(FAST_STORE[frame.opcode], vb, key, value, flags=flags,
+                           expiry=expiration, datatype=frame.datatype, cas=frame.cas)  # fmt: skip
+        if Feature.MUTATION_SEQNO in self.features:
+            self.send(encode_store_response(frame.opcode, frame.opaque, doc.cas,
+                                            bucket.partitions[vb].uuid, doc.seq))  # fmt: skip
+        else:
+            self.send(encode_store_response(frame.opcode, frame.opaque, doc.cas))
 
     def need_bucket(self) -> Bucket:
         """The selected bucket, or NO_BUCKET."""
@@ -618,6 +661,7 @@ class ClientSession:
             if not dcp.has_stream(msg.vbucket):
                 raise KeyNotFound(f"no stream for partition {msg.vbucket}")
             self.send(Response(opcode=Opcode.DCP_CLOSE_STREAM, opaque=msg.opaque))
+            self.flush_out()
             await dcp.close_stream(msg.vbucket)
         elif isinstance(msg, GetFailoverLog):
             part = dcp.bucket.partition(msg.vbucket, active=False)

