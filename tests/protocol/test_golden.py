@@ -38,6 +38,7 @@ from upr_cli.protocol.messages import (
     Add,
     AddStream,
     AddStreamResponse,
+    Barrier,
     BufferAck,
     CloseStream,
     Control,
@@ -1018,6 +1019,24 @@ GOLDEN: list[Row] = [
         """
         80 64 0000 08 00 0203 00000008 deadbeef 0000000000000000
         0102030405060708  # extras: u64 seqno
+        """,
+    ),
+    # ------------------------------------------------------------ upr extension (formats/barrier.md)
+    Row(
+        "barrier-register",
+        Barrier(opaque=0xDEADBEEF, cookie=b"ck1"),
+        """
+        80 e1 0003 00 00 0000 00000003 deadbeef 0000000000000000
+        63 6b 31  # key: cookie "ck1"
+        """,
+    ),
+    Row(
+        "barrier-reached",
+        Barrier(opaque=0xDEADBEEF, cookie=b"ck1", datatype=1, value=b'{"cut":{"3":"9"}}'),
+        """
+        80 e1 0003 00 01 0000 00000014 deadbeef 0000000000000000
+        63 6b 31  # key: cookie "ck1"
+        7b 22 63 75 74 22 3a 7b 22 33 22 3a 22 39 22 7d 7d  # value: {"cut":{"3":"9"}}
         """,
     ),
     # ------------------------------------------------------------ generic fallbacks

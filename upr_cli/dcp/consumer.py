@@ -19,14 +19,22 @@ longer than `dead_after` seconds is treated as dead (the server sends NOOPs ever
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
-from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpened
+from upr_cli.dcp.events import (
+    BarrierReached,
+    Event,
+    Rollback,
+    Snapshot,
+    StreamEnded,
+    StreamOpened,
+)
 from upr_cli.dcp.position import StreamPosition
-from upr_cli.errors import UprError
+from upr_cli.errors import RemoteProtocolError, UprError
 from upr_cli.failover import FailoverLog
 from upr_cli.net.bootstrap import Session, connect
 from upr_cli.net.connection import ConnectionClosed, ConnectionError_, ServerItems
@@ -35,6 +43,7 @@ from upr_cli.protocol import Frame, decode_message
 from upr_cli.protocol.header import Opcode
 from upr_cli.protocol.messages import (
     STREAM_FOREVER,
+    Barrier,
     BufferAck,
     Control,
     DcpOpen,
@@ -107,6 +116,7 @@ class DcpConsumer:
         noop_interval: float = 2.0,
         dead_after: float | None = None,
         reconnect_attempts: int = 5,
+        barriers: bool = False,
         connect_timeout: float = 10.0,
         name: str = "upr",
     ) -> None:
@@ -121,6 +131,8 @@ class DcpConsumer:
         self.noop_interval = noop_interval
         self.dead_after = dead_after or max(2 * noop_interval + 1, 5.0)
         self.reconnect_attempts = reconnect_attempts
+        self.want_barriers = barriers
+        self.barriers_supported = False
         self.connect_timeout = connect_timeout
         self.name = f"{name}:{random.getrandbits(32):08x}"
         self.parts: dict[int, _Part] = {}
@@ -184,6 +196,13 @@ class DcpConsumer:
                         ("set_noop_interval", f"{self.noop_interval:g}")]  # fmt: skip
             for key, value in controls:
                 await conn.request(Control(name=key, value=value, opaque=conn.next_opaque()))
+            if self.want_barriers:
+                # a real server answers EINVAL: no barriers, callers fall back (formats/barrier.md)
+                resp = await conn.request(
+                    Control(name="upr_barrier_cookies", value="true", opaque=conn.next_opaque()),
+                    check=False,
+                )
+                self.barriers_supported = resp.status == Status.SUCCESS
         except BaseException:
             await conn.aclose()
             raise
@@ -348,6 +367,13 @@ class DcpConsumer:
                 out.append(it)
                 continue
             msg = decode_message(it)
+            if isinstance(msg, Barrier):
+                try:
+                    cut = json.loads(msg.value)["cut"]
+                    out.append(BarrierReached(msg.cookie, {int(p): int(s) for p, s in cut.items()}))
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    raise RemoteProtocolError("malformed barrier cut") from None
+                continue
             vb = getattr(msg, "vbucket", -1)
             part = parts.get(vb)
             if part is None:
@@ -406,6 +432,13 @@ class DcpConsumer:
             except (ConnectionError_, OSError) as exc:
                 reason = str(exc)
                 log.info("reconnect failed: %s", exc)
+
+    async def barrier(self, cookie: bytes) -> None:
+        """Send a barrier cookie; a `BarrierReached` event follows in the stream."""
+        if not self.barriers_supported or self.session is None:
+            raise ConsumerError("the source does not support barrier cookies")
+        conn = self.session.conn
+        await conn.request(Barrier(cookie=cookie, opaque=conn.next_opaque()))
 
     async def failover_log(self, partition: int) -> FailoverLog:
         """The server's failover log for a partition (GET_FAILOVER_LOG)."""

@@ -45,4 +45,12 @@ class StreamEnded:
     position: StreamPosition
 
 
-Event = StreamOpened | Snapshot | Rollback | StreamEnded
+@dataclass(frozen=True, slots=True)
+class BarrierReached:
+    """A barrier cookie came back (formats/barrier.md): `cut` is consistent across partitions."""
+
+    cookie: bytes
+    cut: dict[int, int]
+
+
+Event = StreamOpened | Snapshot | Rollback | StreamEnded | BarrierReached

@@ -32,6 +32,7 @@ from upr_cli.node.partition import ACTIVE, REPLICA, Partition
 from upr_cli.node.storage import DocRow
 from upr_cli.protocol.fast import encode_mutation
 from upr_cli.protocol.messages import (
+    Barrier,
     Deletion,
     DeletionV2,
     Noop,
@@ -65,6 +66,7 @@ S_KNOWN = 0x1F7  # every defined bit but the removed 0x08
 MARKER_MEMORY, MARKER_DISK_CHECKPOINT = 0x01, 0x06
 END_OK, END_CLOSED, END_STATE_CHANGED, END_DISCONNECTED = 0, 1, 2, 3
 
+STREAM_ENDED = 1 << 64
 BATCH_ITEMS = 512
 BATCH_BYTES = 64 * 1024
 BACKFILL_ROWS = 1000
@@ -127,6 +129,15 @@ class DcpSender:
 
 
 @dataclass(slots=True)
+class PendingBarrier:
+    """A barrier cookie waiting until every recorded partition passed its point."""
+
+    cookie: bytes
+    opaque: int
+    points: dict[int, int]
+
+
+@dataclass(slots=True)
 class StreamSpec:
     """What a STREAM_REQ asked for, after the §4.1 adjustments."""
 
@@ -170,7 +181,12 @@ class DcpProducer:
         self._pool = backfill_pool
         self._slots = backfill_slots
         self._on_fatal = on_fatal
-        self.barriers = None  # set by the connection when the barrier extension is on
+        # Barrier cookies (formats/barrier.md): pending cookies in arrival order, and per
+        # partition the end of the last snapshot sent completely.
+        self.barriers_enabled = False
+        self._barriers: list[PendingBarrier] = []
+        self._barrier_lock = asyncio.Lock()
+        self.sent_end: dict[int, int] = {}
 
     # -- controls -----------------------------------------------------------------
 
@@ -213,6 +229,7 @@ class DcpProducer:
         elif key == BARRIER_CONTROL:
             if v != "true":
                 raise InvalidArguments(f"{BARRIER_CONTROL} takes true")
+            self.barriers_enabled = True
         elif key != "consumer_name" and v not in ("true", "true_with_seqno_advanced"):
             raise InvalidArguments(f"{key} takes true")
         self.controls[key] = v
@@ -296,8 +313,40 @@ class DcpProducer:
         spec = StreamSpec(vb, req.opaque, flags, start, end, uuid, snap_start, snap_end)
         return spec, part.failover.pairs()
 
+    def register_barrier(self, cookie: bytes, opaque: int) -> None:
+        """Note a cookie and, per open stream, the partition's high seqno now (seed 000)."""
+        if not 1 <= len(cookie) <= 250:
+            raise InvalidArguments("a barrier cookie has 1 to 250 bytes")
+        if any(b.cookie == cookie for b in self._barriers):
+            raise InvalidArguments("this barrier cookie is already pending")
+        points = {
+            vb: self.bucket.partitions[vb].high_seq for vb, task in self.streams.items()
+            if not task.done()
+        }  # fmt: skip
+        self._barriers.append(PendingBarrier(cookie, opaque, points))
+
+    def _reached(self, b: PendingBarrier) -> bool:
+        for vb, point in b.points.items():
+            task = self.streams.get(vb)
+            if task is not None and not task.done() and self.sent_end.get(vb, -1) < point:
+                return False
+        return True
+
+    async def check_barriers(self) -> None:
+        """Send back, in arrival order, every cookie whose partitions all passed their point."""
+        if not self._barriers:
+            return
+        async with self._barrier_lock:
+            while self._barriers and self._reached(self._barriers[0]):
+                b = self._barriers.pop(0)
+                cut = {str(vb): str(seq) for vb, seq in sorted(b.points.items())}
+                body = json.dumps({"cut": cut}, separators=(",", ":")).encode()
+                msg = Barrier(opaque=b.opaque, cookie=b.cookie, datatype=0x01, value=body)
+                await self.sender.send([msg.encode()])
+
     def start_stream(self, spec: StreamSpec) -> None:
         """Start the stream task (after the SUCCESS response was sent)."""
+        self.sent_end[spec.vbucket] = spec.start
         self.specs[spec.vbucket] = spec
         self.streams[spec.vbucket] = asyncio.get_running_loop().create_task(
             self._run_stream(spec), name=f"stream vb{spec.vbucket}"
@@ -356,6 +405,8 @@ class DcpProducer:
         )
         if self.specs.get(spec.vbucket) is spec:
             del self.specs[spec.vbucket]
+        self.sent_end[spec.vbucket] = STREAM_ENDED  # an ended stream holds no barrier back
+        await self.check_barriers()
 
     async def _stream(self, spec: StreamSpec) -> int:
         """Send snapshots until the end seq is passed; returns the STREAM_END status."""
@@ -388,6 +439,8 @@ class DcpProducer:
                 msgs += self._encode(spec, items)  # fmt: skip
                 await self._send_batched(msgs)
                 cursor = items[-1].seq
+                self.sent_end[vb] = cursor  # a memory batch is one complete snapshot
+                await self.check_barriers()
                 continue
             await part.wait_change(timeout=1.0)
 
@@ -414,6 +467,8 @@ class DcpProducer:
                     while rows:
                         await self._send_batched(self._encode(spec, rows))
                         rows = await loop.run_in_executor(self._pool, bf.fetch)
+                    self.sent_end[spec.vbucket] = bf.high_seq
+                    await self.check_barriers()
                     return max(cursor, bf.high_seq)
                 finally:
                     await loop.run_in_executor(self._pool, bf.close)

@@ -47,6 +47,7 @@ from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, Magic, Opcode
 from upr_cli.protocol.messages import (
     Add,
     AddStream,
+    Barrier,
     BufferAck,
     CloseStream,
     Control,
@@ -439,6 +440,7 @@ class ClientSession:
             BufferAck,
             AddStream,
             Noop,
+            Barrier,
         ):
             await self.dcp_request(msg)
         else:
@@ -646,6 +648,14 @@ class ClientSession:
             self.send(Response(opcode=Opcode.DCP_OPEN, opaque=msg.opaque))
             return
         dcp = self.dcp
+        if isinstance(msg, Barrier):
+            if dcp is None or not dcp.barriers_enabled:
+                raise UnknownCommand("barrier cookies need the upr_barrier_cookies control")
+            dcp.register_barrier(msg.cookie, msg.opaque)
+            self.send(Response(opcode=Opcode.UPR_BARRIER, opaque=msg.opaque))
+            self.flush_out()
+            await dcp.check_barriers()
+            return
         if dcp is None:
             raise InvalidArguments("send DCP_OPEN first")
         if isinstance(msg, BufferAck):

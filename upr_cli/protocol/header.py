@@ -73,6 +73,7 @@ class Opcode(IntEnum):
     DEL_WITH_META = 0xA8
     GET_CLUSTER_CONFIG = 0xB5
     GET_ERROR_MAP = 0xFE
+    UPR_BARRIER = 0xE1  # upr extension (formats/barrier.md)
 
 
 class Datatype(IntFlag):

@@ -943,6 +943,19 @@ class SystemEvent(Request):
     value: bytes = b""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Barrier(Request):
+    """UPR_BARRIER 0xE1, an upr extension (formats/barrier.md): key = cookie.
+
+    Client → node: register the cookie (no value). Node → client: the barrier was
+    reached; value = JSON {"cut": {partition: seq}} with decimal strings.
+    """
+
+    SCHEMA = Schema(opcodes=(Opcode.UPR_BARRIER,), key=("cookie", RAW), value=("value", RAW))
+    cookie: bytes
+    value: bytes = b""
+
+
 # ---------------------------------------------------------------- dispatch
 
 _REQUESTS: dict[int, list[type[Message]]] = {}
