@@ -34,7 +34,7 @@ system-deps:
 	fi
 
 demo: $(VENV)/.base-stamp
-	$(PY) examples/rollback_examples.py
+	$(PY) examples/demo.py
 
 lint: $(VENV)/.dev-stamp
 	$(VENV)/bin/ruff check .

@@ -1021,7 +1021,7 @@ GOLDEN: list[Row] = [
         0102030405060708  # extras: u64 seqno
         """,
     ),
-    # ------------------------------------------------------------ upr extension (formats/barrier.md)
+    # ------------------------------------------------------------ upr extension: barrier.md
     Row(
         "barrier-register",
         Barrier(opaque=0xDEADBEEF, cookie=b"ck1"),
