@@ -136,7 +136,9 @@ class DcpConsumer:
         self.connect_timeout = connect_timeout
         self.name = f"{name}:{random.getrandbits(32):08x}"
         self.parts: dict[int, _Part] = {}
-        self.committed: dict[int, StreamPosition] = {}
+        # (uuid, seq, snap_start, snap_end) per partition: plain tuples, since commit()
+        # runs after every batch and must stay cheap for 1024 partitions.
+        self._committed: dict[int, tuple[int, int, int, int]] = {}
         self.session: Session | None = None
         self._queue: asyncio.Queue[tuple[ServerItems, int] | BaseException | _Lost] = (
             asyncio.Queue()
@@ -175,7 +177,7 @@ class DcpConsumer:
             if self.until_end:
                 part.end = self.highs.get(p, 0)
             self.parts[p] = part
-            self.committed[p] = pos
+            self._committed[p] = (pos.uuid, pos.seq, pos.snap_start, pos.snap_end)
         await self._open_streams(list(self.parts.values()))
 
     async def _connect(self) -> None:
@@ -281,7 +283,7 @@ class DcpConsumer:
         # Without a kept log, stay on the position's branch: the server bounded r by it.
         uuid = entry.uuid if entry is not None else previous.uuid
         part.uuid, part.seq, part.snap_start, part.snap_end = uuid, r, r, r
-        self.committed[part.partition] = part.position()
+        self._committed[part.partition] = (part.uuid, part.seq, part.snap_start, part.snap_end)
         self._events.append(Rollback(part.partition, previous, r, uuid))
         log.info("partition %d: rollback from %d to %d", part.partition, previous.seq, r)
 
@@ -312,7 +314,19 @@ class DcpConsumer:
 
     def commit(self, positions: dict[int, StreamPosition] | None = None) -> None:
         """Mark positions durable in the caller's sink; a reconnect resumes from these."""
-        self.committed.update(positions if positions is not None else self.positions)
+        if positions is not None:
+            self._committed.update(
+                {p: (s.uuid, s.seq, s.snap_start, s.snap_end) for p, s in positions.items()}
+            )
+        else:
+            self._committed.update(
+                {p: (t.uuid, t.seq, t.snap_start, t.snap_end) for p, t in self.parts.items()}
+            )
+
+    @property
+    def committed(self) -> dict[int, StreamPosition]:
+        """The positions the caller committed; a reconnect resumes from these."""
+        return {p: StreamPosition(p, *t) for p, t in self._committed.items()}
 
     @property
     def finished(self) -> bool:
@@ -422,7 +436,7 @@ class DcpConsumer:
             self._queue = asyncio.Queue()
             self._events = [e for e in self._events if isinstance(e, Rollback)]
             for p, part in self.parts.items():
-                pos = self.committed[p]
+                pos = StreamPosition(p, *self._committed[p])
                 part.uuid, part.seq, part.snap_start, part.snap_end = (
                     pos.uuid, pos.seq, pos.snap_start, pos.snap_end)  # fmt: skip
             try:

@@ -60,26 +60,33 @@ class TailSummary:
     rollbacks: int = 0
 
 
+def _json_key(kb: memoryview | bytes) -> str:
+    """The key as a JSON string (plain ASCII keys skip json.dumps), plus key_b64 if not UTF-8."""
+    try:
+        key = str(kb, "utf-8")
+    except UnicodeDecodeError:
+        raw = bytes(kb)
+        return (
+            json.dumps(raw.decode(errors="replace"))
+            + ',"key_b64":"'
+            + base64.b64encode(raw).decode()
+            + '"'
+        )
+    if key.isascii() and key.isprintable() and '"' not in key and "\\" not in key:
+        return '"' + key + '"'
+    return json.dumps(key)
+
+
 def json_line(row: tuple[object, ...]) -> str:
     """One change as a JSON object: the value spliced raw when its datatype says JSON."""
     op, vb, seq, rev, cas, flags, exp, _dt, datatype, key, value, _opq = row
-    kb = bytes(key)  # type: ignore[call-overload]
-    try:
-        jkey = json.dumps(kb.decode())
-    except UnicodeDecodeError:
-        jkey = (
-            json.dumps(kb.decode(errors="replace"))
-            + ',"key_b64":"'
-            + base64.b64encode(kb).decode()
-            + '"'
-        )
-    vb_ = bytes(value)  # type: ignore[call-overload]
+    jkey = _json_key(key)  # type: ignore[arg-type]
     if op != 0x57:
         body = ""
-    elif int(datatype) & 0x01 and not int(datatype) & 0x02:  # type: ignore[call-overload]  # JSON, not Snappy: the server checked it
-        body = ',"value":' + vb_.decode()
+    elif int(datatype) & 0x03 == 0x01:  # type: ignore[call-overload]  # JSON, not Snappy
+        body = ',"value":' + str(value, "utf-8")  # type: ignore[call-overload]  # checked on write
     else:
-        body = ',"value_b64":"' + base64.b64encode(vb_).decode() + '"'
+        body = ',"value_b64":"' + base64.b64encode(value).decode() + '"'  # type: ignore[arg-type]
     return (f'{{"partition":{vb},"seq":{seq},"op":"{OPS[op]}","key":{jkey}{body},'  # type: ignore[index]
             f'"cas":"{cas}","rev_seq":{rev},"flags":{flags},"expiry":{exp}}}')  # fmt: skip
 

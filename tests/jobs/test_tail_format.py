@@ -1,0 +1,46 @@
+"""`upr tail` line formats: valid JSON for any key, the value spliced only when it is JSON."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from upr_cli.jobs.tail import json_line, parse_partitions, text_line
+
+DOC = b'{"a":1,"b":[true,null]}'
+
+
+def row(key: bytes, value: bytes = DOC, datatype: int = 1, op: int = 0x57) -> tuple[object, ...]:
+    return (op, 7, 42, 3, 2**64 - 1, 9, 100, 0, datatype, memoryview(key), memoryview(value), 1)
+
+
+@given(st.binary(max_size=40), st.binary(max_size=60))
+def test_any_key_and_raw_value_give_one_valid_json_object(key: bytes, value: bytes) -> None:
+    obj = json.loads(json_line(row(key, value, datatype=0)))
+    assert obj["partition"] == 7 and obj["seq"] == 42 and obj["op"] == "mutation"
+    assert obj["cas"] == str(2**64 - 1) and obj["rev_seq"] == 3 and obj["flags"] == 9
+    assert base64.b64decode(obj["value_b64"]) == value
+    try:
+        assert obj["key"] == key.decode()
+    except UnicodeDecodeError:
+        assert base64.b64decode(obj["key_b64"]) == key
+
+
+def test_json_values_are_spliced_as_documents() -> None:
+    obj = json.loads(json_line(row(b'k"\\', DOC)))
+    assert obj["value"] == {"a": 1, "b": [True, None]} and obj["key"] == 'k"\\'
+    snappy = json.loads(json_line(row(b"k", b"\x01\x02", datatype=0x03)))
+    assert "value_b64" in snappy
+
+
+def test_deletions_have_no_value() -> None:
+    obj = json.loads(json_line(row(b"gone", b"", datatype=0, op=0x58)))
+    assert obj["op"] == "deletion" and "value" not in obj and "value_b64" not in obj
+    assert "deletion key=gone" in text_line(row(b"gone", b"", datatype=0, op=0x58))
+
+
+def test_partition_lists() -> None:
+    assert parse_partitions("0-3,9,2") == [0, 1, 2, 3, 9]
