@@ -283,13 +283,20 @@ class ClientSession:
                 decoder.feed(data)
                 if self.dcp is not None:
                     self.dcp.last_received = time.monotonic()
-                frames = decoder.frames()
+                # read_rows: classic frames come from its single-unpack loop; a client sends
+                # requests, never DCP data rows, so every item here is a Frame.
+                frames: list[Frame] = decoder.read_rows(1 << 16)  # type: ignore[assignment]
                 if self.bucket is not None and len(frames) > 8:
                     self.bucket.prefetch([
                         (f.vbucket_or_status, bytes(f.key)) for f in frames
-                        if f.opcode in FAST_STORE and f.magic == Magic.REQUEST
+                        if type(f) is Frame and f.opcode in FAST_STORE and f.magic == Magic.REQUEST
                     ])  # fmt: skip
                 for frame in frames:
+                    if type(frame) is not Frame:  # a DCP data message sent by a client
+                        row: tuple[Any, ...] = frame
+                        why = "DCP data messages are not accepted here"
+                        self.send(error_response(row[0], row[11], Status.EINVAL, why))
+                        continue
                     await self.handle(frame)
                     if self._closing:
                         return
