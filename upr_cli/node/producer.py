@@ -22,9 +22,10 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from upr_cli.failover import needs_rollback
 from upr_cli.node.bucket import Bucket
@@ -53,6 +54,7 @@ from upr_cli.protocol.status import (
 )
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # DCP_OPEN flags (§2.1)
 OPEN_PRODUCER, OPEN_NOTIFIER, OPEN_XATTRS, OPEN_NO_VALUE = 0x01, 0x02, 0x04, 0x08
@@ -179,7 +181,8 @@ class DcpProducer:
         self._noop_task: asyncio.Task[None] | None = None
         self._noop_opaque = 0x7FFF_0000
         self._pool = backfill_pool
-        self._slots = backfill_slots
+        self._slots = backfill_slots  # server-wide: concurrent SQLite reads
+        self._own = asyncio.Semaphore(2)  # per connection: open backfills (snapshots held)
         self._on_fatal = on_fatal
         # Barrier cookies (formats/barrier.md): pending cookies in arrival order, and per
         # partition the end of the last snapshot sent completely.
@@ -444,17 +447,34 @@ class DcpProducer:
                 continue
             await part.wait_change(timeout=1.0)
 
-    async def _backfill(self, spec: StreamSpec, part: Partition, cursor: int, first: bool) -> int:
-        """Stream one consistent disk snapshot of (cursor, disk high]; returns the new cursor."""
-        loop = asyncio.get_running_loop()
+    async def _pool_call(self, fn: Callable[[], _T]) -> _T:
+        """Run `fn` on the backfill pool under a server-wide slot.
+
+        A cancelled caller still waits for `fn` to finish: a SQLite connection must not be
+        closed (by the caller's cleanup, on another thread) while a fetch is using it.
+        """
         async with self._slots:
-            reader = await loop.run_in_executor(self._pool, self.bucket.storage.open_reader)
+            fut = asyncio.get_running_loop().run_in_executor(self._pool, fn)
             try:
-                bf = await loop.run_in_executor(
-                    self._pool, lambda: reader.backfill(spec.vbucket, cursor, batch=BACKFILL_ROWS)
+                return await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                await asyncio.wait([fut])
+                raise
+
+    async def _backfill(self, spec: StreamSpec, part: Partition, cursor: int, first: bool) -> int:
+        """Stream one consistent disk snapshot of (cursor, disk high]; returns the new cursor.
+
+        The server-wide slots are held only around each SQLite call, never while waiting for
+        flow-control credit, so a client that stops acknowledging stalls only itself.
+        """
+        async with self._own:
+            reader = await self._pool_call(self.bucket.storage.open_reader)
+            try:
+                bf = await self._pool_call(
+                    lambda: reader.backfill(spec.vbucket, cursor, batch=BACKFILL_ROWS)
                 )
                 try:
-                    rows = await loop.run_in_executor(self._pool, bf.fetch)
+                    rows = await self._pool_call(bf.fetch)
                     if not rows:
                         # only purged tombstones lay between cursor and the persisted seq
                         return max(cursor, bf.high_seq, part.persisted_seq)
@@ -466,14 +486,14 @@ class DcpProducer:
                     await self.sender.send([marker.encode()])
                     while rows:
                         await self._send_batched(self._encode(spec, rows))
-                        rows = await loop.run_in_executor(self._pool, bf.fetch)
+                        rows = await self._pool_call(bf.fetch)
                     self.sent_end[spec.vbucket] = bf.high_seq
                     await self.check_barriers()
                     return max(cursor, bf.high_seq)
                 finally:
-                    await loop.run_in_executor(self._pool, bf.close)
+                    await _finish(self._pool_call(bf.close))
             finally:
-                await loop.run_in_executor(self._pool, reader.close)
+                await _finish(self._pool_call(reader.close))
 
     async def _send_batched(self, msgs: list[bytes]) -> None:
         batch: list[bytes] = []
@@ -507,6 +527,16 @@ class DcpProducer:
                 out.append(Deletion(vbucket=vb, opaque=opaque, cas=d.cas, by_seqno=d.seq,
                                     rev_seqno=d.rev_seq, key=d.key).encode())  # fmt: skip
         return out
+
+
+async def _finish(call: Awaitable[None]) -> None:
+    """Complete a cleanup call even if the task is being cancelled meanwhile."""
+    task = asyncio.ensure_future(call)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
 
 
 class RollbackTo(Exception):

@@ -100,6 +100,8 @@ from upr_cli.protocol.status import (
 log = logging.getLogger(__name__)
 
 FAST_STORE: dict[int, str] = {Opcode.SET: "set", Opcode.ADD: "add", Opcode.REPLACE: "replace"}
+UNAUTH_MAX_BODY = 16 * 1024  # bytes a peer may send in one frame before authenticating
+OUT_HIGH_WATER = 1 << 20  # queued response bytes that make the session wait for the socket
 GRANTABLE = {
     Feature.TCP_NODELAY,
     Feature.XERROR,
@@ -271,10 +273,16 @@ class ClientSession:
         self.sender = DcpSender(self._write_now, writer.drain)
         self._closing = False
         self._out: list[bytes] = []  # responses of the current read, written in one go
+        self._out_bytes = 0
+        self.decoder = FrameDecoder(max_body=UNAUTH_MAX_BODY)
 
     async def run(self) -> None:
         """Read and answer requests until the peer leaves or misbehaves."""
-        decoder = FrameDecoder(max_body=self.server.config.max_body)
+        # kv_engine's limit for unauthenticated peers; raised after SASL (reliability §4.1)
+        self.decoder.max_body = (
+            self.server.config.max_body if self.authenticated else UNAUTH_MAX_BODY
+        )
+        decoder = self.decoder
         try:
             while not self._closing:
                 data = await self.reader.read(1 << 18)
@@ -283,30 +291,31 @@ class ClientSession:
                 decoder.feed(data)
                 if self.dcp is not None:
                     self.dcp.last_received = time.monotonic()
-                # read_rows: classic frames come from its single-unpack loop; a client sends
-                # requests, never DCP data rows, so every item here is a Frame.
-                frames: list[Frame] = decoder.read_rows(1 << 16)  # type: ignore[assignment]
+                # every item is a Frame: requests are never turned into DCP data rows here
+                frames: list[Frame] = decoder.read_rows(1 << 16, data_rows=False)  # type: ignore[assignment]
                 if self.bucket is not None and len(frames) > 8:
                     self.bucket.prefetch([
                         (f.vbucket_or_status, bytes(f.key)) for f in frames
-                        if type(f) is Frame and f.opcode in FAST_STORE and f.magic == Magic.REQUEST
+                        if f.opcode in FAST_STORE and f.magic == Magic.REQUEST
                     ])  # fmt: skip
                 for frame in frames:
-                    if type(frame) is not Frame:  # a DCP data message sent by a client
-                        row: tuple[Any, ...] = frame
-                        why = "DCP data messages are not accepted here"
-                        self.send(error_response(row[0], row[11], Status.EINVAL, why))
-                        continue
                     await self.handle(frame)
                     if self._closing:
                         return
-                self.flush_out()
+                    if self._out_bytes > OUT_HIGH_WATER:
+                        await self.drain_out()
+                await self.drain_out()
         except RemoteProtocolError as exc:
             log.info("%s: disconnecting: %s", self.peer, exc)
         except (ConnectionError, OSError):
             pass
         finally:
             await self.aclose()
+
+    async def drain_out(self) -> None:
+        """Write queued responses and wait while the socket's buffer is full (back-pressure)."""
+        self.flush_out()
+        await self.writer.drain()
 
     def fatal(self, reason: str) -> None:
         """Disconnect this peer (idle DCP peer, internal stream error)."""
@@ -328,12 +337,15 @@ class ClientSession:
     def send(self, msg: Message | bytes) -> None:
         """Queue a response (not flow-controlled); written at the end of the read or before
         anything that lets DCP stream output interleave."""
-        self._out.append(msg if isinstance(msg, bytes) else msg.encode())
+        data = msg if isinstance(msg, bytes) else msg.encode()
+        self._out.append(data)
+        self._out_bytes += len(data)
 
     def flush_out(self) -> None:
         """Write queued responses in one call."""
         if self._out:
             out, self._out = self._out, []
+            self._out_bytes = 0
             self.writer.write(out[0] if len(out) == 1 else b"".join(out))
 
     def _write_now(self, data: bytes) -> None:
@@ -454,7 +466,9 @@ class ClientSession:
             raise UnknownCommand(f"opcode 0x{getattr(msg, 'opcode', 0):02x} is not supported")
 
     def sasl(self, msg: SaslAuth | SaslStep) -> None:
-        """SASL PLAIN and SCRAM-SHA512 (dcp-wire §5.2)."""
+        """SASL PLAIN and SCRAM-SHA512 (dcp-wire §5.2); refused after DCP_OPEN (§2.1)."""
+        if self.dcp is not None:
+            raise InvalidArguments("SASL is not accepted after DCP_OPEN")
         creds = self.server.credentials
         try:
             if isinstance(msg, SaslAuth) and msg.mechanism == "PLAIN":
@@ -492,6 +506,7 @@ class ClientSession:
 
     def _authenticated(self, user: str, msg: SaslAuth | SaslStep, payload: bytes) -> None:
         self.authenticated, self.user = True, user
+        self.decoder.max_body = self.server.config.max_body
         opcode = Opcode.SASL_AUTH if isinstance(msg, SaslAuth) else Opcode.SASL_STEP
         self.send(Response(opcode=opcode, opaque=msg.opaque, value=payload))
 

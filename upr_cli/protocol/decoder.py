@@ -186,13 +186,23 @@ class FrameDecoder:
             hdr[0], hdr[1], hdr[4], hdr[5], hdr[7], hdr[8], framing, extras, key, mv[p:end]
         )
 
-    def read_rows(self, limit: int = 1024) -> list[tuple[object, ...]]:
+    @property
+    def max_body(self) -> int:
+        """The largest body accepted; a server raises it once the peer has authenticated."""
+        return self._max_body
+
+    @max_body.setter
+    def max_body(self, value: int) -> None:
+        self._max_body = value
+
+    def read_rows(self, limit: int = 1024, *, data_rows: bool = True) -> list[tuple[object, ...]]:
         """The DCP fast path: up to `limit` items, data rows as plain tuples, the rest as Frames.
 
         A mutation, deletion or expiration request (magic 0x80) becomes a tuple in
         `ROW_FIELDS` order (one struct call for a mutation's header and extras, key and
         value as memoryview slices, no copies); anything else comes back as a `Frame`
-        (`type(item) is Frame`) for `decode_message`.
+        (`type(item) is Frame`) for `decode_message`. With `data_rows=False` every item is a
+        Frame (a server reading requests: a malformed one must get EINVAL, not end the read).
         """
         out: list[tuple[object, ...]] = []
         append = out.append
@@ -241,7 +251,7 @@ class FrameDecoder:
                 room -= 1
                 p = off + HEADER_LEN
                 k = p + extlen
-                if magic == 0x80 and OP_MUTATION <= opcode <= OP_EXPIRATION:
+                if data_rows and magic == 0x80 and OP_MUTATION <= opcode <= OP_EXPIRATION:
                     if opcode != OP_MUTATION or extlen != 31:  # the hot path has all fields
                         try:
                             seq, rev, flags, exp, dtime = data_fields(opcode, buf, p, extlen)
