@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 class BenchNode:
     """Start/stop a node; read its peak RSS."""
@@ -31,6 +33,31 @@ class BenchNode:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
         return 0.0
+
+    def wait_persisted(self, timeout: float = 600.0) -> None:
+        """Poll STAT vbucket-seqno until every partition's persisted seq equals its high seq."""
+        import asyncio
+        import time
+
+        from upr_cli.net.bootstrap import connect
+        from upr_cli.net.uri import SourceUri
+
+        async def done() -> bool:
+            s = await connect(SourceUri.parse(self.uri))
+            try:
+                st = await s.conn.stats("vbucket-seqno")
+            finally:
+                await s.conn.aclose()
+            highs = {
+                k[: -len(":high_seqno")]: v for k, v in st.items() if k.endswith(":high_seqno")
+            }
+            return all(st[f"{vb}:last_persisted_seqno"] == h for vb, h in highs.items())
+
+        deadline = time.monotonic() + timeout
+        while not asyncio.run(done()):
+            if time.monotonic() > deadline:
+                raise SystemExit("the node did not persist its writes in time")
+            time.sleep(0.2)
 
     def stop(self) -> None:
         """SIGTERM and wait."""

@@ -52,8 +52,14 @@ def drain(uri: str) -> None:
     print(json.dumps({"items": n, "seconds": secs, "rss_mb": rss}))
 
 
-def child_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+def run_measured(cmd: list[str], stdout: int | None = None) -> float:
+    """Run a child to completion; return its own peak RSS in MB (os.wait4)."""
+    proc = subprocess.Popen(cmd, stdout=stdout)
+    _pid, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd[2:4]} exited {proc.returncode}")
+    return usage.ru_maxrss / 1024
 
 
 def main() -> None:
@@ -74,13 +80,13 @@ def main() -> None:
                 f"loaded {args.docs:,} docs in {time.perf_counter() - t:.1f}s; "
                 "waiting for persistence"
             )
-            time.sleep(1.0)
+            node.wait_persisted()
             with open(os.devnull, "w") as devnull:
                 t = time.perf_counter()
-                subprocess.run([sys.executable, "-m", "upr_cli", "tail", node.uri, "--until-end",
-                                "--format", "json"], check=True, stdout=devnull)  # fmt: skip
+                cmd = [sys.executable, "-m", "upr_cli", "tail", node.uri, "--until-end",
+                       "--format", "json"]  # fmt: skip
+                cli_rss = run_measured(cmd, stdout=devnull.fileno())
                 cli_secs = time.perf_counter() - t
-            cli_rss = child_rss_mb()  # the largest child so far (load or tail)
             out = subprocess.run([sys.executable, __file__, "--drain", node.uri], check=True,
                                  capture_output=True, text=True)  # fmt: skip
             lib = json.loads(out.stdout)

@@ -495,3 +495,23 @@ def test_get_many_matches_get(tmp_path: Path) -> None:
     ).fetchall()
     assert "SEARCH d USING PRIMARY KEY" in str(plan) and "SCAN d" not in str(plan)
     store.close()
+
+
+def test_fetch_rows_match_fetch(tmp_path: Path) -> None:
+    """The producer's tuple path gives the same rows as DocRows, 64-bit values included."""
+    store = NodeStorage(tmp_path, "b")
+    docs = [DocRow(0, f"k{i}".encode(), i + 1, 2**64 - 1 - i, 2**63 + i, i, 0, 1, i % 3 == 0,
+                   7 if i % 3 == 0 else 0, b"v%d" % i) for i in range(50)]  # fmt: skip
+    store.write_batch(docs, [])
+    reader = store.open_reader()
+    a = reader.backfill(0, 0, batch=7)
+    docs_read = []
+    while batch := a.fetch():
+        docs_read += batch
+    b = reader.backfill(0, 0, batch=7)
+    rows = []
+    while batch2 := b.fetch_rows():
+        rows += batch2
+    assert [DocRow(*r[:8], bool(r[8]), *r[9:]) for r in rows] == docs_read == docs
+    reader.close()
+    store.close()

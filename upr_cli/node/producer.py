@@ -25,12 +25,12 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from upr_cli.failover import needs_rollback
 from upr_cli.node.bucket import Bucket
 from upr_cli.node.partition import ACTIVE, REPLICA, Partition
-from upr_cli.node.storage import DocRow
+from upr_cli.node.storage import Backfill, DocRow, StorageReader
 from upr_cli.protocol.fast import encode_mutation
 from upr_cli.protocol.messages import (
     Barrier,
@@ -465,35 +465,47 @@ class DcpProducer:
         """Stream one consistent disk snapshot of (cursor, disk high]; returns the new cursor.
 
         The server-wide slots are held only around each SQLite call, never while waiting for
-        flow-control credit, so a client that stops acknowledging stalls only itself.
+        flow-control credit, so a client that stops acknowledging stalls only itself. Rows
+        are encoded in the same pool call that fetches them (no DocRow objects).
         """
-        async with self._own:
-            reader = await self._pool_call(self.bucket.storage.open_reader)
+        storage = self.bucket.storage
+
+        def open_and_fetch() -> tuple[StorageReader, Backfill, list[bytes], int]:
+            reader = storage.open_reader()
             try:
-                bf = await self._pool_call(
-                    lambda: reader.backfill(spec.vbucket, cursor, batch=BACKFILL_ROWS)
-                )
-                try:
-                    rows = await self._pool_call(bf.fetch)
-                    if not rows:
-                        # only purged tombstones lay between cursor and the persisted seq
-                        return max(cursor, bf.high_seq, part.persisted_seq)
-                    marker = SnapshotMarker(
-                        vbucket=spec.vbucket, opaque=spec.opaque,
-                        start_seqno=spec.start if first else rows[0].seq,
-                        end_seqno=bf.high_seq, flags=MARKER_DISK_CHECKPOINT,
-                    )  # fmt: skip
-                    await self.sender.send([marker.encode()])
-                    while rows:
-                        await self._send_batched(self._encode(spec, rows))
-                        rows = await self._pool_call(bf.fetch)
-                    self.sent_end[spec.vbucket] = bf.high_seq
-                    await self.check_barriers()
-                    return max(cursor, bf.high_seq)
-                finally:
-                    await _finish(self._pool_call(bf.close))
+                bf = reader.backfill(spec.vbucket, cursor, batch=BACKFILL_ROWS)
+                rows = bf.fetch_rows()
+            except BaseException:
+                reader.close()
+                raise
+            return reader, bf, self._encode_rows(spec, rows), rows[0][2] if rows else 0
+
+        def close(reader: StorageReader, bf: Backfill) -> None:
+            try:
+                bf.close()
             finally:
-                await _finish(self._pool_call(reader.close))
+                reader.close()
+
+        async with self._own:
+            reader, bf, msgs, first_seq = await self._pool_call(open_and_fetch)
+            try:
+                if not msgs:
+                    # only purged tombstones lay between cursor and the persisted seq
+                    return max(cursor, bf.high_seq, part.persisted_seq)
+                marker = SnapshotMarker(
+                    vbucket=spec.vbucket, opaque=spec.opaque,
+                    start_seqno=spec.start if first else first_seq,
+                    end_seqno=bf.high_seq, flags=MARKER_DISK_CHECKPOINT,
+                )  # fmt: skip
+                await self.sender.send([marker.encode()])
+                while msgs:
+                    await self._send_batched(msgs)
+                    msgs = await self._pool_call(lambda: self._encode_rows(spec, bf.fetch_rows()))
+                self.sent_end[spec.vbucket] = bf.high_seq
+                await self.check_barriers()
+                return max(cursor, bf.high_seq)
+            finally:
+                await _finish(self._pool_call(lambda: close(reader, bf)))
 
     async def _send_batched(self, msgs: list[bytes]) -> None:
         batch: list[bytes] = []
@@ -506,6 +518,16 @@ class DcpProducer:
                 batch, size = [], 0
         if batch:
             await self.sender.send(batch)
+
+    def _encode_rows(self, spec: StreamSpec, rows: list[tuple[Any, ...]]) -> list[bytes]:
+        """Encode storage rows (DocRow field order) without building DocRows."""
+        if self.flags & (OPEN_NO_VALUE | OPEN_NO_VALUE_DT | OPEN_DELETE_TIMES) or any(
+            r[8] for r in rows
+        ):
+            return self._encode(spec, [DocRow(*r) for r in rows])
+        opaque, vb = spec.opaque, spec.vbucket
+        return [encode_mutation(vb, opaque, r[4], r[7], r[2], r[3], r[5], r[6], r[1], r[10])
+                for r in rows]  # fmt: skip
 
     def _encode(self, spec: StreamSpec, docs: list[DocRow]) -> list[bytes]:
         no_value = self.flags & (OPEN_NO_VALUE | OPEN_NO_VALUE_DT)

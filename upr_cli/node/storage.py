@@ -627,12 +627,26 @@ class Backfill:
 
     def fetch(self) -> list[DocRow]:
         """The next batch (at most `batch` rows); [] when done, and the transaction ends."""
+        return _rows_to_docs(self._fetch_raw())
+
+    def _fetch_raw(self) -> list[Any]:
         if self.done:
             return []
         rows = self._cursor.fetchmany(self._batch)
         if len(rows) < self._batch:
             self.close()
-        return _rows_to_docs(rows)
+        return rows
+
+    def fetch_rows(self) -> list[tuple[Any, ...]]:
+        """Like `fetch`, as plain tuples in DocRow field order, `deleted` as 0/1 (hot path)."""
+        rows = self._fetch_raw()
+        t = _TWO64
+        return [
+            r if r[2] >= 0 and r[3] >= 0 and r[4] >= 0 and r[8] in (0, False)
+            else (r[0], r[1], r[2] + t if r[2] < 0 else r[2], r[3] + t if r[3] < 0 else r[3],
+                  r[4] + t if r[4] < 0 else r[4], r[5], r[6], r[7], r[8] == 1, r[9], r[10])
+            for r in rows
+        ]  # fmt: skip
 
     def __enter__(self) -> Self:
         return self
