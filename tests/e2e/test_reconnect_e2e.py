@@ -1,0 +1,89 @@
+"""The consumer's reconnect (capped backoff with jitter) and dead-connection timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+from tests.e2e.conftest import Node, upr
+from tests.e2e.e2e_helpers import Replica, drain, run, seqnos, wait_persisted
+from upr_cli.dcp.consumer import ConsumerError, DcpConsumer
+from upr_cli.dcp.events import Rollback
+from upr_cli.net.uri import SourceUri
+
+
+def test_a_following_consumer_survives_a_node_crash_and_rolls_back(
+    node_factory: type[Node],
+) -> None:
+    node = node_factory("--flush-interval", "0.02").start()
+    upr("load", node.uri, "--docs", "500", "--seed", "1")
+    persisted = {p: h for p, (_u, h, _pers) in wait_persisted(node.uri).items()}
+    node.stop()
+    node.start("--flush-interval", "3600")  # the next writes stay unpersisted
+    upr("load", node.uri, "--docs", "300", "--seed", "2", "--prefix", "lost")
+    highs = {p: h for p, (_u, h, _pers) in run(seqnos(node.uri)).items()}
+
+    async def follow() -> tuple[Replica, list[Rollback]]:
+        consumer = DcpConsumer(SourceUri.parse(node.uri), noop_interval=0.5, reconnect_attempts=30)
+        replica, rollbacks = Replica(), []
+        await consumer.open()
+        killed = False
+        try:
+            while True:
+                batch = await asyncio.wait_for(consumer.batches().__anext__(), 30)
+                rows = [tuple(bytes(v) if isinstance(v, memoryview) else v for v in it)
+                        for it in batch if type(it) is tuple]  # fmt: skip
+                events = [it for it in batch if type(it) is not tuple]
+                replica.apply(rows, events)
+                rollbacks += [e for e in events if isinstance(e, Rollback)]
+                consumer.commit()
+                seen = {p: pos.seq for p, pos in consumer.positions.items()}
+                if not killed and seen == highs:
+                    node.kill()  # the client has seen writes the node never persisted
+                    killed = True
+                    await asyncio.sleep(0.5)
+                    node.start()  # same port: the consumer reconnects with backoff
+                if killed and len({r.partition for r in rollbacks}) == len(highs):
+                    return replica, rollbacks
+        finally:
+            await consumer.aclose()
+
+    replica, rollbacks = asyncio.run(follow())
+    assert {r.partition: r.to_seq for r in rollbacks} == persisted
+    truth = Replica()
+    rows, _events, _c = run(drain(node.uri))
+    truth.apply(rows, [])
+    assert replica.state() == truth.state()
+
+
+def test_a_silent_node_is_detected_and_reconnects_give_up_with_one_error(
+    node_factory: type[Node],
+) -> None:
+    node = node_factory("--flush-interval", "0.02").start()
+    upr("load", node.uri, "--docs", "50")
+
+    async def go() -> float:
+        consumer = DcpConsumer(SourceUri.parse(node.uri), noop_interval=0.2, dead_after=1.0,
+                               reconnect_attempts=2, connect_timeout=1.0)  # fmt: skip
+        await consumer.open()
+        t0 = time.monotonic()
+        try:
+            async for batch in consumer.batches():
+                consumer.commit()
+                if not any(type(it) is tuple for it in batch) and node.alive():
+                    assert node.proc is not None
+                    node.proc.send_signal(signal.SIGSTOP)  # alive but silent
+                    t0 = time.monotonic()
+        finally:
+            await consumer.aclose()
+        return t0
+
+    try:
+        with pytest.raises(ConsumerError, match="reconnect attempts failed"):
+            asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGCONT)
