@@ -307,8 +307,8 @@ class ClientSession:
                 await self.drain_out()
         except RemoteProtocolError as exc:
             log.info("%s: disconnecting: %s", self.peer, exc)
-        except (ConnectionError, OSError):
-            pass
+        except (ConnectionError, OSError) as exc:
+            log.debug("%s: connection lost: %s", self.peer, exc)  # a peer leaving is normal
         finally:
             await self.aclose()
 
