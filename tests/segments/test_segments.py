@@ -1,0 +1,231 @@
+"""Segment files: exact round trips, vectors, and rejection of every truncation and bit flip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from upr_cli.errors import LocalProtocolError
+from upr_cli.failover import FailoverLog
+from upr_cli.segments import FileOps, SegmentError, SegmentHeader, SegmentReader, SegmentWriter
+
+VECTORS = Path(__file__).resolve().parents[2] / "formats" / "vectors"
+LOG = FailoverLog.of([(0xDEADBEEF, 8), (0xCAFEBABE, 0)])
+
+
+def header(start: int = 0, end: int = 10_000, block: int = 256, part: int = 3) -> SegmentHeader:
+    return SegmentHeader(
+        "b",
+        part,
+        LOG,
+        start,
+        end,
+        ((start, end),),
+        "2026-11-21T00:00:00.000000Z",
+        "upr://127.0.0.1/b",
+        block,
+    )
+
+
+def rows_for(seqs: list[int], part: int = 3) -> list[tuple[Any, ...]]:
+    ops = (0x57, 0x58, 0x59)
+    return [
+        (
+            ops[s % 3],
+            part,
+            s,
+            s % 7 + 1,
+            (s * 2654435761) % 2**64,
+            s % 5,
+            s % 11,
+            s % 13,
+            s % 2,
+            f"key-{s}".encode(),
+            b"v" * (s % 90) if s % 3 == 0 else b"",
+            0,
+        )
+        for s in seqs
+    ]
+
+
+def as_records(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    return [
+        (op, seq, rev, cas, fl, exp, dt, dtype, bytes(k), bytes(v))
+        for op, _vb, seq, rev, cas, fl, exp, dt, dtype, k, v, _o in rows
+    ]
+
+
+def write(path: Path, hdr: SegmentHeader, rows: list[tuple[Any, ...]]) -> Any:
+    w = SegmentWriter(path, hdr)
+    w.add(rows)
+    return w.finish()
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(st.integers(1, 5000), unique=True, max_size=300),
+    st.integers(50, 3000),
+    st.integers(0, 5001),
+)
+def test_round_trip_and_seek(tmp_path: Path, seqs: list[int], block: int, from_seq: int) -> None:
+    seqs.sort()
+    rows = rows_for(seqs)
+    path = tmp_path / f"s{block}-{len(seqs)}.seg"
+    path.unlink(missing_ok=True)
+    info = write(path, header(block=block), rows)
+    with SegmentReader(path) as r:
+        assert list(r.records()) == as_records(rows)
+        assert list(r.records(from_seq)) == [x for x in as_records(rows) if x[1] >= from_seq]
+        assert r.verify() == info
+        assert info.records == len(rows) and (info.first_seq, info.last_seq) == (
+            (seqs[0], seqs[-1]) if seqs else (0, 0)
+        )
+        assert r.header == header(block=block)
+
+
+@pytest.mark.parametrize("name", ["empty", "two-blocks"])
+def test_vectors_read_back_exactly(name: str) -> None:
+    expected = json.loads((VECTORS / f"{name}.json").read_text())
+    with SegmentReader(VECTORS / f"{name}.seg") as r:
+        assert json.loads(r.header.to_bytes()) == expected["header"]
+        assert len(r.blocks) == expected["blocks"]
+        got = [
+            [op, str(seq), str(rev), str(cas), fl, exp, dt, dtype, k.hex(), v.hex()]
+            for op, seq, rev, cas, fl, exp, dt, dtype, k, v in r.records()
+        ]
+        assert got == expected["records"]
+        info = r.verify()
+        assert (info.checksum, info.bytes) == (expected["checksum"], expected["bytes"])
+
+
+def _fully_read(path: Path) -> None:
+    with SegmentReader(path) as r:
+        r.verify()
+
+
+def test_every_truncation_and_extension_is_rejected(tmp_path: Path) -> None:
+    good = tmp_path / "good.seg"
+    write(good, header(block=200), rows_for(list(range(1, 60))))
+    data = good.read_bytes()
+    _fully_read(good)
+    bad = tmp_path / "bad.seg"
+    for cut in range(len(data)):
+        bad.write_bytes(data[:cut])
+        with pytest.raises(SegmentError):
+            _fully_read(bad)
+    bad.write_bytes(data + b"\0")
+    with pytest.raises(SegmentError):
+        _fully_read(bad)
+
+
+def test_every_single_byte_flip_is_rejected(tmp_path: Path) -> None:
+    good = tmp_path / "good.seg"
+    write(good, header(block=200), rows_for(list(range(1, 40))))
+    data = good.read_bytes()
+    bad = tmp_path / "bad.seg"
+    for i in range(len(data)):
+        flipped = bytearray(data)
+        flipped[i] ^= 0x20
+        bad.write_bytes(bytes(flipped))
+        with pytest.raises(SegmentError) as exc:
+            _fully_read(bad)
+        assert "bad.seg" in str(exc.value)
+
+
+def test_a_corrupt_block_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "x.seg"
+    write(path, header(block=100), rows_for(list(range(1, 30))))
+    with SegmentReader(path) as r:
+        target = r.blocks[2]
+    data = bytearray(path.read_bytes())
+    data[target.offset + 5] ^= 1
+    path.write_bytes(bytes(data))
+    with (
+        SegmentReader(path) as r,
+        pytest.raises(SegmentError, match=r"x\.seg, block 2: block checksum"),
+    ):
+        list(r.records())
+
+
+class Failing(FileOps):
+    """Fail the n-th file-system call."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.calls = 0
+
+    def _tick(self, what: str) -> None:
+        self.calls += 1
+        if self.calls == self.n:
+            raise OSError(f"injected failure in {what}")
+
+    def open(self, path: Path) -> IO[bytes]:
+        self._tick("open")
+        return super().open(path)
+
+    def write(self, f: IO[bytes], data: bytes) -> None:
+        self._tick("write")
+        super().write(f, data)
+
+    def fsync(self, f: IO[bytes]) -> None:
+        self._tick("fsync")
+        super().fsync(f)
+
+    def rename(self, src: Path, dst: Path) -> None:
+        self._tick("rename")
+        super().rename(src, dst)
+
+    def fsync_dir(self, path: Path) -> None:
+        self._tick("fsync_dir")
+        super().fsync_dir(path)
+
+
+def test_a_failure_at_any_write_fsync_or_rename_leaves_nothing_half_written(tmp_path: Path) -> None:
+    rows = rows_for(list(range(1, 80)))
+    counter = Failing(0)
+    write_with(tmp_path / "count.seg", counter, rows)
+    total = counter.calls
+    assert total > 6  # open, header, several blocks, footer, trailer, fsync, rename, dir fsync
+    for n in range(1, total + 1):
+        path = tmp_path / f"f{n}.seg"
+        with pytest.raises(OSError, match="injected"):
+            write_with(path, Failing(n), rows)
+        leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(f".f{n}.seg.tmp")]
+        assert not leftovers, leftovers  # the writer removed its temporary file
+        if path.exists():  # only a failure after the rename: the file is whole
+            _fully_read(path)
+
+
+def write_with(path: Path, fs: FileOps, rows: list[tuple[Any, ...]]) -> None:
+    w = SegmentWriter(path, header(block=150), fs=fs)
+    w.add(rows)
+    w.finish()
+
+
+def test_writer_refuses_records_out_of_range_or_order(tmp_path: Path) -> None:
+    for bad in ([5, 5], [7, 3], [10_001]):
+        w = SegmentWriter(tmp_path / f"w{bad}.seg", header(end=10_000))
+        with pytest.raises(LocalProtocolError):
+            w.add(rows_for(bad))
+        w.abort()
+    w = SegmentWriter(tmp_path / "op.seg", header())
+    with pytest.raises(LocalProtocolError):
+        w.add([(0x5A, 3, 1, 1, 1, 0, 0, 0, 0, b"k", b"", 0)])
+    w.abort()
+    assert not list(tmp_path.iterdir())
+
+
+def test_not_a_segment(tmp_path: Path) -> None:
+    p = tmp_path / "n.seg"
+    p.write_bytes(b"PK\x03\x04" + bytes(200))
+    with pytest.raises(SegmentError, match="bad magic"):
+        SegmentReader(p)
+    with pytest.raises(SegmentError, match="cannot open"):
+        SegmentReader(tmp_path / "missing.seg")

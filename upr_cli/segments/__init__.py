@@ -1,0 +1,24 @@
+"""Segment files (formats/segment.md): one partition's records for one seq range of one branch."""
+
+from upr_cli.segments.format import (
+    RECORD_FIELDS,
+    BlockInfo,
+    SegmentError,
+    SegmentHeader,
+    SegmentInfo,
+)
+from upr_cli.segments.reader import Record, SegmentReader
+from upr_cli.segments.writer import FileOps, SegmentWriter, temp_name
+
+__all__ = [
+    "RECORD_FIELDS",
+    "BlockInfo",
+    "FileOps",
+    "Record",
+    "SegmentError",
+    "SegmentHeader",
+    "SegmentInfo",
+    "SegmentReader",
+    "SegmentWriter",
+    "temp_name",
+]

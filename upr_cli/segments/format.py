@@ -1,0 +1,132 @@
+"""Byte layouts of segment files (formats/segment.md is normative; offsets live only here)."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from upr_cli.errors import UprError
+from upr_cli.failover import FailoverLog, InvalidFailoverLog
+
+MAGIC = b"\x89USEG\r\n\x1a"
+END_MAGIC = b"USEGEND\n"
+VERSION = 1
+PREAMBLE = struct.Struct("<8sHHI")  # magic, version, flags, header_len
+CRC = struct.Struct("<I")
+RECORD_HEAD = struct.Struct("<BBHIQQQIIII")  # op, datatype, key_len, value_len, seq, rev, cas,
+# flags, expiry, delete_time, reserved
+FOOTER_FIXED = struct.Struct("<IIQQQQ")  # block_count, reserved, records, raw_bytes, first, last
+BLOCK_ENTRY = struct.Struct("<QQQIIII")  # offset, first, last, clen, rlen, count, crc
+TRAILER = struct.Struct("<QII8s")  # footer_offset, footer_len, footer_crc, end magic
+MAX_HEADER = 1 << 20
+OPS = frozenset({0x57, 0x58, 0x59})
+# Record tuples handed out by readers, in this order:
+RECORD_FIELDS = ("op", "seq", "rev_seq", "cas", "flags", "expiry", "delete_time", "datatype",
+                 "key", "value")  # fmt: skip
+_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
+U64 = (1 << 64) - 1
+
+
+class SegmentError(UprError):
+    """A segment file is missing, unreadable, corrupt or truncated."""
+
+    def __init__(self, path: object, reason: str, block: int | None = None) -> None:
+        self.path, self.reason, self.block = path, reason, block
+        where = f"{path}" + (f", block {block}" if block is not None else "")
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    """What a segment says about itself (formats/segment.md, Header)."""
+
+    bucket: str
+    partition: int
+    failover_log: FailoverLog
+    start_seq: int
+    end_seq: int
+    snapshots: tuple[tuple[int, int], ...] = ()
+    created: str = "1970-01-01T00:00:00.000000Z"
+    source: str = ""
+    block_size: int = 1 << 20
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def uuid(self) -> int:
+        """The branch the records belong to."""
+        return self.failover_log.latest.uuid
+
+    def to_bytes(self) -> bytes:
+        """The header JSON (decimal strings for 64-bit values)."""
+        obj = {
+            "bucket": self.bucket, "partition": self.partition, "uuid": str(self.uuid),
+            "failover_log": self.failover_log.to_json(), "start_seq": str(self.start_seq),
+            "end_seq": str(self.end_seq),
+            "snapshots": [[str(a), str(b)] for a, b in self.snapshots],
+            "created": self.created, "source": self.source, "block_size": self.block_size,
+        }  # fmt: skip
+        return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, path: object) -> SegmentHeader:
+        """Parse and validate a header; problems raise SegmentError."""
+        try:
+            obj = json.loads(data)
+            log = FailoverLog.from_json(obj["failover_log"])
+            hdr = cls(
+                bucket=str(obj["bucket"]), partition=_int(obj["partition"], 0, 1023),
+                failover_log=log, start_seq=_int(obj["start_seq"]), end_seq=_int(obj["end_seq"]),
+                snapshots=tuple((_int(a), _int(b)) for a, b in obj["snapshots"]),
+                created=str(obj["created"]), source=str(obj["source"]),
+                block_size=_int(obj["block_size"], 1, 1 << 30),
+            )  # fmt: skip
+            if int(obj["uuid"]) != hdr.uuid:
+                raise ValueError("uuid is not the failover log's newest entry")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, InvalidFailoverLog) as exc:
+            raise SegmentError(path, f"bad header: {exc}") from None
+        if hdr.start_seq > hdr.end_seq:
+            raise SegmentError(path, f"bad header: start {hdr.start_seq} > end {hdr.end_seq}")
+        if not _TIME.fullmatch(hdr.created):
+            raise SegmentError(path, f"bad header: created {hdr.created!r}")
+        return hdr
+
+
+def _int(v: Any, lo: int = 0, hi: int = U64) -> int:
+    if isinstance(v, bool):
+        raise ValueError(f"{v!r} is not a number")
+    n = int(v)  # ints and decimal strings
+    if not lo <= n <= hi:
+        raise ValueError(f"{n} outside {lo}..{hi}")
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """One footer entry."""
+
+    offset: int
+    first_seq: int
+    last_seq: int
+    compressed_len: int
+    raw_len: int
+    record_count: int
+    crc: int
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """What a writer produced (for manifests) or a verify found."""
+
+    path: str
+    partition: int
+    start_seq: int
+    end_seq: int
+    first_seq: int
+    last_seq: int
+    records: int
+    raw_bytes: int
+    bytes: int
+    checksum: str  # BLAKE2b-128 of the whole file, hex
