@@ -210,16 +210,27 @@ def write_with(path: Path, fs: FileOps, rows: list[tuple[Any, ...]]) -> None:
 
 
 def test_writer_refuses_records_out_of_range_or_order(tmp_path: Path) -> None:
-    for bad in ([5, 5], [7, 3], [10_001]):
+    for bad in ([5, 5], [7, 3]):
         w = SegmentWriter(tmp_path / f"w{bad}.seg", header(end=10_000))
         with pytest.raises(LocalProtocolError):
             w.add(rows_for(bad))
-        w.abort()
+    w = SegmentWriter(tmp_path / "end.seg", header(end=10_000))
+    w.add(rows_for([10_001]))
+    with pytest.raises(LocalProtocolError, match="> end"):
+        w.finish()
     w = SegmentWriter(tmp_path / "op.seg", header())
     with pytest.raises(LocalProtocolError):
         w.add([(0x5A, 3, 1, 1, 1, 0, 0, 0, 0, b"k", b"", 0)])
-    w.abort()
-    assert not list(tmp_path.iterdir())
+    assert not list(tmp_path.iterdir())  # every refusal aborted and removed its files
+
+
+def test_finish_sets_the_range_end_and_markers(tmp_path: Path) -> None:
+    w = SegmentWriter(tmp_path / "f.seg", header(start=100, end=200))
+    w.add(rows_for([150, 230]))  # a stream may pass its pinned end to finish a snapshot
+    info = w.finish(end_seq=230, snapshots=((100, 180), (181, 230)))
+    with SegmentReader(tmp_path / "f.seg") as r:
+        assert r.header.end_seq == 230 and r.header.snapshots == ((100, 180), (181, 230))
+        assert r.verify() == info
 
 
 def test_not_a_segment(tmp_path: Path) -> None:

@@ -1,10 +1,13 @@
 """Writing segment files: blocks compressed off the caller's hot path, atomic publication.
 
 Theory of operation: records are packed into a raw block until it reaches `block_size`,
-then the block is compressed as one zstd frame and appended to a temporary file in the
-destination directory. `finish()` writes the footer and trailer, fsyncs, renames to the
-final name and fsyncs the directory (STYLE 9); before that nothing is visible under the
-final name. All file-system calls go through `FileOps`, so tests can fail any of them.
+then the block is compressed as one zstd frame and appended to a temporary body file.
+The header carries facts known only at the end of a stream (the range end, which may
+pass the pinned end to finish a snapshot, and the markers covered), so `finish()`
+assembles the file then: preamble and header, the body copied by the kernel (compressed
+bytes: about an eighth of the raw size), footer, trailer; fsync, rename to the final
+name, fsync the directory (STYLE 9). Before that nothing is visible under the final
+name. All file-system calls go through `FileOps`, so tests can fail any of them.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import contextlib
 import hashlib
 import os
 import secrets
+import shutil
 import zlib
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,8 +47,8 @@ class FileOps:
     """The file-system calls a writer makes (tests subclass it to inject failures)."""
 
     def open(self, path: Path) -> IO[bytes]:
-        """Create a new file for writing (fails if it exists)."""
-        return open(path, "xb")
+        """Create a new file for reading and writing (fails if it exists)."""
+        return open(path, "x+b")
 
     def write(self, f: IO[bytes], data: bytes) -> None:
         """Write all of `data`."""
@@ -53,6 +58,11 @@ class FileOps:
         """Flush and fsync a file."""
         f.flush()
         os.fsync(f.fileno())
+
+    def copy(self, src: IO[bytes], dst: IO[bytes]) -> None:
+        """Copy the rest of `src` into `dst` (the body into the final file)."""
+        dst.flush()
+        shutil.copyfileobj(src, dst, 1 << 20)
 
     def rename(self, src: Path, dst: Path) -> None:
         """Atomically rename."""
@@ -77,7 +87,11 @@ def temp_name(path: Path) -> Path:
 
 
 class SegmentWriter:
-    """Write one segment; `add` rows, then `finish` (or `abort`)."""
+    """Write one segment: `add` rows, then `finish` (or `abort`).
+
+    `header` gives everything known when the stream starts; `finish` may set the range
+    end and the snapshot markers covered, which are known only at the end.
+    """
 
     def __init__(
         self,
@@ -94,61 +108,47 @@ class SegmentWriter:
         self._zstd = zstandard.ZstdCompressor(level=level, write_content_size=True,
                                               write_checksum=False)  # fmt: skip
         self._tmp = temp_name(path)
-        self._file: IO[bytes] | None = None
-        self._digest = hashlib.blake2b(digest_size=16)
-        self._offset = 0
+        self._body_path = self._tmp.with_name(self._tmp.name + "-body")
+        self._body: IO[bytes] | None = None
+        self._out: IO[bytes] | None = None
+        self._body_len = 0
         self._raw: list[bytes] = []
         self._raw_len = 0
         self._raw_count = 0
         self._raw_first = 0
         self._last_seq = header.start_seq
         self._first_seq = 0
-        self._blocks: list[BlockInfo] = []
+        self._blocks: list[BlockInfo] = []  # offsets relative to the body
         self._records = 0
         self._raw_total = 0
         self._done = False
-        self._open()
-
-    def _open(self) -> None:
-        head = self.header.to_bytes()
-        pre = PREAMBLE.pack(MAGIC, VERSION, 0, len(head)) + head
-        self._file = self.fs.open(self._tmp)
         try:
-            self._write(pre + CRC.pack(zlib.crc32(pre)))
+            self._body = self.fs.open(self._body_path)
         except BaseException:
             self.abort()
             raise
 
-    def _write(self, data: bytes) -> None:
-        assert self._file is not None
-        self.fs.write(self._file, data)
-        self._digest.update(data)
-        self._offset += len(data)
-
     def add(self, rows: Iterable[tuple[Any, ...]]) -> None:
-        """Append DCP rows (`ROW_FIELDS` order); seqs must increase within (start, end].
+        """Append DCP rows (`ROW_FIELDS` order) with increasing seqs above the start.
 
         Any failure (a write error, a record out of order) aborts the whole segment.
         """
         if self._done:
             raise LocalProtocolError("segment already finished")
         pack = RECORD_HEAD.pack
-        end = self.header.end_seq
         raw, last = self._raw, self._last_seq
         try:
             for op, _vb, seq, rev, cas, flags, exp, dtime, datatype, key, value, _opq in rows:
-                if seq <= last or seq > end or op not in OPS:
+                if seq <= last or op not in OPS:
                     raise LocalProtocolError(
-                        f"record seq {seq} (op 0x{op:02x}) does not follow {last} within "
-                        f"({self.header.start_seq}, {end}]"
+                        f"record seq {seq} (op 0x{op:02x}) does not follow {last}"
                     )
                 if not self._raw_count:
                     self._raw_first = seq
                     if not self._first_seq:
                         self._first_seq = seq
                 k, v = bytes(key), bytes(value)
-                rec = pack(op, datatype, len(k), len(v), seq, rev, cas, flags, exp, dtime, 0)
-                raw.append(rec)
+                raw.append(pack(op, datatype, len(k), len(v), seq, rev, cas, flags, exp, dtime, 0))
                 raw.append(k)
                 raw.append(v)
                 self._raw_len += 48 + len(k) + len(v)
@@ -159,7 +159,7 @@ class SegmentWriter:
                     self._flush_block()
                     raw = self._raw
         except BaseException:
-            self.abort()  # a failed write or a bad record: the segment is abandoned whole
+            self.abort()
             raise
         self._last_seq = last
 
@@ -168,49 +168,85 @@ class SegmentWriter:
             return
         data = b"".join(self._raw)
         frame = self._zstd.compress(data)
-        self._blocks.append(BlockInfo(self._offset, self._raw_first, self._last_seq, len(frame),
+        self._blocks.append(BlockInfo(self._body_len, self._raw_first, self._last_seq, len(frame),
                                       len(data), self._raw_count, zlib.crc32(frame)))  # fmt: skip
         self._records += self._raw_count
         self._raw_total += len(data)
-        self._write(frame)
+        assert self._body is not None
+        self.fs.write(self._body, frame)
+        self._body_len += len(frame)
         self._raw, self._raw_len, self._raw_count = [], 0, 0
 
-    def finish(self) -> SegmentInfo:
-        """Write footer and trailer, fsync, rename into place, fsync the directory."""
+    @property
+    def last_seq(self) -> int:
+        """The seq of the last record added (the start seq if none)."""
+        return self._last_seq
+
+    def finish(
+        self, *, end_seq: int | None = None, snapshots: tuple[tuple[int, int], ...] | None = None
+    ) -> SegmentInfo:
+        """Assemble header, body, footer and trailer; fsync, rename, fsync the directory."""
         if self._done:
             raise LocalProtocolError("segment already finished")
+        h = self.header
+        if end_seq is not None or snapshots is not None:
+            h = replace(h, end_seq=h.end_seq if end_seq is None else end_seq,
+                        snapshots=h.snapshots if snapshots is None else snapshots)  # fmt: skip
         try:
             self._flush_block()
+            if self._last_seq > h.end_seq:
+                raise LocalProtocolError(f"records reach seq {self._last_seq} > end {h.end_seq}")
+            digest = hashlib.blake2b(digest_size=16)
+            head = h.to_bytes()
+            pre = PREAMBLE.pack(MAGIC, VERSION, 0, len(head)) + head
+            pre += CRC.pack(zlib.crc32(pre))
+            base = len(pre)
             last = self._blocks[-1].last_seq if self._blocks else 0
             footer = FOOTER_FIXED.pack(len(self._blocks), 0, self._records, self._raw_total,
                                        self._first_seq, last) + b"".join(
-                BLOCK_ENTRY.pack(b.offset, b.first_seq, b.last_seq, b.compressed_len, b.raw_len,
-                                 b.record_count, b.crc) for b in self._blocks
+                BLOCK_ENTRY.pack(base + b.offset, b.first_seq, b.last_seq, b.compressed_len,
+                                 b.raw_len, b.record_count, b.crc) for b in self._blocks
             )  # fmt: skip
-            footer_offset = self._offset
-            self._write(footer)
-            self._write(TRAILER.pack(footer_offset, len(footer), zlib.crc32(footer), END_MAGIC))
-            assert self._file is not None
-            self.fs.fsync(self._file)
-            self._file.close()
+            tail = footer + TRAILER.pack(base + self._body_len, len(footer), zlib.crc32(footer),
+                                         END_MAGIC)  # fmt: skip
+            assert self._body is not None
+            self.fs.fsync(self._body)
+            self._out = out = self.fs.open(self._tmp)
+            self.fs.write(out, pre)
+            digest.update(pre)
+            self._body.seek(0)
+            self.fs.copy(self._body, out)
+            self._body.seek(0)
+            while chunk := self._body.read(1 << 20):
+                digest.update(chunk)
+            self.fs.write(out, tail)
+            digest.update(tail)
+            self.fs.fsync(out)
+            out.close()
+            self._body.close()
+            self.fs.remove(self._body_path)
             self.fs.rename(self._tmp, self.path)
             self.fs.fsync_dir(self.path.parent)
         except BaseException:
             self.abort()
             raise
         self._done = True
-        h = self.header
-        return SegmentInfo(str(self.path), h.partition, h.start_seq, h.end_seq, self._first_seq,
-                           last, self._records, self._raw_total, self._offset,
-                           self._digest.hexdigest())  # fmt: skip
+        self.header = h
+        size = base + self._body_len + len(tail)
+        return SegmentInfo(
+            str(self.path), h.partition, h.start_seq, h.end_seq, self._first_seq, last,
+            self._records, self._raw_total, size, digest.hexdigest(),
+        )  # fmt: skip
 
     def abort(self) -> None:
-        """Drop the temporary file; nothing appears under the final name."""
+        """Drop the temporary files; nothing appears under the final name."""
         self._done = True
-        if self._file is not None and not self._file.closed:
-            self._file.close()
-        with contextlib.suppress(OSError):  # a sweep removes `.NAME.tmp-*` leftovers later
-            self.fs.remove(self._tmp)
+        for f in (self._body, self._out):
+            if f is not None and not f.closed:
+                f.close()
+        for p in (self._body_path, self._tmp):
+            with contextlib.suppress(OSError):  # a sweep removes `.NAME.tmp-*` leftovers later
+                self.fs.remove(p)
 
     def __enter__(self) -> SegmentWriter:
         return self
