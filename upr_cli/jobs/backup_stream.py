@@ -1,0 +1,188 @@
+"""Stream partitions of a bucket into segment files (the data path of `upr backup`).
+
+Theory of operation (DESIGN data flow 3). One `DcpConsumer` streams every partition over
+one connection, finite to the high seqnos pinned at start. Each partition's records go
+to its own `SegmentWriter`; compression and file writes run on one worker thread, in
+arrival order, so the event loop (and the network) never waits on zstd: the reader task
+keeps filling the flow-control window meanwhile. A ROLLBACK met when a stream opens is
+recorded and the partition continues from the rollback seq on the new branch (never
+mixing branches: the segment's failover log is the one the accepted stream returned).
+A rollback in the middle of a run (after a reconnect) cannot be reconciled with records
+already written for this run, so the run fails; its finished segments stay reusable and
+the next run resumes. Positions the caller passes in say where each partition's
+previous backup ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from upr_cli.dcp.consumer import DcpConsumer
+from upr_cli.dcp.events import Rollback, Snapshot, StreamEnded, StreamOpened
+from upr_cli.dcp.position import StreamPosition
+from upr_cli.errors import UprError
+from upr_cli.failover import FailoverLog
+from upr_cli.net.uri import SourceUri
+from upr_cli.segments import SegmentHeader, SegmentInfo, SegmentWriter
+
+
+class BackupInterrupted(UprError):
+    """The run cannot finish consistently (a rollback in mid-stream, a stream refused)."""
+
+
+@dataclass
+class PartitionResult:
+    """What one partition's stream produced in this run."""
+
+    partition: int
+    failover_log: FailoverLog
+    start_seq: int  # where this run's records begin (exclusive)
+    end_seq: int  # the end of the range covered (inclusive)
+    snapshot: tuple[int, int]  # the last snapshot marker received
+    segment: SegmentInfo | None  # None when the partition had nothing new
+    rollback: tuple[int, int] | None = None  # (from, to) when the source rolled us back
+    items: int = 0
+
+    @property
+    def position(self) -> StreamPosition:
+        """Where the next run resumes."""
+        uuid = self.failover_log.latest.uuid if self.failover_log.entries else 0
+        return StreamPosition(self.partition, uuid, self.end_seq, *self.snapshot)
+
+
+@dataclass
+class StreamStats:
+    """Running totals for progress displays."""
+
+    items: int = 0
+    bytes_in: int = 0
+    partitions_done: int = 0
+    partitions: int = 0
+    rollbacks: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Open:
+    writer: SegmentWriter | None
+    log: FailoverLog
+    start: int
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+    rollback: tuple[int, int] | None = None
+    items: int = 0
+
+
+async def stream_to_segments(
+    uri: SourceUri,
+    directory: Path,
+    *,
+    bucket: str,
+    positions: dict[int, StreamPosition],
+    failover_logs: dict[int, FailoverLog] | None = None,
+    partitions: list[int] | None = None,
+    segment_name: Callable[[int, int], str],
+    block_size: int = 1 << 20,
+    buffer_size: int = 8 * 1024 * 1024,
+    on_progress: Callable[[StreamStats], None] | None = None,
+) -> dict[int, PartitionResult]:
+    """Stream each partition from its position to the pinned high seqno into a segment.
+
+    `segment_name(partition, start_seq)` names the file inside `directory`.
+    """
+    consumer = DcpConsumer(uri, partitions=partitions, positions=positions,
+                           failover_logs=failover_logs, until_end=True, buffer_size=buffer_size,
+                           name="upr-backup")  # fmt: skip
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segments")
+    stats = StreamStats()
+    opened: dict[int, _Open] = {}
+    results: dict[int, PartitionResult] = {}
+    pending: dict[int, list[tuple[Any, ...]]] = {}
+    rolled: dict[int, tuple[int, int]] = {}  # rollbacks met while a stream opened
+    now = time.time()
+    created = (
+        time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1e6) % 10**6:06d}Z"
+    )
+    source = uri.redacted()
+
+    def open_writer(p: int, st: _Open) -> SegmentWriter:
+        header = SegmentHeader(bucket, p, st.log, st.start, max(st.start, consumer.highs.get(p, 0)),
+                               (), created, source, block_size)  # fmt: skip
+        return SegmentWriter(directory / segment_name(p, st.start), header)
+
+    async def flush_rows() -> None:
+        for p, rows in pending.items():
+            st = opened[p]
+            if st.writer is None:
+                st.writer = await loop.run_in_executor(pool, open_writer, p, st)
+            await loop.run_in_executor(pool, st.writer.add, rows)
+            st.items += len(rows)
+        pending.clear()
+
+    try:
+        await consumer.open()
+        stats.partitions = len(consumer.parts)
+        async for batch in consumer.batches():
+            for item in batch:
+                if type(item) is tuple:
+                    pending.setdefault(item[1], []).append(item)  # type: ignore[arg-type]
+                    stats.items += 1
+                    stats.bytes_in += 55 + len(item[9]) + len(item[10])  # type: ignore[arg-type]
+                elif isinstance(item, Rollback):
+                    st0 = opened.get(item.partition)
+                    if st0 is not None and st0.items:
+                        raise BackupInterrupted(
+                            f"partition {item.partition}: the source rolled back to seq "
+                            f"{item.to_seq} during the backup; run it again to resume"
+                        )
+                    stats.rollbacks += 1
+                    opened.pop(item.partition, None)
+                    rolled[item.partition] = (item.previous.seq, item.to_seq)
+                elif isinstance(item, StreamOpened):
+                    p = item.partition
+                    opened[p] = _Open(None, FailoverLog.sanitised(item.failover_log),
+                                      item.position.seq, rollback=rolled.pop(p, None))  # fmt: skip
+                elif isinstance(item, Snapshot):
+                    st1 = opened.get(item.partition)
+                    if st1 is not None:
+                        st1.snapshots.append((item.start, item.end))
+                elif isinstance(item, StreamEnded):
+                    await flush_rows()
+                    results[item.partition] = await _finish(loop, pool, opened[item.partition],
+                                                            item)  # fmt: skip
+                    stats.partitions_done += 1
+            await flush_rows()
+            consumer.commit()
+            if on_progress is not None:
+                on_progress(stats)
+        return results
+    except BaseException:
+        for st in opened.values():
+            if st.writer is not None:
+                await loop.run_in_executor(pool, st.writer.abort)
+        raise
+    finally:
+        await consumer.aclose()
+        pool.shutdown(wait=True)
+
+
+async def _finish(
+    loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, st: _Open, ended: StreamEnded
+) -> PartitionResult:
+    pos = ended.position
+    end = max(pos.seq, st.start)
+    info = None
+    if st.writer is not None:
+        w = st.writer
+        info = await loop.run_in_executor(
+            pool, lambda: w.finish(end_seq=max(end, w.last_seq), snapshots=tuple(st.snapshots))
+        )
+        end = info.end_seq
+    return PartitionResult(ended.partition, st.log, st.start, end, (pos.snap_start, pos.snap_end),
+                           info, st.rollback, st.items)  # fmt: skip
