@@ -4,7 +4,10 @@ Theory of operation (DESIGN data flow 3). One `DcpConsumer` streams every partit
 one connection, finite to the high seqnos pinned at start. Each partition's records go
 to its own `SegmentWriter`; compression and file writes run on one worker thread, in
 arrival order, so the event loop (and the network) never waits on zstd: the reader task
-keeps filling the flow-control window meanwhile. A ROLLBACK met when a stream opens is
+keeps filling the flow-control window meanwhile. Memory is bounded by configuration:
+the flow-control window, plus `memory_budget` of raw records buffered across all open
+segments (when exceeded, the largest buffers are written out as blocks), plus one shared
+zstd context. A ROLLBACK met when a stream opens is
 recorded and the partition continues from the rollback seq on the new branch (never
 mixing branches: the segment's failover log is the one the accepted stream returned).
 A rollback in the middle of a run (after a reconnect) cannot be reconciled with records
@@ -30,6 +33,7 @@ from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog
 from upr_cli.net.uri import SourceUri
 from upr_cli.segments import SegmentHeader, SegmentInfo, SegmentWriter
+from upr_cli.segments.writer import new_compressor
 
 
 class BackupInterrupted(UprError):
@@ -70,6 +74,7 @@ class StreamStats:
 
 @dataclass
 class _Open:
+    partition: int
     writer: SegmentWriter | None
     log: FailoverLog
     start: int
@@ -89,6 +94,7 @@ async def stream_to_segments(
     segment_name: Callable[[int, int], str],
     block_size: int = 1 << 20,
     buffer_size: int = 8 * 1024 * 1024,
+    memory_budget: int = 64 * 1024 * 1024,
     on_progress: Callable[[StreamStats], None] | None = None,
 ) -> dict[int, PartitionResult]:
     """Stream each partition from its position to the pinned high seqno into a segment.
@@ -100,6 +106,7 @@ async def stream_to_segments(
                            name="upr-backup")  # fmt: skip
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segments")
+    zstd = new_compressor()  # shared: every writer runs on the one worker thread
     stats = StreamStats()
     opened: dict[int, _Open] = {}
     results: dict[int, PartitionResult] = {}
@@ -114,16 +121,30 @@ async def stream_to_segments(
     def open_writer(p: int, st: _Open) -> SegmentWriter:
         header = SegmentHeader(bucket, p, st.log, st.start, max(st.start, consumer.highs.get(p, 0)),
                                (), created, source, block_size)  # fmt: skip
-        return SegmentWriter(directory / segment_name(p, st.start), header)
+        return SegmentWriter(directory / segment_name(p, st.start), header, compressor=zstd)
+
+    def add_all(work: list[tuple[_Open, list[tuple[Any, ...]]]]) -> None:
+        """On the worker: append rows, then keep buffered raw bytes within the budget."""
+        for st, rows in work:
+            if st.writer is None:
+                st.writer = open_writer(st.partition, st)
+            st.writer.add(rows)
+        writers = [st.writer for st in opened.values() if st.writer is not None]
+        total = sum(w.buffered for w in writers)
+        if total > memory_budget:
+            for w in sorted(writers, key=lambda w: w.buffered, reverse=True):
+                if total <= memory_budget // 2:
+                    break
+                total -= w.buffered
+                w.flush_block()
 
     async def flush_rows() -> None:
-        for p, rows in pending.items():
-            st = opened[p]
-            if st.writer is None:
-                st.writer = await loop.run_in_executor(pool, open_writer, p, st)
-            await loop.run_in_executor(pool, st.writer.add, rows)
+        work = [(opened[p], rows) for p, rows in pending.items()]
+        for st, rows in work:
             st.items += len(rows)
         pending.clear()
+        if work:
+            await loop.run_in_executor(pool, add_all, work)
 
     try:
         await consumer.open()
@@ -146,7 +167,7 @@ async def stream_to_segments(
                     rolled[item.partition] = (item.previous.seq, item.to_seq)
                 elif isinstance(item, StreamOpened):
                     p = item.partition
-                    opened[p] = _Open(None, FailoverLog.sanitised(item.failover_log),
+                    opened[p] = _Open(p, None, FailoverLog.sanitised(item.failover_log),
                                       item.position.seq, rollback=rolled.pop(p, None))  # fmt: skip
                 elif isinstance(item, Snapshot):
                     st1 = opened.get(item.partition)

@@ -81,6 +81,11 @@ class FileOps:
         path.unlink(missing_ok=True)
 
 
+def new_compressor(level: int = 3) -> zstandard.ZstdCompressor:
+    """A zstd compressor as segments use it (content size written, no zstd checksum)."""
+    return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+
+
 def temp_name(path: Path) -> Path:
     """The temporary name a segment is written under (sweepable: `.NAME.tmp-*`)."""
     return path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
@@ -100,13 +105,15 @@ class SegmentWriter:
         *,
         level: int = 3,
         fs: FileOps | None = None,
+        compressor: zstandard.ZstdCompressor | None = None,
     ) -> None:
         self.path = path
         self.header = header
         self.fs = fs or FileOps()
         self._block_size = header.block_size
-        self._zstd = zstandard.ZstdCompressor(level=level, write_content_size=True,
-                                              write_checksum=False)  # fmt: skip
+        # A compression context costs about half a megabyte: writers used from one thread
+        # (a backup has one per partition) share one (`new_compressor`).
+        self._zstd = compressor or new_compressor(level)
         self._tmp = temp_name(path)
         self._body_path = self._tmp.with_name(self._tmp.name + "-body")
         self._body: IO[bytes] | None = None
@@ -176,6 +183,21 @@ class SegmentWriter:
         self.fs.write(self._body, frame)
         self._body_len += len(frame)
         self._raw, self._raw_len, self._raw_count = [], 0, 0
+
+    @property
+    def buffered(self) -> int:
+        """Raw bytes waiting for the next block."""
+        return self._raw_len
+
+    def flush_block(self) -> None:
+        """Compress and write the records buffered so far as a block (bounds memory)."""
+        if self._done:
+            raise LocalProtocolError("segment already finished")
+        try:
+            self._flush_block()
+        except BaseException:
+            self.abort()
+            raise
 
     @property
     def last_seq(self) -> int:
