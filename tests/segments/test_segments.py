@@ -160,10 +160,12 @@ class Failing(FileOps):
     def __init__(self, n: int) -> None:
         self.n = n
         self.calls = 0
+        self.failed = False
 
     def _tick(self, what: str) -> None:
         self.calls += 1
         if self.calls == self.n:
+            self.failed = True
             raise OSError(f"injected failure in {what}")
 
     def open(self, path: Path) -> IO[bytes]:
@@ -177,6 +179,15 @@ class Failing(FileOps):
     def fsync(self, f: IO[bytes]) -> None:
         self._tick("fsync")
         super().fsync(f)
+
+    def copy(self, src: IO[bytes], dst: IO[bytes]) -> None:
+        self._tick("copy")
+        super().copy(src, dst)
+
+    def remove(self, path: Path) -> None:
+        if not self.failed:  # after a failure, abort's cleanup must work
+            self._tick("remove")
+        super().remove(path)
 
     def rename(self, src: Path, dst: Path) -> None:
         self._tick("rename")
@@ -192,7 +203,7 @@ def test_a_failure_at_any_write_fsync_or_rename_leaves_nothing_half_written(tmp_
     counter = Failing(0)
     write_with(tmp_path / "count.seg", counter, rows)
     total = counter.calls
-    assert total > 6  # open, header, several blocks, footer, trailer, fsync, rename, dir fsync
+    assert total >= 10  # body open+write, final open, writes, copy, remove, fsync, rename, dir
     for n in range(1, total + 1):
         path = tmp_path / f"f{n}.seg"
         with pytest.raises(OSError, match="injected"):
@@ -204,8 +215,11 @@ def test_a_failure_at_any_write_fsync_or_rename_leaves_nothing_half_written(tmp_
 
 
 def write_with(path: Path, fs: FileOps, rows: list[tuple[Any, ...]]) -> None:
+    """Half the rows, a spill to the body file, the rest, finish: every file-system path."""
     w = SegmentWriter(path, header(block=150), fs=fs)
-    w.add(rows)
+    w.add(rows[: len(rows) // 2])
+    w.spill()
+    w.add(rows[len(rows) // 2 :])
     w.finish()
 
 

@@ -5,10 +5,12 @@ one connection, finite to the high seqnos pinned at start. Each partition's reco
 to its own `SegmentWriter`; compression and file writes run on one worker thread, in
 arrival order, so the event loop (and the network) never waits on zstd: the reader task
 keeps filling the flow-control window meanwhile. Memory is bounded by configuration:
-the flow-control window, plus `memory_budget` of raw records buffered across all open
-segments (when exceeded, the largest buffers are written out as blocks), plus one shared
-zstd context. A ROLLBACK met when a stream opens is
-recorded and the partition continues from the rollback seq on the new branch (never
+the flow-control window, plus `memory_budget` of records held across open segments (raw,
+or compressed blocks not yet on disk; when exceeded, the largest are spilled to their
+body files), plus one shared zstd context. Segments become durable together
+(parallel fsyncs, one directory fsync) when every stream has ended.
+
+A ROLLBACK met when a stream opens is recorded and the partition continues from the rollback seq on the new branch (never
 mixing branches: the segment's failover log is the one the accepted stream returned).
 A rollback in the middle of a run (after a reconnect) cannot be reconciled with records
 already written for this run, so the run fails; its finished segments stay reusable and
@@ -19,7 +21,10 @@ previous backup ended.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,7 +38,9 @@ from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog
 from upr_cli.net.uri import SourceUri
 from upr_cli.segments import SegmentHeader, SegmentInfo, SegmentWriter
-from upr_cli.segments.writer import new_compressor
+from upr_cli.segments.writer import new_compressor, sync_files
+
+MAX_INFLIGHT = 4  # batches queued on the segment worker before the stream waits
 
 
 class BackupInterrupted(UprError):
@@ -109,7 +116,7 @@ async def stream_to_segments(
     zstd = new_compressor()  # shared: every writer runs on the one worker thread
     stats = StreamStats()
     opened: dict[int, _Open] = {}
-    results: dict[int, PartitionResult] = {}
+    finishing: dict[int, asyncio.Future[PartitionResult]] = {}
     pending: dict[int, list[tuple[Any, ...]]] = {}
     rolled: dict[int, tuple[int, int]] = {}  # rollbacks met while a stream opened
     now = time.time()
@@ -136,7 +143,18 @@ async def stream_to_segments(
                 if total <= memory_budget // 2:
                     break
                 total -= w.buffered
-                w.flush_block()
+                w.spill()
+
+    inflight: deque[asyncio.Future[Any]] = deque()
+
+    async def submit(fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Queue work on the worker (FIFO: per-partition order holds) without waiting for it,
+        unless MAX_INFLIGHT batches are already queued (bounded memory)."""
+        fut = loop.run_in_executor(pool, fn)
+        inflight.append(fut)
+        while len(inflight) > MAX_INFLIGHT or (inflight and inflight[0].done()):
+            await inflight.popleft()  # re-raises a worker's failure
+        return fut
 
     async def flush_rows() -> None:
         work = [(opened[p], rows) for p, rows in pending.items()]
@@ -144,7 +162,7 @@ async def stream_to_segments(
             st.items += len(rows)
         pending.clear()
         if work:
-            await loop.run_in_executor(pool, add_all, work)
+            await submit(lambda: add_all(work))
 
     try:
         await consumer.open()
@@ -175,15 +193,24 @@ async def stream_to_segments(
                         st1.snapshots.append((item.start, item.end))
                 elif isinstance(item, StreamEnded):
                     await flush_rows()
-                    results[item.partition] = await _finish(loop, pool, opened[item.partition],
-                                                            item)  # fmt: skip
+                    job = functools.partial(_finish, opened[item.partition], item)
+                    finishing[item.partition] = await submit(job)
                     stats.partitions_done += 1
             await flush_rows()
             consumer.commit()
             if on_progress is not None:
                 on_progress(stats)
+        while inflight:
+            await inflight.popleft()
+        results = {p: fut.result() for p, fut in finishing.items()}
+        # durable together, once, before the caller commits (STYLE 9)
+        paths = [Path(r.segment.path) for r in results.values() if r.segment is not None]
+        await loop.run_in_executor(None, sync_files, paths)
         return results
     except BaseException:
+        for fut in inflight:
+            with contextlib.suppress(BaseException):
+                await fut
         for st in opened.values():
             if st.writer is not None:
                 await loop.run_in_executor(pool, st.writer.abort)
@@ -193,17 +220,14 @@ async def stream_to_segments(
         pool.shutdown(wait=True)
 
 
-async def _finish(
-    loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, st: _Open, ended: StreamEnded
-) -> PartitionResult:
+def _finish(st: _Open, ended: StreamEnded) -> PartitionResult:
+    """On the worker: finish the partition's segment; what the manifest will record."""
     pos = ended.position
     end = max(pos.seq, st.start)
     info = None
     if st.writer is not None:
         w = st.writer
-        info = await loop.run_in_executor(
-            pool, lambda: w.finish(end_seq=max(end, w.last_seq), snapshots=tuple(st.snapshots))
-        )
+        info = w.finish(end_seq=max(end, w.last_seq), snapshots=tuple(st.snapshots), sync=False)
         end = info.end_seq
     return PartitionResult(ended.partition, st.log, st.start, end, (pos.snap_start, pos.snap_end),
                            info, st.rollback, st.items)  # fmt: skip

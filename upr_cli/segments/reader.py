@@ -9,7 +9,6 @@ any seq through the block index.
 from __future__ import annotations
 
 import hashlib
-import struct
 import zlib
 from bisect import bisect_left
 from collections.abc import Iterator
@@ -137,31 +136,24 @@ class SegmentReader:
         if len(raw) != b.raw_len:
             raise SegmentError(p, f"block holds {len(raw)} bytes, expected {b.raw_len}", i)
         out: list[Record] = []
-        unpack, pos, n, prev = RECORD_HEAD.unpack_from, 0, len(raw), 0
-        try:
-            while pos < n:
-                op, dt, klen, vlen, seq, rev, cas, flags, exp, dtime, _r = unpack(raw, pos)
-                k = pos + 48
-                end = k + klen + vlen
-                if op not in OPS or end > n or seq <= prev:
-                    raise SegmentError(p, f"bad record at byte {pos}", i)
-                out.append(
-                    (
-                        op,
-                        seq,
-                        rev,
-                        cas,
-                        flags,
-                        exp,
-                        dtime,
-                        dt,
-                        raw[k : k + klen],
-                        raw[k + klen : end],
-                    )
-                )
-                prev, pos = seq, end
-        except struct.error as exc:  # a record head cut by the block end
-            raise SegmentError(p, f"bad record at byte {pos}: {exc}", i) from None
+        count, n = b.record_count, len(raw)
+        k = 48 * count  # heads, then keys, then values (formats/segment.md, Blocks)
+        if k > n:
+            raise SegmentError(p, f"{count} record heads do not fit in {n} bytes", i)
+        heads = list(RECORD_HEAD.iter_unpack(raw[:k]))
+        v = k + sum(h[2] for h in heads)
+        if v + sum(h[3] for h in heads) != n:
+            raise SegmentError(p, "keys and values do not fill the block exactly", i)
+        prev = 0
+        for op, dt, klen, vlen, seq, rev, cas, flags, exp, dtime, _r in heads:
+            if op not in OPS or seq <= prev:
+                raise SegmentError(p, f"bad record head (seq {seq}, op 0x{op:02x})", i)
+            out.append(
+                (op, seq, rev, cas, flags, exp, dtime, dt, raw[k : k + klen], raw[v : v + vlen])
+            )
+            k += klen
+            v += vlen
+            prev = seq
         if len(out) != b.record_count or out[0][1] != b.first_seq or out[-1][1] != b.last_seq:
             raise SegmentError(p, "records do not match the block index", i)
         return out
