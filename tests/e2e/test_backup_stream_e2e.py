@@ -11,8 +11,8 @@ from upr_cli.net.uri import SourceUri
 from upr_cli.segments import SegmentReader
 
 
-def name(p: int, start: int) -> str:
-    return f"p{p:04x}-s{start:016x}.seg"
+def name(p: int, first: int, last: int) -> str:
+    return f"p{p:04x}-s{first:016x}-e{last:016x}.seg"
 
 
 def replica_from(results: dict, replica: Replica) -> None:  # type: ignore[type-arg]

@@ -10,8 +10,9 @@ or compressed blocks not yet on disk; when exceeded, the largest are spilled to 
 body files), plus one shared zstd context. Segments become durable together
 (parallel fsyncs, one directory fsync) when every stream has ended.
 
-A ROLLBACK met when a stream opens is recorded and the partition continues from the rollback seq on the new branch (never
-mixing branches: the segment's failover log is the one the accepted stream returned).
+A ROLLBACK met when a stream opens is recorded and the partition continues from the
+rollback seq on the new branch (never mixing branches: the segment's failover log is the
+one the accepted stream returned).
 A rollback in the middle of a run (after a reconnect) cannot be reconciled with records
 already written for this run, so the run fails; its finished segments stay reusable and
 the next run resumes. Positions the caller passes in say where each partition's
@@ -98,7 +99,7 @@ async def stream_to_segments(
     positions: dict[int, StreamPosition],
     failover_logs: dict[int, FailoverLog] | None = None,
     partitions: list[int] | None = None,
-    segment_name: Callable[[int, int], str],
+    segment_name: Callable[[int, int, int], str],
     block_size: int = 1 << 20,
     buffer_size: int = 8 * 1024 * 1024,
     memory_budget: int = 64 * 1024 * 1024,
@@ -106,7 +107,9 @@ async def stream_to_segments(
 ) -> dict[int, PartitionResult]:
     """Stream each partition from its position to the pinned high seqno into a segment.
 
-    `segment_name(partition, start_seq)` names the file inside `directory`.
+    `segment_name(partition, first_seq, last_seq)` names each file inside `directory` once
+    its records are known (formats/repository.md names segments by their first and last
+    record seq).
     """
     consumer = DcpConsumer(uri, partitions=partitions, positions=positions,
                            failover_logs=failover_logs, until_end=True, buffer_size=buffer_size,
@@ -128,7 +131,7 @@ async def stream_to_segments(
     def open_writer(p: int, st: _Open) -> SegmentWriter:
         header = SegmentHeader(bucket, p, st.log, st.start, max(st.start, consumer.highs.get(p, 0)),
                                (), created, source, block_size)  # fmt: skip
-        return SegmentWriter(directory / segment_name(p, st.start), header, compressor=zstd)
+        return SegmentWriter(directory / f"p{p:04x}.open", header, compressor=zstd)
 
     def add_all(work: list[tuple[_Open, list[tuple[Any, ...]]]]) -> None:
         """On the worker: append rows, then keep buffered raw bytes within the budget."""
@@ -193,7 +196,8 @@ async def stream_to_segments(
                         st1.snapshots.append((item.start, item.end))
                 elif isinstance(item, StreamEnded):
                     await flush_rows()
-                    job = functools.partial(_finish, opened[item.partition], item)
+                    job = functools.partial(_finish, opened[item.partition], item,
+                                            directory, segment_name)  # fmt: skip
                     finishing[item.partition] = await submit(job)
                     stats.partitions_done += 1
             await flush_rows()
@@ -220,14 +224,17 @@ async def stream_to_segments(
         pool.shutdown(wait=True)
 
 
-def _finish(st: _Open, ended: StreamEnded) -> PartitionResult:
+def _finish(
+    st: _Open, ended: StreamEnded, directory: Path, name: Callable[[int, int, int], str]
+) -> PartitionResult:
     """On the worker: finish the partition's segment; what the manifest will record."""
     pos = ended.position
     end = max(pos.seq, st.start)
     info = None
     if st.writer is not None:
         w = st.writer
-        info = w.finish(end_seq=max(end, w.last_seq), snapshots=tuple(st.snapshots), sync=False)
+        info = w.finish(end_seq=max(end, w.last_seq), snapshots=tuple(st.snapshots), sync=False,
+                        path=directory / name(st.partition, w.first_seq, w.last_seq))  # fmt: skip
         end = info.end_seq
     return PartitionResult(ended.partition, st.log, st.start, end, (pos.snap_start, pos.snap_end),
                            info, st.rollback, st.items)  # fmt: skip

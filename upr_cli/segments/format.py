@@ -26,7 +26,7 @@ OPS = frozenset({0x57, 0x58, 0x59})
 # Record tuples handed out by readers, in this order:
 RECORD_FIELDS = ("op", "seq", "rev_seq", "cas", "flags", "expiry", "delete_time", "datatype",
                  "key", "value")  # fmt: skip
-_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
+_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")  # ASCII
 U64 = (1 << 64) - 1
 
 

@@ -227,6 +227,11 @@ class SegmentWriter:
             raise
 
     @property
+    def first_seq(self) -> int:
+        """The seq of the first record added (0 if none)."""
+        return self._first_seq
+
+    @property
     def last_seq(self) -> int:
         """The seq of the last record added (the start seq if none)."""
         return self._last_seq
@@ -237,6 +242,7 @@ class SegmentWriter:
         end_seq: int | None = None,
         snapshots: tuple[tuple[int, int], ...] | None = None,
         sync: bool = True,
+        path: Path | None = None,
     ) -> SegmentInfo:
         """Assemble header, body, footer and trailer under the temp name and rename it.
 
@@ -246,6 +252,8 @@ class SegmentWriter:
         """
         if self._done:
             raise LocalProtocolError("segment already finished")
+        if path is not None:  # named only now (e.g. by its first and last record seq)
+            self.path = path
         h = self.header
         if end_seq is not None or snapshots is not None:
             h = replace(h, end_seq=h.end_seq if end_seq is None else end_seq,

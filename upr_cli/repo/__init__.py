@@ -1,0 +1,95 @@
+"""The backup repository: layout, manifests, chains, locks (formats/repository.md).
+
+`names` holds every on-disk name as a format/parse pair; `manifest` the validated
+manifest dataclasses; `layout` the `Repository` (listing, atomic commit, sweep); `lock`
+the per-bucket `RepositoryLock`; `chain` the pure chain semantics of DESIGN.md.
+"""
+
+from upr_cli.repo.chain import (
+    NO_CUT,
+    ParentMismatch,
+    PlanStep,
+    ResumePoint,
+    SeqRange,
+    broken_parents,
+    coverage_gaps,
+    cut,
+    lost_ranges,
+    plan_state,
+    resume_point,
+)
+from upr_cli.repo.errors import RepositoryError, RepositoryLocked
+from upr_cli.repo.fsio import DiskOps, atomic_write
+from upr_cli.repo.layout import (
+    LOCK_FILE,
+    MANIFEST_COPY,
+    MANIFEST_FILE,
+    REPO_FILE,
+    RepoInfo,
+    Repository,
+    load_manifest_file,
+)
+from upr_cli.repo.lock import LockHolder, RepositoryLock
+from upr_cli.repo.manifest import (
+    Manifest,
+    PartitionEntry,
+    RollbackRecord,
+    SegmentEntry,
+    Totals,
+    checksum_hex,
+)
+from upr_cli.repo.names import (
+    BackupId,
+    SegmentName,
+    check_bucket,
+    format_segment_name,
+    format_time,
+    is_temp_name,
+    parse_segment_name,
+    parse_temp_name,
+    parse_time,
+    temp_name,
+)
+
+__all__ = [
+    "LOCK_FILE",
+    "MANIFEST_COPY",
+    "MANIFEST_FILE",
+    "NO_CUT",
+    "REPO_FILE",
+    "BackupId",
+    "DiskOps",
+    "LockHolder",
+    "Manifest",
+    "ParentMismatch",
+    "PartitionEntry",
+    "PlanStep",
+    "RepoInfo",
+    "Repository",
+    "RepositoryError",
+    "RepositoryLock",
+    "RepositoryLocked",
+    "ResumePoint",
+    "RollbackRecord",
+    "SegmentEntry",
+    "SegmentName",
+    "SeqRange",
+    "Totals",
+    "atomic_write",
+    "broken_parents",
+    "check_bucket",
+    "checksum_hex",
+    "coverage_gaps",
+    "cut",
+    "format_segment_name",
+    "format_time",
+    "is_temp_name",
+    "load_manifest_file",
+    "lost_ranges",
+    "parse_segment_name",
+    "parse_temp_name",
+    "parse_time",
+    "plan_state",
+    "resume_point",
+    "temp_name",
+]

@@ -1,0 +1,180 @@
+"""Chain semantics: which records of which backups make up a partition's state.
+
+Theory of operation (DESIGN "Positions, rollback, lineage", **Chain semantics**; the
+normative statement with examples is formats/repository.md "Chains"): backups of one
+bucket are ordered by id. For partition p, a backup J holds the records of its stream
+(start_J, end_J]. The state at backup K takes from each backup J ≤ K only the records
+with seq ≤ cut(J, K), where cut(J, K) is the lowest start seq of any backup after J up
+to K, and ∞ (`NO_CUT`) for J = K. Only backups that hold p take part: a backup without
+p neither contributes records nor cuts. Because every later backup starts at or above
+each cut, the kept ranges are disjoint and increase with the backup, so "latest seq per
+key wins" is also "latest backup wins". Records above a cut are lost writes: a former
+master acknowledged them, the new branch does not have them; they stay addressable.
+
+Everything here is pure: functions of manifests, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import NamedTuple
+
+from upr_cli.failover import FailoverLog
+from upr_cli.repo.errors import RepositoryError
+from upr_cli.repo.manifest import Manifest, PartitionEntry, SegmentEntry
+from upr_cli.repo.names import BackupId
+
+NO_CUT = 1 << 64
+"""cut(K, K): above every 64-bit seq (∞ in DESIGN)."""
+
+
+class PlanStep(NamedTuple):
+    """Read the records of `segment` (of backup `backup_id`) with seq ≤ `max_seq`."""
+
+    backup_id: BackupId
+    segment: SegmentEntry
+    max_seq: int
+
+
+class SeqRange(NamedTuple):
+    """The seqs in (`from_seq`, `to_seq`] of one backup's partition (lost or missing)."""
+
+    backup_id: BackupId
+    from_seq: int
+    to_seq: int
+
+
+class ResumePoint(NamedTuple):
+    """Where the next incremental backup of a partition starts (dcp-wire §4.4)."""
+
+    uuid: int
+    seq: int
+    snap_start: int
+    snap_end: int
+    failover_log: FailoverLog
+
+
+class ParentMismatch(NamedTuple):
+    """An incremental backup whose recorded parent is not the backup before it."""
+
+    backup_id: BackupId
+    expected: BackupId | None
+    recorded: BackupId | None
+
+
+def ordered(manifests: Sequence[Manifest]) -> list[Manifest]:
+    """The manifests sorted by backup id; mixed buckets or a repeated id are errors."""
+    out = sorted(manifests, key=lambda m: m.backup_id)
+    for a, b in pairwise(out):
+        if a.backup_id == b.backup_id:
+            raise RepositoryError(f"backup {a.backup_id} appears twice in the chain")
+        if a.bucket != b.bucket:
+            raise RepositoryError(
+                f"backups {a.backup_id} and {b.backup_id} belong to different buckets "
+                f"({a.bucket!r}, {b.bucket!r})"
+            )
+    return out
+
+
+def _holding(
+    manifests: Sequence[Manifest], partition: int, at: BackupId | None
+) -> list[tuple[BackupId, PartitionEntry]]:
+    """(id, entry) of the backups up to `at` (all when None) that hold `partition`."""
+    chain = ordered(manifests)
+    if at is not None and not any(m.backup_id == at for m in chain):
+        raise RepositoryError(f"backup {at} is not in the chain")
+    out = []
+    for m in chain:
+        if at is not None and m.backup_id > at:
+            break
+        entry = m.partition(partition)
+        if entry is not None:
+            out.append((m.backup_id, entry))
+    return out
+
+
+def _cuts(held: list[tuple[BackupId, PartitionEntry]]) -> list[int]:
+    """cut(J, K) for each J in `held`, K being the last: suffix minima of start seqs."""
+    cuts = [NO_CUT] * len(held)
+    lowest = NO_CUT
+    for i in range(len(held) - 1, -1, -1):
+        cuts[i] = lowest
+        lowest = min(lowest, held[i][1].start_seq)
+    return cuts
+
+
+def cut(manifests: Sequence[Manifest], partition: int, j: BackupId, k: BackupId) -> int:
+    """cut(J, K): lowest start seq of a backup after J up to K holding p; `NO_CUT` if none."""
+    if j > k:
+        raise RepositoryError(f"cut({j}, {k}) needs J ≤ K")
+    if not any(m.backup_id == j for m in manifests):
+        raise RepositoryError(f"backup {j} is not in the chain")
+    starts = [e.start_seq for bid, e in _holding(manifests, partition, k) if bid > j]
+    return min(starts, default=NO_CUT)
+
+
+def plan_state(manifests: Sequence[Manifest], *, at: BackupId, partition: int) -> list[PlanStep]:
+    """The segments, in order, whose records with seq ≤ max_seq make p's state at `at`."""
+    held = _holding(manifests, partition, at)
+    steps = []
+    for (bid, entry), c in zip(held, _cuts(held), strict=True):
+        for seg in entry.segments:
+            if seg.first_seq > c:
+                break  # segments are in seq order
+            steps.append(PlanStep(bid, seg, min(seg.last_seq, c)))
+    return steps
+
+
+def lost_ranges(
+    manifests: Sequence[Manifest], partition: int, *, at: BackupId | None = None
+) -> list[SeqRange]:
+    """Per backup, the seqs (from, to] above its cut at `at` (default: newest): lost writes."""
+    held = _holding(manifests, partition, at)
+    out = []
+    for (bid, entry), c in zip(held, _cuts(held), strict=True):
+        low = max(c, entry.start_seq)
+        if low < entry.end_seq:
+            out.append(SeqRange(bid, low, entry.end_seq))
+    return out
+
+
+def resume_point(manifests: Sequence[Manifest], partition: int) -> ResumePoint | None:
+    """Where the next backup streams p from: the newest backup holding p, or None."""
+    held = _holding(manifests, partition, None)
+    if not held:
+        return None
+    e = held[-1][1]
+    return ResumePoint(e.uuid, e.end_seq, e.snap_start, e.snap_end, e.failover_log)
+
+
+def coverage_gaps(
+    manifests: Sequence[Manifest], partition: int, *, at: BackupId | None = None
+) -> list[SeqRange]:
+    """Seqs no backup covers: (previous end, start] where a backup starts above it.
+
+    The first backup holding p has previous end 0. With `at`, only the gaps in the state
+    at `at`, clipped to the part that state needs: (previous end, lowest start seq of this
+    or any later backup up to `at`].
+    """
+    held = _holding(manifests, partition, at)
+    cuts = _cuts(held) if at is not None else None
+    out = []
+    prev_end = 0
+    for i, (bid, entry) in enumerate(held):
+        upper = entry.start_seq if cuts is None else min(entry.start_seq, cuts[i])
+        if upper > prev_end:
+            out.append(SeqRange(bid, prev_end, upper))
+        prev_end = entry.end_seq
+    return out
+
+
+def broken_parents(manifests: Sequence[Manifest]) -> list[ParentMismatch]:
+    """Incremental backups whose parent is not the backup just before them in the chain."""
+    out = []
+    previous: BackupId | None = None
+    for m in ordered(manifests):
+        if not m.full and m.parent != previous:
+            out.append(ParentMismatch(m.backup_id, previous, m.parent))
+        previous = m.backup_id
+    return out

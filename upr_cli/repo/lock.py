@@ -1,0 +1,259 @@
+"""The bucket lock: one backup (or sweep, or remove) at a time per bucket of a repository.
+
+Theory of operation (formats/repository.md "Lock"): the lock is the file
+`<repo>/<bucket>/lock`, created with `O_CREAT|O_EXCL`, holding the holder's pid, host
+name and start time as JSON, and held with `fcntl.flock(LOCK_EX)` for as long as the
+holder runs. The flock is what makes the lock exclusive: the kernel drops it when the
+holder dies, whatever way it dies, so
+
+* flock refused → a live holder: `RepositoryLocked` with its pid (this includes a
+  second acquire in the same process, since flock locks belong to open files);
+* flock granted on a lock file that already existed → its holder is gone, unless its
+  pid is still alive on this host (then we refuse: a live process we cannot see through
+  the flock, e.g. on a file system without flock) or it was written on another host
+  (we cannot check its pid: refuse and say which host). A dead holder's lock is stale
+  and taken over in place, keeping the same file, after a warning;
+* a lock file that is empty or unreadable is a holder still writing it when it is
+  younger than `FRESH_SECONDS`, and stale otherwise.
+
+After the flock, the holder checks that the path still names the file it locked (a
+releasing holder unlinks the file before closing it), and retries otherwise, so two
+processes can never both hold locks on different files for one path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from upr_cli.repo.errors import RepositoryError, RepositoryLocked
+from upr_cli.repo.names import format_time, parse_time
+
+if TYPE_CHECKING:
+    from upr_cli.repo.layout import Repository
+
+FRESH_SECONDS = 10.0
+"""A lock file younger than this with no readable content is being written, not stale."""
+_ATTEMPTS = 20
+_log = logging.getLogger("upr.repo.lock")
+
+
+@dataclass(frozen=True, slots=True)
+class LockHolder:
+    """Who holds (or held) a lock: pid, host name and when it started."""
+
+    pid: int
+    hostname: str
+    started: datetime
+
+    def to_json(self) -> dict[str, object]:
+        """The lock file's JSON object."""
+        return {"pid": self.pid, "hostname": self.hostname, "started": format_time(self.started)}
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> LockHolder | None:
+        """Parse a lock file's content; None when it is empty or malformed."""
+        try:
+            obj = json.loads(data.decode("utf-8"))
+            pid, host = obj["pid"], obj["hostname"]
+            if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+                return None
+            if not isinstance(host, str) or not host:
+                return None
+            return cls(pid, host, parse_time(obj["started"]))
+        except (ValueError, KeyError, TypeError, RepositoryError):
+            return None
+
+    def describe(self) -> str:
+        """`pid N on host H since T`."""
+        return f"pid {self.pid} on host {self.hostname} since {format_time(self.started)}"
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with this pid exists on this host (signal 0 probe)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
+
+
+def _read(fd: int) -> bytes:
+    chunks: list[bytes] = []
+    offset = 0
+    while True:
+        chunk = os.pread(fd, 4096, offset)
+        if not chunk or offset > 65536:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        offset += len(chunk)
+
+
+class RepositoryLock:
+    """Exclusive lock on one bucket of a repository; use as a context manager."""
+
+    def __init__(
+        self,
+        repo: Repository,
+        bucket: str,
+        *,
+        on_stale: Callable[[str], None] | None = None,
+    ) -> None:
+        self.repo = repo
+        self.bucket = bucket
+        self.path: Path = repo.lock_path(bucket)
+        self.on_stale = on_stale or _log.warning
+        self.holder: LockHolder | None = None
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        """True while this object holds the lock."""
+        return self._fd is not None
+
+    def acquire(self) -> LockHolder:
+        """Take the lock or raise `RepositoryLocked`; a dead holder's stale lock is taken over.
+
+        The repository must exist (`Repository.init`); the bucket directory is created.
+        """
+        if self._fd is not None:
+            raise RepositoryError(f"{self.path}: this lock object already holds the lock")
+        self.repo.info()  # a lock is taken only inside an existing repository
+        if not self.path.parent.is_dir():
+            with contextlib.suppress(FileExistsError):
+                self.repo.ops.mkdir(self.path.parent)
+                self.repo.ops.fsync_dir(self.path.parent.parent)
+        busy = False
+        for _ in range(_ATTEMPTS):
+            fd, created = self._open()
+            if fd is None:
+                continue
+            try:
+                if not self._flock(fd, wait=created):
+                    holder = LockHolder.from_bytes(_read(fd))
+                    raise self._locked(holder)
+                if not self._same_file(fd):
+                    os.close(fd)
+                    continue  # released (unlinked) meanwhile: start again
+                if not created and not self._may_take_over(fd):
+                    os.close(fd)
+                    busy = True
+                    time.sleep(0.05)
+                    continue  # a holder still writing its lock file
+                me = LockHolder(os.getpid(), socket.gethostname(), datetime.now(UTC))
+                data = (json.dumps(me.to_json()) + "\n").encode()
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, data, 0)
+                os.fsync(fd)
+                if created:
+                    self.repo.ops.fsync_dir(self.path.parent)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd, self.holder = fd, me
+            return me
+        if busy:
+            raise self._locked(None)
+        raise RepositoryError(f"{self.path}: the lock file kept changing; try again")
+
+    def _open(self) -> tuple[int | None, bool]:
+        """Create the lock file exclusively, or open the existing one."""
+        flags = os.O_RDWR | os.O_CLOEXEC
+        try:
+            return os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            pass
+        try:
+            return os.open(self.path, flags), False
+        except FileNotFoundError:
+            return None, False  # released between the two opens
+
+    @staticmethod
+    def _flock(fd: int, *, wait: bool) -> bool:
+        """Try flock; after creating the file, wait briefly for an inspecting process."""
+        deadline = time.monotonic() + (1.0 if wait else 0.0)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def _same_file(self, fd: int) -> bool:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _may_take_over(self, fd: int) -> bool:
+        """An existing lock file whose flock we got: decide stale (True) or busy."""
+        holder = LockHolder.from_bytes(_read(fd))
+        if holder is None:
+            age = time.time() - os.fstat(fd).st_mtime
+            if age < FRESH_SECONDS:
+                return False
+            self.on_stale(f"{self.path}: taking over an unreadable lock file ({age:.0f} s old)")
+            return True
+        if holder.hostname != socket.gethostname():
+            raise RepositoryLocked(
+                f"{self.path}: locked by {holder.describe()}; it cannot be checked from this "
+                "host: remove the lock file if that process is gone",
+                pid=holder.pid,
+                hostname=holder.hostname,
+            )
+        if pid_alive(holder.pid):
+            raise self._locked(holder)
+        self.on_stale(f"{self.path}: taking over a stale lock of {holder.describe()} (dead)")
+        return True
+
+    def _locked(self, holder: LockHolder | None) -> RepositoryLocked:
+        who = holder.describe() if holder else "a process that is still writing the lock file"
+        return RepositoryLocked(
+            f"{self.path}: bucket {self.bucket!r} is locked by {who}",
+            pid=holder.pid if holder else None,
+            hostname=holder.hostname if holder else None,
+        )
+
+    def release(self) -> None:
+        """Remove the lock file and drop the flock; a no-op when not held."""
+        fd, self._fd, self.holder = self._fd, None, None
+        if fd is None:
+            return
+        try:
+            if self._same_file(fd):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)  # before the flock goes: see the module docstring
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> RepositoryLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()

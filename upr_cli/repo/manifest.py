@@ -1,0 +1,584 @@
+"""Backup manifests: what one committed backup holds (formats/repository.md "manifest.json").
+
+Theory of operation: a manifest is the commit point of a backup (DESIGN "Reliability
+principles"). It lists, per partition, where the backup's stream began and ended, on
+which branch (uuid and failover log), the last snapshot (the resume point of the next
+backup, dcp-wire §4.4), any rollback the source forced, and the segment files that hold
+the records. The dataclasses validate themselves, so an inconsistent manifest cannot be
+built, written or read: every check of formats/repository.md is in `__post_init__` or in
+`from_json`, and each failure is a `RepositoryError` with a one-line message naming the
+field. 64-bit values travel as decimal strings (STYLE 8). `dumps` adds a BLAKE2b-128
+checksum of the canonical JSON, which `loads` verifies, so a bit flip that still parses
+as JSON is caught (pg_verifybackup's embedded manifest checksum).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from upr_cli.failover import FailoverLog, InvalidFailoverLog
+from upr_cli.repo.errors import RepositoryError
+from upr_cli.repo.names import (
+    PARTITION_MAX,
+    U64_MAX,
+    BackupId,
+    SegmentName,
+    check_bucket,
+    format_time,
+    parse_time,
+)
+
+MANIFEST_FORMAT = "upr-backup-manifest"
+"""The `format` value of every manifest."""
+MANIFEST_VERSION = 1
+"""The manifest version this code writes and reads."""
+MAX_MANIFEST_BYTES = 64 << 20
+"""Readers refuse larger manifests instead of allocating for them."""
+
+_DEC = re.compile(r"0|[1-9][0-9]*")
+_HEX128 = re.compile(r"[0-9a-f]{32}")
+_USERINFO = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://([^/?#]*)@")
+
+
+def _fail(msg: str) -> RepositoryError:
+    return RepositoryError(msg)
+
+
+def checksum_hex(data: bytes) -> str:
+    """BLAKE2b-128 of `data`, lowercase hex: the checksum used throughout the repository."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _u64(value: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= U64_MAX:
+        raise _fail(f"{what} {value!r} is not an integer in 0..2^64-1")
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentEntry:
+    """One segment file of a partition: its name, record range, counts and checksum."""
+
+    file: str
+    first_seq: int
+    last_seq: int
+    records: int
+    bytes: int
+    checksum: str
+
+    def __post_init__(self) -> None:
+        for name in ("first_seq", "last_seq", "records", "bytes"):
+            _u64(getattr(self, name), f"segment {self.file!r}: {name}")
+        if not 1 <= self.first_seq <= self.last_seq:
+            raise _fail(
+                f"segment {self.file!r}: first_seq {self.first_seq} and last_seq "
+                f"{self.last_seq} must satisfy 1 ≤ first ≤ last"
+            )
+        if not 1 <= self.records <= self.last_seq - self.first_seq + 1:
+            raise _fail(
+                f"segment {self.file!r}: {self.records} records cannot have seqs "
+                f"{self.first_seq}..{self.last_seq} (a listed segment holds at least one record)"
+            )
+        if self.bytes < 1:
+            raise _fail(f"segment {self.file!r}: size 0 is not a segment file")
+        if not isinstance(self.checksum, str) or not _HEX128.fullmatch(self.checksum):
+            raise _fail(
+                f"segment {self.file!r}: checksum {self.checksum!r} is not 32 lowercase hex "
+                "digits (BLAKE2b-128)"
+            )
+        parsed = SegmentName.parse(self.file)
+        if (parsed.first_seq, parsed.last_seq) != (self.first_seq, self.last_seq):
+            raise _fail(
+                f"segment {self.file!r}: its name does not match first_seq {self.first_seq} "
+                f"and last_seq {self.last_seq}"
+            )
+
+    @property
+    def partition(self) -> int:
+        """The partition named in the file name."""
+        return SegmentName.parse(self.file).partition
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON object with 64-bit values as decimal strings."""
+        return {
+            "file": self.file,
+            "first_seq": str(self.first_seq),
+            "last_seq": str(self.last_seq),
+            "records": str(self.records),
+            "bytes": str(self.bytes),
+            "checksum": self.checksum,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "segment") -> SegmentEntry:
+        """Parse `to_json` output; anything else raises RepositoryError."""
+        o = _Obj(data, where, ("file", "first_seq", "last_seq", "records", "bytes", "checksum"))
+        return cls(
+            o.string("file"),
+            o.u64("first_seq"),
+            o.u64("last_seq"),
+            o.u64("records"),
+            o.u64("bytes"),
+            o.string("checksum"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackRecord:
+    """A rollback the source forced: asked to start at `from_seq`, started at `to_seq`."""
+
+    from_seq: int
+    to_seq: int
+    seed_rule_seq: int | None
+    producer_seq: int
+
+    def __post_init__(self) -> None:
+        _u64(self.from_seq, "rollback from")
+        _u64(self.to_seq, "rollback to")
+        _u64(self.producer_seq, "rollback producer_seq")
+        if self.seed_rule_seq is not None:
+            _u64(self.seed_rule_seq, "rollback seed_rule_seq")
+        if self.to_seq > self.from_seq:
+            raise _fail(f"rollback to {self.to_seq} is above rollback from {self.from_seq}")
+        if self.to_seq > self.producer_seq:
+            raise _fail(
+                f"rollback to {self.to_seq} is above the producer's rollback seq "
+                f"{self.producer_seq} (the lower seq wins, DESIGN)"
+            )
+        if self.seed_rule_seq is not None and self.to_seq > self.seed_rule_seq:
+            raise _fail(
+                f"rollback to {self.to_seq} is above the seed rule's seq {self.seed_rule_seq} "
+                "(the lower seq wins, DESIGN)"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON object with decimal strings; `seed_rule_seq` may be null."""
+        return {
+            "from": str(self.from_seq),
+            "to": str(self.to_seq),
+            "seed_rule_seq": None if self.seed_rule_seq is None else str(self.seed_rule_seq),
+            "producer_seq": str(self.producer_seq),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "rollback") -> RollbackRecord:
+        """Parse `to_json` output; anything else raises RepositoryError."""
+        o = _Obj(data, where, ("from", "to", "seed_rule_seq", "producer_seq"))
+        return cls(o.u64("from"), o.u64("to"), o.opt_u64("seed_rule_seq"), o.u64("producer_seq"))
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionEntry:
+    """What one backup holds for one partition: branch, seq range, snapshot, segments."""
+
+    partition: int
+    uuid: int
+    failover_log: FailoverLog
+    start_seq: int
+    end_seq: int
+    snap_start: int
+    snap_end: int
+    segments: tuple[SegmentEntry, ...] = ()
+    rollback: RollbackRecord | None = None
+
+    def __post_init__(self) -> None:
+        p = self.partition
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= PARTITION_MAX:
+            raise _fail(f"partition {p!r} is outside 0..{PARTITION_MAX}")
+        w = f"partition {p}"
+        object.__setattr__(self, "segments", tuple(self.segments))
+        for name in ("uuid", "start_seq", "end_seq", "snap_start", "snap_end"):
+            _u64(getattr(self, name), f"{w}: {name}")
+        if not isinstance(self.failover_log, FailoverLog):
+            raise _fail(f"{w}: failover_log must be a FailoverLog")
+        if not self.failover_log.entries:
+            if self.uuid != 0 or self.end_seq != 0:
+                raise _fail(f"{w}: an empty failover log needs uuid 0 and end_seq 0")
+        elif self.failover_log.find(self.uuid) is None:
+            raise _fail(f"{w}: uuid {self.uuid} is not in the partition's failover log")
+        if self.start_seq > self.end_seq:
+            raise _fail(f"{w}: start_seq {self.start_seq} is above end_seq {self.end_seq}")
+        if not self.snap_start <= self.end_seq <= self.snap_end:
+            raise _fail(
+                f"{w}: last snapshot [{self.snap_start}, {self.snap_end}] must contain "
+                f"end_seq {self.end_seq} (dcp-wire §4.4)"
+            )
+        previous: SegmentEntry | None = None
+        for s in self.segments:
+            if not isinstance(s, SegmentEntry):
+                raise _fail(f"{w}: segments must be SegmentEntry values")
+            if s.partition != p:
+                raise _fail(f"{w}: segment {s.file} belongs to partition {s.partition}")
+            if s.first_seq <= self.start_seq or s.last_seq > self.end_seq:
+                raise _fail(
+                    f"{w}: segment {s.file} holds seqs {s.first_seq}..{s.last_seq} outside "
+                    f"({self.start_seq}, {self.end_seq}]"
+                )
+            if previous is not None and s.first_seq <= previous.last_seq:
+                raise _fail(
+                    f"{w}: segment {s.file} does not start after segment {previous.file} "
+                    "(segments are listed in seq order and never overlap)"
+                )
+            previous = s
+        if self.rollback is not None:
+            if not isinstance(self.rollback, RollbackRecord):
+                raise _fail(f"{w}: rollback must be a RollbackRecord or None")
+            if self.rollback.to_seq != self.start_seq:
+                raise _fail(
+                    f"{w}: rollback to {self.rollback.to_seq} differs from start_seq "
+                    f"{self.start_seq} (a rolled-back stream starts at the rollback seq)"
+                )
+
+    @property
+    def records(self) -> int:
+        """Records in all segments."""
+        return sum(s.records for s in self.segments)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of all segment files."""
+        return sum(s.bytes for s in self.segments)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON object (formats/repository.md "Partition entry")."""
+        return {
+            "partition": self.partition,
+            "uuid": str(self.uuid),
+            "failover_log": self.failover_log.to_json(),
+            "start_seq": str(self.start_seq),
+            "end_seq": str(self.end_seq),
+            "last_snapshot": {"start": str(self.snap_start), "end": str(self.snap_end)},
+            "segments": [s.to_json() for s in self.segments],
+            "rollback": None if self.rollback is None else self.rollback.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "partition") -> PartitionEntry:
+        """Parse `to_json` output; anything else raises RepositoryError."""
+        keys = ("partition", "uuid", "failover_log", "start_seq", "end_seq", "last_snapshot",
+                "segments", "rollback")  # fmt: skip
+        o = _Obj(data, where, keys)
+        partition = o.small_int("partition", PARTITION_MAX)
+        where = o.where = f"partition {partition}"
+        snap = _Obj(o.get("last_snapshot"), f"{where}: last_snapshot", ("start", "end"))
+        segments = tuple(
+            SegmentEntry.from_json(s, f"{where}: segments[{i}]")
+            for i, s in enumerate(o.array("segments"))
+        )
+        raw_rollback = o.get("rollback")
+        rollback = (
+            None
+            if raw_rollback is None
+            else RollbackRecord.from_json(raw_rollback, f"{where}: rollback")
+        )
+        return cls(
+            partition,
+            o.u64("uuid"),
+            _failover_log(o.get("failover_log"), f"{where}: failover_log"),
+            o.u64("start_seq"),
+            o.u64("end_seq"),
+            snap.u64("start"),
+            snap.u64("end"),
+            segments,
+            rollback,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """Backup-wide totals; all but `bytes_read` are derived from the partitions."""
+
+    items: int
+    bytes_read: int
+    bytes_written: int
+    rollbacks: int
+
+    def __post_init__(self) -> None:
+        for name in ("items", "bytes_read", "bytes_written", "rollbacks"):
+            _u64(getattr(self, name), f"totals: {name}")
+
+    @classmethod
+    def derive(cls, partitions: Iterable[PartitionEntry], bytes_read: int) -> Totals:
+        """Totals of these partitions: records, segment bytes, partitions rolled back."""
+        ps = list(partitions)
+        return cls(
+            sum(p.records for p in ps),
+            bytes_read,
+            sum(p.bytes for p in ps),
+            sum(p.rollback is not None for p in ps),
+        )
+
+    def to_json(self) -> dict[str, str]:
+        """JSON object with decimal strings."""
+        return {
+            "items": str(self.items),
+            "bytes_read": str(self.bytes_read),
+            "bytes_written": str(self.bytes_written),
+            "rollbacks": str(self.rollbacks),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "totals") -> Totals:
+        """Parse `to_json` output; anything else raises RepositoryError."""
+        o = _Obj(data, where, ("items", "bytes_read", "bytes_written", "rollbacks"))
+        return cls(o.u64("items"), o.u64("bytes_read"), o.u64("bytes_written"), o.u64("rollbacks"))
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """One committed backup of one bucket (formats/repository.md "manifest.json")."""
+
+    backup_id: BackupId
+    bucket: str
+    source: str
+    started: datetime
+    finished: datetime
+    full: bool
+    parent: BackupId | None
+    partitions: tuple[PartitionEntry, ...]
+    totals: Totals
+    _index: dict[int, PartitionEntry] = field(
+        init=False, repr=False, compare=False, hash=False, default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backup_id, BackupId):
+            raise _fail("backup_id must be a BackupId")
+        check_bucket(self.bucket)
+        if not isinstance(self.source, str) or not self.source:
+            raise _fail("source must be a non-empty string")
+        userinfo = _USERINFO.match(self.source)
+        if userinfo and ":" in userinfo.group(1) and not userinfo.group(1).endswith(":***"):
+            raise _fail("source shows a password: store the redacted URI (password as ***)")
+        format_time(self.started)
+        format_time(self.finished)
+        if self.finished < self.started:
+            raise _fail(
+                f"finished {format_time(self.finished)} is before started "
+                f"{format_time(self.started)}"
+            )
+        if not isinstance(self.full, bool):
+            raise _fail("full must be true or false")
+        if self.parent is not None and not isinstance(self.parent, BackupId):
+            raise _fail("parent must be a BackupId or None")
+        if self.full != (self.parent is None):
+            raise _fail(
+                "a full backup has no parent and an incremental backup has one "
+                f"(full={self.full}, parent={self.parent})"
+            )
+        if self.parent is not None and not self.parent < self.backup_id:
+            raise _fail(f"parent {self.parent} is not older than backup {self.backup_id}")
+        object.__setattr__(self, "partitions", tuple(self.partitions))
+        last = -1
+        for e in self.partitions:
+            if not isinstance(e, PartitionEntry):
+                raise _fail("partitions must be PartitionEntry values")
+            if e.partition <= last:
+                raise _fail(
+                    f"partition {e.partition} is out of order or repeated "
+                    "(partitions are listed once each, ascending)"
+                )
+            last = e.partition
+            if self.full and e.start_seq != 0:
+                raise _fail(
+                    f"partition {e.partition}: a full backup starts at seq 0, not {e.start_seq}"
+                )
+            self._index[e.partition] = e
+        if not isinstance(self.totals, Totals):
+            raise _fail("totals must be a Totals")
+        derived = Totals.derive(self.partitions, self.totals.bytes_read)
+        if self.totals != derived:
+            raise _fail(
+                f"totals {self.totals.to_json()} disagree with the partitions {derived.to_json()}"
+            )
+
+    def partition(self, p: int) -> PartitionEntry | None:
+        """The entry for partition `p`, or None when this backup does not hold it."""
+        return self._index.get(p)
+
+    @property
+    def partition_ids(self) -> list[int]:
+        """The partitions this backup holds, ascending."""
+        return [e.partition for e in self.partitions]
+
+    def segment_files(self) -> list[str]:
+        """Every segment file name, in (partition, seq) order."""
+        return [s.file for e in self.partitions for s in e.segments]
+
+    # -- JSON -----------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON object without the checksum (see `dumps`)."""
+        return {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "backup_id": self.backup_id.format(),
+            "bucket": self.bucket,
+            "source": self.source,
+            "started": format_time(self.started),
+            "finished": format_time(self.finished),
+            "full": self.full,
+            "parent": None if self.parent is None else self.parent.format(),
+            "partitions": [e.to_json() for e in self.partitions],
+            "totals": self.totals.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Manifest:
+        """Parse `to_json` output (no checksum key); anything else raises RepositoryError."""
+        keys = ("format", "version", "backup_id", "bucket", "source", "started", "finished",
+                "full", "parent", "partitions", "totals")  # fmt: skip
+        o = _Obj(data, "manifest", keys)
+        if o.get("format") != MANIFEST_FORMAT:
+            raise _fail(f"format {o.get('format')!r} is not {MANIFEST_FORMAT!r}")
+        version = o.small_int("version", 1 << 31)
+        if version != MANIFEST_VERSION:
+            raise _fail(
+                f"manifest version {version} is not supported (this upr reads version "
+                f"{MANIFEST_VERSION})"
+            )
+        parent = o.get("parent")
+        partitions = tuple(
+            PartitionEntry.from_json(e, f"partitions[{i}]")
+            for i, e in enumerate(o.array("partitions"))
+        )
+        return cls(
+            BackupId.parse(o.string("backup_id")),
+            o.string("bucket"),
+            o.string("source"),
+            parse_time(o.string("started")),
+            parse_time(o.string("finished")),
+            o.boolean("full"),
+            None if parent is None else BackupId.parse(o.string("parent")),
+            partitions,
+            Totals.from_json(o.get("totals")),
+        )
+
+    def dumps(self) -> bytes:
+        """The file bytes: indented JSON with a BLAKE2b-128 `checksum` of the canonical form."""
+        obj = self.to_json()
+        obj["checksum"] = checksum_hex(canonical_json(obj))
+        return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+    @classmethod
+    def loads(cls, data: bytes) -> Manifest:
+        """Parse file bytes, verifying the checksum; errors raise RepositoryError (no path)."""
+        obj = load_json(data)
+        if not isinstance(obj, dict) or "checksum" not in obj:
+            raise _fail("manifest has no checksum")
+        recorded = obj.pop("checksum")
+        if not isinstance(recorded, str) or not _HEX128.fullmatch(recorded):
+            raise _fail(f"manifest checksum {recorded!r} is not 32 lowercase hex digits")
+        if checksum_hex(canonical_json(obj)) != recorded:
+            raise _fail("manifest checksum mismatch: the file was changed or damaged")
+        return cls.from_json(obj)
+
+
+# -- JSON helpers --------------------------------------------------------------------
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Sorted keys, no spaces, UTF-8: the bytes a checksum covers."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+        "utf-8"
+    )
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _fail(f"key {k!r} appears twice in one object")
+        out[k] = v
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise _fail(f"{name} is not valid JSON")
+
+
+def load_json(data: bytes) -> Any:
+    """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity, size-capped."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise _fail(f"{len(data)} bytes exceed the {MAX_MANIFEST_BYTES}-byte limit")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _fail(f"not UTF-8 at byte {exc.start}") from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise _fail(f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise _fail("not valid JSON: nested too deeply") from None
+
+
+class _Obj:
+    """Typed, strict field access to one JSON object, naming `where` in every error."""
+
+    def __init__(self, data: Any, where: str, keys: Sequence[str]) -> None:
+        self.where = where
+        if not isinstance(data, dict):
+            raise _fail(f"{where}: expected a JSON object")
+        missing = [k for k in keys if k not in data]
+        extra = sorted(set(data) - set(keys))
+        if missing:
+            raise _fail(f"{where}: missing key {missing[0]!r}")
+        if extra:
+            raise _fail(f"{where}: unknown key {extra[0]!r}")
+        self.data: Mapping[str, Any] = data
+
+    def get(self, key: str) -> Any:
+        return self.data[key]
+
+    def u64(self, key: str) -> int:
+        v = self.data[key]
+        if not isinstance(v, str) or not _DEC.fullmatch(v) or int(v) > U64_MAX:
+            raise _fail(f"{self.where}: {key} {v!r} is not a decimal string in 0..2^64-1")
+        return int(v)
+
+    def opt_u64(self, key: str) -> int | None:
+        return None if self.data[key] is None else self.u64(key)
+
+    def small_int(self, key: str, hi: int) -> int:
+        v = self.data[key]
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
+            raise _fail(f"{self.where}: {key} {v!r} is not an integer in 0..{hi}")
+        return v
+
+    def string(self, key: str) -> str:
+        v = self.data[key]
+        if not isinstance(v, str):
+            raise _fail(f"{self.where}: {key} {v!r} is not a string")
+        return v
+
+    def boolean(self, key: str) -> bool:
+        v = self.data[key]
+        if not isinstance(v, bool):
+            raise _fail(f"{self.where}: {key} {v!r} is not true or false")
+        return v
+
+    def array(self, key: str) -> list[Any]:
+        v = self.data[key]
+        if not isinstance(v, list):
+            raise _fail(f"{self.where}: {key} is not an array")
+        return v
+
+
+def _failover_log(data: Any, where: str) -> FailoverLog:
+    """The canonical failover-log form only (formats/failover-log.md, "Canonical form")."""
+    if not isinstance(data, list):
+        raise _fail(f"{where}: expected an array, newest entry first")
+    pairs = []
+    for i, item in enumerate(data):
+        o = _Obj(item, f"{where}[{i}]", ("uuid", "seq"))
+        pairs.append((o.u64("uuid"), o.u64("seq")))
+    try:
+        return FailoverLog.of(pairs)
+    except InvalidFailoverLog as exc:
+        raise _fail(f"{where}: {exc}") from None
