@@ -1,0 +1,72 @@
+"""The state of a bucket at a backup, read from the repository (DESIGN, chain semantics).
+
+For each partition, `plan_state` names the segments (and the seq cut of each) whose
+records make the state at backup K; reading them in order and keeping the latest
+version of every key gives that state, deletions included (as tombstones), so a restore
+can tell a deletion from absence. Memory holds one partition's keys at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from upr_cli.errors import UsageError
+from upr_cli.repo import BackupId, Manifest, Repository, plan_state
+from upr_cli.segments import Record, SegmentReader
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which backup and which partitions to read."""
+
+    backup_id: BackupId
+    partitions: tuple[int, ...]
+
+
+def select(
+    manifests: Sequence[Manifest], at: str = "latest", partitions: Sequence[int] | None = None
+) -> Selection:
+    """Resolve `--at` (a backup id, latest, oldest) and the partitions to read."""
+    if not manifests:
+        raise UsageError("the repository holds no committed backup of this bucket")
+    if at == "latest":
+        bid = manifests[-1].backup_id
+    elif at == "oldest":
+        bid = manifests[0].backup_id
+    else:
+        ids = {str(m.backup_id): m.backup_id for m in manifests}
+        if at not in ids:
+            raise UsageError(f"--at: no committed backup {at!r} (see `upr info`)")
+        bid = ids[at]
+    held = sorted({e.partition for m in manifests if m.backup_id <= bid for e in m.partitions})
+    if partitions is not None:
+        held = [p for p in held if p in set(partitions)]
+    return Selection(bid, tuple(held))
+
+
+def partition_state(
+    repo: Repository, bucket: str, manifests: Sequence[Manifest], at: BackupId, partition: int
+) -> dict[bytes, Record]:
+    """Latest record per key of one partition at backup `at` (tombstones included)."""
+    latest: dict[bytes, Record] = {}
+    for step in plan_state(manifests, at=at, partition=partition):
+        path = repo.segment_path(bucket, step.backup_id, step.segment.file)
+        with SegmentReader(path) as reader:
+            for rec in reader.records():
+                if rec[1] > step.max_seq:
+                    break
+                latest[rec[8]] = rec
+    return latest
+
+
+def state_at(
+    repo: Repository, bucket: str, manifests: Sequence[Manifest], selection: Selection
+) -> Iterator[tuple[int, list[Record]]]:
+    """(partition, records sorted by seq) for every selected partition at the backup."""
+    for p in selection.partitions:
+        records = sorted(
+            partition_state(repo, bucket, manifests, selection.backup_id, p).values(),
+            key=lambda r: r[1],
+        )
+        yield p, records
