@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import Replica, drain, run, wait_persisted
 from upr_cli.jobs.state import select, state_at
@@ -80,3 +82,43 @@ def test_backups_through_a_crash_keep_the_chain_and_the_lost_writes(
     lost = [x for p in rolled for x in lost_ranges(manifests, p)]
     assert {str(x.backup_id) for x in lost} == {third["backup_id"]}
     assert all(x.from_seq == persisted[p] for p in rolled for x in lost_ranges(manifests, p))
+
+
+def test_a_killed_backup_leaves_nothing_visible_and_a_rerun_reuses_its_segments(
+    node_factory: type[Node], tmp_path: Path
+) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    node = node_factory("--flush-interval", "0.02", partitions=32).start()
+    upr("load", node.uri, "--docs", "6000", "--size", "3000")
+    wait_persisted(node.uri)
+    repo = tmp_path / "repo"
+    proc = subprocess.Popen([sys.executable, "-m", "upr_cli", "backup", node.uri, "--repo",
+                             str(repo), "--no-progress"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(list(repo.glob("default/*/p*.seg"))) < 4 and time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.skip("the backup finished before it could be killed")
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not list(repo.glob("default/*/manifest.json"))  # nothing committed
+    info = json.loads(upr("info", "--repo", str(repo), "--json").stdout)
+    assert info["buckets"]["default"]["backups"] == [] and info["buckets"]["default"]["incomplete"]
+    rerun = json.loads(upr("backup", node.uri, "--repo", str(repo), "--json").stdout)
+    assert rerun["reused_segments"] >= 1
+    assert upr("verify", "--repo", str(repo)).returncode == 0
+    assert repo_state(repo) == node_state(node.uri)
+    clean = tmp_path / "clean"
+    upr("backup", node.uri, "--repo", str(clean))
+    assert repo_state(clean) == repo_state(repo)
+    assert (
+        json.loads(upr("info", "--repo", str(repo), "--json").stdout)["buckets"]["default"][
+            "incomplete"
+        ]
+        == []
+    )

@@ -37,13 +37,16 @@ from upr_cli.repo import (
     Manifest,
     PartitionEntry,
     Repository,
+    RepositoryError,
     RepositoryLock,
     RollbackRecord,
     SegmentEntry,
     Totals,
     format_segment_name,
+    parse_segment_name,
     resume_point,
 )
+from upr_cli.segments import SegmentError, SegmentReader
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,7 @@ class BackupSummary:
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    reused_segments: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """JSON with 64-bit values as decimal strings."""
@@ -88,16 +92,19 @@ class BackupSummary:
             "items_per_s": round(self.items / self.seconds) if self.seconds else None,
             "rollbacks": self.rollbacks,
             "warnings": self.warnings,
+            "reused_segments": self.reused_segments,
         }
 
 
 async def _live_state(
-    uri: SourceUri, partitions: list[int]
-) -> tuple[dict[int, FailoverLog], dict[int, tuple[int, int]]]:
-    """Live failover logs (GET_FAILOVER_LOG 0x96) and (high, purge) seqnos per partition."""
+    uri: SourceUri, partitions: list[int] | None
+) -> tuple[int, dict[int, FailoverLog], dict[int, tuple[int, int]]]:
+    """The partition count, live failover logs (GET_FAILOVER_LOG 0x96) and (high, purge)."""
     s = await connect(uri, name="upr-backup-check")
     try:
         conn = s.conn
+        if partitions is None:
+            partitions = list(range(s.num_partitions))
         futs = [
             (
                 p,
@@ -119,7 +126,7 @@ async def _live_state(
             p: (int(stats.get(f"vb_{p}:high_seqno", 0)), int(stats.get(f"vb_{p}:purge_seqno", 0)))
             for p in partitions
         }
-        return logs, seqs
+        return s.num_partitions, logs, seqs
     finally:
         await conn.aclose()
 
@@ -188,7 +195,11 @@ async def backup(
     with RepositoryLock(repo, bucket, on_stale=warn) as lock:
         manifests = repo.manifests(bucket)
         parent = manifests[-1] if manifests and not full else None
-        backup_id = repo.next_backup_id(bucket)
+        # An interrupted run after the newest committed backup is continued in place: its
+        # finished segments are reused once verified (the sweep keeps it, drops older ones).
+        newest = manifests[-1].backup_id if manifests else None
+        leftovers = [b for b in repo.incomplete(bucket) if newest is None or b > newest]
+        backup_id = leftovers[-1] if leftovers else repo.next_backup_id(bucket)
         repo.sweep(bucket, backup_id, lock)
         directory = repo.new_backup_dir(bucket, backup_id)
         stored = (
@@ -202,8 +213,9 @@ async def backup(
         )
         decisions: dict[int, StartDecision] = {}
         warnings: list[str] = []
+        count, live_logs, seqs = await _live_state(uri, None)
+        wanted = partitions if partitions is not None else list(range(count))
         if stored:
-            live_logs, seqs = await _live_state(uri, sorted(stored))
             for p, rp in stored.items():
                 high, purge = seqs.get(p, (0, 0))
                 d = decide_start(p, rp, live_logs.get(p), high, purge)
@@ -213,16 +225,22 @@ async def backup(
                     warn(d.warning)
         positions = {p: d.position for p, d in decisions.items()}
         logs = {p: d.log for p, d in decisions.items()}
-        results = await stream_to_segments(
-            uri,
-            directory,
-            bucket=bucket,
-            positions=positions,
-            failover_logs=logs,
-            partitions=partitions,
-            segment_name=format_segment_name,
-            on_progress=on_progress,
-        )
+        reused = _reusable(directory, wanted, positions)
+        to_stream = [p for p in wanted if p not in reused]
+        results = dict(reused)
+        if to_stream:
+            results.update(
+                await stream_to_segments(
+                    uri,
+                    directory,
+                    bucket=bucket,
+                    positions=positions,
+                    failover_logs=logs,
+                    partitions=to_stream,
+                    segment_name=format_segment_name,
+                    on_progress=on_progress,
+                )
+            )
         entries, rollbacks, bytes_read = [], [], 0
         for p, r in sorted(results.items()):
             decision = decisions.get(p)
@@ -267,7 +285,40 @@ async def backup(
         rollbacks,
         warnings,
         time.monotonic() - t0,
+        len(reused),
     )
+
+
+def _reusable(
+    directory: Path, wanted: list[int], positions: dict[int, StreamPosition]
+) -> dict[int, PartitionResult]:
+    """Segments an interrupted run finished: kept if they verify and start where this run
+    starts each partition; anything else is removed and streamed again."""
+    out: dict[int, PartitionResult] = {}
+    want = set(wanted)
+    for path in sorted(directory.glob("p*.seg")):
+        try:
+            name = parse_segment_name(path.name)
+        except RepositoryError:
+            continue
+        p = name.partition
+        start = positions[p].seq if p in positions else 0
+        try:
+            with SegmentReader(path) as reader:
+                info = reader.verify()
+                header = reader.header
+        except SegmentError as exc:
+            log.warning("%s: not reused: %s", path.name, exc.reason)
+            path.unlink(missing_ok=True)
+            continue
+        if p not in want or p in out or header.start_seq != start or header.partition != p:
+            path.unlink(missing_ok=True)
+            continue
+        last = header.snapshots[-1] if header.snapshots else (header.end_seq, header.end_seq)
+        out[p] = PartitionResult(
+            p, header.failover_log, header.start_seq, header.end_seq, last, info, None, info.records
+        )
+    return out
 
 
 def _entry(r: PartitionResult, rb: RollbackRecord | None) -> PartitionEntry:
