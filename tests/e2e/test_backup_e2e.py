@@ -122,3 +122,34 @@ def test_a_killed_backup_leaves_nothing_visible_and_a_rerun_reuses_its_segments(
         ]
         == []
     )
+
+
+def test_examine_shows_every_version_and_the_lost_writes(
+    node_factory: type[Node], tmp_path: Path
+) -> None:
+    repo = tmp_path / "repo"
+    node = node_factory("--flush-interval", "0.02").start()
+    upr("load", node.uri, "--docs", "200", "--seed", "1")
+    wait_persisted(node.uri)
+    upr("backup", node.uri, "--repo", str(repo))
+    node.stop()
+    node.start("--flush-interval", "3600")
+    upr("load", node.uri, "--docs", "200", "--seed", "2")  # rewrites doc-000000000..199
+    upr("backup", node.uri, "--repo", str(repo))  # sees the updates, which are never persisted
+    node.kill()
+    node.start()
+    upr("backup", node.uri, "--repo", str(repo))  # records the rollback
+    rows = {}
+    for key in ("doc-000000000", "doc-000000007", "doc-000000042"):
+        out = json.loads(upr("examine", "--repo", str(repo), "--json", key).stdout)
+        rows[key] = out["versions"]
+    updated = [k for k, vs in rows.items() if len(vs) > 1]
+    assert updated == list(rows), rows  # every one was rewritten
+    for key in updated:
+        vs = rows[key]
+        assert vs[0]["lost"] is False and vs[0]["in_latest"] is True
+        assert all(v["lost"] for v in vs[1:])  # the updates the crash took back
+    text = upr("examine", "--repo", str(repo), updated[0])
+    assert "lost write" in text.stdout and "latest" in text.stdout
+    missing = upr("examine", "--repo", str(repo), "no-such-key", check=False)
+    assert missing.returncode == 1

@@ -18,7 +18,7 @@ from typer.exceptions import Abort as TyperAbort
 from typer.exceptions import TyperException
 
 from upr_cli import __version__
-from upr_cli.cli import backup, inspect, load, restore, rollback_point, serve, tail
+from upr_cli.cli import backup, examine, inspect, load, restore, rollback_point, serve, tail
 from upr_cli.cli.output import error_line
 from upr_cli.errors import UprError
 
@@ -59,6 +59,7 @@ load.register(app)
 backup.register(app)
 inspect.register(app)
 restore.register(app)
+examine.register(app)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -8,7 +8,8 @@ from typing import Any
 
 from rich.console import Console
 
-stdout = Console(soft_wrap=True, highlight=False)
+# Piped output gets room: a table cut at 80 columns is no use to a script or a log.
+stdout = Console(soft_wrap=True, highlight=False, width=None if sys.stdout.isatty() else 200)
 stderr = Console(stderr=True, soft_wrap=True, highlight=False)
 
 
