@@ -69,6 +69,7 @@ MARKER_MEMORY, MARKER_DISK_CHECKPOINT = 0x01, 0x06
 END_OK, END_CLOSED, END_STATE_CHANGED, END_DISCONNECTED = 0, 1, 2, 3
 
 STREAM_ENDED = 1 << 64
+BACKFILLS_PER_CONNECTION = 6  # open disk snapshots per DCP connection
 BATCH_ITEMS = 512
 BATCH_BYTES = 64 * 1024
 BACKFILL_ROWS = 1000
@@ -182,7 +183,8 @@ class DcpProducer:
         self._noop_opaque = 0x7FFF_0000
         self._pool = backfill_pool
         self._slots = backfill_slots  # server-wide: concurrent SQLite reads
-        self._own = asyncio.Semaphore(2)  # per connection: open backfills (snapshots held)
+        self._own = asyncio.Semaphore(BACKFILLS_PER_CONNECTION)  # open backfills (snapshots)
+        self._readers: list[StorageReader] = []  # idle read connections, reused
         self._on_fatal = on_fatal
         # Barrier cookies (formats/barrier.md): pending cookies in arrival order, and per
         # partition the end of the last snapshot sent completely.
@@ -381,7 +383,7 @@ class DcpProducer:
             self.bucket.partitions[vb].notify()
 
     async def aclose(self) -> None:
-        """Stop every stream and the noop task."""
+        """Stop every stream and the noop task; close idle read connections."""
         tasks = [t for t in self.streams.values() if not t.done()]
         if self._noop_task is not None:
             tasks.append(self._noop_task)
@@ -391,6 +393,9 @@ class DcpProducer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self.streams.clear()
+        readers, self._readers = self._readers, []
+        for r in readers:  # idle: no thread uses them, so close here (also when cancelled)
+            r.close()
 
     async def _run_stream(self, spec: StreamSpec) -> None:
         try:
@@ -470,8 +475,10 @@ class DcpProducer:
         """
         storage = self.bucket.storage
 
+        readers = self._readers
+
         def open_and_fetch() -> tuple[StorageReader, Backfill, list[bytes], int]:
-            reader = storage.open_reader()
+            reader = readers.pop() if readers else storage.open_reader()
             try:
                 bf = reader.backfill(spec.vbucket, cursor, batch=BACKFILL_ROWS)
                 rows = bf.fetch_rows()
@@ -482,8 +489,13 @@ class DcpProducer:
 
         def close(reader: StorageReader, bf: Backfill) -> None:
             try:
-                bf.close()
-            finally:
+                bf.close()  # ends the read transaction; the connection stays for the next one
+            except BaseException:
+                reader.close()
+                raise
+            if len(readers) < BACKFILLS_PER_CONNECTION:
+                readers.append(reader)
+            else:
                 reader.close()
 
         async with self._own:

@@ -1,0 +1,136 @@
+"""`upr backup` throughput, compression and memory on a local node.
+
+Loads --docs JSON documents (150-200 B, 1024 partitions) into a local `upr serve`, waits
+until they are persisted, then: a full `upr backup` (items/s, MB/s of raw records, peak
+RSS of the backup process), an incremental backup after updating 10% of the documents,
+and the compression ratio beside `zstd -3` on the same raw records as one stream (the
+zstd CLI when installed, else the library at level 3). Restore figures come with the
+SQLite store.
+
+Usage: python bench/backup.py [--docs 1000000]
+Last line: full_items_per_s=… target=… ratio=… zstd3_ratio=… backup_rss_mb=… …
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _node import BenchNode
+
+TARGET_ITEMS = 100_000
+TARGET_RSS_MB = 300
+
+
+def run_measured(cmd: list[str]) -> tuple[float, float, str]:
+    """(seconds, the child's own peak RSS in MB, its stdout), via os.wait4."""
+    with tempfile.TemporaryFile("w+") as out:
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL)
+        _pid, status, usage = os.wait4(proc.pid, 0)
+        secs = time.perf_counter() - t
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd[2:4])} exited {proc.returncode}")
+        out.seek(0)
+        return secs, usage.ru_maxrss / 1024, out.read()
+
+
+def backup_cmd(uri: str, repo: Path) -> list[str]:
+    """The `upr backup` command line."""
+    return [sys.executable, "-m", "upr_cli", "backup", uri, "--repo", str(repo), "--json",
+            "--no-progress"]  # fmt: skip
+
+
+def zstd3_ratio(repo: Path) -> tuple[float, int]:
+    """Ratio of `zstd -3` on the backup's raw records, row-wise, as one stream."""
+    from upr_cli.segments import SegmentReader
+
+    head = struct.Struct("<BBHIQQQIIII")
+    raw_path = repo.parent / "raw.bin"
+    size = 0
+    with open(raw_path, "wb") as out:
+        for seg in sorted(repo.glob("*/*/p*.seg")):
+            with SegmentReader(seg) as r:
+                for op, seq, rev, cas, fl, exp, dt, dtype, k, v in r.records():
+                    rec = (
+                        head.pack(op, dtype, len(k), len(v), seq, rev, cas, fl, exp, dt, 0) + k + v
+                    )
+                    out.write(rec)
+                    size += len(rec)
+    if shutil.which("zstd"):
+        comp = len(subprocess.run(["zstd", "-3", "-c", str(raw_path)], capture_output=True,
+                                  check=True).stdout)  # fmt: skip
+    else:
+        import zstandard
+
+        comp = len(zstandard.ZstdCompressor(level=3).compress(raw_path.read_bytes()))
+    raw_path.unlink()
+    return size / comp, size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--docs", type=int, default=1_000_000)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="upr-bench-backup-") as tmp:
+        repo = Path(tmp) / "repo"
+        node = BenchNode(Path(tmp) / "node")
+        try:
+            subprocess.run([sys.executable, "-m", "upr_cli", "load", node.uri, "--docs",
+                            str(args.docs), "--json"], check=True, capture_output=True)  # fmt: skip
+            node.wait_persisted()
+            secs, rss, out = run_measured(backup_cmd(node.uri, repo))
+            full = json.loads(out)
+            subprocess.run([sys.executable, "-m", "upr_cli", "load", node.uri, "--docs",
+                            str(args.docs // 10), "--seed", "2", "--json"], check=True,
+                           capture_output=True)  # fmt: skip
+            node.wait_persisted()
+            _isecs, irss, iout = run_measured(backup_cmd(node.uri, repo))
+            inc = json.loads(iout)
+            node_rss = node.peak_rss_mb()
+        finally:
+            node.stop()
+        ratio = int(full["bytes_read"]) / int(full["bytes_written"])
+        z3, raw = zstd3_ratio(repo)
+    items = full["items"]
+    rate = items / full["seconds"]
+    mbs = int(full["bytes_read"]) / 1e6 / full["seconds"]
+    print(f"node with {args.docs:,} documents (1024 partitions), all persisted")
+    print(
+        f"  full backup:        {items:,} items in {full['seconds']:.2f}s = {rate:,.0f} items/s "
+        f"({mbs:,.1f} MB/s raw; {secs:.2f}s with process start)  target >= {TARGET_ITEMS:,} "
+        f"{'MET' if rate >= TARGET_ITEMS else 'MISSED'}"
+    )
+    print(
+        f"  incremental (10%):  {inc['items']:,} items in {inc['seconds']:.2f}s = "
+        f"{inc['items'] / inc['seconds']:,.0f} items/s"
+    )
+    print(
+        f"  compression ratio:  {ratio:.2f}  vs zstd -3 on the same {raw / 1e6:,.1f} MB of raw "
+        f"records: {z3:.2f}  {'MET' if ratio >= z3 else 'MISSED'}"
+    )
+    print(
+        f"  backup peak RSS:    {max(rss, irss):.0f} MB  target < {TARGET_RSS_MB} MB "
+        f"{'MET' if max(rss, irss) < TARGET_RSS_MB else 'MISSED'}; node peak RSS {node_rss:.0f} MB"
+    )
+    print(
+        f"full_items_per_s={rate:.0f} target={TARGET_ITEMS} full_mb_per_s={mbs:.1f} "
+        f"incremental_items_per_s={inc['items'] / inc['seconds']:.0f} ratio={ratio:.2f} "
+        f"zstd3_ratio={z3:.2f} backup_rss_mb={max(rss, irss):.0f} rss_target_mb={TARGET_RSS_MB}"
+    )
+
+
+if __name__ == "__main__":
+    main()
