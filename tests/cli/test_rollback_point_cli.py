@@ -92,7 +92,7 @@ def test_impossible_case_exits_3_with_one_line(capsys: pytest.CaptureFixture[str
         (["--server-log", SERVER, "--client-log", CLIENT], "needs --snapshot-seq, --seen-seq"),
         (["--server-log", SERVER, "--rule", "nope", "--client-log", "[]"], "unknown rule"),
         (["--server-log", SERVER, "--bogus"], "No such option"),
-        (["--client-log", CLIENT], "Missing option"),
+        (["--client-log", CLIENT], "give --server-log"),
         (["--rule", "dcp", "--server-log", SERVER, "--start", "3"], "--high-seq"),
         (["--rule", "dcp", "--server-log", SERVER, "--start", "3", "--high-seq", "9",
           "--uuid", "zz"], "not a hex string"),

@@ -153,3 +153,28 @@ def test_examine_shows_every_version_and_the_lost_writes(
     assert "lost write" in text.stdout and "latest" in text.stdout
     missing = upr("examine", "--repo", str(repo), "no-such-key", check=False)
     assert missing.returncode == 1
+
+
+def test_rollback_point_between_a_node_and_a_repository(
+    node_factory: type[Node], tmp_path: Path
+) -> None:
+    repo = tmp_path / "repo"
+    node = node_factory("--flush-interval", "0.02").start()
+    upr("load", node.uri, "--docs", "300")
+    persisted = {p: h for p, (_u, h, _x) in wait_persisted(node.uri).items()}
+    node.stop()
+    node.start("--flush-interval", "3600")
+    upr("load", node.uri, "--docs", "200", "--prefix", "lost")
+    upr("backup", node.uri, "--repo", str(repo))  # the backup holds writes the node will lose
+    node.kill()
+    node.start()
+    out = upr("rollback-point", "--server", node.uri, "--client", f"repo:{repo}", "--json")
+    rows = {r["partition"]: r for r in json.loads(out.stdout)}
+    assert {p: r["rollback_seq"] for p, r in rows.items()} == persisted
+    assert all(r["rollback"] for r in rows.values())
+    one = upr(
+        "rollback-point", "--server", node.uri, "--client", f"repo:{repo}", "--partitions", "3"
+    )
+    assert "must roll back" in one.stdout
+    bad = upr("rollback-point", "--server", node.uri, check=False)
+    assert bad.returncode == 2 and "go together" in bad.stderr

@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.table import Table
 
 from upr_cli.cli.options import JsonOutput
 from upr_cli.cli.output import print_json, stdout
+from upr_cli.errors import UsageError
 from upr_cli.failover import RollbackDecision
-from upr_cli.jobs.rollback_point import DcpArgs, compute, load_log
+from upr_cli.jobs.rollback_point import DcpArgs, compare_sources, compute, load_log
+from upr_cli.jobs.tail import parse_partitions
 
 HELP = """Compute where a client must roll back to and restart streaming a partition.
 
@@ -26,6 +29,10 @@ Example (the seed's worked example, prints "rollback_seq": 6):
 
   upr rollback-point --server-log '[["deadbeef",8],["cafebabe",0]]'
       --client-log '[["ba5eba11",7],["cafebabe",0]]' --snapshot-seq 6 --seen-seq 9 --json
+
+Example (where a repository's next backup must restart, per partition):
+
+  upr rollback-point --server upr://admin@127.0.0.1/default --client repo:/backups/cb
 
 Example (producer rule):
 
@@ -44,8 +51,8 @@ def register(app: typer.Typer) -> None:
 
 def rollback_point_cmd(
     server_log: Annotated[
-        str, typer.Option("--server-log", metavar="LOG", help="The server's failover log.")
-    ],
+        str | None, typer.Option("--server-log", metavar="LOG", help="The server's failover log.")
+    ] = None,
     client_log: Annotated[
         str | None, typer.Option("--client-log", metavar="LOG", help="The client's failover log.")
     ] = None,
@@ -132,11 +139,39 @@ def rollback_point_cmd(
     max_entries: Annotated[
         int, typer.Option("--max-entries", min=1, help="Maximum failover-log length accepted.")
     ] = 25,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            "--server",
+            metavar="SRC",
+            help="Server logs from a source: upr://… (live node) or repo:DIR[@BACKUP].",
+        ),
+    ] = None,
+    client: Annotated[
+        str | None,
+        typer.Option(
+            "--client",
+            metavar="SRC",
+            help="Client logs and positions from a source: repo:DIR[@BACKUP] or upr://….",
+        ),
+    ] = None,
+    partitions: Annotated[
+        str | None, typer.Option("--partitions", help="With sources: only these, e.g. 0-15,40.")
+    ] = None,
     json_out: JsonOutput = False,
 ) -> None:
     """Compute where a client must roll back to and restart."""
-    server = load_log(server_log, "--server-log", max_entries)
-    client = load_log(client_log, "--client-log", max_entries) if client_log is not None else None
+    if server is not None or client is not None:
+        if server is None or client is None:
+            raise UsageError("--server and --client go together (upr://… or repo:DIR[@BACKUP])")
+        sources(server, client, parse_partitions(partitions) if partitions else None, json_out)
+        return
+    if server_log is None:
+        raise UsageError("give --server-log (or --server and --client sources)")
+    server_log_ = load_log(server_log, "--server-log", max_entries)
+    client_log_ = (
+        load_log(client_log, "--client-log", max_entries) if client_log is not None else None
+    )
     dcp = DcpArgs(
         start=start,
         high=high_seq,
@@ -149,8 +184,8 @@ def rollback_point_cmd(
     )
     decision = compute(
         rule=rule,
-        server_log=server,
-        client_log=client,
+        server_log=server_log_,
+        client_log=client_log_,
         snapshot_seq=snapshot_seq,
         seen_seq=seen_seq,
         dcp=dcp,
@@ -159,6 +194,44 @@ def rollback_point_cmd(
         print_json(decision.to_json())
     else:
         render(decision)
+
+
+def sources(server: str, client: str, partitions: list[int] | None, json_out: bool) -> None:
+    """Per partition: the seed rule between two sources (exit 3 if any history is impossible)."""
+    results = compare_sources(server, client, partitions)
+    if json_out:
+        print_json(
+            [
+                {
+                    "partition": r.partition,
+                    **(r.decision.to_json() if r.decision else {}),
+                    "error": r.error,
+                }
+                for r in results
+            ]
+        )
+    else:
+        table = Table(title=f"seed rule: server {server} / client {client}")
+        for col in ("partition", "rollback to", "rolls back", "step", "common ancestor"):
+            table.add_column(col, no_wrap=True)
+        for r in results:
+            d = r.decision
+            if d is None:
+                table.add_row(str(r.partition), "-", "-", r.error or "", "")
+                continue
+            ca = d.common_ancestor
+            table.add_row(
+                str(r.partition),
+                str(d.rollback_seq),
+                "yes" if d.rollback else "no",
+                d.step,
+                "none" if ca is None else f"{ca.uuid:x}@{ca.seq}",
+            )
+        stdout.print(table)
+        rolled = sum(1 for r in results if r.decision and r.decision.rollback)
+        stdout.print(f"{len(results)} partitions, {rolled} must roll back")
+    if any(r.error for r in results):
+        raise typer.Exit(3)
 
 
 def render(d: RollbackDecision) -> None:

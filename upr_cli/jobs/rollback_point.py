@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from upr_cli.errors import UsageError
+from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import (
     MAX_ENTRIES,
     FailoverLog,
@@ -96,3 +96,110 @@ def compute(
             strict=dcp.strict,
         )
     raise UsageError(f"unknown rule {rule!r}: use 'seed' or 'dcp'")
+
+
+# -- sources: a live node or a repository, per partition --------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SourceState:
+    """One partition as a source describes it: its failover log and, for a client, where
+    it stands (the last complete snapshot and the highest seq seen)."""
+
+    log: FailoverLog
+    snapshot_seq: int = 0
+    seen_seq: int = 0
+
+
+async def _node_logs(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:
+    from upr_cli.net.bootstrap import connect
+    from upr_cli.net.uri import SourceUri
+    from upr_cli.protocol.header import Opcode
+    from upr_cli.protocol.messages import FailoverLogResponse, GetFailoverLog
+
+    s = await connect(SourceUri.parse(spec), name="upr-rollback-point")
+    try:
+        conn = s.conn
+        wanted = partitions if partitions is not None else list(range(s.num_partitions))
+        futs = [
+            (
+                p,
+                conn.start_request(
+                    GetFailoverLog(
+                        opcode=Opcode.GET_FAILOVER_LOG, vbucket=p, opaque=conn.next_opaque()
+                    )
+                ),
+            )
+            for p in wanted
+        ]
+        stats = await conn.stats("vbucket-seqno")
+        out = {}
+        for p, fut in futs:
+            resp = (await fut)[0]
+            if isinstance(resp, FailoverLogResponse):
+                high = int(stats.get(f"vb_{p}:high_seqno", 0))
+                out[p] = SourceState(FailoverLog.sanitised(resp.failover_log), high, high)
+        return out
+    finally:
+        await s.conn.aclose()
+
+
+def _repo_states(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:
+    from upr_cli.jobs.inspect import open_repo
+    from upr_cli.repo import resume_point
+
+    path, _, at = spec.partition("@")
+    repo = open_repo(Path(path))
+    names = repo.buckets()
+    if len(names) != 1:
+        raise UsageError(f"{path}: holds buckets {', '.join(names) or 'none'}; one expected")
+    manifests = repo.manifests(names[0])
+    if at:
+        manifests = [m for m in manifests if str(m.backup_id) <= at]
+        if not manifests or str(manifests[-1].backup_id) != at:
+            raise UsageError(f"repo:{spec}: no committed backup {at!r}")
+    held = sorted({e.partition for m in manifests for e in m.partitions})
+    out = {}
+    for p in held if partitions is None else [p for p in held if p in set(partitions)]:
+        rp = resume_point(manifests, p)
+        if rp is not None:
+            snap = rp.snap_end if rp.seq == rp.snap_end else rp.snap_start
+            out[p] = SourceState(rp.failover_log, min(snap, rp.seq), rp.seq)
+    return out
+
+
+def load_source(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:
+    """Per-partition states from `upr://…` (a live node) or `repo:DIR[@BACKUP]`."""
+    if spec.startswith(("upr://", "couchbase://")):
+        import asyncio
+
+        return asyncio.run(_node_logs(spec, partitions))
+    if spec.startswith("repo:"):
+        return _repo_states(spec[5:], partitions)
+    raise UsageError(f"{spec!r}: a source is upr://… or repo:DIR[@BACKUP]")
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionDecision:
+    """The seed rule's answer for one partition (or why there is none)."""
+
+    partition: int
+    decision: RollbackDecision | None
+    error: str | None = None
+
+
+def compare_sources(
+    server: str, client: str, partitions: list[int] | None
+) -> list[PartitionDecision]:
+    """The seed rule per partition: the server's log against the client's log and position."""
+    srv = load_source(server, partitions)
+    cli = load_source(client, partitions)
+    out = []
+    for p in sorted(set(srv) & set(cli)):
+        c = cli[p]
+        try:
+            d = rollback_point(srv[p].log, c.log, c.snapshot_seq, c.seen_seq)
+            out.append(PartitionDecision(p, d))
+        except UprError as exc:
+            out.append(PartitionDecision(p, None, str(exc)))
+    return out
