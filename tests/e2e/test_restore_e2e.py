@@ -86,3 +86,46 @@ def test_a_corrupt_segment_stops_the_restore_unless_skipped(
     report = json.loads(skipped.stdout)
     assert len(report["skipped"]) == 1 and seg.name in report["skipped"][0]
     assert report["written"] > 0
+
+
+def node_content_hash(uri: str) -> tuple[int, str]:
+    from upr_cli.store import content_hash_of
+
+    live = docs(uri)
+    return len(live), content_hash_of((k, v[0], v[1], v[2], v[3], v[4]) for k, v in live.items())
+
+
+def test_restore_into_sqlite_matches_the_node(node_factory: type[Node], tmp_path: Path) -> None:
+    from upr_cli.store import Store
+
+    src = node_factory("--flush-interval", "0.02").start()
+    repo = tmp_path / "repo"
+    upr("load", src.uri, "--docs", "1500", "--update-ratio", "0.3", "--delete-ratio", "0.1")
+    wait_persisted(src.uri)
+    upr("backup", src.uri, "--repo", str(repo))
+    first = node_content_hash(src.uri)
+    upr(
+        "load",
+        src.uri,
+        "--docs",
+        "400",
+        "--update-ratio",
+        "0.5",
+        "--delete-ratio",
+        "0.2",
+        "--seed",
+        "4",
+    )
+    upr("backup", src.uri, "--repo", str(repo))
+    db = tmp_path / "latest.db"
+    out = json.loads(upr("restore", "--repo", str(repo), f"sqlite:{db}", "--json").stdout)
+    assert out["errors"] == {} and out["written"] == out["documents"] + out["deletions"]
+    with Store(db) as s:
+        assert (s.count(), s.content_hash()) == node_content_hash(src.uri)
+        assert len(s.positions()) == 16  # a replay could go on from the backup
+    old = tmp_path / "oldest.db"
+    upr("restore", "--repo", str(repo), "--at", "oldest", f"sqlite:{old}")
+    with Store(old) as s:
+        assert (s.count(), s.content_hash()) == first
+    bad = upr("restore", "--repo", str(repo), "--force-updates", f"sqlite:{db}", check=False)
+    assert bad.returncode == 2

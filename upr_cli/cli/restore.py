@@ -12,11 +12,11 @@ import typer
 from upr_cli.cli.options import JsonOutput
 from upr_cli.cli.output import print_json, stderr, stdout
 from upr_cli.errors import UsageError
-from upr_cli.jobs.restore import restore_to_node
+from upr_cli.jobs.restore import restore_to_node, restore_to_store
 from upr_cli.jobs.tail import parse_partitions
 from upr_cli.net.uri import SourceUri
 
-HELP = """Restore the state at a backup into a node.
+HELP = """Restore the state at a backup into a node or a SQLite store.
 
 The state at --at (a backup id, latest or oldest) follows the chain semantics of the
 repository: lost writes (records above a rollback point) are not part of it. Documents
@@ -26,9 +26,17 @@ sent only where the target has the key, unless --include-tombstones. --dry-run p
 the plan and writes nothing. Reading verifies checksums; a corrupt segment stops the
 restore naming the file and block, unless --skip-corrupt, which reports what it skipped.
 
+A SQLite target (sqlite:PATH, formats/store.md) receives the documents and tombstones
+as they were, and each partition's position and failover log, so a replay can go on
+from the backup.
+
 Example:
 
   upr restore --repo /backups/cb upr://admin@127.0.0.1:11210/default
+
+Example (into a SQLite store):
+
+  upr restore --repo /backups/cb sqlite:/tmp/bucket.db
 
 Example (what the oldest backup would restore for partitions 0-7):
 
@@ -42,7 +50,9 @@ def register(app: typer.Typer) -> None:
 
 
 def restore_cmd(
-    target: Annotated[str, typer.Argument(help="upr://[user[:password]@]host[:port]/bucket")],
+    target: Annotated[
+        str, typer.Argument(help="upr://[user[:password]@]host[:port]/bucket or sqlite:PATH")
+    ],
     repo: Annotated[Path, typer.Option("--repo", help="Repository directory.")],
     at: Annotated[str, typer.Option("--at", help="A backup id, latest or oldest.")] = "latest",
     bucket: Annotated[
@@ -69,26 +79,41 @@ def restore_cmd(
     json_out: JsonOutput = False,
 ) -> None:
     """Restore a backup."""
-    if not target.startswith(("upr://", "couchbase://")):
-        raise UsageError("TARGET must be a node (upr://…); SQLite targets come with the store")
     try:
         pattern = re.compile(keys.encode()) if keys is not None else None
     except re.error as exc:
         raise UsageError(f"--keys: not a valid regex: {exc}") from None
-    summary = asyncio.run(
-        restore_to_node(
+    parts = parse_partitions(partitions) if partitions else None
+    if target.startswith("sqlite:"):
+        if force_updates:
+            raise UsageError(
+                "--force-updates applies to node targets (a store keeps what it is given)"
+            )
+        summary = restore_to_store(
             repo,
-            SourceUri.parse(target),
+            Path(target[len("sqlite:") :]),
             bucket=bucket,
             at=at,
-            partitions=parse_partitions(partitions) if partitions else None,
+            partitions=parts,
             keys=pattern,
             dry_run=dry_run,
-            force_updates=force_updates,
-            include_tombstones=include_tombstones,
             skip_corrupt=skip_corrupt,
         )
-    )
+    elif target.startswith(("upr://", "couchbase://")):
+        summary = asyncio.run(
+            restore_to_node(
+                repo,
+                SourceUri.parse(target),
+                bucket=bucket,
+                at=at,
+                partitions=parse_partitions(partitions) if partitions else None,
+                keys=pattern,
+                dry_run=dry_run,
+                force_updates=force_updates,
+                include_tombstones=include_tombstones,
+                skip_corrupt=skip_corrupt,
+            )
+        )
     if json_out:
         print_json(summary.to_json())
     else:

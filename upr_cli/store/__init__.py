@@ -1,0 +1,31 @@
+"""SQLite store (formats/store.md): the target of `upr restore … sqlite:PATH` and `upr replay`.
+
+`Store` holds documents (tombstones included), per-partition positions and failover
+logs, and a bounded mutation log that undoes changes on a rollback. `content_hash_of`
+computes, from any holder's documents, the hash `Store.content_hash` returns.
+"""
+
+from upr_cli.store.content import ContentHasher, Document, HashedDoc, content_hash_of
+from upr_cli.store.schema import FORMAT, SCHEMA_VERSION, StoreError
+from upr_cli.store.store import (
+    DEFAULT_UNDO_WINDOW,
+    PartitionState,
+    RollbackResult,
+    Row,
+    Store,
+)
+
+__all__ = [
+    "DEFAULT_UNDO_WINDOW",
+    "FORMAT",
+    "SCHEMA_VERSION",
+    "ContentHasher",
+    "Document",
+    "HashedDoc",
+    "PartitionState",
+    "RollbackResult",
+    "Row",
+    "Store",
+    "StoreError",
+    "content_hash_of",
+]

@@ -1,0 +1,155 @@
+"""Schema of the SQLite store (formats/store.md): creation, identification, migration.
+
+Theory of operation
+-------------------
+* A store is recognised by its `meta` table: `format` = "upr-store" and a decimal
+  `schema_version`. A file with tables but no such row is not a store; a file whose
+  version is above `SCHEMA_VERSION` is refused, never written to.
+* Creation and migration run through `sqlite_utils.Database` inside ONE `BEGIN
+  IMMEDIATE` transaction (sqlite-utils statements join an open transaction), so two
+  processes opening a new file at once cannot both create it, and a crash mid-way leaves
+  the previous version intact. `MIGRATIONS[v]` turns version v into v + 1; a store of an
+  older version is brought up to date step by step when it is opened.
+* Tables keyed by more than an integer are WITHOUT ROWID (sqlite-utils has no option for
+  it, so its generated CREATE TABLE gets the clause appended): a row lives in its primary
+  key b-tree, so a write touches one b-tree instead of two.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import sqlite_utils
+
+from upr_cli.errors import UprError
+
+SCHEMA_VERSION = 1
+FORMAT = "upr-store"
+
+#: version v → the function that turns a version-v store into version v + 1, inside the
+#: open transaction (run DDL with `db.execute`; never commit).
+MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {}
+
+_DOCUMENT_COLUMNS: dict[str, type] = {
+    "partition": int,
+    "key": bytes,
+    "seq": int,
+    "rev_seq": int,
+    "cas": int,
+    "flags": int,
+    "expiry": int,
+    "delete_time": int,
+    "datatype": int,
+    "deleted": int,
+    "value": bytes,
+}
+
+_PREV = ("seq", "rev_seq", "cas", "flags", "expiry", "delete_time", "datatype", "deleted")
+
+# A convenience view: live JSON documents only, with `doc` NULL unless it is valid JSON,
+# so a json_extract over the whole view can never fail on one bad row.
+_JSON_VIEW = """
+SELECT partition, key, CAST(key AS TEXT) AS id, seq, rev_seq, cas, flags, expiry, datatype,
+       CASE WHEN json_valid(value) THEN value END AS doc
+FROM documents
+WHERE deleted = 0 AND typeof(value) = 'text'
+"""
+
+
+class StoreError(UprError):
+    """The store file is unusable: not SQLite, not a store, too new, locked or corrupt."""
+
+
+def now_iso() -> str:
+    """The current UTC time as ISO 8601 with milliseconds and a Z suffix."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _without_rowid(create_sql: str) -> str:
+    """A sqlite-utils CREATE TABLE statement made WITHOUT ROWID."""
+    return create_sql.strip().removesuffix(";") + " WITHOUT ROWID"
+
+
+def _set_meta(conn: sqlite3.Connection, key: str, value: str) -> None:
+    conn.execute(
+        "INSERT INTO meta (key, value) VALUES (?, ?)"
+        " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        (key, value),
+    )
+
+
+def _create(db: sqlite_utils.Database, conn: sqlite3.Connection, source: str) -> None:
+    """Create every table and view of the current version (the caller holds the lock).
+
+    sqlite-utils writes the DDL; it is run with `execute`, which joins the open
+    transaction (some sqlite-utils versions commit inside `Table.create`).
+    """
+    log_columns: dict[str, type] = {"partition": int, "seq": int, "key": bytes}
+    log_columns |= {f"prev_{name}": int for name in _PREV}
+    log_columns["prev_value"] = bytes
+    partition_columns: dict[str, type] = {
+        "partition": int, "uuid": int, "seq": int, "snap_start": int, "snap_end": int,
+        "failover_log": str, "log_count": int, "log_floor": int, "updated": str,
+    }  # fmt: skip
+    tables: list[tuple[str, dict[str, type], str | tuple[str, ...], list[str], bool]] = [
+        ("meta", {"key": str, "value": str}, "key", ["value"], False),
+        ("documents", _DOCUMENT_COLUMNS, ("partition", "key"), list(_DOCUMENT_COLUMNS), True),
+        ("mutation_log", log_columns, ("partition", "seq"), ["partition", "seq", "key"], True),
+        ("partitions", partition_columns, "partition",
+         [c for c in partition_columns if c not in ("partition", "failover_log")], False),
+    ]  # fmt: skip
+    for name, columns, pk, not_null, without_rowid in tables:
+        sql = db.create_table_sql(name, columns, pk=pk, not_null=not_null)
+        db.execute(_without_rowid(sql) if without_rowid else sql)
+    db.execute(f"CREATE VIEW json_documents AS {_JSON_VIEW}")
+    for key, value in (
+        ("format", FORMAT),
+        ("schema_version", str(SCHEMA_VERSION)),
+        ("created", now_iso()),
+        ("source", source),
+    ):
+        _set_meta(conn, key, value)
+
+
+def init_schema(conn: sqlite3.Connection, path: Path, *, create: bool, source: str | None) -> None:
+    """Create the schema in an empty file, or check and migrate an existing store."""
+    db = sqlite_utils.Database(conn, execute_plugins=False)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema")}
+        if not names:
+            if not create:
+                raise StoreError(f"{path}: not an upr store (the database is empty)")
+            _create(db, conn, source or "")
+        elif "meta" not in names:
+            raise StoreError(f"{path}: not an upr store (no meta table)")
+        meta = {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta")}
+        if meta.get("format") != FORMAT:
+            raise StoreError(f"{path}: not an upr store (meta format is {meta.get('format')!r})")
+        version = meta.get("schema_version", "")
+        if not version.isdigit() or int(version) < 1:
+            raise StoreError(f"{path}: bad schema version {version!r}")
+        if int(version) > SCHEMA_VERSION:
+            raise StoreError(
+                f"{path}: schema version {version} is newer than this upr supports "
+                f"({SCHEMA_VERSION}); upgrade upr"
+            )
+        for v in range(int(version), SCHEMA_VERSION):
+            step = MIGRATIONS.get(v)
+            if step is None:
+                raise StoreError(f"{path}: no migration from schema version {v}")
+            step(db)
+        if int(version) != SCHEMA_VERSION:
+            if not conn.in_transaction:
+                raise StoreError(f"{path}: a schema migration committed on its own")
+            _set_meta(conn, "schema_version", str(SCHEMA_VERSION))
+        if source is not None and meta.get("source") != source:
+            _set_meta(conn, "source", source)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise

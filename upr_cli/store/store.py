@@ -1,0 +1,807 @@
+"""The SQLite store: the target of `upr restore … sqlite:PATH` and `upr replay --into`.
+
+Theory of operation (formats/store.md is the normative spec)
+------------------------------------------------------------
+* **State = documents + positions.** `documents` holds the latest version of every key
+  of every partition, tombstones included (`deleted = 1`), so a rollback can put a
+  tombstone back and a reader can tell a deletion from absence. `partitions` holds each
+  partition's `StreamPosition` and failover log.
+* **A position is saved only with the changes it covers** (DESIGN "Positions, rollback,
+  lineage"). `apply` writes one snapshot's rows, their undo entries and the new position
+  in ONE transaction; `batch()` widens that transaction over several calls (inner calls
+  become savepoints, so a failed inner call undoes only itself). After a crash the store
+  holds exactly the changes up to each saved position, and a resume restarts there.
+* **The mutation log** (seed 000 "Client and Mutation Log") records, for every applied
+  change, the row it replaced (NULLs when the key did not exist), at most `undo_window`
+  entries per partition, oldest dropped first. `rollback(p, r)` undoes the changes above
+  r: for each key, the replaced row of its OLDEST change above r is the key's state at r
+  (which is what undoing the changes one by one, newest first, ends with), so it is put
+  back, or the document is deleted if that entry is all NULLs. `log_floor` is the
+  highest seq whose change can no longer be undone (trimmed, never logged, or written by
+  a restore): a rollback below it is "too far" and the caller resets the partition.
+* **Hot path without per-row Python.** Rows are bound exactly as the decoder yields them
+  (`ROW_FIELDS` order, key and value as memoryviews) with `executemany`; SQL maps the
+  opcode to `deleted` and stores JSON values as TEXT. Undo entries are captured in bulk,
+  one INSERT … SELECT per up to 256 changes. Checks that need every row (seq order,
+  partition, opcode) run over columns with C-level `map`/`set`. 64-bit values above
+  2^63-1 are rare (a cas would have to be from after 2262), so the rows are first bound
+  as they are; if SQLite refuses an integer, the statements are undone to a savepoint
+  and the rows re-bound with u64 → i64 conversion.
+* **64-bit values** (seq, rev_seq, cas, uuid, snapshot bounds) are stored as their two's
+  complement i64, as `upr_cli.node.storage` does; SQL comparisons are signed, exact for
+  seqs below 2^63, the range a producer hands out.
+
+One thread at a time may use a Store (it may be a worker thread: DESIGN "Never stall the
+event loop").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import sqlite3
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import chain, islice
+from operator import itemgetter, lt
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NamedTuple, Self, TypeVar
+
+import sqlite_utils
+
+from upr_cli.dcp.position import StreamPosition
+from upr_cli.errors import UsageError
+from upr_cli.failover import FailoverLog
+from upr_cli.store.content import ContentHasher, Document
+from upr_cli.store.schema import StoreError, init_schema, now_iso
+
+Row = tuple[Any, ...]  # upr_cli.protocol.decoder.ROW_FIELDS order
+T = TypeVar("T")
+
+U64_MAX = (1 << 64) - 1
+DEFAULT_UNDO_WINDOW = 10_000
+OP_MUTATION, OP_DELETION, OP_EXPIRATION = 0x57, 0x58, 0x59
+_DATA_OPS = frozenset({OP_MUTATION, OP_DELETION, OP_EXPIRATION})
+_I64_MAX = (1 << 63) - 1
+_TWO64 = 1 << 64
+_BUSY_TIMEOUT_S = 10.0
+_PAGE_SIZE = 16384
+_CACHE_KIB = 32 * 1024
+_FETCH = 4096
+
+_get_op = itemgetter(0)
+_get_partition = itemgetter(1)
+_get_seq = itemgetter(2)
+_get_key = itemgetter(9)
+
+_DOC_COLUMNS = (
+    "partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype, deleted, value"
+)
+_DOC_SELECT = (
+    "partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype, deleted,"
+    " CAST(value AS BLOB)"
+)
+
+# Rows are bound as ?1..?12 in ROW_FIELDS order (opcode, vbucket, by_seqno, rev_seqno, cas,
+# flags, expiration, delete_time, datatype, key, value, opaque). An unknown opcode gives
+# deleted = NULL, which the NOT NULL constraint rejects. ?12 (opaque) is unused: the
+# `0 * (?12 IS NULL)` term, always 0, only makes the statement take the 12 parameters a
+# row carries. (A VALUES list, not INSERT … SELECT: measured twice as fast.)
+_UPSERT_ROW = f"""
+INSERT OR REPLACE INTO documents ({_DOC_COLUMNS}) VALUES (
+    ?2, ?10, ?3, ?4, ?5, ?6, ?7, ?8, ?9,
+    CASE ?1 WHEN {OP_MUTATION} THEN 0 WHEN {OP_DELETION} THEN 1 WHEN {OP_EXPIRATION} THEN 1 END
+        + 0 * (?12 IS NULL),
+    CASE WHEN ?9 & 7 = 1 THEN CAST(?11 AS TEXT) ELSE ?11 END
+)
+"""
+
+_PREV_COLUMNS = (
+    "prev_seq, prev_rev_seq, prev_cas, prev_flags, prev_expiry, prev_delete_time,"
+    " prev_datatype, prev_deleted, prev_value"
+)
+
+
+# The rows that `size` changes replace, read before the changes are written: a VALUES
+# list of (partition, seq, key) LEFT JOINed with documents (NULLs where the key does not
+# exist yet). One statement per up to 256 changes: a statement per change measured at
+# half the rate, the per-statement cost dominating.
+@functools.cache
+def _log_sql(size: int) -> str:
+    values = ",".join(["(?,?,?)"] * size)
+    return f"""
+INSERT INTO mutation_log (partition, seq, key, {_PREV_COLUMNS})
+SELECT v.column1, v.column2, v.column3, d.seq, d.rev_seq, d.cas, d.flags, d.expiry,
+       d.delete_time, d.datatype, d.deleted, d.value
+FROM (VALUES {values}) AS v
+LEFT JOIN documents AS d ON d.partition = v.column1 AND d.key = v.column3
+"""
+
+
+_LOG_SIZES = (256, 64, 16, 4, 1)  # a few statement shapes, so the statement cache hits
+_log_key = itemgetter(1, 2, 9)
+
+
+def _log_previous(db: sqlite3.Connection, rows: Sequence[Row]) -> None:
+    """Insert the undo entries of rows whose keys are distinct (see `_unique_key_runs`)."""
+    i, n = 0, len(rows)
+    for size in _LOG_SIZES:
+        sql = _log_sql(size)
+        while n - i >= size:
+            db.execute(sql, list(chain.from_iterable(map(_log_key, rows[i : i + size]))))
+            i += size
+
+
+# For each key changed above :r, its oldest change above :r: the replaced row is the
+# key's state at :r. (No WITH clause: sqlite3 reports no rowcount for a statement that
+# does not start with INSERT, UPDATE, DELETE or REPLACE.)
+_FIRST_ABOVE = """
+(SELECT key, min(seq) AS seq FROM mutation_log WHERE partition = :p AND seq > :r GROUP BY key)
+AS first JOIN mutation_log AS m ON m.partition = :p AND m.seq = first.seq
+"""
+_UNDO_RESTORE = f"""
+INSERT OR REPLACE INTO documents ({_DOC_COLUMNS})
+SELECT m.partition, m.key, {_PREV_COLUMNS.replace("prev_", "m.prev_")}
+FROM {_FIRST_ABOVE} WHERE m.prev_seq IS NOT NULL
+"""
+_UNDO_DELETE = f"""
+DELETE FROM documents WHERE partition = :p AND key IN (
+    SELECT m.key FROM {_FIRST_ABOVE} WHERE m.prev_seq IS NULL
+)
+"""
+
+_PARTITION_COLUMNS = (
+    "partition, uuid, seq, snap_start, snap_end, failover_log, log_count, log_floor, updated"
+)
+
+
+def _i64(value: int) -> int:
+    """Encode a u64 as the i64 SQLite stores (two's complement); ValueError if not a u64."""
+    if not 0 <= value <= U64_MAX:
+        raise ValueError(f"{value} is not an unsigned 64-bit value")
+    return value - _TWO64 if value > _I64_MAX else value
+
+
+def _u64(value: int) -> int:
+    """Decode an i64 column back into the u64 it stores."""
+    return value + _TWO64 if value < 0 else value
+
+
+def _i64_rows(rows: Sequence[Row]) -> list[Row]:
+    """Rows with seq, rev seq and cas converted to i64 where they exceed 2^63-1."""
+    m, conv = _I64_MAX, _i64
+    return [
+        r if r[2] <= m and r[3] <= m and r[4] <= m
+        else (r[0], r[1], conv(r[2]), conv(r[3]), conv(r[4]), *r[5:])
+        for r in rows
+    ]  # fmt: skip
+
+
+def _unique_key_runs(rows: Sequence[Row]) -> list[Sequence[Row]]:
+    """Split rows into consecutive runs in which no key repeats (usually one run).
+
+    A run's undo entries are read before its rows are written, so a key changed twice
+    in one call must have its second change in a later run.
+    """
+    keys: list[Any] = list(map(_get_key, rows))
+    try:
+        distinct = len(set(keys))
+    except (TypeError, ValueError):  # memoryviews of writable buffers are not hashable
+        keys = [bytes(k) for k in keys]
+        distinct = len(set(keys))
+    if distinct == len(keys):
+        return [rows]
+    runs: list[Sequence[Row]] = []
+    seen: set[Any] = set()
+    start = 0
+    for i, key in enumerate(keys):
+        if key in seen:
+            runs.append(rows[start:i])
+            seen, start = set(), i
+        seen.add(key)
+    runs.append(rows[start:])
+    return runs
+
+
+def _as_list(rows: Sequence[Row] | Iterable[Row]) -> Sequence[Row]:
+    return rows if isinstance(rows, list | tuple) else list(rows)
+
+
+def _check_partition(partition: int) -> None:
+    if not isinstance(partition, int) or not 0 <= partition <= 0xFFFF:
+        raise ValueError(f"partition {partition!r} is not a vbucket id (0..65535)")
+
+
+def _check_rows(partition: int, rows: Sequence[Row], above: int) -> list[int]:
+    """Seqs of one partition's rows; ValueError unless they are data rows of `partition`
+    with strictly increasing seqs above `above`."""
+    others = set(map(_get_partition, rows)) - {partition}
+    if others:
+        raise ValueError(f"partition {partition}: rows of partition(s) {sorted(others)} given")
+    ops = set(map(_get_op, rows)) - _DATA_OPS
+    if ops:
+        raise ValueError(
+            f"partition {partition}: opcode(s) {', '.join(f'0x{o:02x}' for o in sorted(ops))}"
+            " are not mutation, deletion or expiration"
+        )
+    seqs: list[int] = list(map(_get_seq, rows))
+    if seqs[0] <= above:
+        raise ValueError(
+            f"partition {partition}: seq {seqs[0]} is not above {above}, the seq the store"
+            " already holds (a stream must resume from the store's position)"
+        )
+    if not all(map(lt, seqs, islice(seqs, 1, None))):
+        i = next(i for i in range(1, len(seqs)) if seqs[i] <= seqs[i - 1])
+        raise ValueError(
+            f"partition {partition}: seqs do not increase: {seqs[i]} follows {seqs[i - 1]}"
+        )
+    return seqs
+
+
+def _by_partition(rows: Sequence[Row]) -> tuple[Sequence[Row], dict[int, int]]:
+    """The rows grouped by partition (stable: a key's rows keep their order) and each
+    partition's highest seq.
+
+    Rows already grouped (a restore reads one partition at a time) cost two C-level
+    passes; mixed rows are sorted, which also turns random b-tree inserts into nearly
+    sequential ones (measured: faster than inserting them unsorted).
+    """
+    parts: list[int] = list(map(_get_partition, rows))
+    ordered = sorted(parts)
+    if parts != ordered:
+        rows = sorted(rows, key=_get_partition)
+    tops: dict[int, int] = {}
+    lo = 0
+    for p in sorted(set(ordered)):
+        hi = bisect_right(ordered, p, lo)
+        tops[p] = max(map(_get_seq, rows[lo:hi]))
+        lo = hi
+    return rows, tops
+
+
+def _bad_row(rows: Sequence[Row], exc: Exception) -> str:
+    """Explain why SQLite rejected a batch (called only after a failure)."""
+    for r in rows:
+        if len(r) != 12:
+            return f"a row has {len(r)} fields, expected 12 (ROW_FIELDS)"
+        if r[0] not in _DATA_OPS:
+            return f"row with seq {r[2]}: opcode {r[0]!r} is not mutation, deletion or expiration"
+        if r[9] is None or r[10] is None:
+            return f"row with seq {r[2]}: key and value must be bytes, not None"
+    return str(exc)
+
+
+class _State(NamedTuple):
+    """A `partitions` row as stored (64-bit values decoded, failover log as JSON text)."""
+
+    position: StreamPosition
+    failover_log: str | None
+    log_count: int
+    log_floor: int
+    updated: str
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionState:
+    """What the store knows of one partition: position, failover log, undo log extent."""
+
+    position: StreamPosition
+    failover_log: FailoverLog | None  # None until one is saved
+    log_count: int  # mutation log entries held
+    log_floor: int  # a rollback can reach any seq ≥ log_floor
+    updated: str  # ISO 8601 UTC time of the last change
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackResult:
+    """What `rollback` did, or that it could not (`too_far`: reset and restream from 0)."""
+
+    partition: int
+    from_seq: int
+    to_seq: int
+    too_far: bool
+    log_floor: int
+    undone: int = 0  # changes above to_seq undone (mutation log entries removed)
+    restored: int = 0  # documents put back to their version at to_seq
+    deleted: int = 0  # documents removed: they did not exist at to_seq
+    position: StreamPosition | None = None  # the new position; None when too far
+
+    def __str__(self) -> str:
+        p = self.partition
+        if self.too_far:
+            return (
+                f"partition {p}: cannot roll back from seq {self.from_seq} to {self.to_seq}: "
+                f"the mutation log reaches back only to seq {self.log_floor}"
+            )
+        return (
+            f"partition {p}: rolled back from seq {self.from_seq} to {self.to_seq}: "
+            f"{self.undone} changes undone, {self.restored} documents restored, "
+            f"{self.deleted} removed"
+        )
+
+
+class Store:
+    """A store file (formats/store.md), opened or created; one writer connection."""
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        undo_window: int = DEFAULT_UNDO_WINDOW,
+        create: bool = True,
+        source: str | None = None,
+    ) -> None:
+        if not isinstance(undo_window, int) or undo_window < 0:
+            raise UsageError(f"undo window must be a non-negative integer, got {undo_window!r}")
+        self.path = Path(path)
+        self.undo_window = undo_window
+        self._conn: sqlite3.Connection | None = None
+        self._depth = 0  # open write transactions: 1 = BEGIN, more = savepoints
+        self._utils: sqlite_utils.Database | None = None
+        if not create and not self.path.is_file():
+            raise StoreError(f"{self.path}: no such store")
+        try:
+            target = f"{self.path.resolve().as_uri()}?mode={'rwc' if create else 'rw'}"
+            conn = sqlite3.connect(
+                target,
+                uri=True,
+                timeout=_BUSY_TIMEOUT_S,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: cannot open: {exc}") from None
+        try:
+            # page_size takes effect on a new file only (16 KiB, as in node.storage).
+            conn.execute(f"PRAGMA page_size = {_PAGE_SIZE}")
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if mode != "wal":
+                raise StoreError(f"{self.path}: cannot switch to WAL mode (got {mode})")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute(f"PRAGMA cache_size = -{_CACHE_KIB}")
+            init_schema(conn, self.path, create=create, source=source)
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            if "not a database" in str(exc):
+                raise StoreError(
+                    f"{self.path}: not an upr store (not an SQLite database)"
+                ) from None
+            raise StoreError(f"{self.path}: cannot open: {exc}") from None
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    # --- lifecycle
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection (idempotent); an open batch is rolled back."""
+        if self._conn is not None:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            self._conn.close()
+            self._conn = None
+            self._utils = None
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise ValueError(f"{self.path}: store is closed")
+        return self._conn
+
+    @property
+    def db(self) -> sqlite_utils.Database:
+        """A sqlite-utils view of the connection, for queries (writes bypass the invariants)."""
+        if self._utils is None:
+            self._utils = sqlite_utils.Database(self._db, execute_plugins=False)
+        return self._utils
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, or a savepoint inside an open one; undone unless completed."""
+        db = self._db
+        outer = self._depth == 0
+        name = f"upr_{self._depth}"
+        try:
+            db.execute("BEGIN IMMEDIATE" if outer else f"SAVEPOINT {name}")
+            self._depth += 1
+            try:
+                yield db
+            except BaseException:
+                if outer:
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
+                elif db.in_transaction:
+                    db.execute(f"ROLLBACK TO {name}")
+                    db.execute(f"RELEASE {name}")
+                raise
+            finally:
+                self._depth -= 1
+            db.execute("COMMIT" if outer else f"RELEASE {name}")
+        except (sqlite3.IntegrityError, sqlite3.InterfaceError, OverflowError) as exc:
+            raise ValueError(f"{self.path}: rows rejected: {exc}") from exc
+        except sqlite3.ProgrammingError as exc:
+            raise ValueError(f"{self.path}: {exc}") from exc
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: {exc}") from exc
+
+    def _i64_retry(self, db: sqlite3.Connection, work: Callable[[Sequence[Row]], T],
+                   rows: Sequence[Row]) -> T:  # fmt: skip
+        """Run `work(rows)`; if SQLite refuses an integer above 2^63-1, undo and re-run it
+        on rows with u64 values converted to i64 (see the module header)."""
+        db.execute("SAVEPOINT upr_i64")
+        try:
+            result = work(rows)
+        except OverflowError:
+            db.execute("ROLLBACK TO upr_i64")
+            db.execute("RELEASE upr_i64")
+            return work(_i64_rows(rows))
+        db.execute("RELEASE upr_i64")
+        return result
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[Self]:
+        """Group several applies, restores, rollbacks and resets into ONE transaction."""
+        with self._write():
+            yield self
+
+    # --- partition state
+
+    def _state(self, db: sqlite3.Connection, partition: int) -> _State | None:
+        row = db.execute(
+            "SELECT uuid, seq, snap_start, snap_end, failover_log, log_count, log_floor, updated"
+            " FROM partitions WHERE partition = ?",
+            (partition,),
+        ).fetchone()
+        if row is None:
+            return None
+        uuid, seq, s_start, s_end, log, count, floor, updated = row
+        position = StreamPosition(partition, _u64(uuid), _u64(seq), _u64(s_start), _u64(s_end))
+        return _State(position, log, count, _u64(floor), updated)
+
+    def _save_state(self, db: sqlite3.Connection, state: _State) -> None:
+        p = state.position
+        db.execute(
+            f"INSERT OR REPLACE INTO partitions ({_PARTITION_COLUMNS})"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (p.partition, _i64(p.uuid), _i64(p.seq), _i64(p.snap_start), _i64(p.snap_end),
+             state.failover_log, state.log_count, _i64(state.log_floor), state.updated),
+        )  # fmt: skip
+
+    def _newest_logged(self, db: sqlite3.Connection, partition: int) -> int:
+        top = db.execute(
+            "SELECT max(seq) FROM mutation_log WHERE partition = ?", (partition,)
+        ).fetchone()[0]
+        return 0 if top is None else _u64(top)
+
+    def _parse_log(self, partition: int, text: str | None) -> FailoverLog | None:
+        if text is None:
+            return None
+        try:
+            return FailoverLog.from_json(json.loads(text))
+        except (ValueError, UsageError) as exc:
+            raise StoreError(
+                f"{self.path}: partition {partition}: corrupt failover log: {exc}"
+            ) from None
+
+    # --- writes
+
+    def _write_logged(
+        self, db: sqlite3.Connection, partition: int, rows: Sequence[Row], seqs: list[int],
+        state: _State | None,
+    ) -> tuple[int, int]:  # fmt: skip
+        """Write one partition's checked rows with their undo entries; trim the log.
+
+        Rows beyond the window's reach (all but the last `undo_window`) are written
+        without entries, since trimming would drop those at once. Returns the new
+        (log_count, log_floor).
+        """
+        window = self.undo_window
+        count = state.log_count if state else 0
+        floor = state.log_floor if state else 0
+        unlogged = max(0, len(rows) - window)
+        if rows:
+
+            def work(rows: Sequence[Row]) -> None:
+                if unlogged:
+                    db.executemany(_UPSERT_ROW, rows[:unlogged])
+                for run in _unique_key_runs(rows[unlogged:]) if unlogged < len(rows) else ():
+                    _log_previous(db, run)
+                    db.executemany(_UPSERT_ROW, run)
+
+            try:
+                self._i64_retry(db, work, rows)
+            except sqlite3.IntegrityError as exc:
+                raise ValueError(
+                    f"{self.path}: partition {partition}: {_bad_row(rows, exc)}"
+                ) from exc
+            count += len(rows) - unlogged
+            if unlogged:
+                floor = max(floor, seqs[unlogged - 1])
+        if count > window:
+            # Oldest entries first (seed 000: "the oldest entries are removed").
+            (cut,) = db.execute(
+                "SELECT seq FROM mutation_log WHERE partition = ? ORDER BY seq LIMIT 1 OFFSET ?",
+                (partition, count - window - 1),
+            ).fetchone()
+            db.execute(
+                "DELETE FROM mutation_log WHERE partition = ? AND seq <= ?", (partition, cut)
+            )
+            count, floor = window, max(floor, _u64(cut))
+        return count, floor
+
+    def apply(
+        self,
+        partition: int,
+        rows: Sequence[Row],
+        position: StreamPosition,
+        failover_log: FailoverLog | None = None,
+    ) -> None:
+        """Apply one partition's data rows, log what they replace, save the position: ONE
+        transaction.
+
+        `rows` are `ROW_FIELDS` tuples of `partition` with strictly increasing seqs above
+        the stored position; `position` must cover them. ValueError, committing nothing,
+        when they are not.
+        """
+        _check_partition(partition)
+        if position.partition != partition:
+            raise ValueError(
+                f"partition {partition}: position is of partition {position.partition}"
+            )
+        rows = _as_list(rows)
+        with self._write() as db:
+            state = self._state(db, partition)
+            held = state.position.seq if state else 0
+            if position.seq < held:
+                raise ValueError(
+                    f"partition {partition}: position seq {position.seq} is below the stored"
+                    f" {held} (use rollback to go back)"
+                )
+            seqs: list[int] = []
+            if rows:
+                above = max(held, self._newest_logged(db, partition))
+                seqs = _check_rows(partition, rows, above)
+                if seqs[-1] > position.seq:
+                    raise ValueError(
+                        f"partition {partition}: position seq {position.seq} does not cover"
+                        f" row seq {seqs[-1]}"
+                    )
+            count, floor = self._write_logged(db, partition, rows, seqs, state)
+            log_text = (
+                json.dumps(failover_log.to_json(), separators=(",", ":"))
+                if failover_log is not None
+                else state.failover_log
+                if state
+                else None
+            )
+            self._save_state(db, _State(position, log_text, count, floor, now_iso()))
+
+    def apply_many(
+        self, batches: Iterable[tuple[int, Sequence[Row], StreamPosition, FailoverLog | None]]
+    ) -> None:
+        """`apply` each (partition, rows, position, failover_log) in ONE transaction."""
+        with self.batch():
+            for partition, rows, position, failover_log in batches:
+                self.apply(partition, rows, position, failover_log)
+
+    def set_position(
+        self, position: StreamPosition, failover_log: FailoverLog | None = None
+    ) -> None:
+        """Save a partition's position (and failover log) as given, e.g. after a restore.
+
+        Unlike `apply` it may move the position anywhere; the documents are not touched.
+        """
+        _check_partition(position.partition)
+        with self._write() as db:
+            state = self._state(db, position.partition)
+            log_text = (
+                json.dumps(failover_log.to_json(), separators=(",", ":"))
+                if failover_log is not None
+                else state.failover_log
+                if state
+                else None
+            )
+            count, floor = (state.log_count, state.log_floor) if state else (0, 0)
+            self._save_state(db, _State(position, log_text, count, floor, now_iso()))
+
+    def restore_rows(self, rows: Sequence[Row] | Iterable[Row], *, keep_log: bool = False) -> int:
+        """Write rows of any partitions (their `vbucket` field) as they are: a restore.
+
+        The fast path (default) records no undo entries: it drops the mutation log of
+        every partition it writes and raises its log floor to the highest seq written, so
+        a rollback below that is too far. Later rows of a key replace earlier ones.
+        `keep_log=True` records undo entries as `apply` does (and checks the rows as it
+        does, per partition) without moving positions. Returns the number of rows.
+        """
+        rows = _as_list(rows)
+        if not rows:
+            return 0
+        if keep_log:
+            return self._restore_logged(rows)
+        rows, tops = _by_partition(rows)
+        for p in tops:
+            _check_partition(p)
+        with self._write() as db:
+            try:
+                self._i64_retry(db, lambda r: db.executemany(_UPSERT_ROW, r), rows)
+            except sqlite3.IntegrityError as exc:
+                raise ValueError(f"{self.path}: restore: {_bad_row(rows, exc)}") from exc
+            db.executemany("DELETE FROM mutation_log WHERE partition = ?", [(p,) for p in tops])
+            updated = now_iso()
+            for p, top in tops.items():
+                state = self._state(db, p)
+                floor = max(top, state.log_floor) if state else top
+                position = state.position if state else StreamPosition(p)
+                log_text = state.failover_log if state else None
+                self._save_state(db, _State(position, log_text, 0, floor, updated))
+        return len(rows)
+
+    def _restore_logged(self, rows: Sequence[Row]) -> int:
+        groups: dict[int, list[Row]] = {}
+        for r in rows:
+            groups.setdefault(r[1], []).append(r)
+        with self._write() as db:
+            updated = now_iso()
+            for p, part_rows in groups.items():
+                _check_partition(p)
+                state = self._state(db, p)
+                held = state.position.seq if state else 0
+                seqs = _check_rows(p, part_rows, max(held, self._newest_logged(db, p)))
+                count, floor = self._write_logged(db, p, part_rows, seqs, state)
+                position = state.position if state else StreamPosition(p)
+                log_text = state.failover_log if state else None
+                self._save_state(db, _State(position, log_text, count, floor, updated))
+        return len(rows)
+
+    def rollback(self, partition: int, to_seq: int, *, uuid: int | None = None) -> RollbackResult:
+        """Undo every change above `to_seq` from the mutation log, in ONE transaction.
+
+        The position becomes (uuid, to_seq, to_seq, to_seq) (dcp-wire §4.4), `uuid` being
+        given or else that of the newest stored failover entry with seq ≤ to_seq (0 if
+        none), and the failover log is pruned above to_seq. When the log does not reach
+        back to `to_seq` nothing changes and the result says `too_far`.
+        """
+        _check_partition(partition)
+        with self._write() as db:
+            state = self._state(db, partition)
+            held = state.position.seq if state else 0
+            if to_seq < 0 or to_seq > held:
+                raise ValueError(
+                    f"partition {partition}: cannot roll back to seq {to_seq}: the store holds"
+                    f" seq {held}"
+                )
+            if state is None:  # nothing stored, to_seq is 0
+                return RollbackResult(partition, 0, 0, False, 0, position=None)
+            if to_seq < state.log_floor:
+                return RollbackResult(partition, held, to_seq, True, state.log_floor)
+            args = {"p": partition, "r": _i64(to_seq)}
+            restored = db.execute(_UNDO_RESTORE, args).rowcount
+            deleted = db.execute(_UNDO_DELETE, args).rowcount
+            undone = db.execute(
+                "DELETE FROM mutation_log WHERE partition = :p AND seq > :r", args
+            ).rowcount
+            log = self._parse_log(partition, state.failover_log)
+            log_text = state.failover_log
+            if log is not None:
+                log = log.prune_above(to_seq)
+                log_text = json.dumps(log.to_json(), separators=(",", ":"))
+            if uuid is None:
+                entry = log.entry_at(to_seq) if log is not None else None
+                uuid = entry.uuid if entry is not None else 0
+            position = state.position.rolled_back(uuid, to_seq)
+            self._save_state(
+                db,
+                _State(position, log_text, state.log_count - undone, state.log_floor, now_iso()),
+            )
+        return RollbackResult(
+            partition, held, to_seq, False, state.log_floor, undone, restored, deleted, position
+        )
+
+    def reset_partition(self, partition: int) -> int:
+        """Delete a partition's documents, mutation log and position; returns the documents."""
+        _check_partition(partition)
+        with self._write() as db:
+            n = db.execute("DELETE FROM documents WHERE partition = ?", (partition,)).rowcount
+            db.execute("DELETE FROM mutation_log WHERE partition = ?", (partition,))
+            db.execute("DELETE FROM partitions WHERE partition = ?", (partition,))
+        return int(n)
+
+    # --- reads
+
+    def partition_state(self, partition: int) -> PartitionState | None:
+        """Position, failover log and undo extent of a partition, or None if unknown."""
+        state = self._state(self._db, partition)
+        if state is None:
+            return None
+        log = self._parse_log(partition, state.failover_log)
+        return PartitionState(state.position, log, state.log_count, state.log_floor, state.updated)
+
+    def position(self, partition: int) -> StreamPosition | None:
+        """The saved position of a partition, or None."""
+        state = self._state(self._db, partition)
+        return state.position if state else None
+
+    def positions(self) -> dict[int, StreamPosition]:
+        """Every saved position, by partition."""
+        rows = self._db.execute(
+            "SELECT partition, uuid, seq, snap_start, snap_end FROM partitions ORDER BY partition"
+        ).fetchall()
+        return {p: StreamPosition(p, _u64(u), _u64(s), _u64(a), _u64(b)) for p, u, s, a, b in rows}
+
+    def failover_log(self, partition: int) -> FailoverLog | None:
+        """The saved failover log of a partition, or None."""
+        state = self._state(self._db, partition)
+        return self._parse_log(partition, state.failover_log) if state else None
+
+    def meta(self) -> dict[str, str]:
+        """The `meta` table: format, schema_version, created, source."""
+        return {str(k): str(v) for k, v in self._db.execute("SELECT key, value FROM meta")}
+
+    def get(self, partition: int, key: bytes | str) -> Document | None:
+        """The stored version of a key, tombstones included (`deleted=True`), or None."""
+        k = key.encode() if isinstance(key, str) else bytes(key)
+        row = self._db.execute(
+            f"SELECT {_DOC_SELECT} FROM documents WHERE partition = ? AND key = ?", (partition, k)
+        ).fetchone()
+        return None if row is None else _document(row)
+
+    def documents(
+        self, partitions: Iterable[int] | None = None, *, include_deleted: bool = True
+    ) -> Iterator[Document]:
+        """Stored documents ordered by (partition, key); tombstones unless excluded."""
+        where, params = _where(partitions, include_deleted)
+        cursor = self._db.execute(
+            f"SELECT {_DOC_SELECT} FROM documents{where} ORDER BY partition, key", params
+        )
+        while chunk := cursor.fetchmany(_FETCH):
+            yield from map(_document, chunk)
+
+    def count(self, include_deleted: bool = False, *, partition: int | None = None) -> int:
+        """Number of stored keys, of one partition or all; tombstones only if asked."""
+        where, params = _where(None if partition is None else [partition], include_deleted)
+        return int(self._db.execute(f"SELECT count(*) FROM documents{where}", params).fetchone()[0])
+
+    def content_hash(self, partitions: Iterable[int] | None = None) -> str:
+        """The content hash of the live documents (formats/store.md §6, `content_hash_of`)."""
+        where, params = _where(partitions, False)
+        cursor = self._db.execute(
+            "SELECT key, CAST(value AS BLOB), cas, rev_seq, flags, expiry"
+            f" FROM documents{where} ORDER BY key",
+            params,
+        )
+        hasher = ContentHasher()
+        t = _TWO64
+        while chunk := cursor.fetchmany(_FETCH):
+            hasher.update(
+                (k, v, c + t if c < 0 else c, r + t if r < 0 else r, f, e)
+                for k, v, c, r, f, e in chunk
+            )
+        return hasher.hexdigest()
+
+
+def _where(partitions: Iterable[int] | None, include_deleted: bool) -> tuple[str, list[int]]:
+    terms: list[str] = []
+    params: list[int] = []
+    if partitions is not None:
+        params = sorted(set(partitions))
+        terms.append(f"partition IN ({', '.join('?' * len(params))})")
+    if not include_deleted:
+        terms.append("deleted = 0")
+    return (" WHERE " + " AND ".join(terms) if terms else ""), params
+
+
+def _document(row: Sequence[Any]) -> Document:
+    p, k, s, r, c, f, e, dt_, dtype, deleted, v = row
+    return Document(p, k, _u64(s), _u64(r), _u64(c), f, e, dt_, dtype, deleted == 1, v)
