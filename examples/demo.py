@@ -1,19 +1,19 @@
-"""The main job on the embedded default: a local `upr serve` with sample data.
+"""The main job on the embedded default: backups through a failover, on a local `upr serve`.
 
 What `make demo` runs. Every step is a real `upr` command in its own process:
 
-1. start a node (loopback, no auth) and load sample documents;
-2. tail it to the end, keeping the positions in a state file;
-3. restart it so that new writes stay unpersisted, write more, tail them too;
-4. SIGKILL the node (the unpersisted writes are lost) and restart it: every partition
-   gets a new failover entry at its last persisted seq;
-5. resume the tail from its state file: the node answers ROLLBACK, the tail shows
-   each partition rolling back to exactly the persisted seq, then carries on;
-6. the seed's rollback-point examples, for reference.
+1. start a node (loopback, no auth) with sample data (`upr load`);
+2. a full backup, more writes, an incremental backup;
+3. restart the node so new writes stay unpersisted, write, and back them up;
+4. SIGKILL the node (those writes are lost) and restart it;
+5. a fourth backup: it records each partition's rollback and carries on;
+6. `upr info`, `upr verify`, `upr examine` of a lost write;
+7. restore into SQLite: row count and content hash equal the node's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -26,16 +26,20 @@ from rich.console import Console
 from rich.table import Table
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 console = Console(width=None if sys.stdout.isatty() else 120, highlight=False)
 PARTITIONS = 16
 
 
-def upr(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run `upr ARGS` and fail loudly if it fails."""
-    proc = subprocess.run([sys.executable, "-m", "upr_cli", *args], capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
+def upr(*args: str, show: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run `upr ARGS`; fail loudly if it fails; optionally echo its output."""
+    console.print(f"[dim]$ upr {' '.join(args)}[/]")
+    proc = subprocess.run([sys.executable, "-m", "upr_cli", *args], capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
     if proc.returncode != 0:
-        raise SystemExit(f"demo: `upr {' '.join(args[:1])}` failed: {proc.stderr.strip()}")
+        raise SystemExit(f"demo: `upr {args[0]}` failed: {proc.stderr.strip()}")
+    if show:
+        console.print(proc.stdout.rstrip(), markup=False, highlight=False, soft_wrap=True)
     return proc
 
 
@@ -43,7 +47,8 @@ class Node:
     """`upr serve` on a free loopback port, restartable on the same port."""
 
     def __init__(self, data: Path) -> None:
-        self.data, self.port, self.proc = data, 0, None  # type: ignore[var-annotated]
+        self.data, self.port = data, 0
+        self.proc: subprocess.Popen[str] | None = None
 
     def start(self, *extra: str) -> None:
         for _ in range(50):
@@ -52,7 +57,8 @@ class Node:
                  str(self.port), "--no-auth", "--partitions", str(PARTITIONS), *extra],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
-            line = self.proc.stdout.readline()  # type: ignore[union-attr]
+            assert self.proc.stdout is not None
+            line = self.proc.stdout.readline()
             if line.startswith("listening "):
                 self.port = int(line.rsplit(":", 1)[1].split("/")[0])
                 return
@@ -64,72 +70,106 @@ class Node:
         assert self.proc is not None
         self.proc.send_signal(sig)
         self.proc.wait(timeout=60)
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
     @property
     def uri(self) -> str:
         return f"upr://127.0.0.1:{self.port}/default"
 
 
-def tail(uri: str, state: Path, *extra: str) -> list[dict[str, object]]:
-    out = upr("tail", uri, "--until-end", "--format", "json", "--state", str(state), *extra)
-    return [json.loads(line) for line in out.stdout.splitlines()]
+def node_content(uri: str) -> tuple[int, str]:
+    """Live documents and their content hash, read from the node over DCP (the library)."""
+    from upr_cli.dcp.consumer import DcpConsumer
+    from upr_cli.net.uri import SourceUri
+    from upr_cli.store import content_hash_of
+
+    async def drain() -> dict[bytes, tuple[bytes, int, int, int, int]]:
+        c = DcpConsumer(SourceUri.parse(uri), until_end=True)
+        live: dict[bytes, tuple[bytes, int, int, int, int]] = {}
+        await c.open()
+        try:
+            async for batch in c.batches():
+                for it in batch:
+                    if type(it) is tuple:
+                        k = bytes(it[9])  # type: ignore[call-overload]
+                        if it[0] == 0x57:
+                            live[k] = (bytes(it[10]), it[4], it[3], it[5], it[6])  # type: ignore[call-overload,assignment]
+                        else:
+                            live.pop(k, None)
+        finally:
+            await c.aclose()
+        return live
+
+    live = asyncio.run(drain())
+    return len(live), content_hash_of((k, *v) for k, v in live.items())
+
+
+def backup(node: Node, repo: Path, title: str) -> dict[str, object]:
+    out = json.loads(upr("backup", node.uri, "--repo", str(repo), "--json").stdout)
+    ratio = out["ratio"] or "-"
+    console.print(
+        f"[bold]{title}[/]: backup {out['backup_id']}: {out['items']:,} items, "
+        f"ratio {ratio}, {out['items_per_s'] or 0:,} items/s, "
+        f"{len(out['rollbacks'])} rollbacks"
+    )  # type: ignore[arg-type]
+    return out
 
 
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="upr-demo-") as tmp:
-        data, state = Path(tmp) / "node", Path(tmp) / "tail-state.json"
+        data, repo, db = Path(tmp) / "node", Path(tmp) / "repo", Path(tmp) / "restored.db"
         node = Node(data)
         node.start("--flush-interval", "0.05")
-        console.rule(f"[bold]1. upr serve on {node.uri} ({PARTITIONS} partitions), upr load")
-        summary = json.loads(upr("load", node.uri, "--docs", "20000", "--update-ratio", "0.2",
-                                 "--delete-ratio", "0.05", "--json").stdout)  # fmt: skip
-        console.print(f"loaded {summary['ops']:,} operations at {summary['ops_per_s']:,} ops/s "
-                      f"({summary['sets']:,} new, {summary['updates']:,} updates, "
-                      f"{summary['deletes']:,} deletes)")  # fmt: skip
+        try:
+            console.rule(f"[bold]1. a local upr serve ({PARTITIONS} partitions) with sample data")
+            upr("load", node.uri, "--docs", "20000", "--update-ratio", "0.2", "--delete-ratio",
+                "0.05")  # fmt: skip
+            console.rule("[bold]2. a full backup, more writes, an incremental backup")
+            backup(node, repo, "full")
+            upr("load", node.uri, "--docs", "3000", "--update-ratio", "0.5", "--seed", "2")
+            backup(node, repo, "incremental")
 
-        console.rule("[bold]2. upr tail --until-end (positions kept in a state file)")
-        first = tail(node.uri, state)
-        console.print(f"{len(first):,} changes (one per key: the node deduplicates); e.g.")
-        console.print_json(json.dumps(first[0]))
+            console.rule("[bold]3. writes the node never persists, backed up anyway")
+            node.signal(signal.SIGTERM)
+            node.start("--flush-interval", "3600")
+            upr("load", node.uri, "--docs", "2000", "--seed", "3")  # rewrites doc-000000000..
+            backup(node, repo, "third")
 
-        console.rule("[bold]3. restart with --flush-interval 3600: new writes stay in memory")
-        node.signal(signal.SIGTERM)
-        node.start("--flush-interval", "3600")
-        upr("load", node.uri, "--docs", "3000", "--prefix", "unpersisted", "--seed", "2")
-        second = tail(node.uri, state)
-        console.print(
-            f"the tail saw {len(second):,} more changes, all still unpersisted on the node"
-        )
+            console.rule("[bold]4. SIGKILL the node and restart it: those writes are gone")
+            node.signal(signal.SIGKILL)
+            node.start("--flush-interval", "0.05")
 
-        console.rule("[bold]4. SIGKILL the node and restart it")
-        node.signal(signal.SIGKILL)
-        node.start("--flush-interval", "0.05")
-        console.print("restarted after an unclean stop: each partition got a new failover entry "
-                      "at its last persisted seq")  # fmt: skip
+            console.rule("[bold]5. the next backup records the rollback and carries on")
+            fourth = backup(node, repo, "after the crash")
+            table = Table(title="rollbacks recorded in the manifest")
+            for col in ("partition", "from", "to", "seed rule", "producer rule"):
+                table.add_column(col, justify="right")
+            for rb in fourth["rollbacks"]:  # type: ignore[attr-defined]
+                table.add_row(str(rb["partition"]), rb["from"], rb["to"], str(rb["seed_rule_seq"]),
+                              rb["producer_seq"])  # fmt: skip
+            console.print(table)
 
-        console.rule("[bold]5. resume the tail: the node answers ROLLBACK")
-        third = upr(
-            "tail", node.uri, "--until-end", "--format", "json", "--state", str(state), "-v"
-        )
-        events = [json.loads(line) for line in third.stdout.splitlines()]
-        rollbacks = [e for e in events if e.get("event") == "rollback"]
-        table = Table(title="rollbacks seen by the resumed tail")
-        for col in ("partition", "had seen seq", "rolled back to", "writes lost"):
-            table.add_column(col, justify="right")
-        for e in rollbacks:
-            table.add_row(str(e["partition"]), str(e["from_seq"]), str(e["to_seq"]),
-                          str(int(e["from_seq"]) - int(e["to_seq"])))  # fmt: skip
-        console.print(table)
-        lost = sum(int(e["from_seq"]) - int(e["to_seq"]) for e in rollbacks)
-        leftover = sum(1 for e in events if str(e.get("key", "")).startswith("unpersisted"))
-        console.print(f"{len(rollbacks)} partitions rolled back over {lost:,} lost seqs; "
-                      f"unpersisted documents still on the node: {leftover}")  # fmt: skip
-        node.signal(signal.SIGTERM)
-        ok = len(rollbacks) == PARTITIONS and leftover == 0
+            console.rule("[bold]6. upr info, upr verify, upr examine")
+            upr("info", "--repo", str(repo), show=True)
+            upr("verify", "--repo", str(repo), show=True)
+            upr("examine", "--repo", str(repo), "doc-000000001", show=True)
 
-    console.rule("[bold]6. upr rollback-point on the seed's worked examples")
-    seed = subprocess.run([sys.executable, str(HERE / "rollback_examples.py")], check=False)
-    return 0 if ok and seed.returncode == 0 else 1
+            console.rule("[bold]7. restore the latest state into SQLite and compare")
+            upr("restore", "--repo", str(repo), f"sqlite:{db}", show=True)
+            from upr_cli.store import Store
+
+            with Store(db) as s:
+                restored = (s.count(), s.content_hash())
+            live = node_content(node.uri)
+            console.print(f"node:     {live[0]:,} documents, content hash {live[1][:16]}…")
+            console.print(f"restored: {restored[0]:,} documents, content hash {restored[1][:16]}…")
+            ok = restored == live and len(fourth["rollbacks"]) == PARTITIONS  # type: ignore[arg-type]
+            console.print("[bold green]match[/]" if ok else "[bold red]MISMATCH[/]")
+        finally:
+            node.signal(signal.SIGTERM)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
