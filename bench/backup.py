@@ -4,8 +4,8 @@ Loads --docs JSON documents (150-200 B, 1024 partitions) into a local `upr serve
 until they are persisted, then: a full `upr backup` (items/s, MB/s of raw records, peak
 RSS of the backup process), an incremental backup after updating 10% of the documents,
 and the compression ratio beside `zstd -3` on the same raw records as one stream (the
-zstd CLI when installed, else the library at level 3). Restore figures come with the
-SQLite store.
+zstd CLI when installed, else the library at level 3), and `upr restore` into a SQLite
+store beside a bare `executemany` of the same rows into the same schema.
 
 Usage: python bench/backup.py [--docs 1000000]
 Last line: full_items_per_s=… target=… ratio=… zstd3_ratio=… backup_rss_mb=… …
@@ -31,6 +31,7 @@ from _node import BenchNode
 
 TARGET_ITEMS = 100_000
 TARGET_RSS_MB = 300
+RESTORE_SHARE = 0.70  # restore into SQLite within 70% of a bare executemany
 
 
 def run_measured(cmd: list[str]) -> tuple[float, float, str]:
@@ -49,8 +50,17 @@ def run_measured(cmd: list[str]) -> tuple[float, float, str]:
 
 def backup_cmd(uri: str, repo: Path) -> list[str]:
     """The `upr backup` command line."""
-    return [sys.executable, "-m", "upr_cli", "backup", uri, "--repo", str(repo), "--json",
-            "--no-progress"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "upr_cli",
+        "backup",
+        uri,
+        "--repo",
+        str(repo),
+        "--json",
+        "--no-progress",
+    ]
 
 
 def zstd3_ratio(repo: Path) -> tuple[float, int]:
@@ -70,14 +80,58 @@ def zstd3_ratio(repo: Path) -> tuple[float, int]:
                     out.write(rec)
                     size += len(rec)
     if shutil.which("zstd"):
-        comp = len(subprocess.run(["zstd", "-3", "-c", str(raw_path)], capture_output=True,
-                                  check=True).stdout)  # fmt: skip
+        comp = len(
+            subprocess.run(
+                ["zstd", "-3", "-c", str(raw_path)], capture_output=True, check=True
+            ).stdout
+        )
     else:
         import zstandard
 
         comp = len(zstandard.ZstdCompressor(level=3).compress(raw_path.read_bytes()))
     raw_path.unlink()
     return size / comp, size
+
+
+def bare_insert_rate(repo: Path, tmp: Path) -> tuple[float, int]:
+    """items/s of one bare executemany of the restored rows into the store's schema."""
+    from upr_cli.jobs.state import select, state_at
+    from upr_cli.repo import Repository
+    from upr_cli.store import Store
+
+    r = Repository(repo)
+    manifests = r.manifests("default")
+    rows = []
+    for p, records in state_at(r, "default", manifests, select(manifests)):
+        for op, seq, rev, cas, fl, exp, dt, dtype, k, v in records:
+            value: bytes | str = v.decode() if dtype & 7 == 1 else v
+            rows.append(
+                (
+                    p,
+                    k,
+                    seq,
+                    rev,
+                    cas - (1 << 64) if cas >= 1 << 63 else cas,
+                    fl,
+                    exp,
+                    dt,
+                    dtype,
+                    0 if op == 0x57 else 1,
+                    value,
+                )
+            )
+    with Store(tmp / "bare.db") as s:
+        cols = (
+            "partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype, "
+            "deleted, value"
+        )
+        conn = s._db
+        t = time.perf_counter()
+        conn.execute("BEGIN")
+        conn.executemany(f"INSERT INTO documents ({cols}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+        conn.execute("COMMIT")
+        secs = time.perf_counter() - t
+    return len(rows) / secs, len(rows)
 
 
 def main() -> None:
@@ -88,14 +142,39 @@ def main() -> None:
         repo = Path(tmp) / "repo"
         node = BenchNode(Path(tmp) / "node")
         try:
-            subprocess.run([sys.executable, "-m", "upr_cli", "load", node.uri, "--docs",
-                            str(args.docs), "--json"], check=True, capture_output=True)  # fmt: skip
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "upr_cli",
+                    "load",
+                    node.uri,
+                    "--docs",
+                    str(args.docs),
+                    "--json",
+                ],
+                check=True,
+                capture_output=True,
+            )
             node.wait_persisted()
             secs, rss, out = run_measured(backup_cmd(node.uri, repo))
             full = json.loads(out)
-            subprocess.run([sys.executable, "-m", "upr_cli", "load", node.uri, "--docs",
-                            str(args.docs // 10), "--seed", "2", "--json"], check=True,
-                           capture_output=True)  # fmt: skip
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "upr_cli",
+                    "load",
+                    node.uri,
+                    "--docs",
+                    str(args.docs // 10),
+                    "--seed",
+                    "2",
+                    "--json",
+                ],
+                check=True,
+                capture_output=True,
+            )
             node.wait_persisted()
             _isecs, irss, iout = run_measured(backup_cmd(node.uri, repo))
             inc = json.loads(iout)
@@ -103,6 +182,21 @@ def main() -> None:
         finally:
             node.stop()
         ratio = int(full["bytes_read"]) / int(full["bytes_written"])
+        _rsecs, _rrss, rout = run_measured(
+            [
+                sys.executable,
+                "-m",
+                "upr_cli",
+                "restore",
+                "--repo",
+                str(repo),
+                f"sqlite:{Path(tmp) / 'restore.db'}",
+                "--json",
+            ]
+        )
+        restored = json.loads(rout)
+        restore_rate = restored["written"] / restored["seconds"]
+        bare_rate, bare_rows = bare_insert_rate(repo, Path(tmp))
         z3, raw = zstd3_ratio(repo)
     items = full["items"]
     rate = items / full["seconds"]
@@ -125,10 +219,18 @@ def main() -> None:
         f"  backup peak RSS:    {max(rss, irss):.0f} MB  target < {TARGET_RSS_MB} MB "
         f"{'MET' if max(rss, irss) < TARGET_RSS_MB else 'MISSED'}; node peak RSS {node_rss:.0f} MB"
     )
+    share = restore_rate / bare_rate
+    print(
+        f"  restore to SQLite:  {restored['written']:,} documents at {restore_rate:,.0f} items/s "
+        f"vs bare executemany {bare_rate:,.0f} rows/s ({bare_rows:,} rows) = {share:.0%}  "
+        f"target >= {RESTORE_SHARE:.0%} {'MET' if share >= RESTORE_SHARE else 'MISSED'}"
+    )
     print(
         f"full_items_per_s={rate:.0f} target={TARGET_ITEMS} full_mb_per_s={mbs:.1f} "
         f"incremental_items_per_s={inc['items'] / inc['seconds']:.0f} ratio={ratio:.2f} "
-        f"zstd3_ratio={z3:.2f} backup_rss_mb={max(rss, irss):.0f} rss_target_mb={TARGET_RSS_MB}"
+        f"zstd3_ratio={z3:.2f} backup_rss_mb={max(rss, irss):.0f} rss_target_mb={TARGET_RSS_MB} "
+        f"restore_items_per_s={restore_rate:.0f} bare_insert_items_per_s={bare_rate:.0f} "
+        f"restore_share={share:.2f} restore_share_target={RESTORE_SHARE}"
     )
 
 

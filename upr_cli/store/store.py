@@ -216,8 +216,10 @@ def _check_partition(partition: int) -> None:
 
 
 def _check_rows(partition: int, rows: Sequence[Row], above: int) -> list[int]:
-    """Seqs of one partition's rows; ValueError unless they are data rows of `partition`
-    with strictly increasing seqs above `above`."""
+    """The seqs of one partition's rows, checked (ValueError otherwise).
+
+    They must be data rows of `partition` with strictly increasing seqs above `above`.
+    """
     others = set(map(_get_partition, rows)) - {partition}
     if others:
         raise ValueError(f"partition {partition}: rows of partition(s) {sorted(others)} given")
@@ -242,8 +244,7 @@ def _check_rows(partition: int, rows: Sequence[Row], above: int) -> list[int]:
 
 
 def _by_partition(rows: Sequence[Row]) -> tuple[Sequence[Row], dict[int, int]]:
-    """The rows grouped by partition (stable: a key's rows keep their order) and each
-    partition's highest seq.
+    """The rows grouped by partition, stably, and each partition's highest seq.
 
     Rows already grouped (a restore reads one partition at a time) cost two C-level
     passes; mixed rows are sorted, which also turns random b-tree inserts into nearly
@@ -438,8 +439,10 @@ class Store:
 
     def _i64_retry(self, db: sqlite3.Connection, work: Callable[[Sequence[Row]], T],
                    rows: Sequence[Row]) -> T:  # fmt: skip
-        """Run `work(rows)`; if SQLite refuses an integer above 2^63-1, undo and re-run it
-        on rows with u64 values converted to i64 (see the module header)."""
+        """Run `work(rows)`; if SQLite refuses an integer, undo it and re-run it on i64 rows.
+
+        See the module header: values above 2^63-1 are converted only when present.
+        """
         db.execute("SAVEPOINT upr_i64")
         try:
             result = work(rows)
@@ -548,8 +551,7 @@ class Store:
         position: StreamPosition,
         failover_log: FailoverLog | None = None,
     ) -> None:
-        """Apply one partition's data rows, log what they replace, save the position: ONE
-        transaction.
+        """Apply a partition's rows, log what they replace, save the position: ONE transaction.
 
         `rows` are `ROW_FIELDS` tuples of `partition` with strictly increasing seqs above
         the stored position; `position` must cover them. ValueError, committing nothing,
