@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,14 +89,16 @@ def test_backups_through_a_crash_keep_the_chain_and_the_lost_writes(
     assert all(x.from_seq == persisted[p] for p in rolled for x in lost_ranges(manifests, p))
 
 
-def test_a_killed_backup_leaves_nothing_visible_and_a_rerun_reuses_its_segments(
-    node_factory: type[Node], tmp_path: Path
-) -> None:
-    import signal
-    import subprocess
-    import sys
-    import time
+# Kill points, as segments published before the SIGKILL (32 partitions, one segment
+# each): right after the lock is taken, a seeded random point in the middle, and with
+# every segment published but (most likely) no manifest yet.
+_KILL_AT = [0, random.Random(4).randint(2, 28), 32]
 
+
+@pytest.mark.parametrize("segments_before_kill", _KILL_AT)
+def test_a_killed_backup_leaves_nothing_visible_and_a_rerun_equals_a_clean_run(
+    node_factory: type[Node], tmp_path: Path, segments_before_kill: int
+) -> None:
     node = node_factory("--flush-interval", "0.02", partitions=32).start()
     upr("load", node.uri, "--docs", "6000", "--size", "3000")
     wait_persisted(node.uri)
@@ -100,28 +107,36 @@ def test_a_killed_backup_leaves_nothing_visible_and_a_rerun_reuses_its_segments(
                              str(repo), "--no-progress"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 60
-    while len(list(repo.glob("default/*/p*.seg"))) < 4 and time.monotonic() < deadline:
+
+    def reached() -> bool:
+        if segments_before_kill == 0:
+            return (repo / "default" / "lock").exists()
+        return len(list(repo.glob("default/*/p*.seg"))) >= segments_before_kill
+
+    while not reached() and time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.skip("the backup finished before it could be killed")
-        time.sleep(0.005)
+            break
+        time.sleep(0.002)
+    finished = proc.poll() is not None
+    if finished and segments_before_kill < 32:
+        pytest.fail(f"the backup finished before {segments_before_kill} segments were seen")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not list(repo.glob("default/*/manifest.json"))  # nothing committed
-    info = json.loads(upr("info", "--repo", str(repo), "--json").stdout)
-    assert info["buckets"]["default"]["backups"] == [] and info["buckets"]["default"]["incomplete"]
+    committed = list(repo.glob("default/*/manifest.json"))
+    if not committed:  # killed before the commit: nothing visible, the run is incomplete
+        info = json.loads(upr("info", "--repo", str(repo), "--json").stdout)
+        assert info["buckets"]["default"]["backups"] == []
+    assert upr("verify", "--repo", str(repo)).returncode == 0
     rerun = json.loads(upr("backup", node.uri, "--repo", str(repo), "--json").stdout)
-    assert rerun["reused_segments"] >= 1
+    if not committed and segments_before_kill > 0:
+        assert rerun["reused_segments"] >= 1
     assert upr("verify", "--repo", str(repo)).returncode == 0
     assert repo_state(repo) == node_state(node.uri)
     clean = tmp_path / "clean"
     upr("backup", node.uri, "--repo", str(clean))
     assert repo_state(clean) == repo_state(repo)
-    assert (
-        json.loads(upr("info", "--repo", str(repo), "--json").stdout)["buckets"]["default"][
-            "incomplete"
-        ]
-        == []
-    )
+    info = json.loads(upr("info", "--repo", str(repo), "--json").stdout)
+    assert info["buckets"]["default"]["incomplete"] == []
 
 
 def test_examine_shows_every_version_and_the_lost_writes(
