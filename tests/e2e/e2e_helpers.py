@@ -11,6 +11,7 @@ from upr_cli.dcp.events import Rollback
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.net.bootstrap import connect
 from upr_cli.net.uri import SourceUri
+from upr_cli.store import content_hash_of
 
 
 def run(coro: Any) -> Any:
@@ -105,3 +106,21 @@ class Replica:
                 else:
                     out.pop(key, None)
         return out
+
+
+def docs(uri: str) -> dict[bytes, tuple[Any, ...]]:
+    """key -> (value, cas, rev_seq, flags, expiry) of every live document."""
+    rows, _e, _c = run(drain(uri))
+    out: dict[bytes, tuple[Any, ...]] = {}
+    for r in sorted(rows, key=lambda r: (r[1], r[2])):
+        if r[0] == 0x57:
+            out[r[9]] = (r[10], r[4], r[3], r[5], r[6])
+        else:
+            out.pop(r[9], None)
+    return out
+
+
+def node_content_hash(uri: str) -> tuple[int, str]:
+    """(live documents, content hash) of a node, as formats/store.md defines the hash."""
+    live = docs(uri)
+    return len(live), content_hash_of((k, v[0], v[1], v[2], v[3], v[4]) for k, v in live.items())

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import Node, upr
-from tests.e2e.e2e_helpers import Replica, drain, run, wait_persisted
+from tests.e2e.e2e_helpers import Replica, drain, node_content_hash, run, wait_persisted
 from upr_cli.jobs.state import select, state_at
 from upr_cli.repo import Repository, lost_ranges
+from upr_cli.store import Store
 
 
 def node_state(uri: str) -> dict[bytes, bytes]:
@@ -81,6 +82,10 @@ def test_backups_through_a_crash_keep_the_chain_and_the_lost_writes(
     assert {p: int(rb["to"]) for p, rb in rolled.items()} == persisted
     assert all(rb["seed_rule_seq"] == rb["producer_seq"] == rb["to"] for rb in rolled.values())
     assert repo_state(repo) == node_state(node.uri)
+    db = tmp_path / "after-crash.db"  # and through `upr restore`, metadata included
+    upr("restore", "--repo", str(repo), f"sqlite:{db}")
+    with Store(db) as s:
+        assert (s.count(), s.content_hash()) == node_content_hash(node.uri)
     # the lost writes stay addressable: the third backup's records above each cut
     r = Repository(repo)
     manifests = r.manifests("default")

@@ -4,22 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from tests.e2e.conftest import Node, upr
-from tests.e2e.e2e_helpers import drain, run, wait_persisted
-
-
-def docs(uri: str) -> dict[bytes, tuple[Any, ...]]:
-    """key -> (value, cas, rev_seq, flags, expiry) of every live document."""
-    rows, _e, _c = run(drain(uri))
-    out: dict[bytes, tuple[Any, ...]] = {}
-    for r in sorted(rows, key=lambda r: (r[1], r[2])):
-        if r[0] == 0x57:
-            out[r[9]] = (r[10], r[4], r[3], r[5], r[6])
-        else:
-            out.pop(r[9], None)
-    return out
+from tests.e2e.e2e_helpers import docs, node_content_hash, wait_persisted
 
 
 def test_restore_to_a_second_node_keeps_metadata(node_factory: type[Node], tmp_path: Path) -> None:
@@ -86,13 +73,6 @@ def test_a_corrupt_segment_stops_the_restore_unless_skipped(
     report = json.loads(skipped.stdout)
     assert len(report["skipped"]) == 1 and seg.name in report["skipped"][0]
     assert report["written"] > 0
-
-
-def node_content_hash(uri: str) -> tuple[int, str]:
-    from upr_cli.store import content_hash_of
-
-    live = docs(uri)
-    return len(live), content_hash_of((k, v[0], v[1], v[2], v[3], v[4]) for k, v in live.items())
 
 
 def test_restore_into_sqlite_matches_the_node(node_factory: type[Node], tmp_path: Path) -> None:

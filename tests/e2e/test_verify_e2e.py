@@ -78,6 +78,17 @@ def test_damage_is_named(repo: Path, tmp_path: Path, damage: str) -> None:
         assert any(seg.name in p["where"] for p in problems)
     text = upr("verify", "--repo", str(r), check=False)
     assert text.returncode == 1 and "problem" in text.stdout
+    if damage == "manifest":
+        return
+    # restore refuses with one line naming the segment; --skip-corrupt goes on and reports
+    bad = upr("restore", "--repo", str(r), f"sqlite:{tmp_path / 'a.db'}", check=False)
+    assert bad.returncode == 1 and seg.name in bad.stderr and bad.stderr.count("\n") == 1
+    skipped = upr("restore", "--repo", str(r), "--skip-corrupt", "--json",
+                  f"sqlite:{tmp_path / 'b.db'}", check=False)  # fmt: skip
+    assert skipped.returncode == 1
+    report = json.loads(skipped.stdout)
+    assert len(report["skipped"]) == 1 and seg.name in report["skipped"][0]
+    assert report["written"] > 0
 
 
 def test_info_shows_backups_and_a_partition_chain(repo: Path) -> None:
