@@ -125,7 +125,7 @@ def bare_insert_rate(repo: Path, tmp: Path) -> tuple[float, int]:
             "partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype, "
             "deleted, value"
         )
-        conn = s._db
+        conn = s.db.conn
         t = time.perf_counter()
         conn.execute("BEGIN")
         conn.executemany(f"INSERT INTO documents ({cols}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.errors import UsageError
-from upr_cli.jobs.inspect import open_repo
+from upr_cli.jobs.inspect import open_bucket
 from upr_cli.net.bootstrap import partition_of
 from upr_cli.repo import cut
 from upr_cli.segments import SegmentReader
@@ -66,12 +66,7 @@ def examine(
     repo_dir: Path, key: bytes, *, bucket: str | None = None, partitions: int | None = None
 ) -> list[Version]:
     """Every version of `key`, oldest first."""
-    repo = open_repo(repo_dir)
-    names = repo.buckets()
-    b = bucket or (names[0] if len(names) == 1 else None)
-    if b is None:
-        raise UsageError(f"{repo_dir}: holds buckets {', '.join(names) or 'none'}; give --bucket")
-    manifests = repo.manifests(b)
+    repo, b, manifests = open_bucket(repo_dir, bucket)
     if not manifests:
         raise UsageError(f"{repo_dir}: no committed backup of bucket {b!r}")
     count = partitions or 1 + max(e.partition for m in manifests if m.full for e in m.partitions)

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.errors import UsageError
-from upr_cli.repo import Repository, RepositoryError, broken_parents, coverage_gaps, lost_ranges
+from upr_cli.repo import (
+    Manifest,
+    Repository,
+    RepositoryError,
+    broken_parents,
+    coverage_gaps,
+    lost_ranges,
+)
 from upr_cli.segments import SegmentError, SegmentReader
 
 
@@ -71,6 +78,17 @@ def open_repo(path: Path) -> Repository:
     repo = Repository(path)
     repo.info()
     return repo
+
+
+def open_bucket(path: Path, bucket: str | None) -> tuple[Repository, str, list[Manifest]]:
+    """The repository, the bucket (given, or the only one it holds) and its committed
+    manifests, oldest first; an ambiguous or missing bucket is a usage error."""
+    repo = open_repo(path)
+    names = repo.buckets()
+    b = bucket or (names[0] if len(names) == 1 else None)
+    if b is None:
+        raise UsageError(f"{path}: holds buckets {', '.join(names) or 'none'}; give --bucket")
+    return repo, b, list(repo.manifests(b))
 
 
 def verify(path: Path, bucket: str | None = None) -> list[VerifyReport]:

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from upr_cli.errors import UsageError
-from upr_cli.jobs.inspect import open_repo
+from upr_cli.jobs.inspect import open_bucket
 from upr_cli.jobs.state import partition_state, select
 from upr_cli.net.bootstrap import connect
 from upr_cli.net.uri import SourceUri
@@ -143,12 +142,7 @@ async def restore_to_node(
     on_progress: Callable[[RestoreSummary], None] | None = None,
 ) -> RestoreSummary:
     """Write the state at `at` into a node; returns counts."""
-    repo = open_repo(repo_dir)
-    names = repo.buckets()
-    b = bucket or (names[0] if len(names) == 1 else None)
-    if b is None:
-        raise UsageError(f"{repo_dir}: holds buckets {', '.join(names) or 'none'}; give --bucket")
-    manifests = repo.manifests(b)
+    repo, b, manifests = open_bucket(repo_dir, bucket)
     sel = select(manifests, at, partitions)
     summary = RestoreSummary(str(sel.backup_id), target.redacted(), dry_run)
     t0 = time.monotonic()
@@ -285,12 +279,7 @@ def restore_to_store(
     from upr_cli.repo import resume_point
     from upr_cli.store import Store
 
-    repo = open_repo(repo_dir)
-    names = repo.buckets()
-    b = bucket or (names[0] if len(names) == 1 else None)
-    if b is None:
-        raise UsageError(f"{repo_dir}: holds buckets {', '.join(names) or 'none'}; give --bucket")
-    manifests = repo.manifests(b)
+    repo, b, manifests = open_bucket(repo_dir, bucket)
     sel = select(manifests, at, partitions)
     summary = RestoreSummary(str(sel.backup_id), f"sqlite:{db_path}", dry_run)
     t0 = time.monotonic()
