@@ -115,7 +115,7 @@ def test_round_trip_of_every_field_including_u64_max(tmp_path: Path) -> None:
         assert s.position(8) is None and s.failover_log(8) is None
         assert s.count() == 2
         meta = s.meta()
-        assert meta["format"] == "upr-store" and meta["schema_version"] == "1"
+        assert meta["format"] == "upr-store" and meta["schema_version"] == "2"
         assert meta["created"].endswith("Z")
 
 
@@ -276,8 +276,14 @@ def test_rollback_restores_replaced_rows_and_deletes_new_ones(store: Store) -> N
                 pos(1, 7, 0xB))  # fmt: skip
     result = store.rollback(1, 3)
     assert not result.too_far
-    assert (result.from_seq, result.to_seq, result.undone) == (7, 3, 4)
+    # Entries exist for replacements only (b@4, a@6, b@7); c@5 created its key.
+    assert (result.from_seq, result.to_seq, result.undone, result.lost) == (7, 3, 3, 3)
     assert (result.restored, result.deleted) == (2, 1)  # a → a2, b → b1; c removed
+    lost = store.lost_writes()
+    assert [(w.document.key, w.document.seq, w.rolled_back_to, w.uuid) for w in lost] == [
+        (b"c", 5, 3, 0xB), (b"a", 6, 3, 0xB), (b"b", 7, 3, 0xB)
+    ]  # fmt: skip
+    assert lost[1].document == doc_of(row(1, 6, b"a", b"a3")) and lost[1].salvaged is None
     assert "rolled back from seq 7 to 3" in str(result)
     assert state(store) == {
         (1, b"a"): doc_of(row(1, 3, b"a", b"a2")),
@@ -291,6 +297,11 @@ def test_rollback_restores_replaced_rows_and_deletes_new_ones(store: Store) -> N
     store.apply(1, [row(1, 4, b"d", b"d1")], pos(1, 4, 0xC))
     assert store.rollback(1, 1, uuid=0x99).position == StreamPosition(1, 0x99, 1, 1, 1)
     assert state(store) == {(1, b"a"): doc_of(row(1, 1, b"a", b"a1"))}
+    assert len(store.lost_writes()) == 6
+    store.mark_salvaged([lost[0].id])
+    assert [w.id for w in store.lost_writes()] == [w.id for w in store.lost_writes()[:5]]
+    assert len(store.lost_writes()) == 5 and len(store.lost_writes(include_salvaged=True)) == 6
+    assert store.lost_writes([2]) == []
 
 
 def test_rollback_edge_cases(store: Store) -> None:
@@ -332,14 +343,14 @@ def test_window_trimming(tmp_path: Path) -> None:
         s.apply(1, [row(1, 1, b"a"), row(1, 2, b"b")], pos(1, 2))
         s.apply(1, [row(1, 4, b"a"), row(1, 6, b"c"), row(1, 9, b"b")], pos(1, 9))
         logged = s.db.execute("SELECT seq FROM mutation_log ORDER BY seq").fetchall()
-        assert logged == [(4,), (6,), (9,)]
+        assert logged == [(4,), (9,)]  # c@6 created its key: no entry
         st_ = s.partition_state(1)
-        assert st_ is not None and (st_.log_count, st_.log_floor) == (3, 2)
+        assert st_ is not None and (st_.log_count, st_.log_floor) == (2, 0)
     with Store(path, undo_window=1) as s:  # a smaller window trims at the next apply
-        s.apply(1, [row(1, 10, b"d")], pos(1, 10))
-        assert s.db.execute("SELECT seq FROM mutation_log").fetchall() == [(10,)]
+        s.apply(1, [row(1, 10, b"d"), row(1, 11, b"d")], pos(1, 11))
+        assert s.db.execute("SELECT seq FROM mutation_log").fetchall() == [(11,)]
         st_ = s.partition_state(1)
-        assert st_ is not None and (st_.log_count, st_.log_floor) == (1, 9)
+        assert st_ is not None and (st_.log_count, st_.log_floor) == (1, 10)
     with Store(path, undo_window=3) as s:  # a batch larger than the window
         big = [row(2, i, b"k%d" % (i % 4), b"v%d" % i) for i in range(1, 11)]
         s.apply(2, big, pos(2, 10))
@@ -352,11 +363,11 @@ def test_window_trimming(tmp_path: Path) -> None:
         s.rollback(2, 7)
         assert {k: v for k, v in state(s).items() if k[0] == 2} == model(big, 7)
     with Store(path, undo_window=0) as s:  # no log at all: nothing can be undone
-        s.apply(1, [row(1, 11, b"e"), row(1, 12, b"f")], pos(1, 12))
+        s.apply(1, [row(1, 12, b"e"), row(1, 13, b"f")], pos(1, 13))
         st_ = s.partition_state(1)
-        assert st_ is not None and (st_.log_count, st_.log_floor) == (0, 12)
-        assert s.rollback(1, 11).too_far
-        assert not s.rollback(1, 12).too_far
+        assert st_ is not None and (st_.log_count, st_.log_floor) == (0, 13)
+        assert s.rollback(1, 12).too_far
+        assert not s.rollback(1, 13).too_far
 
 
 # --- rollback, property -----------------------------------------------------------------
@@ -419,7 +430,10 @@ def test_rollback_equals_the_model_at_the_target_seq(
         floor = expected_floor(seqs, window)
         to = data.draw(st.integers(0, high), label="first rollback")
         result = s.rollback(1, to)
-        assert result.log_floor == floor
+        # Creations have no entry, so the log reaches at least as far as a log of every
+        # change would (formats/store.md §3.4).
+        assert result.log_floor <= floor
+        floor = result.log_floor
         if to < floor:
             assert result.too_far
             assert state(s) == {**other, **model(applied, high)}
@@ -438,7 +452,7 @@ def test_rollback_equals_the_model_at_the_target_seq(
         floor = max(floor, expected_floor([r[2] for r in history if r[2] > floor], window))
         to2 = data.draw(st.integers(0, high), label="second rollback")
         result = s.rollback(1, to2)
-        assert result.too_far == (to2 < floor)
+        assert result.too_far == (to2 < result.log_floor)
         assert state(s) == {**other, **model(history, high if result.too_far else to2)}
 
 
@@ -484,16 +498,16 @@ def test_migrations_run_once_in_order(tmp_path: Path, monkeypatch: pytest.Monkey
         calls.append(1)
         db.execute("ALTER TABLE documents ADD COLUMN note TEXT")
 
-    monkeypatch.setattr(store_schema, "SCHEMA_VERSION", 2)
-    monkeypatch.setattr(store_schema, "MIGRATIONS", {1: add_note})
+    monkeypatch.setattr(store_schema, "SCHEMA_VERSION", 3)
+    monkeypatch.setattr(store_schema, "MIGRATIONS", {**store_schema.MIGRATIONS, 2: add_note})
     with Store(path) as s:
-        assert s.meta()["schema_version"] == "2" and s.meta()["source"] == "upr://a"
+        assert s.meta()["schema_version"] == "3" and s.meta()["source"] == "upr://a"
         assert "note" in s.db["documents"].columns_dict
     with Store(path, source="upr://b") as s:
         assert s.meta()["source"] == "upr://b"
     assert calls == [1]
-    monkeypatch.setattr(store_schema, "SCHEMA_VERSION", 3)
-    with pytest.raises(StoreError, match="no migration from schema version 2"):
+    monkeypatch.setattr(store_schema, "SCHEMA_VERSION", 4)
+    with pytest.raises(StoreError, match="no migration from schema version 3"):
         Store(path)
 
 
@@ -689,14 +703,16 @@ def test_spec_view_is_the_view_created(store: Store) -> None:
 
 def test_spec_example_queries_run(store: Store) -> None:
     store.apply(5, [row(5, 1, b"user::1", b'{"name": "Ann", "age": 40}', datatype=JSON),
-                    row(5, 2, b"bin", b"\x00"), row(5, 3, b"old", b"", op=DEL)],
+                    row(5, 2, b"bin", b"\x00"), row(5, 3, b"old", b"", op=DEL),
+                    row(5, 1001, b"new", b'"n"', datatype=JSON)],
                 pos(5, 1001), FailoverLog.of([(UUID, 0)]))  # fmt: skip
     queries = [q for q in sql_blocks()[1].split(";") if q.strip().strip("-")]
-    assert len(queries) == 6
+    assert len(queries) == 7
     results = [store.db.execute(q).fetchall() for q in queries]
     assert results[0] == [("Ann",)]
     assert results[1] == [("user::1", "Ann")]
-    assert results[2] == [(5, 2, 1)]
+    assert results[2] == [(5, 3, 1)]
     assert results[3] == [("bin", "00", "2000")]
-    assert results[4] == [(5, str(UUID), 1001, 1001, 1001, str(UUID), 3, 0)]
-    assert results[5] == []
+    assert results[4] == [(5, str(UUID), 1001, 1001, 1001, str(UUID), 0, 0)]
+    assert results[5] == [(1001, "new", 0)]
+    assert results[6] == []

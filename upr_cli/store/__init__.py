@@ -9,6 +9,7 @@ from upr_cli.store.content import ContentHasher, Document, HashedDoc, content_ha
 from upr_cli.store.schema import FORMAT, SCHEMA_VERSION, StoreError
 from upr_cli.store.store import (
     DEFAULT_UNDO_WINDOW,
+    LostWrite,
     PartitionState,
     RollbackResult,
     Row,
@@ -22,6 +23,7 @@ __all__ = [
     "ContentHasher",
     "Document",
     "HashedDoc",
+    "LostWrite",
     "PartitionState",
     "RollbackResult",
     "Row",

@@ -26,12 +26,8 @@ import sqlite_utils
 
 from upr_cli.errors import UprError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FORMAT = "upr-store"
-
-#: version v → the function that turns a version-v store into version v + 1, inside the
-#: open transaction (run DDL with `db.execute`; never commit).
-MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {}
 
 _DOCUMENT_COLUMNS: dict[str, type] = {
     "partition": int,
@@ -59,6 +55,20 @@ WHERE deleted = 0 AND typeof(value) = 'text'
 """
 
 
+def _add_lost_writes(db: sqlite_utils.Database) -> None:
+    """v1 → v2: the `lost_writes` table (formats/store.md §3.5)."""
+    columns: dict[str, type] = {"id": int} | _DOCUMENT_COLUMNS
+    columns |= {"uuid": int, "rolled_back_to": int, "recorded": str, "salvaged": str}
+    not_null = [c for c in columns if c not in ("id", "salvaged")]
+    db.execute(db.create_table_sql("lost_writes", columns, pk="id", not_null=not_null))
+
+
+#: version v → the function that turns a version-v store into version v + 1, inside the
+#: open transaction (run DDL with `db.execute`; never commit). A new store is created at
+#: version 1 and brought up by these, so every step runs on every new store.
+MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _add_lost_writes}
+
+
 class StoreError(UprError):
     """The store file is unusable: not SQLite, not a store, too new, locked or corrupt."""
 
@@ -82,7 +92,8 @@ def _set_meta(conn: sqlite3.Connection, key: str, value: str) -> None:
 
 
 def _create(db: sqlite_utils.Database, conn: sqlite3.Connection, source: str) -> None:
-    """Create every table and view of the current version (the caller holds the lock).
+    """Create the tables and view of version 1 (the caller holds the lock); `MIGRATIONS`
+    then bring the new store up to the current version.
 
     sqlite-utils writes the DDL; it is run with `execute`, which joins the open
     transaction (some sqlite-utils versions commit inside `Table.create`).
@@ -107,7 +118,7 @@ def _create(db: sqlite_utils.Database, conn: sqlite3.Connection, source: str) ->
     db.execute(f"CREATE VIEW json_documents AS {_JSON_VIEW}")
     for key, value in (
         ("format", FORMAT),
-        ("schema_version", str(SCHEMA_VERSION)),
+        ("schema_version", "1"),
         ("created", now_iso()),
         ("source", source),
     ):

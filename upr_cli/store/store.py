@@ -106,9 +106,10 @@ _PREV_COLUMNS = (
 
 
 # The rows that `size` changes replace, read before the changes are written: a VALUES
-# list of (partition, seq, key) LEFT JOINed with documents (NULLs where the key does not
-# exist yet). One statement per up to 256 changes: a statement per change measured at
-# half the rate, the per-statement cost dominating.
+# list of (partition, seq, key) JOINed with documents. A change that creates its key has
+# no entry: a rollback finds it as a document above the target seq (formats/store.md
+# §3.4), so a first replay writes no log at all. One statement per up to 256 changes: a
+# statement per change measured at half the rate, the per-statement cost dominating.
 @functools.cache
 def _log_sql(size: int) -> str:
     values = ",".join(["(?,?,?)"] * size)
@@ -117,7 +118,7 @@ INSERT INTO mutation_log (partition, seq, key, {_PREV_COLUMNS})
 SELECT v.column1, v.column2, v.column3, d.seq, d.rev_seq, d.cas, d.flags, d.expiry,
        d.delete_time, d.datatype, d.deleted, d.value
 FROM (VALUES {values}) AS v
-LEFT JOIN documents AS d ON d.partition = v.column1 AND d.key = v.column3
+JOIN documents AS d ON d.partition = v.column1 AND d.key = v.column3
 """
 
 
@@ -125,19 +126,25 @@ _LOG_SIZES = (256, 64, 16, 4, 1)  # a few statement shapes, so the statement cac
 _log_key = itemgetter(1, 2, 9)
 
 
-def _log_previous(db: sqlite3.Connection, rows: Sequence[Row]) -> None:
-    """Insert the undo entries of rows whose keys are distinct (see `_unique_key_runs`)."""
-    i, n = 0, len(rows)
+def _log_previous(db: sqlite3.Connection, rows: Sequence[Row]) -> int:
+    """Insert the undo entries of rows whose keys are distinct (see `_unique_key_runs`);
+    returns how many were inserted (one per row whose key already had a document)."""
+    i, n, logged = 0, len(rows), 0
     for size in _LOG_SIZES:
         sql = _log_sql(size)
         while n - i >= size:
-            db.execute(sql, list(chain.from_iterable(map(_log_key, rows[i : i + size]))))
+            cur = db.execute(sql, list(chain.from_iterable(map(_log_key, rows[i : i + size]))))
+            logged += cur.rowcount
             i += size
+    return logged
 
 
-# For each key changed above :r, its oldest change above :r: the replaced row is the
-# key's state at :r. (No WITH clause: sqlite3 reports no rowcount for a statement that
-# does not start with INSERT, UPDATE, DELETE or REPLACE.)
+# For each key changed above :r, its oldest logged change above :r: when the row it
+# replaced is at or below :r, that row is the key's state at :r and is put back. Every
+# document still above :r afterwards was created above :r (its first change above :r
+# replaced nothing, or replaced a version itself above :r), so it is deleted. (No WITH
+# clause: sqlite3 reports no rowcount for a statement that does not start with INSERT,
+# UPDATE, DELETE or REPLACE.)
 _FIRST_ABOVE = """
 (SELECT key, min(seq) AS seq FROM mutation_log WHERE partition = :p AND seq > :r GROUP BY key)
 AS first JOIN mutation_log AS m ON m.partition = :p AND m.seq = first.seq
@@ -145,12 +152,15 @@ AS first JOIN mutation_log AS m ON m.partition = :p AND m.seq = first.seq
 _UNDO_RESTORE = f"""
 INSERT OR REPLACE INTO documents ({_DOC_COLUMNS})
 SELECT m.partition, m.key, {_PREV_COLUMNS.replace("prev_", "m.prev_")}
-FROM {_FIRST_ABOVE} WHERE m.prev_seq IS NOT NULL
+FROM {_FIRST_ABOVE} WHERE m.prev_seq IS NOT NULL AND m.prev_seq <= :r
 """
-_UNDO_DELETE = f"""
-DELETE FROM documents WHERE partition = :p AND key IN (
-    SELECT m.key FROM {_FIRST_ABOVE} WHERE m.prev_seq IS NULL
-)
+_UNDO_DELETE = "DELETE FROM documents WHERE partition = :p AND seq > :r"
+# The newest version of every key changed above :r: what a rollback to :r takes away
+# (seed 000 "lost writes"), kept in `lost_writes` for `upr salvage --store`.
+_KEEP_LOST = f"""
+INSERT INTO lost_writes ({_DOC_COLUMNS}, uuid, rolled_back_to, recorded)
+SELECT {_DOC_COLUMNS}, :uuid, :r, :now FROM documents WHERE partition = :p AND seq > :r
+ORDER BY seq
 """
 
 _PARTITION_COLUMNS = (
@@ -305,10 +315,11 @@ class RollbackResult:
     to_seq: int
     too_far: bool
     log_floor: int
-    undone: int = 0  # changes above to_seq undone (mutation log entries removed)
+    undone: int = 0  # mutation log entries above to_seq removed
     restored: int = 0  # documents put back to their version at to_seq
     deleted: int = 0  # documents removed: they did not exist at to_seq
     position: StreamPosition | None = None  # the new position; None when too far
+    lost: int = 0  # versions above to_seq kept in `lost_writes` (for `upr salvage --store`)
 
     def __str__(self) -> str:
         p = self.partition
@@ -319,9 +330,21 @@ class RollbackResult:
             )
         return (
             f"partition {p}: rolled back from seq {self.from_seq} to {self.to_seq}: "
-            f"{self.undone} changes undone, {self.restored} documents restored, "
-            f"{self.deleted} removed"
+            f"{self.lost} newer versions taken back (kept for salvage), "
+            f"{self.restored} documents restored, {self.deleted} removed"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class LostWrite:
+    """A version a rollback took back: the newest version of its key above the cut."""
+
+    id: int
+    document: Document
+    uuid: int  # the branch the store followed when it held this version
+    rolled_back_to: int  # the rollback seq that took it back
+    recorded: str  # when (ISO 8601 UTC)
+    salvaged: str | None  # when `upr salvage --apply` wrote it back, if it did
 
 
 class Store:
@@ -516,20 +539,21 @@ class Store:
         unlogged = max(0, len(rows) - window)
         if rows:
 
-            def work(rows: Sequence[Row]) -> None:
+            def work(rows: Sequence[Row]) -> int:
                 if unlogged:
                     db.executemany(_UPSERT_ROW, rows[:unlogged])
+                logged = 0
                 for run in _unique_key_runs(rows[unlogged:]) if unlogged < len(rows) else ():
-                    _log_previous(db, run)
+                    logged += _log_previous(db, run)
                     db.executemany(_UPSERT_ROW, run)
+                return logged
 
             try:
-                self._i64_retry(db, work, rows)
+                count += self._i64_retry(db, work, rows)
             except sqlite3.IntegrityError as exc:
                 raise ValueError(
                     f"{self.path}: partition {partition}: {_bad_row(rows, exc)}"
                 ) from exc
-            count += len(rows) - unlogged
             if unlogged:
                 floor = max(floor, seqs[unlogged - 1])
         if count > window:
@@ -689,6 +713,9 @@ class Store:
             if to_seq < state.log_floor:
                 return RollbackResult(partition, held, to_seq, True, state.log_floor)
             args = {"p": partition, "r": _i64(to_seq)}
+            lost = db.execute(
+                _KEEP_LOST, args | {"uuid": _i64(state.position.uuid), "now": now_iso()}
+            ).rowcount
             restored = db.execute(_UNDO_RESTORE, args).rowcount
             deleted = db.execute(_UNDO_DELETE, args).rowcount
             undone = db.execute(
@@ -708,13 +735,23 @@ class Store:
                 _State(position, log_text, state.log_count - undone, state.log_floor, now_iso()),
             )
         return RollbackResult(
-            partition, held, to_seq, False, state.log_floor, undone, restored, deleted, position
-        )
+            partition, held, to_seq, False, state.log_floor, undone, restored, deleted, position,
+            lost,
+        )  # fmt: skip
 
-    def reset_partition(self, partition: int) -> int:
-        """Delete a partition's documents, mutation log and position; returns the documents."""
+    def reset_partition(self, partition: int, *, lost_above: int | None = None) -> int:
+        """Delete a partition's documents, mutation log and position; returns the documents.
+
+        With `lost_above` = r (a rollback to r found too far), the documents above r are
+        first kept in `lost_writes`, as a rollback keeps them.
+        """
         _check_partition(partition)
         with self._write() as db:
+            if lost_above is not None:
+                state = self._state(db, partition)
+                uuid = state.position.uuid if state else 0
+                db.execute(_KEEP_LOST, {"p": partition, "r": _i64(lost_above),
+                                        "uuid": _i64(uuid), "now": now_iso()})  # fmt: skip
             n = db.execute("DELETE FROM documents WHERE partition = ?", (partition,)).rowcount
             db.execute("DELETE FROM mutation_log WHERE partition = ?", (partition,))
             db.execute("DELETE FROM partitions WHERE partition = ?", (partition,))
@@ -769,6 +806,38 @@ class Store:
         )
         while chunk := cursor.fetchmany(_FETCH):
             yield from map(_document, chunk)
+
+    def lost_writes(
+        self, partitions: Iterable[int] | None = None, *, include_salvaged: bool = False
+    ) -> list[LostWrite]:
+        """Versions rollbacks took back (`lost_writes`, formats/store.md §3.5), oldest first."""
+        where, params = _where(partitions, True)
+        if not include_salvaged:
+            where += (" AND" if where else " WHERE") + " salvaged IS NULL"
+        rows = self._db.execute(
+            f"SELECT id, {_DOC_SELECT}, uuid, rolled_back_to, recorded, salvaged"
+            f" FROM lost_writes{where} ORDER BY id",
+            params,
+        ).fetchall()
+        return [
+            LostWrite(r[0], _document(r[1:12]), _u64(r[12]), _u64(r[13]), r[14], r[15])
+            for r in rows
+        ]
+
+    def mark_salvaged(self, ids: Iterable[int]) -> None:
+        """Record that these lost writes were written back (`upr salvage --apply`)."""
+        with self._write() as db:
+            db.executemany(
+                "UPDATE lost_writes SET salvaged = ? WHERE id = ?", [(now_iso(), i) for i in ids]
+            )
+
+    def documents_above(self, partition: int, seq: int) -> list[Document]:
+        """The documents of a partition whose seq is above `seq`, tombstones included."""
+        rows = self._db.execute(
+            f"SELECT {_DOC_SELECT} FROM documents WHERE partition = ? AND seq > ? ORDER BY seq",
+            (partition, _i64(seq)),
+        ).fetchall()
+        return [_document(r) for r in rows]
 
     def count(self, include_deleted: bool = False, *, partition: int | None = None) -> int:
         """Number of stored keys, of one partition or all; tombstones only if asked."""
