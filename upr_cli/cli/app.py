@@ -18,7 +18,17 @@ from typer.exceptions import Abort as TyperAbort
 from typer.exceptions import TyperException
 
 from upr_cli import __version__
-from upr_cli.cli import backup, examine, inspect, load, restore, rollback_point, serve, tail
+from upr_cli.cli import (
+    backup,
+    examine,
+    inspect,
+    load,
+    replay,
+    restore,
+    rollback_point,
+    serve,
+    tail,
+)
 from upr_cli.cli.output import error_line
 from upr_cli.errors import UprError
 
@@ -60,6 +70,7 @@ backup.register(app)
 inspect.register(app)
 restore.register(app)
 examine.register(app)
+replay.register(app)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

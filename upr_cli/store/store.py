@@ -285,6 +285,10 @@ def _bad_row(rows: Sequence[Row], exc: Exception) -> str:
     return str(exc)
 
 
+class _Aborted(Exception):
+    """Raised into an open transaction to roll it back (`Store.abort`)."""
+
+
 class _State(NamedTuple):
     """A `partitions` row as stored (64-bit values decoded, failover log as JSON text)."""
 
@@ -365,6 +369,7 @@ class Store:
         self._conn: sqlite3.Connection | None = None
         self._depth = 0  # open write transactions: 1 = BEGIN, more = savepoints
         self._utils: sqlite_utils.Database | None = None
+        self._open: contextlib.ExitStack | None = None  # a transaction `begin` opened
         if not create and not self.path.is_file():
             raise StoreError(f"{self.path}: no such store")
         try:
@@ -411,6 +416,7 @@ class Store:
 
     def close(self) -> None:
         """Close the connection (idempotent); an open batch is rolled back."""
+        self._open = None
         if self._conn is not None:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
@@ -481,6 +487,36 @@ class Store:
         """Group several applies, restores, rollbacks and resets into ONE transaction."""
         with self._write():
             yield self
+
+    def begin(self) -> None:
+        """Open a transaction that stays open across calls until `commit` or `abort`.
+
+        For a caller whose transaction spans waits (replay's consistent catch-up): every
+        write until then joins it as a savepoint. Readers see none of it before `commit`.
+        """
+        if self._open is not None:
+            raise ValueError(f"{self.path}: a transaction is already open")
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._write())
+        self._open = stack
+
+    @property
+    def in_transaction(self) -> bool:
+        """True between `begin` and `commit`/`abort`."""
+        return self._open is not None
+
+    def commit(self) -> None:
+        """Commit the transaction `begin` opened."""
+        stack, self._open = self._open, None
+        if stack is None:
+            raise ValueError(f"{self.path}: no transaction is open")
+        stack.close()
+
+    def abort(self) -> None:
+        """Undo everything since `begin` (nothing if no transaction is open)."""
+        stack, self._open = self._open, None
+        if stack is not None:
+            stack.__exit__(_Aborted, _Aborted(), None)
 
     # --- partition state
 

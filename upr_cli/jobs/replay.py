@@ -1,0 +1,672 @@
+"""`upr replay`: keep a SQLite store in step with a source, as a UPR replica would.
+
+Theory of operation (seed 000 "Client and Mutation Log", "How clients roll back changes
+when seeing a new failover ID"; formats/store.md is the store's contract)
+-----------------------------------------------------------------------------------
+* **Positions live in the store.** A run streams every partition from the position the
+  store saved with its documents, so a restart (or a SIGKILL at any point) resumes
+  exactly there; rows at or below a saved seq are dropped (the consumer is
+  at-least-once after a reconnect).
+* **What commits when.** Rows wait in memory per partition until a *commit point*; the
+  rows up to it and the position at it are applied in one store transaction (the
+  changes of all partitions that reached a point in one batch share it). The point of a
+  partition is, by mode:
+  - default: the end of its last complete snapshot (a marker's end reached, the next
+    marker, or the stream's end: dcp-wire §2.4);
+  - `--durable-only`: that, capped at the seq the source reports persisted on the
+    stream's branch (OBSERVE_SEQNO, polled on a second connection), so the store never
+    holds a write a crash of the source can take back;
+  - `--consistent` (a source with barrier cookies, formats/barrier.md): the barrier
+    cut, for all partitions at once. The catch-up to the high seqnos pinned at the
+    start (one GET_ALL_VB_SEQNOS, a consistent cut) is applied in ONE open store
+    transaction (memory bounded by SQLite, not by the data) and committed when every
+    partition reached its pinned seq; after that a barrier is sent every
+    `barrier_interval` and each cut is committed as it comes back. Without barrier
+    support the run commits per snapshot and says so once.
+  A partition whose uncommitted rows exceed `max_pending` commits at its newest
+  complete snapshot early (default mode), so memory is bounded by configuration.
+* **Rollbacks.** The consumer turns ROLLBACK(r) into a `Rollback` event (dcp-wire §4.4);
+  the store undoes its changes above r from its mutation log, keeping the versions it
+  takes back in `lost_writes` (for `upr salvage --store`). When r is below what the log
+  reaches, the partition is reset and the run restarts its stream from 0. Every rollback
+  is reported through `on_event`.
+* The store runs on one worker thread, so the event loop (and the network) never waits
+  on SQLite (DESIGN "Never stall the event loop"); at most two applies are in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from bisect import bisect_right
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from operator import itemgetter
+from pathlib import Path
+from typing import Any
+
+from upr_cli.dcp.consumer import DcpConsumer
+from upr_cli.dcp.events import BarrierReached, Rollback, Snapshot, StreamEnded, StreamOpened
+from upr_cli.dcp.position import StreamPosition
+from upr_cli.errors import UprError, UsageError
+from upr_cli.failover import FailoverLog
+from upr_cli.net.bootstrap import Session, connect
+from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.messages import ObserveSeqno, ObserveSeqnoResponse
+from upr_cli.store import DEFAULT_UNDO_WINDOW, Row, Store
+
+_seq_of = itemgetter(2)
+_COMMIT_ROWS = 32_768  # committable rows gathered before a transaction (amortises commits)
+_COMMIT_SECONDS = 0.25  # ... or this long since the last one
+_MAX_INFLIGHT = 2  # store transactions queued on the worker
+
+
+class ReplayError(UprError):
+    """The replay cannot continue (refused stream, unusable source)."""
+
+
+@dataclass
+class ReplayStats:
+    """Running totals, for progress displays and the summary."""
+
+    source: str = ""
+    store: str = ""
+    mode: str = "snapshot"
+    items: int = 0  # rows received
+    applied: int = 0  # rows committed to the store
+    commits: int = 0
+    partitions: int = 0
+    partitions_caught_up: int = 0
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    resets: int = 0
+    notes: list[str] = field(default_factory=list)
+    interrupted: bool = False
+    started: float = field(default_factory=time.monotonic)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form (STYLE 8: counts as numbers, no 64-bit values here)."""
+        secs = self.seconds or (time.monotonic() - self.started)
+        return {
+            "source": self.source,
+            "store": self.store,
+            "mode": self.mode,
+            "items": self.items,
+            "applied": self.applied,
+            "commits": self.commits,
+            "partitions": self.partitions,
+            "rollbacks": self.rollbacks,
+            "resets": self.resets,
+            "notes": self.notes,
+            "interrupted": self.interrupted,
+            "seconds": round(secs, 3),
+            "items_per_s": round(self.applied / secs) if secs and self.applied else None,
+        }
+
+
+@dataclass(slots=True)
+class _Part:
+    """One partition's replay state."""
+
+    p: int
+    committed: StreamPosition  # durable in the store
+    applied: StreamPosition  # written to the store, maybe in the open transaction
+    uuid: int = 0
+    rows: list[Row] = field(default_factory=list)  # received, uncommitted, seq increasing
+    marks: list[tuple[int, int]] = field(default_factory=list)  # markers not yet passed
+    complete: int = 0  # every snapshot up to this seq was received whole
+    received: int = 0
+    log: FailoverLog | None = None  # a failover log to save with the next commit
+    ended: bool = False
+
+    def reset_to(self, pos: StreamPosition) -> None:
+        """The stream (re)starts at `pos`: drop what it will send again. A new stream
+        begins with a new snapshot marker, so older markers no longer describe it."""
+        del self.rows[bisect_right(self.rows, pos.seq, key=_seq_of) :]
+        self.uuid = pos.uuid
+        self.received = pos.seq
+        self.complete = min(self.complete, pos.seq)
+        self.marks = []
+        self.ended = False
+
+    def take(self, upto: int) -> tuple[list[Row], StreamPosition] | None:
+        """Rows ≤ `upto` and the position there; None when nothing would change."""
+        upto = min(upto, max(self.complete, self.received))
+        if upto < self.applied.seq or (upto == self.applied.seq and self.log is None):
+            return None
+        n = bisect_right(self.rows, upto, key=_seq_of)
+        rows, self.rows = self.rows[:n], self.rows[n:]
+        start, end = upto, upto
+        for ms, me in self.marks:
+            if ms <= upto:
+                start, end = ms, me
+        if end < upto:  # the marker holding upto ended at or below it
+            start = end = upto
+        self.marks = [m for m in self.marks if m[1] > upto]
+        return rows, StreamPosition(self.p, self.uuid, upto, start, end)
+
+
+class _Durability:
+    """`--durable-only`: the persisted seq per partition, polled with OBSERVE_SEQNO."""
+
+    def __init__(self, uri: SourceUri, interval: float = 0.05) -> None:
+        self.uri = uri
+        self.interval = interval
+        self.persisted: dict[int, tuple[int, int]] = {}  # p -> (uuid, persisted seq)
+        self._session: Session | None = None
+        self._last = 0.0
+
+    async def poll(self, parts: dict[int, _Part], force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < self.interval:
+            return
+        self._last = now
+        want = [st for st in parts.values() if st.rows or st.complete > st.committed.seq]
+        if not want:
+            return
+        if self._session is None or self._session.conn.closed:
+            self._session = await connect(self.uri, name="upr-replay-observe")
+        conn = self._session.conn
+        futs = [
+            (st.p, conn.start_request(
+                ObserveSeqno(vbucket=st.p, vbucket_uuid=st.uuid, opaque=conn.next_opaque())))
+            for st in want
+        ]  # fmt: skip
+        for p, fut in futs:
+            resp = (await fut)[0]
+            if isinstance(resp, ObserveSeqnoResponse):
+                self.persisted[p] = (resp.vbucket_uuid, resp.persisted_seqno)
+
+    def cap(self, st: _Part) -> int:
+        """The highest seq of `st`'s branch known persisted (its committed seq if unknown)."""
+        uuid, seq = self.persisted.get(st.p, (None, 0))
+        if uuid != st.uuid:  # another branch, or not asked yet: nothing new is safe
+            return st.committed.seq
+        return seq
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.conn.aclose()
+
+
+class _Restart(Exception):
+    """A partition was reset (rollback too far): reopen every stream from the store."""
+
+
+async def replay_node(
+    uri: SourceUri,
+    db_path: Path,
+    *,
+    partitions: list[int] | None = None,
+    follow: bool = False,
+    consistent: bool = False,
+    durable_only: bool = False,
+    undo_window: int = DEFAULT_UNDO_WINDOW,
+    max_pending: int = 262_144,
+    barrier_interval: float = 0.2,
+    buffer_size: int = 4 * 1024 * 1024,
+    on_progress: Callable[[ReplayStats], None] | None = None,
+    on_event: Callable[[str], None] | None = None,
+) -> ReplayStats:
+    """Replay a live source into the store at `db_path` until caught up (or, with
+    `follow`, until cancelled: SIGINT/SIGTERM end the run after a last checkpoint)."""
+    mode = "consistent" if consistent else "snapshot"
+    mode += " durable-only" if durable_only else ""
+    stats = ReplayStats(uri.redacted(), str(db_path), mode)
+    say = on_event or (lambda _m: None)
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="upr-store")
+    store = await loop.run_in_executor(
+        pool, lambda: Store(db_path, undo_window=undo_window, source=uri.redacted())
+    )
+    task = asyncio.current_task()
+    stopping = False
+
+    def stop() -> None:
+        nonlocal stopping
+        if not stopping and task is not None:
+            stopping = True
+            task.cancel()
+
+    handled = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop)
+            handled.append(sig)
+    durability = _Durability(uri) if durable_only else None
+    try:
+        while True:
+            try:
+                await _round(
+                    uri, store, pool, stats, say, partitions=partitions, follow=follow,
+                    consistent=consistent, durability=durability, max_pending=max_pending,
+                    barrier_interval=barrier_interval, buffer_size=buffer_size,
+                    on_progress=on_progress,
+                )  # fmt: skip
+                break
+            except _Restart:
+                continue
+    except asyncio.CancelledError:
+        if not stopping:
+            raise
+        stats.interrupted = True
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+        if durability is not None:
+            await durability.aclose()
+        await loop.run_in_executor(pool, store.close)
+        pool.shutdown(wait=True)
+    stats.seconds = time.monotonic() - stats.started
+    return stats
+
+
+async def _round(
+    uri: SourceUri,
+    store: Store,
+    pool: ThreadPoolExecutor,
+    stats: ReplayStats,
+    say: Callable[[str], None],
+    *,
+    partitions: list[int] | None,
+    follow: bool,
+    consistent: bool,
+    durability: _Durability | None,
+    max_pending: int,
+    barrier_interval: float,
+    buffer_size: int,
+    on_progress: Callable[[ReplayStats], None] | None,
+    durable_wait: float = 5.0,
+) -> None:
+    """One consumer session: stream from the store's positions until done (or a restart)."""
+    loop = asyncio.get_running_loop()
+
+    def on_store(fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        return loop.run_in_executor(pool, fn)
+
+    saved = await on_store(store.positions)
+    logs = await on_store(lambda: {p: store.failover_log(p) for p in saved})
+    consumer = DcpConsumer(
+        uri, partitions=partitions, positions=saved,
+        failover_logs={p: lg for p, lg in logs.items() if lg is not None},
+        until_end=not follow, barriers=consistent, buffer_size=buffer_size, name="upr-replay",
+    )  # fmt: skip
+    inflight: list[asyncio.Future[Any]] = []
+    parts: dict[int, _Part] = {}
+    last_commit = time.monotonic()
+    barrier_out: bytes | None = None
+    barrier_sent = 0.0
+    barrier_n = 0
+    cuts: list[dict[int, int]] = []  # barrier cuts back, waiting to commit (durable-only)
+    catching_up = False  # consistent catch-up: one open store transaction
+
+    async def settle(all_: bool = False) -> None:
+        while inflight and (all_ or len(inflight) >= _MAX_INFLIGHT or inflight[0].done()):
+            await inflight.pop(0)
+
+    async def apply(work: list[tuple[int, list[Row], StreamPosition, FailoverLog | None]],
+                    *, in_open: bool = False) -> None:  # fmt: skip
+        """Apply (partition, rows, position, log) in one transaction (or the open one)."""
+        if not work:
+            return
+        positions = {p: pos for p, _r, pos, _l in work}
+        n = sum(len(r) for _p, r, _pos, _l in work)
+
+        def run() -> None:
+            store.apply_many(work)
+
+        fut = on_store(run)
+        inflight.append(fut)
+
+        def done(f: asyncio.Future[Any]) -> None:
+            if f.cancelled() or f.exception() is not None:
+                return
+            stats.applied += n
+            if not in_open:
+                stats.commits += 1
+                consumer.commit(positions)
+
+        fut.add_done_callback(done)
+        for p, _r, pos, _l in work:
+            parts[p].applied = pos
+            parts[p].log = None
+            if not in_open:
+                parts[p].committed = pos
+        await settle()
+
+    def take_all(targets: dict[int, int]) -> list[tuple[int, list[Row], StreamPosition,
+                                                         FailoverLog | None]]:  # fmt: skip
+        out = []
+        for p, upto in targets.items():
+            st = parts.get(p)
+            if st is None:
+                continue
+            log = st.log
+            got = st.take(upto)
+            if got is not None:
+                out.append((p, got[0], got[1], log))
+        return out
+
+    def snapshot_targets(force: bool) -> dict[int, int]:
+        """Default/durable mode: per partition, the newest complete snapshot (capped)."""
+        out = {}
+        for p, st in parts.items():
+            t = st.complete
+            if durability is not None:
+                t = min(t, durability.cap(st))
+            if t > st.applied.seq or (st.log is not None and force):
+                out[p] = max(t, st.applied.seq)
+        return out
+
+    async def checkpoint(force: bool = False) -> None:
+        nonlocal last_commit
+        if consistent_on and not catching_up:
+            return  # commits happen at barrier cuts only
+        if durability is not None:
+            await durability.poll(parts, force=force)
+        pending = sum(len(st.rows) for st in parts.values())
+        now = time.monotonic()
+        soon = pending < _COMMIT_ROWS and now - last_commit < _COMMIT_SECONDS
+        if not force and soon and pending < max_pending:
+            return
+        targets = snapshot_targets(force)
+        if catching_up:
+            targets = {p: min(t, consumer.highs.get(p, 0)) for p, t in targets.items()}
+        work = take_all(targets)
+        if work:
+            await apply(work, in_open=catching_up)
+            last_commit = now
+
+    async def rollback(ev: Rollback) -> None:
+        st = parts.get(ev.partition)
+        if st is not None:
+            st.rows.clear()
+            st.marks.clear()
+            st.complete = st.received = ev.to_seq
+        await settle(all_=True)
+        result = await on_store(lambda: store.rollback(ev.partition, ev.to_seq, uuid=ev.uuid))
+        entry = {"partition": ev.partition, "from": ev.previous.seq, "to": ev.to_seq,
+                 "lost": result.lost, "reset": result.too_far}  # fmt: skip
+        if result.too_far:
+            await on_store(lambda: store.reset_partition(ev.partition, lost_above=ev.to_seq))
+            stats.resets += 1
+            say(f"{result}; partition reset, streaming it again from 0")
+            stats.rollbacks.append(entry)
+            raise _Restart
+        stats.rollbacks.append(entry)
+        if st is not None:
+            st.committed = st.applied = result.position or StreamPosition(ev.partition)
+        say(str(result))
+
+    async def restart_open_transaction() -> None:
+        """A reconnect or rollback during the consistent catch-up: its rows come again."""
+        await settle(all_=True)
+        await on_store(store.abort)
+        for st in parts.values():
+            st.applied = st.committed
+        await on_store(store.begin)
+
+    async def commit_open_transaction() -> None:
+        nonlocal catching_up
+        await checkpoint(force=True)
+        await settle(all_=True)
+        await on_store(store.commit)
+        stats.commits += 1
+        for st in parts.values():
+            st.committed = st.applied
+        consumer.commit({p: st.committed for p, st in parts.items()})
+        catching_up = False
+
+    consistent_on = False
+    pumping: asyncio.Task[None] | None = None
+    try:
+        await consumer.open()
+        if consistent:
+            if consumer.barriers_supported:
+                consistent_on = catching_up = True
+                await on_store(store.begin)
+            elif "no-barriers" not in stats.notes:
+                stats.notes.append("no-barriers")
+                say("the source does not support barrier cookies: committing per snapshot")
+        stats.partitions = len(consumer.parts)
+        for p, part in consumer.parts.items():
+            pos = part.position()
+            parts[p] = _Part(p, pos, pos, pos.uuid, complete=pos.seq, received=pos.seq)
+        batches: asyncio.Queue[list[Any] | BaseException | None] = asyncio.Queue(maxsize=2)
+
+        async def pump() -> None:
+            """Batches onto a queue, so the loop below can also wake on a timer."""
+            try:
+                async for b in consumer.batches():
+                    await batches.put(b)
+                await batches.put(None)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the loop below
+                await batches.put(exc)
+
+        pumping = asyncio.create_task(pump(), name="upr-replay-pump")
+        # Commits wait for a batch size or a time; in --follow the stream may go idle, so
+        # the loop wakes up on a timer too (and to poll persistence, send barriers).
+        tick = _COMMIT_SECONDS if follow or durability is not None else None
+        while True:
+            try:
+                got = await asyncio.wait_for(batches.get(), tick)
+            except TimeoutError:
+                got = []
+            if got is None:
+                break
+            if isinstance(got, BaseException):
+                raise got
+            batch = got
+            for item in batch:
+                if type(item) is tuple:
+                    st = parts[item[1]]
+                    seq: int = item[2]
+                    if seq <= st.received:
+                        continue  # already held (at-least-once after a reconnect)
+                    st.rows.append(item)
+                    st.received = seq
+                    if st.marks and seq >= st.marks[-1][1]:
+                        st.complete = seq
+                    stats.items += 1
+                elif isinstance(item, Snapshot):
+                    st = parts[item.partition]
+                    if st.marks:
+                        st.complete = max(st.complete, st.marks[-1][1])
+                    st.marks.append((item.start, item.end))
+                elif isinstance(item, StreamOpened):
+                    st = parts[item.partition]
+                    if catching_up and item.position.seq < st.applied.seq:
+                        await restart_open_transaction()
+                    st.reset_to(item.position)
+                    st.log = FailoverLog.sanitised(item.failover_log)
+                elif isinstance(item, Rollback):
+                    if catching_up:
+                        await restart_open_transaction()
+                    await rollback(item)
+                elif isinstance(item, StreamEnded):
+                    st = parts[item.partition]
+                    if consumer.parts[item.partition].done:
+                        st.ended = True
+                        st.complete = max(st.complete, item.position.seq)
+                elif isinstance(item, BarrierReached) and item.cookie == barrier_out:
+                    barrier_out = None
+                    cuts.append(item.cut)
+            if catching_up and all(
+                st.complete >= consumer.highs.get(p, 0) or st.ended for p, st in parts.items()
+            ):
+                await commit_open_transaction()
+            await checkpoint()
+            if cuts and durability is not None:
+                await durability.poll(parts)
+            while cuts and (durability is None or all(
+                durability.cap(parts[p]) >= seq for p, seq in cuts[0].items() if p in parts
+            )):  # fmt: skip
+                await apply(take_all(cuts.pop(0)))
+            if consistent_on and not catching_up and barrier_out is None and not cuts:
+                now = time.monotonic()
+                if now - barrier_sent >= barrier_interval and follow:
+                    barrier_n += 1
+                    barrier_out = f"replay-{os.getpid()}-{barrier_n}".encode()
+                    barrier_sent = now
+                    await consumer.barrier(barrier_out)
+            if on_progress is not None:
+                stats.partitions_caught_up = sum(
+                    1 for p, st in parts.items()
+                    if st.committed.seq >= consumer.highs.get(p, 0)
+                )  # fmt: skip
+                on_progress(stats)
+        # Every finite stream ended: commit the rest.
+        if durability is not None:
+            # Wait (a bounded time) for the source to persist what was received.
+            deadline = time.monotonic() + durable_wait
+            while time.monotonic() < deadline and any(
+                durability.cap(st) < st.received for st in parts.values()
+            ):
+                await asyncio.sleep(durability.interval)
+                await durability.poll(parts, force=True)
+        if catching_up:
+            await commit_open_transaction()
+        else:
+            await checkpoint(force=True)
+        await settle(all_=True)
+        left = sum(len(st.rows) for st in parts.values())
+        if left:
+            stats.notes.append(f"not-persisted:{left}")
+            say(f"{left} changes the source has not persisted yet were left out (--durable-only)")
+    except asyncio.CancelledError:
+        # Ctrl-C in --follow: keep what is committable, then stop.
+        await settle(all_=True)
+        if catching_up:
+            await on_store(store.abort)
+        elif not consistent_on:
+            await checkpoint(force=True)
+            await settle(all_=True)
+        raise
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            await settle(all_=True)
+        await on_store(store.abort)
+        raise
+    finally:
+        if pumping is not None:
+            pumping.cancel()
+            with contextlib.suppress(BaseException):
+                await pumping
+        await consumer.aclose()
+
+
+def check_options(follow: bool, consistent: bool, durable_only: bool, source: str) -> None:
+    """Refuse combinations that mean nothing for the source."""
+    if source.startswith("repo:") and (follow or consistent or durable_only):
+        raise UsageError(
+            "--follow, --consistent and --durable-only apply to a live source, not a repository"
+        )
+
+
+def replay_repo(
+    repo_dir: Path,
+    db_path: Path,
+    *,
+    bucket: str | None = None,
+    at: str = "latest",
+    partitions: list[int] | None = None,
+    undo_window: int = DEFAULT_UNDO_WINDOW,
+    on_progress: Callable[[ReplayStats], None] | None = None,
+    on_event: Callable[[str], None] | None = None,
+) -> ReplayStats:
+    """Replay a repository's state at a backup into the store, as a stream would.
+
+    Each partition of the chain is a source whose failover log and position are the
+    chain's resume point (formats/repository.md). The store's saved position is checked
+    against that log by the producer rule (dcp-wire §4.2), as a server would check a
+    STREAM_REQ; a rollback is applied as for a live source; then the state's records
+    above the store's seq are applied as one snapshot (a disk backfill) with the
+    backup's position. Replaying into an empty store equals restoring to it.
+    """
+    from upr_cli.failover import needs_rollback
+    from upr_cli.jobs.inspect import open_bucket
+    from upr_cli.jobs.restore import prefetch
+    from upr_cli.jobs.state import partition_state, select
+    from upr_cli.repo import resume_point
+    from upr_cli.segments import Record, SegmentError
+
+    say = on_event or (lambda _m: None)
+    repo, b, manifests = open_bucket(repo_dir, bucket)
+    sel = select(manifests, at, partitions)
+    chain = [m for m in manifests if m.backup_id <= sel.backup_id]
+    stats = ReplayStats(f"repo:{repo_dir}@{sel.backup_id}", str(db_path), "snapshot")
+    stats.partitions = len(sel.partitions)
+
+    def read(p: int) -> list[Record] | SegmentError:
+        try:
+            state = partition_state(repo, b, manifests, sel.backup_id, p)
+        except SegmentError as exc:
+            return exc
+        return sorted(state.values(), key=lambda r: r[1])
+
+    work: list[tuple[int, list[Row], StreamPosition, FailoverLog | None]] = []
+    with Store(db_path, undo_window=undo_window, source=stats.source) as store:
+
+        def flush() -> None:
+            store.apply_many(work)
+            stats.applied += sum(len(w[1]) for w in work)
+            stats.commits += 1
+            work.clear()
+            if on_progress is not None:
+                on_progress(stats)
+
+        for p, records in prefetch(read, sel.partitions):
+            if isinstance(records, SegmentError):
+                raise records
+            rp = resume_point(chain, p)
+            if rp is None:
+                continue
+            held = store.partition_state(p)
+            base = 0
+            if held is not None and (held.position.seq or held.position.uuid):
+                pos = held.position
+                decision = needs_rollback(
+                    rp.failover_log, start=pos.seq, uuid=pos.uuid, snap_start=pos.snap_start,
+                    snap_end=pos.snap_end, high=rp.seq,
+                )  # fmt: skip
+                base = pos.seq
+                if decision.rollback:
+                    if work:
+                        flush()
+                    r = decision.rollback_seq
+                    entry = rp.failover_log.entry_at(r)
+                    result = store.rollback(p, r, uuid=entry.uuid if entry else None)
+                    stats.rollbacks.append(
+                        {"partition": p, "from": pos.seq, "to": r, "lost": result.lost,
+                         "reset": result.too_far}
+                    )  # fmt: skip
+                    if result.too_far:
+                        store.reset_partition(p, lost_above=r)
+                        stats.resets += 1
+                        say(f"{result}; partition reset, applying it again from 0")
+                        base = 0
+                    else:
+                        say(str(result))
+                        base = r
+            rows: list[Row] = [
+                (op, p, seq, rev, cas, flags, exp, dtime, datatype, key, value, 0)
+                for op, seq, rev, cas, flags, exp, dtime, datatype, key, value in records
+                if seq > base
+            ]
+            stats.items += len(rows)
+            position = StreamPosition(p, rp.uuid, rp.seq, rp.snap_start, rp.snap_end)
+            if position.seq < base:  # nothing newer in the backup than the store holds
+                continue
+            work.append((p, rows, position, rp.failover_log))
+            if sum(len(w[1]) for w in work) >= _COMMIT_ROWS:
+                flush()
+        if work:
+            flush()
+    stats.seconds = time.monotonic() - stats.started
+    return stats
