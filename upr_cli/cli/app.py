@@ -20,6 +20,7 @@ from typer.exceptions import TyperException
 from upr_cli import __version__
 from upr_cli.cli import (
     backup,
+    diff,
     examine,
     inspect,
     load,
@@ -71,6 +72,7 @@ inspect.register(app)
 restore.register(app)
 examine.register(app)
 replay.register(app)
+diff.register(app)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import (
     MAX_ENTRIES,
@@ -12,6 +14,7 @@ from upr_cli.failover import (
     InvalidFailoverLog,
     RollbackDecision,
     needs_rollback,
+    parse_seq,
     parse_uuid,
     rollback_point,
 )
@@ -104,11 +107,14 @@ def compute(
 @dataclass(frozen=True, slots=True)
 class SourceState:
     """One partition as a source describes it: its failover log and, for a client, where
-    it stands (the last complete snapshot and the highest seq seen)."""
+    it stands (the last complete snapshot and the highest seq seen; `position` when the
+    source records a stream position, as a repository or a store does)."""
 
     log: FailoverLog
     snapshot_seq: int = 0
     seen_seq: int = 0
+    position: StreamPosition | None = None
+    known_seq: bool = True  # False: a JSON file gave only the log
 
 
 async def _node_logs(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:
@@ -164,19 +170,78 @@ def _repo_states(spec: str, partitions: list[int] | None) -> dict[int, SourceSta
         rp = resume_point(manifests, p)
         if rp is not None:
             snap = rp.snap_end if rp.seq == rp.snap_end else rp.snap_start
-            out[p] = SourceState(rp.failover_log, min(snap, rp.seq), rp.seq)
+            pos = StreamPosition(p, rp.uuid, rp.seq, rp.snap_start, rp.snap_end)
+            out[p] = SourceState(rp.failover_log, min(snap, rp.seq), rp.seq, pos)
     return out
 
 
+def _store_states(path: str, partitions: list[int] | None) -> dict[int, SourceState]:
+    from upr_cli.store import Store
+
+    with Store(path, create=False) as store:
+        out = {}
+        for p, pos in store.positions().items():
+            if partitions is not None and p not in partitions:
+                continue
+            log = store.failover_log(p) or FailoverLog()
+            snap = pos.snap_end if pos.seq == pos.snap_end else pos.snap_start
+            out[p] = SourceState(log, min(snap, pos.seq), pos.seq, pos)
+        return out
+
+
+def _json_states(path: str, partitions: list[int] | None) -> dict[int, SourceState]:
+    """A JSON file: {"<partition>": LOG} or {"<partition>": {"failover_log": LOG,
+    "seq": N, "snapshot_seq": N}}, optionally under a top-level "partitions" key."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise UsageError(f"{path}: not a JSON file of failover logs: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("partitions"), dict):
+        data = data["partitions"]
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected an object of partition -> failover log")
+    out = {}
+    for key, value in data.items():
+        try:
+            p = int(key)
+            if not 0 <= p <= 0xFFFF:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"{path}: {key!r} is not a partition id") from None
+        if partitions is not None and p not in partitions:
+            continue
+        obj = value if isinstance(value, dict) else {"failover_log": value}
+        try:
+            log = FailoverLog.from_json(obj.get("failover_log"))
+        except UsageError as exc:
+            raise UsageError(f"{path}: partition {p}: {exc}") from None
+        known = "seq" in obj
+        seen = parse_seq(obj.get("seq", log.latest.seq if log.entries else 0), where="seq")
+        snap = parse_seq(obj.get("snapshot_seq", seen), where="snapshot_seq")
+        out[p] = SourceState(log, min(snap, seen), seen, None, known)
+    return out
+
+
+SOURCES = "upr://…, repo:DIR[@BACKUP], sqlite:PATH or a JSON file of failover logs"
+
+
 def load_source(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:
-    """Per-partition states from `upr://…` (a live node) or `repo:DIR[@BACKUP]`."""
+    """Per-partition states from `upr://…` (a live node), `repo:DIR[@BACKUP]`,
+    `sqlite:PATH` (a replay store) or a JSON file of failover logs (`json:PATH` or a
+    path ending in .json)."""
     if spec.startswith(("upr://", "couchbase://")):
         import asyncio
 
         return asyncio.run(_node_logs(spec, partitions))
     if spec.startswith("repo:"):
         return _repo_states(spec[5:], partitions)
-    raise UsageError(f"{spec!r}: a source is upr://… or repo:DIR[@BACKUP]")
+    if spec.startswith("sqlite:"):
+        return _store_states(spec[7:], partitions)
+    if spec.startswith("json:") or spec.endswith(".json"):
+        return _json_states(spec.removeprefix("json:"), partitions)
+    raise UsageError(f"{spec!r}: a source is {SOURCES}")
 
 
 @dataclass(frozen=True, slots=True)
