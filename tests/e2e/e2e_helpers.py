@@ -124,3 +124,40 @@ def node_content_hash(uri: str) -> tuple[int, str]:
     """(live documents, content hash) of a node, as formats/store.md defines the hash."""
     live = docs(uri)
     return len(live), content_hash_of((k, v[0], v[1], v[2], v[3], v[4]) for k, v in live.items())
+
+
+def node_rows(uri: str) -> dict[tuple[int, bytes], tuple[Any, ...]]:
+    """(partition, key) -> (seq, deleted, value, cas, rev_seq, flags, expiry) of every
+    document a full stream of the node gives, tombstones included."""
+    rows, _e, _c = run(drain(uri))
+    out: dict[tuple[int, bytes], tuple[Any, ...]] = {}
+    for r in sorted(rows, key=lambda r: (r[1], r[2])):
+        out[(r[1], r[9])] = (r[2], r[0] != 0x57, r[10], r[4], r[3], r[5], r[6])
+    return out
+
+
+def store_rows(path: Any) -> dict[tuple[int, bytes], tuple[Any, ...]]:
+    """The same view of a SQLite store (formats/store.md)."""
+    from upr_cli.store import Store
+
+    with Store(path, create=False) as s:
+        return {
+            (d.partition, d.key): (d.seq, d.deleted, d.value, d.cas, d.rev_seq, d.flags, d.expiry)
+            for d in s.documents()
+        }
+
+
+async def set_keys(uri: str, values: dict[bytes, bytes]) -> None:
+    """SET each key to its value (JSON) through the KV front end."""
+    from upr_cli.net.bootstrap import partition_of
+    from upr_cli.protocol.messages import Set
+
+    s = await connect(SourceUri.parse(uri))
+    try:
+        for key, value in values.items():
+            p = partition_of(key, s.num_partitions)
+            await s.conn.request(
+                Set(vbucket=p, key=key, value=value, datatype=1, opaque=s.conn.next_opaque())
+            )
+    finally:
+        await s.conn.aclose()

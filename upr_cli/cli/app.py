@@ -27,6 +27,7 @@ from upr_cli.cli import (
     replay,
     restore,
     rollback_point,
+    salvage,
     serve,
     tail,
 )
@@ -73,6 +74,7 @@ restore.register(app)
 examine.register(app)
 replay.register(app)
 diff.register(app)
+salvage.register(app)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -121,6 +121,7 @@ class _Part:
     complete: int = 0  # every snapshot up to this seq was received whole
     received: int = 0
     log: FailoverLog | None = None  # a failover log to save with the next commit
+    branches: FailoverLog | None = None  # the stream's failover log (names each seq's branch)
     ended: bool = False
 
     def reset_to(self, pos: StreamPosition) -> None:
@@ -147,7 +148,11 @@ class _Part:
         if end < upto:  # the marker holding upto ended at or below it
             start = end = upto
         self.marks = [m for m in self.marks if m[1] > upto]
-        return rows, StreamPosition(self.p, self.uuid, upto, start, end)
+        # The branch holding `upto`: after a rollback the stream goes on under the newest
+        # entry, and a position must name it, or a resume would be rolled back again.
+        entry = self.branches.entry_at(upto) if self.branches is not None else None
+        uuid = entry.uuid if entry is not None else self.uuid
+        return rows, StreamPosition(self.p, uuid, upto, start, end)
 
 
 class _Durability:
@@ -484,7 +489,7 @@ async def _round(
                     if catching_up and item.position.seq < st.applied.seq:
                         await restart_open_transaction()
                     st.reset_to(item.position)
-                    st.log = FailoverLog.sanitised(item.failover_log)
+                    st.log = st.branches = FailoverLog.sanitised(item.failover_log)
                 elif isinstance(item, Rollback):
                     if catching_up:
                         await restart_open_transaction()

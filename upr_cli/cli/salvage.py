@@ -1,0 +1,109 @@
+"""`upr salvage`: list, and with --apply write back, the writes a failover took back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from upr_cli.cli.options import JsonOutput
+from upr_cli.cli.output import print_json, stdout
+from upr_cli.errors import UsageError
+from upr_cli.jobs.salvage import LostItem, check_target, salvage_repo, salvage_store
+from upr_cli.jobs.tail import parse_partitions
+
+HELP = """Find the lost writes of a failover and write back those still safe to.
+
+A lost write is the newest version of a key above a rollback cut: a former master
+acknowledged it, the current history does not have it. --repo finds them in a backup
+repository (records above the cuts its chain recorded, and above the rollback point its
+newest backup would get from the master now); --store finds them in a replay store
+(the versions its rollbacks took back, and its documents above the rollback point).
+
+A lost write is safe to write back when the key has not changed on the master since
+the cut (the master's DCP stream from the cut does not name it); otherwise it is a
+conflict, shown with both versions and never written. The dry run (default) only
+lists; --apply writes the safe ones with a CAS guard (value, flags and expiry come
+back; the master assigns a new cas and seq).
+
+Exit status: 0 nothing lost or everything written, 1 conflicts or writes that failed
+remain, 2 error.
+
+Example (what could come back, without writing):
+
+  upr salvage --repo /backups/cb --to upr://admin@127.0.0.1:11210/default
+
+Example (write them back, from a replay store's mutation log):
+
+  upr salvage --store /tmp/bucket.db --to upr://admin@127.0.0.1/default --apply
+"""
+
+
+def register(app: typer.Typer) -> None:
+    """Add the command to the app."""
+    app.command("salvage", help=HELP, no_args_is_help=True)(salvage_cmd)
+
+
+def salvage_cmd(
+    to: Annotated[
+        str | None, typer.Option("--to", help="The current master: upr://…/bucket.")
+    ] = None,
+    repo: Annotated[Path | None, typer.Option("--repo", help="A backup repository.")] = None,
+    store: Annotated[Path | None, typer.Option("--store", help="A replay store.")] = None,
+    bucket: Annotated[
+        str | None, typer.Option("--bucket", help="The bucket in the repository (if several).")
+    ] = None,
+    apply: Annotated[
+        bool, typer.Option("--apply/--dry-run", help="Write the safe ones (default: list only).")
+    ] = False,
+    partitions: Annotated[
+        str | None, typer.Option("--partitions", help="Only these, e.g. 0-15,40.")
+    ] = None,
+    json_out: JsonOutput = False,
+) -> None:
+    """Salvage lost writes."""
+    if (repo is None) == (store is None):
+        raise UsageError("give exactly one of --repo DIR and --store PATH.db")
+    target = check_target(to)
+    parts = parse_partitions(partitions) if partitions else None
+    if repo is not None:
+        report = salvage_repo(repo, target, bucket=bucket, apply=apply, partitions=parts)
+    else:
+        assert store is not None
+        report = salvage_store(store, target, apply=apply, partitions=parts)
+    counts = report.counts
+    bad = counts.get("conflict", 0) + counts.get("error", 0)
+    code = 1 if bad or (not apply and counts.get("would-write", 0)) else 0
+    if json_out:
+        print_json(report.to_json())
+        raise typer.Exit(code)
+    if report.items:
+        table = Table(
+            title=f"lost writes in {report.source} ({'dry run' if report.dry_run else 'applied'})"
+        )
+        for col in ("partition", "key", "cut", "lost version", "outcome", "master version / why"):
+            table.add_column(col)
+        for it in report.items:
+            table.add_row(*_row(it))
+        stdout.print(table)
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no lost writes"
+    stdout.print(f"{len(report.items)} lost writes: {summary}", markup=False, highlight=False)
+    raise typer.Exit(code)
+
+
+def _short(v: bytes, n: int = 40) -> str:
+    text = v.decode(errors="replace")
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _row(it: LostItem) -> list[str]:
+    lost = "deleted" if it.lost.deleted else _short(it.lost.value)
+    lost = f"seq {it.lost.seq}: {lost}"
+    master = ""
+    if it.master is not None:
+        mv = "deleted" if it.master.deleted else _short(it.master.value)
+        master = f"seq {it.master.seq}: {mv}" if it.master.seq else mv
+    why = master or it.reason
+    return [str(it.partition), _short(it.key), str(it.cut), lost, it.outcome, why]

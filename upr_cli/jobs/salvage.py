@@ -1,0 +1,524 @@
+"""`upr salvage`: find the lost writes of a failover and write back those still safe to.
+
+Theory of operation (seed 000 "Replica C repairs master": writes a failover took back
+are not gone while some copy still holds them). A *lost write* is the newest version of
+a key, in some partition, above a rollback cut r: a former master acknowledged it, the
+current history does not have it.
+
+* **Where they come from.** From a repository: the records above each cut the chain
+  recorded (formats/repository.md "Chains", `lost_ranges`), plus the records above the
+  rollback point the chain's head would get from the current master now (producer
+  rule, dcp-wire §4.2), which covers a failover no backup has seen yet. From a replay
+  store: the versions its rollbacks took back (`lost_writes`, formats/store.md §3.5),
+  plus its documents above the rollback point the master would give it now.
+* **What is safe.** A lost write may go back only where the key has not changed on the
+  master since r. The master says what changed: a DCP stream of the partition from r
+  (on the master's branch at r) to its high seq names every key written or deleted
+  after r (tombstones included). Such a key is a **conflict**, reported with both
+  versions and never written. A partition the master cannot stream from r (its
+  tombstones were purged above r) makes all its lost writes conflicts.
+* **Writing.** `--apply` writes each safe one with a CAS guard, so a change made between
+  the check and the write turns it into a conflict instead of being overwritten: a GET
+  gives the key's cas, then SET (or DELETE) with that cas, or ADD when the key is
+  absent. The value, flags and expiry come back; the master assigns a new cas and seq.
+  The dry run (default) only lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from upr_cli.dcp.consumer import DcpConsumer
+from upr_cli.dcp.events import Rollback
+from upr_cli.dcp.position import StreamPosition
+from upr_cli.errors import UprError, UsageError
+from upr_cli.failover import FailoverLog, needs_rollback
+from upr_cli.net.bootstrap import connect
+from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.header import Opcode
+from upr_cli.protocol.messages import (
+    Add,
+    Delete,
+    FailoverLogResponse,
+    Get,
+    GetFailoverLog,
+    GetResponse,
+    Set,
+)
+from upr_cli.protocol.status import Status
+
+OP_MUTATION = 0x57
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    """One version of a key (a record or document): what salvage shows and writes."""
+
+    seq: int
+    deleted: bool
+    value: bytes
+    cas: int
+    rev_seq: int
+    flags: int
+    expiry: int
+    datatype: int
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form: the value as text when it is UTF-8, else base64."""
+        try:
+            value: dict[str, str] = {"value": self.value.decode()}
+        except UnicodeDecodeError:
+            value = {"value_b64": base64.b64encode(self.value).decode()}
+        return {
+            "seq": str(self.seq),
+            "deleted": self.deleted,
+            "cas": str(self.cas),
+            "rev_seq": str(self.rev_seq),
+            "flags": self.flags,
+            "expiry": self.expiry,
+            **value,
+        }
+
+
+@dataclass
+class LostItem:
+    """A lost write and what salvage made of it."""
+
+    partition: int
+    key: bytes
+    cut: int  # the rollback seq above which it was lost
+    lost: Version
+    origin: str  # "backup <id>", "head vs master", "store rollback", "store vs master"
+    outcome: str = "pending"  # would-write | written | conflict | already-gone | error
+    master: Version | None = None  # the master's version, for a conflict
+    reason: str = ""
+    store_ids: list[int] = field(default_factory=list)  # lost_writes rows, for --store
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        try:
+            key: dict[str, str] = {"key": self.key.decode()}
+        except UnicodeDecodeError:
+            key = {"key_b64": base64.b64encode(self.key).decode()}
+        return {
+            "partition": self.partition,
+            **key,
+            "cut": str(self.cut),
+            "origin": self.origin,
+            "outcome": self.outcome,
+            "reason": self.reason,
+            "lost": self.lost.to_json(),
+            "master": None if self.master is None else self.master.to_json(),
+        }
+
+
+@dataclass
+class SalvageReport:
+    """Every lost write found, and the counts per outcome."""
+
+    source: str
+    target: str
+    dry_run: bool
+    items: list[LostItem] = field(default_factory=list)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Lost writes per outcome."""
+        out: dict[str, int] = {}
+        for it in self.items:
+            out[it.outcome] = out.get(it.outcome, 0) + 1
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "source": self.source,
+            "target": self.target,
+            "dry_run": self.dry_run,
+            "lost_writes": len(self.items),
+            "counts": self.counts,
+            "items": [it.to_json() for it in self.items],
+        }
+
+
+def _version(rec: tuple[Any, ...]) -> Version:
+    """From a segment Record (op, seq, rev, cas, flags, exp, dtime, datatype, key, value)."""
+    op, seq, rev, cas, flags, exp, _dt, datatype, _key, value = rec
+    return Version(seq, op != OP_MUTATION, bytes(value), cas, rev, flags, exp, datatype)
+
+
+def _same(a: Version, b: Version) -> bool:
+    """The same content (a written-back version gets a new cas and seq)."""
+    if a.deleted or b.deleted:
+        return a.deleted == b.deleted
+    return (a.value, a.flags, a.expiry) == (b.value, b.flags, b.expiry)
+
+
+def _row_version(row: tuple[Any, ...]) -> Version:
+    """From a DCP row (ROW_FIELDS order)."""
+    return Version(
+        row[2], row[0] != OP_MUTATION, bytes(row[10]), row[4], row[3], row[5], row[6], row[8]
+    )
+
+
+# -- the master ----------------------------------------------------------------------------
+
+
+MasterState = tuple[dict[int, FailoverLog], dict[int, int], int]
+
+
+async def _master_logs(uri: SourceUri, partitions: list[int]) -> MasterState:
+    """The master's failover log and high seq per partition, and its partition count."""
+    s = await connect(uri, name="upr-salvage")
+    try:
+        conn = s.conn
+        futs = [
+            (
+                p,
+                conn.start_request(
+                    GetFailoverLog(
+                        opcode=Opcode.GET_FAILOVER_LOG, vbucket=p, opaque=conn.next_opaque()
+                    )
+                ),
+            )
+            for p in partitions
+        ]
+        stats = await conn.stats("vbucket-seqno")
+        logs = {}
+        for p, fut in futs:
+            resp = (await fut)[0]
+            if isinstance(resp, FailoverLogResponse):
+                logs[p] = FailoverLog.sanitised(resp.failover_log)
+        highs = {p: int(stats.get(f"vb_{p}:high_seqno", 0)) for p in partitions}
+        return logs, highs, s.num_partitions
+    finally:
+        await s.conn.aclose()
+
+
+def rollback_cut(master_log: FailoverLog, high: int, pos: StreamPosition) -> int | None:
+    """Where a holder at `pos` would be rolled back to by the master (None: no rollback)."""
+    d = needs_rollback(
+        master_log,
+        start=pos.seq,
+        uuid=pos.uuid,
+        snap_start=pos.snap_start,
+        snap_end=pos.snap_end,
+        high=high,
+    )
+    return d.rollback_seq if d.rollback else None
+
+
+async def _changed_since(
+    uri: SourceUri, cuts: dict[int, int], logs: dict[int, FailoverLog]
+) -> tuple[dict[int, dict[bytes, Version]], set[int]]:
+    """Per partition, the keys the master changed after the cut (newest version each);
+    and the partitions it cannot stream from the cut (everything there conflicts)."""
+    positions = {}
+    for p, r in cuts.items():
+        entry = logs[p].entry_at(r) if p in logs else None
+        positions[p] = StreamPosition(p, entry.uuid if entry else 0, r, r, r)
+    consumer = DcpConsumer(
+        uri, partitions=sorted(cuts), positions=positions, until_end=True, name="upr-salvage"
+    )
+    changed: dict[int, dict[bytes, Version]] = {p: {} for p in cuts}
+    unknown: set[int] = set()
+    await consumer.open()
+    try:
+        async for batch in consumer.batches():
+            for it in batch:
+                if type(it) is tuple:
+                    row: tuple[Any, ...] = it
+                    if row[1] not in unknown:
+                        changed[row[1]][bytes(row[9])] = _row_version(row)
+                elif isinstance(it, Rollback):
+                    unknown.add(it.partition)  # the master cannot say what changed after r
+            consumer.commit()
+    finally:
+        await consumer.aclose()
+    return changed, unknown
+
+
+async def _write_back(uri: SourceUri, items: list[LostItem], num_partitions: int) -> None:
+    """CAS-guarded writes of the safe items (module docstring)."""
+    s = await connect(uri, name="upr-salvage")
+    conn = s.conn
+    try:
+        for it in items:
+            got = await conn.request(
+                Get(vbucket=it.partition, key=it.key, opaque=conn.next_opaque()), check=False
+            )
+            present = got.status == Status.SUCCESS
+            if it.lost.deleted:
+                if not present:
+                    it.outcome, it.reason = "already-gone", "the master does not have the key"
+                    continue
+                msg: Any = Delete(
+                    vbucket=it.partition, key=it.key, cas=got.cas, opaque=conn.next_opaque()
+                )
+            elif present:
+                msg = Set(
+                    vbucket=it.partition,
+                    key=it.key,
+                    value=it.lost.value,
+                    flags=it.lost.flags,
+                    expiration=it.lost.expiry,
+                    cas=got.cas,
+                    datatype=it.lost.datatype,
+                    opaque=conn.next_opaque(),
+                )
+            else:
+                msg = Add(
+                    vbucket=it.partition,
+                    key=it.key,
+                    value=it.lost.value,
+                    flags=it.lost.flags,
+                    expiration=it.lost.expiry,
+                    datatype=it.lost.datatype,
+                    opaque=conn.next_opaque(),
+                )
+            resp = await conn.request(msg, check=False)
+            if resp.status == Status.SUCCESS:
+                it.outcome = "written"
+            elif resp.status in (Status.KEY_EEXISTS, Status.KEY_ENOENT):
+                it.outcome = "conflict"
+                it.reason = "the key changed on the master during the salvage"
+                if isinstance(got, GetResponse) and present:
+                    it.master = Version(
+                        0, False, bytes(got.value), got.cas, 0, got.flags, 0, got.datatype
+                    )
+            else:
+                it.outcome, it.reason = "error", f"status 0x{resp.status:02x}"
+    finally:
+        await conn.aclose()
+
+
+async def _resolve(
+    uri: SourceUri,
+    report: SalvageReport,
+    logs: dict[int, FailoverLog],
+    num_partitions: int,
+    apply: bool,
+) -> None:
+    """Decide each item against the master, then (apply) write the safe ones."""
+    items = report.items
+    cuts: dict[int, int] = {}
+    for it in items:
+        cuts[it.partition] = min(cuts.get(it.partition, it.cut), it.cut)
+    changed, unknown = await _changed_since(uri, cuts, logs) if cuts else ({}, set())
+    safe = []
+    for it in items:
+        newer = changed.get(it.partition, {}).get(it.key)
+        if it.partition in unknown:
+            it.outcome = "conflict"
+            it.reason = f"the master cannot stream partition {it.partition} from seq {it.cut}"
+        elif newer is not None and newer.seq > it.cut and _same(newer, it.lost):
+            it.outcome, it.master = "already-there", newer
+            it.reason = f"the master holds this version again (seq {newer.seq})"
+        elif newer is not None and newer.seq > it.cut:
+            it.outcome, it.master = "conflict", newer
+            it.reason = f"the key changed on the master at seq {newer.seq}, after the cut"
+        else:
+            it.outcome = "would-write"
+            safe.append(it)
+    if apply and safe:
+        await _write_back(uri, safe, num_partitions)
+
+
+def _newest(items: list[LostItem]) -> list[LostItem]:
+    """One item per (partition, key): the newest lost version, checked from the lowest cut
+    any of its findings had (every store row merged into it is marked together)."""
+    best: dict[tuple[int, bytes], LostItem] = {}
+    for it in items:
+        k = (it.partition, it.key)
+        cur = best.get(k)
+        if cur is None:
+            best[k] = it
+            continue
+        keep = it if it.lost.seq > cur.lost.seq else cur
+        keep.cut = min(cur.cut, it.cut)
+        keep.store_ids = sorted(set(cur.store_ids) | set(it.store_ids))
+        best[k] = keep
+    return sorted(best.values(), key=lambda it: (it.partition, it.lost.seq))
+
+
+# -- from a repository ---------------------------------------------------------------------
+
+
+def _repo_items(
+    repo_dir: Path, bucket: str | None, logs: dict[int, FailoverLog] | None, highs: dict[int, int]
+) -> tuple[list[LostItem], list[int]]:
+    """Lost writes a repository holds: above recorded cuts, and above the head's rollback
+    point against the master (`logs`/`highs`)."""
+    from upr_cli.jobs.inspect import open_bucket
+    from upr_cli.repo import lost_ranges, plan_state, resume_point
+    from upr_cli.segments import SegmentReader
+
+    repo, b, manifests = open_bucket(repo_dir, bucket)
+    held = sorted({e.partition for m in manifests for e in m.partitions})
+    items: list[LostItem] = []
+    for p in held:
+        for rng in lost_ranges(manifests, p):
+            m = next(m for m in manifests if m.backup_id == rng.backup_id)
+            entry = m.partition(p)
+            assert entry is not None
+            for seg in entry.segments:
+                if seg.last_seq <= rng.from_seq:
+                    continue
+                with SegmentReader(repo.segment_path(b, rng.backup_id, seg.file)) as reader:
+                    for rec in reader.records():
+                        if rng.from_seq < rec[1] <= rng.to_seq:
+                            items.append(
+                                LostItem(
+                                    p,
+                                    bytes(rec[8]),
+                                    rng.from_seq,
+                                    _version(rec),
+                                    f"backup {rng.backup_id}",
+                                )
+                            )
+        if logs is None or p not in logs:
+            continue
+        rp = resume_point(manifests, p)
+        if rp is None:
+            continue
+        pos = StreamPosition(p, rp.uuid, rp.seq, rp.snap_start, rp.snap_end)
+        r = rollback_cut(logs[p], highs.get(p, 0), pos)
+        if r is None or r >= rp.seq:
+            continue
+        latest: dict[bytes, tuple[Any, ...]] = {}
+        at = manifests[-1].backup_id
+        for step in plan_state(manifests, at=at, partition=p):
+            with SegmentReader(repo.segment_path(b, step.backup_id, step.segment.file)) as reader:
+                for rec in reader.records():
+                    if rec[1] > step.max_seq:
+                        break
+                    if rec[1] > r:
+                        latest[bytes(rec[8])] = rec
+        items += [LostItem(p, k, r, _version(rec), "head vs master") for k, rec in latest.items()]
+    return _newest(items), held
+
+
+def salvage_repo(
+    repo_dir: Path,
+    target: SourceUri,
+    *,
+    bucket: str | None = None,
+    apply: bool = False,
+    partitions: list[int] | None = None,
+) -> SalvageReport:
+    """Find a repository's lost writes and (apply) write back the safe ones to `target`."""
+    from upr_cli.jobs.inspect import open_bucket
+
+    _repo, _b, manifests = open_bucket(repo_dir, bucket)
+    held = sorted({e.partition for m in manifests for e in m.partitions})
+    if partitions is not None:
+        held = [p for p in held if p in set(partitions)]
+    report = SalvageReport(f"repo:{repo_dir}", target.redacted(), not apply)
+
+    async def go() -> None:
+        logs, highs, n = await _master_logs(target, held)
+        items, _ = _repo_items(repo_dir, bucket, logs, highs)
+        report.items = [it for it in items if it.partition in set(held)]
+        await _resolve(target, report, logs, n, apply)
+
+    asyncio.run(go())
+    return report
+
+
+# -- from a replay store ---------------------------------------------------------------------
+
+
+def salvage_store(
+    db_path: Path, target: SourceUri, *, apply: bool = False, partitions: list[int] | None = None
+) -> SalvageReport:
+    """Lost writes a replay store holds (its rollbacks' `lost_writes`, and its documents
+    above the rollback point the master would give it now); (apply) write back the safe
+    ones and mark them salvaged in the store."""
+    from upr_cli.store import Store
+
+    report = SalvageReport(f"sqlite:{db_path}", target.redacted(), not apply)
+    with Store(db_path, create=False) as store:
+        positions = store.positions()
+        wanted = sorted(positions if partitions is None else set(positions) & set(partitions))
+
+        async def go() -> None:
+            logs, highs, n = await _master_logs(target, wanted)
+            items: list[LostItem] = []
+            for w in store.lost_writes(wanted):
+                d = w.document
+                v = Version(
+                    d.seq,
+                    d.deleted,
+                    bytes(d.value),
+                    d.cas,
+                    d.rev_seq,
+                    d.flags,
+                    d.expiry,
+                    d.datatype,
+                )
+                items.append(
+                    LostItem(
+                        d.partition,
+                        bytes(d.key),
+                        w.rolled_back_to,
+                        v,
+                        "store rollback",
+                        store_ids=[w.id],
+                    )
+                )
+            for p in wanted:
+                if p not in logs:
+                    continue
+                r = rollback_cut(logs[p], highs.get(p, 0), positions[p])
+                if r is None:
+                    continue
+                for d in store.documents_above(p, r):
+                    v = Version(
+                        d.seq,
+                        d.deleted,
+                        bytes(d.value),
+                        d.cas,
+                        d.rev_seq,
+                        d.flags,
+                        d.expiry,
+                        d.datatype,
+                    )
+                    items.append(LostItem(p, bytes(d.key), r, v, "store vs master"))
+            report.items = _newest(items)
+            await _resolve(target, report, logs, n, apply)
+
+        asyncio.run(go())
+        if apply:
+            store.mark_salvaged(
+                i
+                for it in report.items
+                if it.outcome in ("written", "already-gone", "already-there")
+                for i in it.store_ids
+            )
+    return report
+
+
+def check_target(to: str | None) -> SourceUri:
+    """The --to URI, required."""
+    if not to:
+        raise UsageError("--to upr://… (the current master) is required")
+    try:
+        return SourceUri.parse(to)
+    except UprError:
+        raise
+    except ValueError as exc:
+        raise UsageError(f"--to: {exc}") from None
+
+
+__all__ = [
+    "LostItem",
+    "SalvageReport",
+    "Version",
+    "check_target",
+    "salvage_repo",
+    "salvage_store",
+]
