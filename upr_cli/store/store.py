@@ -99,6 +99,10 @@ INSERT OR REPLACE INTO documents ({_DOC_COLUMNS}) VALUES (
 )
 """
 
+# A row whose key has no document yet: inserted; any other: ignored (then logged and
+# written by `_UPSERT_ROW`).
+_INSERT_NEW = _UPSERT_ROW.replace("INSERT OR REPLACE", "INSERT OR IGNORE", 1)
+
 _PREV_COLUMNS = (
     "prev_seq, prev_rev_seq, prev_cas, prev_flags, prev_expiry, prev_delete_time,"
     " prev_datatype, prev_deleted, prev_value"
@@ -188,6 +192,25 @@ def _i64_rows(rows: Sequence[Row]) -> list[Row]:
         else (r[0], r[1], conv(r[2]), conv(r[3]), conv(r[4]), *r[5:])
         for r in rows
     ]  # fmt: skip
+
+
+def _not_inserted(db: sqlite3.Connection, partition: int, rows: Sequence[Row]) -> list[Row]:
+    """The rows `_INSERT_NEW` ignored: their key's stored seq is not theirs (a stored row
+    is always below every row being applied, so an inserted row is one whose seq is)."""
+    stored: dict[bytes, int] = {}
+    keys = [bytes(r[9]) for r in rows]
+    for i in range(0, len(keys), 500):
+        chunk = keys[i : i + 500]
+        stored.update(
+            db.execute(
+                "SELECT key, seq FROM documents WHERE partition = ? AND key IN"
+                f" ({','.join('?' * len(chunk))})",
+                [partition, *chunk],
+            ).fetchall()
+        )
+    m = _I64_MAX  # rows may come already converted to i64 (`_i64_retry`)
+    return [r for r, k in zip(rows, keys, strict=True)
+            if stored.get(k) != (r[2] - _TWO64 if r[2] > m else r[2])]  # fmt: skip
 
 
 def _unique_key_runs(rows: Sequence[Row]) -> list[Sequence[Row]]:
@@ -578,8 +601,20 @@ class Store:
             def work(rows: Sequence[Row]) -> int:
                 if unlogged:
                     db.executemany(_UPSERT_ROW, rows[:unlogged])
+                rest = rows[unlogged:]
+                if not rest:
+                    return 0
+                # Keys new to the store need no entry: insert those first, in C. If every
+                # row was inserted, that is all (a first replay, a backfill of new keys).
+                before = db.total_changes
+                db.executemany(_INSERT_NEW, rest)
+                if db.total_changes - before == len(rest):
+                    return 0
+                # The others replace a row: log it, then write (in order, so a key changed
+                # twice in the batch logs its first change's row for the second).
+                replacing = _not_inserted(db, partition, rest)
                 logged = 0
-                for run in _unique_key_runs(rows[unlogged:]) if unlogged < len(rows) else ():
+                for run in _unique_key_runs(replacing):
                     logged += _log_previous(db, run)
                     db.executemany(_UPSERT_ROW, run)
                 return logged
