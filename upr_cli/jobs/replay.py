@@ -129,7 +129,9 @@ class _Part:
         begins with a new snapshot marker, so older markers no longer describe it."""
         del self.rows[bisect_right(self.rows, pos.seq, key=_seq_of) :]
         self.uuid = pos.uuid
-        self.received = pos.seq
+        # A reconnect restarts from the consumer's committed position, which may trail a
+        # store write still in flight: rows up to what the store has are dropped again.
+        self.received = max(pos.seq, self.applied.seq)
         self.complete = min(self.complete, pos.seq)
         self.marks = []
         self.ended = False
