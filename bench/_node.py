@@ -63,3 +63,23 @@ class BenchNode:
         """SIGTERM and wait."""
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=600)
+
+
+def bare_executemany(rows: list[tuple[object, ...]], db: Path) -> float:
+    """rows/s of ONE bare executemany of `documents` rows (formats/store.md column order)
+    into a new store's schema, in one transaction: the reference the store is held to."""
+    import time
+
+    from upr_cli.store import Store
+
+    with Store(db) as s:
+        conn = s.db.conn
+        t = time.perf_counter()
+        conn.execute("BEGIN")
+        conn.executemany(
+            "INSERT INTO documents (partition, key, seq, rev_seq, cas, flags, expiry,"
+            " delete_time, datatype, deleted, value) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            rows,
+        )
+        conn.execute("COMMIT")
+        return len(rows) / (time.perf_counter() - t)

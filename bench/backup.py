@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _node import BenchNode
+from _node import BenchNode, bare_executemany
 
 TARGET_ITEMS = 100_000
 TARGET_RSS_MB = 300
@@ -97,7 +97,6 @@ def bare_insert_rate(repo: Path, tmp: Path) -> tuple[float, int]:
     """items/s of one bare executemany of the restored rows into the store's schema."""
     from upr_cli.jobs.state import select, state_at
     from upr_cli.repo import Repository
-    from upr_cli.store import Store
 
     r = Repository(repo)
     manifests = r.manifests("default")
@@ -120,18 +119,7 @@ def bare_insert_rate(repo: Path, tmp: Path) -> tuple[float, int]:
                     value,
                 )
             )
-    with Store(tmp / "bare.db") as s:
-        cols = (
-            "partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype, "
-            "deleted, value"
-        )
-        conn = s.db.conn
-        t = time.perf_counter()
-        conn.execute("BEGIN")
-        conn.executemany(f"INSERT INTO documents ({cols}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
-        conn.execute("COMMIT")
-        secs = time.perf_counter() - t
-    return len(rows) / secs, len(rows)
+    return bare_executemany(rows, tmp / "bare.db"), len(rows)
 
 
 def main() -> None:

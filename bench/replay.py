@@ -17,13 +17,12 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _node import BenchNode
+from _node import BenchNode, bare_executemany
 from backup import run_measured
 
 SHARE_TARGET = 0.60
@@ -43,18 +42,7 @@ def bare_rate(store: Path, scratch: Path) -> tuple[float, int]:
             "SELECT partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype,"
             " deleted, value FROM documents"
         ).fetchall()
-    with Store(scratch) as s:
-        conn = s.db.conn
-        t = time.perf_counter()
-        conn.execute("BEGIN")
-        conn.executemany(
-            "INSERT INTO documents (partition, key, seq, rev_seq, cas, flags, expiry,"
-            " delete_time, datatype, deleted, value) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            rows,
-        )
-        conn.execute("COMMIT")
-        secs = time.perf_counter() - t
-    return len(rows) / secs, len(rows)
+    return bare_executemany(rows, scratch), len(rows)
 
 
 def main() -> None:

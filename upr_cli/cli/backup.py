@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from upr_cli.cli.options import JsonOutput
-from upr_cli.cli.output import print_json, stderr, stdout
+from upr_cli.cli.output import PartitionProgress, print_json, stderr, stdout
 from upr_cli.jobs.backup import backup
 from upr_cli.jobs.backup_stream import StreamStats
 from upr_cli.jobs.tail import parse_partitions
@@ -57,31 +56,10 @@ def backup_cmd(
     """Back up a bucket."""
     source = SourceUri.parse(uri)
     show = sys.stderr.isatty() and not no_progress
-    with Progress(
-        TextColumn("backup"),
-        BarColumn(),
-        TextColumn("{task.fields[parts]} partitions"),
-        TextColumn("{task.fields[items]} items"),
-        TextColumn("{task.fields[rate]}"),
-        TimeElapsedColumn(),
-        console=stderr,
-        disable=not show,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("backup", total=None, parts="", items="0", rate="")
+    with PartitionProgress("backup", "partitions", show=show) as bar:
 
         def tick(s: StreamStats) -> None:
-            import time
-
-            secs = max(time.monotonic() - s.started, 1e-6)
-            bar.update(
-                task,
-                total=s.partitions or None,
-                completed=s.partitions_done,
-                parts=f"{s.partitions_done}/{s.partitions}",
-                items=f"{s.items:,}",
-                rate=f"{s.items / secs:,.0f}/s",
-            )
+            bar.update(s.partitions_done, s.partitions, s.items, "items", s.started)
 
         summary = asyncio.run(
             backup(

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from upr_cli.cli.options import JsonOutput
-from upr_cli.cli.output import print_json, stderr, stdout
+from upr_cli.cli.output import PartitionProgress, print_json, stderr, stdout
 from upr_cli.errors import UsageError
 from upr_cli.jobs.replay import ReplayStats, check_options, replay_node, replay_repo
 from upr_cli.jobs.tail import parse_partitions
@@ -99,29 +97,10 @@ def replay_cmd(
     def event(message: str) -> None:
         stderr.print(message, markup=False, highlight=False)
 
-    with Progress(
-        TextColumn("replay"),
-        BarColumn(),
-        TextColumn("{task.fields[parts]}"),
-        TextColumn("{task.fields[items]} applied"),
-        TextColumn("{task.fields[rate]}"),
-        TimeElapsedColumn(),
-        console=stderr,
-        disable=not show,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("replay", total=None, parts="", items="0", rate="")
+    with PartitionProgress("replay", "caught up", show=show) as bar:
 
         def tick(s: ReplayStats) -> None:
-            secs = max(time.monotonic() - s.started, 1e-6)
-            bar.update(
-                task,
-                total=s.partitions or None,
-                completed=s.partitions_caught_up,
-                parts=f"{s.partitions_caught_up}/{s.partitions} caught up",
-                items=f"{s.applied:,}",
-                rate=f"{s.applied / secs:,.0f}/s",
-            )
+            bar.update(s.partitions_caught_up, s.partitions, s.applied, "applied", s.started)
 
         if source.startswith("repo:"):
             spec = source[5:]

@@ -624,6 +624,7 @@ def replay_repo(
             store.apply_many(work)
             stats.applied += sum(len(w[1]) for w in work)
             stats.commits += 1
+            stats.partitions_caught_up += len(work)
             work.clear()
             if on_progress is not None:
                 on_progress(stats)

@@ -18,6 +18,7 @@ from upr_cli.failover import (
     parse_uuid,
     rollback_point,
 )
+from upr_cli.net.uri import SourceUri
 
 
 def load_log(spec: str, what: str, max_entries: int = MAX_ENTRIES) -> FailoverLog:
@@ -117,27 +118,24 @@ class SourceState:
     known_seq: bool = True  # False: a JSON file gave only the log
 
 
-async def _node_logs(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:
+async def node_states(
+    uri: SourceUri, partitions: list[int] | None
+) -> tuple[dict[int, SourceState], int]:
+    """Each partition's failover log (GET_FAILOVER_LOG, pipelined) and high seq (STAT
+    vbucket-seqno) from a live node, and the node's partition count."""
     from upr_cli.net.bootstrap import connect
-    from upr_cli.net.uri import SourceUri
     from upr_cli.protocol.header import Opcode
     from upr_cli.protocol.messages import FailoverLogResponse, GetFailoverLog
 
-    s = await connect(SourceUri.parse(spec), name="upr-rollback-point")
+    s = await connect(uri, name="upr-failover-logs")
     try:
         conn = s.conn
         wanted = partitions if partitions is not None else list(range(s.num_partitions))
         futs = [
-            (
-                p,
-                conn.start_request(
-                    GetFailoverLog(
-                        opcode=Opcode.GET_FAILOVER_LOG, vbucket=p, opaque=conn.next_opaque()
-                    )
-                ),
-            )
+            (p, conn.start_request(GetFailoverLog(opcode=Opcode.GET_FAILOVER_LOG, vbucket=p,
+                                                  opaque=conn.next_opaque())))
             for p in wanted
-        ]
+        ]  # fmt: skip
         stats = await conn.stats("vbucket-seqno")
         out = {}
         for p, fut in futs:
@@ -145,9 +143,13 @@ async def _node_logs(spec: str, partitions: list[int] | None) -> dict[int, Sourc
             if isinstance(resp, FailoverLogResponse):
                 high = int(stats.get(f"vb_{p}:high_seqno", 0))
                 out[p] = SourceState(FailoverLog.sanitised(resp.failover_log), high, high)
-        return out
+        return out, s.num_partitions
     finally:
         await s.conn.aclose()
+
+
+async def _node_logs(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:
+    return (await node_states(SourceUri.parse(spec), partitions))[0]
 
 
 def _repo_states(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:

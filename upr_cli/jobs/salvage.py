@@ -37,19 +37,18 @@ from upr_cli.dcp.events import Rollback
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, needs_rollback
+from upr_cli.jobs.rollback_point import node_states
 from upr_cli.net.bootstrap import connect
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol.header import Opcode
 from upr_cli.protocol.messages import (
     Add,
     Delete,
-    FailoverLogResponse,
     Get,
-    GetFailoverLog,
     GetResponse,
     Set,
 )
 from upr_cli.protocol.status import Status
+from upr_cli.store import Document
 
 OP_MUTATION = 0x57
 
@@ -66,6 +65,12 @@ class Version:
     flags: int
     expiry: int
     datatype: int
+
+    @classmethod
+    def of(cls, d: Document) -> Version:
+        """A stored document's version."""
+        return cls(d.seq, d.deleted, bytes(d.value), d.cas, d.rev_seq, d.flags, d.expiry,
+                   d.datatype)  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         """JSON form: the value as text when it is UTF-8, else base64."""
@@ -168,35 +173,12 @@ def _row_version(row: tuple[Any, ...]) -> Version:
 # -- the master ----------------------------------------------------------------------------
 
 
-MasterState = tuple[dict[int, FailoverLog], dict[int, int], int]
-
-
-async def _master_logs(uri: SourceUri, partitions: list[int]) -> MasterState:
+async def _master_logs(
+    uri: SourceUri, partitions: list[int]
+) -> tuple[dict[int, FailoverLog], dict[int, int], int]:
     """The master's failover log and high seq per partition, and its partition count."""
-    s = await connect(uri, name="upr-salvage")
-    try:
-        conn = s.conn
-        futs = [
-            (
-                p,
-                conn.start_request(
-                    GetFailoverLog(
-                        opcode=Opcode.GET_FAILOVER_LOG, vbucket=p, opaque=conn.next_opaque()
-                    )
-                ),
-            )
-            for p in partitions
-        ]
-        stats = await conn.stats("vbucket-seqno")
-        logs = {}
-        for p, fut in futs:
-            resp = (await fut)[0]
-            if isinstance(resp, FailoverLogResponse):
-                logs[p] = FailoverLog.sanitised(resp.failover_log)
-        highs = {p: int(stats.get(f"vb_{p}:high_seqno", 0)) for p in partitions}
-        return logs, highs, s.num_partitions
-    finally:
-        await s.conn.aclose()
+    states, n = await node_states(uri, partitions)
+    return {p: st.log for p, st in states.items()}, {p: st.seen_seq for p, st in states.items()}, n
 
 
 def rollback_cut(master_log: FailoverLog, high: int, pos: StreamPosition) -> int | None:
@@ -450,26 +432,9 @@ def salvage_store(
             items: list[LostItem] = []
             for w in store.lost_writes(wanted):
                 d = w.document
-                v = Version(
-                    d.seq,
-                    d.deleted,
-                    bytes(d.value),
-                    d.cas,
-                    d.rev_seq,
-                    d.flags,
-                    d.expiry,
-                    d.datatype,
-                )
-                items.append(
-                    LostItem(
-                        d.partition,
-                        bytes(d.key),
-                        w.rolled_back_to,
-                        v,
-                        "store rollback",
-                        store_ids=[w.id],
-                    )
-                )
+                item = LostItem(d.partition, bytes(d.key), w.rolled_back_to, Version.of(d),
+                                "store rollback", store_ids=[w.id])  # fmt: skip
+                items.append(item)
             for p in wanted:
                 if p not in logs:
                     continue
@@ -477,17 +442,7 @@ def salvage_store(
                 if r is None:
                     continue
                 for d in store.documents_above(p, r):
-                    v = Version(
-                        d.seq,
-                        d.deleted,
-                        bytes(d.value),
-                        d.cas,
-                        d.rev_seq,
-                        d.flags,
-                        d.expiry,
-                        d.datatype,
-                    )
-                    items.append(LostItem(p, bytes(d.key), r, v, "store vs master"))
+                    items.append(LostItem(p, bytes(d.key), r, Version.of(d), "store vs master"))
             report.items = _newest(items)
             await _resolve(target, report, logs, n, apply)
 
