@@ -53,6 +53,14 @@ from upr_cli.store import Document
 OP_MUTATION = 0x57
 
 
+def _text_or_b64(name: str, data: bytes) -> dict[str, str]:
+    """{name: text} when `data` is UTF-8, else {name_b64: base64} (STYLE 8)."""
+    try:
+        return {name: data.decode()}
+    except UnicodeDecodeError:
+        return {f"{name}_b64": base64.b64encode(data).decode()}
+
+
 @dataclass(frozen=True, slots=True)
 class Version:
     """One version of a key (a record or document): what salvage shows and writes."""
@@ -74,10 +82,7 @@ class Version:
 
     def to_json(self) -> dict[str, Any]:
         """JSON form: the value as text when it is UTF-8, else base64."""
-        try:
-            value: dict[str, str] = {"value": self.value.decode()}
-        except UnicodeDecodeError:
-            value = {"value_b64": base64.b64encode(self.value).decode()}
+        value = _text_or_b64("value", self.value)
         return {
             "seq": str(self.seq),
             "deleted": self.deleted,
@@ -105,10 +110,7 @@ class LostItem:
 
     def to_json(self) -> dict[str, Any]:
         """JSON form."""
-        try:
-            key: dict[str, str] = {"key": self.key.decode()}
-        except UnicodeDecodeError:
-            key = {"key_b64": base64.b64encode(self.key).decode()}
+        key = _text_or_b64("key", self.key)
         return {
             "partition": self.partition,
             **key,
