@@ -265,3 +265,18 @@ def test_diff_and_salvage_after_a_sigkill(node_factory: type[Node], tmp_path: Pa
 
 def _lost_in_store(db: Path, persisted: dict[int, int]) -> dict[tuple[int, bytes], tuple]:  # type: ignore[type-arg]
     return {k: v for k, v in store_rows(db).items() if v[0] > persisted[k[0]]}
+
+
+def test_a_snapshot_larger_than_max_pending_commits_inside_it(
+    node_factory: type[Node], tmp_path: Path
+) -> None:
+    from upr_cli.jobs.replay import replay_node
+    from upr_cli.net.uri import SourceUri
+
+    node = node_factory("--flush-interval", "0.02", partitions=1).start()
+    upr("load", node.uri, "--docs", "3000")
+    wait_persisted(node.uri)  # one partition: its backfill is ONE snapshot of 3000 rows
+    db = tmp_path / "m.db"
+    stats = run(replay_node(SourceUri.parse(node.uri), db, max_pending=500))
+    assert stats.commits >= 3  # memory held at most ~max_pending rows at a time
+    assert store_rows(db) == node_rows(node.uri)

@@ -80,6 +80,15 @@ def replay_cmd(
             help="Mutation-log entries kept per partition (how far a rollback reaches).",
         ),
     ] = DEFAULT_UNDO_WINDOW,
+    max_pending: Annotated[
+        int,
+        typer.Option(
+            "--max-pending",
+            min=1,
+            metavar="N",
+            help="Uncommitted changes a partition may hold (bounds memory).",
+        ),
+    ] = 262_144,
     partitions: Annotated[
         str | None, typer.Option("--partitions", help="Only these, e.g. 0-15,40.")
     ] = None,
@@ -128,6 +137,7 @@ def replay_cmd(
                     consistent=consistent,
                     durable_only=durable_only,
                     undo_window=undo_window,
+                    max_pending=max_pending,
                     on_progress=tick,
                     on_event=event,
                 )
