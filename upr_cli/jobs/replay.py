@@ -646,7 +646,7 @@ def replay_repo(
         return sorted(state.values(), key=lambda r: r[1])
 
     work: list[tuple[int, list[Row], StreamPosition, FailoverLog | None]] = []
-    held = [0]  # rows in `work`
+    queued = [0]  # rows in `work`
     with Store(db_path, undo_window=undo_window, source=stats.source) as store, rare_gc():
 
         def flush() -> None:
@@ -655,7 +655,7 @@ def replay_repo(
             stats.commits += 1
             stats.partitions_caught_up += len(work)
             work.clear()
-            held[0] = 0
+            queued[0] = 0
             if on_progress is not None:
                 on_progress(stats)
 
@@ -702,8 +702,8 @@ def replay_repo(
             if position.seq < base:  # nothing newer in the backup than the store holds
                 continue
             work.append((p, rows, position, rp.failover_log))
-            held[0] += len(rows)
-            if held[0] >= _REPO_BATCH_ROWS:
+            queued[0] += len(rows)
+            if queued[0] >= _REPO_BATCH_ROWS:
                 flush()
         if work:
             flush()
