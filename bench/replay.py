@@ -5,7 +5,8 @@ they are persisted, then replays the node into a new store (`upr replay upr://�
 backup of it (`upr replay repo:…`), each in its own process, and inserts the same rows
 (read back from the store) into the same schema with one bare `executemany` in one
 transaction, in this process, in the order a replay applies them (partition, then seq;
-the target) and in primary-key order (SQLite's best case, printed beside it). Target:
+the target) and in primary-key order (printed beside it), each the best of two runs.
+Target:
 replay ≥ 60% of the bare rate.
 
 Usage: python bench/replay.py [--docs 1000000]
@@ -38,7 +39,7 @@ def upr(*args: str) -> list[str]:
 def bare_rates(store: Path, scratch: Path) -> tuple[float, float, int]:
     """rows/s of one bare executemany of the store's rows into a new store's schema, in
     one transaction: in the order a replay applies them (partition, then seq), and in
-    primary-key order (SQLite's best case: every insert appends)."""
+    primary-key order."""
     from upr_cli.store import Store
 
     with Store(store, create=False) as s:
@@ -46,9 +47,12 @@ def bare_rates(store: Path, scratch: Path) -> tuple[float, float, int]:
             "SELECT partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype,"
             " deleted, value FROM documents ORDER BY partition, seq"
         ).fetchall()
-    in_order = bare_executemany(rows, scratch / "bare-seq.db")
+    # best of two runs each: disk speed on this machine varies by 2x between runs, and
+    # the faster reference is the stricter one
+    in_order = max(bare_executemany(rows, scratch / f"bare-seq{i}.db") for i in range(2))
     rows.sort(key=lambda r: (r[0], r[1]))
-    return in_order, bare_executemany(rows, scratch / "bare-key.db"), len(rows)
+    by_key = max(bare_executemany(rows, scratch / f"bare-key{i}.db") for i in range(2))
+    return in_order, by_key, len(rows)
 
 
 def main() -> None:
@@ -79,7 +83,7 @@ def main() -> None:
     print(f"node with {args.docs:,} operations (1024 partitions), {rows:,} documents, persisted")
     print(
         f"  bare executemany, one transaction: {bare:,.0f} rows/s in replay order (partition,"
-        f" seq); {bare_sorted:,.0f} rows/s in key order (SQLite's best case)"
+        f" seq); {bare_sorted:,.0f} rows/s in key order"
     )
     print(
         f"  replay from the node:       {live['applied']:,} items in {live['seconds']:.2f}s = "
