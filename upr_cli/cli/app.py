@@ -29,6 +29,7 @@ from upr_cli.cli import (
     rollback_point,
     salvage,
     serve,
+    spark,
     tail,
 )
 from upr_cli.cli.output import error_line
@@ -75,6 +76,7 @@ examine.register(app)
 replay.register(app)
 diff.register(app)
 salvage.register(app)
+spark.register(app)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,159 @@
+"""The `upr` Spark data source and `upr spark export` in Spark local mode, on a real
+repository holding a failover's lost writes (formats/spark.md)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.dataset as ds
+import pytest
+
+from tests.e2e.conftest import Node, upr
+from tests.e2e.e2e_helpers import wait_persisted
+from upr_cli.repo import Repository, lost_ranges
+from upr_cli.segments import SegmentReader
+from upr_cli.spark.plan import SparkOptionError, parse_options
+from upr_cli.store import Store
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::ResourceWarning")
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    from upr_cli.spark.jobs import session
+
+    s = session("local[2]", {"spark.sql.shuffle.partitions": "4"}, app="upr-tests")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Three backups: full, one holding writes a SIGKILL then lost, one after the crash."""
+    base = tmp_path_factory.mktemp("spark")
+    node = Node(base / "node", "--flush-interval", "0.02", partitions=8)
+    node.start()
+    try:
+        r = base / "repo"
+        upr("load", node.uri, "--docs", "1500", "--update-ratio", "0.3", "--delete-ratio", "0.1")
+        wait_persisted(node.uri)
+        upr("backup", node.uri, "--repo", str(r))
+        node.stop()
+        node.start("--flush-interval", "3600")
+        upr("load", node.uri, "--docs", "300", "--update-ratio", "0.5", "--seed", "2")
+        upr("backup", node.uri, "--repo", str(r))
+        node.kill()
+        node.start("--flush-interval", "0.02")
+        upr("load", node.uri, "--docs", "200", "--update-ratio", "0.5", "--seed", "3",
+            "--prefix", "after")  # fmt: skip
+        wait_persisted(node.uri)
+        upr("backup", node.uri, "--repo", str(r))
+        yield r
+    finally:
+        if node.alive():
+            node.kill()
+
+
+def _store_rows(db: Path) -> set[tuple[Any, ...]]:
+    with Store(db, create=False) as s:
+        t = 1 << 64
+        return {
+            (d.partition, d.key, d.seq, d.rev_seq - t if d.rev_seq >= 1 << 63 else d.rev_seq,
+             d.cas - t if d.cas >= 1 << 63 else d.cas, d.flags, d.expiry, d.value)
+            for d in s.documents(include_deleted=False)
+        }  # fmt: skip
+
+
+def test_export_of_the_state_equals_restore_to_sqlite(
+    spark: Any, repo: Path, tmp_path: Path
+) -> None:
+    from upr_cli.spark.jobs import export
+
+    ids = [str(m.backup_id) for m in Repository(repo).manifests("default")]
+    for at in (ids[1], "latest"):  # before the crash (lost writes included), and after
+        out = tmp_path / f"state-{at}"
+        summary = export(spark, repo, out, at=at)
+        table = ds.dataset(out, format="parquet", partitioning="hive").to_table()
+        got = {
+            (p, bytes(k), s, r, c, f, e, bytes(v))
+            for p, k, s, r, c, f, e, v in zip(*(table.column(n).to_pylist() for n in (
+                "partition", "key", "seq", "rev_seq", "cas", "flags", "expiry", "value")),
+                strict=True)
+        }  # fmt: skip
+        db = tmp_path / f"restored-{at}.db"
+        upr("restore", "--repo", str(repo), "--at", at, f"sqlite:{db}")
+        want = _store_rows(db)
+        assert got == want and summary.rows == len(want) > 500
+        assert not table.column("deleted").to_pylist().count(True)
+
+
+def test_history_counts_equal_the_repository_and_flag_lost_writes(spark: Any, repo: Path) -> None:
+    r = Repository(repo)
+    manifests = r.manifests("default")
+    df = spark.read.format("upr").option("view", "history").load(str(repo))
+    per_backup = {
+        row["backup_id"]: row["count"] for row in df.groupBy("backup_id").count().collect()
+    }
+    assert per_backup == {
+        str(m.backup_id): sum(s.records for e in m.partitions for s in e.segments)
+        for m in manifests if any(e.segments for e in m.partitions)
+    }  # fmt: skip
+    lost = 0
+    for e in manifests[1].partitions:
+        for rng in lost_ranges(manifests, e.partition):
+            for seg in e.segments:
+                path = r.segment_path("default", rng.backup_id, seg.file)
+                if rng.backup_id == manifests[1].backup_id:
+                    with SegmentReader(path) as reader:
+                        lost += sum(1 for rec in reader.records() if rec[1] > rng.from_seq)
+    assert lost > 0
+    assert df.filter("lost").count() == lost
+    assert df.filter("lost").select("backup_id").distinct().collect()[0][0] == str(
+        manifests[1].backup_id
+    )
+    # the state view at the newest backup holds none of the lost versions
+    state = spark.read.format("upr").load(str(repo))
+    lost_rows = df.filter("lost").select("partition", "key", "seq")
+    assert state.join(lost_rows, ["partition", "key", "seq"]).count() == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"view": "sideways"}, "option view: 'sideways' is not one of state, history"),
+        ({"at": "20990101T000000.000000Z"}, "option at: no committed backup"),
+        ({"path": "/no/such/repo"}, "option path: /no/such/repo: not a upr repository"),
+        ({"partitions": "9-1"}, "option partitions:"),
+    ],
+)
+def test_bad_options_fail_with_one_clear_message(
+    spark: Any, repo: Path, options: dict[str, str], message: str
+) -> None:
+    from upr_cli.spark.jobs import spark_error
+
+    opts = {"path": str(repo)} | options
+    with pytest.raises(SparkOptionError, match="option"):
+        parse_options(opts)  # the same check, without Spark
+    with pytest.raises(Exception) as info:
+        spark.read.format("upr").options(**opts).load().count()
+    assert str(spark_error(info.value)).startswith(message)
+
+
+def test_upr_spark_export_cli(repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "json"
+    proc = upr("spark", "export", "--repo", str(repo), "--to", str(out), "--format", "json",
+               "--master", "local[1]", "--json", timeout=300)  # fmt: skip
+    summary = json.loads(proc.stdout)
+    assert summary["format"] == "json" and summary["rows"] > 500
+    assert sorted(p.name for p in out.glob("partition=*")) == [f"partition={i}" for i in range(8)]
+    again = upr("spark", "export", "--repo", str(repo), "--to", str(out), check=False)
+    assert again.returncode == 2 and "exists; give --overwrite" in again.stderr
+    bad = upr("spark", "export", "--repo", str(repo), "--to", str(tmp_path / "x"), "--at",
+              "nope", check=False)  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "upr: error: option at: no committed backup 'nope' (see `upr info`)"
+    )

@@ -1,0 +1,148 @@
+"""Planning a repository read for Spark (formats/spark.md §2-3): options, units, groups.
+
+Pure functions of the options and the manifests (no segment is opened, no pyspark
+import), so the driver plans cheaply and the plan is tested without a JVM. A `Group`
+is what one Spark task reads; it is small and picklable (paths, ids, seq cuts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from upr_cli.errors import UprError, UsageError
+from upr_cli.repo import NO_CUT, BackupId, Manifest, Repository, cut, plan_state
+
+VIEWS = ("state", "history")
+DEFAULT_PARTITIONS = 16
+
+
+class SparkOptionError(UsageError):
+    """A data-source option is wrong; the message names the option."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOptions:
+    """The parsed options of a batch read."""
+
+    repo: Path
+    bucket: str
+    at: str  # the resolved backup id
+    view: str
+    partitions: tuple[int, ...]  # vbuckets to read
+    num_partitions: int
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Records of one segment file with seq ≤ `max_seq` (state) or all of them, those
+    above `cut` flagged lost (history)."""
+
+    partition: int
+    backup_id: str
+    path: str
+    max_seq: int
+    cut: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One Spark task: pieces, and in `state` the vbuckets they make up (whole ones)."""
+
+    view: str
+    pieces: tuple[Piece, ...]
+
+    @property
+    def bytes(self) -> int:
+        """Compressed bytes this task reads."""
+        return sum(p.bytes for p in self.pieces)
+
+
+def _opt(options: Mapping[str, str], name: str) -> str | None:
+    for k, v in options.items():  # Spark's options are case-insensitive
+        if k.lower() == name.lower():
+            return v
+    return None
+
+
+def parse_options(options: Mapping[str, str]) -> tuple[ReadOptions, list[Manifest]]:
+    """Check the options against the repository; returns them and the bucket's manifests.
+
+    Every problem is a `SparkOptionError` naming the option (one line).
+    """
+    from upr_cli.jobs.inspect import open_bucket
+    from upr_cli.jobs.state import select
+    from upr_cli.jobs.tail import parse_partitions
+
+    path = _opt(options, "path") or _opt(options, "repo")
+    if not path:
+        raise SparkOptionError("option path: give the repository, as load(DIR) or repo")
+    view = (_opt(options, "view") or "state").lower()
+    if view not in VIEWS:
+        raise SparkOptionError(f"option view: {view!r} is not one of {', '.join(VIEWS)}")
+    try:
+        repo, bucket, manifests = open_bucket(Path(path), _opt(options, "bucket"))
+    except UprError as exc:
+        raise SparkOptionError(f"option path: {exc}") from None
+    at = _opt(options, "at") or "latest"
+    want = None
+    spec = _opt(options, "partitions")
+    if spec:
+        try:
+            want = parse_partitions(spec)
+        except UprError as exc:
+            raise SparkOptionError(f"option partitions: {exc}") from None
+    try:
+        sel = select(manifests, at, want)
+    except UprError as exc:
+        msg = str(exc).replace("--at: ", "")
+        raise SparkOptionError(f"option at: {msg}") from None
+    n = _opt(options, "numPartitions") or str(DEFAULT_PARTITIONS)
+    if not n.isdigit() or int(n) < 1:
+        raise SparkOptionError(f"option numPartitions: {n!r} is not a positive integer")
+    opts = ReadOptions(repo.path, bucket, str(sel.backup_id), view, sel.partitions, int(n))
+    return opts, list(manifests)
+
+
+def plan(opts: ReadOptions, manifests: list[Manifest]) -> list[Group]:
+    """The groups (tasks) of a read, balanced by bytes (formats/spark.md §3)."""
+    ms = [m for m in manifests if str(m.backup_id) <= opts.at]
+    at = next(m.backup_id for m in ms if str(m.backup_id) == opts.at)
+    repo = Repository(opts.repo)
+
+    def path(backup_id: BackupId, file: str) -> str:
+        return str(repo.segment_path(opts.bucket, backup_id, file))
+
+    units: list[tuple[Piece, ...]] = []
+    for p in opts.partitions:
+        if opts.view == "state":
+            pieces = tuple(
+                Piece(p, str(s.backup_id), path(s.backup_id, s.segment.file), s.max_seq, NO_CUT,
+                      s.segment.bytes)
+                for s in plan_state(ms, at=at, partition=p)
+            )  # fmt: skip
+            if pieces:
+                units.append(pieces)
+            continue
+        for m in ms:
+            entry = m.partition(p)
+            if entry is None:
+                continue
+            c = cut(ms, p, m.backup_id, at)
+            units += [(Piece(p, str(m.backup_id), path(m.backup_id, seg.file), NO_CUT, c,
+                             seg.bytes),) for seg in entry.segments]  # fmt: skip
+    return balance(units, opts.num_partitions, opts.view)
+
+
+def balance(units: list[tuple[Piece, ...]], n: int, view: str) -> list[Group]:
+    """Largest unit first, each into the group with the fewest bytes (LPT), deterministic."""
+    k = max(1, min(n, len(units)))
+    bins: list[list[Piece]] = [[] for _ in range(k)]
+    load = [0] * k
+    for unit in sorted(units, key=lambda u: (-sum(p.bytes for p in u), u[0].partition, u[0].path)):
+        i = min(range(k), key=lambda j: (load[j], j))
+        bins[i].extend(unit)
+        load[i] += sum(p.bytes for p in unit)
+    return [Group(view, tuple(b)) for b in bins if b]
