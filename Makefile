@@ -16,10 +16,15 @@ $(VENV)/.base-stamp: pyproject.toml
 	$(PY) -m pip install $(PIP_FLAGS) -e .
 	@touch $@
 
+$(VENV)/.spark-stamp: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) -e '.[spark]'
+	@touch $@ $(VENV)/.base-stamp
+
 $(VENV)/.dev-stamp: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) -e '.[dev,spark]'
-	@touch $@ $(VENV)/.base-stamp
+	@touch $@ $(VENV)/.base-stamp $(VENV)/.spark-stamp
 
 # Java 17 (Spark) and tshark (independent wire decoder), installed only when missing.
 system-deps:
@@ -33,7 +38,9 @@ system-deps:
 	  else echo "warning: missing$$need (run as root to install); dependent tests will skip"; fi; \
 	fi
 
-demo: $(VENV)/.base-stamp
+# The demo also installs Spark (the spark extra, Java 17), so examples/spark-export.py
+# runs right after it.
+demo: system-deps $(VENV)/.spark-stamp
 	$(PY) examples/demo.py
 
 lint: $(VENV)/.dev-stamp
