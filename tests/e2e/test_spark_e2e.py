@@ -157,3 +157,33 @@ def test_upr_spark_export_cli(repo: Path, tmp_path: Path) -> None:
     assert bad.stderr.strip().splitlines()[-1] == (
         "upr: error: option at: no committed backup 'nope' (see `upr info`)"
     )
+
+
+def test_merge_equals_the_chain_and_restores_the_same(
+    spark: Any, repo: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from upr_cli.spark.merge import merge
+
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy)
+    before = [str(m.backup_id) for m in Repository(copy).manifests("default")]
+    chain_db = tmp_path / "chain.db"
+    upr("restore", "--repo", str(copy), f"sqlite:{chain_db}")
+    summary = merge(spark, copy)
+    assert summary.through == before[-1] and summary.merged == len(before)
+    manifests = Repository(copy).manifests("default")
+    merged = manifests[-1]
+    assert str(merged.backup_id) == summary.backup_id and merged.full and merged.parent is None
+    info = json.loads(upr("info", "--repo", str(copy), "--json").stdout)
+    assert summary.backup_id in json.dumps(info)
+    upr("verify", "--repo", str(copy))  # checksums and chain of the merged backup
+    merged_db = tmp_path / "merged.db"
+    upr("restore", "--repo", str(copy), "--at", summary.backup_id, f"sqlite:{merged_db}")
+    with Store(chain_db, create=False) as a, Store(merged_db, create=False) as b:
+        assert list(a.documents()) == list(b.documents())  # tombstones included
+        assert a.positions() == b.positions()
+    # a merge through an older backup is refused, naming the option
+    with pytest.raises(Exception, match="not the newest backup"):
+        merge(spark, copy, through=before[0])

@@ -17,6 +17,10 @@ settings through). The repository must be on storage every executor can read.
 Example (the latest state as Parquet, partitioned by partition id):
 
   upr spark export --repo /backups/cb --to /data/cb-state --format parquet
+
+Example (merge the chain into one full backup):
+
+  upr spark merge --repo /backups/cb
 """
 
 EXPORT_HELP = """Export the state of a repository at a backup, partitioned by partition id.
@@ -90,6 +94,63 @@ def export_cmd(
     stdout.print(
         f"exported backup {summary.at}: {summary.rows:,} documents in {summary.partitions} "
         f"partitions to {summary.target} ({summary.format}) in {summary.seconds:.1f}s",
+        markup=False,
+        highlight=False,
+    )
+
+
+MERGE_HELP = """Merge a repository's chain into one full backup equal to its state at a backup.
+
+Spark tasks read each partition's chain (checksums verified), keep the latest version of
+every key (tombstones too, so a restore deletes what the chain deletes) and write one
+ordinary segment per partition into a new backup directory; the manifest is committed
+only after every task succeeded, so a failed merge leaves nothing visible. The merged
+backup is a full backup: `upr info` lists it, and restoring it equals restoring the
+chain at --through. The older backups stay (their records are kept, never deleted).
+--through must be the newest backup for now.
+
+Example:
+
+  upr spark merge --repo /backups/cb
+
+Example (on a cluster, the repository on shared storage):
+
+  upr spark merge --repo /shared/cb --master spark://10.0.0.5:7077 --json
+"""
+
+
+@app.command("merge", help=MERGE_HELP, no_args_is_help=True)
+def merge_cmd(
+    repo: Annotated[Path, typer.Option("--repo", help="Repository directory.")],
+    through: Annotated[
+        str, typer.Option("--through", help="The backup to merge through (latest).")
+    ] = "latest",
+    bucket: Annotated[
+        str | None, typer.Option("--bucket", help="The bucket in the repository (if several).")
+    ] = None,
+    master: Master = "local[*]",
+    conf: Conf = None,
+    json_out: JsonOutput = False,
+) -> None:
+    """Merge a chain into one full backup."""
+    from upr_cli.spark.jobs import parse_conf, session
+    from upr_cli.spark.merge import merge
+    from upr_cli.spark.plan import parse_options
+
+    settings = parse_conf(conf or [])
+    parse_options({"path": str(repo), "at": through} | ({"bucket": bucket} if bucket else {}))
+    spark = session(master, settings, app="upr spark merge")
+    try:
+        summary = merge(spark, repo, through=through, bucket=bucket)
+    finally:
+        spark.stop()
+    if json_out:
+        print_json(summary.to_json())
+        return
+    stdout.print(
+        f"merged {summary.merged} backups through {summary.through} into full backup "
+        f"{summary.backup_id}: {summary.partitions} partitions, {summary.records:,} records, "
+        f"{summary.bytes_written / 1e6:,.1f} MB in {summary.seconds:.1f}s",
         markup=False,
         highlight=False,
     )

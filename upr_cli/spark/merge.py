@@ -1,0 +1,173 @@
+"""`upr spark merge`: one full backup equal to the chain's state through a backup.
+
+Theory of operation (formats/repository.md §8, DESIGN data flow 6). The driver takes
+the bucket's lock, picks a new backup id and directory, and plans the state at B from
+the manifests (`plan.plan`, view `state`: whole partitions per task, balanced by bytes).
+Each Spark task reads its partitions' pieces (checksums verified), keeps the latest
+record of every key, tombstones included (a restore of the merge must delete what the
+chain's state deletes), and writes one ordinary segment per partition into the new
+backup's directory, fsynced, on storage every executor shares; it returns the
+segments' infos. Only after every task succeeded does the driver write the manifest
+(the commit point, repository.md): full, no parent, each partition's uuid, failover log
+and last snapshot taken from the chain's resume point at B. A failed or interrupted
+merge leaves an uncommitted directory that the next backup or merge sweeps.
+
+Merging through the newest backup is supported. Through an older one the merged
+backup would have to sit between B and the backups after it; that needs a manifest
+field saying which backup it stands in for, and is refused for now.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from upr_cli.errors import UsageError
+from upr_cli.failover import FailoverLog
+from upr_cli.repo import (
+    Manifest,
+    PartitionEntry,
+    Repository,
+    RepositoryLock,
+    SegmentEntry,
+    Totals,
+    format_segment_name,
+    resume_point,
+)
+from upr_cli.segments import Record, SegmentHeader, SegmentReader, SegmentWriter
+from upr_cli.spark.plan import Group, parse_options, plan
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionSpec:
+    """What a task needs to write one partition's merged segment (small, picklable)."""
+
+    partition: int
+    failover_log: list[dict[str, str]]  # FailoverLog.to_json()
+    end_seq: int
+    snapshot: tuple[int, int]
+
+
+@dataclass
+class MergeSummary:
+    """What `upr spark merge` committed."""
+
+    backup_id: str
+    through: str
+    merged: int  # backups the state was read from
+    partitions: int
+    records: int
+    bytes_written: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"backup_id": self.backup_id, "through": self.through, "merged": self.merged,
+                "partitions": self.partitions, "records": self.records,
+                "bytes_written": self.bytes_written,
+                "seconds": round(self.seconds, 3)}  # fmt: skip
+
+
+def _state_records(group: Group, partition: int) -> list[Record]:
+    """The latest record of every key of one partition (tombstones kept), by seq."""
+    latest: dict[bytes, Record] = {}
+    for piece in group.pieces:
+        if piece.partition != partition:
+            continue
+        with SegmentReader(piece.path) as reader:
+            for rec in reader.records():
+                if rec[1] > piece.max_seq:
+                    break
+                latest[bytes(rec[8])] = rec
+    return sorted(latest.values(), key=lambda r: r[1])
+
+
+def write_group(group: Group, specs: dict[int, PartitionSpec], bucket: str, directory: str,
+                source: str) -> list[dict[str, Any]]:  # fmt: skip
+    """In a task: one merged segment per partition of the group; their infos."""
+    out = []
+    created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    for p in sorted({piece.partition for piece in group.pieces}):
+        spec = specs[p]
+        records = _state_records(group, p)
+        if not records:
+            continue
+        header = SegmentHeader(bucket, p, FailoverLog.from_json(spec.failover_log), 0,
+                               spec.end_seq, (spec.snapshot,), created, source)  # fmt: skip
+        writer = SegmentWriter(Path(directory) / f"p{p:04x}.open", header)
+        try:
+            writer.add(
+                (op, p, seq, rev, cas, flags, exp, dtime, dt, key, value, 0)
+                for op, seq, rev, cas, flags, exp, dtime, dt, key, value in records
+            )
+            name = format_segment_name(p, records[0][1], records[-1][1])
+            info = writer.finish(path=Path(directory) / name, sync=True)
+        except BaseException:
+            writer.abort()
+            raise
+        out.append({"partition": p, "file": name, "first_seq": info.first_seq,
+                    "last_seq": info.last_seq, "records": info.records, "bytes": info.bytes,
+                    "checksum": info.checksum, "raw_bytes": info.raw_bytes})  # fmt: skip
+    return out
+
+
+def merge(spark: Any, repo_dir: Path, *, through: str = "latest",
+          bucket: str | None = None) -> MergeSummary:  # fmt: skip
+    """Write and commit the merged full backup; returns its summary."""
+    from upr_cli.spark.jobs import spark_error
+
+    t0 = time.monotonic()
+    opts, manifests = parse_options(
+        {"path": str(repo_dir), "at": through} | ({"bucket": bucket} if bucket else {})
+    )
+    if opts.at != str(manifests[-1].backup_id):
+        raise UsageError(
+            f"--through: {opts.at} is not the newest backup ({manifests[-1].backup_id}); "
+            "merging through an older backup is not supported yet"
+        )
+    repo = Repository(opts.repo)
+    with RepositoryLock(repo, opts.bucket) as lock:
+        manifests = repo.manifests(opts.bucket)  # re-read under the lock
+        if str(manifests[-1].backup_id) != opts.at:
+            raise UsageError(f"--through: a backup newer than {opts.at} was committed meanwhile")
+        backup_id = repo.next_backup_id(opts.bucket)
+        repo.sweep(opts.bucket, backup_id, lock)
+        directory = repo.new_backup_dir(opts.bucket, backup_id)
+        specs: dict[int, PartitionSpec] = {}
+        for p in opts.partitions:
+            rp = resume_point(manifests, p)
+            if rp is not None:
+                specs[p] = PartitionSpec(p, rp.failover_log.to_json(), rp.seq,
+                                         (rp.snap_start, rp.snap_end))  # fmt: skip
+        groups = plan(opts, manifests)
+        source = f"merge of {manifests[0].backup_id}..{opts.at}"
+        args = (specs, opts.bucket, str(directory), source)
+        try:
+            rdd = spark.sparkContext.parallelize(groups, max(1, len(groups)))
+            infos = rdd.flatMap(lambda g: write_group(g, *args)).collect()
+        except Exception as exc:  # noqa: BLE001 - Spark wraps everything; report one line
+            raise spark_error(exc) from None
+        by_p = {i["partition"]: i for i in infos}
+        entries = []
+        for p, spec in sorted(specs.items()):
+            i = by_p.get(p)
+            segs = () if i is None else (
+                SegmentEntry(i["file"], i["first_seq"], i["last_seq"], i["records"], i["bytes"],
+                             i["checksum"]),
+            )  # fmt: skip
+            log = FailoverLog.from_json(spec.failover_log)
+            entries.append(PartitionEntry(p, log.latest.uuid if log.entries else 0, log, 0,
+                                          spec.end_seq, *spec.snapshot, segs))  # fmt: skip
+        now = datetime.now(UTC)
+        manifest = Manifest(
+            backup_id=backup_id, bucket=opts.bucket, source=source, started=now, finished=now,
+            full=True, parent=None, partitions=tuple(entries),
+            totals=Totals.derive(entries, sum(i["raw_bytes"] for i in infos)),
+        )  # fmt: skip
+        repo.write_manifest(manifest)
+    return MergeSummary(str(backup_id), opts.at, len(manifests), len(entries),
+                        sum(i["records"] for i in infos), manifest.totals.bytes_written,
+                        time.monotonic() - t0)  # fmt: skip
