@@ -110,6 +110,7 @@ class DcpConsumer:
         positions: dict[int, StreamPosition] | None = None,
         failover_logs: dict[int, FailoverLog] | None = None,
         until_end: bool = False,
+        end_seqs: dict[int, int] | None = None,
         from_latest: bool = False,
         start_seq: int | None = None,
         buffer_size: int = 4 * 1024 * 1024,
@@ -124,7 +125,8 @@ class DcpConsumer:
         self._want = None if partitions is None else sorted(set(partitions))
         self._start = dict(positions or {})
         self._logs = dict(failover_logs or {})
-        self.until_end = until_end
+        self.until_end = until_end or end_seqs is not None
+        self._end_seqs = dict(end_seqs or {})
         self.from_latest = from_latest
         self.start_seq = start_seq
         self.buffer_size = buffer_size
@@ -175,7 +177,10 @@ class DcpConsumer:
             if p in self._logs:
                 part.log = self._logs[p]
             if self.until_end:
-                part.end = self.highs.get(p, 0)
+                # `end_seqs` (a planned range) is capped at what the source holds now: a
+                # branch that rolled back below it cannot serve it (the next plan sees that)
+                high = self.highs.get(p, 0)
+                part.end = min(self._end_seqs.get(p, high), high)
             self.parts[p] = part
             self._committed[p] = (pos.uuid, pos.seq, pos.snap_start, pos.snap_end)
         await self._open_streams(list(self.parts.values()))

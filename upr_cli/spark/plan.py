@@ -60,7 +60,7 @@ class Group:
         return sum(p.bytes for p in self.pieces)
 
 
-def _opt(options: Mapping[str, str], name: str) -> str | None:
+def get_option(options: Mapping[str, str], name: str) -> str | None:
     for k, v in options.items():  # Spark's options are case-insensitive
         if k.lower() == name.lower():
             return v
@@ -76,19 +76,19 @@ def parse_options(options: Mapping[str, str]) -> tuple[ReadOptions, list[Manifes
     from upr_cli.jobs.state import select
     from upr_cli.jobs.tail import parse_partitions
 
-    path = _opt(options, "path") or _opt(options, "repo")
+    path = get_option(options, "path") or get_option(options, "repo")
     if not path:
         raise SparkOptionError("option path: give the repository, as load(DIR) or repo")
-    view = (_opt(options, "view") or "state").lower()
+    view = (get_option(options, "view") or "state").lower()
     if view not in VIEWS:
         raise SparkOptionError(f"option view: {view!r} is not one of {', '.join(VIEWS)}")
     try:
-        repo, bucket, manifests = open_bucket(Path(path), _opt(options, "bucket"))
+        repo, bucket, manifests = open_bucket(Path(path), get_option(options, "bucket"))
     except UprError as exc:
         raise SparkOptionError(f"option path: {exc}") from None
-    at = _opt(options, "at") or "latest"
+    at = get_option(options, "at") or "latest"
     want = None
-    spec = _opt(options, "partitions")
+    spec = get_option(options, "partitions")
     if spec:
         try:
             want = parse_partitions(spec)
@@ -99,7 +99,7 @@ def parse_options(options: Mapping[str, str]) -> tuple[ReadOptions, list[Manifes
     except UprError as exc:
         msg = str(exc).replace("--at: ", "")
         raise SparkOptionError(f"option at: {msg}") from None
-    n = _opt(options, "numPartitions") or str(DEFAULT_PARTITIONS)
+    n = get_option(options, "numPartitions") or str(DEFAULT_PARTITIONS)
     if not n.isdigit() or int(n) < 1:
         raise SparkOptionError(f"option numPartitions: {n!r} is not a positive integer")
     opts = ReadOptions(repo.path, bucket, str(sel.backup_id), view, sel.partitions, int(n))

@@ -1,0 +1,273 @@
+"""The streaming side of the `upr` data source: offsets, planning, reading (formats/spark.md §5).
+
+Theory of operation (reference/spark-datasource.md §2, §5; dcp-wire §4)
+----------------------------------------------------------------------
+* **Offsets** are JSON: `{"v": 1, "vbs": {"<p>": {"uuid", "seq", "snap_start",
+  "snap_end"}}}` with every 64-bit value a decimal string. `latestOffset` is one cheap
+  probe on the driver, STAT `vbucket-seqno` (each partition's high seq and current
+  uuid); while the source is unreachable it returns the last offset it knew, so the
+  query idles instead of failing.
+* **Planning** (`partitions(start, end)`, on the driver): a partition whose seq moved is
+  planned as the range (start, end]. When the start is no longer on the source's history
+  (a failover or an unclean restart), the producer rule (dcp-wire §4.2) against the
+  source's failover log gives the rollback point r: the range becomes (r, end] and its
+  first row is a **rollback marker** (`op` = `rollback`, `seq` = r), telling a consumer
+  to undo what it holds above r in that partition.
+* **Reading** (`read`, on an executor) opens its own DCP connection and streams exactly
+  the planned ranges, ending each at its planned seq (capped at what the source holds).
+  A ROLLBACK met while reading (the source failed over after planning) fails the task
+  with `StreamRolledBack`; the next plan resumes from the rollback point with a marker.
+* **Delivery**: at-least-once per row; a row can repeat after a rollback or a retried
+  batch, and DCP deduplication can replace a version superseded after planning by its
+  newer one (in a later batch). Applying rows in order per partition, honouring
+  rollback markers, converges to the source's state (per-key exactly-once state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from upr_cli.dcp.consumer import DcpConsumer
+from upr_cli.dcp.events import Rollback
+from upr_cli.dcp.position import StreamPosition
+from upr_cli.errors import UprError, UsageError
+from upr_cli.failover import needs_rollback
+from upr_cli.net.uri import SourceUri
+from upr_cli.spark.plan import SparkOptionError, get_option
+
+BATCH_ROWS = 65_536
+_TWO64 = 1 << 64
+_I64_MAX = (1 << 63) - 1
+OPS = {0x57: "mutation", 0x58: "deletion", 0x59: "expiration"}
+
+STREAM_COLUMNS: list[tuple[str, pa.DataType, bool]] = [
+    ("partition", pa.int32(), False),
+    ("op", pa.string(), False),
+    ("key", pa.binary(), True),
+    ("id", pa.string(), True),
+    ("seq", pa.int64(), False),
+    ("rev_seq", pa.int64(), True),
+    ("cas", pa.int64(), True),
+    ("flags", pa.int64(), True),
+    ("expiry", pa.int64(), True),
+    ("datatype", pa.int32(), True),
+    ("deleted", pa.bool_(), False),
+    ("value", pa.binary(), True),
+    ("json", pa.string(), True),
+    ("uuid", pa.string(), False),
+]
+
+
+class StreamRolledBack(UprError):
+    """The source rolled a partition back while a task read it; the next plan resumes."""
+
+
+def stream_schema() -> pa.Schema:
+    """The Arrow schema of streamed rows."""
+    return pa.schema([pa.field(n, t, nullable=null) for n, t, null in STREAM_COLUMNS])
+
+
+def stream_ddl() -> str:
+    """The Spark DDL of streamed rows."""
+    names = {pa.int32(): "INT", pa.int64(): "BIGINT", pa.binary(): "BINARY",
+             pa.string(): "STRING", pa.bool_(): "BOOLEAN"}  # fmt: skip
+    return ", ".join(
+        f"{n} {names[t]}{'' if null else ' NOT NULL'}" for n, t, null in STREAM_COLUMNS
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOptions:
+    """The parsed options of a streaming read."""
+
+    source: str  # upr://… with credentials (never printed: `redacted`)
+    partitions: tuple[int, ...] | None
+    starting: str  # earliest | latest
+
+    @property
+    def uri(self) -> SourceUri:
+        """The source URI."""
+        return SourceUri.parse(self.source)
+
+
+def parse_stream_options(options: Mapping[str, str]) -> StreamOptions:
+    """Check a streaming read's options; a `SparkOptionError` names the bad one."""
+    from upr_cli.jobs.tail import parse_partitions
+
+    src = get_option(options, "source") or get_option(options, "path")
+    if not src or not src.startswith(("upr://", "couchbase://")):
+        raise SparkOptionError(
+            "option source: give a live source, upr://[user[:password]@]host/bucket"
+        )
+    try:
+        SourceUri.parse(src)
+    except (UprError, ValueError) as exc:
+        raise SparkOptionError(f"option source: {exc}") from None
+    spec = get_option(options, "partitions")
+    parts = None
+    if spec:
+        try:
+            parts = tuple(parse_partitions(spec))
+        except UprError as exc:
+            raise SparkOptionError(f"option partitions: {exc}") from None
+    starting = (get_option(options, "startingOffsets") or "earliest").lower()
+    if starting not in ("earliest", "latest"):
+        raise SparkOptionError(f"option startingOffsets: {starting!r} is not earliest or latest")
+    return StreamOptions(src, parts, starting)
+
+
+# -- offsets ------------------------------------------------------------------------------
+
+
+def to_offset(positions: Mapping[int, StreamPosition]) -> dict[str, Any]:
+    """Positions as an offset (64-bit values as decimal strings)."""
+    return {"v": 1, "vbs": {str(p): {"uuid": str(s.uuid), "seq": str(s.seq),
+                                     "snap_start": str(s.snap_start), "snap_end": str(s.snap_end)}
+                            for p, s in sorted(positions.items())}}  # fmt: skip
+
+
+def from_offset(offset: Mapping[str, Any]) -> dict[int, StreamPosition]:
+    """An offset back into positions; anything malformed is a UsageError."""
+    try:
+        if offset.get("v") != 1:
+            raise ValueError(f"version {offset.get('v')!r}")
+        return {int(p): StreamPosition(int(p), int(o["uuid"]), int(o["seq"]),
+                                       int(o["snap_start"]), int(o["snap_end"]))
+                for p, o in offset["vbs"].items()}  # fmt: skip
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"malformed upr stream offset: {exc}") from None
+
+
+async def probe(uri: SourceUri, partitions: tuple[int, ...] | None) -> dict[int, tuple[int, int]]:
+    """{partition: (uuid, high seq)} from one STAT vbucket-seqno."""
+    from upr_cli.net.bootstrap import connect
+
+    s = await connect(uri, name="upr-spark-probe", timeout=5.0)
+    try:
+        st = await s.conn.stats("vbucket-seqno")
+    finally:
+        await s.conn.aclose()
+    wanted = partitions if partitions is not None else range(s.num_partitions)
+    return {p: (int(st.get(f"vb_{p}:uuid", 0)), int(st.get(f"vb_{p}:high_seqno", 0)))
+            for p in wanted}  # fmt: skip
+
+
+# -- planning -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """Stream partition `partition` from `start` to seq `end`; `rollback_to` set when the
+    start was no longer on the source's history (a marker row comes first)."""
+
+    partition: int
+    start: StreamPosition
+    end: int
+    rollback_to: int | None = None
+
+
+async def plan_ranges(uri: SourceUri, start: Mapping[int, StreamPosition],
+                      end: Mapping[int, StreamPosition]) -> list[Range]:  # fmt: skip
+    """The ranges of a micro-batch, rollbacks decided by the producer rule (§4.2)."""
+    from upr_cli.jobs.rollback_point import node_states
+
+    moved = [p for p, e in end.items() if start.get(p, StreamPosition(p)) != e]
+    if not moved:
+        return []
+    current = await probe(uri, tuple(moved))
+    suspect = [p for p in moved if start.get(p, StreamPosition(p)).seq > 0
+               and start[p].uuid != current[p][0]]  # fmt: skip
+    logs = (await node_states(uri, suspect))[0] if suspect else {}
+    out = []
+    for p in moved:
+        s = start.get(p, StreamPosition(p))
+        rollback = None
+        if p in logs:
+            d = needs_rollback(logs[p].log, start=s.seq, uuid=s.uuid, snap_start=s.snap_start,
+                               snap_end=s.snap_end, high=current[p][1])  # fmt: skip
+            if d.rollback:
+                r = d.rollback_seq
+                entry = logs[p].log.entry_at(r)
+                s = StreamPosition(p, entry.uuid if entry else 0, r, r, r)
+                rollback = r
+        if end[p].seq > s.seq or rollback is not None:
+            out.append(Range(p, s, end[p].seq, rollback))
+    return out
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def _i64(v: int) -> int:
+    return v - _TWO64 if v > _I64_MAX else v
+
+
+def _text(b: bytes) -> str | None:
+    try:
+        return b.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def read_ranges(source: str, ranges: list[Range]) -> Iterator[pa.RecordBatch]:
+    """In a task: stream the ranges and yield Arrow batches (markers first)."""
+    schema = stream_schema()
+    cols: list[list[Any]] = [[] for _ in schema]
+
+    def take() -> pa.RecordBatch:
+        nonlocal cols
+        batch = pa.RecordBatch.from_arrays(
+            [pa.array(c, type=f.type) for c, f in zip(cols, schema, strict=True)], schema=schema
+        )
+        cols = [[] for _ in schema]
+        return batch
+
+    for r in ranges:
+        if r.rollback_to is not None:
+            row = [r.partition, "rollback", None, None, r.rollback_to, None, None, None, None,
+                   None, False, None, None, str(r.start.uuid)]  # fmt: skip
+            for c, v in zip(cols, row, strict=True):
+                c.append(v)
+    rows = asyncio.run(_stream(SourceUri.parse(source), ranges))
+    for op, p, seq, rev, cas, flags, exp, _dt, dtype, key, value, uuid in rows:
+        js = _text(value) if dtype & 7 == 1 else None
+        row = [p, OPS.get(op, f"0x{op:02x}"), key, _text(key), seq, _i64(rev), _i64(cas), flags,
+               exp, dtype, op != 0x57, value, js, uuid]  # fmt: skip
+        for c, v in zip(cols, row, strict=True):
+            c.append(v)
+        if len(cols[0]) >= BATCH_ROWS:
+            yield take()
+    if cols[0]:
+        yield take()
+
+
+async def _stream(uri: SourceUri, ranges: list[Range]) -> list[tuple[Any, ...]]:
+    """Every row of the ranges (key and value as bytes, the branch uuid last)."""
+    positions = {r.partition: r.start for r in ranges}
+    consumer = DcpConsumer(uri, partitions=sorted(positions), positions=positions,
+                           end_seqs={r.partition: r.end for r in ranges},
+                           name="upr-spark-read")  # fmt: skip
+    out: list[tuple[Any, ...]] = []
+    await consumer.open()
+    try:
+        async for batch in consumer.batches():
+            for it in batch:
+                if type(it) is tuple:
+                    row: tuple[Any, ...] = it
+                    entry = consumer.parts[row[1]].log.entry_at(row[2])  # the seq's branch
+                    uuid = str(entry.uuid if entry else consumer.parts[row[1]].uuid)
+                    out.append((*row[:9], bytes(row[9]), bytes(row[10]), uuid))
+                elif isinstance(it, Rollback):
+                    raise StreamRolledBack(
+                        f"partition {it.partition}: the source rolled back to seq {it.to_seq} "
+                        "while this task read it; the next micro-batch resumes from there"
+                    )
+            consumer.commit()
+    finally:
+        await consumer.aclose()
+    return out
