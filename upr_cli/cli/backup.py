@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import JsonOutput
+from upr_cli.cli.options import JsonOutput, SparkConf, SparkMaster, SparkTasks
 from upr_cli.cli.output import PartitionProgress, print_json, stderr, stdout
 from upr_cli.jobs.backup import backup
 from upr_cli.jobs.backup_stream import StreamStats
@@ -29,6 +29,12 @@ leaves nothing visible. The repository is created on first use (formats/reposito
 Example:
 
   upr backup upr://admin@127.0.0.1:11210/default --repo /backups/cb
+
+--spark MASTER divides the partitions among Spark tasks (--spark-tasks, default 8;
+--conf k=v passes Spark settings): each streams its share into the new backup's
+directory, which every executor must share; the high seqs are pinned once and the
+manifest is committed by this process after every task succeeded, so the result is the
+backup a local run of the same seqs would make.
 
 Example (a new full backup, summary as JSON):
 
@@ -51,6 +57,9 @@ def backup_cmd(
         str | None, typer.Option("--partitions", help="Only these, e.g. 0-15,40.")
     ] = None,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar.")] = False,
+    spark: SparkMaster = None,
+    spark_tasks: SparkTasks = 8,
+    conf: SparkConf = None,
     json_out: JsonOutput = False,
 ) -> None:
     """Back up a bucket."""
@@ -61,16 +70,29 @@ def backup_cmd(
         def tick(s: StreamStats) -> None:
             bar.update(s.partitions_done, s.partitions, s.items, "items", s.started)
 
-        summary = asyncio.run(
-            backup(
-                source,
-                repo,
-                full=full,
-                partitions=parse_partitions(partitions) if partitions else None,
-                on_progress=tick,
-                on_warning=lambda w: stderr.print(f"warning: {w}"),
+        sess = None
+        streamer = None
+        if spark is not None:
+            from upr_cli.spark.distributed import spark_streamer
+            from upr_cli.spark.jobs import parse_conf, session
+
+            sess = session(spark, parse_conf(conf or []), app="upr backup")
+            streamer = spark_streamer(sess, spark_tasks)
+        try:
+            summary = asyncio.run(
+                backup(
+                    source,
+                    repo,
+                    full=full,
+                    partitions=parse_partitions(partitions) if partitions else None,
+                    on_progress=tick,
+                    on_warning=lambda w: stderr.print(f"warning: {w}"),
+                    streamer=streamer,
+                )
             )
-        )
+        finally:
+            if sess is not None:
+                sess.stop()
     if json_out:
         print_json(summary.to_json())
         return

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from upr_cli.cli.options import JsonOutput
+from upr_cli.cli.options import JsonOutput, SparkConf, SparkMaster, SparkTasks
 from upr_cli.cli.output import print_json, stderr, stdout
 from upr_cli.errors import UsageError
 from upr_cli.jobs.restore import restore_to_node, restore_to_store
@@ -37,6 +37,9 @@ Example:
 Example (into a SQLite store):
 
   upr restore --repo /backups/cb sqlite:/tmp/bucket.db
+
+--spark MASTER divides the partitions among Spark tasks (--spark-tasks, default 8;
+--conf k=v passes Spark settings); each task writes its share to the target node.
 
 Example (what the oldest backup would restore for partitions 0-7):
 
@@ -76,6 +79,9 @@ def restore_cmd(
     skip_corrupt: Annotated[
         bool, typer.Option("--skip-corrupt", help="Skip corrupt partitions, report them.")
     ] = False,
+    spark: SparkMaster = None,
+    spark_tasks: SparkTasks = 8,
+    conf: SparkConf = None,
     json_out: JsonOutput = False,
 ) -> None:
     """Restore a backup."""
@@ -84,7 +90,23 @@ def restore_cmd(
     except re.error as exc:
         raise UsageError(f"--keys: not a valid regex: {exc}") from None
     parts = parse_partitions(partitions) if partitions else None
-    if target.startswith("sqlite:"):
+    if spark is not None and not target.startswith(("upr://", "couchbase://")):
+        raise UsageError("--spark restores into a node (upr://…); a SQLite store has one writer")
+    if spark is not None:
+        from upr_cli.spark.distributed import spark_restore
+        from upr_cli.spark.jobs import parse_conf, session
+
+        settings = parse_conf(conf or [])
+        sess = session(spark, settings, app="upr restore")
+        try:
+            summary = spark_restore(sess, repo, SourceUri.parse(target), tasks=spark_tasks,
+                                    partitions=parts, bucket=bucket, at=at, keys=pattern,
+                                    dry_run=dry_run, force_updates=force_updates,
+                                    include_tombstones=include_tombstones,
+                                    skip_corrupt=skip_corrupt)  # fmt: skip
+        finally:
+            sess.stop()
+    elif target.startswith("sqlite:"):
         if force_updates:
             raise UsageError(
                 "--force-updates applies to node targets (a store keeps what it is given)"

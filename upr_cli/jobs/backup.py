@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,6 +49,9 @@ from upr_cli.repo import (
 from upr_cli.segments import SegmentError, SegmentReader
 
 log = logging.getLogger(__name__)
+
+#: `stream_to_segments`, or a stand-in with its keywords (a distributed backup).
+Streamer = Callable[..., Awaitable[dict[int, PartitionResult]]]
 
 
 @dataclass
@@ -183,8 +186,15 @@ async def backup(
     partitions: list[int] | None = None,
     on_progress: Callable[[StreamStats], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
+    streamer: Streamer | None = None,
 ) -> BackupSummary:
-    """Run one backup of `uri`'s bucket into the repository; returns its summary."""
+    """Run one backup of `uri`'s bucket into the repository; returns its summary.
+
+    `streamer` replaces `stream_to_segments` (same keywords, plus `end_seqs`: the high
+    seqs pinned here, once): `upr backup --spark` divides the partitions among Spark
+    tasks with it. Everything else (the lock, where each partition starts, the commit of
+    the manifest) stays here, on the driver.
+    """
     if uri.bucket is None:
         raise UsageError("the source URI names no bucket")
     bucket = uri.bucket
@@ -230,7 +240,7 @@ async def backup(
         results = dict(reused)
         if to_stream:
             results.update(
-                await stream_to_segments(
+                await (streamer or stream_to_segments)(
                     uri,
                     directory,
                     bucket=bucket,
@@ -239,8 +249,10 @@ async def backup(
                     partitions=to_stream,
                     segment_name=format_segment_name,
                     on_progress=on_progress,
+                    end_seqs=None if streamer is None else {p: seqs.get(p, (0, 0))[0]
+                                                            for p in to_stream},
                 )
-            )
+            )  # fmt: skip
         entries, rollbacks, bytes_read = [], [], 0
         for p, r in sorted(results.items()):
             decision = decisions.get(p)

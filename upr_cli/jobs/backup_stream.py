@@ -105,16 +105,20 @@ async def stream_to_segments(
     buffer_size: int = 8 * 1024 * 1024,
     memory_budget: int = 64 * 1024 * 1024,
     on_progress: Callable[[StreamStats], None] | None = None,
+    end_seqs: dict[int, int] | None = None,
 ) -> dict[int, PartitionResult]:
     """Stream each partition from its position to the pinned high seqno into a segment.
+
+    `end_seqs` pins the ends instead (a distributed backup pins them once, on the driver,
+    so every task stops at the seqs a local run would).
 
     `segment_name(partition, first_seq, last_seq)` names each file inside `directory` once
     its records are known (formats/repository.md names segments by their first and last
     record seq).
     """
     consumer = DcpConsumer(uri, partitions=partitions, positions=positions,
-                           failover_logs=failover_logs, until_end=True, buffer_size=buffer_size,
-                           name="upr-backup")  # fmt: skip
+                           failover_logs=failover_logs, until_end=True, end_seqs=end_seqs,
+                           buffer_size=buffer_size, name="upr-backup")  # fmt: skip
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segments")
     zstd = new_compressor()  # shared: every writer runs on the one worker thread
