@@ -8,22 +8,25 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_ARGS ?=
+# A path-based editable install: Spark finds the `upr` data source by listing top-level
+# `pyspark_*` modules (pkgutil), which cannot see setuptools' import-hook editables.
+EDITABLE := --config-settings editable_mode=compat
 
 .PHONY: demo test test-slow lint typecheck bench system-deps clean
 
 $(VENV)/.base-stamp: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_FLAGS) -e .
+	$(PY) -m pip install $(PIP_FLAGS) $(EDITABLE) -e .
 	@touch $@
 
 $(VENV)/.spark-stamp: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_FLAGS) -e '.[spark]'
+	$(PY) -m pip install $(PIP_FLAGS) $(EDITABLE) -e '.[spark]'
 	@touch $@ $(VENV)/.base-stamp
 
 $(VENV)/.dev-stamp: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_FLAGS) -e '.[dev,spark]'
+	$(PY) -m pip install $(PIP_FLAGS) $(EDITABLE) -e '.[dev,spark]'
 	@touch $@ $(VENV)/.base-stamp $(VENV)/.spark-stamp
 
 # Java 17 (Spark) and tshark (independent wire decoder), installed only when missing.

@@ -310,3 +310,59 @@ def test_distributed_backup_and_restore_equal_the_local_ones(
     rb = spark_restore(spark, dist, SourceUri.parse(dst_b.uri), tasks=3)
     assert (ra.written, ra.documents, ra.partitions) == (rb.written, rb.documents, rb.partitions)
     assert docs(dst_a.uri) == docs(dst_b.uri) == docs(src.uri)
+
+
+def test_pyspark_finds_the_source_without_register(repo: Path, tmp_path: Path) -> None:
+    """A plain PySpark session (no upr import) reads format("upr") via pyspark_upr."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "import os, sys\n"
+        "os.environ['PYSPARK_PYTHON'] = sys.executable\n"
+        "from pyspark.sql import SparkSession\n"
+        "s = (SparkSession.builder.master('local[1]').config('spark.ui.enabled', 'false')\n"
+        "     .config('spark.driver.host', '127.0.0.1')\n"
+        "     .config('spark.driver.bindAddress', '127.0.0.1').getOrCreate())\n"
+        f"print('rows', s.read.format('upr').load({str(repo)!r}).count())\n"
+        "s.stop()\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = int(proc.stdout.split("rows ")[1].split()[0])
+    assert rows > 500
+
+
+def test_streaming_into_a_memory_sink_under_load_converges(
+    spark: Any, node_factory: type[Node], tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    from tests.e2e.e2e_helpers import docs
+
+    node = node_factory("--flush-interval", "0.02", partitions=8).start()
+    upr("load", node.uri, "--docs", "500")
+    df = spark.readStream.format("upr").option("source", node.uri).load()
+    q = (df.writeStream.format("memory").queryName("upr_rows")
+         .option("checkpointLocation", str(tmp_path / "ck")).start())  # fmt: skip
+    try:
+        load = subprocess.Popen([sys.executable, "-m", "upr_cli", "load", node.uri, "--docs",
+                                 "1500", "--update-ratio", "0.4", "--delete-ratio", "0.1",
+                                 "--seed", "4", "--rate", "3000"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        q.processAllAvailable()  # while the load runs
+        load.wait(timeout=60)
+        q.processAllAvailable()
+        rows = spark.sql("SELECT partition, seq, key, op, value FROM upr_rows").collect()
+    finally:
+        q.stop()
+    latest: dict[tuple[int, bytes], tuple[int, str, bytes]] = {}
+    for r in rows:  # no rollback here: the latest seq per key is the key's state
+        k = (r["partition"], bytes(r["key"]))
+        if k not in latest or r["seq"] > latest[k][0]:
+            latest[k] = (r["seq"], r["op"], bytes(r["value"]))
+    state = {k[1]: v[2] for k, v in latest.items() if v[1] == "mutation"}
+    assert state == {k: v[0] for k, v in docs(node.uri).items()}
