@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -40,6 +41,8 @@ Example (an older backup as JSON, on a cluster):
       --format json --master spark://10.0.0.5:7077 --conf spark.executor.memory=4g
 """
 
+T = TypeVar("T")
+
 app = typer.Typer(name="spark", help=HELP, no_args_is_help=True)
 
 Master = Annotated[
@@ -73,29 +76,22 @@ def export_cmd(
     json_out: JsonOutput = False,
 ) -> None:
     """Export the state at a backup."""
-    from upr_cli.spark.jobs import FORMATS, check_target, export, parse_conf, session
-    from upr_cli.spark.plan import parse_options
+    from upr_cli.spark.jobs import FORMATS, check_target, export
 
     if fmt not in FORMATS:
         from upr_cli.errors import UsageError
 
         raise UsageError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
-    settings = parse_conf(conf or [])
-    parse_options({"path": str(repo), "at": at} | ({"bucket": bucket} if bucket else {}))
+    _checked(repo, at, bucket)
     check_target(to, overwrite)
-    spark = session(master, settings, app="upr spark export")
-    try:
-        summary = export(spark, repo, to, fmt=fmt, at=at, bucket=bucket, overwrite=overwrite)
-    finally:
-        spark.stop()
-    if json_out:
-        print_json(summary.to_json())
-        return
-    stdout.print(
+    summary = _run(master, conf, "upr spark export",
+                   lambda spark: export(spark, repo, to, fmt=fmt, at=at, bucket=bucket,
+                                        overwrite=overwrite))  # fmt: skip
+    _report(
+        summary,
+        json_out,
         f"exported backup {summary.at}: {summary.rows:,} documents in {summary.partitions} "
         f"partitions to {summary.target} ({summary.format}) in {summary.seconds:.1f}s",
-        markup=False,
-        highlight=False,
     )
 
 
@@ -133,24 +129,40 @@ def merge_cmd(
     json_out: JsonOutput = False,
 ) -> None:
     """Merge a chain into one full backup."""
-    from upr_cli.spark.jobs import parse_conf, session
     from upr_cli.spark.merge import merge
+
+    _checked(repo, through, bucket)
+    summary = _run(master, conf, "upr spark merge",
+                   lambda spark: merge(spark, repo, through=through, bucket=bucket))  # fmt: skip
+    _report(
+        summary,
+        json_out,
+        f"merged {summary.merged} backups through {summary.through} into full backup "
+        f"{summary.backup_id}: {summary.partitions} partitions, {summary.records:,} "
+        f"records, {summary.bytes_written / 1e6:,.1f} MB in {summary.seconds:.1f}s",
+    )
+
+
+def _checked(repo: Path, at: str, bucket: str | None) -> None:
+    """The repository options, checked before Spark starts (its start-up takes seconds)."""
     from upr_cli.spark.plan import parse_options
 
-    settings = parse_conf(conf or [])
-    parse_options({"path": str(repo), "at": through} | ({"bucket": bucket} if bucket else {}))
-    spark = session(master, settings, app="upr spark merge")
+    parse_options({"path": str(repo), "at": at} | ({"bucket": bucket} if bucket else {}))
+
+
+def _run(master: str, conf: list[str] | None, app: str, job: Callable[[Any], T]) -> T:
+    """Run `job(spark)` in a session for `master`, stopped afterwards."""
+    from upr_cli.spark.jobs import parse_conf, session
+
+    spark = session(master, parse_conf(conf or []), app=app)
     try:
-        summary = merge(spark, repo, through=through, bucket=bucket)
+        return job(spark)
     finally:
         spark.stop()
+
+
+def _report(summary: Any, json_out: bool, line: str) -> None:
     if json_out:
         print_json(summary.to_json())
-        return
-    stdout.print(
-        f"merged {summary.merged} backups through {summary.through} into full backup "
-        f"{summary.backup_id}: {summary.partitions} partitions, {summary.records:,} records, "
-        f"{summary.bytes_written / 1e6:,.1f} MB in {summary.seconds:.1f}s",
-        markup=False,
-        highlight=False,
-    )
+    else:
+        stdout.print(line, markup=False, highlight=False)

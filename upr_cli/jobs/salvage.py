@@ -243,24 +243,14 @@ async def _write_back(uri: SourceUri, items: list[LostItem], num_partitions: int
                 msg: Any = Delete(
                     vbucket=it.partition, key=it.key, cas=got.cas, opaque=conn.next_opaque()
                 )
-            elif present:
-                msg = Set(
+            else:  # SET guarded by the cas just read, or ADD when the key is absent
+                msg = (Set if present else Add)(
                     vbucket=it.partition,
                     key=it.key,
                     value=it.lost.value,
                     flags=it.lost.flags,
                     expiration=it.lost.expiry,
-                    cas=got.cas,
-                    datatype=it.lost.datatype,
-                    opaque=conn.next_opaque(),
-                )
-            else:
-                msg = Add(
-                    vbucket=it.partition,
-                    key=it.key,
-                    value=it.lost.value,
-                    flags=it.lost.flags,
-                    expiration=it.lost.expiry,
+                    cas=got.cas if present else 0,
                     datatype=it.lost.datatype,
                     opaque=conn.next_opaque(),
                 )

@@ -14,14 +14,12 @@ from typing import Any
 import pyarrow as pa
 
 from upr_cli.segments import Record, SegmentReader
+from upr_cli.spark.arrow import OPS, Buffer, Columns, ddl_of, i64, schema_of, text
 from upr_cli.spark.plan import Group, Piece
 
 BATCH_ROWS = 65_536
-_TWO64 = 1 << 64
-_I64_MAX = (1 << 63) - 1
-OPS = {0x57: "mutation", 0x58: "deletion", 0x59: "expiration"}
 
-_COMMON: list[tuple[str, pa.DataType, bool]] = [
+_COMMON: Columns = [
     ("partition", pa.int32(), False),
     ("key", pa.binary(), False),
     ("id", pa.string(), True),
@@ -35,7 +33,7 @@ _COMMON: list[tuple[str, pa.DataType, bool]] = [
     ("value", pa.binary(), False),
     ("json", pa.string(), True),
 ]
-_HISTORY: list[tuple[str, pa.DataType, bool]] = [
+_HISTORY: Columns = [
     ("op", pa.string(), False),
     ("delete_time", pa.int64(), False),
     ("backup_id", pa.string(), False),
@@ -43,59 +41,35 @@ _HISTORY: list[tuple[str, pa.DataType, bool]] = [
 ]
 
 
+def _columns(view: str) -> Columns:
+    return _COMMON + (_HISTORY if view == "history" else [])
+
+
 def arrow_schema(view: str) -> pa.Schema:
     """The Arrow schema of a view."""
-    cols = _COMMON + (_HISTORY if view == "history" else [])
-    return pa.schema([pa.field(n, t, nullable=null) for n, t, null in cols])
+    return schema_of(_columns(view))
 
 
 def ddl(view: str) -> str:
     """The Spark DDL of a view (NOT NULL where formats/spark.md says so)."""
-    names = {pa.int32(): "INT", pa.int64(): "BIGINT", pa.binary(): "BINARY",
-             pa.string(): "STRING", pa.bool_(): "BOOLEAN"}  # fmt: skip
-    cols = _COMMON + (_HISTORY if view == "history" else [])
-    return ", ".join(f"{n} {names[t]}{'' if null else ' NOT NULL'}" for n, t, null in cols)
+    return ddl_of(_columns(view))
 
 
-def _i64(v: int) -> int:
-    return v - _TWO64 if v > _I64_MAX else v
-
-
-def _text(b: bytes) -> str | None:
-    try:
-        return b.decode()
-    except UnicodeDecodeError:
-        return None
-
-
-class _Columns:
-    """Column lists filled row by row, turned into a RecordBatch every BATCH_ROWS."""
+class _Columns(Buffer):
+    """A view's rows, from segment records."""
 
     def __init__(self, view: str) -> None:
+        super().__init__(arrow_schema(view))
         self.view = view
-        self.schema = arrow_schema(view)
-        self.cols: list[list[Any]] = [[] for _ in self.schema]
 
-    def __len__(self) -> int:
-        return len(self.cols[0])
-
-    def add(self, p: int, rec: Record, backup_id: str = "", lost: bool = False) -> None:
+    def add_record(self, p: int, rec: Record, backup_id: str = "", lost: bool = False) -> None:
         op, seq, rev, cas, flags, exp, dtime, dt, key, value = rec
         key, value = bytes(key), bytes(value)
-        row: list[Any] = [p, key, _text(key), seq, _i64(rev), _i64(cas), flags, exp, dt,
-                          op != 0x57, value, _text(value) if dt & 7 == 1 else None]  # fmt: skip
+        row: list[Any] = [p, key, text(key), seq, i64(rev), i64(cas), flags, exp, dt,
+                          op != 0x57, value, text(value) if dt & 7 == 1 else None]  # fmt: skip
         if self.view == "history":
             row += [OPS.get(op, f"0x{op:02x}"), dtime, backup_id, lost]
-        for col, v in zip(self.cols, row, strict=True):
-            col.append(v)
-
-    def take(self) -> pa.RecordBatch:
-        batch = pa.RecordBatch.from_arrays(
-            [pa.array(c, type=f.type) for c, f in zip(self.cols, self.schema, strict=True)],
-            schema=self.schema,
-        )
-        self.cols = [[] for _ in self.schema]
-        return batch
+        self.add(row)
 
 
 def _by_partition(pieces: Iterable[Piece]) -> dict[int, list[Piece]]:
@@ -120,14 +94,14 @@ def read_group(group: Group) -> Iterator[pa.RecordBatch]:
             for rec in sorted(latest.values(), key=lambda r: r[1]):
                 if rec[0] != 0x57:
                     continue  # the state drops tombstones
-                cols.add(p, rec)
+                cols.add_record(p, rec)
                 if len(cols) >= BATCH_ROWS:
                     yield cols.take()
     else:
         for piece in group.pieces:
             with SegmentReader(piece.path) as reader:
                 for rec in reader.records():
-                    cols.add(piece.partition, rec, piece.backup_id, rec[1] > piece.cut)
+                    cols.add_record(piece.partition, rec, piece.backup_id, rec[1] > piece.cut)
                     if len(cols) >= BATCH_ROWS:
                         yield cols.take()
     if len(cols):

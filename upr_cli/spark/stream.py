@@ -38,14 +38,12 @@ from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import needs_rollback
 from upr_cli.net.uri import SourceUri
+from upr_cli.spark.arrow import OPS, Buffer, Columns, ddl_of, i64, schema_of, text
 from upr_cli.spark.plan import SparkOptionError, get_option
 
 BATCH_ROWS = 65_536
-_TWO64 = 1 << 64
-_I64_MAX = (1 << 63) - 1
-OPS = {0x57: "mutation", 0x58: "deletion", 0x59: "expiration"}
 
-STREAM_COLUMNS: list[tuple[str, pa.DataType, bool]] = [
+STREAM_COLUMNS: Columns = [
     ("partition", pa.int32(), False),
     ("op", pa.string(), False),
     ("key", pa.binary(), True),
@@ -69,16 +67,12 @@ class StreamRolledBack(UprError):
 
 def stream_schema() -> pa.Schema:
     """The Arrow schema of streamed rows."""
-    return pa.schema([pa.field(n, t, nullable=null) for n, t, null in STREAM_COLUMNS])
+    return schema_of(STREAM_COLUMNS)
 
 
 def stream_ddl() -> str:
     """The Spark DDL of streamed rows."""
-    names = {pa.int32(): "INT", pa.int64(): "BIGINT", pa.binary(): "BINARY",
-             pa.string(): "STRING", pa.bool_(): "BOOLEAN"}  # fmt: skip
-    return ", ".join(
-        f"{n} {names[t]}{'' if null else ' NOT NULL'}" for n, t, null in STREAM_COLUMNS
-    )
+    return ddl_of(STREAM_COLUMNS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,47 +197,22 @@ async def plan_ranges(uri: SourceUri, start: Mapping[int, StreamPosition],
 # -- reading ----------------------------------------------------------------------------------
 
 
-def _i64(v: int) -> int:
-    return v - _TWO64 if v > _I64_MAX else v
-
-
-def _text(b: bytes) -> str | None:
-    try:
-        return b.decode()
-    except UnicodeDecodeError:
-        return None
-
-
 def read_ranges(source: str, ranges: list[Range]) -> Iterator[pa.RecordBatch]:
     """In a task: stream the ranges and yield Arrow batches (markers first)."""
-    schema = stream_schema()
-    cols: list[list[Any]] = [[] for _ in schema]
-
-    def take() -> pa.RecordBatch:
-        nonlocal cols
-        batch = pa.RecordBatch.from_arrays(
-            [pa.array(c, type=f.type) for c, f in zip(cols, schema, strict=True)], schema=schema
-        )
-        cols = [[] for _ in schema]
-        return batch
-
+    buf = Buffer(stream_schema())
     for r in ranges:
         if r.rollback_to is not None:
-            row = [r.partition, "rollback", None, None, r.rollback_to, None, None, None, None,
-                   None, False, None, None, str(r.start.uuid)]  # fmt: skip
-            for c, v in zip(cols, row, strict=True):
-                c.append(v)
+            buf.add([r.partition, "rollback", None, None, r.rollback_to, None, None, None, None,
+                     None, False, None, None, str(r.start.uuid)])  # fmt: skip
     rows = asyncio.run(_stream(SourceUri.parse(source), ranges))
     for op, p, seq, rev, cas, flags, exp, _dt, dtype, key, value, uuid in rows:
-        js = _text(value) if dtype & 7 == 1 else None
-        row = [p, OPS.get(op, f"0x{op:02x}"), key, _text(key), seq, _i64(rev), _i64(cas), flags,
-               exp, dtype, op != 0x57, value, js, uuid]  # fmt: skip
-        for c, v in zip(cols, row, strict=True):
-            c.append(v)
-        if len(cols[0]) >= BATCH_ROWS:
-            yield take()
-    if cols[0]:
-        yield take()
+        js = text(value) if dtype & 7 == 1 else None
+        buf.add([p, OPS.get(op, f"0x{op:02x}"), key, text(key), seq, i64(rev), i64(cas), flags,
+                 exp, dtype, op != 0x57, value, js, uuid])  # fmt: skip
+        if len(buf) >= BATCH_ROWS:
+            yield buf.take()
+    if len(buf):
+        yield buf.take()
 
 
 async def _stream(uri: SourceUri, ranges: list[Range]) -> list[tuple[Any, ...]]:
