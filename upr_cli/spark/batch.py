@@ -15,7 +15,6 @@ import pyarrow as pa
 
 from upr_cli.segments import Record, SegmentReader
 from upr_cli.spark.arrow import OPS, Columns, ddl_of, i64, schema_of, text
-
 from upr_cli.spark.plan import Group, Piece
 
 BATCH_ROWS = 65_536
