@@ -280,3 +280,20 @@ def test_a_snapshot_larger_than_max_pending_commits_inside_it(
     stats = run(replay_node(SourceUri.parse(node.uri), db, max_pending=500))
     assert stats.commits >= 3  # memory held at most ~max_pending rows at a time
     assert store_rows(db) == node_rows(node.uri)
+
+
+def test_a_full_backup_on_the_same_history_makes_nothing_lost(node: Node, tmp_path: Path) -> None:
+    """After `backup --full` of an unchanged history, the older backups' records are not
+    lost writes (formats/repository.md §8.3): salvage and examine find none."""
+    repo = tmp_path / "repo"
+    upr("load", node.uri, "--docs", "600", "--update-ratio", "0.3", "--delete-ratio", "0.2")
+    wait_persisted(node.uri)
+    upr("backup", node.uri, "--repo", str(repo))
+    upr("load", node.uri, "--docs", "200", "--update-ratio", "0.5", "--seed", "2")
+    wait_persisted(node.uri)
+    upr("backup", node.uri, "--repo", str(repo))
+    upr("backup", node.uri, "--repo", str(repo), "--full")
+    out = json.loads(upr("salvage", "--repo", str(repo), "--to", node.uri, "--json").stdout)
+    assert out["lost_writes"] == 0
+    versions = json.loads(upr("examine", "--repo", str(repo), "doc-000000001", "--json").stdout)
+    assert versions and not any(v["lost"] for v in versions["versions"])

@@ -27,6 +27,7 @@ from upr_cli.repo import (
     coverage_gaps,
     cut,
     format_segment_name,
+    lost_cut,
     lost_ranges,
     plan_state,
     resume_point,
@@ -131,6 +132,16 @@ def test_a_gap_and_a_full_backup_that_heals_it() -> None:
     assert coverage_gaps(chain, 0) == [SeqRange(bid(2), 100, 120)]  # the chain has a hole
     assert coverage_gaps(chain, 0, at=bid(3)) == []  # but the state at 3 does not need it
     assert [s.backup_id for s in plan_state(chain, at=bid(3), partition=0)] == [bid(3)]
+    # the full backup carries on the same history: nothing the older ones hold is lost
+    assert lost_ranges(chain, 0) == []
+    assert lost_cut(chain, 0, bid(1), bid(3)) == 120  # b2 started at 120; b3 agrees for ever
+    assert lost_cut(chain, 0, bid(2), bid(3)) == NO_CUT
+    # a full backup of a source that failed over at 90 (new branch C): above 90 is lost
+    log_c = FailoverLog.of([(0xC, 90), (0xA, 0)])
+    chain[-1] = backup(3, None, entry(0, 0, 140, [r(1, 140)], log_c))
+    assert lost_ranges(chain, 0) == [SeqRange(bid(1), 90, 100), SeqRange(bid(2), 120, 130)]
+    # ... and one whose log does not know the older branch at all: all of it is lost
+    chain[-1] = backup(3, None, entry(0, 0, 140, [r(1, 140)], FailoverLog.of([(0xD, 0)])))
     assert lost_ranges(chain, 0) == [SeqRange(bid(1), 0, 100), SeqRange(bid(2), 120, 130)]
 
 
@@ -220,6 +231,17 @@ def brute_cut(chain: Chain, p: int, j: int, k: int) -> int | None:
     return min(starts) if starts else None
 
 
+def brute_lost_cut(chain: Chain, p: int, j: int, k: int) -> int | None:
+    """§8.3 literally, for these chains (every backup on branch A): a later backup that
+    started above 0 agrees up to its start; one from 0 carries branch A on (∞)."""
+    starts = [
+        e.start_seq
+        for m in chain.manifests[j + 1 : k + 1]
+        if (e := m.partition(p)) is not None and e.start_seq > 0
+    ]  # fmt: skip
+    return min(starts) if starts else None
+
+
 def brute_state(chain: Chain, p: int, k: int) -> set[tuple[BackupId, int]]:
     out = set()
     for j, m in enumerate(chain.manifests[: k + 1]):
@@ -267,10 +289,11 @@ def test_lost_ranges_and_gaps_equal_the_definition(chain: Chain, k: int, p: int)
     lost, covered = set(), set()
     for j, e in held:
         c = brute_cut(chain, p, j, k)
+        lc = brute_lost_cut(chain, p, j, k)
         for x in range(e.start_seq + 1, e.end_seq + 1):
             if c is None or x <= c:
                 covered.add(x)
-            else:
+            if lc is not None and x > lc:
                 lost.add((chain.manifests[j].backup_id, x))
     got_lost = {
         (r.backup_id, x)

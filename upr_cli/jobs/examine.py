@@ -16,7 +16,7 @@ from typing import Any
 from upr_cli.errors import UsageError
 from upr_cli.jobs.inspect import open_bucket
 from upr_cli.net.bootstrap import partition_of
-from upr_cli.repo import cut
+from upr_cli.repo import lost_cut
 from upr_cli.segments import SegmentReader
 
 OPS = {0x57: "mutation", 0x58: "deletion", 0x59: "expiration"}
@@ -77,7 +77,7 @@ def examine(
         entry = m.partition(p)
         if entry is None:
             continue
-        c = cut(manifests, p, m.backup_id, latest)
+        c = lost_cut(manifests, p, m.backup_id, latest)
         for seg in entry.segments:
             with SegmentReader(repo.segment_path(b, m.backup_id, seg.file)) as reader:
                 for op, seq, rev, cas, flags, exp, _dt, dtype, k, value in reader.records():

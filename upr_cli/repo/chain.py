@@ -126,13 +126,49 @@ def plan_state(manifests: Sequence[Manifest], *, at: BackupId, partition: int) -
     return steps
 
 
+def _agreement(j: PartitionEntry, later: PartitionEntry) -> int:
+    """How far `later`'s history agrees with j's (formats/repository.md §8.3).
+
+    A later backup that started above 0 says it exactly: its start is where the source
+    put it (the previous end, or a rollback point). One that started at 0 (a full backup,
+    a merge, a rollback to 0) says nothing by its start; its failover log does: j's
+    branch (j's uuid) followed until the next newer entry, or for ever when it is still
+    the latest. A branch the log does not know agrees nowhere (0).
+    """
+    if later.start_seq > 0:
+        return later.start_seq
+    entries = later.failover_log.entries
+    i = next((i for i, e in enumerate(entries) if e.uuid == j.uuid), None)
+    if i is None:
+        return 0
+    return NO_CUT if i == 0 else entries[i - 1].seq
+
+
+def _lost_cuts(held: list[tuple[BackupId, PartitionEntry]]) -> list[int]:
+    """lost_cut(J, K) for each J in `held`, K being the last."""
+    return [
+        min((_agreement(e, later) for _b, later in held[i + 1 :]), default=NO_CUT)
+        for i, (_bid, e) in enumerate(held)
+    ]
+
+
+def lost_cut(manifests: Sequence[Manifest], partition: int, j: BackupId, k: BackupId) -> int:
+    """lost_cut(J, K): J's records above it are lost writes at K (§8.3); `NO_CUT` if none."""
+    held = _holding(manifests, partition, k)
+    for (bid, _e), c in zip(held, _lost_cuts(held), strict=True):
+        if bid == j:
+            return c
+    return NO_CUT
+
+
 def lost_ranges(
     manifests: Sequence[Manifest], partition: int, *, at: BackupId | None = None
 ) -> list[SeqRange]:
-    """Per backup, the seqs (from, to] above its cut at `at` (default: newest): lost writes."""
+    """Per backup, the seqs (from, to] above its lost cut at `at` (default: newest): the
+    writes the history that continued does not have (§8.3)."""
     held = _holding(manifests, partition, at)
     out = []
-    for (bid, entry), c in zip(held, _cuts(held), strict=True):
+    for (bid, entry), c in zip(held, _lost_cuts(held), strict=True):
         low = max(c, entry.start_seq)
         if low < entry.end_seq:
             out.append(SeqRange(bid, low, entry.end_seq))

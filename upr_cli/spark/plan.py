@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from upr_cli.errors import UprError, UsageError
-from upr_cli.repo import NO_CUT, BackupId, Manifest, Repository, cut, plan_state
+from upr_cli.repo import NO_CUT, BackupId, Manifest, Repository, lost_cut, plan_state
 
 VIEWS = ("state", "history")
 DEFAULT_PARTITIONS = 16
@@ -130,7 +130,7 @@ def plan(opts: ReadOptions, manifests: list[Manifest]) -> list[Group]:
             entry = m.partition(p)
             if entry is None:
                 continue
-            c = cut(ms, p, m.backup_id, at)
+            c = lost_cut(ms, p, m.backup_id, at)
             units += [(Piece(p, str(m.backup_id), path(m.backup_id, seg.file), NO_CUT, c,
                              seg.bytes),) for seg in entry.segments]  # fmt: skip
     return balance(units, opts.num_partitions, opts.view)
