@@ -184,9 +184,22 @@ def test_merge_equals_the_chain_and_restores_the_same(
     with Store(chain_db, create=False) as a, Store(merged_db, create=False) as b:
         assert list(a.documents()) == list(b.documents())  # tombstones included
         assert a.positions() == b.positions()
-    # a merge through an older backup is refused, naming the option
-    with pytest.raises(Exception, match="not the newest backup"):
-        merge(spark, copy, through=before[0])
+    # through an older backup: the merge sorts right after it, the later backups go on
+    # from it as they did from that backup (formats/repository.md §8.6)
+    at_b1 = tmp_path / "at-b1.db"
+    upr("restore", "--repo", str(copy), "--at", before[1], f"sqlite:{at_b1}")
+    older = merge(spark, copy, through=before[1])
+    ids = [str(m.backup_id) for m in Repository(copy).manifests("default")]
+    assert ids.index(older.backup_id) == ids.index(before[1]) + 1
+    upr("verify", "--repo", str(copy))  # the chain (parents, gaps) still holds
+    merged_b1 = tmp_path / "merged-b1.db"
+    upr("restore", "--repo", str(copy), "--at", older.backup_id, f"sqlite:{merged_b1}")
+    latest_db = tmp_path / "latest-after.db"
+    upr("restore", "--repo", str(copy), f"sqlite:{latest_db}")
+    with Store(at_b1, create=False) as a, Store(merged_b1, create=False) as b:
+        assert list(a.documents()) == list(b.documents())
+    with Store(chain_db, create=False) as a, Store(latest_db, create=False) as b:
+        assert list(a.documents()) == list(b.documents())  # the newest state is unchanged
 
 
 def test_streaming_converges_and_survives_a_sigkill_with_rollback_rows(

@@ -103,7 +103,8 @@ ordinary segment per partition into a new backup directory; the manifest is comm
 only after every task succeeded, so a failed merge leaves nothing visible. The merged
 backup is a full backup: `upr info` lists it, and restoring it equals restoring the
 chain at --through. The older backups stay (their records are kept, never deleted).
---through must be the newest backup for now.
+Through an older backup B, the merge sorts right after B and the backups after B go on
+from it (formats/repository.md §8.6): every state is unchanged.
 
 Example:
 
@@ -119,7 +120,7 @@ Example (on a cluster, the repository on shared storage):
 def merge_cmd(
     repo: Annotated[Path, typer.Option("--repo", help="Repository directory.")],
     through: Annotated[
-        str, typer.Option("--through", help="The backup to merge through (latest).")
+        str, typer.Option("--through", help="The backup to merge through (an id, latest, oldest).")
     ] = "latest",
     bucket: Annotated[
         str | None, typer.Option("--bucket", help="The bucket in the repository (if several).")

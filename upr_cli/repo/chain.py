@@ -208,9 +208,12 @@ def coverage_gaps(
 def broken_parents(manifests: Sequence[Manifest]) -> list[ParentMismatch]:
     """Incremental backups whose parent is not the backup just before them in the chain."""
     out = []
-    previous: BackupId | None = None
+    previous: Manifest | None = None
     for m in ordered(manifests):
-        if not m.full and m.parent != previous:
-            out.append(ParentMismatch(m.backup_id, previous, m.parent))
-        previous = m.backup_id
+        # a merge stands in for the backup it merges through (formats/repository.md §8.6)
+        allowed = set() if previous is None else {previous.backup_id, previous.merged_through}
+        if not m.full and m.parent not in allowed:
+            before = None if previous is None else previous.backup_id
+            out.append(ParentMismatch(m.backup_id, before, m.parent))
+        previous = m
     return out

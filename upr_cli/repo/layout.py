@@ -265,15 +265,18 @@ class Repository:
         scan = self._scan(bucket)
         return BackupId.now(after=scan[-1].backup_id if scan else None)
 
-    def new_backup_dir(self, bucket: str, backup_id: BackupId) -> Path:
-        """Create (or reuse, when uncommitted) the directory of backup `backup_id`."""
+    def new_backup_dir(
+        self, bucket: str, backup_id: BackupId, *, after: BackupId | None = None
+    ) -> Path:
+        """Create (or reuse, when uncommitted) the directory of backup `backup_id`.
+
+        It must be newer than every committed backup, or, for a merge standing in for
+        the committed backup `after` (§8.6), sort right after it: newer than `after`
+        and older than every committed backup after `after`.
+        """
         self.info()
         committed = self.committed(bucket)
-        if committed and backup_id <= committed[-1]:
-            raise RepositoryError(
-                f"{self.backup_dir(bucket, backup_id)}: backup id {backup_id} is not newer "
-                f"than the committed backup {committed[-1]}"
-            )
+        self._check_place(bucket, backup_id, after, committed)
         bdir = self.bucket_dir(bucket)
         if not bdir.is_dir():
             try:
@@ -292,6 +295,27 @@ class Repository:
         self.ops.fsync_dir(bdir)
         return d
 
+    def _check_place(self, bucket: str, backup_id: BackupId, after: BackupId | None,
+                     committed: list[BackupId]) -> None:  # fmt: skip
+        """A new backup's id is newest; a merge's sorts right after the backup it merges
+        through (formats/repository.md §8.6)."""
+        where = self.backup_dir(bucket, backup_id)
+        if after is None:
+            if committed and backup_id <= committed[-1]:
+                raise RepositoryError(
+                    f"{where}: backup id {backup_id} is not newer than the committed backup "
+                    f"{committed[-1]}"
+                )
+            return
+        if after not in committed:
+            raise RepositoryError(f"{where}: merges through {after}, which is not committed")
+        between = [c for c in committed if after < c <= backup_id]
+        if backup_id <= after or between:
+            raise RepositoryError(
+                f"{where}: a merge through {after} must sort right after it"
+                + (f" (backup {between[0]} is in between)" if between else "")
+            )
+
     def write_manifest(self, manifest: Manifest) -> Path:
         """Commit a backup: check its segments and place in the chain, write copy, then manifest."""
         self.info()
@@ -304,10 +328,7 @@ class Repository:
             raise RepositoryError(f"{path}: backup {bid} is already committed")
         committed = self.committed(bucket)
         newest = committed[-1] if committed else None
-        if newest is not None and bid <= newest:
-            raise RepositoryError(
-                f"{path}: backup {bid} is not newer than the committed backup {newest}"
-            )
+        self._check_place(bucket, bid, manifest.merged_through, committed)
         if not manifest.full and manifest.parent != newest:
             raise RepositoryError(
                 f"{path}: parent {manifest.parent} is not the newest committed backup {newest}"

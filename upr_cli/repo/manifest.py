@@ -342,6 +342,7 @@ class Manifest:
     parent: BackupId | None
     partitions: tuple[PartitionEntry, ...]
     totals: Totals
+    merged_through: BackupId | None = None  # a merge standing in for that backup (§8.6)
     _index: dict[int, PartitionEntry] = field(
         init=False, repr=False, compare=False, hash=False, default_factory=dict
     )
@@ -373,6 +374,16 @@ class Manifest:
             )
         if self.parent is not None and not self.parent < self.backup_id:
             raise _fail(f"parent {self.parent} is not older than backup {self.backup_id}")
+        if self.merged_through is not None:
+            if not isinstance(self.merged_through, BackupId):
+                raise _fail("merged_through must be a BackupId or None")
+            if not self.full:
+                raise _fail("a merge (merged_through) is a full backup")
+            if not self.merged_through < self.backup_id:
+                raise _fail(
+                    f"merged_through {self.merged_through} is not older than backup "
+                    f"{self.backup_id}"
+                )
         object.__setattr__(self, "partitions", tuple(self.partitions))
         last = -1
         for e in self.partitions:
@@ -426,13 +437,17 @@ class Manifest:
             "parent": None if self.parent is None else self.parent.format(),
             "partitions": [e.to_json() for e in self.partitions],
             "totals": self.totals.to_json(),
-        }
+        } | (
+            {} if self.merged_through is None else {"merged_through": self.merged_through.format()}
+        )
 
     @classmethod
     def from_json(cls, data: Any) -> Manifest:
         """Parse `to_json` output (no checksum key); anything else raises RepositoryError."""
-        keys = ("format", "version", "backup_id", "bucket", "source", "started", "finished",
-                "full", "parent", "partitions", "totals")  # fmt: skip
+        keys: tuple[str, ...] = ("format", "version", "backup_id", "bucket", "source", "started",
+                                 "finished", "full", "parent", "partitions", "totals")  # fmt: skip
+        if isinstance(data, dict) and "merged_through" in data:  # optional (§8.6)
+            keys = (*keys, "merged_through")
         o = _Obj(data, "manifest", keys)
         if o.get("format") != MANIFEST_FORMAT:
             raise _fail(f"format {o.get('format')!r} is not {MANIFEST_FORMAT!r}")
@@ -457,6 +472,7 @@ class Manifest:
             None if parent is None else BackupId.parse(o.string("parent")),
             partitions,
             Totals.from_json(o.get("totals")),
+            BackupId.parse(o.string("merged_through")) if "merged_through" in keys else None,
         )
 
     def dumps(self) -> bytes:

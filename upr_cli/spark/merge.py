@@ -12,22 +12,24 @@ segments' infos. Only after every task succeeded does the driver write the manif
 and last snapshot taken from the chain's resume point at B. A failed or interrupted
 merge leaves an uncommitted directory that the next backup or merge sweeps.
 
-Merging through the newest backup is supported. Through an older one the merged
-backup would have to sit between B and the backups after it; that needs a manifest
-field saying which backup it stands in for, and is refused for now.
+Through the newest backup, the merge is simply the newest backup. Through an older one
+B it sorts right after B (B's id plus one microsecond) and records `merged_through: B`:
+the backups after B continue from it as they did from B (formats/repository.md §8.6),
+so the chain's state at every later backup is unchanged.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog
 from upr_cli.repo import (
+    BackupId,
     Manifest,
     PartitionEntry,
     Repository,
@@ -123,19 +125,21 @@ def merge(spark: Any, repo_dir: Path, *, through: str = "latest",
     opts, manifests = parse_options(
         {"path": str(repo_dir), "at": through} | ({"bucket": bucket} if bucket else {})
     )
-    if opts.at != str(manifests[-1].backup_id):
-        raise UsageError(
-            f"--through: {opts.at} is not the newest backup ({manifests[-1].backup_id}); "
-            "merging through an older backup is not supported yet"
-        )
     repo = Repository(opts.repo)
     with RepositoryLock(repo, opts.bucket) as lock:
-        manifests = repo.manifests(opts.bucket)  # re-read under the lock
-        if str(manifests[-1].backup_id) != opts.at:
-            raise UsageError(f"--through: a backup newer than {opts.at} was committed meanwhile")
-        backup_id = repo.next_backup_id(opts.bucket)
+        manifests = [m for m in repo.manifests(opts.bucket) if str(m.backup_id) <= opts.at]
+        b_id = manifests[-1].backup_id
+        if str(b_id) != opts.at:
+            raise UsageError(f"--through: backup {opts.at} is no longer committed")
+        newest = repo.committed(opts.bucket)[-1]
+        after: BackupId | None = None
+        if b_id == newest:
+            backup_id = repo.next_backup_id(opts.bucket)
+        else:  # sorts right after B, before the backups that continue from B (§8.6)
+            backup_id = BackupId(b_id.time + timedelta(microseconds=1))
+            after = b_id
         repo.sweep(opts.bucket, backup_id, lock)
-        directory = repo.new_backup_dir(opts.bucket, backup_id)
+        directory = repo.new_backup_dir(opts.bucket, backup_id, after=after)
         specs: dict[int, PartitionSpec] = {}
         for p in opts.partitions:
             rp = resume_point(manifests, p)
@@ -166,6 +170,7 @@ def merge(spark: Any, repo_dir: Path, *, through: str = "latest",
             backup_id=backup_id, bucket=opts.bucket, source=source, started=now, finished=now,
             full=True, parent=None, partitions=tuple(entries),
             totals=Totals.derive(entries, sum(i["raw_bytes"] for i in infos)),
+            merged_through=after,
         )  # fmt: skip
         repo.write_manifest(manifest)
     return MergeSummary(str(backup_id), opts.at, len(manifests), len(entries),
