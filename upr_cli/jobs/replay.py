@@ -626,10 +626,10 @@ def replay_repo(
     """
     from upr_cli.failover import needs_rollback
     from upr_cli.jobs.inspect import open_bucket
-    from upr_cli.jobs.restore import prefetch
-    from upr_cli.jobs.state import partition_state, select
+    from upr_cli.jobs.restore import states_ahead
+    from upr_cli.jobs.state import select
     from upr_cli.repo import resume_point
-    from upr_cli.segments import Record, SegmentError
+    from upr_cli.segments import SegmentError
 
     say = on_event or (lambda _m: None)
     repo, b, manifests = open_bucket(repo_dir, bucket)
@@ -637,13 +637,6 @@ def replay_repo(
     chain = [m for m in manifests if m.backup_id <= sel.backup_id]
     stats = ReplayStats(f"repo:{repo_dir}@{sel.backup_id}", str(db_path), "snapshot")
     stats.partitions = len(sel.partitions)
-
-    def read(p: int) -> list[Record] | SegmentError:
-        try:
-            state = partition_state(repo, b, manifests, sel.backup_id, p)
-        except SegmentError as exc:
-            return exc
-        return sorted(state.values(), key=lambda r: r[1])
 
     work: list[tuple[int, list[Row], StreamPosition, FailoverLog | None]] = []
     queued = [0]  # rows in `work`
@@ -659,7 +652,7 @@ def replay_repo(
             if on_progress is not None:
                 on_progress(stats)
 
-        for p, records in prefetch(read, sel.partitions):
+        for p, records in states_ahead(repo, b, manifests, sel):
             if isinstance(records, SegmentError):
                 raise records
             rp = resume_point(chain, p)

@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from upr_cli.jobs.inspect import open_bucket
-from upr_cli.jobs.state import partition_state, select
+from upr_cli.jobs.state import Selection, partition_state, select
 from upr_cli.net.bootstrap import connect
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
 from upr_cli.protocol.messages import DelWithMeta, Get, SetWithMeta
 from upr_cli.protocol.status import Status
+from upr_cli.repo import Manifest, Repository
 from upr_cli.segments import Record, SegmentError
 
 T = TypeVar("T")
@@ -75,6 +76,22 @@ def prefetch(
     finally:
         stop.set()
         t.join()
+
+
+def states_ahead(
+    repo: Repository, bucket: str, manifests: Sequence[Manifest], sel: Selection
+) -> Generator[tuple[int, list[Record] | SegmentError], None, None]:
+    """(partition, its state's records by seq, or the SegmentError reading it) for every
+    selected partition, read on a `prefetch` thread ahead of the caller."""
+
+    def read(p: int) -> list[Record] | SegmentError:
+        try:
+            state = partition_state(repo, bucket, manifests, sel.backup_id, p)
+        except SegmentError as exc:
+            return exc
+        return sorted(state.values(), key=lambda r: r[1])
+
+    return prefetch(read, sel.partitions)
 
 
 # Rows gathered across partitions before one store transaction: bounds memory by rows,
@@ -306,15 +323,8 @@ def restore_to_store(
         if on_progress is not None:
             on_progress(summary)
 
-    def read(p: int) -> list[Record] | SegmentError:
-        try:
-            state = partition_state(repo, b, manifests, sel.backup_id, p)
-        except SegmentError as exc:
-            return exc
-        return sorted(state.values(), key=lambda r: r[1])
-
     try:
-        for p, records in prefetch(read, sel.partitions):
+        for p, records in states_ahead(repo, b, manifests, sel):
             if isinstance(records, SegmentError):
                 if not skip_corrupt:
                     raise records
