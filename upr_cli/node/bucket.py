@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -25,12 +26,32 @@ from pathlib import Path
 from upr_cli.failover import FailoverLog, new_uuid
 from upr_cli.node.partition import ACTIVE, Partition
 from upr_cli.node.storage import DocRow, NodeStorage, PartitionRecord
-from upr_cli.protocol.status import KeyExists, KeyNotFound, NotMyVbucket
+from upr_cli.protocol.status import (
+    InvalidArguments,
+    KeyExists,
+    KeyNotFound,
+    NotMyVbucket,
+    Status,
+    StatusError,
+)
+
+
+class StaleCas(StatusError):
+    """KEY_EEXISTS for a state command whose bucket CAS is stale (formats/cluster.md)."""
+
+    status = int(Status.KEY_EEXISTS)
+    retriable = True
+
 
 log = logging.getLogger(__name__)
 
 FLUSH_CHUNK = 50_000  # docs per transaction at most
 _MISSING = object()
+
+
+def _new_cas() -> int:
+    """A fresh, non-zero bucket CAS."""
+    return random.getrandbits(63) or 1
 
 
 def checked_datatype(datatype: int, value: bytes) -> int:
@@ -73,6 +94,12 @@ class Bucket:
         self._disk_gen = 0
         self._prefetched: dict[tuple[int, bytes], DocRow | None] = {}
         self._prefetched_gen = -1
+        # Partition-state control (seed 000 "ordering of partition state transitions";
+        # formats/cluster.md): one CAS for the bucket, new at every start and after every
+        # accepted state command; the cluster map an orchestrator set, with its revision.
+        self.state_cas = _new_cas()
+        self._map_path = data_dir / f"{name}.cluster-map.json"
+        self.cluster_map: dict[str, object] | None = None
 
     # -- life cycle -------------------------------------------------------------
 
@@ -101,6 +128,8 @@ class Bucket:
                 "bucket %s: partition %d on disk beyond --partitions, ignored", self.name, vb
             )
         self.started_unclean = not clean and not fresh
+        if self._map_path.exists():
+            self.cluster_map = json.loads(self._map_path.read_text(encoding="utf-8"))
         if changed:
             self.storage.save_partitions(changed)
         self.storage.set_clean_shutdown(False)
@@ -119,6 +148,58 @@ class Bucket:
         self._pool.shutdown(wait=True)
         self._lookup.close()
         self.storage.close()
+
+    # -- partition-state control (formats/cluster.md) ---------------------------------
+
+    @property
+    def map_rev(self) -> int:
+        """The revision of the cluster map held (0: none set)."""
+        rev = (self.cluster_map or {}).get("rev", 0)
+        return rev if isinstance(rev, int) else 0
+
+    def check_control(self, cas: int, rev: int) -> None:
+        """A state command must carry the bucket CAS and a map revision not older than the
+        node's: a stale CAS is KEY_EEXISTS (the response carries the right CAS; retry), an
+        older revision is refused (a newer orchestrator has taken over: fencing)."""
+        if cas != self.state_cas:
+            raise StaleCas(f"bucket CAS {cas} is stale; the current one is in this response")
+        if rev < self.map_rev:
+            raise InvalidArguments(f"map revision {rev} is older than this node's {self.map_rev}")
+
+    def set_cluster_map(self, cas: int, config: dict[str, object]) -> int:
+        """Store a newer cluster map (persisted atomically); returns the new bucket CAS."""
+        rev = config.get("rev")
+        if not isinstance(rev, int) or isinstance(rev, bool) or rev < 1:
+            raise InvalidArguments("a cluster map needs an integer rev ≥ 1")
+        self.check_control(cas, rev)
+        if rev == self.map_rev:
+            raise InvalidArguments(f"map revision {rev} is not newer than this node's")
+        tmp = self._map_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(config), encoding="utf-8")
+        tmp.replace(self._map_path)
+        self.cluster_map = config
+        self.state_cas = _new_cas()
+        return self.state_cas
+
+    async def set_partition_state(self, vb: int, state: str, *, cas: int, rev: int,
+                                  failover: bool = False) -> int:  # fmt: skip
+        """Change a partition's state (persisted before the answer); returns the new CAS.
+
+        `failover` on a promotion to active adds a failover entry at the partition's last
+        persisted complete snapshot (seed 000 "How ns_server performs failover").
+        """
+        if not 0 <= vb < self.num_partitions:
+            raise NotMyVbucket(f"partition {vb} does not exist")
+        self.check_control(cas, rev)
+        part = self.partitions[vb]
+        if failover and state == ACTIVE:
+            await self.flush()
+            seq = part.snap_end if part.persisted_seq == part.snap_end else part.snap_start
+            part.failover = part.failover.add_entry(new_uuid(), min(seq, part.persisted_seq))
+        part.state = state
+        await self.persist_state([part])
+        self.state_cas = _new_cas()
+        return self.state_cas
 
     # -- reads ---------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from upr_cli.net.scram import (
     make_credential,
     parse_plain,
 )
-from upr_cli.node.bucket import Bucket
+from upr_cli.node.bucket import Bucket, StaleCas
 from upr_cli.node.partition import ACTIVE, STATE_CODES
 from upr_cli.node.producer import (
     OPEN_PRODUCER,
@@ -76,6 +76,8 @@ from upr_cli.protocol.messages import (
     SaslStep,
     SelectBucket,
     Set,
+    SetClusterConfig,
+    SetVbucket,
     SetWithMeta,
     Stat,
     StatResponse,
@@ -218,7 +220,10 @@ class NodeServer:
             self.sessions.discard(session)
 
     def cluster_config(self, bucket: Bucket) -> dict[str, Any]:
-        """Terse single-node bucket config (dcp-wire §5.5)."""
+        """The cluster map an orchestrator set (formats/cluster.md), else a terse
+        single-node bucket config (dcp-wire §5.5)."""
+        if bucket.cluster_map is not None:
+            return bucket.cluster_map
         port = self.port
         return {
             "rev": self.rev,
@@ -361,7 +366,7 @@ class ClientSession:
             try:
                 self.fast_store(frame)
             except StatusError as exc:
-                self.send(error_response(frame.opcode, frame.opaque, exc.code, str(exc)))
+                self.error_reply(frame, exc)
             return
         try:
             msg = decode_message(frame)
@@ -373,6 +378,20 @@ class ClientSession:
         except RollbackTo as rb:
             self.send(StreamRequestRollback(opaque=msg.opaque, rollback_seqno=rb.seq))
         except StatusError as exc:
+            self.error_reply(frame, exc)
+
+    def error_reply(self, frame: Frame, exc: StatusError) -> None:
+        """The response to a refused request (formats/cluster.md for the first two)."""
+        if isinstance(exc, StaleCas) and self.bucket is not None:
+            # the right bucket CAS in the header: the orchestrator retries with it (seed 000)
+            self.send(Response(opcode=frame.opcode, opaque=frame.opaque, status=exc.code,
+                               cas=self.bucket.state_cas, value=str(exc).encode()))  # fmt: skip
+        elif exc.code == Status.NOT_MY_VBUCKET and self.bucket is not None:
+            # the cluster map travels with NOT_MY_VBUCKET (dcp-wire §3)
+            body = json.dumps(self.server.cluster_config(self.bucket)).encode()
+            self.send(Response(opcode=frame.opcode, opaque=frame.opaque, status=exc.code,
+                               value=body, datatype=1))  # fmt: skip
+        else:
             self.send(error_response(frame.opcode, frame.opaque, exc.code, str(exc)))
 
     def fast_store(self, frame: Frame) -> None:
@@ -387,6 +406,29 @@ class ClientSession:
                                             bucket.partitions[vb].uuid, doc.seq))  # fmt: skip
         else:
             self.send(encode_store_response(frame.opcode, frame.opaque, doc.cas))
+
+    def need_admin_bucket(self) -> Bucket:
+        """The selected bucket, for a state command (an authenticated session)."""
+        if not self.authenticated:
+            raise AccessDenied("authenticate before changing partition states")
+        return self.need_bucket()
+
+    async def set_vbucket(self, msg: SetVbucket) -> None:
+        """SET_VBUCKET (formats/cluster.md): bucket CAS and map revision checked, the state
+        persisted before the answer, whose header carries the new bucket CAS."""
+        bucket = self.need_admin_bucket()
+        states = {code: name for name, code in STATE_CODES.items()}
+        if msg.state not in states:
+            raise InvalidArguments(f"partition state {msg.state} is not 1..4")
+        try:
+            args = json.loads(msg.value) if msg.value else {}
+            rev = int(args.get("rev", 0))
+            failover = bool(args.get("failover", False))
+        except (ValueError, TypeError, AttributeError):
+            raise InvalidArguments('SET_VBUCKET value: {"rev": N, "failover": bool}') from None
+        cas = await bucket.set_partition_state(msg.vbucket, states[msg.state], cas=msg.cas,
+                                               rev=rev, failover=failover)  # fmt: skip
+        self.send(Response(opcode=Opcode.SET_VBUCKET, opaque=msg.opaque, cas=cas))
 
     def need_bucket(self) -> Bucket:
         """The selected bucket, or NO_BUCKET."""
@@ -438,6 +480,21 @@ class ClientSession:
         elif op is Stat:
             assert isinstance(msg, Stat)
             self.stats(msg)
+        elif op is SetVbucket:
+            assert isinstance(msg, SetVbucket)
+            await self.set_vbucket(msg)
+        elif op is SetClusterConfig:
+            assert isinstance(msg, SetClusterConfig)
+            bucket = self.need_admin_bucket()
+            try:
+                config = json.loads(msg.value)
+            except ValueError:
+                raise InvalidArguments("the cluster map is not JSON") from None
+            if not isinstance(config, dict):
+                raise InvalidArguments("the cluster map is not a JSON object")
+            cas = bucket.set_cluster_map(msg.cas, config)
+            self.server.rev = max(self.server.rev, bucket.map_rev)
+            self.send(Response(opcode=Opcode.SET_CLUSTER_CONFIG, opaque=msg.opaque, cas=cas))
         elif op in (
             Get,
             Set,

@@ -45,6 +45,7 @@ class Opcode(IntEnum):
     REPLACE = 0x03
     DELETE = 0x04
     STAT = 0x10
+    SET_VBUCKET = 0x3D
     HELLO = 0x1F
     SASL_LIST_MECHS = 0x20
     SASL_AUTH = 0x21
@@ -71,6 +72,7 @@ class Opcode(IntEnum):
     GET_FAILOVER_LOG = 0x96
     SET_WITH_META = 0xA2
     DEL_WITH_META = 0xA8
+    SET_CLUSTER_CONFIG = 0xB4
     GET_CLUSTER_CONFIG = 0xB5
     GET_ERROR_MAP = 0xFE
     UPR_BARRIER = 0xE1  # upr extension (formats/barrier.md)

@@ -895,6 +895,27 @@ class SetVbucketState(Request):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SetVbucket(Request):
+    """SET_VBUCKET 0x3d (an orchestrator to a node): extras u8 state (1 active … 4 dead);
+    header CAS = the bucket CAS; value JSON {"rev": N, "failover": bool} (formats/cluster.md)."""
+
+    SCHEMA = Schema(
+        opcodes=(Opcode.SET_VBUCKET,), extras=(layout(("state", "B")),), value=("value", RAW)
+    )
+    state: int
+    value: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SetClusterConfig(Request):
+    """SET_CLUSTER_CONFIG 0xb4: value = the bucket's cluster map JSON; header CAS = the
+    bucket CAS; accepted only when its `rev` is newer than the node's (formats/cluster.md)."""
+
+    SCHEMA = Schema(opcodes=(Opcode.SET_CLUSTER_CONFIG,), value=("value", RAW))
+    value: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Noop(Request):
     """DCP_NOOP 0x5c: no body; the client must answer with the same opaque (§2.12)."""
 
