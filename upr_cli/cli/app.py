@@ -20,6 +20,7 @@ from typer.exceptions import TyperException
 from upr_cli import __version__
 from upr_cli.cli import (
     backup,
+    cluster,
     diff,
     examine,
     inspect,
@@ -77,6 +78,7 @@ replay.register(app)
 diff.register(app)
 salvage.register(app)
 spark.register(app)
+cluster.register(app)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

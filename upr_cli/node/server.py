@@ -568,7 +568,7 @@ class ClientSession:
         self.send(Response(opcode=opcode, opaque=msg.opaque, value=payload))
 
     def stats(self, msg: Stat) -> None:
-        """STAT groups `""`, `vbucket-seqno [vb]` and `failovers [vb]` (§5.7)."""
+        """STAT groups `""`, `vbucket [vb]`, `vbucket-seqno [vb]` and `failovers [vb]` (§5.7)."""
         bucket = self.need_bucket()
         group, _, arg = msg.group.partition(" ")
         parts = sorted(bucket.partitions.items())
@@ -584,6 +584,8 @@ class ClientSession:
                 ("ep_num_vbuckets", str(len(bucket.partitions))),
                 ("bucket", bucket.name),
             ]
+        elif group == "vbucket":  # each partition's state, as Couchbase Server names it
+            pairs = [(f"vb_{vb}", p.state) for vb, p in parts]
         elif group == "vbucket-seqno":
             for vb, p in parts:
                 pairs += [

@@ -1,0 +1,74 @@
+"""`upr cluster init|status|stop|start` on loopback (formats/cluster.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.e2e.conftest import upr
+from tests.e2e.e2e_helpers import run
+from upr_cli.cluster import procs, spec
+from upr_cli.cluster.control import balanced_map
+from upr_cli.net.bootstrap import connect, partition_of
+from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.messages import GetClusterConfig, Set
+from upr_cli.protocol.status import Status
+
+
+async def _probe(uri: str, key: bytes, vb: int) -> tuple[dict[str, object], int, bytes]:
+    s = await connect(SourceUri.parse(uri))
+    try:
+        cfg = await s.conn.request(GetClusterConfig(opaque=s.conn.next_opaque()))
+        r = await s.conn.request(Set(vbucket=vb, key=key, value=b"{}", datatype=1,
+                                     opaque=s.conn.next_opaque()), check=False)  # fmt: skip
+        return json.loads(cfg.value), r.status, getattr(r, "value", b"")
+    finally:
+        await s.conn.aclose()
+
+
+def test_init_status_stop_start(tmp_path: Path) -> None:
+    data = tmp_path / "cl"
+    try:
+        upr("cluster", "init", "--nodes", "3", "--replicas", "1", "--data", str(data),
+            "--partitions", "12")  # fmt: skip
+        cl = spec.load(data)
+        assert (data / "cluster.json").stat().st_mode & 0o777 == 0o600
+        status = json.loads(upr("cluster", "status", "--data", str(data), "--json").stdout)
+        assert [n["states"] for n in status["nodes"]] == [
+            {"active": 4, "replica": 4, "dead": 4} for _ in range(3)
+        ]
+        assert all(n["up"] and n["rev"] == 1 for n in status["nodes"])
+        vbmap = balanced_map(12, 3, 1)
+        key = b"doc-1"
+        vb = partition_of(key, 12)
+        owner = vbmap[vb][0]
+        for i, node in enumerate(cl.nodes):
+            config, code, body = run(_probe(cl.uri(node), key, vb))
+            servers = config["vBucketServerMap"]["serverList"]  # type: ignore[index]
+            assert servers == [f"127.0.0.1:{n.port}" for n in cl.nodes]
+            assert config["vBucketServerMap"]["vBucketMap"] == vbmap  # type: ignore[index]
+            if i == owner:
+                assert code == Status.SUCCESS
+            else:  # not active here: NOT_MY_VBUCKET, the map attached
+                assert code == Status.NOT_MY_VBUCKET and json.loads(body)["rev"] == 1
+        upr("cluster", "stop", "--data", str(data))
+        assert not any(procs.alive(n.pid) for n in spec.load(data).nodes)
+        down = json.loads(upr("cluster", "status", "--data", str(data), "--json").stdout)
+        assert not any(n["up"] for n in down["nodes"])
+        upr("cluster", "start", "--data", str(data))
+        again = json.loads(upr("cluster", "status", "--data", str(data), "--json").stdout)
+        assert [n["states"] for n in again["nodes"]] == [n["states"] for n in status["nodes"]]
+        assert [n["port"] for n in again["nodes"]] == [n.port for n in cl.nodes]
+        bad = upr("cluster", "init", "--nodes", "2", "--data", str(data), check=False)
+        assert bad.returncode == 2 and "a cluster exists here" in bad.stderr
+    finally:
+        if (data / "cluster.json").exists():
+            upr("cluster", "stop", "--data", str(data), check=False)
+
+
+def test_bad_cluster_arguments(tmp_path: Path) -> None:
+    r = upr("cluster", "init", "--nodes", "2", "--replicas", "2", "--data", str(tmp_path / "x"),
+            check=False)  # fmt: skip
+    assert r.returncode == 2 and "needs at least 3 nodes" in r.stderr
+    r = upr("cluster", "status", "--data", str(tmp_path / "none"), check=False)
+    assert r.returncode == 2 and "no cluster here" in r.stderr

@@ -1,0 +1,6 @@
+"""`upr cluster`: several `upr serve` nodes on one machine, one cluster map (issue 7).
+
+`spec` is the cluster file (nodes, ports, credentials); `procs` starts and stops the
+node processes; `control` pushes the map and the partition states with the bucket CAS
+and map revisions of formats/cluster.md; `status` reads every node back.
+"""

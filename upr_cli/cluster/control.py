@@ -1,0 +1,171 @@
+"""Pushing a cluster map and partition states to nodes (formats/cluster.md), and reading
+every node back for `upr cluster status`.
+
+Each node is driven over one authenticated connection, one command at a time: every
+accepted command changes the node's bucket CAS, which the response carries; a refused
+one (KEY_EEXISTS) carries the current CAS and is retried with it (seed 000 "ordering of
+partition state transitions"). A command refused for an older map revision (EINVAL)
+means another orchestrator has a newer map: the push stops with that message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from upr_cli.cluster.spec import HOST, ClusterSpec, NodeSpec
+from upr_cli.errors import UprError
+from upr_cli.net.bootstrap import connect
+from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.messages import GetClusterConfig, SetClusterConfig, SetVbucket
+from upr_cli.protocol.status import Status
+
+STATE_CODES = {"active": 1, "replica": 2, "pending": 3, "dead": 4}
+_RETRIES = 5
+
+
+def _body(resp: Any) -> bytes:
+    """A response's value (every response class here has one, but not the base type)."""
+    return bytes(getattr(resp, "value", b""))
+
+
+class FencedOff(UprError):
+    """A node holds a newer map revision: another orchestrator took over."""
+
+
+def balanced_map(partitions: int, nodes: int, replicas: int) -> list[list[int]]:
+    """Partition p: active on node p mod N, replicas on the next R nodes (balanced)."""
+    if replicas >= nodes:
+        raise UprError(f"{replicas} replicas need at least {replicas + 1} nodes")
+    return [[(p + k) % nodes for k in range(replicas + 1)] for p in range(partitions)]
+
+
+def map_json(spec: ClusterSpec, vbmap: list[list[int]], rev: int) -> dict[str, Any]:
+    """The terse bucket config every node serves (dcp-wire §5.5)."""
+    servers = [f"{HOST}:{n.port}" for n in spec.nodes]
+    return {
+        "rev": rev, "revEpoch": 1, "name": spec.bucket, "nodeLocator": "vbucket",
+        "bucketCapabilities": ["dcp", "cbhello", "cccp", "nodesExt"],
+        "vBucketServerMap": {"hashAlgorithm": "CRC", "numReplicas": spec.replicas,
+                             "serverList": servers, "vBucketMap": vbmap},
+        "nodes": [{"hostname": f"{HOST}:8091", "ports": {"direct": n.port}} for n in spec.nodes],
+        "nodesExt": [{"hostname": HOST, "services": {"kv": n.port}} for n in spec.nodes],
+    }  # fmt: skip
+
+
+def states_for(vbmap: list[list[int]], index: int) -> dict[int, str]:
+    """What node `index` must hold: active, replica or dead, per partition."""
+    out = {}
+    for p, row in enumerate(vbmap):
+        out[p] = "active" if row and row[0] == index else "replica" if index in row[1:] else "dead"
+    return out
+
+
+async def push(spec: ClusterSpec, node: NodeSpec, config: dict[str, Any],
+               states: dict[int, str]) -> int:  # fmt: skip
+    """Give one node the map and the states (those that differ); returns commands sent."""
+    s = await connect(SourceUri.parse(spec.uri(node)), name="upr-cluster")
+    conn = s.conn
+    cas = 0
+    sent = 0
+    rev = int(config["rev"])
+
+    async def command(make: Any, what: str) -> None:
+        nonlocal cas, sent
+        for _ in range(_RETRIES):
+            resp = await conn.request(make(cas), check=False)
+            if resp.status == Status.SUCCESS:
+                cas = resp.cas
+                sent += 1
+                return
+            if resp.status == Status.KEY_EEXISTS:
+                cas = resp.cas  # seed 000 step 6: the right CAS, retry with it
+                continue
+            text = _body(resp).decode(errors="replace")
+            if resp.status == Status.EINVAL and "revision" in text:
+                raise FencedOff(f"node {node.name}: {what}: {text}")
+            raise UprError(f"node {node.name}: {what}: status 0x{resp.status:02x} {text}")
+        raise UprError(f"node {node.name}: {what}: the bucket CAS kept changing")
+
+    try:
+        held = await conn.stats("vbucket")
+        current = await conn.request(GetClusterConfig(opaque=conn.next_opaque()), check=False)
+        body = _body(current)
+        held: dict[str, Any] = json.loads(body) if current.status == Status.SUCCESS and body else {}
+        held_rev = held.get("rev", 0)
+        if isinstance(held_rev, int) and held_rev > rev:
+            raise FencedOff(f"node {node.name} holds map revision {held_rev} > {rev}")
+        if held != config:  # (a node never given a map serves a default one)
+            new_map = json.dumps(config).encode()
+            await command(lambda c: SetClusterConfig(value=new_map, cas=c,
+                                                     opaque=conn.next_opaque()),
+                          f"map revision {rev}")  # fmt: skip
+        value = json.dumps({"rev": rev}).encode()
+        for p, state in sorted(states.items()):
+            if held.get(f"vb_{p}") == state:
+                continue
+            code = STATE_CODES[state]
+            await command(lambda c, p=p, code=code: SetVbucket(vbucket=p, state=code, cas=c,
+                                                               value=value,
+                                                               opaque=conn.next_opaque()),
+                          f"partition {p} → {state}")  # fmt: skip
+    finally:
+        await conn.aclose()
+    return sent
+
+
+@dataclass
+class NodeStatus:
+    """One node as it answers (or does not)."""
+
+    name: str
+    port: int
+    up: bool
+    error: str = ""
+    rev: int = 0
+    states: dict[str, int] = field(default_factory=dict)  # state -> partitions
+    highs: dict[int, int] = field(default_factory=dict)
+    persisted: dict[int, int] = field(default_factory=dict)
+    uuids: dict[int, int] = field(default_factory=dict)
+    roles: dict[int, str] = field(default_factory=dict)
+
+
+async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
+    """STAT vbucket, vbucket-seqno and the map revision of one node."""
+    st = NodeStatus(node.name, node.port, False)
+    try:
+        s = await connect(SourceUri.parse(spec.uri(node)), name="upr-cluster", timeout=3.0)
+    except (UprError, OSError) as exc:
+        st.error = str(exc)
+        return st
+    try:
+        roles = await s.conn.stats("vbucket")
+        seqnos = await s.conn.stats("vbucket-seqno")
+        cfg = await s.conn.request(GetClusterConfig(opaque=s.conn.next_opaque()), check=False)
+    finally:
+        await s.conn.aclose()
+    st.up = True
+    st.rev = json.loads(_body(cfg)).get("rev", 0) if _body(cfg) else 0
+    for k, v in roles.items():
+        p = int(k.removeprefix("vb_"))
+        st.roles[p] = v
+        st.states[v] = st.states.get(v, 0) + 1
+    for p in st.roles:
+        st.highs[p] = int(seqnos.get(f"vb_{p}:high_seqno", 0))
+        st.persisted[p] = int(seqnos.get(f"vb_{p}:last_persisted_seqno", 0))
+        st.uuids[p] = int(seqnos.get(f"vb_{p}:uuid", 0))
+    return st
+
+
+def lag(statuses: list[NodeStatus]) -> dict[int, dict[str, int]]:
+    """Per partition, each replica's lag behind the active copy (seqs)."""
+    out: dict[int, dict[str, int]] = {}
+    actives = {p: st for st in statuses if st.up for p, r in st.roles.items() if r == "active"}
+    for st in statuses:
+        if not st.up:
+            continue
+        for p, role in st.roles.items():
+            if role == "replica" and p in actives:
+                out.setdefault(p, {})[st.name] = max(0, actives[p].highs[p] - st.highs.get(p, 0))
+    return out

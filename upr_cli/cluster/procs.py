@@ -1,0 +1,86 @@
+"""Starting and stopping the `upr serve` processes of a local cluster.
+
+A node runs detached (its own session) with stdout and stderr in `DATA/serve.log`; it is
+up once that log shows its `listening` line. Stop is SIGTERM (a clean shutdown: the
+node flushes and keeps its failover uuids) and a wait; `kill` (SIGKILL) is for tests
+and the failover walkthrough.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from upr_cli.cluster.spec import HOST, ClusterSpec, NodeSpec
+from upr_cli.errors import UprError
+
+
+class ClusterError(UprError):
+    """A node did not start or stop as asked."""
+
+
+def alive(pid: int | None) -> bool:
+    """True while the process runs (and is not a zombie)."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    with contextlib.suppress(OSError):
+        return stat.read_text().split()[2] != "Z"
+    return True
+
+
+def start_node(spec: ClusterSpec, node: NodeSpec, *, extra: list[str] | None = None,
+               timeout: float = 30.0) -> None:  # fmt: skip
+    """Start a node on its port (0: any free one, then recorded) and wait until it serves."""
+    data = Path(node.data)
+    data.mkdir(parents=True, exist_ok=True)
+    log_path = data / "serve.log"
+    cmd = [sys.executable, "-m", "upr_cli", "serve", "--data", str(data), "--host", HOST,
+           "--port", str(node.port), "--partitions", str(spec.partitions), "--bucket",
+           spec.bucket, "--user", spec.user, "--password", spec.password,
+           *(extra or [])]  # fmt: skip
+    with open(log_path, "ab") as log:
+        start = log.tell()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log_path.read_bytes()[start:].decode(errors="replace")
+        for line in text.splitlines():
+            if line.startswith("listening "):
+                node.port = int(line.rsplit(":", 1)[1].split("/")[0])
+                node.pid = proc.pid
+                return
+        if proc.poll() is not None:
+            last = text.strip().splitlines()[-1:] or ["(no output)"]
+            raise ClusterError(f"node {node.name} did not start: {last[0]} (see {log_path})")
+        time.sleep(0.05)
+    proc.kill()
+    raise ClusterError(f"node {node.name} did not start within {timeout:g}s (see {log_path})")
+
+
+def stop_node(node: NodeSpec, *, sig: int = signal.SIGTERM, timeout: float = 60.0) -> bool:
+    """Signal a node we started and wait for it to exit; False if it was not running."""
+    if node.adopted or not alive(node.pid):
+        node.pid = None
+        return False
+    assert node.pid is not None
+    os.kill(node.pid, sig)
+    deadline = time.monotonic() + timeout
+    while alive(node.pid):
+        if time.monotonic() > deadline:
+            raise ClusterError(f"node {node.name} (pid {node.pid}) did not stop in {timeout:g}s")
+        time.sleep(0.05)
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(node.pid, os.WNOHANG)
+    node.pid = None
+    return True
