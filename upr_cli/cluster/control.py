@@ -92,11 +92,13 @@ async def push(spec: ClusterSpec, node: NodeSpec, config: dict[str, Any],
         held = await conn.stats("vbucket")
         current = await conn.request(GetClusterConfig(opaque=conn.next_opaque()), check=False)
         body = _body(current)
-        held: dict[str, Any] = json.loads(body) if current.status == Status.SUCCESS and body else {}
-        held_rev = held.get("rev", 0)
+        held_map: dict[str, Any] = (
+            json.loads(body) if current.status == Status.SUCCESS and body else {}
+        )
+        held_rev = held_map.get("rev", 0)
         if isinstance(held_rev, int) and held_rev > rev:
             raise FencedOff(f"node {node.name} holds map revision {held_rev} > {rev}")
-        if held != config:  # (a node never given a map serves a default one)
+        if held_map != config:  # (a node never given a map serves a default one)
             new_map = json.dumps(config).encode()
             await command(lambda c: SetClusterConfig(value=new_map, cas=c,
                                                      opaque=conn.next_opaque()),
