@@ -72,6 +72,8 @@ from upr_cli.protocol.messages import (
     SelectBucket,
     SeqnoAdvanced,
     Set,
+    SetClusterConfig,
+    SetVbucket,
     SetVbucketState,
     SetWithMeta,
     SnapshotMarker,
@@ -936,6 +938,25 @@ GOLDEN: list[Row] = [
         """
         80 5b 0000 01 00 0203 00000001 deadbeef 0000000000000000
         03                # extras: u8 state pending
+        """,
+    ),
+    Row(
+        "set-vbucket",  # formats/cluster.md §3: the bucket CAS in the header, rev in JSON
+        SetVbucket(
+            opaque=0x01020304, vbucket=0x0007, state=2, cas=0x1122334455667788, value=b'{"rev":3}'
+        ),
+        """
+        80 3d 0000 01 00 0007 0000000a 01020304 1122334455667788
+        02                          # extras: u8 state replica
+        7b 22 72 65 76 22 3a 33 7d  # {"rev":3}
+        """,
+    ),
+    Row(
+        "set-cluster-config",  # formats/cluster.md §3
+        SetClusterConfig(opaque=0x05, cas=0x0102, value=b'{"rev":1}'),
+        """
+        80 b4 0000 00 00 0000 00000009 00000005 0000000000000102
+        7b 22 72 65 76 22 3a 31 7d  # {"rev":1}
         """,
     ),
     Row(
