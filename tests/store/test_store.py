@@ -716,3 +716,26 @@ def test_spec_example_queries_run(store: Store) -> None:
     assert results[4] == [(5, str(UUID), 1001, 1001, 1001, str(UUID), 0, 0)]
     assert results[5] == [(1001, "new", 0)]
     assert results[6] == []
+
+
+def test_an_open_transaction_commits_or_aborts_as_a_whole(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    with Store(path) as s:
+        s.begin()
+        assert s.in_transaction
+        s.apply(1, [row(1, 1, b"a")], pos(1, 1))
+        s.apply(2, [row(2, 1, b"b")], pos(2, 1))  # both join the open transaction
+        with Store(path, create=False) as reader:
+            assert reader.count() == 0  # readers see nothing before the commit
+        s.abort()
+        assert not s.in_transaction and s.count() == 0 and s.positions() == {}
+        s.abort()  # nothing open: nothing to do
+        s.begin()
+        s.apply(1, [row(1, 1, b"a")], pos(1, 1))
+        with pytest.raises(ValueError, match="already open"):
+            s.begin()
+        s.commit()
+        with pytest.raises(ValueError, match="no transaction is open"):
+            s.commit()
+    with Store(path, create=False) as s:
+        assert s.count() == 1 and s.position(1) == pos(1, 1)

@@ -125,8 +125,28 @@ def _create(db: sqlite_utils.Database, conn: sqlite3.Connection, source: str) ->
         _set_meta(conn, key, value)
 
 
+def _current(conn: sqlite3.Connection, source: str | None) -> bool:
+    """True when the file is already a store of this version with this source: opening it
+    then needs no write, so it works while another process holds a long write
+    transaction (a replay's catch-up). Anything else goes through the locked path."""
+    try:
+        meta = {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta")}
+    except sqlite3.DatabaseError:
+        return False
+    finally:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+    return (
+        meta.get("format") == FORMAT
+        and meta.get("schema_version") == str(SCHEMA_VERSION)
+        and (source is None or meta.get("source") == source)
+    )
+
+
 def init_schema(conn: sqlite3.Connection, path: Path, *, create: bool, source: str | None) -> None:
     """Create the schema in an empty file, or check and migrate an existing store."""
+    if _current(conn, source):
+        return
     db = sqlite_utils.Database(conn, execute_plugins=False)
     conn.execute("BEGIN IMMEDIATE")
     try:
