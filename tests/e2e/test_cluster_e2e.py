@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from tests.e2e.conftest import upr
-from tests.e2e.e2e_helpers import run
+from tests.e2e.e2e_helpers import run, seqnos
 from upr_cli.cluster import procs, spec
 from upr_cli.cluster.control import balanced_map
 from upr_cli.net.bootstrap import connect, partition_of
@@ -51,6 +51,13 @@ def test_init_status_stop_start(tmp_path: Path) -> None:
                 assert code == Status.SUCCESS
             else:  # not active here: NOT_MY_VBUCKET, the map attached
                 assert code == Status.NOT_MY_VBUCKET and json.loads(body)["rev"] == 1
+        # upr load follows the map: bootstrapped from n1, every write reaches its active
+        out = json.loads(upr("load", cl.uri(cl.nodes[1]), "--docs", "600", "--json").stdout)
+        assert out["errors"] == 0 and out["ops"] == 600
+        highs = [run(seqnos(cl.uri(n))) for n in cl.nodes]
+        for i, h in enumerate(highs):
+            for p, row in enumerate(vbmap):
+                assert (h[p][1] > 0) == (row[0] == i)  # data only where the partition is active
         upr("cluster", "stop", "--data", str(data))
         assert not any(procs.alive(n.pid) for n in spec.load(data).nodes)
         down = json.loads(upr("cluster", "status", "--data", str(data), "--json").stdout)

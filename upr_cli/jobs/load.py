@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from upr_cli.errors import UsageError
-from upr_cli.net.bootstrap import connect, partition_of
+from upr_cli.net.bootstrap import active_index, connect, node_uris, partition_of
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
 from upr_cli.protocol.fast import encode_set
@@ -107,17 +107,32 @@ async def load(
     if not 0 <= update_ratio <= 1 or not 0 <= delete_ratio <= 1 or update_ratio + delete_ratio > 1:
         raise UsageError("--update-ratio and --delete-ratio must be in [0, 1] and sum to at most 1")
     session = await connect(uri, name="upr-load")
-    conn = session.conn
     n_parts = session.num_partitions
     if n_parts == 0:
-        await conn.aclose()
+        await session.conn.aclose()
         raise UsageError(f"{uri.redacted()}: the cluster config lists no partitions")
+    # Follow the cluster map: each write goes to its partition's active node, one
+    # connection per node (formats/cluster.md; a single node is its own map).
+    conns = []
+    try:
+        for u in node_uris(session):
+            same = (u.host, u.port) == (session.uri.host, session.uri.port)
+            conns.append(session.conn if same else (await connect(u, name="upr-load")).conn)
+    except BaseException:
+        for c in {id(c): c for c in [session.conn, *conns]}.values():
+            await c.aclose()
+        raise
+    owner = [i if 0 <= i < len(conns) else 0 for i in active_index(session)]
     rng = random.Random(seed)
     live: list[str] = []
     next_id = 0
     summary = LoadSummary()
     inflight: deque[asyncio.Future[Frame]] = deque()
     started = time.monotonic()
+
+    def flush_all() -> None:
+        for c in {id(c): c for c in conns}.values():
+            c.flush_writes()
 
     def settle(reply: Frame) -> None:
         status = reply.vbucket_or_status
@@ -131,8 +146,10 @@ async def load(
             if live and r < delete_ratio:
                 key = live.pop(rng.randrange(len(live)))
                 kb = key.encode()
+                vb = partition_of(kb, n_parts)
+                conn = conns[owner[vb]]
                 opaque = conn.next_opaque()
-                data = Delete(key=kb, vbucket=partition_of(kb, n_parts), opaque=opaque).encode()
+                data = Delete(key=kb, vbucket=vb, opaque=opaque).encode()
                 summary.deletes += 1
             else:
                 if live and r < delete_ratio + update_ratio:
@@ -144,30 +161,33 @@ async def load(
                     live.append(key)
                     summary.sets += 1
                 kb = key.encode()
+                vb = partition_of(kb, n_parts)
+                conn = conns[owner[vb]]
                 opaque = conn.next_opaque()
-                data = encode_set(Opcode.SET, partition_of(kb, n_parts), opaque, kb,
-                                  make_doc(rng, i, size), datatype=1)  # fmt: skip
+                data = encode_set(Opcode.SET, vb, opaque, kb, make_doc(rng, i, size),
+                                  datatype=1)  # fmt: skip
             inflight.append(conn.start_raw(data, opaque, defer=True))
             summary.ops += 1
             if len(inflight) % 64 == 0:
-                conn.flush_writes()
+                flush_all()
             if len(inflight) >= window:
-                conn.flush_writes()
+                flush_all()
                 settle(await inflight.popleft())
                 while inflight and inflight[0].done():
                     settle(inflight.popleft().result())
             if rate:
                 ahead = summary.ops / rate - (time.monotonic() - started)
                 if ahead > 0.001:
-                    conn.flush_writes()
+                    flush_all()
                     await asyncio.sleep(ahead)
             if on_progress is not None and i % 2048 == 0:
                 summary.seconds = time.monotonic() - started
                 on_progress(summary)
-        conn.flush_writes()
+        flush_all()
         while inflight:
             settle(await inflight.popleft())
         summary.seconds = time.monotonic() - started
         return summary
     finally:
-        await conn.aclose()
+        for c in {id(c): c for c in [session.conn, *conns]}.values():
+            await c.aclose()

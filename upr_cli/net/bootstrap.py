@@ -143,3 +143,26 @@ async def _authenticate(conn: Connection, uri: SourceUri, timeout: float) -> Non
 
 
 __all__ = ["BootstrapError", "ServerItems", "Session", "connect", "partition_of"]
+
+
+def node_uris(session: Session) -> list[SourceUri]:
+    """One URI per server of the cluster map (`$HOST` is the address bootstrapped from),
+    with the session's bucket and credentials; the session's own when the map has one."""
+    from dataclasses import replace
+
+    servers = session.config.get("vBucketServerMap", {}).get("serverList", [])
+    out = []
+    for entry in servers if isinstance(servers, list) else []:
+        host, _, port = str(entry).rpartition(":")
+        host = session.uri.host if host in ("$HOST", "") else host
+        try:
+            out.append(replace(session.uri, host=host, port=int(port)))
+        except ValueError:
+            continue
+    return out or [session.uri]
+
+
+def active_index(session: Session) -> list[int]:
+    """For each partition, the index (into `node_uris`) of its active node; -1 if none."""
+    vbmap = session.config.get("vBucketServerMap", {}).get("vBucketMap", [])
+    return [row[0] if isinstance(row, list) and row else -1 for row in vbmap]
