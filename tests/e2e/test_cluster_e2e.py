@@ -58,6 +58,13 @@ def test_init_status_stop_start(tmp_path: Path) -> None:
         for i, h in enumerate(highs):
             for p, row in enumerate(vbmap):
                 assert (h[p][1] > 0) == (row[0] == i)  # data only where the partition is active
+        # failover logs follow the map: bootstrapped from any node, diff and rollback-point
+        # read each partition from its active copy, so two bootstrap nodes agree
+        d = upr("diff", cl.uri(cl.nodes[0]), cl.uri(cl.nodes[2]), "--json", check=False)
+        assert d.returncode == 0 and json.loads(d.stdout)["counts"]["identical"] == 12
+        logs = run(failover_logs_of(cl.uri(cl.nodes[2])))
+        assert logs == {p: run(failover_logs_of(cl.uri(cl.nodes[vbmap[p][0]])))[p]
+                        for p in range(12)}  # fmt: skip
         upr("cluster", "stop", "--data", str(data))
         assert not any(procs.alive(n.pid) for n in spec.load(data).nodes)
         down = json.loads(upr("cluster", "status", "--data", str(data), "--json").stdout)
@@ -79,3 +86,11 @@ def test_bad_cluster_arguments(tmp_path: Path) -> None:
     assert r.returncode == 2 and "needs at least 3 nodes" in r.stderr
     r = upr("cluster", "status", "--data", str(tmp_path / "none"), check=False)
     assert r.returncode == 2 and "no cluster here" in r.stderr
+
+
+async def failover_logs_of(uri: str) -> dict[int, list[tuple[int, int]]]:
+    """Each partition's failover log as `upr diff` reads it (following the map)."""
+    from upr_cli.jobs.rollback_point import node_states
+
+    states, _n = await node_states(SourceUri.parse(uri), None)
+    return {p: [(e.uuid, e.seq) for e in st.log.entries] for p, st in states.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError, UsageError
@@ -122,30 +123,52 @@ async def node_states(
     uri: SourceUri, partitions: list[int] | None
 ) -> tuple[dict[int, SourceState], int]:
     """Each partition's failover log (GET_FAILOVER_LOG, pipelined) and high seq (STAT
-    vbucket-seqno) from a live node, and the node's partition count."""
-    from upr_cli.net.bootstrap import connect
-    from upr_cli.protocol.header import Opcode
-    from upr_cli.protocol.messages import FailoverLogResponse, GetFailoverLog
+    vbucket-seqno), and the partition count. In a cluster each partition is asked of its
+    active node, as the map says (formats/cluster.md): a replica or dead copy has its own
+    log, not the history clients stream."""
+    from upr_cli.net.bootstrap import active_index, connect, node_uris
 
     s = await connect(uri, name="upr-failover-logs")
     try:
-        conn = s.conn
         wanted = partitions if partitions is not None else list(range(s.num_partitions))
-        futs = [
-            (p, conn.start_request(GetFailoverLog(opcode=Opcode.GET_FAILOVER_LOG, vbucket=p,
-                                                  opaque=conn.next_opaque())))
-            for p in wanted
-        ]  # fmt: skip
-        stats = await conn.stats("vbucket-seqno")
-        out = {}
-        for p, fut in futs:
-            resp = (await fut)[0]
-            if isinstance(resp, FailoverLogResponse):
-                high = int(stats.get(f"vb_{p}:high_seqno", 0))
-                out[p] = SourceState(FailoverLog.sanitised(resp.failover_log), high, high)
+        uris = node_uris(s)
+        owner = active_index(s)
+        by_node: dict[int, list[int]] = {}
+        for p in wanted:
+            k = owner[p] if 0 <= p < len(owner) and 0 <= owner[p] < len(uris) else 0
+            by_node.setdefault(k, []).append(p)
+        out: dict[int, SourceState] = {}
+        for k, parts in sorted(by_node.items()):
+            same = (uris[k].host, uris[k].port) == (s.uri.host, s.uri.port)
+            other = None if same else await connect(uris[k], name="upr-failover-logs")
+            try:
+                out |= await _states_of((other or s).conn, parts)
+            finally:
+                if other is not None:
+                    await other.conn.aclose()
         return out, s.num_partitions
     finally:
         await s.conn.aclose()
+
+
+async def _states_of(conn: Any, partitions: list[int]) -> dict[int, SourceState]:
+    """Failover logs and high seqs of these partitions from one node."""
+    from upr_cli.protocol.header import Opcode
+    from upr_cli.protocol.messages import FailoverLogResponse, GetFailoverLog
+
+    futs = [
+        (p, conn.start_request(GetFailoverLog(opcode=Opcode.GET_FAILOVER_LOG, vbucket=p,
+                                              opaque=conn.next_opaque())))
+        for p in partitions
+    ]  # fmt: skip
+    stats = await conn.stats("vbucket-seqno")
+    out = {}
+    for p, fut in futs:
+        resp = (await fut)[0]
+        if isinstance(resp, FailoverLogResponse):
+            high = int(stats.get(f"vb_{p}:high_seqno", 0))
+            out[p] = SourceState(FailoverLog.sanitised(resp.failover_log), high, high)
+    return out
 
 
 async def _node_logs(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:
