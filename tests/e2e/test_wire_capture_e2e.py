@@ -530,8 +530,11 @@ def test_stream_request_per_partition_with_its_extras(capture: Capture, index: i
             name: p.num(f"couchbase.extras.{name}")
             for name in ("flags", "reserved", "start_seqno", "end_seqno", "vbucket_uuid",
                          "snap_start_seqno", "snap_end_seqno")
-        } == {"flags": 0, "reserved": 0, "start_seqno": 0, "end_seqno": expected_end,
+        } == {"flags": ACTIVE_VB_ONLY, "reserved": 0, "start_seqno": 0, "end_seqno": expected_end,
               "vbucket_uuid": 0, "snap_start_seqno": 0, "snap_end_seqno": 0}  # fmt: skip
+
+
+ACTIVE_VB_ONLY = 0x10  # dcp-wire §2.2: clients stream the active copy only
 
 
 @pytest.mark.parametrize("index", [0, 1], ids=["until_end", "count"])

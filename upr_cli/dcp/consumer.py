@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 
 OPEN_PRODUCER = 0x01
 FLAG_FROM_LATEST = 0x40
+# dcp-wire §2.2 ActiveVbOnly: a client wants the history of the active copy; a replica
+# copy (possibly behind, possibly on another branch) is refused with NOT_MY_VBUCKET.
+FLAG_ACTIVE_ONLY = 0x10
 MARKER_ACK = 0x08
 END_OK, END_CLOSED = 0, 1
 Item = tuple[object, ...] | Event
@@ -241,7 +244,7 @@ class DcpConsumer:
         while pending:
             futs = []
             for part in pending:
-                flags = (
+                flags = FLAG_ACTIVE_ONLY | (
                     FLAG_FROM_LATEST if self.from_latest and part.seq == 0 and not part.uuid else 0
                 )
                 req = StreamRequest(
