@@ -259,6 +259,8 @@ async def replay_node(
 
     handled = []
     for sig in (signal.SIGINT, signal.SIGTERM):
+        # no handler where the loop cannot install one (not the main thread, not Unix):
+        # Ctrl-C then ends the run as any KeyboardInterrupt does
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop)
             handled.append(sig)

@@ -282,7 +282,7 @@ class Repository:
             try:
                 self.ops.mkdir(bdir)
             except FileExistsError:
-                pass
+                pass  # created meanwhile by another run: nothing to make durable here
             else:
                 self.ops.fsync_dir(self.path)
         d = self.backup_dir(bucket, backup_id)

@@ -176,7 +176,7 @@ class RepositoryLock:
         try:
             return os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
         except FileExistsError:
-            pass
+            pass  # another holder created it first: open the existing file below
         try:
             return os.open(self.path, flags), False
         except FileNotFoundError:
