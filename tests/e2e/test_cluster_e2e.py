@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from tests.e2e.conftest import upr
@@ -54,10 +55,18 @@ def test_init_status_stop_start(tmp_path: Path) -> None:
         # upr load follows the map: bootstrapped from n1, every write reaches its active
         out = json.loads(upr("load", cl.uri(cl.nodes[1]), "--docs", "600", "--json").stdout)
         assert out["errors"] == 0 and out["ops"] == 600
-        highs = [run(seqnos(cl.uri(n))) for n in cl.nodes]
-        for i, h in enumerate(highs):
-            for p, row in enumerate(vbmap):
-                assert (h[p][1] > 0) == (row[0] == i)  # data only where the partition is active
+        # replication: each replica copy reaches its active's high seq, and nothing else
+        # holds data (dead copies stay empty)
+        deadline = time.monotonic() + 30
+        while True:
+            highs = [run(seqnos(cl.uri(n))) for n in cl.nodes]
+            want = [[highs[row[0]][p][1] if i in row else 0 for p, row in enumerate(vbmap)]
+                    for i in range(3)]  # fmt: skip
+            got = [[h[p][1] for p in range(12)] for h in highs]
+            if got == want or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert got == want
         # failover logs follow the map: bootstrapped from any node, diff and rollback-point
         # read each partition from its active copy, so two bootstrap nodes agree
         d = upr("diff", cl.uri(cl.nodes[0]), cl.uri(cl.nodes[2]), "--json", check=False)

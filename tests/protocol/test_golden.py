@@ -73,6 +73,7 @@ from upr_cli.protocol.messages import (
     SeqnoAdvanced,
     Set,
     SetClusterConfig,
+    SetParam,
     SetVbucket,
     SetVbucketState,
     SetWithMeta,
@@ -957,6 +958,16 @@ GOLDEN: list[Row] = [
         """
         80 b4 0000 00 00 0000 00000009 00000005 0000000000000102
         7b 22 72 65 76 22 3a 31 7d  # {"rev":1}
+        """,
+    ),
+    Row(
+        "set-param",  # formats/cluster.md §6: replication pause, ep-engine's SET_PARAM shape
+        SetParam(opaque=0x06, name="replication_pause", value=b'{"after":5}'),
+        """
+        80 82 0011 04 00 0000 00000020 00000006 0000000000000000
+        00000004                               # extras: u32 param type 4 (dcp)
+        7265706c69636174696f6e 5f 7061757365    # key: 'replication' '_' 'pause'
+        7b 22 61 66 74 65 72 22 3a 35 7d        # {"after":5}
         """,
     ),
     Row(

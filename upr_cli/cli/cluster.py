@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -10,8 +11,9 @@ import typer
 from rich.table import Table
 
 from upr_cli.cli.options import JsonOutput
-from upr_cli.cli.output import print_json, stdout
+from upr_cli.cli.output import print_json, stderr, stdout
 from upr_cli.cluster.control import NodeStatus
+from upr_cli.cluster.orchestrate import Orchestrator, Report
 from upr_cli.cluster.spec import ClusterSpec
 from upr_cli.errors import UsageError
 
@@ -23,13 +25,18 @@ NOT_MY_VBUCKET answers. State changes carry the bucket CAS of seed 000 and the m
 revision, so a stale or superseded orchestrator is refused. The cluster's nodes,
 ports and credentials are kept in DIR/cluster.json (mode 0600).
 
-Not yet: replication into the replica partitions, failover and rebalance (issue 7 in
-progress); `status` shows each replica's lag behind its active copy.
+Each replica partition is fed by a DCP stream from its active node, opened by the
+replica's node (formats/cluster.md §5). `failover` promotes replicas (a new failover
+entry at the last complete snapshot they persisted), `rebalance` adds and removes nodes
+while writes continue, `pause`/`resume` hold replication into a node (to stage the
+seed's walkthrough), `status` shows states, lag, failover heads and map revisions.
 
 Example:
 
   upr cluster init --nodes 3 --replicas 1 --data /tmp/cl --partitions 64
   upr cluster status --data /tmp/cl
+  upr cluster failover n0 --data /tmp/cl
+  upr cluster rebalance --add new --data /tmp/cl
   upr cluster stop --data /tmp/cl
 """
 
@@ -90,7 +97,7 @@ def init_cmd(
             procs.start_node(cl, node)
             spec.save(data, cl)
         vbmap = balanced_map(partitions, nodes, replicas)
-        cl.rev = 1
+        cl.rev, cl.vbmap = 1, vbmap
         config = map_json(cl, vbmap, cl.rev)
         for i, node in enumerate(cl.nodes):
             asyncio.run(push(cl, node, config, states_for(vbmap, i)))
@@ -121,13 +128,18 @@ def start_cmd(data: Data, json_out: JsonOutput = False) -> None:
     from upr_cli.cluster import procs, spec
 
     cl = spec.load(data)
-    started = 0
-    for node in cl.nodes:
+    started = []
+    for i, node in enumerate(cl.nodes):
         if not node.adopted and not procs.alive(node.pid):
             procs.start_node(cl, node)
             spec.save(data, cl)
-            started += 1
-    _show(cl, json_out, f"started {started} nodes")
+            started.append(i)
+    if started and cl.vbmap:
+        # a node restarts in the states it persisted; give it the current map and states
+        # (a failed-over node holds nothing any more)
+        orch = Orchestrator(data, cl)
+        asyncio.run(orch.publish({i: orch.member_states(i) for i in started}))
+    _show(cl, json_out, f"started {len(started)} nodes")
 
 
 @app.command(
@@ -191,6 +203,205 @@ def status_cmd(data: Data, json_out: JsonOutput = False) -> None:
                       str(s.rev), *(str(s.states.get(k, 0)) for k in ("active", "replica", "dead")),
                       str(worst))  # fmt: skip
     stdout.print(table)
+
+
+Timeout = Annotated[
+    float, typer.Option("--timeout", min=1.0, help="Seconds to wait for a catch-up step.")
+]
+
+
+@app.command(
+    "failover",
+    no_args_is_help=True,
+    help="""Fail a node over: its active partitions move to their replicas.
+
+Hard (default; works when NODE is dead): for each partition active on NODE, the replica
+with the highest persisted complete snapshot becomes active with a new failover entry at
+that snapshot (seed 000); the other replicas re-stream from it and roll back as the
+producer rule says. --graceful (NODE must be up) first stops writes on NODE, lets the
+replicas persist everything, and promotes without a failover entry. NODE leaves the
+map; `upr cluster rebalance` brings capacity back.
+
+Example:
+
+  upr cluster failover n0 --data /tmp/cl
+  upr cluster failover n1 --graceful --data /tmp/cl --json
+""",
+)
+def failover_cmd(
+    data: Data,
+    node: Annotated[str, typer.Argument(help="The node to fail over (n0, n1, …).")],
+    graceful: Annotated[
+        bool, typer.Option("--graceful", help="Let the replicas catch up first.")
+    ] = False,
+    to: Annotated[
+        str | None,
+        typer.Option("--to", help="Promote this node's replicas (staging; default: the best)."),
+    ] = None,
+    timeout: Timeout = 120.0,
+    json_out: JsonOutput = False,
+) -> None:
+    """Fail a node over."""
+    from upr_cli.cluster import spec
+
+    cl = spec.load(data)
+    orch = Orchestrator(data, cl, timeout=timeout, progress=_progress(json_out))
+    report = asyncio.run(orch.failover(node, graceful=graceful, to=to))
+    _report(report, json_out, f"failed over {node}: {len(report.promoted)} partitions promoted")
+
+
+@app.command(
+    "rebalance",
+    help="""Add and remove nodes, then balance the map while writes continue.
+
+--add new starts a fresh node (DIR/nK); --add URI adopts a running `upr serve` that
+accepts the cluster's credentials. Each moving partition follows seed 000: a pending
+copy on the new node streams from the old active until caught up, the old active is
+set dead, the new one becomes active once it persisted everything, and the map is
+republished (clients retry NOT_MY_VBUCKET with the map the answer carries). Removed
+nodes are stopped once they hold nothing.
+
+Example:
+
+  upr cluster rebalance --add new --data /tmp/cl
+  upr cluster rebalance --remove n2 --data /tmp/cl --json
+""",
+)
+def rebalance_cmd(
+    data: Data,
+    add: Annotated[
+        list[str] | None, typer.Option("--add", help="'new' or a node URI (repeatable).")
+    ] = None,
+    remove: Annotated[
+        list[str] | None, typer.Option("--remove", help="A node to take out (repeatable).")
+    ] = None,
+    timeout: Timeout = 120.0,
+    json_out: JsonOutput = False,
+) -> None:
+    """Rebalance the cluster."""
+    from upr_cli.cluster import procs, spec
+    from upr_cli.net.uri import SourceUri
+
+    cl = spec.load(data)
+    names = {n.name for n in cl.nodes}
+    for name in remove or []:
+        cl.node(name)
+    added: list[spec.NodeSpec] = []
+    try:
+        for item in add or []:
+            k = len(cl.nodes) + len(added)
+            while f"n{k}" in names:
+                k += 1
+            names.add(f"n{k}")
+            if item == "new":
+                node = spec.NodeSpec(f"n{k}", 0, str(data / f"n{k}"))
+                procs.start_node(cl, node)
+            else:
+                uri = SourceUri.parse(item)
+                if uri.host not in ("127.0.0.1", "localhost"):
+                    raise UsageError(f"--add {uri.redacted()}: only loopback nodes are supported")
+                node = spec.NodeSpec(f"n{k}", uri.port, adopted=True)
+            added.append(node)
+    except BaseException:
+        for node in added:
+            procs.stop_node(node)
+        raise
+    orch = Orchestrator(data, cl, timeout=timeout, progress=_progress(json_out))
+    report = asyncio.run(orch.rebalance(added, list(remove or [])))
+    line = (
+        f"rebalanced: {len(report.moved)} partitions moved, "
+        f"{len(report.added)} nodes added, {len(report.removed)} removed"
+    )
+    _report(report, json_out, line)
+
+
+Partitions = Annotated[
+    str | None,
+    typer.Option("--partitions", help="Partitions, e.g. 0-3,7 (default: all of the node's)."),
+]
+
+
+@app.command(
+    "pause",
+    no_args_is_help=True,
+    help="""Pause replication into a node (for staging failures).
+
+The node's replica partitions apply items up to seq --after (default: what they hold
+now), then their streams close. `resume` reopens them from where they stand.
+
+Example:
+
+  upr cluster pause n1 --after 5 --partitions 0 --data /tmp/cl
+""",
+)
+def pause_cmd(
+    data: Data,
+    node: Annotated[str, typer.Argument(help="The node whose replication pauses.")],
+    after: Annotated[
+        int | None, typer.Option("--after", min=0, help="Apply up to this seq first.")
+    ] = None,
+    partitions: Partitions = None,
+    json_out: JsonOutput = False,
+) -> None:
+    """Pause replication."""
+    _pause(data, node, partitions, after, json_out, resume=False)
+
+
+@app.command(
+    "resume",
+    no_args_is_help=True,
+    help="""Resume replication into a node.
+
+Example:
+
+  upr cluster resume n1 --data /tmp/cl
+""",
+)
+def resume_cmd(
+    data: Data,
+    node: Annotated[str, typer.Argument(help="The node whose replication resumes.")],
+    partitions: Partitions = None,
+    json_out: JsonOutput = False,
+) -> None:
+    """Resume replication."""
+    _pause(data, node, partitions, None, json_out, resume=True)
+
+
+def _pause(data: Path, node: str, partitions: str | None, after: int | None, json_out: bool,
+           *, resume: bool) -> None:  # fmt: skip
+    from upr_cli.cluster import spec
+    from upr_cli.jobs.tail import parse_partitions
+
+    cl = spec.load(data)
+    vbs = None if partitions is None else parse_partitions(partitions)
+    orch = Orchestrator(data, cl)
+    done = asyncio.run(orch.pause(node, vbs, after, resume=resume))
+    if json_out:
+        print_json({"node": node, "resumed" if resume else "paused": done, "after": after})
+    else:
+        what = "resumed" if resume else "paused"
+        stdout.print(f"{node}: replication {what} for {len(done)} partitions", markup=False)
+
+
+def _progress(json_out: bool) -> Callable[[str], None]:
+    def say(line: str) -> None:
+        if not json_out:
+            stderr.print(line, markup=False, highlight=False)
+
+    return say
+
+
+def _report(report: Report, json_out: bool, line: str) -> None:
+    if json_out:
+        print_json(report.to_json())
+        return
+    stdout.print(f"{line} (map revision {report.rev})", markup=False, highlight=False)
+    for p, (uuid, seq) in sorted(report.entries.items()):
+        stdout.print(f"  partition {p}: active on {report.promoted[p]}, failover entry "
+                     f"{uuid:x} at seq {seq}", markup=False, highlight=False)  # fmt: skip
+    if report.lost:
+        stdout.print(f"  no replica left for partitions {report.lost}: they are unavailable",
+                     markup=False, highlight=False)  # fmt: skip
 
 
 def _show(cl: ClusterSpec, json_out: bool, line: str) -> None:

@@ -11,6 +11,7 @@ means another orchestrator has a newer map: the push stops with that message.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,8 +64,11 @@ def states_for(vbmap: list[list[int]], index: int) -> dict[int, str]:
 
 
 async def push(spec: ClusterSpec, node: NodeSpec, config: dict[str, Any],
-               states: dict[int, str]) -> int:  # fmt: skip
-    """Give one node the map and the states (those that differ); returns commands sent."""
+               states: dict[int, str], *, failover: Collection[int] = ()) -> int:  # fmt: skip
+    """Give one node the map and the states (those that differ); returns commands sent.
+
+    A partition in `failover` that becomes active gets a new failover entry (a hard
+    failover's promotion, formats/cluster.md §3)."""
     s = await connect(SourceUri.parse(spec.uri(node)), name="upr-cluster")
     conn = s.conn
     cas = 0
@@ -103,13 +107,13 @@ async def push(spec: ClusterSpec, node: NodeSpec, config: dict[str, Any],
             await command(lambda c: SetClusterConfig(value=new_map, cas=c,
                                                      opaque=conn.next_opaque()),
                           f"map revision {rev}")  # fmt: skip
-        value = json.dumps({"rev": rev}).encode()
         for p, state in sorted(states.items()):
             if held.get(f"vb_{p}") == state:
                 continue
             code = STATE_CODES[state]
-            await command(lambda c, p=p, code=code: SetVbucket(vbucket=p, state=code, cas=c,
-                                                               value=value,
+            value = json.dumps({"rev": rev, "failover": p in failover}).encode()
+            await command(lambda c, p=p, code=code, value=value: SetVbucket(
+                              vbucket=p, state=code, cas=c, value=value,
                                                                opaque=conn.next_opaque()),
                           f"partition {p} → {state}")  # fmt: skip
     finally:
@@ -131,6 +135,9 @@ class NodeStatus:
     persisted: dict[int, int] = field(default_factory=dict)
     uuids: dict[int, int] = field(default_factory=dict)
     roles: dict[int, str] = field(default_factory=dict)
+    complete: dict[int, int] = field(default_factory=dict)  # last complete snapshot persisted
+    heads: dict[int, tuple[int, int]] = field(default_factory=dict)  # newest failover entry
+    replication: dict[str, Any] = field(default_factory=dict)
 
 
 async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
@@ -145,6 +152,11 @@ async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
         roles = await s.conn.stats("vbucket")
         seqnos = await s.conn.stats("vbucket-seqno")
         cfg = await s.conn.request(GetClusterConfig(opaque=s.conn.next_opaque()), check=False)
+        repl = await s.conn.stats("replication")
+        fails = await s.conn.stats("failovers")
+    except (UprError, OSError) as exc:
+        st.error = str(exc)
+        return st
     finally:
         await s.conn.aclose()
     st.up = True
@@ -157,6 +169,9 @@ async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
         st.highs[p] = int(seqnos.get(f"vb_{p}:high_seqno", 0))
         st.persisted[p] = int(seqnos.get(f"vb_{p}:last_persisted_seqno", 0))
         st.uuids[p] = int(seqnos.get(f"vb_{p}:uuid", 0))
+        st.complete[p] = int(repl.get(f"vb_{p}:complete_seqno", 0))
+        st.heads[p] = (int(fails.get(f"vb_{p}:0:id", 0)), int(fails.get(f"vb_{p}:0:seq", 0)))
+    st.replication = {k: json.loads(v) for k, v in repl.items() if not k.startswith("vb_")}
     return st
 
 

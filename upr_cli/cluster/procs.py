@@ -21,7 +21,7 @@ from upr_cli.errors import UprError
 
 
 class ClusterError(UprError):
-    """A node did not start or stop as asked."""
+    """A node did not start or stop as asked, or a failover or rebalance step failed."""
 
 
 def alive(pid: int | None) -> bool:

@@ -30,6 +30,7 @@ class NodeSpec:
     data: str = ""
     pid: int | None = None
     adopted: bool = False
+    member: bool = True  # False once failed over or rebalanced out (it holds no partition)
 
 
 @dataclass
@@ -43,10 +44,19 @@ class ClusterSpec:
     password: str
     nodes: list[NodeSpec] = field(default_factory=list)
     rev: int = 0  # the newest map revision pushed
+    vbmap: list[list[int]] = field(default_factory=list)  # partition → [active, replicas…]
 
     def uri(self, node: NodeSpec) -> str:
         """The node's URI with credentials (never printed: use `redacted`)."""
         return f"upr://{self.user}:{self.password}@{HOST}:{node.port}/{self.bucket}"
+
+    def members(self) -> list[int]:
+        """Indices of the nodes that may hold partitions."""
+        return [i for i, n in enumerate(self.nodes) if n.member]
+
+    def index(self, name: str) -> int:
+        """A node's index in the map's server list."""
+        return self.nodes.index(self.node(name))
 
     def node(self, name: str) -> NodeSpec:
         """A node by name; a usage error names the known ones."""
@@ -66,8 +76,9 @@ class ClusterSpec:
         """Parse `to_json` output."""
         try:
             nodes = [NodeSpec(**n) for n in obj["nodes"]]
+            vbmap = [[int(i) for i in row] for row in obj.get("vbmap", [])]
             return cls(obj["bucket"], int(obj["partitions"]), int(obj["replicas"]), obj["user"],
-                       obj["password"], nodes, int(obj.get("rev", 0)))  # fmt: skip
+                       obj["password"], nodes, int(obj.get("rev", 0)), vbmap)  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"malformed cluster file: {exc}") from None
 

@@ -351,7 +351,10 @@ class DcpConsumer:
             if self.finished:
                 return
             try:
-                got = await asyncio.wait_for(self._queue.get(), self.dead_after)
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+                # that arrives as the queue yields (the task then never stops)
+                async with asyncio.timeout(self.dead_after):
+                    got = await self._queue.get()
             except TimeoutError:
                 got = _Lost(f"no message for {self.dead_after:g}s: connection presumed dead")
             if isinstance(got, _Lost):

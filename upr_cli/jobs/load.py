@@ -2,12 +2,13 @@
 
 Each of `docs` operations creates a new document, or (by the given ratios) updates or
 deletes an existing one; the same seed gives the same operations. Up to `window`
-requests are in flight on one connection (the server answers in order, dcp-wire §1.5).
+requests are in flight; each goes to its partition's active node (net/router.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import time
@@ -16,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from upr_cli.errors import UsageError
-from upr_cli.net.bootstrap import active_index, connect, node_uris, partition_of
+from upr_cli.net.bootstrap import partition_of
+from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
 from upr_cli.protocol.fast import encode_set
@@ -54,6 +56,7 @@ class LoadSummary:
     deletes: int = 0
     errors: int = 0
     seconds: float = 0.0
+    retries: int = 0  # requests sent again after NOT_MY_VBUCKET or a lost node
     error_statuses: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -71,6 +74,7 @@ class LoadSummary:
             "errors": self.errors,
             "seconds": round(self.seconds, 3),
             "ops_per_s": round(self.rate),
+            "retries": self.retries,
             "error_statuses": {f"0x{k:02x}": v for k, v in self.error_statuses.items()},
         }
 
@@ -106,33 +110,19 @@ async def load(
     """Run the workload; returns its summary (errors are counted, not raised)."""
     if not 0 <= update_ratio <= 1 or not 0 <= delete_ratio <= 1 or update_ratio + delete_ratio > 1:
         raise UsageError("--update-ratio and --delete-ratio must be in [0, 1] and sum to at most 1")
-    session = await connect(uri, name="upr-load")
-    n_parts = session.num_partitions
-    if n_parts == 0:
-        await session.conn.aclose()
-        raise UsageError(f"{uri.redacted()}: the cluster config lists no partitions")
     # Follow the cluster map: each write goes to its partition's active node, one
-    # connection per node (formats/cluster.md; a single node is its own map).
-    conns = []
-    try:
-        for u in node_uris(session):
-            same = (u.host, u.port) == (session.uri.host, session.uri.port)
-            conns.append(session.conn if same else (await connect(u, name="upr-load")).conn)
-    except BaseException:
-        for c in {id(c): c for c in [session.conn, *conns]}.values():
-            await c.aclose()
-        raise
-    owner = [i if 0 <= i < len(conns) else 0 for i in active_index(session)]
+    # connection per node, retried with the newer map on NOT_MY_VBUCKET (net/router.py).
+    router = await Router.open(uri, name="upr-load")
+    n_parts = router.num_partitions
+    if n_parts == 0:
+        await router.aclose()
+        raise UsageError(f"{uri.redacted()}: the cluster config lists no partitions")
     rng = random.Random(seed)
     live: list[str] = []
     next_id = 0
     summary = LoadSummary()
     inflight: deque[asyncio.Future[Frame]] = deque()
     started = time.monotonic()
-
-    def flush_all() -> None:
-        for c in {id(c): c for c in conns}.values():
-            c.flush_writes()
 
     def settle(reply: Frame) -> None:
         status = reply.vbucket_or_status
@@ -147,9 +137,7 @@ async def load(
                 key = live.pop(rng.randrange(len(live)))
                 kb = key.encode()
                 vb = partition_of(kb, n_parts)
-                conn = conns[owner[vb]]
-                opaque = conn.next_opaque()
-                data = Delete(key=kb, vbucket=vb, opaque=opaque).encode()
+                make = functools.partial(_delete, vb, kb)
                 summary.deletes += 1
             else:
                 if live and r < delete_ratio + update_ratio:
@@ -162,32 +150,37 @@ async def load(
                     summary.sets += 1
                 kb = key.encode()
                 vb = partition_of(kb, n_parts)
-                conn = conns[owner[vb]]
-                opaque = conn.next_opaque()
-                data = encode_set(Opcode.SET, vb, opaque, kb, make_doc(rng, i, size),
-                                  datatype=1)  # fmt: skip
-            inflight.append(conn.start_raw(data, opaque, defer=True))
+                make = functools.partial(_set, vb, kb, make_doc(rng, i, size))
+            inflight.append(router.submit(vb, make))
             summary.ops += 1
             if len(inflight) % 64 == 0:
-                flush_all()
+                router.flush()
             if len(inflight) >= window:
-                flush_all()
+                router.flush()
                 settle(await inflight.popleft())
                 while inflight and inflight[0].done():
                     settle(inflight.popleft().result())
             if rate:
                 ahead = summary.ops / rate - (time.monotonic() - started)
                 if ahead > 0.001:
-                    flush_all()
+                    router.flush()
                     await asyncio.sleep(ahead)
             if on_progress is not None and i % 2048 == 0:
                 summary.seconds = time.monotonic() - started
                 on_progress(summary)
-        flush_all()
+        router.flush()
         while inflight:
             settle(await inflight.popleft())
         summary.seconds = time.monotonic() - started
+        summary.retries = router.retries
         return summary
     finally:
-        for c in {id(c): c for c in [session.conn, *conns]}.values():
-            await c.aclose()
+        await router.aclose()
+
+
+def _set(vb: int, key: bytes, doc: bytes, opaque: int) -> bytes:
+    return encode_set(Opcode.SET, vb, opaque, key, doc, datatype=1)
+
+
+def _delete(vb: int, key: bytes, opaque: int) -> bytes:
+    return Delete(key=key, vbucket=vb, opaque=opaque).encode()

@@ -19,12 +19,14 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 from upr_cli.failover import FailoverLog, new_uuid
-from upr_cli.node.partition import ACTIVE, Partition
+from upr_cli.node.partition import ACTIVE, PENDING, REPLICA, Partition
 from upr_cli.node.storage import DocRow, NodeStorage, PartitionRecord
 from upr_cli.protocol.status import (
     InvalidArguments,
@@ -46,7 +48,10 @@ class StaleCas(StatusError):
 log = logging.getLogger(__name__)
 
 FLUSH_CHUNK = 50_000  # docs per transaction at most
+UNDO_WINDOW = 200_000  # seqs of undo a replica partition keeps (formats/cluster.md §5)
+FED = (REPLICA, PENDING)  # states fed by a replication stream
 _MISSING = object()
+_T = TypeVar("_T")
 
 
 def _new_cas() -> int:
@@ -100,6 +105,8 @@ class Bucket:
         self.state_cas = _new_cas()
         self._map_path = data_dir / f"{name}.cluster-map.json"
         self.cluster_map: dict[str, object] | None = None
+        self.undo_window = UNDO_WINDOW
+        self.listeners: list[Callable[[], None]] = []  # told of map and state changes
 
     # -- life cycle -------------------------------------------------------------
 
@@ -127,6 +134,12 @@ class Bucket:
             log.warning(
                 "bucket %s: partition %d on disk beyond --partitions, ignored", self.name, vb
             )
+        floors = self.storage.undo_floors()
+        for vb, part in self.partitions.items():
+            if part.state in FED:
+                if vb not in floors:
+                    self.storage.start_undo(vb, part.persisted_seq)
+                part.undo_floor = floors.get(vb, part.persisted_seq)
         self.started_unclean = not clean and not fresh
         if self._map_path.exists():
             self.cluster_map = json.loads(self._map_path.read_text(encoding="utf-8"))
@@ -179,7 +192,12 @@ class Bucket:
         tmp.replace(self._map_path)
         self.cluster_map = config
         self.state_cas = _new_cas()
+        self._changed()
         return self.state_cas
+
+    def _changed(self) -> None:
+        for fn in self.listeners:
+            fn()
 
     async def set_partition_state(self, vb: int, state: str, *, cas: int, rev: int,
                                   failover: bool = False) -> int:  # fmt: skip
@@ -192,14 +210,90 @@ class Bucket:
             raise NotMyVbucket(f"partition {vb} does not exist")
         self.check_control(cas, rev)
         part = self.partitions[vb]
+        await self.flush()
         if failover and state == ACTIVE:
-            await self.flush()
-            seq = part.snap_end if part.persisted_seq == part.snap_end else part.snap_start
-            part.failover = part.failover.add_entry(new_uuid(), min(seq, part.persisted_seq))
+            part.failover = part.failover.add_entry(new_uuid(), part.complete_seq)
+        if state in FED and part.state not in FED:
+            # from here on every replaced version is kept: a rollback can undo it
+            await self._in_pool(self.storage.start_undo, vb, part.persisted_seq)
+            part.undo_floor = part.persisted_seq
+        elif state not in FED:
+            part.undo_floor = None
+        if state != part.state and state == ACTIVE:
+            part.markers.clear()
+            # an active partition's persisted data is one complete snapshot
+            part.snap_start = part.snap_end = part.persisted_seq
         part.state = state
         await self.persist_state([part])
         self.state_cas = _new_cas()
+        part.notify()  # streams of this partition check their state
+        self._changed()
         return self.state_cas
+
+    async def _in_pool(self, fn: Callable[..., _T], *args: object) -> _T:
+        """Run a storage call on the writer thread, between flushes."""
+        async with self._flush_lock:
+            self._disk_gen += 1
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # -- the replica side (seed 000 "How KV mutations flow into Replicas") -------------
+
+    def fed_partition(self, vb: int) -> Partition:
+        """A partition a replication stream may write (replica or pending)."""
+        part = self.partitions.get(vb)
+        if part is None or part.state not in FED:
+            raise NotMyVbucket(f"partition {vb} is not a replica here")
+        return part
+
+    def apply_replica(self, doc: DocRow) -> bool:
+        """Take a version streamed from the active, keeping its seq, cas and rev seq.
+        Versions at or below the partition's high seq (a resent stream) are skipped."""
+        part = self.fed_partition(doc.vbucket)
+        if doc.seq <= part.high_seq:
+            return False
+        self._last_cas = max(self._last_cas, doc.cas)
+        part.append(doc)
+        return True
+
+    def replica_marker(self, vb: int, start: int, end: int) -> None:
+        """A snapshot marker for a replica partition: its items up to `end` are one cut."""
+        self.fed_partition(vb).markers.append((start, end))
+
+    async def adopt_failover_log(self, vb: int, pairs: tuple[tuple[int, int], ...]) -> None:
+        """A replica takes the active's whole failover log (dcp-wire §4.3), durably."""
+        part = self.fed_partition(vb)
+        log_ = FailoverLog.sanitised(pairs)
+        if log_.entries and log_ != part.failover:
+            part.failover = log_
+            await self.persist_state([part])
+
+    async def rollback_replica(self, vb: int, to_seq: int) -> bool:
+        """Take a replica partition back to `to_seq` (the stream answered ROLLBACK); the
+        discarded versions go to `lost_writes`. Returns False when the undo table does
+        not reach that far back: the partition was emptied and must stream from 0."""
+        part = self.fed_partition(vb)
+        await self.flush()
+        if to_seq >= part.persisted_seq:
+            part.high_seq = part.persisted_seq
+            return True
+        floor = part.undo_floor if part.undo_floor is not None else part.persisted_seq
+        ok = to_seq >= floor
+        seq = to_seq if ok else 0
+        part.high_seq = part.persisted_seq = part.snap_start = part.snap_end = seq
+        part.markers.clear()
+        part.failover = part.failover.prune_above(seq)
+        if not part.failover.entries:
+            part.failover = FailoverLog.initial()
+        rec = part.record()
+        if ok:
+            lost = await self._in_pool(self.storage.rollback_replica, vb, seq, rec)
+        else:
+            lost = await self._in_pool(self.storage.reset_partition, rec)
+            part.undo_floor = 0
+        log.warning("bucket %s: replica partition %d rolled back to %d (%s, %d versions %s)",
+                    self.name, vb, seq, "undo" if ok else "reset: below the undo floor", lost,
+                    "kept in lost_writes" if ok else "dropped")  # fmt: skip
+        return ok
 
     # -- reads ---------------------------------------------------------------------
 
@@ -348,6 +442,7 @@ class Bucket:
             await asyncio.sleep(self.flush_interval)
             try:
                 await self.flush()
+                await self._prune_undo()
                 if self.purge_age is not None:
                     await self.purge(self.purge_age)
             except asyncio.CancelledError:
@@ -373,18 +468,35 @@ class Bucket:
                 records = []
                 for part, docs in batches:
                     top = docs[-1].seq
+                    start, end = _replica_snapshot(part, top) if part.state in FED else (top, top)
                     records.append(
-                        replace(part.record(), high_seq=top, snap_start=top, snap_end=top)
+                        replace(part.record(), high_seq=top, snap_start=start, snap_end=end)
                     )
                 docs_all = [d for _, docs in batches for d in docs]
-                await loop.run_in_executor(self._pool, self.storage.write_batch, docs_all, records)
+                undo = {
+                    p.vbucket for p, _ in batches if p.state in FED and p.undo_floor is not None
+                }
+                await loop.run_in_executor(
+                    self._pool, self.storage.write_batch, docs_all, records, undo
+                )
                 self._disk_gen += 1
                 for (part, docs), rec in zip(batches, records, strict=True):
                     part.persisted_seq = rec.high_seq
                     part.snap_start, part.snap_end = rec.snap_start, rec.snap_end
+                    if part.markers:
+                        part.markers = [m for m in part.markers if m[1] > rec.high_seq]
                     part.queue.remove_flushed(docs)
                     part.notify()
                 total += len(docs_all)
+
+    async def _prune_undo(self) -> None:
+        """Keep about `undo_window` seqs of undo per replica partition (bounded disk)."""
+        for vb, part in self.partitions.items():
+            floor = part.undo_floor
+            if floor is not None and part.persisted_seq - floor > 2 * self.undo_window:
+                new_floor = part.persisted_seq - self.undo_window
+                await self._in_pool(self.storage.prune_undo, vb, new_floor)
+                part.undo_floor = new_floor
 
     async def persist_state(self, parts: list[Partition]) -> None:
         """Write partition records (failover log or state changed) durably."""
@@ -405,3 +517,17 @@ class Bucket:
         for vb, seq in purged.items():
             self.partitions[vb].purge_seq = max(self.partitions[vb].purge_seq, seq)
         return purged
+
+
+def _replica_snapshot(part: Partition, top: int) -> tuple[int, int]:
+    """(snap_start, snap_end) to record when a replica partition is persisted up to `top`:
+    (top, top) if `top` ends a snapshot; else (the last complete snapshot's end, the end
+    of the snapshot holding `top`), so `complete_seq` names the last complete snapshot
+    (seed 000 walkthrough: B persisted through 7 of snapshot 6-8 and promotes at 5)."""
+    complete, current = part.complete_seq, top
+    for start, end in part.markers:
+        if end <= top:
+            complete = max(complete, end)
+        elif start <= top:
+            current = max(current, end)
+    return (top, top) if complete >= top else (complete, current)

@@ -95,6 +95,10 @@ class Partition:
     snap_start: int = 0  # last complete snapshot on disk
     snap_end: int = 0
     queue: WriteQueue = field(default_factory=WriteQueue)
+    # Replica side (formats/cluster.md §5): markers received and not yet persisted past,
+    # and the lowest seq the undo table can take the partition back to (None: no undo).
+    markers: list[tuple[int, int]] = field(default_factory=list)
+    undo_floor: int | None = None
     _waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
     @classmethod
@@ -122,6 +126,12 @@ class Partition:
             snap_start=self.snap_start,
             snap_end=self.snap_end,
         )
+
+    @property
+    def complete_seq(self) -> int:
+        """The end of the last complete snapshot persisted (dcp-wire §4.3): `snap_end` when
+        everything up to it is on disk, else `snap_start` (a replica mid-snapshot)."""
+        return self.snap_end if self.persisted_seq == self.snap_end else self.snap_start
 
     @property
     def uuid(self) -> int:

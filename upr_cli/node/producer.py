@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from upr_cli.failover import needs_rollback
 from upr_cli.node.bucket import Bucket
-from upr_cli.node.partition import ACTIVE, REPLICA, Partition
+from upr_cli.node.partition import ACTIVE, DEAD, REPLICA, Partition
 from upr_cli.node.storage import Backfill, DocRow, StorageReader
 from upr_cli.protocol.fast import encode_mutation
 from upr_cli.protocol.messages import (
@@ -423,7 +423,11 @@ class DcpProducer:
         cursor, first = spec.start, True
         allowed = (ACTIVE,) if spec.flags & S_ACTIVE_ONLY else (ACTIVE, REPLICA)
         while True:
-            if self.bucket.partitions.get(vb) is not part or part.state not in allowed:
+            if self.bucket.partitions.get(vb) is not part:
+                return END_STATE_CHANGED
+            if part.state not in allowed and not (part.state == DEAD and cursor < part.high_seq):
+                # seed 000 rebalance step 4: a partition set dead accepts no more writes,
+                # and its streams first send everything it holds, then end StateChanged
                 return END_STATE_CHANGED
             if cursor >= end:
                 return END_OK

@@ -32,7 +32,7 @@ from upr_cli.net.scram import (
     parse_plain,
 )
 from upr_cli.node.bucket import Bucket, StaleCas
-from upr_cli.node.partition import ACTIVE, STATE_CODES
+from upr_cli.node.partition import ACTIVE, DEAD, STATE_CODES
 from upr_cli.node.producer import (
     OPEN_PRODUCER,
     DcpProducer,
@@ -41,6 +41,7 @@ from upr_cli.node.producer import (
     error_response,
     open_flags_problem,
 )
+from upr_cli.node.replication import Replicator
 from upr_cli.protocol import Frame, FrameDecoder, decode_message
 from upr_cli.protocol.fast import encode_store_response, parse_set
 from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, Magic, Opcode
@@ -77,6 +78,7 @@ from upr_cli.protocol.messages import (
     SelectBucket,
     Set,
     SetClusterConfig,
+    SetParam,
     SetVbucket,
     SetWithMeta,
     Stat,
@@ -92,6 +94,7 @@ from upr_cli.protocol.status import (
     InvalidArguments,
     KeyNotFound,
     NoBucket,
+    NotMyVbucket,
     NotSupported,
     Status,
     StatusError,
@@ -170,6 +173,7 @@ class NodeServer:
         self.backfill_slots = asyncio.Semaphore(config.backfills)
         self.port = config.port
         self.rev = 1
+        self.replicator: Replicator | None = None
 
     async def start(self) -> None:
         """Open the buckets (recovery included) and start listening."""
@@ -187,6 +191,7 @@ class NodeServer:
         )
         await bucket.start()
         self.buckets[cfg.bucket] = bucket
+        user = min(cfg.users) if cfg.users else None
         try:
             self._server = await asyncio.start_server(
                 self._accept, cfg.host, cfg.port, limit=1 << 18
@@ -197,11 +202,17 @@ class NodeServer:
                 f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}"
             ) from None
         self.port = self._server.sockets[0].getsockname()[1]
+        # replicas are fed with the node's own credentials (formats/cluster.md §5)
+        self.replicator = Replicator(bucket, port=self.port, user=user,
+                                     password=cfg.users.get(user) if user else None)  # fmt: skip
+        self.replicator.start()
 
     async def stop(self, *, clean: bool = True) -> None:
         """Stop listening, drop sessions, flush (if clean) and close the buckets."""
         if self._server is not None:
             self._server.close()
+        if self.replicator is not None:
+            await self.replicator.stop()
         for s in list(self.sessions):
             await s.aclose()
         if self._server is not None:
@@ -430,6 +441,26 @@ class ClientSession:
                                                rev=rev, failover=failover)  # fmt: skip
         self.send(Response(opcode=Opcode.SET_VBUCKET, opaque=msg.opaque, cas=cas))
 
+    def set_param(self, msg: SetParam) -> None:
+        """SET_PARAM (formats/cluster.md §6): replication_pause / replication_resume with
+        a JSON value {"partitions": [..] | null, "after": seq | null}; the answer lists
+        the partitions affected."""
+        self.need_admin_bucket()
+        rep = self.server.replicator
+        if msg.name not in ("replication_pause", "replication_resume") or rep is None:
+            raise InvalidArguments(f"unknown parameter {msg.name!r}")
+        try:
+            args = json.loads(msg.value) if msg.value else {}
+            vbs = args.get("partitions")
+            vbs = None if vbs is None else [int(v) for v in vbs]
+            after = args.get("after")
+            after = None if after is None else int(after)
+        except (ValueError, TypeError, AttributeError):
+            raise InvalidArguments('value: {"partitions": [..], "after": N}') from None
+        done = rep.pause(vbs, after) if msg.name == "replication_pause" else rep.resume(vbs)
+        self.send(Response(opcode=Opcode.SET_PARAM, opaque=msg.opaque,
+                           value=json.dumps(done).encode(), datatype=1))  # fmt: skip
+
     def need_bucket(self) -> Bucket:
         """The selected bucket, or NO_BUCKET."""
         if self.bucket is None:
@@ -483,6 +514,9 @@ class ClientSession:
         elif op is SetVbucket:
             assert isinstance(msg, SetVbucket)
             await self.set_vbucket(msg)
+        elif op is SetParam:
+            assert isinstance(msg, SetParam)
+            self.set_param(msg)
         elif op is SetClusterConfig:
             assert isinstance(msg, SetClusterConfig)
             bucket = self.need_admin_bucket()
@@ -597,6 +631,11 @@ class ClientSession:
                     (f"vb_{vb}:last_persisted_snap_start", str(p.snap_start)),
                     (f"vb_{vb}:last_persisted_snap_end", str(p.snap_end)),
                 ]
+        elif group == "replication":  # formats/cluster.md §5: links, pauses, errors
+            rep = self.server.replicator
+            status = rep.status() if rep is not None else {}
+            pairs = [(k, json.dumps(v)) for k, v in status.items()]
+            pairs += [(f"vb_{vb}:complete_seqno", str(p.complete_seq)) for vb, p in parts]
         elif group == "failovers":
             for vb, p in parts:
                 pairs.append((f"vb_{vb}:num_entries", str(len(p.failover))))
@@ -634,7 +673,10 @@ class ClientSession:
             )
             return
         if isinstance(msg, ObserveSeqno):
-            part = bucket.partition(vb)
+            # seed 000: a replica answers too, so a client can wait for replica persistence
+            part = bucket.partition(vb, active=False)
+            if part.state == DEAD:
+                raise NotMyVbucket(f"partition {vb} is dead here")
             idx = part.failover.find(msg.vbucket_uuid)
             if idx is None:
                 raise KeyNotFound(f"uuid {msg.vbucket_uuid:x} is not in partition {vb}'s history")

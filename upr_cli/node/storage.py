@@ -37,7 +37,7 @@ import re
 import secrets
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -92,6 +92,33 @@ _SCHEMA = (
 _DOC_COLUMNS = (
     "vbucket, key, seq, rev_seq, cas, flags, expiry, datatype, deleted, delete_time, value"
 )
+# Replica undo (formats/cluster.md §5): the version a replica's write replaced, keyed by
+# the replacing seq, so a rollback to r restores every key to its version at r. Partitions
+# record undo only while replica or pending; `undo_floor` is the lowest r it can serve.
+# Added without a schema-version bump: CREATE IF NOT EXISTS on every open.
+_UNDO_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS undo (
+        new_seq INTEGER NOT NULL,
+        vbucket INTEGER NOT NULL, key BLOB NOT NULL, seq INTEGER NOT NULL,
+        rev_seq INTEGER NOT NULL, cas INTEGER NOT NULL, flags INTEGER NOT NULL,
+        expiry INTEGER NOT NULL, datatype INTEGER NOT NULL, deleted INTEGER NOT NULL,
+        delete_time INTEGER NOT NULL, value BLOB NOT NULL,
+        PRIMARY KEY (vbucket, new_seq)
+    ) WITHOUT ROWID""",
+    "CREATE INDEX IF NOT EXISTS undo_by_key ON undo (vbucket, key, new_seq)",
+    "CREATE TABLE IF NOT EXISTS undo_floor (vbucket INTEGER PRIMARY KEY, seq INTEGER NOT NULL)",
+    # Versions a replica's rollback discarded (what `upr salvage --node-data` offers back).
+    """CREATE TABLE IF NOT EXISTS lost_writes (
+        rolled_back_at REAL NOT NULL,
+        vbucket INTEGER NOT NULL, key BLOB NOT NULL, seq INTEGER NOT NULL,
+        rev_seq INTEGER NOT NULL, cas INTEGER NOT NULL, flags INTEGER NOT NULL,
+        expiry INTEGER NOT NULL, datatype INTEGER NOT NULL, deleted INTEGER NOT NULL,
+        delete_time INTEGER NOT NULL, value BLOB NOT NULL,
+        PRIMARY KEY (vbucket, seq)
+    ) WITHOUT ROWID""",
+)
+_SAVE_UNDO = f"""INSERT OR REPLACE INTO undo (new_seq, {_DOC_COLUMNS})
+SELECT ?, {_DOC_COLUMNS} FROM docs WHERE vbucket = ? AND key = ?"""
 
 # The WHERE clause makes a stale version a no-op (0 changes), which write_batch detects.
 # `excluded.seq > docs.seq` as unsigned 64-bit numbers stored as i64 (see header).
@@ -327,6 +354,8 @@ class NodeStorage:
                     f"{self.path}: schema version {version} is newer than this upr "
                     f"supports ({SCHEMA_VERSION})"
                 )
+            for stmt in _UNDO_SCHEMA:
+                conn.execute(stmt)
             uuid = meta.get("bucket_uuid", "")
             if not re.fullmatch(r"[0-9a-f]{32}", uuid):
                 raise StorageError(f"{self.path}: bad bucket uuid {uuid!r}")
@@ -425,18 +454,28 @@ class NodeStorage:
 
     # --- write path
 
-    def write_batch(self, docs: Sequence[DocRow], records: Iterable[PartitionRecord]) -> None:
+    def write_batch(
+        self,
+        docs: Sequence[DocRow],
+        records: Iterable[PartitionRecord],
+        undo: Collection[int] = (),
+    ) -> None:
         """Upsert docs (newest version per key) and partition records in ONE transaction.
 
-        Raises ValueError, committing nothing, when a doc's seq is not above the stored
-        seq of its key, or reuses the seq of another key of its partition.
+        For docs of the partitions in `undo` (replicas), the version each one replaces is
+        kept in the undo table first. Raises ValueError, committing nothing, when a doc's
+        seq is not above the stored seq of its key, or reuses the seq of another key of
+        its partition.
         """
         doc_params = _doc_params(docs)
         rec_params = [_partition_params(r) for r in records]
         if not doc_params and not rec_params:
             return
+        undo_params = [(_i64(d.seq), d.vbucket, d.key) for d in docs if d.vbucket in undo]
         try:
             with self._transaction(durable=False) as db:
+                if undo_params:
+                    db.executemany(_SAVE_UNDO, undo_params)
                 changed = db.executemany(_UPSERT_DOC, doc_params).rowcount if doc_params else 0
                 if changed != len(doc_params):
                     raise _StaleVersion  # some upsert was a no-op: see _UPSERT_DOC
@@ -561,6 +600,82 @@ class NodeStorage:
                 {"s": seq, "vb": vbucket},
             )
         return int(count)
+
+    # --- replica undo (formats/cluster.md §5)
+
+    def undo_floors(self) -> dict[int, int]:
+        """Per partition, the lowest seq a replica rollback can restore (absent: none)."""
+        rows = self._db.execute("SELECT vbucket, seq FROM undo_floor")
+        return {int(vb): _u64(seq) for vb, seq in rows}
+
+    def start_undo(self, vbucket: int, floor: int) -> None:
+        """Start keeping undo for a partition that became replica at `floor`, durably."""
+        with self._transaction(durable=True) as db:
+            db.execute("DELETE FROM undo WHERE vbucket = ?", (vbucket,))
+            db.execute(
+                "INSERT OR REPLACE INTO undo_floor (vbucket, seq) VALUES (?, ?)",
+                (vbucket, _i64(floor)),
+            )
+
+    def prune_undo(self, vbucket: int, floor: int) -> None:
+        """Forget undo below `floor` (rollbacks below it then reset the partition)."""
+        with self._transaction(durable=False) as db:
+            db.execute(
+                "DELETE FROM undo WHERE vbucket = ? AND new_seq <= ?", (vbucket, _i64(floor))
+            )
+            db.execute(
+                "UPDATE undo_floor SET seq = max(seq, ?) WHERE vbucket = ?",
+                (_i64(floor), vbucket),
+            )
+
+    def rollback_replica(self, vbucket: int, to_seq: int, record: PartitionRecord) -> int:
+        """Take a replica partition back to its state at `to_seq`, durably; returns how
+        many versions were discarded (kept in `lost_writes`).
+
+        Every key changed above `to_seq` gets back the version its first change above
+        `to_seq` replaced (the undo table), or disappears if it was created above it. The
+        caller checked `to_seq` ≥ the partition's undo floor. `record` is saved in the
+        same transaction.
+        """
+        seq = _i64(to_seq)
+        args = {"vb": vbucket, "s": seq}
+        with self._transaction(durable=True) as db:
+            db.execute(
+                f"INSERT OR REPLACE INTO lost_writes (rolled_back_at, {_DOC_COLUMNS})"
+                f" SELECT :now, {_DOC_COLUMNS} FROM docs WHERE vbucket = :vb AND seq > :s",
+                {**args, "now": time.time()},
+            )
+            count = db.execute("DELETE FROM docs WHERE vbucket = :vb AND seq > :s", args).rowcount
+            db.execute(
+                f"INSERT INTO docs ({_DOC_COLUMNS}) SELECT {_DOC_COLUMNS} FROM undo u"
+                " WHERE u.vbucket = :vb AND u.new_seq > :s AND u.new_seq = ("
+                "  SELECT min(new_seq) FROM undo v"
+                "  WHERE v.vbucket = :vb AND v.key = u.key AND v.new_seq > :s)",
+                args,
+            )
+            db.execute("DELETE FROM undo WHERE vbucket = :vb AND new_seq > :s", args)
+            db.execute(_UPSERT_PARTITION, _partition_params(record))
+        return int(count)
+
+    def reset_partition(self, record: PartitionRecord) -> int:
+        """Empty a partition (a rollback below its undo floor: it streams again from 0)."""
+        vb = record.vbucket
+        with self._transaction(durable=True) as db:
+            count = db.execute("DELETE FROM docs WHERE vbucket = ?", (vb,)).rowcount
+            db.execute("DELETE FROM undo WHERE vbucket = ?", (vb,))
+            db.execute("INSERT OR REPLACE INTO undo_floor (vbucket, seq) VALUES (?, 0)", (vb,))
+            db.execute(_UPSERT_PARTITION, _partition_params(record))
+        return int(count)
+
+    def lost_writes(self, vbucket: int | None = None) -> list[tuple[float, DocRow]]:
+        """Versions discarded by replica rollbacks, oldest rollback first."""
+        sql = f"SELECT rolled_back_at, {_DOC_COLUMNS} FROM lost_writes"
+        params: tuple[int, ...] = ()
+        if vbucket is not None:
+            sql += " WHERE vbucket = ?"
+            params = (vbucket,)
+        rows = self._db.execute(sql + " ORDER BY rolled_back_at, vbucket, seq", params).fetchall()
+        return list(zip([r[0] for r in rows], _rows_to_docs([r[1:] for r in rows]), strict=True))
 
 
 class StorageReader:

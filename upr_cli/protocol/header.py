@@ -46,6 +46,7 @@ class Opcode(IntEnum):
     DELETE = 0x04
     STAT = 0x10
     SET_VBUCKET = 0x3D
+    SET_PARAM = 0x82  # ep-engine's engine-parameter command (formats/cluster.md §6)
     HELLO = 0x1F
     SASL_LIST_MECHS = 0x20
     SASL_AUTH = 0x21

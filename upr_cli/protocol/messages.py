@@ -916,6 +916,20 @@ class SetClusterConfig(Request):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SetParam(Request):
+    """SET_PARAM 0x82: extras u32 parameter type (4: dcp), key = parameter name, value =
+    its value; upr uses it for replication pause and resume (formats/cluster.md §6)."""
+
+    SCHEMA = Schema(
+        opcodes=(Opcode.SET_PARAM,), extras=(layout(("param_type", "I")),), key=("name", TEXT),
+        value=("value", RAW),
+    )  # fmt: skip
+    param_type: int = 4
+    name: str
+    value: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Noop(Request):
     """DCP_NOOP 0x5c: no body; the client must answer with the same opaque (§2.12)."""
 

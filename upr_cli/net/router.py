@@ -1,0 +1,244 @@
+"""KV requests routed by the cluster map, retried on NOT_MY_VBUCKET (formats/cluster.md §4).
+
+Seed 000 "How front end clients ensure mutations are persisted": a node that is no
+longer the partition's active answers "not my partition", and the client reloads the
+cluster map and retries. The router keeps one connection per node holding an active
+partition, sends each request to its partition's active node, and when an answer is
+NOT_MY_VBUCKET (whose value is the answering node's map) or the node's connection is
+lost, it takes the newest map it can find (that answer's, else one fetched from every
+node it knows) and sends the request again, until `retry_for` seconds have passed.
+Requests stay pipelined: `submit` returns a future of the final answer at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from upr_cli.errors import UprError
+from upr_cli.net.bootstrap import Session, connect, partition_of
+from upr_cli.net.connection import Connection
+from upr_cli.net.uri import SourceUri
+from upr_cli.protocol import Frame
+from upr_cli.protocol.messages import GetClusterConfig
+from upr_cli.protocol.status import Status
+
+Make = Callable[[int], bytes]  # opaque → an encoded request
+
+
+def _servers(uri: SourceUri, config: dict[str, Any]) -> tuple[list[tuple[str, int]], list[int]]:
+    """(host, port) per server of the map, and each partition's active index."""
+    smap = config.get("vBucketServerMap", {}) if isinstance(config, dict) else {}
+    servers = []
+    for entry in smap.get("serverList", []) or []:
+        host, _, port = str(entry).rpartition(":")
+        host = uri.host if host in ("$HOST", "") else host
+        servers.append((host, int(port) if port.isdigit() else uri.port))
+    rows = smap.get("vBucketMap", []) or []
+    actives = [row[0] if isinstance(row, list) and row else -1 for row in rows]
+    return servers or [(uri.host, uri.port)], actives
+
+
+class RouterError(UprError):
+    """No node could be reached for a partition."""
+
+
+class NoNodeAnswers(RouterError):
+    """Not one node of the map could be reached."""
+
+
+class Router:
+    """One connection per active node of a bucket, with map-following retries."""
+
+    def __init__(self, session: Session, *, retry_for: float = 60.0, name: str = "upr") -> None:
+        self.uri = session.uri
+        self.name = name
+        self.retry_for = retry_for
+        self.features = session.features
+        self.config: dict[str, Any] = session.config
+        self.num_partitions = session.num_partitions
+        self._conns: dict[tuple[str, int], Connection] = {
+            (session.uri.host, session.uri.port): session.conn
+        }
+        self._servers, self._actives = _servers(self.uri, self.config)
+        self._lock = asyncio.Lock()
+        self._gen = 0  # refreshes done (waiters for the lock skip theirs if it moved)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.retries = 0
+
+    @classmethod
+    async def open(cls, uri: SourceUri, *, name: str = "upr", retry_for: float = 60.0) -> Router:
+        """Bootstrap from `uri` and connect to every node holding an active partition."""
+        session = await connect(uri, name=name)
+        router = cls(session, retry_for=retry_for, name=name)
+        try:
+            await router._connect_actives()
+        except BaseException:
+            await router.aclose()
+            raise
+        return router
+
+    @property
+    def rev(self) -> int:
+        """The revision of the map in use."""
+        rev = self.config.get("rev", 0)
+        return rev if isinstance(rev, int) else 0
+
+    def partition(self, key: bytes) -> int:
+        """The partition of a key."""
+        return partition_of(key, self.num_partitions)
+
+    async def _connect_actives(self) -> None:
+        for i in sorted({a for a in self._actives if a >= 0}):
+            if i < len(self._servers):
+                with contextlib.suppress(UprError, OSError):
+                    await self._conn(self._servers[i])
+
+    async def _conn(self, addr: tuple[str, int]) -> Connection:
+        conn = self._conns.get(addr)
+        if conn is None or conn.closed:
+            self._conns.pop(addr, None)
+            uri = replace(self.uri, host=addr[0], port=addr[1])
+            conn = (await connect(uri, name=self.name, timeout=3.0)).conn
+            self._conns[addr] = conn
+        return conn
+
+    def conn_for(self, vb: int) -> Connection | None:
+        """The open connection to the partition's active node, if there is one."""
+        a = self._actives[vb] if vb < len(self._actives) else -1
+        if 0 <= a < len(self._servers):
+            conn = self._conns.get(self._servers[a])
+            if conn is not None and not conn.closed:
+                return conn
+        return None
+
+    # -- requests ---------------------------------------------------------------------
+
+    def submit(self, vb: int, make: Make) -> asyncio.Future[Frame]:
+        """Send a request (deferred: see `flush`); the future holds its final answer."""
+        out: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        self._send(vb, make, out, time.monotonic() + self.retry_for)
+        return out
+
+    async def request(self, vb: int, make: Make) -> Frame:
+        """Send one request now and wait for its final answer."""
+        fut = self.submit(vb, make)
+        self.flush()
+        return await fut
+
+    def flush(self) -> None:
+        """Write every deferred request."""
+        for conn in list(self._conns.values()):
+            if not conn.closed:
+                conn.flush_writes()
+
+    def _send(self, vb: int, make: Make, out: asyncio.Future[Frame], deadline: float) -> None:
+        conn = self.conn_for(vb)
+        if conn is None:
+            self._retry(vb, make, out, deadline, None, "no connection to the active node")
+            return
+        opaque = conn.next_opaque()
+        try:
+            inner = conn.start_raw(make(opaque), opaque, defer=True)
+        except (UprError, OSError) as exc:
+            self._retry(vb, make, out, deadline, None, str(exc))
+            return
+
+        def done(f: asyncio.Future[Frame]) -> None:
+            if out.done():
+                return
+            if f.cancelled():
+                out.cancel()
+                return
+            exc = f.exception()
+            if exc is not None:
+                self._retry(vb, make, out, deadline, None, str(exc))
+                return
+            frame = f.result()
+            if frame.vbucket_or_status == Status.NOT_MY_VBUCKET:
+                body = bytes(frame.value)  # the frame is valid until the next read only
+                self._retry(vb, make, out, deadline, body, "not my vbucket", frame)
+            else:
+                out.set_result(frame)
+
+        inner.add_done_callback(done)
+
+    def _retry(self, vb: int, make: Make, out: asyncio.Future[Frame], deadline: float,
+               body: bytes | None, reason: str, frame: Frame | None = None) -> None:  # fmt: skip
+        if time.monotonic() > deadline:
+            if frame is not None:
+                out.set_result(frame)
+            else:
+                out.set_exception(RouterError(f"partition {vb}: {reason} for {self.retry_for:g}s"))
+            return
+        self.retries += 1
+
+        async def again() -> None:
+            try:
+                await self.refresh(body)
+            except NoNodeAnswers as exc:
+                if not out.done():
+                    out.set_exception(exc)  # the whole cluster is gone: fail, do not spin
+                return
+            except (UprError, OSError):
+                await asyncio.sleep(0.1)
+            if not out.done():
+                self._send(vb, make, out, deadline)
+                self.flush()
+
+        task = asyncio.get_running_loop().create_task(again())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def refresh(self, body: bytes | None = None) -> None:
+        """Take a newer map: from an answer's body, else from every node we know."""
+        gen = self._gen
+        async with self._lock:
+            if self._gen != gen:
+                return  # another retry refreshed meanwhile
+            self._gen += 1
+            best = self.config
+            with contextlib.suppress(ValueError, UnicodeDecodeError):
+                cand = json.loads(body) if body else None
+                if isinstance(cand, dict) and cand.get("rev", 0) > self.rev:
+                    best = cand
+            if best is self.config:
+                await asyncio.sleep(0.05)  # the map is being changed: ask again shortly
+                got = await self._fetch_all()
+                if not any(got):
+                    raise NoNodeAnswers(f"{self.uri.redacted()}: no node of the cluster answers")
+                for cfg in got:
+                    if cfg.get("rev", 0) > best.get("rev", 0):
+                        best = cfg
+            if best is not self.config:
+                self.config = best
+                self._servers, self._actives = _servers(self.uri, best)
+            await self._connect_actives()
+
+    async def _fetch_all(self) -> list[dict[str, Any]]:
+        addrs = set(self._servers) | set(self._conns)
+
+        async def one(addr: tuple[str, int]) -> dict[str, Any]:
+            try:
+                conn = await self._conn(addr)
+                resp = await conn.request(GetClusterConfig(opaque=conn.next_opaque()), timeout=3)
+                raw = getattr(resp, "value", b"")
+                cfg = json.loads(raw) if raw else {}
+                return cfg if isinstance(cfg, dict) else {}
+            except (UprError, OSError, ValueError):
+                return {}
+
+        return list(await asyncio.gather(*(one(a) for a in addrs)))
+
+    async def aclose(self) -> None:
+        """Close every connection."""
+        for task in list(self._tasks):
+            task.cancel()
+        for conn in list(self._conns.values()):
+            await conn.aclose()
+        self._conns.clear()

@@ -1,0 +1,251 @@
+"""Replication into this node's replica and pending partitions (formats/cluster.md §5).
+
+Seed 000 "How KV mutations flow into Replicas": a replica partition is fed by a UPR
+client streaming from its active copy; the replica keeps the seqnos, cas and rev seqs
+it is sent, persists in seq order (the flusher commits each partition's queue in one
+transaction) and records the last complete snapshot it persisted.
+
+Theory of operation. The node's cluster map names, per partition, the active node. The
+`Replicator` groups this node's replica and pending partitions by their active node and
+runs one `DcpConsumer` (our client library, one connection) per active node. Each
+stream starts from the partition's own position (its newest failover uuid, high seq and
+snapshot), so the active's producer rule decides any rollback (dcp-wire §4.2); the
+replica adopts the active's whole failover log from the stream response (§4.3). A
+ROLLBACK is applied with the partition's undo table; when the undo does not reach back
+far enough the partition is emptied and streams again from 0. A map or state change
+(SET_CLUSTER_CONFIG, SET_VBUCKET) wakes the replicator, which restarts the links whose
+partition set changed. A link that fails (the active died, NOT_MY_VBUCKET during a
+rebalance) is restarted after a short wait, against whatever the map then says.
+
+Pausing (for staging the seed's walkthrough): `pause(vbs, after)` lets partitions apply
+items up to seq `after` (default: what they have now) and then closes their streams;
+`resume` reopens them from where they stand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from upr_cli.dcp.consumer import DcpConsumer
+from upr_cli.dcp.events import Rollback, Snapshot, StreamOpened
+from upr_cli.dcp.position import StreamPosition
+from upr_cli.errors import UprError
+from upr_cli.net.uri import SourceUri
+from upr_cli.node.bucket import FED, Bucket
+from upr_cli.node.partition import Partition
+from upr_cli.node.storage import DocRow
+from upr_cli.protocol.status import NotMyVbucket
+
+log = logging.getLogger(__name__)
+
+OP_MUTATION = 0x57
+RETRY_S = 0.5  # wait before restarting a failed link
+_LOOPBACK = {"127.0.0.1", "localhost", "$HOST", "::1", "[::1]"}
+
+
+class _Restart(Exception):
+    """A partition was emptied (rollback below its undo floor): restart the link."""
+
+
+@dataclass
+class _Link:
+    source: str  # host:port of the active node
+    partitions: frozenset[int]
+    task: asyncio.Task[None]
+
+
+def resume_position(part: Partition) -> StreamPosition:
+    """Where a replica partition resumes: its newest uuid, high seq and the snapshot
+    holding it (a marker received but not yet persisted past, else the stored one)."""
+    high = part.high_seq
+    snap = (part.snap_start, part.snap_end)
+    for start, end in part.markers:
+        if start <= high <= end:
+            snap = (min(start, part.complete_seq), end)
+    if not snap[0] <= high <= snap[1]:
+        snap = (high, high)
+    return StreamPosition(part.vbucket, part.uuid, high, snap[0], snap[1])
+
+
+class Replicator:
+    """Feeds the bucket's replica and pending partitions from their active nodes."""
+
+    def __init__(self, bucket: Bucket, *, port: int, user: str | None,
+                 password: str | None) -> None:  # fmt: skip
+        self.bucket = bucket
+        self.port = port
+        self.user, self.password = user, password
+        self.pause_after: dict[int, int] = {}  # partition → apply up to this seq, then stop
+        self.stopped: set[int] = set()  # paused partitions that reached their seq
+        self.errors: dict[str, str] = {}  # source → the last error of its link
+        self._links: dict[str, _Link] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        bucket.listeners.append(self._wake.set)
+
+    # -- control ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start following the map (in the running event loop)."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="replicator")
+
+    async def stop(self) -> None:
+        """Stop every link."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self._cancel(list(self._links))
+
+    def pause(self, partitions: list[int] | None, after: int | None) -> list[int]:
+        """Replicate the partitions up to seq `after` (None: their high seq now), then stop."""
+        vbs = self._fed(partitions)
+        for vb in vbs:
+            part = self.bucket.partitions[vb]
+            self.pause_after[vb] = part.high_seq if after is None else after
+            if part.high_seq >= self.pause_after[vb]:
+                self.stopped.add(vb)
+        self._wake.set()
+        return vbs
+
+    def resume(self, partitions: list[int] | None) -> list[int]:
+        """Let paused partitions stream again from where they stand."""
+        vbs = sorted(self.pause_after) if partitions is None else sorted(partitions)
+        for vb in vbs:
+            self.pause_after.pop(vb, None)
+            self.stopped.discard(vb)
+        self._wake.set()
+        return vbs
+
+    def _fed(self, partitions: list[int] | None) -> list[int]:
+        parts = self.bucket.partitions
+        if partitions is None:
+            return sorted(vb for vb, p in parts.items() if p.state in FED)
+        return sorted(vb for vb in partitions if vb in parts)
+
+    def status(self) -> dict[str, Any]:
+        """Links, paused partitions and link errors (STAT replication)."""
+        return {
+            "links": {s: sorted(link.partitions) for s, link in self._links.items()},
+            "paused": {str(vb): seq for vb, seq in sorted(self.pause_after.items())},
+            "errors": dict(self.errors),
+        }
+
+    # -- the map ------------------------------------------------------------------
+
+    def desired(self) -> dict[str, frozenset[int]]:
+        """Per active node (host:port), the partitions this node must stream from it."""
+        cmap = self.bucket.cluster_map
+        if not cmap:
+            return {}
+        try:
+            smap: Any = cmap["vBucketServerMap"]
+            servers: list[str] = list(smap["serverList"])
+            vbmap: list[list[int]] = list(smap["vBucketMap"])
+        except (KeyError, TypeError):
+            return {}
+        me = {i for i, s in enumerate(servers) if _is_me(s, self.port)}
+        out: dict[str, set[int]] = {}
+        for vb, part in self.bucket.partitions.items():
+            if part.state not in FED or vb in self.stopped or vb >= len(vbmap) or not vbmap[vb]:
+                continue
+            active = vbmap[vb][0]
+            if 0 <= active < len(servers) and active not in me:
+                out.setdefault(servers[active], set()).add(vb)
+        return {s: frozenset(v) for s, v in out.items()}
+
+    async def _run(self) -> None:
+        while True:
+            want = self.desired()
+            stale = [
+                s for s, link in self._links.items()
+                if want.get(s) != link.partitions or link.task.done()
+            ]  # fmt: skip
+            await self._cancel(stale)
+            for source, vbs in want.items():
+                if source not in self._links:
+                    task = asyncio.get_running_loop().create_task(
+                        self._link(source, vbs), name=f"replication from {source}"
+                    )
+                    self._links[source] = _Link(source, vbs, task)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), RETRY_S)
+
+    async def _cancel(self, sources: list[str]) -> None:
+        tasks = {self._links.pop(s).task for s in sources}
+        while tasks:
+            for task in tasks:
+                task.cancel()
+            _, tasks = await asyncio.wait(tasks, timeout=1.0)  # re-cancel if one was lost
+
+    # -- one link: a DCP stream of several partitions from one active node ----------
+
+    def _uri(self, source: str) -> SourceUri:
+        host, _, port = source.rpartition(":")
+        host = "127.0.0.1" if host in _LOOPBACK else host.strip("[]")
+        return SourceUri(scheme="upr", host=host, port=int(port), bucket=self.bucket.name,
+                         username=self.user, password=self.password)  # fmt: skip
+
+    async def _link(self, source: str, vbs: frozenset[int]) -> None:
+        parts = self.bucket.partitions
+        try:
+            consumer = DcpConsumer(
+                self._uri(source), partitions=sorted(vbs),
+                positions={vb: resume_position(parts[vb]) for vb in vbs},
+                failover_logs={vb: parts[vb].failover for vb in vbs},
+                reconnect_attempts=1, connect_timeout=3.0, name="upr-replication",
+            )  # fmt: skip
+            async with consumer:
+                self.errors.pop(source, None)
+                async for batch in consumer.batches():
+                    await self._apply(batch)
+                    consumer.commit()
+        except asyncio.CancelledError:
+            raise
+        except _Restart:
+            log.info("replication from %s restarts (a partition streams again from 0)", source)
+        except (UprError, OSError, NotMyVbucket) as exc:
+            self.errors[source] = str(exc)
+            log.info("replication from %s stopped: %s", source, exc)
+        self._wake.set()
+
+    async def _apply(self, batch: list[Any]) -> None:
+        bucket = self.bucket
+        pause = self.pause_after
+        for item in batch:
+            if type(item) is tuple:
+                vb, seq = item[1], item[2]
+                if vb in pause and seq > pause[vb]:
+                    if vb not in self.stopped:
+                        self.stopped.add(vb)
+                        self._wake.set()
+                    continue
+                op, _, _, rev, cas, flags, exp, dtime, dt, key, value = item[:11]
+                deleted = op != OP_MUTATION
+                bucket.apply_replica(DocRow(
+                    vbucket=vb, key=bytes(key), seq=seq, rev_seq=rev, cas=cas, flags=flags,
+                    expiry=0 if deleted else exp, datatype=0 if deleted else dt,
+                    deleted=deleted, delete_time=dtime, value=b"" if deleted else bytes(value),
+                ))  # fmt: skip
+                if vb in pause and seq >= pause[vb] and vb not in self.stopped:
+                    self.stopped.add(vb)
+                    self._wake.set()
+            elif isinstance(item, Snapshot):
+                bucket.replica_marker(item.partition, item.start, item.end)
+            elif isinstance(item, StreamOpened):
+                await bucket.adopt_failover_log(item.partition, item.failover_log)
+            elif isinstance(item, Rollback) and not await bucket.rollback_replica(
+                item.partition, item.to_seq
+            ):
+                raise _Restart
+
+
+def _is_me(server: str, port: int) -> bool:
+    host, _, p = server.rpartition(":")
+    return p.isdigit() and int(p) == port and host in _LOOPBACK
