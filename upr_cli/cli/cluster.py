@@ -165,18 +165,30 @@ def stop_cmd(data: Data, json_out: JsonOutput = False) -> None:
 @app.command(
     "status",
     no_args_is_help=True,
-    help="""Show nodes, partition states, replica lag
-and the map revision each node holds.
+    help="""Show nodes, partition states, replica lag, failover logs and map revisions.
+
+Per node: whether it answers, the map revision it holds, partitions per state and the
+worst replica lag (seqs behind the active copy). With --logs, every copy's failover log
+and its last complete snapshot. A replica whose history left its active's (it would
+roll back if it streamed now, dcp-wire §4.2) is listed with its rollback point. --json
+gives all of it per partition.
 
 Example:
 
+  upr cluster status --data /tmp/cl --logs
   upr cluster status --data /tmp/cl --json
 """,
 )
-def status_cmd(data: Data, json_out: JsonOutput = False) -> None:
+def status_cmd(
+    data: Data,
+    logs: Annotated[
+        bool, typer.Option("--logs", help="Every copy's failover log (dead ones too in JSON).")
+    ] = False,
+    json_out: JsonOutput = False,
+) -> None:
     """Show the cluster."""
     from upr_cli.cluster import spec
-    from upr_cli.cluster.control import lag, node_status
+    from upr_cli.cluster.control import lag, node_status, rollback_points
 
     cl = spec.load(data)
 
@@ -185,13 +197,25 @@ def status_cmd(data: Data, json_out: JsonOutput = False) -> None:
 
     statuses = asyncio.run(gather())
     lags = lag(statuses)
+    rollbacks = rollback_points(statuses)
     if json_out:
+        pids = {n.name: n.pid for n in cl.nodes}
         print_json({
             "bucket": cl.bucket, "partitions": cl.partitions, "replicas": cl.replicas,
-            "rev": cl.rev,
-            "nodes": [{"name": s.name, "port": s.port, "up": s.up, "error": s.error,
-                       "rev": s.rev, "states": s.states} for s in statuses],
+            "rev": cl.rev, "map": cl.vbmap,
+            "nodes": [{"name": s.name, "port": s.port, "pid": pids.get(s.name), "up": s.up,
+                       "error": s.error, "rev": s.rev, "states": s.states,
+                       "replication": s.replication,
+                       "partitions": {str(p): {
+                           "state": s.roles[p], "high_seqno": s.highs.get(p, 0),
+                           "persisted_seqno": s.persisted.get(p, 0),
+                           "complete_snapshot_seqno": s.complete.get(p, 0),
+                           "failover_log": [{"uuid": str(u), "seq": q}
+                                            for u, q in s.logs.get(p, [])],
+                       } for p in sorted(s.roles) if logs or s.roles[p] != "dead"}}
+                      for s in statuses],
             "lag": {str(p): v for p, v in sorted(lags.items())},
+            "rollback_points": {str(p): v for p, v in sorted(rollbacks.items())},
         })  # fmt: skip
         return
     table = Table(title=f"cluster {data} (bucket {cl.bucket}, map revision {cl.rev})")
@@ -203,6 +227,44 @@ def status_cmd(data: Data, json_out: JsonOutput = False) -> None:
                       str(s.rev), *(str(s.states.get(k, 0)) for k in ("active", "replica", "dead")),
                       str(worst))  # fmt: skip
     stdout.print(table)
+    if logs:
+        for s in statuses:
+            for p in sorted(s.roles):
+                if s.roles[p] == "dead":
+                    continue
+                entries = ", ".join(f"{u:x}@{q}" for u, q in s.logs.get(p, []))
+                stdout.print(f"{s.name} partition {p} ({s.roles[p]}, high {s.highs.get(p, 0)}, "
+                             f"complete snapshot {s.complete.get(p, 0)}): failover log "
+                             f"[{entries}]", markup=False, highlight=False)  # fmt: skip
+    for p, per in sorted(rollbacks.items()):
+        for name, seq in sorted(per.items()):
+            stdout.print(f"{name} partition {p}: would roll back to {seq} against its active",
+                         markup=False, highlight=False)  # fmt: skip
+
+
+@app.command(
+    "env",
+    no_args_is_help=True,
+    help="""Print shell lines that export the cluster's URIs and password.
+
+UPR_PASSWORD is the nodes' password (upr reads it when a URI has none), and UPR_N0,
+UPR_N1, … are the nodes' URIs without it. For scripts and demos:
+
+  eval "$(upr cluster env --data /tmp/cl)"
+  upr tail "$UPR_N1" --until-end
+""",
+)
+def env_cmd(data: Data) -> None:
+    """Print the cluster's environment."""
+    import shlex
+
+    from upr_cli.cluster import spec
+
+    cl = spec.load(data)
+    print(f"export UPR_PASSWORD={shlex.quote(cl.password)}")
+    for n in cl.nodes:
+        uri = f"upr://{cl.user}@127.0.0.1:{n.port}/{cl.bucket}"
+        print(f"export UPR_{n.name.upper()}={shlex.quote(uri)}")
 
 
 Timeout = Annotated[

@@ -11,7 +11,13 @@ from rich.table import Table
 from upr_cli.cli.options import JsonOutput
 from upr_cli.cli.output import print_json, stdout
 from upr_cli.errors import UsageError
-from upr_cli.jobs.salvage import LostItem, check_target, salvage_repo, salvage_store
+from upr_cli.jobs.salvage import (
+    LostItem,
+    check_target,
+    salvage_node_data,
+    salvage_repo,
+    salvage_store,
+)
 from upr_cli.jobs.tail import parse_partitions
 
 HELP = """Find the lost writes of a failover and write back those still safe to.
@@ -20,7 +26,10 @@ A lost write is the newest version of a key above a rollback cut: a former maste
 acknowledged it, the current history does not have it. --repo finds them in a backup
 repository (records above the cuts its chain recorded, and above the rollback point its
 newest backup would get from the master now); --store finds them in a replay store
-(the versions its rollbacks took back, and its documents above the rollback point).
+(the versions its rollbacks took back, and its documents above the rollback point);
+--node-data finds them in a replica node's data directory (the versions its
+replication rollbacks took back, kept in its lost_writes table; seed 000 "Replica C
+repairs master").
 
 A lost write is safe to write back when the key has not changed on the master since
 the cut (the master's DCP stream from the cut does not name it); otherwise it is a
@@ -38,6 +47,10 @@ Example (what could come back, without writing):
 Example (write them back, from a replay store's mutation log):
 
   upr salvage --store /tmp/bucket.db --to upr://admin@127.0.0.1/default --apply
+
+Example (a replica that rolled back repairs the new master):
+
+  upr salvage --node-data /tmp/cl/n2 --to upr://admin@127.0.0.1:12001/default --apply
 """
 
 
@@ -52,6 +65,9 @@ def salvage_cmd(
     ] = None,
     repo: Annotated[Path | None, typer.Option("--repo", help="A backup repository.")] = None,
     store: Annotated[Path | None, typer.Option("--store", help="A replay store.")] = None,
+    node_data: Annotated[
+        Path | None, typer.Option("--node-data", help="A replica node's data directory.")
+    ] = None,
     bucket: Annotated[
         str | None, typer.Option("--bucket", help="The bucket in the repository (if several).")
     ] = None,
@@ -64,12 +80,15 @@ def salvage_cmd(
     json_out: JsonOutput = False,
 ) -> None:
     """Salvage lost writes."""
-    if (repo is None) == (store is None):
-        raise UsageError("give exactly one of --repo DIR and --store PATH.db")
+    if [repo, store, node_data].count(None) != 2:
+        raise UsageError("give exactly one of --repo DIR, --store PATH.db and --node-data DIR")
     target = check_target(to)
     parts = parse_partitions(partitions) if partitions else None
     if repo is not None:
         report = salvage_repo(repo, target, bucket=bucket, apply=apply, partitions=parts)
+    elif node_data is not None:
+        report = salvage_node_data(node_data, target, bucket=bucket or "default", apply=apply,
+                                   partitions=parts)  # fmt: skip
     else:
         assert store is not None
         report = salvage_store(store, target, apply=apply, partitions=parts)

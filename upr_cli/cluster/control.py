@@ -137,6 +137,8 @@ class NodeStatus:
     roles: dict[int, str] = field(default_factory=dict)
     complete: dict[int, int] = field(default_factory=dict)  # last complete snapshot persisted
     heads: dict[int, tuple[int, int]] = field(default_factory=dict)  # newest failover entry
+    logs: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # newest first
+    snaps: dict[int, tuple[int, int]] = field(default_factory=dict)  # snapshot persisted
     replication: dict[str, Any] = field(default_factory=dict)
 
 
@@ -170,7 +172,15 @@ async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
         st.persisted[p] = int(seqnos.get(f"vb_{p}:last_persisted_seqno", 0))
         st.uuids[p] = int(seqnos.get(f"vb_{p}:uuid", 0))
         st.complete[p] = int(repl.get(f"vb_{p}:complete_seqno", 0))
-        st.heads[p] = (int(fails.get(f"vb_{p}:0:id", 0)), int(fails.get(f"vb_{p}:0:seq", 0)))
+        st.logs[p] = [
+            (int(fails[f"vb_{p}:{i}:id"]), int(fails[f"vb_{p}:{i}:seq"]))
+            for i in range(int(fails.get(f"vb_{p}:num_entries", 0)))
+        ]
+        st.heads[p] = st.logs[p][0] if st.logs[p] else (0, 0)
+        st.snaps[p] = (
+            int(seqnos.get(f"vb_{p}:last_persisted_snap_start", 0)),
+            int(seqnos.get(f"vb_{p}:last_persisted_snap_end", 0)),
+        )
     st.replication = {k: json.loads(v) for k, v in repl.items() if not k.startswith("vb_")}
     return st
 
@@ -185,4 +195,31 @@ def lag(statuses: list[NodeStatus]) -> dict[int, dict[str, int]]:
         for p, role in st.roles.items():
             if role == "replica" and p in actives:
                 out.setdefault(p, {})[st.name] = max(0, actives[p].highs[p] - st.highs.get(p, 0))
+    return out
+
+
+def rollback_points(statuses: list[NodeStatus]) -> dict[int, dict[str, int]]:
+    """Per partition, where each replica copy would roll back to if it streamed from the
+    active copy now (the producer rule, dcp-wire §4.2); absent when it would not."""
+    from upr_cli.failover import FailoverLog, needs_rollback
+
+    out: dict[int, dict[str, int]] = {}
+    actives = {p: st for st in statuses if st.up for p, r in st.roles.items() if r == "active"}
+    for st in statuses:
+        if not st.up:
+            continue
+        for p, role in st.roles.items():
+            act = actives.get(p)
+            if role not in ("replica", "pending") or act is None:
+                continue
+            start = st.persisted.get(p, 0)
+            s0, s1 = st.snaps.get(p, (start, start))
+            if not s0 <= start <= s1:
+                s0 = s1 = start
+            decision = needs_rollback(
+                FailoverLog.sanitised(tuple(act.logs.get(p, []))), start=start,
+                uuid=st.uuids.get(p, 0), snap_start=s0, snap_end=s1, high=act.highs.get(p, 0),
+            )  # fmt: skip
+            if decision.rollback:
+                out.setdefault(p, {})[st.name] = decision.rollback_seq
     return out

@@ -449,6 +449,39 @@ def salvage_store(
     return report
 
 
+# -- from a replica node's data directory ------------------------------------------------
+
+
+def salvage_node_data(
+    data_dir: Path, target: SourceUri, *, bucket: str = "default", apply: bool = False,
+    partitions: list[int] | None = None,
+) -> SalvageReport:  # fmt: skip
+    """Lost writes a replica node's rollbacks kept (its `lost_writes` table, read from
+    its data directory; the node may be running): seed 000 "Replica C repairs master"."""
+    from upr_cli.node.storage import NodeStorage
+
+    if not (data_dir / f"{bucket}.sqlite3").exists():
+        raise UsageError(f"--node-data {data_dir}: no node database for bucket {bucket!r}")
+    report = SalvageReport(f"node-data:{data_dir}", target.redacted(), not apply)
+    with NodeStorage(data_dir, bucket) as storage:
+        lost = storage.lost_writes()
+    want = None if partitions is None else set(partitions)
+    items = [
+        LostItem(d.vbucket, d.key, cut, Version(d.seq, d.deleted, d.value, d.cas, d.rev_seq,
+                                                 d.flags, d.expiry, d.datatype),
+                 "replica rollback")
+        for cut, d in lost if want is None or d.vbucket in want
+    ]  # fmt: skip
+
+    async def go() -> None:
+        logs, _highs, n = await _master_logs(target, sorted({it.partition for it in items}))
+        report.items = _newest(items)
+        await _resolve(target, report, logs, n, apply)
+
+    asyncio.run(go())
+    return report
+
+
 def check_target(to: str | None) -> SourceUri:
     """The --to URI, required."""
     if not to:
@@ -466,6 +499,7 @@ __all__ = [
     "SalvageReport",
     "Version",
     "check_target",
+    "salvage_node_data",
     "salvage_repo",
     "salvage_store",
 ]

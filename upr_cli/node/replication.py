@@ -110,6 +110,8 @@ class Replicator:
             self.pause_after[vb] = part.high_seq if after is None else after
             if part.high_seq >= self.pause_after[vb]:
                 self.stopped.add(vb)
+            else:
+                self.stopped.discard(vb)  # a later seq: stream on until it
         self._wake.set()
         return vbs
 

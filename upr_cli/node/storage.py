@@ -109,7 +109,7 @@ _UNDO_SCHEMA = (
     "CREATE TABLE IF NOT EXISTS undo_floor (vbucket INTEGER PRIMARY KEY, seq INTEGER NOT NULL)",
     # Versions a replica's rollback discarded (what `upr salvage --node-data` offers back).
     """CREATE TABLE IF NOT EXISTS lost_writes (
-        rolled_back_at REAL NOT NULL,
+        rolled_back_at REAL NOT NULL, rolled_back_to INTEGER NOT NULL,
         vbucket INTEGER NOT NULL, key BLOB NOT NULL, seq INTEGER NOT NULL,
         rev_seq INTEGER NOT NULL, cas INTEGER NOT NULL, flags INTEGER NOT NULL,
         expiry INTEGER NOT NULL, datatype INTEGER NOT NULL, deleted INTEGER NOT NULL,
@@ -641,8 +641,9 @@ class NodeStorage:
         args = {"vb": vbucket, "s": seq}
         with self._transaction(durable=True) as db:
             db.execute(
-                f"INSERT OR REPLACE INTO lost_writes (rolled_back_at, {_DOC_COLUMNS})"
-                f" SELECT :now, {_DOC_COLUMNS} FROM docs WHERE vbucket = :vb AND seq > :s",
+                f"INSERT OR REPLACE INTO lost_writes (rolled_back_at, rolled_back_to,"
+                f" {_DOC_COLUMNS}) SELECT :now, :s, {_DOC_COLUMNS} FROM docs"
+                " WHERE vbucket = :vb AND seq > :s",
                 {**args, "now": time.time()},
             )
             count = db.execute("DELETE FROM docs WHERE vbucket = :vb AND seq > :s", args).rowcount
@@ -667,15 +668,14 @@ class NodeStorage:
             db.execute(_UPSERT_PARTITION, _partition_params(record))
         return int(count)
 
-    def lost_writes(self, vbucket: int | None = None) -> list[tuple[float, DocRow]]:
-        """Versions discarded by replica rollbacks, oldest rollback first."""
-        sql = f"SELECT rolled_back_at, {_DOC_COLUMNS} FROM lost_writes"
-        params: tuple[int, ...] = ()
-        if vbucket is not None:
-            sql += " WHERE vbucket = ?"
-            params = (vbucket,)
-        rows = self._db.execute(sql + " ORDER BY rolled_back_at, vbucket, seq", params).fetchall()
-        return list(zip([r[0] for r in rows], _rows_to_docs([r[1:] for r in rows]), strict=True))
+    def lost_writes(self) -> list[tuple[int, DocRow]]:
+        """Versions discarded by replica rollbacks, as (the seq rolled back to, version)."""
+        rows = self._db.execute(
+            f"SELECT rolled_back_to, {_DOC_COLUMNS} FROM lost_writes"
+            " ORDER BY rolled_back_at, vbucket, seq"
+        ).fetchall()
+        docs = _rows_to_docs([r[1:] for r in rows])
+        return [(_u64(r[0]), d) for r, d in zip(rows, docs, strict=True)]
 
 
 class StorageReader:
