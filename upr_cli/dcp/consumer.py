@@ -14,16 +14,28 @@ first, so it can undo its sink above r. A stream that ends for any reason but "e
 reached" or "closed by us" is reopened from where it stood. A connection silent for
 longer than `dead_after` seconds is treated as dead (the server sends NOOPs every
 `noop_interval`) and reconnected with capped exponential backoff and jitter.
+
+Clusters (formats/cluster.md §4). When the bootstrap node's cluster map lists several
+nodes, each partition is streamed from its active node, one connection ("link") per
+node. A stream refused with NOT_MY_VBUCKET (a rebalance moved the partition, a
+failover promoted a replica) or a link lost for good makes the consumer take the
+newest map it can find (the refusal carries one; else it asks every node it knows) and
+reopen the partition on its new active from where it stood: the producer rule there
+decides any rollback, which reaches the caller as a `Rollback` event like any other.
+Barrier cookies are per connection, so they are offered only while one link serves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+import time
+from collections.abc import AsyncIterator, Coroutine, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from upr_cli.dcp.events import (
     BarrierReached,
@@ -50,6 +62,7 @@ from upr_cli.protocol.messages import (
     FailoverLogResponse,
     GetAllVbSeqnos,
     GetAllVbSeqnosResponse,
+    GetClusterConfig,
     GetFailoverLog,
     Response,
     SeqnoAdvanced,
@@ -78,11 +91,26 @@ class ConsumerError(UprError):
     """The stream cannot continue (a partition refused, retries exhausted)."""
 
 
-class _Lost:
-    """Queue marker: the connection closed or went silent."""
+Addr = tuple[str, int]
 
-    def __init__(self, reason: str) -> None:
+
+class _Lost:
+    """Queue marker: a link's connection closed or went silent."""
+
+    def __init__(self, reason: str, addr: Addr | None = None, gen: int = -1) -> None:
         self.reason = reason
+        self.addr = addr
+        self.gen = gen
+
+
+@dataclass(slots=True)
+class _Link:
+    """One connection of the consumer, to one node."""
+
+    addr: Addr
+    session: Session
+    gen: int  # bumped per connection: queued items of an older one are dropped
+    unacked: int = 0
 
 
 @dataclass(slots=True)
@@ -97,13 +125,14 @@ class _Part:
     end: int = STREAM_FOREVER
     done: bool = False
     log: FailoverLog = field(default_factory=FailoverLog)
+    addr: Addr = ("", 0)  # the node streaming it
 
     def position(self) -> StreamPosition:
         return StreamPosition(self.partition, self.uuid, self.seq, self.snap_start, self.snap_end)
 
 
 class DcpConsumer:
-    """Stream partitions of one bucket over one DCP connection."""
+    """Stream partitions of one bucket: over one DCP connection, or one per active node."""
 
     def __init__(
         self,
@@ -122,6 +151,7 @@ class DcpConsumer:
         reconnect_attempts: int = 5,
         barriers: bool = False,
         connect_timeout: float = 10.0,
+        follow_for: float = 120.0,
         name: str = "upr",
     ) -> None:
         self.uri = uri
@@ -139,26 +169,34 @@ class DcpConsumer:
         self.want_barriers = barriers
         self.barriers_supported = False
         self.connect_timeout = connect_timeout
+        self.follow_for = follow_for  # how long a partition may wait for a new active
         self.name = f"{name}:{random.getrandbits(32):08x}"
         self.parts: dict[int, _Part] = {}
         # (uuid, seq, snap_start, snap_end) per partition: plain tuples, since commit()
         # runs after every batch and must stay cheap for 1024 partitions.
         self._committed: dict[int, tuple[int, int, int, int]] = {}
-        self.session: Session | None = None
-        self._queue: asyncio.Queue[tuple[ServerItems, int] | BaseException | _Lost] = (
+        self.session: Session | None = None  # the bootstrap link's session
+        self._links: dict[Addr, _Link] = {}
+        self._gen = 0
+        self._config: dict[str, Any] = {}
+        self._follow = False  # the map lists several nodes: follow it
+        self._queue: asyncio.Queue[tuple[Addr, int, ServerItems, int] | BaseException | _Lost] = (
             asyncio.Queue()
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self._events: list[Item] = []
-        self._unacked = 0
+        self._moving: set[int] = set()
         self.highs: dict[int, int] = {}
+        self.moves = 0  # partitions reopened on another node
 
     # -- life cycle -----------------------------------------------------------------
 
     async def open(self) -> None:
         """Connect, negotiate, pin end seqnos (if finite) and open every stream."""
-        await self._connect()
+        home = (self.uri.host, self.uri.port)
+        await self._connect(home, bootstrap=True)
         assert self.session is not None
+        self._config = self.session.config
         n = self.session.num_partitions
         if n == 0:
             raise ConsumerError(f"{self.uri.redacted()}: the cluster config lists no partitions")
@@ -166,36 +204,96 @@ class DcpConsumer:
         bad = [p for p in want if not 0 <= p < n]
         if bad:
             raise ConsumerError(f"partition {bad[0]} does not exist (the bucket has {n})")
-        conn = self.session.conn
-        resp = await conn.request(GetAllVbSeqnos(opaque=conn.next_opaque()))
-        assert isinstance(resp, GetAllVbSeqnosResponse)
-        self.highs = dict(resp.seqnos)
+        actives = self._actives()
+        self._follow = len({a for a in actives if a is not None}) > 1 or (len(self._servers()) > 1)
         for p in want:
             pos = self._start.get(p, StreamPosition.beginning(p))
+            part = _Part(p, pos.uuid, pos.seq, pos.snap_start, pos.snap_end)
+            part.addr = (actives[p] if p < len(actives) else None) or home
+            if p in self._logs:
+                part.log = self._logs[p]
+            self.parts[p] = part
+        for addr in sorted({part.addr for part in self.parts.values()}):
+            with contextlib.suppress(ConnectionError_, OSError, UprError):
+                await self._link(addr)  # an unreachable active: its partitions move below
+        for part in self.parts.values():
+            if part.addr not in self._links:
+                part.addr = home
+        await self._pin_highs(list(self.parts.values()))
+        for part in self.parts.values():
+            p = part.partition
             if self.start_seq is not None and p not in self._start:
                 seq = min(self.start_seq, self.highs.get(p, 0))
                 entry = (await self.failover_log(p)).entry_at(seq)
-                pos = StreamPosition(p, entry.uuid if entry else 0, seq, seq, seq)
-            part = _Part(p, pos.uuid, pos.seq, pos.snap_start, pos.snap_end)
-            if p in self._logs:
-                part.log = self._logs[p]
+                part.uuid, part.seq = (entry.uuid if entry else 0), seq
+                part.snap_start = part.snap_end = seq
             if self.until_end:
                 # `end_seqs` (a planned range) is capped at what the source holds now: a
                 # branch that rolled back below it cannot serve it (the next plan sees that)
                 high = self.highs.get(p, 0)
                 part.end = min(self._end_seqs.get(p, high), high)
-            self.parts[p] = part
-            self._committed[p] = (pos.uuid, pos.seq, pos.snap_start, pos.snap_end)
+            self._committed[p] = (part.uuid, part.seq, part.snap_start, part.snap_end)
         await self._open_streams(list(self.parts.values()))
 
-    async def _connect(self) -> None:
+    async def _pin_highs(self, parts: list[_Part]) -> None:
+        """Each partition's high seq, from the node streaming it (GET_ALL_VB_SEQNOS)."""
+        for addr in sorted({part.addr for part in parts}):
+            link = self._links.get(addr)
+            if link is None:
+                continue
+            conn = link.session.conn
+            resp = await conn.request(GetAllVbSeqnos(opaque=conn.next_opaque()))
+            assert isinstance(resp, GetAllVbSeqnosResponse)
+            got = dict(resp.seqnos)
+            for part in parts:
+                if part.addr == addr:
+                    self.highs[part.partition] = got.get(part.partition, 0)
+
+    def _servers(self) -> list[Addr]:
+        smap = self._config.get("vBucketServerMap", {})
+        servers = smap.get("serverList", []) if isinstance(smap, dict) else []
+        out = []
+        for entry in servers if isinstance(servers, list) else []:
+            host, _, port = str(entry).rpartition(":")
+            host = self.uri.host if host in ("$HOST", "") else host
+            if port.isdigit():
+                out.append((host, int(port)))
+        return out
+
+    def _actives(self) -> list[Addr | None]:
+        """Per partition, the address of its active node in the map held (None: none)."""
+        servers = self._servers()
+        smap = self._config.get("vBucketServerMap", {})
+        rows = smap.get("vBucketMap", []) if isinstance(smap, dict) else []
+        out: list[Addr | None] = []
+        for row in rows if isinstance(rows, list) else []:
+            a = row[0] if isinstance(row, list) and row else -1
+            out.append(servers[a] if isinstance(a, int) and 0 <= a < len(servers) else None)
+        return out
+
+    async def _link(self, addr: Addr) -> _Link:
+        """The open link to a node, connecting it if needed."""
+        link = self._links.get(addr)
+        if link is None or link.session.conn.closed:
+            await self._connect(addr)
+            link = self._links[addr]
+        return link
+
+    async def _connect(self, addr: Addr, *, bootstrap: bool = False) -> None:
         queue = self._queue
+        self._gen += 1
+        gen = self._gen
+        live = False
 
         def lost(exc: ConnectionClosed) -> None:
-            if self.session is not None:  # not a bootstrap that failed
-                queue.put_nowait(_Lost(str(exc)))
+            if live:  # not a bootstrap that failed
+                queue.put_nowait(_Lost(str(exc), addr, gen))
 
-        session = await connect(self.uri, timeout=self.connect_timeout, on_server=self._on_server,
+        def on_server(items: ServerItems, nbytes: int) -> None:
+            self._on_server(addr, gen, items, nbytes)
+
+        uri = replace(self.uri, host=addr[0], port=addr[1])
+        session = await connect(uri, timeout=self.connect_timeout, on_server=on_server,
                                 on_close=lost, name=self.name)  # fmt: skip
         conn = session.conn
         try:
@@ -206,7 +304,7 @@ class DcpConsumer:
                         ("set_noop_interval", f"{self.noop_interval:g}")]  # fmt: skip
             for key, value in controls:
                 await conn.request(Control(name=key, value=value, opaque=conn.next_opaque()))
-            if self.want_barriers:
+            if self.want_barriers and bootstrap:
                 # a real server answers EINVAL: no barriers, callers fall back (formats/barrier.md)
                 resp = await conn.request(
                     Control(name="upr_barrier_cookies", value="true", opaque=conn.next_opaque()),
@@ -216,16 +314,24 @@ class DcpConsumer:
         except BaseException:
             await conn.aclose()
             raise
-        self.session = session
-        self._unacked = 0
+        live = True
+        old = self._links.get(addr)
+        if old is not None:
+            await old.session.conn.aclose()
+        self._links[addr] = _Link(addr, session, gen)
+        if bootstrap or self.session is None or self.session.conn.closed:
+            self.session = session
+        if len(self._links) > 1:
+            self.barriers_supported = False  # cookies are per connection
 
     async def aclose(self) -> None:
-        """Close the connection."""
+        """Close every connection."""
         for task in list(self._tasks):
             task.cancel()
-        if self.session is not None:
-            await self.session.conn.aclose()
-            self.session = None
+        for link in list(self._links.values()):
+            await link.session.conn.aclose()
+        self._links.clear()
+        self.session = None
 
     async def __aenter__(self) -> DcpConsumer:
         await self.open()
@@ -237,13 +343,13 @@ class DcpConsumer:
     # -- streams ------------------------------------------------------------------------
 
     async def _open_streams(self, parts: list[_Part]) -> None:
-        """Send every STREAM_REQ pipelined; follow ROLLBACK answers (§4.4) until accepted."""
-        assert self.session is not None
-        conn = self.session.conn
+        """Send every STREAM_REQ pipelined; follow ROLLBACK answers (§4.4) until accepted.
+        A NOT_MY_VBUCKET while following a map moves the partition (`_move`)."""
         pending = [p for p in parts if not p.done]
         while pending:
             futs = []
             for part in pending:
+                conn = self._links[part.addr].session.conn
                 flags = FLAG_ACTIVE_ONLY | (
                     FLAG_FROM_LATEST if self.from_latest and part.seq == 0 and not part.uuid else 0
                 )
@@ -275,6 +381,12 @@ class DcpConsumer:
                 elif isinstance(resp, StreamRequestRollback):
                     self._rollback(part, resp.rollback_seqno)
                     retry.append(part)
+                elif (
+                    isinstance(resp, Response)
+                    and resp.status == Status.NOT_MY_VBUCKET
+                    and self._follow
+                ):
+                    self._spawn(self._move(part, resp.value))
                 else:
                     assert isinstance(resp, Response)
                     err = status_error(resp.status, body=resp.value, opcode=Opcode.DCP_STREAM_REQ)
@@ -282,6 +394,83 @@ class DcpConsumer:
                         f"partition {part.partition}: stream request refused: {err}"
                     )
             pending = retry
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _move(self, part: _Part, body: bytes = b"") -> None:
+        """Reopen a partition on the node the newest map names its active (a rebalance
+        or failover moved it); waits up to `follow_for` seconds for such a map."""
+        p = part.partition
+        if p in self._moving:
+            return
+        self._moving.add(p)
+        deadline = time.monotonic() + self.follow_for
+        try:
+            while True:
+                await self._refresh_map(body)
+                body = b""
+                actives = self._actives()
+                addr = actives[p] if p < len(actives) else None
+                if addr is not None:
+                    try:
+                        await self._link(addr)
+                        part.addr = addr
+                        if self.until_end:  # the new active may hold less (a failover)
+                            before = self.highs.get(p, 0)
+                            await self._pin_highs([part])
+                            self.highs[p] = min(before, self.highs.get(p, 0))
+                            part.end = min(part.end, self.highs[p])
+                            if part.seq >= part.end:
+                                part.done = True
+                        self.moves += 1
+                        log.info("partition %d: streaming from %s:%d", p, *addr)
+                        self._moving.discard(p)
+                        await self._open_streams([part])
+                        self._queue.put_nowait((addr, -1, [], 0))  # wake batches()
+                        return
+                    except (ConnectionError_, OSError, UprError) as exc:
+                        log.info("partition %d: %s:%d unusable: %s", p, *addr, exc)
+                if time.monotonic() > deadline:
+                    raise ConsumerError(
+                        f"partition {p}: no reachable active node for {self.follow_for:g}s"
+                    )
+                await asyncio.sleep(0.2)
+        except (ConsumerError, ConnectionError_) as exc:
+            self._queue.put_nowait(exc)
+        finally:
+            self._moving.discard(p)
+
+    async def _refresh_map(self, body: bytes = b"") -> None:
+        """Take the newest map: a NOT_MY_VBUCKET body's, or the one any node serves."""
+        best = self._config
+        cands: list[Any] = []
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            if body:
+                cands.append(json.loads(body))
+        addrs = set(self._servers()) | set(self._links)
+        for addr in sorted(addrs):
+            try:
+                link = self._links.get(addr)
+                if link is not None and not link.session.conn.closed:
+                    conn = link.session.conn
+                    resp = await conn.request(GetClusterConfig(opaque=conn.next_opaque()),
+                                              timeout=3.0)  # fmt: skip
+                else:
+                    s = await connect(replace(self.uri, host=addr[0], port=addr[1]),
+                                      timeout=3.0, name=self.name)  # fmt: skip
+                    resp = await s.conn.request(GetClusterConfig(opaque=s.conn.next_opaque()))
+                    await s.conn.aclose()
+                cands.append(json.loads(getattr(resp, "value", b"") or b"{}"))
+            except (UprError, OSError, ValueError):
+                continue
+        for cfg in cands:
+            rev = cfg.get("rev", 0) if isinstance(cfg, dict) else 0
+            if isinstance(rev, int) and rev > best.get("rev", 0):
+                best = cfg
+        self._config = best
 
     def _rollback(self, part: _Part, r: int) -> None:
         """dcp-wire §4.4: newest entry with seq ≤ r, prune above r, restart from (r, r, r)."""
@@ -297,18 +486,19 @@ class DcpConsumer:
 
     # -- receiving ------------------------------------------------------------------------
 
-    def _on_server(self, items: ServerItems, nbytes: int) -> None:
+    def _on_server(self, addr: Addr, gen: int, items: ServerItems, nbytes: int) -> None:
         """Reader-task callback: answer NOOPs now, queue the rest (with its byte count)."""
         keep = []
+        link = self._links.get(addr)
         for it in items:
             if type(it) is Frame and it.opcode == Opcode.DCP_NOOP:
-                if self.session is not None and not self.session.conn.closed:
-                    self.session.conn.send_bytes(
+                if link is not None and link.gen == gen and not link.session.conn.closed:
+                    link.session.conn.send_bytes(
                         Response(opcode=Opcode.DCP_NOOP, opaque=it.opaque).encode()
                     )
             else:
                 keep.append(it)
-        self._queue.put_nowait((keep, nbytes))
+        self._queue.put_nowait((addr, gen, keep, nbytes))
 
     @property
     def positions(self) -> dict[int, StreamPosition]:
@@ -339,11 +529,11 @@ class DcpConsumer:
     @property
     def finished(self) -> bool:
         """True once every partition's finite stream has ended."""
-        return all(p.done for p in self.parts.values())
+        return not self._moving and all(p.done for p in self.parts.values())
 
     async def batches(self) -> AsyncIterator[list[Item]]:
         """Rows and events in wire order, batch by batch, until every stream ended."""
-        attempts = 0
+        attempts: dict[Addr, int] = {}
         while True:
             if self._events:
                 events, self._events = self._events, []
@@ -358,28 +548,31 @@ class DcpConsumer:
             except TimeoutError:
                 got = _Lost(f"no message for {self.dead_after:g}s: connection presumed dead")
             if isinstance(got, _Lost):
-                log.info("connection lost: %s", got.reason)
-                attempts = await self._reconnect(attempts, got.reason)
+                for addr in [got.addr] if got.addr is not None else list(self._links):
+                    link = self._links.get(addr)
+                    if got.addr is not None and (link is None or link.gen != got.gen):
+                        continue  # an older connection of this link
+                    log.info("connection to %s:%d lost: %s", *addr, got.reason)
+                    attempts[addr] = await self._reconnect(addr, attempts.get(addr, 0), got.reason)
                 continue
             if isinstance(got, BaseException):
                 raise got
-            items, nbytes = got
+            addr, gen, items, nbytes = got
+            link = self._links.get(addr)
+            if link is None or link.gen != gen:
+                continue  # queued before that link was reconnected: its streams restarted
             out = self._process(items) if items else []
             if out:
                 yield out
-                attempts = 0
-            self._ack(nbytes)
+                attempts[addr] = 0
+            self._ack(link, nbytes)
 
-    def _ack(self, nbytes: int) -> None:
+    def _ack(self, link: _Link, nbytes: int) -> None:
         """Acknowledge consumed bytes once a fifth of the window is pending (§7.1)."""
-        self._unacked += nbytes
-        if (
-            self._unacked >= self.buffer_size // 5
-            and self.session is not None
-            and not self.session.conn.closed
-        ):
-            self.session.conn.send_bytes(BufferAck(acked=self._unacked).encode())
-            self._unacked = 0
+        link.unacked += nbytes
+        if link.unacked >= self.buffer_size // 5 and not link.session.conn.closed:
+            link.session.conn.send_bytes(BufferAck(acked=link.unacked).encode())
+            link.unacked = 0
 
     def _process(self, items: ServerItems) -> list[Item]:
         parts = self.parts
@@ -405,8 +598,9 @@ class DcpConsumer:
                 continue
             if isinstance(msg, SnapshotMarker | SnapshotMarkerV2):
                 part.snap_start, part.snap_end = msg.start_seqno, msg.end_seqno
-                if msg.flags & MARKER_ACK and self.session is not None:
-                    self.session.conn.send_bytes(
+                link = self._links.get(part.addr)
+                if msg.flags & MARKER_ACK and link is not None:
+                    link.session.conn.send_bytes(
                         Response(opcode=Opcode.DCP_SNAPSHOT_MARKER, opaque=msg.opaque).encode()
                     )
                 out.append(Snapshot(vb, msg.start_seqno, msg.end_seqno, msg.flags))
@@ -418,9 +612,7 @@ class DcpConsumer:
                     part.done = True
                 else:
                     log.info("partition %d: stream ended with status %d, reopening", vb, msg.status)
-                    task = asyncio.get_running_loop().create_task(self._reopen(part))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    self._spawn(self._reopen(part))
         return out
 
     async def _reopen(self, part: _Part) -> None:
@@ -429,30 +621,47 @@ class DcpConsumer:
         except (ConsumerError, ConnectionError_) as exc:
             self._queue.put_nowait(exc)
 
-    async def _reconnect(self, attempts: int, reason: str) -> int:
-        """Reconnect with capped exponential backoff and jitter; resume from committed positions."""
+    def _reset(self, part: _Part) -> None:
+        part.uuid, part.seq, part.snap_start, part.snap_end = self._committed[part.partition]
+
+    async def _reconnect(self, addr: Addr, attempts: int, reason: str) -> int:
+        """Reconnect a link with capped exponential backoff and jitter; its partitions
+        resume from their committed positions. While following a map, partitions the
+        newest map moved elsewhere are reopened there instead, and a node that stays
+        away is waited for up to `follow_for` seconds (it may restart or fail over)."""
+        parts = [p for p in self.parts.values() if p.addr == addr and not p.done]
+        link = self._links.pop(addr, None)
+        if link is not None:
+            await link.session.conn.aclose()
+        deadline = time.monotonic() + self.follow_for
         while True:
             attempts += 1
-            if attempts > self.reconnect_attempts:
+            if attempts > self.reconnect_attempts and (
+                not self._follow or time.monotonic() > deadline
+            ):
                 raise ConsumerError(
-                    f"{self.uri.redacted()}: connection lost ({reason}); "
-                    f"{self.reconnect_attempts} reconnect attempts failed"
+                    f"{self.uri.redacted()}: connection to {addr[0]}:{addr[1]} lost ({reason}); "
+                    f"{attempts - 1} reconnect attempts failed"
                 )
-            delay = min(10.0, 0.2 * 2 ** (attempts - 1)) * random.uniform(0.5, 1.0)
+            delay = min(10.0 if not self._follow else 1.0, 0.2 * 2 ** (attempts - 1))
             log.info("reconnecting in %.1fs (attempt %d)", delay, attempts)
-            await asyncio.sleep(delay)
-            if self.session is not None:
-                await self.session.conn.aclose()
-                self.session = None
-            self._queue = asyncio.Queue()
-            self._events = [e for e in self._events if isinstance(e, Rollback)]
-            for p, part in self.parts.items():
-                pos = StreamPosition(p, *self._committed[p])
-                part.uuid, part.seq, part.snap_start, part.snap_end = (
-                    pos.uuid, pos.seq, pos.snap_start, pos.snap_end)  # fmt: skip
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            for part in parts:
+                self._reset(part)
+            if self._follow:
+                with contextlib.suppress(UprError, OSError):
+                    await self._refresh_map()
+                actives = self._actives()
+                for part in list(parts):
+                    new = actives[part.partition] if part.partition < len(actives) else None
+                    if new is not None and new != addr:
+                        parts.remove(part)
+                        self._spawn(self._move(part))
+                if not parts:
+                    return 0
             try:
-                await self._connect()
-                await self._open_streams(list(self.parts.values()))
+                await self._link(addr)
+                await self._open_streams(parts)
                 return attempts
             except (ConnectionError_, OSError) as exc:
                 reason = str(exc)
@@ -460,15 +669,18 @@ class DcpConsumer:
 
     async def barrier(self, cookie: bytes) -> None:
         """Send a barrier cookie; a `BarrierReached` event follows in the stream."""
-        if not self.barriers_supported or self.session is None:
+        if not self.barriers_supported or self.session is None or len(self._links) > 1:
             raise ConsumerError("the source does not support barrier cookies")
         conn = self.session.conn
         await conn.request(Barrier(cookie=cookie, opaque=conn.next_opaque()))
 
     async def failover_log(self, partition: int) -> FailoverLog:
-        """The server's failover log for a partition (GET_FAILOVER_LOG)."""
-        assert self.session is not None
-        conn = self.session.conn
+        """The server's failover log for a partition (GET_FAILOVER_LOG), from its node."""
+        part = self.parts.get(partition)
+        link = self._links.get(part.addr) if part is not None else None
+        session = link.session if link is not None else self.session
+        assert session is not None
+        conn = session.conn
         resp = await conn.request(GetFailoverLog(vbucket=partition, opaque=conn.next_opaque()))
         assert isinstance(resp, FailoverLogResponse)
         return FailoverLog.sanitised(resp.failover_log)

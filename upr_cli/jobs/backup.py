@@ -28,7 +28,7 @@ from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog, ImpossibleHistory, needs_rollback, rollback_point
 from upr_cli.jobs.backup_stream import PartitionResult, StreamStats, stream_to_segments
-from upr_cli.net.bootstrap import connect
+from upr_cli.net.connection import Connection
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.header import Opcode
 from upr_cli.protocol.messages import FailoverLogResponse, GetFailoverLog
@@ -102,36 +102,34 @@ class BackupSummary:
 async def _live_state(
     uri: SourceUri, partitions: list[int] | None
 ) -> tuple[int, dict[int, FailoverLog], dict[int, tuple[int, int]]]:
-    """The partition count, live failover logs (GET_FAILOVER_LOG 0x96) and (high, purge)."""
-    s = await connect(uri, name="upr-backup-check")
-    try:
-        conn = s.conn
-        if partitions is None:
-            partitions = list(range(s.num_partitions))
+    """The partition count, live failover logs (GET_FAILOVER_LOG 0x96) and (high, purge),
+    each partition from its active node (formats/cluster.md)."""
+    from upr_cli.net.bootstrap import on_active_nodes
+
+    async def ask(
+        conn: Connection, parts: list[int]
+    ) -> dict[int, tuple[FailoverLog | None, int, int]]:
         futs = [
-            (
-                p,
-                conn.start_request(
-                    GetFailoverLog(
-                        opcode=Opcode.GET_FAILOVER_LOG, vbucket=p, opaque=conn.next_opaque()
-                    )
-                ),
-            )
-            for p in partitions
-        ]
-        logs = {}
+            (p, conn.start_request(GetFailoverLog(
+                opcode=Opcode.GET_FAILOVER_LOG, vbucket=p, opaque=conn.next_opaque())))
+            for p in parts
+        ]  # fmt: skip
+        stats = await conn.stats("vbucket-seqno")
+        out: dict[int, tuple[FailoverLog | None, int, int]] = {}
         for p, fut in futs:
             resp = (await fut)[0]
-            if isinstance(resp, FailoverLogResponse):
-                logs[p] = FailoverLog.sanitised(resp.failover_log)
-        stats = await conn.stats("vbucket-seqno")
-        seqs = {
-            p: (int(stats.get(f"vb_{p}:high_seqno", 0)), int(stats.get(f"vb_{p}:purge_seqno", 0)))
-            for p in partitions
-        }
-        return s.num_partitions, logs, seqs
-    finally:
-        await conn.aclose()
+            log = (
+                FailoverLog.sanitised(resp.failover_log)
+                if isinstance(resp, FailoverLogResponse)
+                else None
+            )
+            out[p] = (log, int(stats.get(f"vb_{p}:high_seqno", 0)),
+                      int(stats.get(f"vb_{p}:purge_seqno", 0)))  # fmt: skip
+        return out
+
+    got, count = await on_active_nodes(uri, partitions, ask, name="upr-backup-check")
+    logs = {p: log for p, (log, _h, _u) in got.items() if log is not None}
+    return count, logs, {p: (h, u) for p, (_l, h, u) in got.items()}
 
 
 def decide_start(

@@ -4,7 +4,8 @@ The state comes from the chain (`jobs.state`). To a node, live documents go as
 SET_WITH_META and deletions as DEL_WITH_META (dcp-wire §6), keeping cas, rev seq,
 flags and expiry; the target's conflict resolution decides unless `--force-updates`
 (option FORCE_WITH_META_OP). A deletion is sent only where the target has the key,
-unless `--include-tombstones`. Requests are pipelined on one connection. Reading
+unless `--include-tombstones`. Requests are pipelined, each to its partition's active node
+(net/router.py: a cluster map is followed, NOT_MY_VBUCKET retried). Reading
 verifies checksums: corruption stops the restore with the file and block named, or,
 with `skip_corrupt`, the partition is skipped and reported.
 """
@@ -12,6 +13,7 @@ with `skip_corrupt`, the partition is skipped and reported.
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import re
 import threading
@@ -24,7 +26,7 @@ from typing import Any, TypeVar
 
 from upr_cli.jobs.inspect import open_bucket
 from upr_cli.jobs.state import Selection, partition_state, select
-from upr_cli.net.bootstrap import connect
+from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
 from upr_cli.protocol.messages import DelWithMeta, Get, SetWithMeta
@@ -163,19 +165,18 @@ async def restore_to_node(
     sel = select(manifests, at, partitions)
     summary = RestoreSummary(str(sel.backup_id), target.redacted(), dry_run)
     t0 = time.monotonic()
-    session = None if dry_run else await connect(target, name="upr-restore")
+    # Writes follow the cluster map: each to its partition's active node, retried with the
+    # newer map on NOT_MY_VBUCKET (net/router.py).
+    router = None if dry_run else await Router.open(target, name="upr-restore")
     options = FORCE if force_updates else 0
-    inflight: deque[tuple[asyncio.Future[Frame], str]] = deque()
+    inflight: deque[tuple[asyncio.Future[Frame], str, bytes]] = deque()
     present: set[bytes] = set()  # keys the target has (GETs before deletions)
-    pending_keys: dict[int, bytes] = {}
 
-    def settle(reply: Frame, kind: str) -> None:
+    def settle(reply: Frame, kind: str, key: bytes) -> None:
         status = reply.vbucket_or_status
         if kind == "get":
             if status == Status.SUCCESS:
-                present.add(pending_keys.pop(reply.opaque, b""))
-            else:
-                pending_keys.pop(reply.opaque, None)
+                present.add(key)
             return
         if status == Status.SUCCESS:
             summary.written += 1
@@ -187,23 +188,22 @@ async def restore_to_node(
             name = f"0x{status:02x}"
             summary.errors[name] = summary.errors.get(name, 0) + 1
 
-    async def send(data: bytes, opaque: int, kind: str) -> None:
-        assert session is not None
-        conn = session.conn
-        inflight.append((conn.start_raw(data, opaque, defer=True), kind))
+    async def send(vb: int, make: Callable[[int], bytes], kind: str, key: bytes) -> None:
+        assert router is not None
+        inflight.append((router.submit(vb, make), kind, key))
         if len(inflight) % 64 == 0:
-            conn.flush_writes()
+            router.flush()
         if len(inflight) >= window:
-            conn.flush_writes()
-            fut, k = inflight.popleft()
-            settle(await fut, k)
+            router.flush()
+            fut, k, key_ = inflight.popleft()
+            settle(await fut, k, key_)
 
     async def drain() -> None:
-        assert session is not None
-        session.conn.flush_writes()
+        assert router is not None
+        router.flush()
         while inflight:
-            fut, k = inflight.popleft()
-            settle(await fut, k)
+            fut, k, key_ = inflight.popleft()
+            settle(await fut, k, key_)
 
     try:
         for p in sel.partitions:
@@ -225,56 +225,49 @@ async def restore_to_node(
                     deletes.append(rec)
                     continue
                 summary.documents += 1
-                if session is not None:
-                    opaque = session.conn.next_opaque()
-                    msg = SetWithMeta(
-                        vbucket=p,
-                        opaque=opaque,
-                        key=key,
-                        value=value,
-                        datatype=datatype,
-                        flags=flags,
-                        expiration=exp,
-                        rev_seqno=rev,
-                        item_cas=cas,
-                        options=options,
-                    )
-                    await send(msg.encode(), opaque, "set")
-            if session is not None and deletes:
+                if router is not None:
+                    make = functools.partial(_set_with_meta, p, key, value, datatype, flags,
+                                             exp, rev, cas, options)  # fmt: skip
+                    await send(p, make, "set", key)
+            if router is not None and deletes:
                 if not include_tombstones:  # only where the target has the key
                     await drain()
                     present.clear()
                     for rec in deletes:
-                        opaque = session.conn.next_opaque()
-                        pending_keys[opaque] = rec[8]
-                        await send(
-                            Get(vbucket=p, opaque=opaque, key=rec[8]).encode(), opaque, "get"
-                        )
+                        await send(p, functools.partial(_get, p, rec[8]), "get", rec[8])
                     await drain()
                     summary.absent_deletes += len(deletes) - len(present)
                     deletes = [r for r in deletes if r[8] in present]
                 for rec in deletes:
                     op, _seq, rev, cas, flags, _exp, _dtime, _dt, key, _value = rec
-                    opaque = session.conn.next_opaque()
-                    msg = DelWithMeta(
-                        vbucket=p,
-                        opaque=opaque,
-                        key=key,
-                        flags=flags,
-                        rev_seqno=rev,
-                        item_cas=cas,
-                        options=options,
-                    )
-                    await send(msg.encode(), opaque, "delete")
+                    make = functools.partial(_del_with_meta, p, key, flags, rev, cas, options)
+                    await send(p, make, "delete", key)
             if on_progress is not None:
                 on_progress(summary)
-        if session is not None:
+        if router is not None:
             await drain()
     finally:
-        if session is not None:
-            await session.conn.aclose()
+        if router is not None:
+            await router.aclose()
     summary.seconds = time.monotonic() - t0
     return summary
+
+
+def _set_with_meta(p: int, key: bytes, value: bytes, datatype: int, flags: int, exp: int,
+                   rev: int, cas: int, options: int, opaque: int) -> bytes:  # fmt: skip
+    return SetWithMeta(vbucket=p, opaque=opaque, key=key, value=value, datatype=datatype,
+                       flags=flags, expiration=exp, rev_seqno=rev, item_cas=cas,
+                       options=options).encode()  # fmt: skip
+
+
+def _del_with_meta(p: int, key: bytes, flags: int, rev: int, cas: int, options: int,
+                   opaque: int) -> bytes:  # fmt: skip
+    return DelWithMeta(vbucket=p, opaque=opaque, key=key, flags=flags, rev_seqno=rev,
+                       item_cas=cas, options=options).encode()  # fmt: skip
+
+
+def _get(p: int, key: bytes, opaque: int) -> bytes:
+    return Get(vbucket=p, opaque=opaque, key=key).encode()
 
 
 def restore_to_store(

@@ -126,29 +126,9 @@ async def node_states(
     vbucket-seqno), and the partition count. In a cluster each partition is asked of its
     active node, as the map says (formats/cluster.md): a replica or dead copy has its own
     log, not the history clients stream."""
-    from upr_cli.net.bootstrap import active_index, connect, node_uris
+    from upr_cli.net.bootstrap import on_active_nodes
 
-    s = await connect(uri, name="upr-failover-logs")
-    try:
-        wanted = partitions if partitions is not None else list(range(s.num_partitions))
-        uris = node_uris(s)
-        owner = active_index(s)
-        by_node: dict[int, list[int]] = {}
-        for p in wanted:
-            k = owner[p] if 0 <= p < len(owner) and 0 <= owner[p] < len(uris) else 0
-            by_node.setdefault(k, []).append(p)
-        out: dict[int, SourceState] = {}
-        for k, parts in sorted(by_node.items()):
-            same = (uris[k].host, uris[k].port) == (s.uri.host, s.uri.port)
-            other = None if same else await connect(uris[k], name="upr-failover-logs")
-            try:
-                out |= await _states_of((other or s).conn, parts)
-            finally:
-                if other is not None:
-                    await other.conn.aclose()
-        return out, s.num_partitions
-    finally:
-        await s.conn.aclose()
+    return await on_active_nodes(uri, partitions, _states_of, name="upr-failover-logs")
 
 
 async def _states_of(conn: Any, partitions: list[int]) -> dict[int, SourceState]:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from upr_cli.errors import UprError
 from upr_cli.net.connection import Connection, ServerItems
@@ -31,6 +32,7 @@ from upr_cli.protocol.messages import (
 from upr_cli.protocol.status import AuthContinue, AuthError, KeyNotFound, Status, StatusError
 
 AGENT = "upr/0.1"
+_V = TypeVar("_V")
 WANTED = (Feature.TCP_NODELAY, Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON,
           Feature.MUTATION_SEQNO)  # fmt: skip
 
@@ -142,7 +144,14 @@ async def _authenticate(conn: Connection, uri: SourceUri, timeout: float) -> Non
         ) from None
 
 
-__all__ = ["BootstrapError", "ServerItems", "Session", "connect", "partition_of"]
+__all__ = [
+    "BootstrapError",
+    "ServerItems",
+    "Session",
+    "connect",
+    "on_active_nodes",
+    "partition_of",
+]
 
 
 def node_uris(session: Session) -> list[SourceUri]:
@@ -166,3 +175,36 @@ def active_index(session: Session) -> list[int]:
     """For each partition, the index (into `node_uris`) of its active node; -1 if none."""
     vbmap = session.config.get("vBucketServerMap", {}).get("vBucketMap", [])
     return [row[0] if isinstance(row, list) and row else -1 for row in vbmap]
+
+
+async def on_active_nodes(
+    uri: SourceUri,
+    partitions: list[int] | None,
+    ask: Callable[[Connection, list[int]], Awaitable[dict[int, _V]]],
+    *,
+    name: str = "upr",
+) -> tuple[dict[int, _V], int]:
+    """Ask each partition's active node (as the map says: a replica or dead copy has its
+    own log and seqs, not the history clients stream) with one connection per node;
+    returns the merged answers and the partition count."""
+    s = await connect(uri, name=name)
+    try:
+        wanted = partitions if partitions is not None else list(range(s.num_partitions))
+        uris = node_uris(s)
+        owner = active_index(s)
+        by_node: dict[int, list[int]] = {}
+        for p in wanted:
+            k = owner[p] if 0 <= p < len(owner) and 0 <= owner[p] < len(uris) else 0
+            by_node.setdefault(k, []).append(p)
+        out: dict[int, _V] = {}
+        for k, parts in sorted(by_node.items()):
+            same = (uris[k].host, uris[k].port) == (s.uri.host, s.uri.port)
+            other = None if same else await connect(uris[k], name=name)
+            try:
+                out |= await ask((other or s).conn, parts)
+            finally:
+                if other is not None:
+                    await other.conn.aclose()
+        return out, s.num_partitions
+    finally:
+        await s.conn.aclose()
