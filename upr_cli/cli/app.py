@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 import click
@@ -97,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         error_line("interrupted")
         code = 130
     except UprError as exc:
+        if os.environ.get("UPR_DEBUG"):
+            traceback.print_exc()
         error_line(str(exc))
         code = exc.exit_code
     except KeyboardInterrupt:

@@ -316,8 +316,10 @@ def failover_cmd(
     "rebalance",
     help="""Add and remove nodes, then balance the map while writes continue.
 
---add new starts a fresh node (DIR/nK); --add URI adopts a running `upr serve` that
-accepts the cluster's credentials. Each moving partition follows seed 000: a pending
+--add new starts a fresh node (DIR/nK); --add NAME brings back a node that was failed
+over or removed (started if needed; its copies that diverged are rolled back or
+streamed again); --add URI adopts a running `upr serve` that accepts the cluster's
+credentials. Each moving partition follows seed 000: a pending
 copy on the new node streams from the old active until caught up, the old active is
 set dead, the new one becomes active once it persisted everything, and the map is
 republished (clients retry NOT_MY_VBUCKET with the map the answer carries). Removed
@@ -349,12 +351,21 @@ def rebalance_cmd(
     for name in remove or []:
         cl.node(name)
     added: list[spec.NodeSpec] = []
+    readd: list[str] = []
     try:
         for item in add or []:
             k = len(cl.nodes) + len(added)
             while f"n{k}" in names:
                 k += 1
             names.add(f"n{k}")
+            known = next((n for n in cl.nodes if n.name == item), None)
+            if known is not None:  # a failed-over or removed node comes back
+                if known.member:
+                    raise UsageError(f"--add {item}: the node is in the map already")
+                if not known.adopted and not procs.alive(known.pid):
+                    procs.start_node(cl, known)
+                readd.append(item)
+                continue
             if item == "new":
                 node = spec.NodeSpec(f"n{k}", 0, str(data / f"n{k}"))
                 procs.start_node(cl, node)
@@ -369,7 +380,7 @@ def rebalance_cmd(
             procs.stop_node(node)
         raise
     orch = Orchestrator(data, cl, timeout=timeout, progress=_progress(json_out))
-    report = asyncio.run(orch.rebalance(added, list(remove or [])))
+    report = asyncio.run(orch.rebalance(added, list(remove or []), readd=readd))
     line = (
         f"rebalanced: {len(report.moved)} partitions moved, "
         f"{len(report.added)} nodes added, {len(report.removed)} removed"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,6 +154,11 @@ class Orchestrator:
                 continue
             # seed 000: the replica with the highest persisted complete snapshot
             chosen[p] = max(cands, key=lambda i: (sts[i].complete[p], sts[i].persisted[p]))
+        if graceful and report.lost:
+            raise UsageError(
+                f"partitions {report.lost} have no replica to take over from {name}: a "
+                "graceful failover would leave them unavailable (rebalance first)"
+            )
         if graceful and chosen:
             await self.set_states(x, dict.fromkeys(chosen, "dead"))  # fence: no more writes
             target = {p: (await self.statuses())[x].highs[p] for p in chosen}
@@ -188,14 +193,20 @@ class Orchestrator:
 
     # -- rebalance ------------------------------------------------------------------
 
-    async def rebalance(self, add: list[NodeSpec], remove: list[str]) -> Report:
-        """Add and remove nodes and balance the map, moving partitions one chunk at a time."""
+    async def rebalance(
+        self, add: list[NodeSpec], remove: list[str], readd: Sequence[str] = ()
+    ) -> Report:
+        """Add (or bring back) and remove nodes and balance the map, moving partitions one
+        chunk at a time."""
         cl = self.cl
         report = Report()
         gone = {cl.index(n) for n in remove}
         for node in add:
             cl.nodes.append(node)
             report.added.append(node.name)
+        for name in readd:
+            cl.node(name).member = True
+            report.added.append(name)
         spec.save(self.directory, cl)
         members = [i for i in cl.members() if i not in gone]
         if not members:

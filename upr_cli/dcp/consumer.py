@@ -219,7 +219,23 @@ class DcpConsumer:
         for part in self.parts.values():
             if part.addr not in self._links:
                 part.addr = home
-        await self._pin_highs(list(self.parts.values()))
+        unpinned = await self._pin_highs(list(self.parts.values()))
+        deadline = time.monotonic() + self.follow_for
+        while unpinned:  # the map named a node that no longer holds them active
+            if time.monotonic() > deadline:
+                raise ConsumerError(
+                    f"partitions {[u.partition for u in unpinned[:8]]}: no active node found"
+                )
+            await asyncio.sleep(0.2)
+            await self._refresh_map()
+            actives = self._actives()
+            for part in unpinned:
+                found = actives[part.partition] if part.partition < len(actives) else None
+                with contextlib.suppress(ConnectionError_, OSError, UprError):
+                    if found is not None:
+                        await self._link(found)
+                        part.addr = found
+            unpinned = await self._pin_highs(unpinned)
         for part in self.parts.values():
             p = part.partition
             if self.start_seq is not None and p not in self._start:
@@ -235,19 +251,31 @@ class DcpConsumer:
             self._committed[p] = (part.uuid, part.seq, part.snap_start, part.snap_end)
         await self._open_streams(list(self.parts.values()))
 
-    async def _pin_highs(self, parts: list[_Part]) -> None:
-        """Each partition's high seq, from the node streaming it (GET_ALL_VB_SEQNOS)."""
+    async def _pin_highs(self, parts: list[_Part]) -> list[_Part]:
+        """Each partition's high seq, from the node streaming it (GET_ALL_VB_SEQNOS; in a
+        cluster only active copies count). Returns the partitions not active there."""
+        missing = []
         for addr in sorted({part.addr for part in parts}):
             link = self._links.get(addr)
+            mine = [part for part in parts if part.addr == addr]
             if link is None:
+                missing += mine
                 continue
             conn = link.session.conn
-            resp = await conn.request(GetAllVbSeqnos(opaque=conn.next_opaque()))
+            req = (
+                GetAllVbSeqnos(opaque=conn.next_opaque(), state=1)
+                if self._follow
+                else GetAllVbSeqnos(opaque=conn.next_opaque())
+            )
+            resp = await conn.request(req)
             assert isinstance(resp, GetAllVbSeqnosResponse)
             got = dict(resp.seqnos)
-            for part in parts:
-                if part.addr == addr:
+            for part in mine:
+                if part.partition in got or not self._follow:
                     self.highs[part.partition] = got.get(part.partition, 0)
+                else:
+                    missing.append(part)
+        return missing
 
     def _servers(self) -> list[Addr]:
         smap = self._config.get("vBucketServerMap", {})
@@ -409,6 +437,7 @@ class DcpConsumer:
         self._moving.add(p)
         deadline = time.monotonic() + self.follow_for
         try:
+            await asyncio.sleep(0.05)  # a map being changed: give it a moment
             while True:
                 await self._refresh_map(body)
                 body = b""
@@ -420,7 +449,8 @@ class DcpConsumer:
                         part.addr = addr
                         if self.until_end:  # the new active may hold less (a failover)
                             before = self.highs.get(p, 0)
-                            await self._pin_highs([part])
+                            if await self._pin_highs([part]):
+                                raise ConsumerError(f"{addr[0]}:{addr[1]} is not active yet")
                             self.highs[p] = min(before, self.highs.get(p, 0))
                             part.end = min(part.end, self.highs[p])
                             if part.seq >= part.end:

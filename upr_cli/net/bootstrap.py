@@ -7,6 +7,7 @@ servers that offer nothing else, §5.2). The cluster config gives the partition 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import zlib
 from collections.abc import Awaitable, Callable
@@ -183,28 +184,59 @@ async def on_active_nodes(
     ask: Callable[[Connection, list[int]], Awaitable[dict[int, _V]]],
     *,
     name: str = "upr",
+    wait_for: float = 60.0,
 ) -> tuple[dict[int, _V], int]:
     """Ask each partition's active node (as the map says: a replica or dead copy has its
     own log and seqs, not the history clients stream) with one connection per node;
-    returns the merged answers and the partition count."""
+    returns the merged answers and the partition count. A node that cannot be reached
+    is retried under a re-read map for up to `wait_for` seconds (a failover may be
+    moving its partitions), then its error is raised."""
+    import asyncio
+    import time
+
     s = await connect(uri, name=name)
     try:
-        wanted = partitions if partitions is not None else list(range(s.num_partitions))
-        uris = node_uris(s)
-        owner = active_index(s)
-        by_node: dict[int, list[int]] = {}
-        for p in wanted:
-            k = owner[p] if 0 <= p < len(owner) and 0 <= owner[p] < len(uris) else 0
-            by_node.setdefault(k, []).append(p)
+        pending = partitions if partitions is not None else list(range(s.num_partitions))
         out: dict[int, _V] = {}
-        for k, parts in sorted(by_node.items()):
-            same = (uris[k].host, uris[k].port) == (s.uri.host, s.uri.port)
-            other = None if same else await connect(uris[k], name=name)
-            try:
-                out |= await ask((other or s).conn, parts)
-            finally:
-                if other is not None:
-                    await other.conn.aclose()
-        return out, s.num_partitions
+        deadline = time.monotonic() + wait_for
+        while True:
+            uris = node_uris(s)
+            owner = active_index(s)
+            by_node: dict[int, list[int]] = {}
+            failed: list[int] = []
+            error: Exception | None = None
+            for p in pending:
+                if not owner:  # no map: the bootstrap node serves everything
+                    k = 0
+                elif 0 <= p < len(owner) and 0 <= owner[p] < len(uris):
+                    k = owner[p]
+                else:  # the map gives it no active node (a failover without a replica)
+                    failed.append(p)
+                    error = BootstrapError(f"{uri.redacted()}: partition {p} has no active node")
+                    continue
+                by_node.setdefault(k, []).append(p)
+            for k, parts in sorted(by_node.items()):
+                same = (uris[k].host, uris[k].port) == (s.uri.host, s.uri.port)
+                try:
+                    other = None if same else await connect(uris[k], name=name, timeout=3.0)
+                except (UprError, OSError) as exc:
+                    failed += parts
+                    error = exc
+                    continue
+                try:
+                    out |= await ask((other or s).conn, parts)
+                finally:
+                    if other is not None:
+                        await other.conn.aclose()
+            if not failed:
+                return out, s.num_partitions
+            if time.monotonic() > deadline:
+                assert error is not None
+                raise error
+            pending = failed
+            await asyncio.sleep(0.2)
+            resp = await s.conn.request(GetClusterConfig(opaque=s.conn.next_opaque()))
+            with contextlib.suppress(ValueError):
+                s.config = json.loads(getattr(resp, "value", b"") or b"{}")
     finally:
         await s.conn.aclose()
