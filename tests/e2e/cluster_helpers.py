@@ -79,7 +79,7 @@ class Cluster:
                     "SELECT key, seq, deleted, value, cas, rev_seq, flags, expiry FROM docs"
                     " WHERE vbucket = ?", (part,)
                 ):  # fmt: skip
-                    u64 = (lambda v: v + (1 << 64) if v < 0 else v)  # noqa: E731
+                    u64 = lambda v: v + (1 << 64) if v < 0 else v  # noqa: E731
                     out[(part, bytes(key))] = (seq, bool(deleted), bytes(value), u64(cas), rev,
                                                flags, exp)  # fmt: skip
         return out

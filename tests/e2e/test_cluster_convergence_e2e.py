@@ -63,7 +63,7 @@ def _finish_and_compare(cl: Cluster, tmp: Path, replay: object, backups: BackupL
     while _positions(db) != sum(highs.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     replay.send_signal(signal.SIGINT)  # type: ignore[attr-defined]
-    out, err = replay.communicate(timeout=60)  # type: ignore[attr-defined]
+    _out, err = replay.communicate(timeout=60)  # type: ignore[attr-defined]
     assert replay.returncode == 0, err  # type: ignore[attr-defined]
     assert store_rows(db) == final  # replay: exactly the final cluster, tombstones too
     backups.stop()
@@ -114,7 +114,7 @@ def test_tail_replay_backup_through_failovers(tmp_path: Path) -> None:
         time.sleep(0.8)
         cl.kill("n0")  # its unreplicated writes are lost: replay and backup roll back
         cl.cli("failover", "n0")
-        out, err = load.communicate(timeout=120)
+        out, _err = load.communicate(timeout=120)
         summary = json.loads(out)
         # writes retried onto the new actives; the only errors allowed are deletions of
         # keys whose creation the failover took back (KEY_ENOENT)

@@ -6,6 +6,7 @@ import json
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 from tests.e2e.conftest import upr
 from tests.e2e.e2e_helpers import run, seqnos
@@ -111,3 +112,30 @@ async def failover_logs_of(uri: str) -> dict[int, list[tuple[int, int]]]:
 
     states, _n = await node_states(SourceUri.parse(uri), None)
     return {p: [(e.uuid, e.seq) for e in st.log.entries] for p, st in states.items()}
+
+
+def test_init_adopts_running_nodes(node_factory: Any, tmp_path: Path) -> None:
+    a = node_factory(name="a").start()
+    b = node_factory(name="b").start()
+    data = tmp_path / "cl"
+    try:
+        bad = upr("cluster", "init", "--data", str(data), check=False)
+        assert bad.returncode == 2 and "--adopt" in bad.stderr
+        upr("cluster", "init", "--adopt", a.uri, "--adopt", b.uri, "--replicas", "1",
+            "--data", str(data))  # fmt: skip
+        cl = spec.load(data)
+        assert [n.adopted for n in cl.nodes] == [True, True] and cl.partitions == 16
+        upr("load", b.uri, "--docs", "400")
+        # each adopted node feeds the other's replicas with the shared credentials
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            ha, hb = run(seqnos(a.uri)), run(seqnos(b.uri))
+            if all(ha[p][1] == hb[p][1] > 0 for p in range(16)):
+                break
+            time.sleep(0.1)
+        assert all(ha[p][1] == hb[p][1] > 0 for p in range(16))
+        upr("cluster", "stop", "--data", str(data))  # adopted nodes keep running
+        assert a.proc is not None and a.proc.poll() is None
+    finally:
+        a.kill()
+        b.kill()

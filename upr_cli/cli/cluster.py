@@ -56,16 +56,26 @@ def register(root: typer.Typer) -> None:
 
 Each node gets DIR/nK for its data (its log in DIR/nK/serve.log) and a loopback port
 (--base-port, or free ones). Partition p is active on node p mod N and has replicas on
-the next R nodes.
+the next R nodes. --adopt URI (repeatable) takes running `upr serve` nodes instead:
+they must share one user, password and bucket (replicas stream from their actives with
+those credentials); `stop` and `start` leave adopted nodes alone.
 
 Example:
 
   upr cluster init --nodes 3 --replicas 1 --data /tmp/cl --partitions 64 --base-port 12000
+  upr cluster init --adopt upr://admin@127.0.0.1:11210/default \\
+      --adopt upr://admin@127.0.0.1:11211/default --replicas 1 --data /tmp/cl
 """,
 )
 def init_cmd(
     data: Data,
-    nodes: Annotated[int, typer.Option("--nodes", min=1, max=64, help="Nodes to start.")],
+    nodes: Annotated[
+        int | None, typer.Option("--nodes", min=1, max=64, help="Nodes to start.")
+    ] = None,
+    adopt: Annotated[
+        list[str] | None,
+        typer.Option("--adopt", help="A running node to adopt instead (URI, repeatable)."),
+    ] = None,
     replicas: Annotated[
         int, typer.Option("--replicas", min=0, max=3, help="Replicas per partition.")
     ] = 1,
@@ -85,16 +95,24 @@ def init_cmd(
 
     if (data / spec.CLUSTER_FILE).exists():
         raise UsageError(f"{data}: a cluster exists here (use `upr cluster start`)")
+    if (nodes is None) == (not adopt):
+        raise UsageError("give --nodes N (start new nodes) or --adopt URI… (running nodes)")
+    if adopt:
+        cl = asyncio.run(_adopted(adopt, replicas))
+        nodes, partitions, bucket = len(cl.nodes), cl.partitions, cl.bucket
+    else:
+        assert nodes is not None
+        cl = spec.ClusterSpec(bucket, partitions, replicas, "admin", spec.new_password())
+        for i in range(nodes):
+            port = 0 if base_port is None else base_port + i
+            cl.nodes.append(spec.NodeSpec(f"n{i}", port, str(data / f"n{i}")))
     if replicas >= nodes:
         raise UsageError(f"--replicas {replicas} needs at least {replicas + 1} nodes")
-    cl = spec.ClusterSpec(bucket, partitions, replicas, "admin", spec.new_password())
-    for i in range(nodes):
-        port = 0 if base_port is None else base_port + i
-        cl.nodes.append(spec.NodeSpec(f"n{i}", port, str(data / f"n{i}")))
     data.mkdir(parents=True, exist_ok=True)
     try:
         for node in cl.nodes:
-            procs.start_node(cl, node)
+            if not node.adopted:
+                procs.start_node(cl, node)
             spec.save(data, cl)
         vbmap = balanced_map(partitions, nodes, replicas)
         cl.rev, cl.vbmap = 1, vbmap
@@ -109,6 +127,34 @@ def init_cmd(
         raise
     _show(cl, json_out, f"cluster of {nodes} nodes, {partitions} partitions, {replicas} "
                         f"replicas, map revision {cl.rev}")  # fmt: skip
+
+
+async def _adopted(uris: list[str], replicas: int) -> ClusterSpec:
+    """A cluster of running nodes: one bucket, partition count and set of credentials."""
+    from upr_cli.cluster import spec
+    from upr_cli.net.bootstrap import connect
+    from upr_cli.net.uri import SourceUri
+
+    parsed = [SourceUri.parse(u) for u in uris]
+    first = parsed[0]
+    for u in parsed:
+        if u.host not in ("127.0.0.1", "localhost"):
+            raise UsageError(f"--adopt {u.redacted()}: only loopback nodes are supported")
+        if (u.username, u.password, u.bucket) != (first.username, first.password, first.bucket):
+            raise UsageError("--adopt: every node needs the same user, password and bucket")
+    if not first.username or not first.bucket:
+        raise UsageError("--adopt: the URIs need a user and a bucket (upr://user@host:port/b)")
+    counts = set()
+    for u in parsed:
+        s = await connect(u, name="upr-cluster")
+        counts.add(s.num_partitions)
+        await s.conn.aclose()
+    if len(counts) != 1:
+        raise UsageError(f"--adopt: the nodes have different partition counts {sorted(counts)}")
+    cl = spec.ClusterSpec(first.bucket, counts.pop(), replicas, first.username,
+                          first.password or "")  # fmt: skip
+    cl.nodes = [spec.NodeSpec(f"n{i}", u.port, adopted=True) for i, u in enumerate(parsed)]
+    return cl
 
 
 @app.command(

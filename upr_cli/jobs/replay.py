@@ -14,8 +14,8 @@ when seeing a new failover ID"; formats/store.md is the store's contract)
   - default: the end of its last complete snapshot (a marker's end reached, the next
     marker, or the stream's end: dcp-wire §2.4);
   - `--durable-only`: that, capped at the seq the source reports persisted on the
-    stream's branch (OBSERVE_SEQNO, polled on a second connection), so the store never
-    holds a write a crash of the source can take back;
+    stream's branch (OBSERVE_SEQNO to each partition's active node, polled on other
+    connections), so the store never holds a write a crash of the source can take back;
   - `--consistent` (a source with barrier cookies, formats/barrier.md): the barrier
     cut, for all partitions at once. The catch-up to the high seqnos pinned at the
     start (one GET_ALL_VB_SEQNOS, a consistent cut) is applied in ONE open store
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import signal
@@ -56,8 +57,9 @@ from upr_cli.dcp.events import BarrierReached, Rollback, Snapshot, StreamEnded, 
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog
-from upr_cli.net.bootstrap import Session, connect
+from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
+from upr_cli.protocol import decode_message
 from upr_cli.protocol.messages import ObserveSeqno, ObserveSeqnoResponse
 from upr_cli.store import DEFAULT_UNDO_WINDOW, Row, Store
 
@@ -182,7 +184,7 @@ class _Durability:
         self.uri = uri
         self.interval = interval
         self.persisted: dict[int, tuple[int, int]] = {}  # p -> (uuid, persisted seq)
-        self._session: Session | None = None
+        self._router: Router | None = None
         self._last = 0.0
 
     async def poll(self, parts: dict[int, _Part], force: bool = False) -> None:
@@ -193,16 +195,14 @@ class _Durability:
         want = [st for st in parts.values() if st.rows or st.complete > st.committed.seq]
         if not want:
             return
-        if self._session is None or self._session.conn.closed:
-            self._session = await connect(self.uri, name="upr-replay-observe")
-        conn = self._session.conn
-        futs = [
-            (st.p, conn.start_request(
-                ObserveSeqno(vbucket=st.p, vbucket_uuid=st.uuid, opaque=conn.next_opaque())))
-            for st in want
-        ]  # fmt: skip
+        if self._router is None:  # each partition asked of its active node (the map)
+            self._router = await Router.open(self.uri, name="upr-replay-observe")
+        router = self._router
+        futs = [(st.p, router.submit(st.p, functools.partial(_observe, st.p, st.uuid)))
+                for st in want]  # fmt: skip
+        router.flush()
         for p, fut in futs:
-            resp = (await fut)[0]
+            resp = decode_message(await fut)
             if isinstance(resp, ObserveSeqnoResponse):
                 self.persisted[p] = (resp.vbucket_uuid, resp.persisted_seqno)
 
@@ -214,8 +214,12 @@ class _Durability:
         return seq
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.conn.aclose()
+        if self._router is not None:
+            await self._router.aclose()
+
+
+def _observe(p: int, uuid: int, opaque: int) -> bytes:
+    return ObserveSeqno(vbucket=p, vbucket_uuid=uuid, opaque=opaque).encode()
 
 
 class _Restart(Exception):

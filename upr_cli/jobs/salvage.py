@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,13 +39,12 @@ from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, needs_rollback
 from upr_cli.jobs.rollback_point import node_states
-from upr_cli.net.bootstrap import connect
+from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.messages import (
     Add,
     Delete,
     Get,
-    GetResponse,
     Set,
 )
 from upr_cli.protocol.status import Status
@@ -227,47 +227,47 @@ async def _changed_since(
 
 
 async def _write_back(uri: SourceUri, items: list[LostItem], num_partitions: int) -> None:
-    """CAS-guarded writes of the safe items (module docstring)."""
-    s = await connect(uri, name="upr-salvage")
-    conn = s.conn
+    """CAS-guarded writes of the safe items (module docstring), each to its partition's
+    active node (net/router.py follows the cluster map)."""
+    router = await Router.open(uri, name="upr-salvage")
     try:
         for it in items:
-            got = await conn.request(
-                Get(vbucket=it.partition, key=it.key, opaque=conn.next_opaque()), check=False
-            )
-            present = got.status == Status.SUCCESS
+            vb = it.partition
+            got = await router.request(vb, functools.partial(_get, vb, it.key))
+            present = got.vbucket_or_status == Status.SUCCESS
+            cas = got.cas if present else 0
             if it.lost.deleted:
                 if not present:
                     it.outcome, it.reason = "already-gone", "the master does not have the key"
                     continue
-                msg: Any = Delete(
-                    vbucket=it.partition, key=it.key, cas=got.cas, opaque=conn.next_opaque()
-                )
+                make: Any = lambda o, vb=vb, it=it, cas=cas: Delete(  # noqa: E731
+                    vbucket=vb, key=it.key, cas=cas, opaque=o
+                ).encode()
             else:  # SET guarded by the cas just read, or ADD when the key is absent
-                msg = (Set if present else Add)(
-                    vbucket=it.partition,
-                    key=it.key,
-                    value=it.lost.value,
-                    flags=it.lost.flags,
-                    expiration=it.lost.expiry,
-                    cas=got.cas if present else 0,
-                    datatype=it.lost.datatype,
-                    opaque=conn.next_opaque(),
-                )
-            resp = await conn.request(msg, check=False)
-            if resp.status == Status.SUCCESS:
+                kind = Set if present else Add
+                make = lambda o, vb=vb, it=it, cas=cas, kind=kind: kind(  # noqa: E731
+                    vbucket=vb, key=it.key, value=it.lost.value, flags=it.lost.flags,
+                    expiration=it.lost.expiry, cas=cas, datatype=it.lost.datatype, opaque=o,
+                ).encode()  # fmt: skip
+            resp = await router.request(vb, make)
+            status = resp.vbucket_or_status
+            if status == Status.SUCCESS:
                 it.outcome = "written"
-            elif resp.status in (Status.KEY_EEXISTS, Status.KEY_ENOENT):
+            elif status in (Status.KEY_EEXISTS, Status.KEY_ENOENT):
                 it.outcome = "conflict"
                 it.reason = "the key changed on the master during the salvage"
-                if isinstance(got, GetResponse) and present:
-                    it.master = Version(
-                        0, False, bytes(got.value), got.cas, 0, got.flags, 0, got.datatype
-                    )
+                if present:
+                    flags = int.from_bytes(bytes(got.extras[:4]), "big") if got.extras else 0
+                    it.master = Version(0, False, bytes(got.value), got.cas, 0, flags, 0,
+                                        got.datatype)  # fmt: skip
             else:
-                it.outcome, it.reason = "error", f"status 0x{resp.status:02x}"
+                it.outcome, it.reason = "error", f"status 0x{status:02x}"
     finally:
-        await conn.aclose()
+        await router.aclose()
+
+
+def _get(vb: int, key: bytes, opaque: int) -> bytes:
+    return Get(vbucket=vb, key=key, opaque=opaque).encode()
 
 
 async def _resolve(

@@ -37,6 +37,7 @@ from upr_cli.dcp.events import Rollback
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import needs_rollback
+from upr_cli.net.connection import Connection
 from upr_cli.net.uri import SourceUri
 from upr_cli.spark.arrow import OPS, Buffer, Columns, ddl_of, i64, schema_of, text
 from upr_cli.spark.plan import SparkOptionError, get_option
@@ -138,17 +139,20 @@ def from_offset(offset: Mapping[str, Any]) -> dict[int, StreamPosition]:
 
 
 async def probe(uri: SourceUri, partitions: tuple[int, ...] | None) -> dict[int, tuple[int, int]]:
-    """{partition: (uuid, high seq)} from one STAT vbucket-seqno."""
-    from upr_cli.net.bootstrap import connect
+    """{partition: (uuid, high seq)} from STAT vbucket-seqno of each partition's active node
+    (one request per node; a node that does not answer fails the probe at once)."""
+    from upr_cli.net.bootstrap import on_active_nodes
 
-    s = await connect(uri, name="upr-spark-probe", timeout=5.0)
-    try:
-        st = await s.conn.stats("vbucket-seqno")
-    finally:
-        await s.conn.aclose()
-    wanted = partitions if partitions is not None else range(s.num_partitions)
-    return {p: (int(st.get(f"vb_{p}:uuid", 0)), int(st.get(f"vb_{p}:high_seqno", 0)))
-            for p in wanted}  # fmt: skip
+    async def ask(conn: Connection, parts: list[int]) -> dict[int, tuple[int, int]]:
+        st = await conn.stats("vbucket-seqno")
+        return {p: (int(st.get(f"vb_{p}:uuid", 0)), int(st.get(f"vb_{p}:high_seqno", 0)))
+                for p in parts}  # fmt: skip
+
+    got, _n = await on_active_nodes(
+        uri, list(partitions) if partitions is not None else None, ask,
+        name="upr-spark-probe", wait_for=0.0,
+    )  # fmt: skip
+    return got
 
 
 # -- planning -------------------------------------------------------------------------------
