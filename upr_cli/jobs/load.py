@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from upr_cli.errors import UsageError
 from upr_cli.net.bootstrap import partition_of
-from upr_cli.net.router import Router
+from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
 from upr_cli.protocol.fast import encode_set
@@ -121,7 +121,7 @@ async def load(
     live: list[str] = []
     next_id = 0
     summary = LoadSummary()
-    inflight: deque[asyncio.Future[Frame]] = deque()
+    inflight: deque[tuple[asyncio.Future[Frame], int, Make]] = deque()
     started = time.monotonic()
 
     def settle(reply: Frame) -> None:
@@ -151,15 +151,15 @@ async def load(
                 kb = key.encode()
                 vb = partition_of(kb, n_parts)
                 make = functools.partial(_set, vb, kb, make_doc(rng, i, size))
-            inflight.append(router.submit(vb, make))
+            inflight.append((router.submit(vb, make), vb, make))
             summary.ops += 1
             if len(inflight) % 64 == 0:
                 router.flush()
             if len(inflight) >= window:
                 router.flush()
-                settle(await inflight.popleft())
-                while inflight and inflight[0].done():
-                    settle(inflight.popleft().result())
+                settle(await router.settle(*inflight.popleft()))
+                while inflight and inflight[0][0].done():
+                    settle(await router.settle(*inflight.popleft()))
             if rate:
                 ahead = summary.ops / rate - (time.monotonic() - started)
                 if ahead > 0.001:
@@ -170,7 +170,7 @@ async def load(
                 on_progress(summary)
         router.flush()
         while inflight:
-            settle(await inflight.popleft())
+            settle(await router.settle(*inflight.popleft()))
         summary.seconds = time.monotonic() - started
         summary.retries = router.retries
         return summary

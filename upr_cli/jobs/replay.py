@@ -198,11 +198,13 @@ class _Durability:
         if self._router is None:  # each partition asked of its active node (the map)
             self._router = await Router.open(self.uri, name="upr-replay-observe")
         router = self._router
-        futs = [(st.p, router.submit(st.p, functools.partial(_observe, st.p, st.uuid)))
-                for st in want]  # fmt: skip
+        futs = []
+        for st in want:
+            make = functools.partial(_observe, st.p, st.uuid)
+            futs.append((st.p, router.submit(st.p, make), make))
         router.flush()
-        for p, fut in futs:
-            resp = decode_message(await fut)
+        for p, fut, make in futs:
+            resp = decode_message(await router.settle(fut, p, make))
             if isinstance(resp, ObserveSeqnoResponse):
                 self.persisted[p] = (resp.vbucket_uuid, resp.persisted_seqno)
 

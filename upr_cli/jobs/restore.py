@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from upr_cli.jobs.inspect import open_bucket
 from upr_cli.jobs.state import Selection, partition_state, select
-from upr_cli.net.router import Router
+from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
 from upr_cli.protocol.messages import DelWithMeta, Get, SetWithMeta
@@ -169,7 +169,7 @@ async def restore_to_node(
     # newer map on NOT_MY_VBUCKET (net/router.py).
     router = None if dry_run else await Router.open(target, name="upr-restore")
     options = FORCE if force_updates else 0
-    inflight: deque[tuple[asyncio.Future[Frame], str, bytes]] = deque()
+    inflight: deque[tuple[asyncio.Future[Frame], int, Make, str, bytes]] = deque()
     present: set[bytes] = set()  # keys the target has (GETs before deletions)
 
     def settle(reply: Frame, kind: str, key: bytes) -> None:
@@ -190,20 +190,20 @@ async def restore_to_node(
 
     async def send(vb: int, make: Callable[[int], bytes], kind: str, key: bytes) -> None:
         assert router is not None
-        inflight.append((router.submit(vb, make), kind, key))
+        inflight.append((router.submit(vb, make), vb, make, kind, key))
         if len(inflight) % 64 == 0:
             router.flush()
         if len(inflight) >= window:
             router.flush()
-            fut, k, key_ = inflight.popleft()
-            settle(await fut, k, key_)
+            fut, vb_, make_, k, key_ = inflight.popleft()
+            settle(await router.settle(fut, vb_, make_), k, key_)
 
     async def drain() -> None:
         assert router is not None
         router.flush()
         while inflight:
-            fut, k, key_ = inflight.popleft()
-            settle(await fut, k, key_)
+            fut, vb_, make_, k, key_ = inflight.popleft()
+            settle(await router.settle(fut, vb_, make_), k, key_)
 
     try:
         for p in sel.partitions:

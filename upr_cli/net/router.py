@@ -7,7 +7,8 @@ partition, sends each request to its partition's active node, and when an answer
 NOT_MY_VBUCKET (whose value is the answering node's map) or the node's connection is
 lost, it takes the newest map it can find (that answer's, else one fetched from every
 node it knows) and sends the request again, until `retry_for` seconds have passed.
-Requests stay pipelined: `submit` returns a future of the final answer at once.
+Requests stay pipelined: `submit` sends at once and returns the node's answer future;
+`settle` turns it into the final answer, retrying only when the answer asks for it.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class Router:
         self._servers, self._actives = _servers(self.uri, self.config)
         self._lock = asyncio.Lock()
         self._gen = 0  # refreshes done (waiters for the lock skip theirs if it moved)
-        self._tasks: set[asyncio.Task[None]] = set()
         self.retries = 0
 
     @classmethod
@@ -120,16 +120,36 @@ class Router:
     # -- requests ---------------------------------------------------------------------
 
     def submit(self, vb: int, make: Make) -> asyncio.Future[Frame]:
-        """Send a request (deferred: see `flush`); the future holds its final answer."""
-        out: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
-        self._send(vb, make, out, time.monotonic() + self.retry_for)
-        return out
+        """Send a request to the partition's active node (deferred: see `flush`). The
+        future holds the node's answer; pass it to `settle` for the final one (the fast
+        path adds nothing per request: retries happen only when an answer asks for one)."""
+        conn = self.conn_for(vb)
+        if conn is not None:
+            opaque = conn.next_opaque()
+            try:
+                return conn.start_raw(make(opaque), opaque, defer=True)
+            except (UprError, OSError):
+                pass  # the connection just closed: the retry below reconnects
+        fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        fut.set_exception(RouterError(f"partition {vb}: no connection to its active node"))
+        return fut
+
+    async def settle(self, fut: asyncio.Future[Frame], vb: int, make: Make) -> Frame:
+        """The final answer of a submitted request: on NOT_MY_VBUCKET or a lost node,
+        the newest map is taken and the request sent again, for up to `retry_for` s."""
+        try:
+            frame = await fut
+        except (UprError, OSError) as exc:
+            return await self._retry(vb, make, None, str(exc))
+        if frame.vbucket_or_status != Status.NOT_MY_VBUCKET:
+            return frame
+        return await self._retry(vb, make, bytes(frame.value), "not my vbucket", frame)
 
     async def request(self, vb: int, make: Make) -> Frame:
         """Send one request now and wait for its final answer."""
         fut = self.submit(vb, make)
         self.flush()
-        return await fut
+        return await self.settle(fut, vb, make)
 
     def flush(self) -> None:
         """Write every deferred request."""
@@ -137,63 +157,31 @@ class Router:
             if not conn.closed:
                 conn.flush_writes()
 
-    def _send(self, vb: int, make: Make, out: asyncio.Future[Frame], deadline: float) -> None:
-        conn = self.conn_for(vb)
-        if conn is None:
-            self._retry(vb, make, out, deadline, None, "no connection to the active node")
-            return
-        opaque = conn.next_opaque()
-        try:
-            inner = conn.start_raw(make(opaque), opaque, defer=True)
-        except (UprError, OSError) as exc:
-            self._retry(vb, make, out, deadline, None, str(exc))
-            return
-
-        def done(f: asyncio.Future[Frame]) -> None:
-            if out.done():
-                return
-            if f.cancelled():
-                out.cancel()
-                return
-            exc = f.exception()
-            if exc is not None:
-                self._retry(vb, make, out, deadline, None, str(exc))
-                return
-            frame = f.result()
-            if frame.vbucket_or_status == Status.NOT_MY_VBUCKET:
-                body = bytes(frame.value)  # the frame is valid until the next read only
-                self._retry(vb, make, out, deadline, body, "not my vbucket", frame)
-            else:
-                out.set_result(frame)
-
-        inner.add_done_callback(done)
-
-    def _retry(self, vb: int, make: Make, out: asyncio.Future[Frame], deadline: float,
-               body: bytes | None, reason: str, frame: Frame | None = None) -> None:  # fmt: skip
-        if time.monotonic() > deadline:
-            if frame is not None:
-                out.set_result(frame)
-            else:
-                out.set_exception(RouterError(f"partition {vb}: {reason} for {self.retry_for:g}s"))
-            return
-        self.retries += 1
-
-        async def again() -> None:
+    async def _retry(self, vb: int, make: Make, body: bytes | None, reason: str,
+                     frame: Frame | None = None) -> Frame:  # fmt: skip
+        deadline = time.monotonic() + self.retry_for
+        while True:
+            self.retries += 1
+            if time.monotonic() > deadline:
+                if frame is not None:
+                    return frame
+                raise RouterError(f"partition {vb}: {reason} for {self.retry_for:g}s")
             try:
-                await self.refresh(body)
-            except NoNodeAnswers as exc:
-                if not out.done():
-                    out.set_exception(exc)  # the whole cluster is gone: fail, do not spin
-                return
+                await self.refresh(body)  # NoNodeAnswers: the whole cluster is gone, fail
+            except NoNodeAnswers:
+                raise
             except (UprError, OSError):
                 await asyncio.sleep(0.1)
-            if not out.done():
-                self._send(vb, make, out, deadline)
-                self.flush()
-
-        task = asyncio.get_running_loop().create_task(again())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+            fut = self.submit(vb, make)
+            self.flush()
+            try:
+                got = await fut
+            except (UprError, OSError) as exc:
+                body, reason, frame = None, str(exc), None
+                continue
+            if got.vbucket_or_status != Status.NOT_MY_VBUCKET:
+                return got
+            body, reason, frame = bytes(got.value), "not my vbucket", got
 
     async def refresh(self, body: bytes | None = None) -> None:
         """Take a newer map: from an answer's body, else from every node we know."""
@@ -237,8 +225,6 @@ class Router:
 
     async def aclose(self) -> None:
         """Close every connection."""
-        for task in list(self._tasks):
-            task.cancel()
         for conn in list(self._conns.values()):
             await conn.aclose()
         self._conns.clear()

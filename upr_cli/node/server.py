@@ -107,6 +107,7 @@ log = logging.getLogger(__name__)
 FAST_STORE: dict[int, str] = {Opcode.SET: "set", Opcode.ADD: "add", Opcode.REPLACE: "replace"}
 UNAUTH_MAX_BODY = 16 * 1024  # bytes a peer may send in one frame before authenticating
 OUT_HIGH_WATER = 1 << 20  # queued response bytes that make the session wait for the socket
+OUT_CORK = 1 << 18  # queued DCP output written at once, without waiting for the loop turn
 GRANTABLE = {
     Feature.TCP_NODELAY,
     Feature.XERROR,
@@ -290,6 +291,7 @@ class ClientSession:
         self._closing = False
         self._out: list[bytes] = []  # responses of the current read, written in one go
         self._out_bytes = 0
+        self._flush_soon = False  # a call_soon(_uncork) is pending
         self.decoder = FrameDecoder(max_body=UNAUTH_MAX_BODY)
 
     async def run(self) -> None:
@@ -365,9 +367,22 @@ class ClientSession:
             self.writer.write(out[0] if len(out) == 1 else b"".join(out))
 
     def _write_now(self, data: bytes) -> None:
-        """DCP output: our queued responses go first, so a STREAM_REQ reply precedes its data."""
-        self.flush_out()
-        self.writer.write(data)
+        """DCP output joins the queued responses in order (a STREAM_REQ reply precedes its
+        data). Streams of many partitions each send small snapshots; the queue is written
+        once per event-loop turn (or at OUT_CORK bytes), not once per snapshot: one
+        syscall for many streams (profiled: per-snapshot writes dominated replication)."""
+        self._out.append(data)
+        self._out_bytes += len(data)
+        if self._out_bytes >= OUT_CORK:
+            self.flush_out()
+        elif not self._flush_soon:
+            self._flush_soon = True
+            asyncio.get_running_loop().call_soon(self._uncork)
+
+    def _uncork(self) -> None:
+        self._flush_soon = False
+        if not self._closing and not self.writer.is_closing():
+            self.flush_out()
 
     async def handle(self, frame: Frame) -> None:
         """Answer one request; status errors become responses, not disconnects."""
