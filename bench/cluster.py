@@ -4,8 +4,10 @@ Starts `upr cluster init --nodes 3 --replicas 1` (1024 partitions), writes N doc
 with `upr load` through the map, and measures:
 
 * replication: items/s from the first write until every replica holds its active's
-  high seqs, beside the same run's `DcpConsumer` drain rate of the cluster (the client
-  path replicas use; the limit a replica stream can reach here);
+  high seqs, and how far the last replica trailed the last write;
+* catch-up: replication into one node paused while N more are written, then resumed:
+  items/s until it caught up, beside the same run's `DcpConsumer` drain rate of the
+  cluster (the client path replicas use; the limit a replica stream can reach here);
 * a hard failover of a SIGKILLed node: the command's time and the partitions promoted;
 * `rebalance --add new` while `upr load` writes: its time, partitions moved, write errors.
 
@@ -91,6 +93,18 @@ def main() -> None:
             drained = asyncio.run(drain(uri))
             drain_rate = drained / (time.monotonic() - t0)
             repl_rate = args.docs / repl_s
+            # catch-up: replication into n2 paused while 100k more are written, then resumed
+            upr("cluster", "pause", "n2", "--data", str(data))
+            upr("load", uri, "--docs", str(args.docs), "--prefix", "behind")
+            t0 = time.monotonic()
+            upr("cluster", "resume", "n2", "--data", str(data))
+            while not replicated(data):
+                time.sleep(0.05)
+            catch_s = time.monotonic() - t0
+            behind = (
+                sum(1 for row in spec.load(data).vbmap if 2 in row[1:]) * args.docs // 1024
+            )  # about: n2's replica share of the new writes
+            catch_rate = behind / catch_s
             # hard failover of a SIGKILLed node
             pid = spec.load(data).nodes[0].pid
             assert pid is not None
@@ -119,12 +133,16 @@ def main() -> None:
     print(f"3 nodes, 1 replica, 1024 partitions; init {init_s:.1f}s")
     print(f"  load {args.docs:,} docs: {load_s:.1f}s; every replica persisted them after "
           f"{repl_s:.1f}s")  # fmt: skip
-    print(f"  replication: {repl_rate:,.0f} items/s   limit (same run): DcpConsumer drain of "
-          f"the cluster {drain_rate:,.0f} items/s ({repl_rate / drain_rate:.0%})")  # fmt: skip
+    print(f"  replication kept pace with the writes: {repl_rate:,.0f} items/s, the last replica "
+          f"{repl_s - load_s:.1f}s behind the last write")  # fmt: skip
+    print(f"  catch-up after a pause: about {behind:,} items in {catch_s:.1f}s = "
+          f"{catch_rate:,.0f} items/s   limit (same run): DcpConsumer drain of the cluster "
+          f"{drain_rate:,.0f} items/s ({catch_rate / drain_rate:.0%})")  # fmt: skip
     print(f"  hard failover of a killed node: {failover_s:.2f}s, {promoted} partitions promoted")
     print(f"  rebalance --add new under 4,000 writes/s: {rebalance_s:.1f}s, {moved} partitions "
           f"moved, {lsum['errors']} write errors, {lsum['retries']} retries")  # fmt: skip
-    print(f"replication_items_per_s={repl_rate:.0f} drain_items_per_s={drain_rate:.0f} "
+    print(f"replication_items_per_s={repl_rate:.0f} catchup_items_per_s={catch_rate:.0f} "
+          f"drain_items_per_s={drain_rate:.0f} "
           f"failover_s={failover_s:.2f} promoted={promoted} rebalance_s={rebalance_s:.1f} "
           f"moved={moved} write_errors={lsum['errors']}")  # fmt: skip
 

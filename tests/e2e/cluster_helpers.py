@@ -92,8 +92,9 @@ class Cluster:
 
 def popen(*args: str) -> subprocess.Popen[str]:
     """A background `upr` command."""
+    env = os.environ | {"UPR_LOG": "DEBUG"}  # stream moves and reconnects, for failures
     return subprocess.Popen([sys.executable, "-m", "upr_cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
 
 
 def tail_state(lines: str) -> dict[tuple[int, bytes], tuple[int, bool, Any]]:

@@ -85,6 +85,12 @@ cluster.register(app)
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point: run the app and map every failure to one line + exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
+    level = os.environ.get("UPR_LOG", "").upper()
+    if level in ("DEBUG", "INFO", "WARNING"):  # diagnostics on stderr (moves, reconnects)
+        import logging
+
+        logging.basicConfig(level=level, stream=sys.stderr,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     command = typer.main.get_command(app)
     try:
         code = command.main(args=args, prog_name="upr", standalone_mode=False)

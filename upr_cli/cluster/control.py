@@ -11,7 +11,7 @@ means another orchestrator has a newer map: the push stops with that message.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,16 +185,24 @@ async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
     return st
 
 
-def lag(statuses: list[NodeStatus]) -> dict[int, dict[str, int]]:
-    """Per partition, each replica's lag behind the active copy (seqs)."""
-    out: dict[int, dict[str, int]] = {}
+def _copies(
+    statuses: list[NodeStatus], roles: tuple[str, ...]
+) -> Iterator[tuple[int, NodeStatus, NodeStatus]]:
+    """(partition, a copy in one of `roles`, the active copy) for every reachable pair."""
     actives = {p: st for st in statuses if st.up for p, r in st.roles.items() if r == "active"}
     for st in statuses:
         if not st.up:
             continue
         for p, role in st.roles.items():
-            if role == "replica" and p in actives:
-                out.setdefault(p, {})[st.name] = max(0, actives[p].highs[p] - st.highs.get(p, 0))
+            if role in roles and p in actives:
+                yield p, st, actives[p]
+
+
+def lag(statuses: list[NodeStatus]) -> dict[int, dict[str, int]]:
+    """Per partition, each replica's lag behind the active copy (seqs)."""
+    out: dict[int, dict[str, int]] = {}
+    for p, st, act in _copies(statuses, ("replica",)):
+        out.setdefault(p, {})[st.name] = max(0, act.highs[p] - st.highs.get(p, 0))
     return out
 
 
@@ -204,22 +212,15 @@ def rollback_points(statuses: list[NodeStatus]) -> dict[int, dict[str, int]]:
     from upr_cli.failover import FailoverLog, needs_rollback
 
     out: dict[int, dict[str, int]] = {}
-    actives = {p: st for st in statuses if st.up for p, r in st.roles.items() if r == "active"}
-    for st in statuses:
-        if not st.up:
-            continue
-        for p, role in st.roles.items():
-            act = actives.get(p)
-            if role not in ("replica", "pending") or act is None:
-                continue
-            start = st.persisted.get(p, 0)
-            s0, s1 = st.snaps.get(p, (start, start))
-            if not s0 <= start <= s1:
-                s0 = s1 = start
-            decision = needs_rollback(
-                FailoverLog.sanitised(tuple(act.logs.get(p, []))), start=start,
-                uuid=st.uuids.get(p, 0), snap_start=s0, snap_end=s1, high=act.highs.get(p, 0),
-            )  # fmt: skip
-            if decision.rollback:
-                out.setdefault(p, {})[st.name] = decision.rollback_seq
+    for p, st, act in _copies(statuses, ("replica", "pending")):
+        start = st.persisted.get(p, 0)
+        s0, s1 = st.snaps.get(p, (start, start))
+        if not s0 <= start <= s1:
+            s0 = s1 = start
+        decision = needs_rollback(
+            FailoverLog.sanitised(tuple(act.logs.get(p, []))), start=start,
+            uuid=st.uuids.get(p, 0), snap_start=s0, snap_end=s1, high=act.highs.get(p, 0),
+        )  # fmt: skip
+        if decision.rollback:
+            out.setdefault(p, {})[st.name] = decision.rollback_seq
     return out

@@ -177,6 +177,7 @@ class DcpConsumer:
         self._committed: dict[int, tuple[int, int, int, int]] = {}
         self.session: Session | None = None  # the bootstrap link's session
         self._links: dict[Addr, _Link] = {}
+        self._link_locks: dict[Addr, asyncio.Lock] = {}
         self._gen = 0
         self._config: dict[str, Any] = {}
         self._follow = False  # the map lists several nodes: follow it
@@ -186,6 +187,10 @@ class DcpConsumer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._events: list[Item] = []
         self._moving: set[int] = set()
+        # A stream being opened: its data may be queued before the task that asked sees
+        # the answer; it waits here so that StreamOpened always comes first (`_process`).
+        self._opening: dict[int, Addr] = {}
+        self._held: dict[int, list[Item]] = {}
         self.highs: dict[int, int] = {}
         self.moves = 0  # partitions reopened on another node
 
@@ -300,12 +305,15 @@ class DcpConsumer:
         return out
 
     async def _link(self, addr: Addr) -> _Link:
-        """The open link to a node, connecting it if needed."""
-        link = self._links.get(addr)
-        if link is None or link.session.conn.closed:
-            await self._connect(addr)
-            link = self._links[addr]
-        return link
+        """The open link to a node, connecting it if needed (one connection per node: a
+        lock per address, so concurrent moves share it instead of replacing it)."""
+        lock = self._link_locks.setdefault(addr, asyncio.Lock())
+        async with lock:
+            link = self._links.get(addr)
+            if link is None or link.session.conn.closed:
+                await self._connect(addr)
+                link = self._links[addr]
+            return link
 
     async def _connect(self, addr: Addr, *, bootstrap: bool = False) -> None:
         queue = self._queue
@@ -377,7 +385,10 @@ class DcpConsumer:
         while pending:
             futs = []
             for part in pending:
-                conn = self._links[part.addr].session.conn
+                link = self._links.get(part.addr)
+                if link is None or link.session.conn.closed:
+                    raise ConnectionError_(f"no open link to {part.addr[0]}:{part.addr[1]}")
+                conn = link.session.conn
                 flags = FLAG_ACTIVE_ONLY | (
                     FLAG_FROM_LATEST if self.from_latest and part.seq == 0 and not part.uuid else 0
                 )
@@ -386,10 +397,16 @@ class DcpConsumer:
                     start_seqno=part.seq, end_seqno=max(part.end, part.seq), vbucket_uuid=part.uuid,
                     snap_start_seqno=part.snap_start, snap_end_seqno=part.snap_end,
                 )  # fmt: skip
-                futs.append((part, conn.start_request(req)))
+                self._opening[part.partition] = part.addr
+                futs.append((part, conn.start_request(req), req))
             retry = []
-            for part, fut in futs:
-                resp = (await fut)[0]
+            for part, fut, sent in futs:
+                try:
+                    resp = (await fut)[0]
+                except BaseException:
+                    for other, _f, _s in futs:
+                        self._opening.pop(other.partition, None)
+                    raise
                 if isinstance(resp, StreamRequestOk):
                     part.log = FailoverLog.sanitised(resp.failover_log)
                     if part.log.entries:
@@ -403,9 +420,16 @@ class DcpConsumer:
                             part.partition, 0
                         )
                         part.uuid = part.log.latest.uuid if part.log.entries else 0
-                    self._events.append(
-                        StreamOpened(part.partition, resp.failover_log, part.position())
-                    )
+                    # where the stream starts (not where held data already moved it)
+                    start = StreamPosition(part.partition, part.uuid, sent.start_seqno,
+                                           sent.snap_start_seqno, sent.snap_end_seqno)  # fmt: skip
+                    if self.from_latest and sent.start_seqno == 0:
+                        start = part.position()
+                    self._events.append(StreamOpened(part.partition, resp.failover_log, start))
+                    self._events.extend(self._held.pop(part.partition, []))
+                    self._opening.pop(part.partition, None)
+                    log.debug("partition %d: stream open from %d on %s:%d",
+                              part.partition, sent.start_seqno, *part.addr)  # fmt: skip
                 elif isinstance(resp, StreamRequestRollback):
                     self._rollback(part, resp.rollback_seqno)
                     retry.append(part)
@@ -414,8 +438,10 @@ class DcpConsumer:
                     and resp.status == Status.NOT_MY_VBUCKET
                     and self._follow
                 ):
+                    self._opening.pop(part.partition, None)
                     self._spawn(self._move(part, resp.value))
                 else:
+                    self._opening.pop(part.partition, None)
                     assert isinstance(resp, Response)
                     err = status_error(resp.status, body=resp.value, opcode=Opcode.DCP_STREAM_REQ)
                     raise ConsumerError(
@@ -424,7 +450,18 @@ class DcpConsumer:
             pending = retry
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+        """Run a background step; an error it did not expect ends `batches()` with it
+        (a stream must never stall silently)."""
+
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - handed to the caller, not swallowed
+                self._queue.put_nowait(exc)
+
+        task = asyncio.get_running_loop().create_task(guarded())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -591,7 +628,10 @@ class DcpConsumer:
             link = self._links.get(addr)
             if link is None or link.gen != gen:
                 continue  # queued before that link was reconnected: its streams restarted
-            out = self._process(items) if items else []
+            if self._events:  # a stream opened while we waited: its StreamOpened first
+                events, self._events = self._events, []
+                yield events
+            out = self._process(items, addr) if items else []
             if out:
                 yield out
                 attempts[addr] = 0
@@ -604,7 +644,22 @@ class DcpConsumer:
             link.session.conn.send_bytes(BufferAck(acked=link.unacked).encode())
             link.unacked = 0
 
-    def _process(self, items: ServerItems) -> list[Item]:
+    def _process(self, items: ServerItems, addr: Addr | None = None) -> list[Item]:
+        out = self._decode(items)
+        if self._opening and out:
+            opening = {p for p, a in self._opening.items() if a == addr}
+            if opening:
+                keep: list[Item] = []
+                for it in out:
+                    p = it[1] if type(it) is tuple else getattr(it, "partition", None)
+                    if p in opening:
+                        self._held.setdefault(p, []).append(it)
+                    else:
+                        keep.append(it)
+                out = keep
+        return out
+
+    def _decode(self, items: ServerItems) -> list[Item]:
         parts = self.parts
         out: list[Item] = []
         for it in items:
@@ -648,7 +703,11 @@ class DcpConsumer:
     async def _reopen(self, part: _Part) -> None:
         try:
             await self._open_streams([part])
-        except (ConsumerError, ConnectionError_) as exc:
+        except ConnectionError_:
+            if self._follow:
+                await self._move(part)  # its node went away meanwhile: follow the map
+            # else the lost link is reconnected by batches(), which reopens the stream
+        except ConsumerError as exc:
             self._queue.put_nowait(exc)
 
     def _reset(self, part: _Part) -> None:
@@ -659,7 +718,10 @@ class DcpConsumer:
         resume from their committed positions. While following a map, partitions the
         newest map moved elsewhere are reopened there instead, and a node that stays
         away is waited for up to `follow_for` seconds (it may restart or fail over)."""
-        parts = [p for p in self.parts.values() if p.addr == addr and not p.done]
+        parts = [
+            p for p in self.parts.values()
+            if p.addr == addr and not p.done and p.partition not in self._moving
+        ]  # fmt: skip
         link = self._links.pop(addr, None)
         if link is not None:
             await link.session.conn.aclose()

@@ -96,24 +96,22 @@ _DOC_COLUMNS = (
 # the replacing seq, so a rollback to r restores every key to its version at r. Partitions
 # record undo only while replica or pending; `undo_floor` is the lowest r it can serve.
 # Added without a schema-version bump: CREATE IF NOT EXISTS on every open.
+_DOC_COLUMNS_DDL = (
+    "vbucket INTEGER NOT NULL, key BLOB NOT NULL, seq INTEGER NOT NULL, rev_seq INTEGER NOT NULL,"
+    " cas INTEGER NOT NULL, flags INTEGER NOT NULL, expiry INTEGER NOT NULL,"
+    " datatype INTEGER NOT NULL, deleted INTEGER NOT NULL, delete_time INTEGER NOT NULL,"
+    " value BLOB NOT NULL"
+)
 _UNDO_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS undo (
-        new_seq INTEGER NOT NULL,
-        vbucket INTEGER NOT NULL, key BLOB NOT NULL, seq INTEGER NOT NULL,
-        rev_seq INTEGER NOT NULL, cas INTEGER NOT NULL, flags INTEGER NOT NULL,
-        expiry INTEGER NOT NULL, datatype INTEGER NOT NULL, deleted INTEGER NOT NULL,
-        delete_time INTEGER NOT NULL, value BLOB NOT NULL,
+    f"""CREATE TABLE IF NOT EXISTS undo (
+        new_seq INTEGER NOT NULL, {_DOC_COLUMNS_DDL},
         PRIMARY KEY (vbucket, new_seq)
     ) WITHOUT ROWID""",
     "CREATE INDEX IF NOT EXISTS undo_by_key ON undo (vbucket, key, new_seq)",
     "CREATE TABLE IF NOT EXISTS undo_floor (vbucket INTEGER PRIMARY KEY, seq INTEGER NOT NULL)",
     # Versions a replica's rollback discarded (what `upr salvage --node-data` offers back).
-    """CREATE TABLE IF NOT EXISTS lost_writes (
-        rolled_back_at REAL NOT NULL, rolled_back_to INTEGER NOT NULL,
-        vbucket INTEGER NOT NULL, key BLOB NOT NULL, seq INTEGER NOT NULL,
-        rev_seq INTEGER NOT NULL, cas INTEGER NOT NULL, flags INTEGER NOT NULL,
-        expiry INTEGER NOT NULL, datatype INTEGER NOT NULL, deleted INTEGER NOT NULL,
-        delete_time INTEGER NOT NULL, value BLOB NOT NULL,
+    f"""CREATE TABLE IF NOT EXISTS lost_writes (
+        rolled_back_at REAL NOT NULL, rolled_back_to INTEGER NOT NULL, {_DOC_COLUMNS_DDL},
         PRIMARY KEY (vbucket, seq)
     ) WITHOUT ROWID""",
 )
