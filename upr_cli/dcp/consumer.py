@@ -272,7 +272,13 @@ class DcpConsumer:
                 if self._follow
                 else GetAllVbSeqnos(opaque=conn.next_opaque())
             )
-            resp = await conn.request(req)
+            try:
+                resp = await conn.request(req)
+            except ConnectionError_:
+                if not self._follow:
+                    raise
+                missing += mine  # the node went away: wait for the map to move them
+                continue
             assert isinstance(resp, GetAllVbSeqnosResponse)
             got = dict(resp.seqnos)
             for part in mine:
@@ -403,6 +409,13 @@ class DcpConsumer:
             for part, fut, sent in futs:
                 try:
                     resp = (await fut)[0]
+                except ConnectionError_:
+                    self._opening.pop(part.partition, None)
+                    if self._follow:
+                        continue  # its link's loss is queued: batches() reopens it there
+                    for other, _f, _s in futs:
+                        self._opening.pop(other.partition, None)
+                    raise
                 except BaseException:
                     for other, _f, _s in futs:
                         self._opening.pop(other.partition, None)

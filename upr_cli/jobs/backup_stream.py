@@ -127,6 +127,7 @@ async def stream_to_segments(
     finishing: dict[int, asyncio.Future[PartitionResult]] = {}
     pending: dict[int, list[tuple[Any, ...]]] = {}
     rolled: dict[int, tuple[int, int]] = {}  # rollbacks met while a stream opened
+    last: dict[int, int] = {}  # per partition, the seq of the last row taken
     now = time.time()
     created = (
         time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1e6) % 10**6:06d}Z"
@@ -185,7 +186,11 @@ async def stream_to_segments(
         async for batch in consumer.batches():
             for item in batch:
                 if type(item) is tuple:
-                    pending.setdefault(item[1], []).append(item)  # type: ignore[arg-type]
+                    vb: int = item[1]  # type: ignore[assignment]
+                    if item[2] <= last.get(vb, -1):  # type: ignore[operator]
+                        continue  # sent again after a reconnect or a move: already held
+                    last[vb] = item[2]  # type: ignore[assignment]
+                    pending.setdefault(vb, []).append(item)
                     stats.items += 1
                     stats.bytes_in += 55 + len(item[9]) + len(item[10])  # type: ignore[arg-type]
                 elif isinstance(item, Rollback):
@@ -197,16 +202,23 @@ async def stream_to_segments(
                         )
                     stats.rollbacks += 1
                     opened.pop(item.partition, None)
+                    last.pop(item.partition, None)
                     rolled[item.partition] = (item.previous.seq, item.to_seq)
                 elif isinstance(item, StreamOpened):
                     p = item.partition
-                    opened[p] = _Open(p, None, FailoverLog.sanitised(item.failover_log),
-                                      item.position.seq, rollback=rolled.pop(p, None))  # fmt: skip
+                    log_ = FailoverLog.sanitised(item.failover_log)
+                    if p in opened:  # reopened (a reconnect, or moved to a new active node)
+                        opened[p].log = log_  # the same history goes on: same segment
+                    else:
+                        opened[p] = _Open(p, None, log_, item.position.seq,
+                                          rollback=rolled.pop(p, None))  # fmt: skip
                 elif isinstance(item, Snapshot):
                     st1 = opened.get(item.partition)
                     if st1 is not None:
                         st1.snapshots.append((item.start, item.end))
                 elif isinstance(item, StreamEnded):
+                    if not consumer.parts[item.partition].done:
+                        continue  # the consumer reopens it (state changed, moved)
                     await flush_rows()
                     job = functools.partial(_finish, opened[item.partition], item,
                                             directory, segment_name, held)  # fmt: skip

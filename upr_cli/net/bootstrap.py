@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from upr_cli.errors import UprError
-from upr_cli.net.connection import Connection, ServerItems
+from upr_cli.net.connection import Connection, ConnectionError_, ServerItems
 from upr_cli.net.scram import AuthenticationFailed, ScramClient, plain_message
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.header import Feature
@@ -225,6 +225,11 @@ async def on_active_nodes(
                     continue
                 try:
                     out |= await ask((other or s).conn, parts)
+                except ConnectionError_ as exc:
+                    if other is None:
+                        raise  # the bootstrap node itself went away
+                    failed += parts  # that node went away meanwhile: ask again
+                    error = exc
                 finally:
                     if other is not None:
                         await other.conn.aclose()
