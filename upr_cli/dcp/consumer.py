@@ -48,7 +48,7 @@ from upr_cli.dcp.events import (
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import RemoteProtocolError, UprError
 from upr_cli.failover import FailoverLog
-from upr_cli.net.bootstrap import Session, connect
+from upr_cli.net.bootstrap import Session, connect, map_nodes
 from upr_cli.net.connection import ConnectionClosed, ConnectionError_, ServerItems
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame, decode_message
@@ -192,7 +192,6 @@ class DcpConsumer:
         self._opening: dict[int, Addr] = {}
         self._held: dict[int, list[Item]] = {}
         self.highs: dict[int, int] = {}
-        self.moves = 0  # partitions reopened on another node
 
     # -- life cycle -----------------------------------------------------------------
 
@@ -289,26 +288,12 @@ class DcpConsumer:
         return missing
 
     def _servers(self) -> list[Addr]:
-        smap = self._config.get("vBucketServerMap", {})
-        servers = smap.get("serverList", []) if isinstance(smap, dict) else []
-        out = []
-        for entry in servers if isinstance(servers, list) else []:
-            host, _, port = str(entry).rpartition(":")
-            host = self.uri.host if host in ("$HOST", "") else host
-            if port.isdigit():
-                out.append((host, int(port)))
-        return out
+        return map_nodes(self.uri, self._config)[0]
 
     def _actives(self) -> list[Addr | None]:
         """Per partition, the address of its active node in the map held (None: none)."""
-        servers = self._servers()
-        smap = self._config.get("vBucketServerMap", {})
-        rows = smap.get("vBucketMap", []) if isinstance(smap, dict) else []
-        out: list[Addr | None] = []
-        for row in rows if isinstance(rows, list) else []:
-            a = row[0] if isinstance(row, list) and row else -1
-            out.append(servers[a] if isinstance(a, int) and 0 <= a < len(servers) else None)
-        return out
+        servers, actives = map_nodes(self.uri, self._config)
+        return [servers[a] if 0 <= a < len(servers) else None for a in actives]
 
     async def _link(self, addr: Addr) -> _Link:
         """The open link to a node, connecting it if needed (one connection per node: a
@@ -505,7 +490,6 @@ class DcpConsumer:
                             part.end = min(part.end, self.highs[p])
                             if part.seq >= part.end:
                                 part.done = True
-                        self.moves += 1
                         log.info("partition %d: streaming from %s:%d", p, *addr)
                         self._moving.discard(p)
                         await self._open_streams([part])

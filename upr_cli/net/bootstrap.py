@@ -150,32 +150,43 @@ __all__ = [
     "ServerItems",
     "Session",
     "connect",
+    "map_nodes",
     "on_active_nodes",
     "partition_of",
 ]
 
 
+def map_nodes(uri: SourceUri, config: dict[str, Any]) -> tuple[list[tuple[str, int]], list[int]]:
+    """The cluster map's servers as (host, port) (`$HOST` is `uri`'s host) and, per
+    partition, the index of its active server (-1: none). The one parser of the map."""
+    smap = config.get("vBucketServerMap", {}) if isinstance(config, dict) else {}
+    smap = smap if isinstance(smap, dict) else {}
+    servers: list[tuple[str, int]] = []
+    entries = smap.get("serverList", [])
+    for entry in entries if isinstance(entries, list) else []:
+        host, _, port = str(entry).rpartition(":")
+        if port.isdigit():
+            servers.append((uri.host if host in ("$HOST", "") else host, int(port)))
+    rows = smap.get("vBucketMap", [])
+    actives = [
+        row[0] if isinstance(row, list) and row and isinstance(row[0], int) else -1
+        for row in (rows if isinstance(rows, list) else [])
+    ]
+    return servers, actives
+
+
 def node_uris(session: Session) -> list[SourceUri]:
-    """One URI per server of the cluster map (`$HOST` is the address bootstrapped from),
-    with the session's bucket and credentials; the session's own when the map has one."""
+    """One URI per server of the cluster map, with the session's bucket and credentials;
+    the session's own when the map has none."""
     from dataclasses import replace
 
-    servers = session.config.get("vBucketServerMap", {}).get("serverList", [])
-    out = []
-    for entry in servers if isinstance(servers, list) else []:
-        host, _, port = str(entry).rpartition(":")
-        host = session.uri.host if host in ("$HOST", "") else host
-        try:
-            out.append(replace(session.uri, host=host, port=int(port)))
-        except ValueError:
-            continue
-    return out or [session.uri]
+    servers, _ = map_nodes(session.uri, session.config)
+    return [replace(session.uri, host=h, port=p) for h, p in servers] or [session.uri]
 
 
 def active_index(session: Session) -> list[int]:
     """For each partition, the index (into `node_uris`) of its active node; -1 if none."""
-    vbmap = session.config.get("vBucketServerMap", {}).get("vBucketMap", [])
-    return [row[0] if isinstance(row, list) and row else -1 for row in vbmap]
+    return map_nodes(session.uri, session.config)[1]
 
 
 async def on_active_nodes(

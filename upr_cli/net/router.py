@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from upr_cli.errors import UprError
-from upr_cli.net.bootstrap import Session, connect, partition_of
+from upr_cli.net.bootstrap import Session, connect, map_nodes, partition_of
 from upr_cli.net.connection import Connection
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
@@ -30,19 +30,6 @@ from upr_cli.protocol.messages import GetClusterConfig
 from upr_cli.protocol.status import Status
 
 Make = Callable[[int], bytes]  # opaque → an encoded request
-
-
-def _servers(uri: SourceUri, config: dict[str, Any]) -> tuple[list[tuple[str, int]], list[int]]:
-    """(host, port) per server of the map, and each partition's active index."""
-    smap = config.get("vBucketServerMap", {}) if isinstance(config, dict) else {}
-    servers = []
-    for entry in smap.get("serverList", []) or []:
-        host, _, port = str(entry).rpartition(":")
-        host = uri.host if host in ("$HOST", "") else host
-        servers.append((host, int(port) if port.isdigit() else uri.port))
-    rows = smap.get("vBucketMap", []) or []
-    actives = [row[0] if isinstance(row, list) and row else -1 for row in rows]
-    return servers or [(uri.host, uri.port)], actives
 
 
 class RouterError(UprError):
@@ -66,10 +53,14 @@ class Router:
         self._conns: dict[tuple[str, int], Connection] = {
             (session.uri.host, session.uri.port): session.conn
         }
-        self._servers, self._actives = _servers(self.uri, self.config)
+        self._servers, self._actives = self._layout(self.config)
         self._lock = asyncio.Lock()
         self._gen = 0  # refreshes done (waiters for the lock skip theirs if it moved)
         self.retries = 0
+
+    def _layout(self, config: dict[str, Any]) -> tuple[list[tuple[str, int]], list[int]]:
+        servers, actives = map_nodes(self.uri, config)
+        return servers or [(self.uri.host, self.uri.port)], actives
 
     @classmethod
     async def open(cls, uri: SourceUri, *, name: str = "upr", retry_for: float = 60.0) -> Router:
@@ -205,7 +196,7 @@ class Router:
                         best = cfg
             if best is not self.config:
                 self.config = best
-                self._servers, self._actives = _servers(self.uri, best)
+                self._servers, self._actives = self._layout(best)
             await self._connect_actives()
 
     async def _fetch_all(self) -> list[dict[str, Any]]:
