@@ -8,12 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from upr_cli.repo import Repository, RepositoryError, RepositoryLock, RepositoryLocked, format_time
+from upr_cli.repo import lock as lock_module
 from upr_cli.repo.lock import FRESH_SECONDS, LockHolder
 
 BUCKET = "default"
@@ -130,14 +132,34 @@ def test_unreadable_lock_file(repo: Repository) -> None:
     path = repo.lock_path(BUCKET)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"")  # a holder between creating and writing it
-    with pytest.raises(RepositoryLocked, match="still writing") as info:
-        RepositoryLock(repo, BUCKET).acquire()
-    assert info.value.pid is None
     old = time.time() - FRESH_SECONDS - 5
     os.utime(path, (old, old))
     warnings: list[str] = []
     with RepositoryLock(repo, BUCKET, on_stale=warnings.append):
         assert "unreadable" in warnings[0]
+
+
+def test_a_fresh_unreadable_lock_is_waited_for(
+    repo: Repository, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Empty and young: its writer is between creating and writing it, or died there.
+    Written meanwhile by a live holder → locked; never written → taken over once stale."""
+    monkeypatch.setattr(lock_module, "FRESH_SECONDS", 0.4)
+    path = repo.lock_path(BUCKET)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"")
+    t0 = time.monotonic()
+    warnings: list[str] = []
+    with RepositoryLock(repo, BUCKET, on_stale=warnings.append):
+        assert "unreadable" in warnings[0]
+    assert time.monotonic() - t0 >= 0.3  # waited until it was stale, not longer than needed
+    path.write_bytes(b"")
+    timer = threading.Timer(0.1, write_lock, (path, os.getppid()))
+    timer.start()
+    with pytest.raises(RepositoryLocked, match=f"pid {os.getppid()}") as info:
+        RepositoryLock(repo, BUCKET).acquire()
+    timer.join()
+    assert info.value.pid == os.getppid()
 
 
 @pytest.mark.parametrize(

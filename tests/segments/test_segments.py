@@ -254,3 +254,49 @@ def test_not_a_segment(tmp_path: Path) -> None:
         SegmentReader(p)
     with pytest.raises(SegmentError, match="cannot open"):
         SegmentReader(tmp_path / "missing.seg")
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(st.integers(1, 3000), unique=True, max_size=200),
+    st.integers(50, 2000),
+    st.integers(0, 3001),
+    st.integers(0, 200),
+    st.integers(0, 200),
+    st.lists(st.integers(1, 2000), unique=True, max_size=40),
+)
+def test_truncate_keeps_exactly_the_records_up_to_the_seq(
+    tmp_path: Path,
+    seqs: list[int],
+    block: int,
+    cut: int,
+    spill_at: int,
+    spill_after: int,
+    more: list[int],
+) -> None:
+    """A rollback in mid-stream: whatever was compressed, spilled or still buffered, the
+    segment holds exactly the records ≤ cut, then what follows on the new branch."""
+    seqs.sort()
+    rows = rows_for(seqs)
+    path = tmp_path / f"t{block}-{len(seqs)}-{cut}.seg"
+    path.unlink(missing_ok=True)
+    w = SegmentWriter(path, header(block=block))
+    w.add(rows[:spill_at])
+    w.spill()
+    w.add(rows[spill_at:])
+    if spill_after % 3 == 0:
+        w.spill()
+    dropped = w.truncate(cut)
+    kept = [r for r in rows if r[2] <= cut]
+    assert dropped == len(rows) - len(kept)
+    assert w.last_seq == (kept[-1][2] if kept else 0)
+    after = rows_for(sorted(cut + m for m in more))
+    w.add(after)
+    info = w.finish(end_seq=max(10_000, cut + 2000))
+    with SegmentReader(path) as r:
+        assert list(r.records()) == as_records(kept + after)
+        assert r.verify() == info
+    assert info.records == len(kept) + len(after)
+    assert not list(tmp_path.glob(".*tmp-*"))  # the body file went with the finish

@@ -112,8 +112,9 @@ def backup_cmd(
     )
     stdout.print(table)
     for rb in summary.rollbacks:
+        when = " during the run" if rb["during_run"] else ""
         stdout.print(
-            f"partition {rb['partition']}: rolled back from {rb['from']} to {rb['to']} "
+            f"partition {rb['partition']}: rolled back{when} from {rb['from']} to {rb['to']} "
             f"(seed rule {rb['seed_rule_seq']}, producer {rb['producer_seq']})"
         )
 

@@ -488,8 +488,9 @@ class DcpConsumer:
                                 raise ConsumerError(f"{addr[0]}:{addr[1]} is not active yet")
                             self.highs[p] = min(before, self.highs.get(p, 0))
                             part.end = min(part.end, self.highs[p])
-                            if part.seq >= part.end:
-                                part.done = True
+                            # Opened even when nothing is left to send: only the new
+                            # active's producer rule says whether what was streamed is
+                            # still its history (a hard failover: ROLLBACK, §4.2).
                         log.info("partition %d: streaming from %s:%d", p, *addr)
                         self._moving.discard(p)
                         await self._open_streams([part])

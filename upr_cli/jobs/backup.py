@@ -268,6 +268,18 @@ async def backup(
                         if rb.seed_rule_seq is None
                         else str(rb.seed_rule_seq),
                         "producer_seq": str(rb.producer_seq),
+                        "during_run": r.rollback is not None,
+                    }
+                )
+            if r.cut_back is not None:  # a failover mid-run: this run's records above `to` went
+                rollbacks.append(
+                    {
+                        "partition": p,
+                        "from": str(r.cut_back[0]),
+                        "to": str(r.cut_back[1]),
+                        "seed_rule_seq": None,
+                        "producer_seq": str(r.cut_back[1]),
+                        "during_run": True,
                     }
                 )
             if r.segment is not None:

@@ -12,10 +12,13 @@ body files), plus one shared zstd context. Segments become durable together
 
 A ROLLBACK met when a stream opens is recorded and the partition continues from the
 rollback seq on the new branch (never mixing branches: the segment's failover log is the
-one the accepted stream returned).
-A rollback in the middle of a run (after a reconnect) cannot be reconciled with records
-already written for this run, so the run fails; its finished segments stay reusable and
-the next run resumes. Positions the caller passes in say where each partition's
+one the accepted stream returned). A ROLLBACK met later in the run (the partition's
+active failed over and the consumer reopened it on the promoted replica) cuts the open
+segment back to the rollback seq and the partition goes on from there on the new branch;
+when the seq is below where this run began, the partition starts again from it like a
+first open. Either way the run completes with each partition as its current active holds
+it, and the rollback is reported (`cut_back`, or the manifest's rollback record).
+Positions the caller passes in say where each partition's
 previous backup ended.
 """
 
@@ -61,6 +64,7 @@ class PartitionResult:
     segment: SegmentInfo | None  # None when the partition had nothing new
     rollback: tuple[int, int] | None = None  # (from, to) when the source rolled us back
     items: int = 0
+    cut_back: tuple[int, int] | None = None  # (from, to): a rollback above start_seq mid-run
 
     @property
     def position(self) -> StreamPosition:
@@ -90,6 +94,7 @@ class _Open:
     snapshots: list[tuple[int, int]] = field(default_factory=list)
     rollback: tuple[int, int] | None = None
     items: int = 0
+    cut_back: tuple[int, int] | None = None  # (from, to) of a rollback above `start`
 
 
 async def stream_to_segments(
@@ -176,6 +181,30 @@ async def stream_to_segments(
         if work:
             await submit(lambda: add_all(work))
 
+    async def rollback_open(rb: Rollback) -> None:
+        """dcp-wire §4.4: keep nothing above the rollback seq r; the stream goes on from r.
+
+        At the first open the partition simply starts at r. Later in the run (its active
+        failed over, the new one's history branches below what was streamed) the open
+        segment is cut back to r on the worker (queued after every row already sent
+        there); when r is below where this run began, the run's records are all on the
+        abandoned branch and the partition starts again at r like a first open.
+        """
+        p, r = rb.partition, rb.to_seq
+        st = opened.get(p)
+        last[p] = r
+        if st is None:
+            rolled[p] = (rb.previous.seq, r)
+        elif r >= st.start:
+            st.snapshots = [(a, min(b, r)) for a, b in st.snapshots if a <= r]
+            was = st.cut_back or (rb.previous.seq, r)  # a second cut: the widest range
+            st.cut_back = (max(was[0], rb.previous.seq), min(was[1], r))
+            await submit(functools.partial(_cut, st, r, held))
+        else:
+            origin = st.rollback[0] if st.rollback is not None else st.start
+            opened[p] = _Open(p, None, st.log, r, rollback=(origin, r))
+            await submit(functools.partial(_drop, st, held))
+
     # Rows wait on the worker queue (up to MAX_INFLIGHT batches); they form no cycles, but
     # every gen-0 collection would walk them: measured 4x slower decoding. Collect rarely.
     gc_threshold = gc.get_threshold()
@@ -194,16 +223,9 @@ async def stream_to_segments(
                     stats.items += 1
                     stats.bytes_in += 55 + len(item[9]) + len(item[10])  # type: ignore[arg-type]
                 elif isinstance(item, Rollback):
-                    st0 = opened.get(item.partition)
-                    if st0 is not None and st0.items:
-                        raise BackupInterrupted(
-                            f"partition {item.partition}: the source rolled back to seq "
-                            f"{item.to_seq} during the backup; run it again to resume"
-                        )
                     stats.rollbacks += 1
-                    opened.pop(item.partition, None)
-                    last.pop(item.partition, None)
-                    rolled[item.partition] = (item.previous.seq, item.to_seq)
+                    await flush_rows()  # rows above the cut go with it, on the worker
+                    await rollback_open(item)
                 elif isinstance(item, StreamOpened):
                     p = item.partition
                     log_ = FailoverLog.sanitised(item.failover_log)
@@ -230,6 +252,11 @@ async def stream_to_segments(
                 on_progress(stats)
         while inflight:
             await inflight.popleft()
+        unfinished = sorted(set(consumer.parts) - set(finishing))
+        if unfinished:  # never commit a backup missing a partition it was asked for
+            raise BackupInterrupted(
+                f"partitions {unfinished[:8]}: the streams stopped without ending; run it again"
+            )
         results = {p: fut.result() for p, fut in finishing.items()}
         # durable together, once, before the caller commits (STYLE 9)
         paths = [Path(r.segment.path) for r in results.values() if r.segment is not None]
@@ -249,6 +276,21 @@ async def stream_to_segments(
         pool.shutdown(wait=True)
 
 
+def _cut(st: _Open, r: int, held: list[int]) -> None:
+    """On the worker: drop the partition's records above the rollback seq r."""
+    if st.writer is not None:
+        before = st.writer.buffered
+        st.writer.truncate(r)
+        held[0] += st.writer.buffered - before
+
+
+def _drop(st: _Open, held: list[int]) -> None:
+    """On the worker: abandon the partition's open segment (all of it is above r)."""
+    if st.writer is not None:
+        held[0] -= st.writer.buffered
+        st.writer.abort()
+
+
 def _finish(
     st: _Open,
     ended: StreamEnded,
@@ -264,7 +306,8 @@ def _finish(
         w = st.writer
         held[0] -= w.buffered
         info = w.finish(end_seq=max(end, w.last_seq), snapshots=tuple(st.snapshots), sync=False,
-                        path=directory / name(st.partition, w.first_seq, w.last_seq))  # fmt: skip
+                        path=directory / name(st.partition, w.first_seq, w.last_seq),
+                        failover_log=st.log)  # fmt: skip
         end = info.end_seq
     return PartitionResult(ended.partition, st.log, st.start, end, (pos.snap_start, pos.snap_end),
-                           info, st.rollback, st.items)  # fmt: skip
+                           info, st.rollback, info.records if info else 0, st.cut_back)  # fmt: skip

@@ -14,7 +14,9 @@ holder dies, whatever way it dies, so
   (we cannot check its pid: refuse and say which host). A dead holder's lock is stale
   and taken over in place, keeping the same file, after a warning;
 * a lock file that is empty or unreadable is a holder still writing it when it is
-  younger than `FRESH_SECONDS`, and stale otherwise.
+  younger than `FRESH_SECONDS`, and stale otherwise. `acquire` waits for such a file
+  (it is written within moments, or its writer died between creating and writing it
+  and it goes stale), so a run started right after a killed one takes the lock.
 
 After the flock, the holder checks that the path still names the file it locked (a
 releasing holder unlinks the file before closing it), and retries otherwise, so two
@@ -138,7 +140,10 @@ class RepositoryLock:
                 self.repo.ops.mkdir(self.path.parent)
                 self.repo.ops.fsync_dir(self.path.parent.parent)
         busy = False
-        for _ in range(_ATTEMPTS):
+        attempts = 0
+        deadline = time.monotonic() + FRESH_SECONDS + 1.0
+        while attempts < _ATTEMPTS:
+            attempts += 1
             fd, created = self._open()
             if fd is None:
                 continue
@@ -153,7 +158,9 @@ class RepositoryLock:
                     os.close(fd)
                     busy = True
                     time.sleep(0.05)
-                    continue  # a holder still writing its lock file
+                    if time.monotonic() < deadline:
+                        attempts -= 1  # wait until it is written, or old enough to be stale
+                    continue  # a holder still writing its lock file (or one that died so)
                 me = LockHolder(os.getpid(), socket.gethostname(), datetime.now(UTC))
                 data = (json.dumps(me.to_json()) + "\n").encode()
                 os.ftruncate(fd, 0)

@@ -3,11 +3,12 @@
 from upr_cli.segments.format import (
     RECORD_FIELDS,
     BlockInfo,
+    Record,
     SegmentError,
     SegmentHeader,
     SegmentInfo,
 )
-from upr_cli.segments.reader import Record, SegmentReader
+from upr_cli.segments.reader import SegmentReader
 from upr_cli.segments.writer import FileOps, SegmentWriter, temp_name
 
 __all__ = [

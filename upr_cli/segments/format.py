@@ -29,6 +29,8 @@ RECORD_FIELDS = ("op", "seq", "rev_seq", "cas", "flags", "expiry", "delete_time"
 _TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")  # ASCII
 U64 = (1 << 64) - 1
 
+Record = tuple[int, int, int, int, int, int, int, int, bytes, bytes]
+
 
 class SegmentError(UprError):
     """A segment file is missing, unreadable, corrupt or truncated."""
@@ -130,3 +132,26 @@ class SegmentInfo:
     raw_bytes: int
     bytes: int
     checksum: str  # BLAKE2b-128 of the whole file, hex
+
+
+def parse_block(raw: bytes, count: int) -> list[Record]:
+    """The records of one decompressed block (formats/segment.md, Blocks: `count` heads,
+    then the keys, then the values). Raises ValueError saying what does not fit."""
+    n = len(raw)
+    k = 48 * count
+    if k > n:
+        raise ValueError(f"{count} record heads do not fit in {n} bytes")
+    heads = list(RECORD_HEAD.iter_unpack(raw[:k]))
+    v = k + sum(h[2] for h in heads)
+    if v + sum(h[3] for h in heads) != n:
+        raise ValueError("keys and values do not fill the block exactly")
+    out: list[Record] = []
+    prev = 0
+    for op, dt, klen, vlen, seq, rev, cas, flags, exp, dtime, _r in heads:
+        if op not in OPS or seq <= prev:
+            raise ValueError(f"bad record head (seq {seq}, op 0x{op:02x})")
+        out.append((op, seq, rev, cas, flags, exp, dtime, dt, raw[k : k + klen], raw[v : v + vlen]))
+        k += klen
+        v += vlen
+        prev = seq
+    return out

@@ -24,18 +24,16 @@ from upr_cli.segments.format import (
     FOOTER_FIXED,
     MAGIC,
     MAX_HEADER,
-    OPS,
     PREAMBLE,
-    RECORD_HEAD,
     TRAILER,
     VERSION,
     BlockInfo,
+    Record,
     SegmentError,
     SegmentHeader,
     SegmentInfo,
+    parse_block,
 )
-
-Record = tuple[int, int, int, int, int, int, int, int, bytes, bytes]
 
 
 class SegmentReader:
@@ -135,25 +133,10 @@ class SegmentReader:
             raise SegmentError(p, f"block does not decompress: {exc}", i) from None
         if len(raw) != b.raw_len:
             raise SegmentError(p, f"block holds {len(raw)} bytes, expected {b.raw_len}", i)
-        out: list[Record] = []
-        count, n = b.record_count, len(raw)
-        k = 48 * count  # heads, then keys, then values (formats/segment.md, Blocks)
-        if k > n:
-            raise SegmentError(p, f"{count} record heads do not fit in {n} bytes", i)
-        heads = list(RECORD_HEAD.iter_unpack(raw[:k]))
-        v = k + sum(h[2] for h in heads)
-        if v + sum(h[3] for h in heads) != n:
-            raise SegmentError(p, "keys and values do not fill the block exactly", i)
-        prev = 0
-        for op, dt, klen, vlen, seq, rev, cas, flags, exp, dtime, _r in heads:
-            if op not in OPS or seq <= prev:
-                raise SegmentError(p, f"bad record head (seq {seq}, op 0x{op:02x})", i)
-            out.append(
-                (op, seq, rev, cas, flags, exp, dtime, dt, raw[k : k + klen], raw[v : v + vlen])
-            )
-            k += klen
-            v += vlen
-            prev = seq
+        try:
+            out = parse_block(raw, b.record_count)
+        except ValueError as exc:
+            raise SegmentError(p, str(exc), i) from None
         if len(out) != b.record_count or out[0][1] != b.first_seq or out[-1][1] != b.last_seq:
             raise SegmentError(p, "records do not match the block index", i)
         return out

@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import zlib
+from bisect import bisect_right
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -27,6 +28,7 @@ from typing import IO, Any
 import zstandard
 
 from upr_cli.errors import LocalProtocolError
+from upr_cli.failover import FailoverLog
 from upr_cli.segments.format import (
     BLOCK_ENTRY,
     CRC,
@@ -39,8 +41,10 @@ from upr_cli.segments.format import (
     TRAILER,
     VERSION,
     BlockInfo,
+    Record,
     SegmentHeader,
     SegmentInfo,
+    parse_block,
 )
 
 
@@ -226,6 +230,65 @@ class SegmentWriter:
             self.abort()
             raise
 
+    def truncate(self, seq: int) -> int:
+        """Drop every record above `seq`; returns how many went.
+
+        For a source that rolled back in the middle of a stream (dcp-wire §4.4): the
+        records above the rollback seq belong to an abandoned branch. Whole blocks above
+        it are cut off (from memory or the body file); the one block it falls inside is
+        decompressed and its records up to `seq` are buffered again, so memory stays
+        bounded by one block.
+        """
+        if self._done:
+            raise LocalProtocolError("segment already finished")
+        try:
+            self._flush_block()
+            keep = bisect_right([b.last_seq for b in self._blocks], seq)
+            if keep == len(self._blocks):
+                return 0
+            cut = self._blocks[keep]
+            kept: list[Record] = []
+            if cut.first_seq <= seq:
+                frame = self._frame(cut)
+                raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=cut.raw_len)
+                kept = [r for r in parse_block(raw, cut.record_count) if r[1] <= seq]
+            gone = self._blocks[keep:]
+            if cut.offset >= self._spilled:  # every block from the cut on is in memory
+                self._frames = self._frames[: len(self._frames) - len(gone)]
+            else:
+                assert self._body is not None
+                self._body.truncate(cut.offset)
+                self._body.seek(cut.offset)
+                self._spilled, self._frames = cut.offset, []
+            self._frames_len = sum(len(f) for f in self._frames)
+            self._blocks = self._blocks[:keep]
+            self._records -= sum(b.record_count for b in gone)
+            self._raw_total -= sum(b.raw_len for b in gone)
+            self._last_seq = self._blocks[-1].last_seq if self._blocks else self.header.start_seq
+            if not self._blocks:
+                self._first_seq = 0
+        except BaseException:
+            self.abort()
+            raise
+        self.add((op, 0, sq, rev, cas, flags, exp, dtime, dt, key, value, 0)
+                 for op, sq, rev, cas, flags, exp, dtime, dt, key, value in kept)  # fmt: skip
+        return sum(b.record_count for b in gone) - len(kept)
+
+    def _frame(self, b: BlockInfo) -> bytes:
+        """One compressed block, from memory or the body file."""
+        if b.offset >= self._spilled:
+            at = self._spilled
+            for frame in self._frames:
+                if at == b.offset:
+                    return frame
+                at += len(frame)
+            raise LocalProtocolError(f"no block at offset {b.offset}")
+        assert self._body is not None
+        self._body.seek(b.offset)
+        frame = self._body.read(b.compressed_len)
+        self._body.seek(0, os.SEEK_END)
+        return frame
+
     @property
     def first_seq(self) -> int:
         """The seq of the first record added (0 if none)."""
@@ -243,12 +306,14 @@ class SegmentWriter:
         snapshots: tuple[tuple[int, int], ...] | None = None,
         sync: bool = True,
         path: Path | None = None,
+        failover_log: FailoverLog | None = None,
     ) -> SegmentInfo:
         """Assemble header, body, footer and trailer under the temp name and rename it.
 
-        With `sync` (the default) the file and its directory are fsynced; a caller that
-        writes many segments may pass False and make them durable together before its
-        commit point (`sync_files`).
+        `failover_log` replaces the header's when the stream returned a newer one (a
+        reopened stream: the same history, newer entries). With `sync` (the default) the
+        file and its directory are fsynced; a caller that writes many segments may pass
+        False and make them durable together before its commit point (`sync_files`).
         """
         if self._done:
             raise LocalProtocolError("segment already finished")
@@ -258,6 +323,8 @@ class SegmentWriter:
         if end_seq is not None or snapshots is not None:
             h = replace(h, end_seq=h.end_seq if end_seq is None else end_seq,
                         snapshots=h.snapshots if snapshots is None else snapshots)  # fmt: skip
+        if failover_log is not None:
+            h = replace(h, failover_log=failover_log)
         try:
             self._flush_block()
             if self._last_seq > h.end_seq:
