@@ -16,6 +16,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 from tests.e2e.cluster_helpers import Cluster
 from tests.e2e.conftest import upr
@@ -54,6 +55,19 @@ def _restored_equals_cluster(cl: Cluster, repo: Path, tmp: Path, parts: list[int
     assert final and got == final
 
 
+def _cut_records_are_lost_writes(cl: Cluster, repo: Path, rollbacks: list[dict[str, Any]]) -> None:
+    """What the run took back is kept (cut-back segments) and salvage offers it."""
+    cut = {rb["partition"]: rb for rb in rollbacks if rb["cut_records"]}
+    assert cut, rollbacks
+    out = upr("salvage", "--repo", str(repo), "--to", cl.uri("n1"), "--json", check=False)
+    assert out.returncode in (0, 1), out.stderr
+    mine = [it for it in json.loads(out.stdout)["items"] if "cut back mid-run" in it["origin"]]
+    assert {it["partition"] for it in mine} == set(cut)
+    assert all(int(it["cut"]) == int(cut[it["partition"]]["to"]) < int(it["lost"]["seq"])
+               for it in mine)  # fmt: skip
+    assert any(it["key"].startswith("ahead-") for it in mine)  # never on n1
+
+
 def _prepare(tmp: Path) -> tuple[Cluster, list[int]]:
     cl = Cluster(tmp / "cl", nodes=2, replicas=1, partitions=4)
     upr("load", cl.uri("n1"), "--docs", "400", "--seed", "1")
@@ -78,6 +92,7 @@ def test_a_backup_through_a_hard_failover_cuts_its_segments_back(tmp_path: Path)
         man = json.loads(next(repo.glob("*/*/manifest.json")).read_text())
         assert all(e["rollback"] is None for e in man["partitions"])  # nothing before it
         _restored_equals_cluster(cl, repo, tmp_path, parts)
+        _cut_records_are_lost_writes(cl, repo, during)
     finally:
         cl.stop()
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from upr_cli.failover import FailoverLog
 from upr_cli.repo import (
     BackupId,
+    CutBack,
     Manifest,
     PartitionEntry,
     RepositoryError,
@@ -99,6 +100,12 @@ def partition_entries(draw: st.DrawFn, p: int, full: bool) -> PartitionEntry:
             draw(st.one_of(st.none(), st.integers(start, start + 50))),
             start + draw(st.integers(0, 50)),
         )
+    cuts = []
+    for _ in range(draw(st.integers(0, 2))):  # records mid-run rollbacks took back
+        to = draw(st.integers(0, end))
+        a = to + draw(st.integers(1, 50))
+        b = a + draw(st.integers(0, 50))
+        cuts.append(CutBack(b + draw(st.integers(0, 9)), to, (seg(p, a, b),)))
     return PartitionEntry(
         p,
         draw(st.sampled_from([e.uuid for e in log])),
@@ -109,6 +116,7 @@ def partition_entries(draw: st.DrawFn, p: int, full: bool) -> PartitionEntry:
         end + draw(st.integers(0, 100)),
         segments,
         rollback,
+        tuple(cuts),
     )
 
 
@@ -161,6 +169,23 @@ def test_example_fields_and_decimal_strings() -> None:
 
 
 # -- rejections ----------------------------------------------------------------------
+
+
+CUT = {"from": "200", "to": "120", "segments": [seg(0, 151, 200).to_json()]}
+
+
+def test_cut_back_round_trip_and_totals() -> None:
+    """A cut-back record rides in the partition entry: its bytes count as written, the
+    partition as rolled back, its records in no state."""
+    cut = CutBack(200, 120, (seg(0, 151, 200),))
+    m = manifest(parts=(part(0, cut_backs=(cut,)), part(1, 100, 100)))
+    obj = m.to_json()
+    assert obj["partitions"][0]["cut_back"] == [CUT] and "cut_back" not in obj["partitions"][1]
+    assert Manifest.from_json(obj) == m
+    assert m.partitions[0].cut_files() == [(f"cut-1/{seg(0, 151, 200).file}", cut.segments[0])]
+    assert m.totals.items == sum(e.records for e in m.partitions)  # not the cut ones
+    assert m.totals.bytes_written == sum(e.bytes for e in m.partitions) + 4096
+    assert m.totals.rollbacks == 1
 
 
 def base() -> dict[str, Any]:
@@ -286,6 +311,13 @@ BAD: list[tuple[str, Any, str]] = [
     ("rollback above seed", setter(rollback, "seed_rule_seq", "79"), "seed rule"),
     ("rollback key", deleter(rollback, "producer_seq"), "missing key"),
     ("rollback type", setter(P0, "rollback", []), "expected a JSON object"),
+    # cut-back records (§5.6)
+    ("cut_back type", setter(P0, "cut_back", {}), "cut_back is not an array"),
+    ("cut_back not below", setter(P0, "cut_back", [CUT | {"to": "200"}]), "not below"),
+    ("cut_back key", setter(P0, "cut_back", [CUT | {"k": "1"}]), "unknown key"),
+    ("cut_back segment outside", setter(P0, "cut_back", [CUT | {"from": "190"}]), "outside"),
+    ("cut_back other partition", setter(P0, "cut_back", [
+        CUT | {"segments": [seg(1, 151, 200).to_json()]}]), "another partition"),
 ]  # fmt: skip
 
 

@@ -13,9 +13,11 @@ from upr_cli.repo import (
     RepositoryError,
     SegmentName,
     check_bucket,
+    format_cut_path,
     format_segment_name,
     format_time,
     is_temp_name,
+    parse_cut_path,
     parse_segment_name,
     parse_temp_name,
     parse_time,
@@ -134,6 +136,32 @@ def test_segment_name_example() -> None:
 def test_segment_name_rejects(text: str) -> None:
     with pytest.raises(RepositoryError):
         parse_segment_name(text)
+
+
+@given(st.integers(1, 9999), segment_names)
+def test_cut_path_round_trip(k: int, n: SegmentName) -> None:
+    text = format_cut_path(k, n.format())
+    assert text == f"cut-{k}/{n.format()}" and parse_cut_path(text) == (k, n)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "cut-0/p03ff-s0000000000000001-e00000000000004d2.seg",  # K starts at 1
+        "cut-01/p03ff-s0000000000000001-e00000000000004d2.seg",  # no leading zero
+        "cut-10000/p03ff-s0000000000000001-e00000000000004d2.seg",
+        "cut-1/../p03ff-s0000000000000001-e00000000000004d2.seg",
+        "cut-1/p03FF-s0000000000000001-e00000000000004d2.seg",
+        "cut-1/x.seg",
+        "cut-1",
+        "p03ff-s0000000000000001-e00000000000004d2.seg",
+    ],
+)
+def test_cut_path_rejects(text: str) -> None:
+    with pytest.raises(RepositoryError):
+        parse_cut_path(text)
+    with pytest.raises(RepositoryError):
+        format_cut_path(0, "p03ff-s0000000000000001-e00000000000004d2.seg")
 
 
 def test_segment_name_bounds() -> None:

@@ -17,7 +17,7 @@ SPEC = (Path(__file__).resolve().parents[2] / "formats" / "repository.md").read_
 
 
 def example() -> bytes:
-    block = re.search(r"### 5\.7 Example\s+```json\n(.*?)```", SPEC, re.S)
+    block = re.search(r"### 5\.8 Example\s+```json\n(.*?)```", SPEC, re.S)
     assert block, "formats/repository.md lost its example manifest"
     return block.group(1).encode()
 

@@ -288,9 +288,21 @@ def test_truncate_keeps_exactly_the_records_up_to_the_seq(
     w.add(rows[spill_at:])
     if spill_after % 3 == 0:
         w.spill()
-    dropped = w.truncate(cut)
+    moved = None
+    if spill_after % 2:
+        (tmp_path / "cut.seg").unlink(missing_ok=True)
+        moved = SegmentWriter(tmp_path / "cut.seg", header(start=cut, end=cut + 5000, block=block))
+    dropped = w.truncate(cut, into=moved)
     kept = [r for r in rows if r[2] <= cut]
     assert dropped == len(rows) - len(kept)
+    if moved is not None:  # the records cut off, kept elsewhere: exactly those above cut
+        if moved.last_seq > cut:
+            moved.finish()
+            with SegmentReader(tmp_path / "cut.seg") as r:
+                assert list(r.records()) == as_records([x for x in rows if x[2] > cut])
+        else:
+            assert dropped == 0
+            moved.abort()
     assert w.last_seq == (kept[-1][2] if kept else 0)
     after = rows_for(sorted(cut + m for m in more))
     w.add(after)

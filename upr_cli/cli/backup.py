@@ -23,8 +23,11 @@ The first run (or --full) streams every partition from 0; later runs stream each
 partition from where the newest committed backup ended, up to the high seqnos read at
 the start. When the source failed over or restarted uncleanly, the rollback is recorded
 and the backup continues from the rollback point; the lost writes stay in the older
-backup, readable. A backup exists once its manifest.json is written; an interrupted run
-leaves nothing visible. The repository is created on first use (formats/repository.md).
+backup, readable. A failover while the run streams (a cluster) is followed the same way:
+what the rollback took back moves to cut-back segments, kept as lost writes, and the run
+completes with each partition as its new active holds it. A backup exists once its
+manifest.json is written; an interrupted run leaves nothing visible. The repository is
+created on first use (formats/repository.md).
 
 Example:
 
@@ -113,9 +116,11 @@ def backup_cmd(
     stdout.print(table)
     for rb in summary.rollbacks:
         when = " during the run" if rb["during_run"] else ""
+        kept = (f"; {rb['cut_records']:,} records it took back kept as lost writes"
+                if rb["cut_records"] else "")  # fmt: skip
         stdout.print(
             f"partition {rb['partition']}: rolled back{when} from {rb['from']} to {rb['to']} "
-            f"(seed rule {rb['seed_rule_seq']}, producer {rb['producer_seq']})"
+            f"(seed rule {rb['seed_rule_seq']}, producer {rb['producer_seq']}){kept}"
         )
 
 

@@ -24,8 +24,9 @@ HELP = """Find the lost writes of a failover and write back those still safe to.
 
 A lost write is the newest version of a key above a rollback cut: a former master
 acknowledged it, the current history does not have it. --repo finds them in a backup
-repository (records above the cuts its chain recorded, and above the rollback point its
-newest backup would get from the master now); --store finds them in a replay store
+repository (records above the cuts its chain recorded, its cut-back segments: records a
+failover in the middle of a backup took back, and above the rollback point its newest
+backup would get from the master now); --store finds them in a replay store
 (the versions its rollbacks took back, and its documents above the rollback point);
 --node-data finds them in a replica node's data directory (the versions its
 replication rollbacks took back, kept in its lost_writes table; seed 000 "Replica C

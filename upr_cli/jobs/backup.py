@@ -17,9 +17,10 @@ backups above a rollback point stay in place: they are the lost writes.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from upr_cli.protocol.header import Opcode
 from upr_cli.protocol.messages import FailoverLogResponse, GetFailoverLog
 from upr_cli.repo import (
     BackupId,
+    CutBack,
     Manifest,
     PartitionEntry,
     Repository,
@@ -43,10 +45,11 @@ from upr_cli.repo import (
     SegmentEntry,
     Totals,
     format_segment_name,
+    parse_cut_path,
     parse_segment_name,
     resume_point,
 )
-from upr_cli.segments import SegmentError, SegmentReader
+from upr_cli.segments import SegmentError, SegmentInfo, SegmentReader
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +237,9 @@ async def backup(
         positions = {p: d.position for p, d in decisions.items()}
         logs = {p: d.log for p, d in decisions.items()}
         reused = _reusable(directory, wanted, positions)
+        leftover = _leftover_cuts(directory)
+        for p, res in reused.items():
+            res.cuts = leftover.pop(p, [])
         to_stream = [p for p in wanted if p not in reused]
         results = dict(reused)
         if to_stream:
@@ -249,8 +255,12 @@ async def backup(
                     on_progress=on_progress,
                     end_seqs=None if streamer is None else {p: seqs.get(p, (0, 0))[0]
                                                             for p in to_stream},
+                    cuts=leftover,
                 )
             )  # fmt: skip
+        for p, cut_list in leftover.items():  # a Spark streamer's tasks start clean
+            if p in results and not results[p].cuts:
+                results[p].cuts = cut_list
         entries, rollbacks, bytes_read = [], [], 0
         for p, r in sorted(results.items()):
             decision = decisions.get(p)
@@ -269,6 +279,7 @@ async def backup(
                         else str(rb.seed_rule_seq),
                         "producer_seq": str(rb.producer_seq),
                         "during_run": r.rollback is not None,
+                        "cut_records": sum(seg.records for _f, _t, seg in r.cuts),
                     }
                 )
             if r.cut_back is not None:  # a failover mid-run: this run's records above `to` went
@@ -280,6 +291,7 @@ async def backup(
                         "seed_rule_seq": None,
                         "producer_seq": str(r.cut_back[1]),
                         "during_run": True,
+                        "cut_records": sum(seg.records for _f, _t, seg in r.cuts),
                     }
                 )
             if r.segment is not None:
@@ -343,30 +355,51 @@ def _reusable(
     return out
 
 
+def _leftover_cuts(directory: Path) -> dict[int, list[tuple[int, int, SegmentInfo]]]:
+    """Cut-back segments an interrupted run wrote (formats/repository.md §5.6): lost
+    writes still, so this run lists them again, per partition in their old order and
+    numbered again 1..n (a file that does not verify stays where it is, unlisted)."""
+    found: dict[int, list[tuple[int, str, Path]]] = {}
+    for path in directory.glob("cut-*/p*.seg"):
+        try:
+            k, name = parse_cut_path(f"{path.parent.name}/{path.name}")
+        except RepositoryError:
+            continue
+        found.setdefault(name.partition, []).append((k, path.name, path))
+    out: dict[int, list[tuple[int, int, SegmentInfo]]] = {}
+    for p, paths in sorted(found.items()):
+        cuts = out.setdefault(p, [])
+        for _k, _name, path in sorted(paths):
+            try:
+                with SegmentReader(path) as reader:
+                    info, to = reader.verify(), reader.header.start_seq
+            except SegmentError as exc:
+                log.warning("%s: not listed: %s", path, exc.reason)
+                continue
+            want = directory / f"cut-{len(cuts) + 1}" / path.name
+            if want != path:
+                want.parent.mkdir(exist_ok=True)
+                os.replace(path, want)
+                info = replace(info, path=str(want))
+            cuts.append((info.last_seq, to, info))
+    return out
+
+
+def _segment_entry(seg: SegmentInfo) -> SegmentEntry:
+    return SegmentEntry(Path(seg.path).name, seg.first_seq, seg.last_seq, seg.records,
+                        seg.bytes, seg.checksum)  # fmt: skip
+
+
 def _entry(r: PartitionResult, rb: RollbackRecord | None) -> PartitionEntry:
-    seg = r.segment
-    segments = (
-        ()
-        if seg is None
-        else (
-            SegmentEntry(
-                Path(seg.path).name,
-                seg.first_seq,
-                seg.last_seq,
-                seg.records,
-                seg.bytes,
-                seg.checksum,
-            ),
-        )
-    )
+    segments = () if r.segment is None else (_segment_entry(r.segment),)
     uuid = r.failover_log.latest.uuid if r.failover_log.entries else 0
     snap_start, snap_end = r.snapshot
     end = r.end_seq
     if not snap_start <= end <= snap_end:  # no marker this run: the range end is complete
         snap_start = snap_end = end
-    return PartitionEntry(
-        r.partition, uuid, r.failover_log, r.start_seq, end, snap_start, snap_end, segments, rb
-    )
+    cuts = tuple(CutBack(f, t, (_segment_entry(seg),)) for f, t, seg in r.cuts)
+    return PartitionEntry(r.partition, uuid, r.failover_log, r.start_seq, end, snap_start,
+                          snap_end, segments, rb, cuts)  # fmt: skip
 
 
 __all__ = ["BackupId", "BackupSummary", "backup", "decide_start"]

@@ -14,10 +14,12 @@ A ROLLBACK met when a stream opens is recorded and the partition continues from 
 rollback seq on the new branch (never mixing branches: the segment's failover log is the
 one the accepted stream returned). A ROLLBACK met later in the run (the partition's
 active failed over and the consumer reopened it on the promoted replica) cuts the open
-segment back to the rollback seq and the partition goes on from there on the new branch;
-when the seq is below where this run began, the partition starts again from it like a
-first open. Either way the run completes with each partition as its current active holds
-it, and the rollback is reported (`cut_back`, or the manifest's rollback record).
+segment back to the rollback seq, moving what it took back into a cut-back segment (kept
+as lost writes, formats/repository.md §5.6), and the partition goes on from there on the
+new branch; when the seq is below where this run began, the partition starts again from
+it like a first open. Either way the run completes with each partition as its current
+active holds it, and the rollback is reported (`cut_back` and `cuts`, or the manifest's
+rollback record).
 Positions the caller passes in say where each partition's
 previous backup ended.
 """
@@ -65,6 +67,7 @@ class PartitionResult:
     rollback: tuple[int, int] | None = None  # (from, to) when the source rolled us back
     items: int = 0
     cut_back: tuple[int, int] | None = None  # (from, to): a rollback above start_seq mid-run
+    cuts: list[tuple[int, int, SegmentInfo]] = field(default_factory=list)  # see _Open.cuts
 
     @property
     def position(self) -> StreamPosition:
@@ -95,6 +98,8 @@ class _Open:
     rollback: tuple[int, int] | None = None
     items: int = 0
     cut_back: tuple[int, int] | None = None  # (from, to) of a rollback above `start`
+    # records mid-run rollbacks took back, kept as lost writes: (from, to, cut-K segment)
+    cuts: list[tuple[int, int, SegmentInfo]] = field(default_factory=list)
 
 
 async def stream_to_segments(
@@ -111,11 +116,14 @@ async def stream_to_segments(
     memory_budget: int = 64 * 1024 * 1024,
     on_progress: Callable[[StreamStats], None] | None = None,
     end_seqs: dict[int, int] | None = None,
+    cuts: dict[int, list[tuple[int, int, SegmentInfo]]] | None = None,
 ) -> dict[int, PartitionResult]:
     """Stream each partition from its position to the pinned high seqno into a segment.
 
     `end_seqs` pins the ends instead (a distributed backup pins them once, on the driver,
     so every task stops at the seqs a local run would).
+
+    `cuts` are cut-back segments an interrupted run left (each partition's list goes on).
 
     `segment_name(partition, first_seq, last_seq)` names each file inside `directory` once
     its records are known (formats/repository.md names segments by their first and last
@@ -143,6 +151,11 @@ async def stream_to_segments(
         header = SegmentHeader(bucket, p, st.log, st.start, max(st.start, consumer.highs.get(p, 0)),
                                (), created, source, block_size)  # fmt: skip
         return SegmentWriter(directory / f"p{p:04x}.open", header, compressor=zstd)
+
+    def open_cut(p: int, log: FailoverLog, r: int, k: int) -> SegmentWriter:
+        """The K-th cut-back segment of p: what a mid-run rollback to r took back."""
+        header = SegmentHeader(bucket, p, log, r, r, (), created, source, block_size)
+        return SegmentWriter(directory / f"p{p:04x}.cut-{k}", header, compressor=zstd)
 
     held = [0]  # bytes buffered across writers, kept up to date incrementally
 
@@ -187,23 +200,27 @@ async def stream_to_segments(
         At the first open the partition simply starts at r. Later in the run (its active
         failed over, the new one's history branches below what was streamed) the open
         segment is cut back to r on the worker (queued after every row already sent
-        there); when r is below where this run began, the run's records are all on the
-        abandoned branch and the partition starts again at r like a first open.
+        there), the records above r moving to a cut-back segment; when r is below where
+        this run began, all of the run's records move there and the partition starts
+        again at r like a first open.
         """
         p, r = rb.partition, rb.to_seq
         st = opened.get(p)
         last[p] = r
         if st is None:
             rolled[p] = (rb.previous.seq, r)
-        elif r >= st.start:
+            return
+        cut = functools.partial(_cut, st, rb.previous.seq, r, held, open_cut, segment_name)
+        if r >= st.start:
             st.snapshots = [(a, min(b, r)) for a, b in st.snapshots if a <= r]
             was = st.cut_back or (rb.previous.seq, r)  # a second cut: the widest range
             st.cut_back = (max(was[0], rb.previous.seq), min(was[1], r))
-            await submit(functools.partial(_cut, st, r, held))
+            await submit(cut)
         else:
             origin = st.rollback[0] if st.rollback is not None else st.start
-            opened[p] = _Open(p, None, st.log, r, rollback=(origin, r))
-            await submit(functools.partial(_drop, st, held))
+            opened[p] = _Open(p, None, st.log, r, rollback=(origin, r), cuts=st.cuts)
+            await submit(cut)
+            await submit(functools.partial(_abandon, st, held))
 
     # Rows wait on the worker queue (up to MAX_INFLIGHT batches); they form no cycles, but
     # every gen-0 collection would walk them: measured 4x slower decoding. Collect rarely.
@@ -233,7 +250,8 @@ async def stream_to_segments(
                         opened[p].log = log_  # the same history goes on: same segment
                     else:
                         opened[p] = _Open(p, None, log_, item.position.seq,
-                                          rollback=rolled.pop(p, None))  # fmt: skip
+                                          rollback=rolled.pop(p, None),
+                                          cuts=list((cuts or {}).get(p, [])))  # fmt: skip
                 elif isinstance(item, Snapshot):
                     st1 = opened.get(item.partition)
                     if st1 is not None:
@@ -276,19 +294,42 @@ async def stream_to_segments(
         pool.shutdown(wait=True)
 
 
-def _cut(st: _Open, r: int, held: list[int]) -> None:
-    """On the worker: drop the partition's records above the rollback seq r."""
-    if st.writer is not None:
-        before = st.writer.buffered
-        st.writer.truncate(r)
-        held[0] += st.writer.buffered - before
-
-
-def _drop(st: _Open, held: list[int]) -> None:
-    """On the worker: abandon the partition's open segment (all of it is above r)."""
+def _abandon(st: _Open, held: list[int]) -> None:
+    """On the worker: drop a partition's open segment (a rollback below the run's start;
+    `_cut` has already moved its records to a cut-back segment)."""
     if st.writer is not None:
         held[0] -= st.writer.buffered
         st.writer.abort()
+
+
+def _cut(
+    st: _Open,
+    from_seq: int,
+    r: int,
+    held: list[int],
+    open_cut: Callable[[int, FailoverLog, int, int], SegmentWriter],
+    name: Callable[[int, int, int], str],
+) -> None:
+    """On the worker: move the partition's records above the rollback seq r out of its
+    open segment into a cut-back segment (`cut-K/`, formats/repository.md §5.6), where
+    they stay as lost writes: the backup saw them, the history that continued does not
+    have them."""
+    w = st.writer
+    if w is None or w.last_seq <= r:
+        return
+    k = len(st.cuts) + 1
+    into = open_cut(st.partition, w.header.failover_log, r, k)
+    before = w.buffered
+    try:
+        w.truncate(r, into)
+        held[0] += w.buffered - before
+        (w.path.parent / f"cut-{k}").mkdir(exist_ok=True)
+        path = w.path.parent / f"cut-{k}" / name(st.partition, into.first_seq, into.last_seq)
+        info = into.finish(end_seq=into.last_seq, sync=False, path=path)
+    except BaseException:
+        into.abort()
+        raise
+    st.cuts.append((max(from_seq, info.last_seq), r, info))
 
 
 def _finish(
@@ -310,4 +351,5 @@ def _finish(
                         failover_log=st.log)  # fmt: skip
         end = info.end_seq
     return PartitionResult(ended.partition, st.log, st.start, end, (pos.snap_start, pos.snap_end),
-                           info, st.rollback, info.records if info else 0, st.cut_back)  # fmt: skip
+                           info, st.rollback, info.records if info else 0, st.cut_back,
+                           list(st.cuts))  # fmt: skip

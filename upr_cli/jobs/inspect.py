@@ -114,6 +114,9 @@ def verify(path: Path, bucket: str | None = None) -> list[VerifyReport]:
                 for seg in e.segments:
                     rep.segments += 1
                     _check_segment(repo, b, m.backup_id, e.partition, seg, rep)
+                for name, seg in e.cut_files():  # lost writes kept from a mid-run rollback
+                    rep.segments += 1
+                    _check_segment(repo, b, m.backup_id, e.partition, seg, rep, name)
         for p in sorted({e.partition for m in manifests for e in m.partitions}):
             for gap in coverage_gaps(manifests, p):
                 rep.problems.append(
@@ -127,10 +130,17 @@ def verify(path: Path, bucket: str | None = None) -> list[VerifyReport]:
 
 
 def _check_segment(
-    repo: Repository, bucket: str, bid: Any, partition: int, seg: Any, rep: VerifyReport
+    repo: Repository,
+    bucket: str,
+    bid: Any,
+    partition: int,
+    seg: Any,
+    rep: VerifyReport,
+    name: str | None = None,
 ) -> None:
-    path = repo.segment_path(bucket, bid, seg.file)
-    where = f"{bucket}/{bid}/{seg.file}"
+    name = name or seg.file
+    path = repo.segment_path(bucket, bid, name)
+    where = f"{bucket}/{bid}/{name}"
     if not path.exists():
         rep.problems.append(Problem("missing", where, "segment file is missing"))
         return

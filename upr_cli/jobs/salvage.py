@@ -6,7 +6,8 @@ a key, in some partition, above a rollback cut r: a former master acknowledged i
 current history does not have it.
 
 * **Where they come from.** From a repository: the records above each cut the chain
-  recorded (formats/repository.md "Chains", `lost_ranges`), plus the records above the
+  recorded (formats/repository.md "Chains", `lost_ranges`), the records a rollback in
+  the middle of a backup took back (its cut-back segments, §5.6), plus the records above the
   rollback point the chain's head would get from the current master now (producer
   rule, dcp-wire §4.2), which covers a failover no backup has seen yet. From a replay
   store: the versions its rollbacks took back (`lost_writes`, formats/store.md §3.5),
@@ -328,7 +329,7 @@ def _repo_items(
     """Lost writes a repository holds: above recorded cuts, and above the head's rollback
     point against the master (`logs`/`highs`)."""
     from upr_cli.jobs.inspect import open_bucket
-    from upr_cli.repo import lost_ranges, plan_state, resume_point
+    from upr_cli.repo import format_cut_path, lost_ranges, plan_state, resume_point
     from upr_cli.segments import SegmentReader
 
     repo, b, manifests = open_bucket(repo_dir, bucket)
@@ -354,6 +355,15 @@ def _repo_items(
                                     f"backup {rng.backup_id}",
                                 )
                             )
+        for m in manifests:  # records a mid-run rollback took back (repository.md §5.6)
+            entry = m.partition(p)
+            for k, c in enumerate(entry.cut_backs if entry is not None else (), 1):
+                for seg in c.segments:
+                    path = repo.segment_path(b, m.backup_id, format_cut_path(k, seg.file))
+                    with SegmentReader(path) as reader:
+                        items += [LostItem(p, bytes(rec[8]), c.to_seq, _version(rec),
+                                           f"backup {m.backup_id} (cut back mid-run)")
+                                  for rec in reader.records()]  # fmt: skip
         if logs is None or p not in logs:
             continue
         rp = resume_point(manifests, p)

@@ -40,6 +40,7 @@ from upr_cli.repo.names import (
     check_bucket,
     format_time,
     is_temp_name,
+    parse_cut_path,
     parse_time,
     temp_name,
 )
@@ -333,8 +334,10 @@ class Repository:
             raise RepositoryError(
                 f"{path}: parent {manifest.parent} is not the newest committed backup {newest}"
             )
-        for entry in (s for e in manifest.partitions for s in e.segments):
-            seg = d / entry.file
+        files = [(s.file, s) for e in manifest.partitions for s in e.segments]
+        files += [f for e in manifest.partitions for f in e.cut_files()]
+        for name, entry in files:
+            seg = d / name
             try:
                 st = os.lstat(seg)
             except FileNotFoundError:
@@ -377,8 +380,12 @@ class Repository:
         return m
 
     def segment_path(self, bucket: str, backup_id: BackupId, file: str) -> Path:
-        """The path of a segment file named in a manifest."""
-        return self.backup_dir(bucket, backup_id) / SegmentName.parse(file).format()
+        """The path of a segment file named in a manifest (or `cut-K/NAME`, §5.6)."""
+        d = self.backup_dir(bucket, backup_id)
+        if file.startswith("cut-"):
+            k, name = parse_cut_path(file)
+            return d / f"cut-{k}" / name.format()
+        return d / SegmentName.parse(file).format()
 
     # -- sweeping --------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from upr_cli.repo.names import (
     BackupId,
     SegmentName,
     check_bucket,
+    format_cut_path,
     format_time,
     parse_time,
 )
@@ -173,6 +174,68 @@ class RollbackRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class CutBack:
+    """Records a run streamed that a ROLLBACK in mid-run then took back (the partition's
+    active failed over while it streamed; formats/repository.md §5.6): kept as lost writes
+    (§8.3), never part of a state. Its segment files live in `cut-K/`, K its 1-based
+    place in the partition's list."""
+
+    from_seq: int  # where the stream stood when the rollback came
+    to_seq: int  # the rollback seq
+    segments: tuple[SegmentEntry, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segments", tuple(self.segments))
+        _u64(self.from_seq, "cut_back from")
+        _u64(self.to_seq, "cut_back to")
+        if not self.to_seq < self.from_seq:
+            raise _fail(f"cut_back to {self.to_seq} is not below its from {self.from_seq}")
+        _check_segments(self.segments, f"cut_back ({self.to_seq}, {self.from_seq}]",
+                        self.to_seq, self.from_seq)  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON object (formats/repository.md §5.6)."""
+        return {
+            "from": str(self.from_seq),
+            "to": str(self.to_seq),
+            "segments": [s.to_json() for s in self.segments],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "cut_back") -> CutBack:
+        """Parse `to_json` output; anything else raises RepositoryError."""
+        o = _Obj(data, where, ("from", "to", "segments"))
+        segments = tuple(
+            SegmentEntry.from_json(s, f"{where}: segments[{i}]")
+            for i, s in enumerate(o.array("segments"))
+        )
+        return cls(o.u64("from"), o.u64("to"), segments)
+
+
+def _check_segments(
+    segments: tuple[SegmentEntry, ...], w: str, start: int, end: int, partition: int | None = None
+) -> None:
+    """Rules 5 and 6 of §5.3: in `(start, end]`, in seq order, never overlapping."""
+    previous: SegmentEntry | None = None
+    for s in segments:
+        if not isinstance(s, SegmentEntry):
+            raise _fail(f"{w}: segments must be SegmentEntry values")
+        if partition is not None and s.partition != partition:
+            raise _fail(f"{w}: segment {s.file} belongs to partition {s.partition}")
+        if s.first_seq <= start or s.last_seq > end:
+            raise _fail(
+                f"{w}: segment {s.file} holds seqs {s.first_seq}..{s.last_seq} outside "
+                f"({start}, {end}]"
+            )
+        if previous is not None and s.first_seq <= previous.last_seq:
+            raise _fail(
+                f"{w}: segment {s.file} does not start after segment {previous.file} "
+                "(segments are listed in seq order and never overlap)"
+            )
+        previous = s
+
+
+@dataclass(frozen=True, slots=True)
 class PartitionEntry:
     """What one backup holds for one partition: branch, seq range, snapshot, segments."""
 
@@ -185,6 +248,7 @@ class PartitionEntry:
     snap_end: int
     segments: tuple[SegmentEntry, ...] = ()
     rollback: RollbackRecord | None = None
+    cut_backs: tuple[CutBack, ...] = ()
 
     def __post_init__(self) -> None:
         p = self.partition
@@ -208,23 +272,13 @@ class PartitionEntry:
                 f"{w}: last snapshot [{self.snap_start}, {self.snap_end}] must contain "
                 f"end_seq {self.end_seq} (dcp-wire §4.4)"
             )
-        previous: SegmentEntry | None = None
-        for s in self.segments:
-            if not isinstance(s, SegmentEntry):
-                raise _fail(f"{w}: segments must be SegmentEntry values")
-            if s.partition != p:
-                raise _fail(f"{w}: segment {s.file} belongs to partition {s.partition}")
-            if s.first_seq <= self.start_seq or s.last_seq > self.end_seq:
-                raise _fail(
-                    f"{w}: segment {s.file} holds seqs {s.first_seq}..{s.last_seq} outside "
-                    f"({self.start_seq}, {self.end_seq}]"
-                )
-            if previous is not None and s.first_seq <= previous.last_seq:
-                raise _fail(
-                    f"{w}: segment {s.file} does not start after segment {previous.file} "
-                    "(segments are listed in seq order and never overlap)"
-                )
-            previous = s
+        _check_segments(self.segments, w, self.start_seq, self.end_seq, p)
+        object.__setattr__(self, "cut_backs", tuple(self.cut_backs))
+        for c in self.cut_backs:
+            if not isinstance(c, CutBack):
+                raise _fail(f"{w}: cut_back must hold CutBack values")
+            if any(s.partition != p for s in c.segments):
+                raise _fail(f"{w}: a cut_back segment belongs to another partition")
         if self.rollback is not None:
             if not isinstance(self.rollback, RollbackRecord):
                 raise _fail(f"{w}: rollback must be a RollbackRecord or None")
@@ -244,6 +298,16 @@ class PartitionEntry:
         """Bytes of all segment files."""
         return sum(s.bytes for s in self.segments)
 
+    @property
+    def cut_bytes(self) -> int:
+        """Bytes of the segment files of records cut back in mid-run (§5.6)."""
+        return sum(s.bytes for c in self.cut_backs for s in c.segments)
+
+    def cut_files(self) -> list[tuple[str, SegmentEntry]]:
+        """(path relative to the backup directory, entry) of every cut-back segment."""
+        return [(format_cut_path(k, s.file), s) for k, c in enumerate(self.cut_backs, 1)
+                for s in c.segments]  # fmt: skip
+
     def to_json(self) -> dict[str, Any]:
         """JSON object (formats/repository.md "Partition entry")."""
         return {
@@ -255,13 +319,15 @@ class PartitionEntry:
             "last_snapshot": {"start": str(self.snap_start), "end": str(self.snap_end)},
             "segments": [s.to_json() for s in self.segments],
             "rollback": None if self.rollback is None else self.rollback.to_json(),
-        }
+        } | ({"cut_back": [c.to_json() for c in self.cut_backs]} if self.cut_backs else {})
 
     @classmethod
     def from_json(cls, data: Any, where: str = "partition") -> PartitionEntry:
         """Parse `to_json` output; anything else raises RepositoryError."""
-        keys = ("partition", "uuid", "failover_log", "start_seq", "end_seq", "last_snapshot",
-                "segments", "rollback")  # fmt: skip
+        keys: tuple[str, ...] = ("partition", "uuid", "failover_log", "start_seq", "end_seq",
+                                 "last_snapshot", "segments", "rollback")  # fmt: skip
+        if isinstance(data, dict) and "cut_back" in data:  # optional: only when not empty
+            keys += ("cut_back",)
         o = _Obj(data, where, keys)
         partition = o.small_int("partition", PARTITION_MAX)
         where = o.where = f"partition {partition}"
@@ -286,6 +352,10 @@ class PartitionEntry:
             snap.u64("end"),
             segments,
             rollback,
+            tuple(
+                CutBack.from_json(c, f"{where}: cut_back[{i}]")
+                for i, c in enumerate(o.array("cut_back") if "cut_back" in keys else [])
+            ),
         )
 
 
@@ -304,13 +374,14 @@ class Totals:
 
     @classmethod
     def derive(cls, partitions: Iterable[PartitionEntry], bytes_read: int) -> Totals:
-        """Totals of these partitions: records, segment bytes, partitions rolled back."""
+        """Totals of these partitions: records, segment bytes (cut-back ones too),
+        partitions rolled back (a `rollback` record or a cut-back)."""
         ps = list(partitions)
         return cls(
             sum(p.records for p in ps),
             bytes_read,
-            sum(p.bytes for p in ps),
-            sum(p.rollback is not None for p in ps),
+            sum(p.bytes + p.cut_bytes for p in ps),
+            sum(p.rollback is not None or bool(p.cut_backs) for p in ps),
         )
 
     def to_json(self) -> dict[str, str]:

@@ -28,6 +28,8 @@ PARTITION_MAX = 0xFFFF
 _BACKUP_ID = re.compile(r"(\d{4})(\d{2})(\d{2})T(\d{2})(\d{2})(\d{2})\.(\d{6})Z", re.ASCII)
 _TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})Z", re.ASCII)
 _SEGMENT = re.compile(r"p([0-9a-f]{4})-s([0-9a-f]{16})-e([0-9a-f]{16})\.seg")
+_CUT = re.compile(r"cut-([1-9][0-9]{0,3})/([^/]+)")
+CUT_MAX = 9999
 _TEMP = re.compile(r"\.(.+)\.tmp-([0-9a-f]{8})(?:-[a-z0-9]+)?")
 # Couchbase bucket names: letters, digits, "_", "-", ".", "%"; at most 100; no leading ".".
 _BUCKET = re.compile(r"[A-Za-z0-9_%-][A-Za-z0-9_.%-]{0,99}")
@@ -159,6 +161,22 @@ def format_segment_name(partition: int, first_seq: int, last_seq: int) -> str:
 def parse_segment_name(text: str) -> SegmentName:
     """Inverse of `format_segment_name`."""
     return SegmentName.parse(text)
+
+
+def format_cut_path(k: int, segment: str) -> str:
+    """Where the K-th cut-back of a partition keeps a segment, relative to the backup
+    directory: `cut-K/NAME` (formats/repository.md §2.3)."""
+    if not 1 <= k <= CUT_MAX:
+        raise RepositoryError(f"cut-back number {k} is outside 1..{CUT_MAX}")
+    return f"cut-{k}/{SegmentName.parse(segment).format()}"
+
+
+def parse_cut_path(text: str) -> tuple[int, SegmentName]:
+    """Inverse of `format_cut_path`."""
+    m = _CUT.fullmatch(text) if isinstance(text, str) else None
+    if m is None or not 1 <= int(m[1]) <= CUT_MAX:
+        raise RepositoryError(f"{text!r} is not cut-K/<segment file name> (K in 1..{CUT_MAX})")
+    return int(m[1]), SegmentName.parse(m[2])
 
 
 def temp_name(final: str, token: str | None = None) -> str:

@@ -19,7 +19,7 @@ import secrets
 import shutil
 import zlib
 from bisect import bisect_right
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -230,14 +230,15 @@ class SegmentWriter:
             self.abort()
             raise
 
-    def truncate(self, seq: int) -> int:
-        """Drop every record above `seq`; returns how many went.
+    def truncate(self, seq: int, into: SegmentWriter | None = None) -> int:
+        """Drop every record above `seq`, moving them to `into` when given; returns how
+        many went.
 
         For a source that rolled back in the middle of a stream (dcp-wire §4.4): the
-        records above the rollback seq belong to an abandoned branch. Whole blocks above
-        it are cut off (from memory or the body file); the one block it falls inside is
-        decompressed and its records up to `seq` are buffered again, so memory stays
-        bounded by one block.
+        records above the rollback seq belong to an abandoned branch (a backup keeps them
+        as lost writes, `into`). Whole blocks above it are cut off (from memory or the
+        body file); the one block it falls inside is decompressed and its records up to
+        `seq` are buffered again, so memory stays bounded by one block.
         """
         if self._done:
             raise LocalProtocolError("segment already finished")
@@ -246,13 +247,19 @@ class SegmentWriter:
             keep = bisect_right([b.last_seq for b in self._blocks], seq)
             if keep == len(self._blocks):
                 return 0
-            cut = self._blocks[keep]
-            kept: list[Record] = []
-            if cut.first_seq <= seq:
-                frame = self._frame(cut)
-                raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=cut.raw_len)
-                kept = [r for r in parse_block(raw, cut.record_count) if r[1] <= seq]
             gone = self._blocks[keep:]
+            kept: list[Record] = []
+            dctx = zstandard.ZstdDecompressor()
+            for i, b in enumerate(gone):
+                if i and into is None:
+                    break
+                raw = dctx.decompress(self._frame(b), max_output_size=b.raw_len)
+                records = parse_block(raw, b.record_count)
+                if not i:
+                    kept = [r for r in records if r[1] <= seq]
+                if into is not None:
+                    into.add(_rows(r for r in records if r[1] > seq))
+            cut = gone[0]
             if cut.offset >= self._spilled:  # every block from the cut on is in memory
                 self._frames = self._frames[: len(self._frames) - len(gone)]
             else:
@@ -270,8 +277,7 @@ class SegmentWriter:
         except BaseException:
             self.abort()
             raise
-        self.add((op, 0, sq, rev, cas, flags, exp, dtime, dt, key, value, 0)
-                 for op, sq, rev, cas, flags, exp, dtime, dt, key, value in kept)  # fmt: skip
+        self.add(_rows(kept))
         return sum(b.record_count for b in gone) - len(kept)
 
     def _frame(self, b: BlockInfo) -> bytes:
@@ -392,6 +398,12 @@ class SegmentWriter:
     def __exit__(self, exc_type: object, *_: object) -> None:
         if not self._done:
             self.abort()
+
+
+def _rows(records: Iterable[Record]) -> Iterator[tuple[Any, ...]]:
+    """Reader records (`RECORD_FIELDS`) as the DCP rows `add` takes (`ROW_FIELDS`)."""
+    for op, seq, rev, cas, flags, exp, dtime, dt, key, value in records:
+        yield (op, 0, seq, rev, cas, flags, exp, dtime, dt, key, value, 0)
 
 
 def sync_files(paths: Iterable[Path], workers: int = 8) -> None:

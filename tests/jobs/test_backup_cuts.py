@@ -1,0 +1,36 @@
+"""Cut-back segments an interrupted backup left are listed again by the next run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.segments.test_segments import header, rows_for
+from upr_cli.jobs.backup import _leftover_cuts
+from upr_cli.repo import format_segment_name
+from upr_cli.segments import SegmentWriter
+
+
+def _cut(directory: Path, k: int, part: int, seqs: list[int], to: int) -> Path:
+    d = directory / f"cut-{k}"
+    d.mkdir(exist_ok=True)
+    w = SegmentWriter(d / "x.open", header(start=to, end=seqs[-1], part=part))
+    w.add(rows_for(seqs, part))
+    return Path(w.finish(path=d / format_segment_name(part, seqs[0], seqs[-1])).path)
+
+
+def test_leftover_cuts_are_renumbered_in_order_and_broken_ones_left_alone(tmp_path: Path) -> None:
+    a = _cut(tmp_path, 2, 3, [11, 12, 13], 10)
+    b = _cut(tmp_path, 5, 3, [21, 22], 20)
+    c = _cut(tmp_path, 1, 7, [5], 4)
+    bad = _cut(tmp_path, 3, 3, [31, 32], 30)
+    bad.write_bytes(bad.read_bytes()[:-3])  # truncated: not verifiable
+    (tmp_path / "cut-1" / "notes.txt").write_text("a user's file")
+    found = _leftover_cuts(tmp_path)
+    assert sorted(found) == [3, 7]
+    assert [(f, t, Path(i.path).relative_to(tmp_path).as_posix()) for f, t, i in found[3]] == [
+        (13, 10, f"cut-1/{a.name}"),
+        (22, 20, f"cut-2/{b.name}"),
+    ]
+    assert [(f, t, Path(i.path).name) for f, t, i in found[7]] == [(5, 4, c.name)]
+    assert (tmp_path / "cut-1" / a.name).exists() and (tmp_path / "cut-2" / b.name).exists()
+    assert not a.exists() and not b.exists() and bad.exists()  # moved; the broken one stays
