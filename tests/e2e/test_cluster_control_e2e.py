@@ -11,10 +11,15 @@ from tests.e2e.e2e_helpers import failover_logs, run, wait_persisted
 from upr_cli.net.bootstrap import connect, partition_of
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.messages import (
+    STREAM_FOREVER,
+    DcpOpen,
+    DisableTraffic,
+    EnableTraffic,
     GetClusterConfig,
     Set,
     SetClusterConfig,
     SetVbucket,
+    StreamRequest,
 )
 from upr_cli.protocol.status import Status
 
@@ -98,10 +103,50 @@ def test_state_commands_are_fenced_by_cas_and_revision(node_factory: type[Node])
     after = run(failover_logs(node.uri))
     assert after[3][0][1] == persisted[3] and after[3][1:] == before[3]  # a new entry
     assert after[4] == before[4]
-    # the map and the states survive a restart; the bucket CAS is new
+    # the map and the states survive a restart; the bucket CAS is new; front-end traffic
+    # stays off until ENABLE_TRAFFIC (seed 000, state transitions steps 1-3)
     node.stop()
     node.start()
     assert run(_served_rev(node.uri)) == 2
+    assert run(_traffic(node.uri)) == {
+        "stat_before": "false", "write_before": Status.ETMPFAIL,
+        "stream_before": Status.ETMPFAIL, "enable": Status.SUCCESS, "stat_after": "true",
+        "write_after": Status.SUCCESS, "disable": Status.SUCCESS,
+        "write_disabled": Status.ETMPFAIL,
+    }  # fmt: skip
+
+
+async def _traffic(uri: str) -> dict[str, Any]:
+    s = await connect(SourceUri.parse(uri))
+    conn = s.conn
+    out: dict[str, Any] = {}
+
+    def write() -> Set:
+        return Set(vbucket=0, key=b"k", value=b"{}", opaque=conn.next_opaque())
+
+    try:
+        out["stat_before"] = (await conn.stats(""))["ep_traffic_enabled"]
+        out["write_before"] = (await conn.request(write(), check=False)).status
+        await conn.request(DcpOpen(name="t", flags=1, opaque=conn.next_opaque()))
+        req = StreamRequest(vbucket=0, opaque=conn.next_opaque(), start_seqno=0,
+                            end_seqno=STREAM_FOREVER, vbucket_uuid=0)  # fmt: skip
+        out["stream_before"] = (await conn.request(req, check=False)).status
+    finally:
+        await conn.aclose()
+    s = await connect(SourceUri.parse(uri))
+    conn = s.conn
+    try:
+        r = await conn.request(EnableTraffic(opaque=conn.next_opaque()), check=False)
+        out["enable"] = r.status
+        out["stat_after"] = (await conn.stats(""))["ep_traffic_enabled"]
+        out["write_after"] = (await conn.request(write(), check=False)).status
+        r = await conn.request(DisableTraffic(opaque=conn.next_opaque()), check=False)
+        out["disable"] = r.status
+        out["write_disabled"] = (await conn.request(write(), check=False)).status
+        await conn.request(EnableTraffic(opaque=conn.next_opaque()))
+    finally:
+        await conn.aclose()
+    return out
 
 
 async def _served_rev(uri: str) -> int:

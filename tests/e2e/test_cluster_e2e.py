@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -139,3 +141,56 @@ def test_init_adopts_running_nodes(node_factory: Any, tmp_path: Path) -> None:
     finally:
         a.kill()
         b.kill()
+
+
+async def _write_to(uri: str, vb: int, n: int) -> int:
+    """The status of a SET sent straight to one node (a client with an old map)."""
+    s = await connect(SourceUri.parse(uri))
+    try:
+        key = next(k for k in (b"stale-%d" % i for i in range(10_000))
+                   if partition_of(k, n) == vb)  # fmt: skip
+        r = await s.conn.request(Set(vbucket=vb, key=key, value=b"{}",
+                                     opaque=s.conn.next_opaque()), check=False)  # fmt: skip
+        return int(r.status)
+    finally:
+        await s.conn.aclose()
+
+
+def test_a_restarted_node_serves_nothing_until_the_orchestrator_turns_traffic_on(
+    tmp_path: Path,
+) -> None:
+    """Seed 000 (state transitions, steps 1-3): a node that comes back after it was failed
+    over starts in its persisted states (active for partitions that moved away) with
+    front-end traffic off, so a client holding the old map cannot write to it; clients
+    bootstrapped from it find the current map elsewhere; `upr cluster start` gives it
+    the map and states, then turns traffic on."""
+    from tests.e2e.cluster_helpers import Cluster
+
+    cl = Cluster(tmp_path / "cl", nodes=2, replicas=1, partitions=4)
+    try:
+        upr("load", cl.uri("n1"), "--docs", "200", "--seed", "1")
+        cl.settle()
+        mine = [p for p, row in enumerate(cl.spec.vbmap) if row[0] == 0]
+        cl.kill("n0")
+        cl.cli("failover", "n0")
+        # restarted some other way than `cluster start` (here: the same launcher, alone)
+        subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                        "from upr_cli.cluster import procs, spec; d = Path(sys.argv[1]); "
+                        "c = spec.load(d); procs.start_node(c, c.node('n0')); spec.save(d, c)",
+                        str(cl.data)], check=True, timeout=60)  # fmt: skip
+        assert run(_write_to(cl.uri("n0"), mine[0], 4)) == Status.ETMPFAIL
+        status = json.loads(cl.cli("status", "--json").stdout)
+        assert [n["traffic"] for n in status["nodes"]] == [False, True]
+        # a load bootstrapped from the stale node: its old map routes to it, refused, and
+        # the newer map is found on n1: every write lands on the current actives
+        out = json.loads(upr("load", cl.uri("n0"), "--docs", "300", "--seed", "2",
+                             "--prefix", "after", "--json").stdout)  # fmt: skip
+        assert out["errors"] == 0 and out["ops"] == 300
+        rows = cl.rows()
+        assert sum(1 for (_p, k) in rows if k.startswith(b"after-")) == 300
+        cl.cli("start")  # the map, dead states, then traffic on
+        status = json.loads(cl.cli("status", "--json").stdout)
+        assert [n["traffic"] for n in status["nodes"]] == [True, True]
+        assert run(_write_to(cl.uri("n0"), mine[0], 4)) == Status.NOT_MY_VBUCKET
+    finally:
+        cl.stop()

@@ -47,6 +47,8 @@ from upr_cli.protocol.messages import (
     Deletion,
     DeletionV2,
     DelWithMeta,
+    DisableTraffic,
+    EnableTraffic,
     Expiration,
     FailoverLogResponse,
     Get,
@@ -968,6 +970,20 @@ GOLDEN: list[Row] = [
         00000004                               # extras: u32 param type 4 (dcp)
         7265706c69636174696f6e 5f 7061757365    # key: 'replication' '_' 'pause'
         7b 22 61 66 74 65 72 22 3a 35 7d        # {"after":5}
+        """,
+    ),
+    Row(
+        "enable-traffic",  # formats/cluster.md §3: memcached's ENABLE_TRAFFIC, no body
+        EnableTraffic(opaque=0x07),
+        """
+        80 8d 0000 00 00 0000 00000000 00000007 0000000000000000
+        """,
+    ),
+    Row(
+        "disable-traffic",  # formats/cluster.md §3
+        DisableTraffic(opaque=0x08),
+        """
+        80 8e 0000 00 00 0000 00000000 00000008 0000000000000000
         """,
     ),
     Row(

@@ -162,7 +162,10 @@ async def _adopted(uris: list[str], replicas: int) -> ClusterSpec:
     no_args_is_help=True,
     help="""Start the cluster's stopped nodes.
 
-Each node comes back on its port with its data, partition states and map.
+Each node comes back on its port with its data, partition states and map, its
+front-end traffic off (data requests answer ETMPFAIL; clients retry) until it has been
+given the current map and states; then its traffic is turned on (seed 000). A member
+found waiting that way (started some other way) is given them too.
 
 Example:
 
@@ -180,11 +183,15 @@ def start_cmd(data: Data, json_out: JsonOutput = False) -> None:
             procs.start_node(cl, node)
             spec.save(data, cl)
             started.append(i)
-    if started and cl.vbmap:
-        # a node restarts in the states it persisted; give it the current map and states
-        # (a failed-over node holds nothing any more)
+    if cl.vbmap:
+        # a node restarts in the states it persisted, its traffic off (seed 000): give it
+        # the current map and states (a failed-over node holds nothing any more), then
+        # traffic on; so too for one started some other way and still waiting
         orch = Orchestrator(data, cl)
-        asyncio.run(orch.publish({i: orch.member_states(i) for i in started}))
+        waiting = [i for i, st in enumerate(asyncio.run(orch.statuses()))
+                   if st.up and not st.traffic and i not in started]  # fmt: skip
+        if started or waiting:
+            asyncio.run(orch.publish({i: orch.member_states(i) for i in started + waiting}))
     _show(cl, json_out, f"started {len(started)} nodes")
 
 
@@ -250,7 +257,7 @@ def status_cmd(
             "bucket": cl.bucket, "partitions": cl.partitions, "replicas": cl.replicas,
             "rev": cl.rev, "map": cl.vbmap,
             "nodes": [{"name": s.name, "port": s.port, "pid": pids.get(s.name), "up": s.up,
-                       "error": s.error, "rev": s.rev, "states": s.states,
+                       "traffic": s.traffic, "error": s.error, "rev": s.rev, "states": s.states,
                        "replication": s.replication,
                        "partitions": {str(p): {
                            "state": s.roles[p], "high_seqno": s.highs.get(p, 0),
@@ -269,7 +276,8 @@ def status_cmd(
         table.add_column(col, justify="right")
     for s in statuses:
         worst = max((v.get(s.name, 0) for v in lags.values()), default=0)
-        table.add_row(s.name, str(s.port), "yes" if s.up else f"no: {s.error}",
+        up = ("yes" if s.traffic else "yes, traffic off") if s.up else f"no: {s.error}"
+        table.add_row(s.name, str(s.port), up,
                       str(s.rev), *(str(s.states.get(k, 0)) for k in ("active", "replica", "dead")),
                       str(worst))  # fmt: skip
     stdout.print(table)

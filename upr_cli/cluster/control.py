@@ -19,7 +19,12 @@ from upr_cli.cluster.spec import HOST, ClusterSpec, NodeSpec
 from upr_cli.errors import UprError
 from upr_cli.net.bootstrap import connect
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol.messages import GetClusterConfig, SetClusterConfig, SetVbucket
+from upr_cli.protocol.messages import (
+    EnableTraffic,
+    GetClusterConfig,
+    SetClusterConfig,
+    SetVbucket,
+)
 from upr_cli.protocol.status import Status
 
 STATE_CODES = {"active": 1, "replica": 2, "pending": 3, "dead": 4}
@@ -116,6 +121,9 @@ async def push(spec: ClusterSpec, node: NodeSpec, config: dict[str, Any],
                               vbucket=p, state=code, cas=c, value=value,
                                                                opaque=conn.next_opaque()),
                           f"partition {p} → {state}")  # fmt: skip
+        # seed 000 (state transitions, step 3): with the map and states in place, front-end
+        # traffic on (a node that restarted starts with it off)
+        await conn.request(EnableTraffic(opaque=conn.next_opaque()))
     finally:
         await conn.aclose()
     return sent
@@ -140,6 +148,7 @@ class NodeStatus:
     logs: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # newest first
     snaps: dict[int, tuple[int, int]] = field(default_factory=dict)  # snapshot persisted
     replication: dict[str, Any] = field(default_factory=dict)
+    traffic: bool = True  # front-end traffic on (off: restarted, not yet given the map)
 
 
 async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
@@ -151,6 +160,7 @@ async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
         st.error = str(exc)
         return st
     try:
+        general = await s.conn.stats("")
         roles = await s.conn.stats("vbucket")
         seqnos = await s.conn.stats("vbucket-seqno")
         cfg = await s.conn.request(GetClusterConfig(opaque=s.conn.next_opaque()), check=False)
@@ -162,6 +172,7 @@ async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
     finally:
         await s.conn.aclose()
     st.up = True
+    st.traffic = general.get("ep_traffic_enabled", "true") == "true"
     st.rev = json.loads(_body(cfg)).get("rev", 0) if _body(cfg) else 0
     for k, v in roles.items():
         p = int(k.removeprefix("vb_"))

@@ -181,6 +181,7 @@ class DcpConsumer:
         self._gen = 0
         self._config: dict[str, Any] = {}
         self._follow = False  # the map lists several nodes: follow it
+        self._tmpfail: dict[int, float] = {}  # partition → first ETMPFAIL of a stream request
         self._queue: asyncio.Queue[tuple[Addr, int, ServerItems, int] | BaseException | _Lost] = (
             asyncio.Queue()
         )
@@ -423,6 +424,7 @@ class DcpConsumer:
                                            sent.snap_start_seqno, sent.snap_end_seqno)  # fmt: skip
                     if self.from_latest and sent.start_seqno == 0:
                         start = part.position()
+                    self._tmpfail.pop(part.partition, None)
                     self._events.append(StreamOpened(part.partition, resp.failover_log, start))
                     self._events.extend(self._held.pop(part.partition, []))
                     self._opening.pop(part.partition, None)
@@ -438,6 +440,17 @@ class DcpConsumer:
                 ):
                     self._opening.pop(part.partition, None)
                     self._spawn(self._move(part, resp.value))
+                elif isinstance(resp, Response) and resp.status == Status.ETMPFAIL and self._follow:
+                    # a cluster node that restarted serves nothing until its orchestrator
+                    # turns traffic on (formats/cluster.md §3): ask the map again shortly
+                    self._opening.pop(part.partition, None)
+                    since = self._tmpfail.setdefault(part.partition, time.monotonic())
+                    if time.monotonic() - since > self.follow_for:
+                        raise ConsumerError(
+                            f"partition {part.partition}: {part.addr[0]}:{part.addr[1]} "
+                            f"refused streams (ETMPFAIL) for {self.follow_for:g}s"
+                        )
+                    self._spawn(self._move(part, delay=0.25))
                 else:
                     self._opening.pop(part.partition, None)
                     assert isinstance(resp, Response)
@@ -463,7 +476,7 @@ class DcpConsumer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _move(self, part: _Part, body: bytes = b"") -> None:
+    async def _move(self, part: _Part, body: bytes = b"", delay: float = 0.05) -> None:
         """Reopen a partition on the node the newest map names its active (a rebalance
         or failover moved it); waits up to `follow_for` seconds for such a map."""
         p = part.partition
@@ -472,7 +485,7 @@ class DcpConsumer:
         self._moving.add(p)
         deadline = time.monotonic() + self.follow_for
         try:
-            await asyncio.sleep(0.05)  # a map being changed: give it a moment
+            await asyncio.sleep(delay)  # a map being changed: give it a moment
             while True:
                 await self._refresh_map(body)
                 body = b""

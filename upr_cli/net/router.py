@@ -4,7 +4,8 @@ Seed 000 "How front end clients ensure mutations are persisted": a node that is 
 longer the partition's active answers "not my partition", and the client reloads the
 cluster map and retries. The router keeps one connection per node holding an active
 partition, sends each request to its partition's active node, and when an answer is
-NOT_MY_VBUCKET (whose value is the answering node's map) or the node's connection is
+NOT_MY_VBUCKET (whose value is the answering node's map), ETMPFAIL (a restarted node
+whose orchestrator has not turned its traffic on yet) or the node's connection is
 lost, it takes the newest map it can find (that answer's, else one fetched from every
 node it knows) and sends the request again, until `retry_for` seconds have passed.
 Requests stay pipelined: `submit` sends at once and returns the node's answer future;
@@ -30,6 +31,20 @@ from upr_cli.protocol.messages import GetClusterConfig
 from upr_cli.protocol.status import Status
 
 Make = Callable[[int], bytes]  # opaque → an encoded request
+# Answers that send a request again with the newest map: NOT_MY_VBUCKET, and ETMPFAIL
+# from a cluster node whose traffic is still off after a restart (formats/cluster.md §3).
+_FOLLOW = frozenset({Status.NOT_MY_VBUCKET, Status.ETMPFAIL})
+
+
+def _map_body(frame: Frame) -> bytes | None:
+    """A NOT_MY_VBUCKET answer's value is the answering node's map."""
+    return bytes(frame.value) if frame.vbucket_or_status == Status.NOT_MY_VBUCKET else None
+
+
+def _why(frame: Frame) -> str:
+    if frame.vbucket_or_status == Status.NOT_MY_VBUCKET:
+        return "not my vbucket"
+    return "temporary failure (the node's traffic is off)"
 
 
 class RouterError(UprError):
@@ -132,9 +147,9 @@ class Router:
             frame = await fut
         except (UprError, OSError) as exc:
             return await self._retry(vb, make, None, str(exc))
-        if frame.vbucket_or_status != Status.NOT_MY_VBUCKET:
+        if frame.vbucket_or_status not in _FOLLOW:
             return frame
-        return await self._retry(vb, make, bytes(frame.value), "not my vbucket", frame)
+        return await self._retry(vb, make, _map_body(frame), _why(frame), frame)
 
     async def request(self, vb: int, make: Make) -> Frame:
         """Send one request now and wait for its final answer."""
@@ -170,9 +185,9 @@ class Router:
             except (UprError, OSError) as exc:
                 body, reason, frame = None, str(exc), None
                 continue
-            if got.vbucket_or_status != Status.NOT_MY_VBUCKET:
+            if got.vbucket_or_status not in _FOLLOW:
                 return got
-            body, reason, frame = bytes(got.value), "not my vbucket", got
+            body, reason, frame = _map_body(got), _why(got), got
 
     async def refresh(self, body: bytes | None = None) -> None:
         """Take a newer map: from an answer's body, else from every node we know."""

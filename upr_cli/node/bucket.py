@@ -105,6 +105,9 @@ class Bucket:
         self.state_cas = _new_cas()
         self._map_path = data_dir / f"{name}.cluster-map.json"
         self.cluster_map: dict[str, object] | None = None
+        # seed 000 (state transitions, step 1): a cluster node starts in its persisted
+        # states with front-end traffic off, until its orchestrator turns it on
+        self.traffic = True
         self.undo_window = UNDO_WINDOW
         self.listeners: list[Callable[[], None]] = []  # told of map and state changes
 
@@ -143,6 +146,7 @@ class Bucket:
         self.started_unclean = not clean and not fresh
         if self._map_path.exists():
             self.cluster_map = json.loads(self._map_path.read_text(encoding="utf-8"))
+            self.traffic = False  # a member of a cluster: ENABLE_TRAFFIC turns it on
         if changed:
             self.storage.save_partitions(changed)
         self.storage.set_clean_shutdown(False)

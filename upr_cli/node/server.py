@@ -55,6 +55,8 @@ from upr_cli.protocol.messages import (
     DcpOpen,
     Delete,
     DelWithMeta,
+    DisableTraffic,
+    EnableTraffic,
     FailoverLogResponse,
     Get,
     GetAllVbSeqnos,
@@ -98,6 +100,7 @@ from upr_cli.protocol.status import (
     NotSupported,
     Status,
     StatusError,
+    TemporaryFailure,
     UnknownCommand,
     registered_statuses,
 )
@@ -423,6 +426,8 @@ class ClientSession:
     def fast_store(self, frame: Frame) -> None:
         """SET/ADD/REPLACE without building message objects (the load path)."""
         bucket = self.need_bucket()
+        if not bucket.traffic:
+            self.check_traffic()
         flags, expiration, key, value = parse_set(frame)
         vb = frame.vbucket_or_status
         doc = bucket.store(FAST_STORE[frame.opcode], vb, key, value, flags=flags,
@@ -475,6 +480,16 @@ class ClientSession:
         done = rep.pause(vbs, after) if msg.name == "replication_pause" else rep.resume(vbs)
         self.send(Response(opcode=Opcode.SET_PARAM, opaque=msg.opaque,
                            value=json.dumps(done).encode(), datatype=1))  # fmt: skip
+
+    def check_traffic(self) -> None:
+        """ETMPFAIL while front-end traffic is off: a cluster node that restarted serves
+        no data until its orchestrator has given it the current map and states (seed 000,
+        state transitions steps 1-3), so a client holding an older map cannot write to a
+        copy that is no longer active (formats/cluster.md §3)."""
+        if self.bucket is not None and not self.bucket.traffic:
+            raise TemporaryFailure(
+                "traffic is off until the cluster's orchestrator turns it on (upr cluster start)"
+            )
 
     def need_bucket(self) -> Bucket:
         """The selected bucket, or NO_BUCKET."""
@@ -532,6 +547,10 @@ class ClientSession:
         elif op is SetParam:
             assert isinstance(msg, SetParam)
             self.set_param(msg)
+        elif op is EnableTraffic or op is DisableTraffic:
+            self.need_admin_bucket().traffic = op is EnableTraffic
+            code = Opcode.ENABLE_TRAFFIC if op is EnableTraffic else Opcode.DISABLE_TRAFFIC
+            self.send(Response(opcode=code, opaque=msg.opaque))
         elif op is SetClusterConfig:
             assert isinstance(msg, SetClusterConfig)
             bucket = self.need_admin_bucket()
@@ -555,6 +574,8 @@ class ClientSession:
             ObserveSeqno,
             GetAllVbSeqnos,
         ):
+            if op is not GetAllVbSeqnos:
+                self.check_traffic()
             self.kv(msg)
         elif op in (
             DcpOpen,
@@ -632,6 +653,7 @@ class ClientSession:
                 ("curr_connections", str(len(self.server.sessions))),
                 ("ep_num_vbuckets", str(len(bucket.partitions))),
                 ("bucket", bucket.name),
+                ("ep_traffic_enabled", "true" if bucket.traffic else "false"),
             ]
         elif group == "vbucket":  # each partition's state, as Couchbase Server names it
             pairs = [(f"vb_{vb}", p.state) for vb, p in parts]
@@ -802,6 +824,7 @@ class ClientSession:
             dcp.control(msg.name, msg.value)
             self.send(Response(opcode=Opcode.DCP_CONTROL, opaque=msg.opaque))
         elif isinstance(msg, StreamRequest):
+            self.check_traffic()
             spec, log_pairs = dcp.stream_request(msg)
             self.send(StreamRequestOk(opaque=msg.opaque, failover_log=log_pairs))
             dcp.start_stream(spec)

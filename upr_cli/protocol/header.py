@@ -69,6 +69,8 @@ class Opcode(IntEnum):
     DCP_SYSTEM_EVENT = 0x5F
     DCP_SEQNO_ADVANCED = 0x64
     SELECT_BUCKET = 0x89
+    ENABLE_TRAFFIC = 0x8D  # front-end traffic on/off (seed 000; formats/cluster.md §3)
+    DISABLE_TRAFFIC = 0x8E
     OBSERVE_SEQNO = 0x91
     GET_FAILOVER_LOG = 0x96
     SET_WITH_META = 0xA2

@@ -916,6 +916,23 @@ class SetClusterConfig(Request):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EnableTraffic(Request):
+    """ENABLE_TRAFFIC 0x8d: no body. A cluster node starts with front-end traffic off
+    (data commands and stream requests answer ETMPFAIL) until its orchestrator has
+    given it the map and states (seed 000, state transitions step 3; formats/cluster.md
+    §3)."""
+
+    SCHEMA = Schema(opcodes=(Opcode.ENABLE_TRAFFIC,))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DisableTraffic(Request):
+    """DISABLE_TRAFFIC 0x8e: no body; front-end traffic off again (formats/cluster.md §3)."""
+
+    SCHEMA = Schema(opcodes=(Opcode.DISABLE_TRAFFIC,))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SetParam(Request):
     """SET_PARAM 0x82: extras u32 parameter type (4: dcp), key = parameter name, value =
     its value; upr uses it for replication pause and resume (formats/cluster.md §6)."""
