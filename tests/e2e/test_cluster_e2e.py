@@ -194,3 +194,29 @@ def test_a_restarted_node_serves_nothing_until_the_orchestrator_turns_traffic_on
         assert run(_write_to(cl.uri("n0"), mine[0], 4)) == Status.NOT_MY_VBUCKET
     finally:
         cl.stop()
+
+
+def test_a_uri_with_more_hosts_bootstraps_from_the_first_that_answers(tmp_path: Path) -> None:
+    """`upr://user@n0,n1/bucket`: with n0 gone (killed, failed over), every tool
+    bootstraps from n1; with none answering, a one-line error naming each host."""
+    from tests.e2e.cluster_helpers import Cluster, as_tail, tail_state
+
+    cl = Cluster(tmp_path / "cl", nodes=2, replicas=1, partitions=4)
+    try:
+        upr("load", cl.uri("n1"), "--docs", "200", "--seed", "1")
+        cl.settle()
+        cl.kill("n0")
+        cl.cli("failover", "n0")
+        n1 = cl.spec.node("n1").port
+        both = cl.uri("n0").replace("/default", f",127.0.0.1:{n1}/default")
+        out = upr("tail", both, "--until-end", "--format", "json")
+        assert tail_state(out.stdout) == as_tail(cl.rows())
+        upr("load", both, "--docs", "50", "--seed", "2", "--prefix", "more")
+        upr("backup", both, "--repo", str(tmp_path / "repo"), "--no-progress")
+        assert sum(1 for (_p, k) in cl.rows() if k.startswith(b"more-")) == 50
+        cl.kill("n1")
+        bad = upr("tail", both, "--until-end", check=False)
+        assert bad.returncode != 0 and "no bootstrap host answers" in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and cl.spec.password not in bad.stderr
+    finally:
+        cl.stop()

@@ -208,3 +208,32 @@ def test_raw_password_absent_from_errors(password: str, at: bool) -> None:
     with pytest.raises(UsageError) as info:
         parse(text)
     assert password not in str(info.value)
+
+
+def test_more_bootstrap_hosts() -> None:
+    """`host[:port][,host[:port]...]`: further bootstrap nodes of the same cluster, tried
+    in order; duplicates (and the first host again) are dropped."""
+    uri = parse("upr://alice:pw@n1:1,n2,[::1]:3,n2:11210,n1:1/b")
+    assert (uri.host, uri.port, uri.seeds) == ("n1", 1, (("n2", 11210), ("::1", 3)))
+    assert uri.hosts == [("n1", 1), ("n2", 11210), ("::1", 3)]
+    assert str(uri) == "upr://alice:***@n1:1,n2:11210,[::1]:3/b"
+    assert "seeds=(('n2', 11210), ('::1', 3))" in repr(uri) and "pw" not in repr(uri)
+    assert parse(str(uri).replace("***", "pw")) == uri
+    at = uri.at("n2", 11210)
+    assert (at.host, at.port, at.seeds, at.password) == ("n2", 11210, (), "pw")
+    moved = uri.rebase("::1", 3)
+    assert moved.hosts == [("::1", 3), ("n1", 1), ("n2", 11210)]
+    with pytest.raises(UsageError, match="empty host"):
+        parse("upr://n1,,n2/b")
+    with pytest.raises(UsageError, match="port must be"):
+        parse("upr://n1,n2:0/b")
+    with pytest.raises(UsageError, match="more than 16 hosts"):
+        parse("upr://" + ",".join(f"n{i}" for i in range(17)) + "/b")
+
+
+@given(uris, st.lists(st.tuples(st.sampled_from(["n1", "n2", "::1"]), st.integers(1, 65535)),
+                      max_size=4))  # fmt: skip
+def test_hosts_round_trip(uri: SourceUri, more: list[tuple[str, int]]) -> None:
+    seeds = tuple(h for h in dict.fromkeys(more) if h != uri.address)
+    uri = dataclasses.replace(uri, seeds=seeds)
+    assert parse(str(uri)) == uri

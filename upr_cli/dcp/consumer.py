@@ -34,7 +34,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from upr_cli.dcp.events import (
@@ -198,8 +198,18 @@ class DcpConsumer:
 
     async def open(self) -> None:
         """Connect, negotiate, pin end seqnos (if finite) and open every stream."""
-        home = (self.uri.host, self.uri.port)
-        await self._connect(home, bootstrap=True)
+        failures = []
+        for home in self.uri.hosts:  # the URI's bootstrap hosts, in order (net/uri.py)
+            try:
+                await self._connect(home, bootstrap=True)
+                break
+            except (ConnectionError_, OSError) as exc:
+                if len(self.uri.hosts) == 1:
+                    raise
+                failures.append(f"{home[0]}:{home[1]}: {exc}")
+        else:
+            raise ConnectionError_(f"no bootstrap host answers ({'; '.join(failures)})")
+        self.uri = self.uri.rebase(*home)  # `$HOST` in the map means this one
         assert self.session is not None
         self._config = self.session.config
         n = self.session.num_partitions
@@ -320,7 +330,7 @@ class DcpConsumer:
         def on_server(items: ServerItems, nbytes: int) -> None:
             self._on_server(addr, gen, items, nbytes)
 
-        uri = replace(self.uri, host=addr[0], port=addr[1])
+        uri = self.uri.at(*addr)
         session = await connect(uri, timeout=self.connect_timeout, on_server=on_server,
                                 on_close=lost, name=self.name)  # fmt: skip
         conn = session.conn
@@ -537,7 +547,7 @@ class DcpConsumer:
                     resp = await conn.request(GetClusterConfig(opaque=conn.next_opaque()),
                                               timeout=3.0)  # fmt: skip
                 else:
-                    s = await connect(replace(self.uri, host=addr[0], port=addr[1]),
+                    s = await connect(self.uri.at(*addr),
                                       timeout=3.0, name=self.name)  # fmt: skip
                     resp = await s.conn.request(GetClusterConfig(opaque=s.conn.next_opaque()))
                     await s.conn.aclose()

@@ -72,7 +72,30 @@ async def connect(
     name: str = "",
     features: tuple[int, ...] = WANTED,
 ) -> Session:
-    """Open a connection to `uri` and run the bootstrap sequence; errors are one-line UprErrors."""
+    """Open a connection to `uri` and run the bootstrap sequence; errors are one-line
+    UprErrors. With more bootstrap hosts (`uri.seeds`) each is tried in order while the
+    ones before cannot be reached; an answer that refuses (credentials, bucket) is final.
+    The session's URI names the host that answered first."""
+    if not uri.seeds:
+        return await _connect_one(uri, timeout, on_server, on_close, name, features)
+    failures = []
+    for host, port in uri.hosts:
+        try:
+            return await _connect_one(uri.rebase(host, port), timeout, on_server, on_close,
+                                      name, features)  # fmt: skip
+        except (ConnectionError_, OSError) as exc:
+            failures.append(f"{host}:{port}: {exc}")
+    raise ConnectionError_(f"no bootstrap host answers ({'; '.join(failures)})")
+
+
+async def _connect_one(
+    uri: SourceUri,
+    timeout: float,
+    on_server: Any,
+    on_close: Any,
+    name: str,
+    features: tuple[int, ...],
+) -> Session:
     conn = await Connection.open(uri.host, uri.port, timeout=timeout, name=name or uri.redacted(),
                                  on_server=on_server, on_close=on_close)  # fmt: skip
     try:
@@ -178,10 +201,9 @@ def map_nodes(uri: SourceUri, config: dict[str, Any]) -> tuple[list[tuple[str, i
 def node_uris(session: Session) -> list[SourceUri]:
     """One URI per server of the cluster map, with the session's bucket and credentials;
     the session's own when the map has none."""
-    from dataclasses import replace
 
     servers, _ = map_nodes(session.uri, session.config)
-    return [replace(session.uri, host=h, port=p) for h, p in servers] or [session.uri]
+    return [session.uri.at(h, p) for h, p in servers] or [session.uri]
 
 
 def active_index(session: Session) -> list[int]:

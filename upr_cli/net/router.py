@@ -19,7 +19,6 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from upr_cli.errors import UprError
@@ -109,7 +108,7 @@ class Router:
         conn = self._conns.get(addr)
         if conn is None or conn.closed:
             self._conns.pop(addr, None)
-            uri = replace(self.uri, host=addr[0], port=addr[1])
+            uri = self.uri.at(*addr)
             conn = (await connect(uri, name=self.name, timeout=3.0)).conn
             self._conns[addr] = conn
         return conn

@@ -1,4 +1,9 @@
-"""Source URIs: upr://[user[:password]@]host[:port]/bucket, with couchbase:// as a synonym.
+"""Source URIs: upr://[user[:password]@]host[:port][,host[:port]...]/bucket, with
+couchbase:// as a synonym.
+
+More hosts after the first are further bootstrap nodes of the same cluster, tried in
+order when the ones before cannot be reached (a node removed or down); the cluster map
+names every other node, so one reachable host is enough (formats/cluster.md §4).
 
 The password is a secret: `str`, `repr` and every error message show at most "***", so a
 `SourceUri` can be logged or echoed as it is. Error messages quote nothing the user typed
@@ -16,7 +21,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import quote, unquote
 
 from upr_cli.errors import UsageError
@@ -27,7 +32,7 @@ DEFAULT_PORT = 11210
 """The memcached data port, used when the URI gives none."""
 PASSWORD_ENV = "UPR_PASSWORD"
 """Environment variable holding the password for a URI that names a user but no password."""
-FORM = "upr://[user[:password]@]host[:port]/bucket"
+FORM = "upr://[user[:password]@]host[:port][,host[:port]...]/bucket"
 """The URI syntax, as shown in error messages."""
 
 _SCHEME_TOKEN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,19}")
@@ -48,6 +53,7 @@ class SourceUri:
     bucket: str | None = None
     username: str | None = None
     password: str | None = None
+    seeds: tuple[tuple[str, int], ...] = ()  # more bootstrap nodes, tried in order
 
     @classmethod
     def parse(
@@ -73,9 +79,26 @@ class SourceUri:
         if "?" in location or "#" in location:
             raise UsageError("source URI cannot have a query or a fragment")
         hostport, _, path = location.partition("/")
-        host, port = _host_port(hostport)
+        hosts = [_host_port(h) for h in hostport.split(",")]
+        if len(hosts) > 16:
+            raise UsageError("source URI lists more than 16 hosts")
+        (host, port), seeds = hosts[0], tuple(h for h in dict.fromkeys(hosts[1:]) if h != hosts[0])
         bucket = _bucket(path, bucket_optional)
-        return cls(scheme.lower(), host, port, bucket, username, password)
+        return cls(scheme.lower(), host, port, bucket, username, password, seeds)
+
+    def rebase(self, host: str, port: int) -> SourceUri:
+        """The same URI with (host, port) first, the other bootstrap hosts kept after it."""
+        rest = tuple(h for h in self.hosts if h != (host, port))
+        return replace(self, host=host, port=port, seeds=rest)
+
+    def at(self, host: str, port: int) -> SourceUri:
+        """The same credentials and bucket on one node, with no other bootstrap hosts."""
+        return replace(self, host=host, port=port, seeds=())
+
+    @property
+    def hosts(self) -> list[tuple[str, int]]:
+        """Every bootstrap node, the first one first."""
+        return [(self.host, self.port), *(h for h in self.seeds if h != self.address)]
 
     @property
     def address(self) -> tuple[str, int]:
@@ -88,9 +111,9 @@ class SourceUri:
         if self.username is not None:
             secret = "" if self.password is None else ":***"
             userinfo = f"{quote(self.username, safe='')}{secret}@"
-        host = f"[{self.host.replace('%', '%25')}]" if ":" in self.host else self.host
+        hosts = ",".join(f"{_show_host(h)}:{p}" for h, p in self.hosts)
         path = "" if self.bucket is None else "/" + quote(self.bucket, safe="")
-        return f"{self.scheme}://{userinfo}{host}:{self.port}{path}"
+        return f"{self.scheme}://{userinfo}{hosts}{path}"
 
     def __str__(self) -> str:
         """The redacted URI."""
@@ -99,10 +122,15 @@ class SourceUri:
     def __repr__(self) -> str:
         """Field by field, with the password redacted."""
         secret = None if self.password is None else "***"
+        seeds = f", seeds={self.seeds!r}" if self.seeds else ""
         return (
             f"SourceUri(scheme={self.scheme!r}, host={self.host!r}, port={self.port!r}, "
-            f"bucket={self.bucket!r}, username={self.username!r}, password={secret!r})"
+            f"bucket={self.bucket!r}, username={self.username!r}, password={secret!r}{seeds})"
         )
+
+
+def _show_host(host: str) -> str:
+    return f"[{host.replace('%', '%25')}]" if ":" in host else host
 
 
 def _decode(text: str, what: str) -> str:
