@@ -65,7 +65,13 @@ def _cut_records_are_lost_writes(cl: Cluster, repo: Path, rollbacks: list[dict[s
     assert {it["partition"] for it in mine} == set(cut)
     assert all(int(it["cut"]) == int(cut[it["partition"]]["to"]) < int(it["lost"]["seq"])
                for it in mine)  # fmt: skip
-    assert any(it["key"].startswith("ahead-") for it in mine)  # never on n1
+    ahead = [it for it in mine if it["key"].startswith("ahead-")]  # never on n1
+    assert ahead
+    out = upr("examine", "--repo", str(repo), "--partitions", "4", "--json", ahead[0]["key"])
+    versions = json.loads(out.stdout)["versions"]
+    assert [(int(v["seq"]), v["lost"], v["in_latest"]) for v in versions] == [
+        (int(ahead[0]["lost"]["seq"]), True, False)
+    ]
 
 
 def _prepare(tmp: Path) -> tuple[Cluster, list[int]]:

@@ -3,7 +3,9 @@
 The key's partition follows the SDKs' hashing over the bucket's partition count (the
 partitions of its full backups). Each version found in a segment is listed with its
 backup, seq, op, cas and rev seq, and whether it is a lost write: above the cut a later
-backup's rollback made (DESIGN, chain semantics), so absent from the latest state.
+backup's rollback made (DESIGN, chain semantics), so absent from the latest state, or
+taken back by a rollback in the middle of its backup (a cut-back segment,
+formats/repository.md §5.6).
 """
 
 from __future__ import annotations
@@ -78,8 +80,11 @@ def examine(
         if entry is None:
             continue
         c = lost_cut(manifests, p, m.backup_id, latest)
-        for seg in entry.segments:
-            with SegmentReader(repo.segment_path(b, m.backup_id, seg.file)) as reader:
+        # its segments, then the records mid-run rollbacks took back (lost: seq above 0)
+        files = [(seg.file, c) for seg in entry.segments]
+        files += [(name, 0) for name, _seg in entry.cut_files()]
+        for name, c in files:
+            with SegmentReader(repo.segment_path(b, m.backup_id, name)) as reader:
                 for op, seq, rev, cas, flags, exp, _dt, dtype, k, value in reader.records():
                     if k == key:
                         out.append(
