@@ -34,3 +34,29 @@ def test_leftover_cuts_are_renumbered_in_order_and_broken_ones_left_alone(tmp_pa
     assert [(f, t, Path(i.path).name) for f, t, i in found[7]] == [(5, 4, c.name)]
     assert (tmp_path / "cut-1" / a.name).exists() and (tmp_path / "cut-2" / b.name).exists()
     assert not a.exists() and not b.exists() and bad.exists()  # moved; the broken one stays
+
+
+def test_a_cut_that_takes_every_record_leaves_no_empty_segment(tmp_path: Path) -> None:
+    """A rollback to the run's start, the new active holding nothing more: the records
+    move to cut-1/, and the partition's own segment is dropped, not written empty."""
+    from upr_cli.dcp.events import StreamEnded
+    from upr_cli.dcp.position import StreamPosition
+    from upr_cli.jobs.backup_stream import _cut, _finish, _Open
+
+    hdr = header(start=100, end=200, part=3)
+    w = SegmentWriter(tmp_path / "p0003.open", hdr)
+    w.add(rows_for(list(range(101, 151)), 3))
+    st = _Open(3, w, hdr.failover_log, 100)
+    held = [w.buffered]
+
+    def open_cut(p: int, log: object, r: int, k: int) -> SegmentWriter:
+        return SegmentWriter(tmp_path / f"p{p:04x}.cut-{k}", header(start=r, end=r, part=p))
+
+    _cut(st, 150, 100, held, open_cut, format_segment_name)
+    ended = StreamEnded(3, 0, StreamPosition(3, hdr.failover_log.latest.uuid, 100, 100, 100))
+    res = _finish(st, ended, tmp_path, format_segment_name, held)
+    assert res.segment is None and res.items == 0 and held == [0]
+    assert [(f, t, i.records) for f, t, i in res.cuts] == [(150, 100, 50)]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.seg")) == [
+        f"cut-1/{format_segment_name(3, 101, 150)}"
+    ]

@@ -316,6 +316,8 @@ BAD: list[tuple[str, Any, str]] = [
     ("cut_back not below", setter(P0, "cut_back", [CUT | {"to": "200"}]), "not below"),
     ("cut_back key", setter(P0, "cut_back", [CUT | {"k": "1"}]), "unknown key"),
     ("cut_back segment outside", setter(P0, "cut_back", [CUT | {"from": "190"}]), "outside"),
+    ("cut_back empty", setter(P0, "cut_back", []), "only when not empty"),
+    ("cut_back no segment", setter(P0, "cut_back", [CUT | {"segments": []}]), "lists no segment"),
     ("cut_back other partition", setter(P0, "cut_back", [
         CUT | {"segments": [seg(1, 151, 200).to_json()]}]), "another partition"),
 ]  # fmt: skip

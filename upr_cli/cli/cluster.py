@@ -118,7 +118,8 @@ def init_cmd(
         cl.rev, cl.vbmap = 1, vbmap
         config = map_json(cl, vbmap, cl.rev)
         for i, node in enumerate(cl.nodes):
-            asyncio.run(push(cl, node, config, states_for(vbmap, i)))
+            want = states_for(vbmap, i)
+            asyncio.run(push(cl, node, config, want, full=want))
         spec.save(data, cl)
     except BaseException:
         for node in cl.nodes:
@@ -140,6 +141,8 @@ async def _adopted(uris: list[str], replicas: int) -> ClusterSpec:
     for u in parsed:
         if u.host not in ("127.0.0.1", "localhost"):
             raise UsageError(f"--adopt {u.redacted()}: only loopback nodes are supported")
+        if u.seeds:
+            raise UsageError(f"--adopt {u.redacted()}: one node per URI")
         if (u.username, u.password, u.bucket) != (first.username, first.password, first.bucket):
             raise UsageError("--adopt: every node needs the same user, password and bucket")
     if not first.username or not first.bucket:
@@ -427,6 +430,8 @@ def rebalance_cmd(
                 uri = SourceUri.parse(item)
                 if uri.host not in ("127.0.0.1", "localhost"):
                     raise UsageError(f"--add {uri.redacted()}: only loopback nodes are supported")
+                if uri.seeds:
+                    raise UsageError(f"--add {uri.redacted()}: one node per URI")
                 node = spec.NodeSpec(f"n{k}", uri.port, adopted=True)
             added.append(node)
     except BaseException:

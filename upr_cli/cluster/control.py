@@ -69,11 +69,14 @@ def states_for(vbmap: list[list[int]], index: int) -> dict[int, str]:
 
 
 async def push(spec: ClusterSpec, node: NodeSpec, config: dict[str, Any],
-               states: dict[int, str], *, failover: Collection[int] = ()) -> int:  # fmt: skip
+               states: dict[int, str], *, failover: Collection[int] = (),
+               full: dict[int, str] | None = None) -> int:  # fmt: skip
     """Give one node the map and the states (those that differ); returns commands sent.
 
     A partition in `failover` that becomes active gets a new failover entry (a hard
-    failover's promotion, formats/cluster.md §3)."""
+    failover's promotion, formats/cluster.md §3). A node whose front-end traffic is off
+    (it restarted) is given every state of `full` (what the map says it holds; `states`
+    override) and then ENABLE_TRAFFIC; without `full` its traffic stays off."""
     s = await connect(SourceUri.parse(spec.uri(node)), name="upr-cluster")
     conn = s.conn
     cas = 0
@@ -98,6 +101,9 @@ async def push(spec: ClusterSpec, node: NodeSpec, config: dict[str, Any],
         raise UprError(f"node {node.name}: {what}: the bucket CAS kept changing")
 
     try:
+        waiting = (await conn.stats("")).get("ep_traffic_enabled") == "false"
+        if waiting and full is not None:
+            states = {**full, **states}
         held = await conn.stats("vbucket")
         current = await conn.request(GetClusterConfig(opaque=conn.next_opaque()), check=False)
         body = _body(current)
@@ -121,9 +127,11 @@ async def push(spec: ClusterSpec, node: NodeSpec, config: dict[str, Any],
                               vbucket=p, state=code, cas=c, value=value,
                                                                opaque=conn.next_opaque()),
                           f"partition {p} → {state}")  # fmt: skip
-        # seed 000 (state transitions, step 3): with the map and states in place, front-end
-        # traffic on (a node that restarted starts with it off)
-        await conn.request(EnableTraffic(opaque=conn.next_opaque()))
+        if waiting and full is not None:
+            # seed 000 (state transitions, step 3): with the map and every state in place,
+            # front-end traffic on (a node that restarted starts with it off)
+            await conn.request(EnableTraffic(opaque=conn.next_opaque()))
+            sent += 1
     finally:
         await conn.aclose()
     return sent

@@ -100,7 +100,8 @@ class Orchestrator:
                 continue
             want = states.get(i, {})
             try:
-                await push(cl, node, config, want, failover=(failover or {}).get(i, set()))
+                await push(cl, node, config, want, failover=(failover or {}).get(i, set()),
+                           full=self.member_states(i))  # fmt: skip
             except (UprError, OSError) as exc:
                 if want and i in first:
                     raise
@@ -109,7 +110,8 @@ class Orchestrator:
     async def set_states(self, index: int, states: dict[int, str]) -> None:
         """State changes on one node under the current map revision."""
         cl = self.cl
-        await push(cl, cl.nodes[index], map_json(cl, cl.vbmap, cl.rev), states)
+        await push(cl, cl.nodes[index], map_json(cl, cl.vbmap, cl.rev), states,
+                   full=self.member_states(index))  # fmt: skip
 
     def member_states(self, index: int) -> dict[int, str]:
         """What a node must hold under the current map (all dead when not a member)."""

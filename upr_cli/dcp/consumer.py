@@ -450,12 +450,14 @@ class DcpConsumer:
                 ):
                     self._opening.pop(part.partition, None)
                     self._spawn(self._move(part, resp.value))
-                elif isinstance(resp, Response) and resp.status == Status.ETMPFAIL and self._follow:
+                elif isinstance(resp, Response) and resp.status == Status.ETMPFAIL:
                     # a cluster node that restarted serves nothing until its orchestrator
                     # turns traffic on (formats/cluster.md §3): ask the map again shortly
                     self._opening.pop(part.partition, None)
                     since = self._tmpfail.setdefault(part.partition, time.monotonic())
                     if time.monotonic() - since > self.follow_for:
+                        for other, _f, _s in futs:
+                            self._opening.pop(other.partition, None)
                         raise ConsumerError(
                             f"partition {part.partition}: {part.addr[0]}:{part.addr[1]} "
                             f"refused streams (ETMPFAIL) for {self.follow_for:g}s"

@@ -50,6 +50,7 @@ from upr_cli.repo import (
     resume_point,
 )
 from upr_cli.segments import SegmentError, SegmentInfo, SegmentReader
+from upr_cli.segments.writer import FileOps, sync_files
 
 log = logging.getLogger(__name__)
 
@@ -258,9 +259,11 @@ async def backup(
                     cuts=leftover,
                 )
             )  # fmt: skip
-        for p, cut_list in leftover.items():  # a Spark streamer's tasks start clean
-            if p in results and not results[p].cuts:
-                results[p].cuts = cut_list
+        # cut-back segments (this run's, an interrupted run's): durable before the commit
+        cut_paths = [Path(info.path) for r in results.values() for _f, _t, info in r.cuts]
+        if cut_paths:
+            sync_files(cut_paths)  # the files, then their cut-K directories
+            FileOps().fsync_dir(directory)  # the cut-K directories' entries
         entries, rollbacks, bytes_read = [], [], 0
         for p, r in sorted(results.items()):
             decision = decisions.get(p)
@@ -279,7 +282,7 @@ async def backup(
                         else str(rb.seed_rule_seq),
                         "producer_seq": str(rb.producer_seq),
                         "during_run": r.rollback is not None,
-                        "cut_records": sum(seg.records for _f, _t, seg in r.cuts),
+                        "cut_records": 0 if r.cut_back else sum(s.records for *_, s in r.cuts),
                     }
                 )
             if r.cut_back is not None:  # a failover mid-run: this run's records above `to` went
@@ -291,7 +294,7 @@ async def backup(
                         "seed_rule_seq": None,
                         "producer_seq": str(r.cut_back[1]),
                         "during_run": True,
-                        "cut_records": sum(seg.records for _f, _t, seg in r.cuts),
+                        "cut_records": sum(s.records for *_, s in r.cuts),
                     }
                 )
             if r.segment is not None:
@@ -345,7 +348,8 @@ def _reusable(
             log.warning("%s: not reused: %s", path.name, exc.reason)
             path.unlink(missing_ok=True)
             continue
-        if p not in want or p in out or header.start_seq != start or header.partition != p:
+        if (p not in want or p in out or header.start_seq != start or header.partition != p
+                or not info.records):  # fmt: skip
             path.unlink(missing_ok=True)
             continue
         last = header.snapshots[-1] if header.snapshots else (header.end_seq, header.end_seq)

@@ -343,7 +343,10 @@ def _finish(
     pos = ended.position
     end = max(pos.seq, st.start)
     info = None
-    if st.writer is not None:
+    if st.writer is not None and not st.writer.first_seq:  # a cut took every record back
+        held[0] -= st.writer.buffered
+        st.writer.abort()
+    elif st.writer is not None:
         w = st.writer
         held[0] -= w.buffered
         info = w.finish(end_seq=max(end, w.last_seq), snapshots=tuple(st.snapshots), sync=False,

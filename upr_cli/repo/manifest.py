@@ -190,6 +190,8 @@ class CutBack:
         _u64(self.to_seq, "cut_back to")
         if not self.to_seq < self.from_seq:
             raise _fail(f"cut_back to {self.to_seq} is not below its from {self.from_seq}")
+        if not self.segments:
+            raise _fail(f"cut_back ({self.to_seq}, {self.from_seq}] lists no segment")
         _check_segments(self.segments, f"cut_back ({self.to_seq}, {self.from_seq}]",
                         self.to_seq, self.from_seq)  # fmt: skip
 
@@ -210,6 +212,13 @@ class CutBack:
             for i, s in enumerate(o.array("segments"))
         )
         return cls(o.u64("from"), o.u64("to"), segments)
+
+
+def _cut_backs(o: _Obj, where: str) -> tuple[CutBack, ...]:
+    items = o.array("cut_back")
+    if not items:
+        raise _fail(f"{where}: cut_back is present only when not empty (§5.6)")
+    return tuple(CutBack.from_json(c, f"{where}: cut_back[{i}]") for i, c in enumerate(items))
 
 
 def _check_segments(
@@ -352,10 +361,7 @@ class PartitionEntry:
             snap.u64("end"),
             segments,
             rollback,
-            tuple(
-                CutBack.from_json(c, f"{where}: cut_back[{i}]")
-                for i, c in enumerate(o.array("cut_back") if "cut_back" in keys else [])
-            ),
+            _cut_backs(o, where) if "cut_back" in keys else (),
         )
 
 

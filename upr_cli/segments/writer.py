@@ -238,7 +238,8 @@ class SegmentWriter:
         records above the rollback seq belong to an abandoned branch (a backup keeps them
         as lost writes, `into`). Whole blocks above it are cut off (from memory or the
         body file); the one block it falls inside is decompressed and its records up to
-        `seq` are buffered again, so memory stays bounded by one block.
+        `seq` are buffered again, so memory stays bounded by one block (and `into` spills
+        past four).
         """
         if self._done:
             raise LocalProtocolError("segment already finished")
@@ -259,6 +260,8 @@ class SegmentWriter:
                     kept = [r for r in records if r[1] <= seq]
                 if into is not None:
                     into.add(_rows(r for r in records if r[1] > seq))
+                    if into.buffered > 4 * self._block_size:
+                        into.spill()  # memory stays bounded: the cut can be a whole run
             cut = gone[0]
             if cut.offset >= self._spilled:  # every block from the cut on is in memory
                 self._frames = self._frames[: len(self._frames) - len(gone)]

@@ -45,9 +45,11 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                      partitions: list[int] | None = None,
                      segment_name: Callable[[int, int, int], str],
                      end_seqs: dict[int, int] | None = None,
+                     cuts: dict[int, list[Any]] | None = None,
                      **_ignored: Any) -> dict[int, PartitionResult]:  # fmt: skip
         logs = failover_logs or {}
         ends = end_seqs or {}
+        left = cuts or {}  # an interrupted run's cut-back segments (their lists go on)
 
         def run(share: list[int]) -> list[tuple[int, PartitionResult]]:
             got = asyncio.run(stream_to_segments(
@@ -55,6 +57,7 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                 positions={p: positions[p] for p in share if p in positions},
                 failover_logs={p: logs[p] for p in share if p in logs}, partitions=share,
                 segment_name=segment_name, end_seqs={p: ends[p] for p in share if p in ends},
+                cuts={p: left[p] for p in share if p in left},
             ))  # fmt: skip
             return sorted(got.items())
 
