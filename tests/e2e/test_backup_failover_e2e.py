@@ -19,19 +19,22 @@ from pathlib import Path
 from typing import Any
 
 from tests.e2e.cluster_helpers import Cluster
-from tests.e2e.conftest import upr
+from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import store_rows
 from upr_cli.jobs.backup import BackupSummary, backup
 from upr_cli.jobs.backup_stream import StreamStats
 from upr_cli.net.uri import SourceUri
 
 
-def _backup_through_failover(cl: Cluster, repo: Path, parts: list[int]) -> BackupSummary:
-    """One backup of `parts` (active on n0), failing n0 over once records have arrived."""
+def _backup_through_failover(
+    cl: Cluster, repo: Path, parts: list[int], *, after_end: bool = False
+) -> BackupSummary:
+    """One backup of `parts` (active on n0), failing n0 over once records have arrived
+    (or, `after_end`, once a partition's stream has ended)."""
     fired: list[StreamStats] = []
 
     def hook(stats: StreamStats) -> None:
-        if fired or not stats.items:
+        if fired or not stats.items or (after_end and not stats.partitions_done):
             return
         fired.append(StreamStats(stats.items, stats.bytes_in, stats.partitions_done))
         pid = cl.spec.node("n0").pid
@@ -42,7 +45,7 @@ def _backup_through_failover(cl: Cluster, repo: Path, parts: list[int]) -> Backu
     summary = asyncio.run(
         backup(SourceUri.parse(cl.uri("n1")), repo, partitions=parts, on_progress=hook)
     )
-    assert fired and fired[0].partitions_done == 0, fired  # n0 died mid-partition
+    assert fired and (fired[0].partitions_done > 0) == after_end, fired
     return summary
 
 
@@ -129,3 +132,44 @@ def test_a_backup_through_a_hard_failover_below_its_start_starts_again(tmp_path:
         )  # fmt: skip
     finally:
         cl.stop()
+
+
+def test_a_failover_after_a_partition_ended_gets_a_follow_up_backup(tmp_path: Path) -> None:
+    """n0 fails over after the stream of its partition ended in this run: the run
+    commits, finds that the new active's history no longer holds that end, and commits a
+    follow-up backup recording the rollback; the newest state is the new active's, and
+    the records the failover took back are lost writes of the first backup."""
+    cl, parts = _prepare(tmp_path)
+    try:
+        upr("load", cl.uri("n1"), "--docs", "3000", "--seed", "5", "--prefix", "ahead")
+        repo = tmp_path / "repo"
+        summary = _backup_through_failover(cl, repo, parts[:1], after_end=True)
+        assert len(summary.follow_ups) == 1, summary
+        recorded = [rb for rb in summary.rollbacks if rb["partition"] == parts[0]]
+        assert recorded and int(recorded[0]["from"]) > int(recorded[0]["to"]), summary
+        _restored_equals_cluster(cl, repo, tmp_path, parts[:1])
+        out = upr("salvage", "--repo", str(repo), "--to", cl.uri("n1"), "--json", check=False)
+        items = json.loads(out.stdout)["items"]
+        assert items and all(it["origin"] == f"backup {summary.backup_id}" for it in items)
+    finally:
+        cl.stop()
+
+
+def test_a_source_gone_after_the_commit_leaves_the_backup_committed(
+    node_factory: type[Node], tmp_path: Path
+) -> None:
+    """The check after the commit cannot reach the source (it died once the streams
+    ended): the backup stands, with a warning; the next run checks again."""
+    node = node_factory("--flush-interval", "0.02", partitions=8).start()
+    upr("load", node.uri, "--docs", "500")
+
+    def hook(stats: StreamStats) -> None:
+        if stats.partitions_done == stats.partitions and node.proc is not None:
+            node.proc.send_signal(signal.SIGKILL)
+            node.proc.wait()
+
+    repo = tmp_path / "repo"
+    summary = asyncio.run(backup(SourceUri.parse(node.uri), repo, on_progress=hook))
+    assert summary.items == 500 and not summary.follow_ups
+    assert any("checking it against the source afterwards failed" in w for w in summary.warnings)
+    assert upr("verify", "--repo", str(repo)).returncode == 0

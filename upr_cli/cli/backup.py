@@ -25,7 +25,8 @@ the start. When the source failed over or restarted uncleanly, the rollback is r
 and the backup continues from the rollback point; the lost writes stay in the older
 backup, readable. A failover while the run streams (a cluster) is followed the same way:
 what the rollback took back moves to cut-back segments, kept as lost writes, and the run
-completes with each partition as its new active holds it. A backup exists once its
+completes with each partition as its new active holds it (a partition whose stream had
+already ended gets a follow-up backup that records the rollback). A backup exists once its
 manifest.json is written; an interrupted run leaves nothing visible. The repository is
 created on first use (formats/repository.md).
 
@@ -122,6 +123,9 @@ def backup_cmd(
             f"partition {rb['partition']}: rolled back{when} from {rb['from']} to {rb['to']} "
             f"(seed rule {rb['seed_rule_seq']}, producer {rb['producer_seq']}){kept}"
         )
+    for fid in summary.follow_ups:
+        stdout.print(f"follow-up backup {fid}: the partitions a failover overtook after their "
+                     "streams ended, now as their active holds them")  # fmt: skip
 
 
 def _mb(n: int) -> str:

@@ -26,9 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.dcp.position import StreamPosition
-from upr_cli.errors import UsageError
+from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, ImpossibleHistory, needs_rollback, rollback_point
-from upr_cli.jobs.backup_stream import PartitionResult, StreamStats, stream_to_segments
+from upr_cli.jobs.backup_stream import (
+    BackupInterrupted,
+    PartitionResult,
+    StreamStats,
+    stream_to_segments,
+)
 from upr_cli.net.connection import Connection
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.header import Opcode
@@ -56,6 +61,7 @@ log = logging.getLogger(__name__)
 
 #: `stream_to_segments`, or a stand-in with its keywords (a distributed backup).
 Streamer = Callable[..., Awaitable[dict[int, PartitionResult]]]
+FOLLOW_UPS = 3  # follow-up backups for partitions a failover overtook after they ended
 
 
 @dataclass
@@ -83,6 +89,7 @@ class BackupSummary:
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
     reused_segments: int = 0
+    follow_ups: list[str] = field(default_factory=list)  # backups committed right after
 
     def to_json(self) -> dict[str, Any]:
         """JSON with 64-bit values as decimal strings."""
@@ -100,14 +107,16 @@ class BackupSummary:
             "rollbacks": self.rollbacks,
             "warnings": self.warnings,
             "reused_segments": self.reused_segments,
+            "follow_ups": self.follow_ups,
         }
 
 
 async def _live_state(
-    uri: SourceUri, partitions: list[int] | None
+    uri: SourceUri, partitions: list[int] | None, wait_for: float = 60.0
 ) -> tuple[int, dict[int, FailoverLog], dict[int, tuple[int, int]]]:
     """The partition count, live failover logs (GET_FAILOVER_LOG 0x96) and (high, purge),
-    each partition from its active node (formats/cluster.md)."""
+    each partition from its active node (formats/cluster.md; a node away is waited for
+    up to `wait_for` s)."""
     from upr_cli.net.bootstrap import on_active_nodes
 
     async def ask(
@@ -131,7 +140,8 @@ async def _live_state(
                       int(stats.get(f"vb_{p}:purge_seqno", 0)))  # fmt: skip
         return out
 
-    got, count = await on_active_nodes(uri, partitions, ask, name="upr-backup-check")
+    got, count = await on_active_nodes(uri, partitions, ask, name="upr-backup-check",
+                                       wait_for=wait_for)  # fmt: skip
     logs = {p: log for p, (log, _h, _u) in got.items() if log is not None}
     return count, logs, {p: (h, u) for p, (_l, h, u) in got.items()}
 
@@ -196,7 +206,81 @@ async def backup(
     seqs pinned here, once): `upr backup --spark` divides the partitions among Spark
     tasks with it. Everything else (the lock, where each partition starts, the commit of
     the manifest) stays here, on the driver.
+
+    A failover can also take back records of a partition whose stream had already
+    ended in this run. After the commit every partition's end is checked against its
+    live failover log (the producer rule, dcp-wire §4.2); those it no longer holds get a
+    follow-up incremental backup at once, which records the rollback (the records above
+    it stay in the first one as lost writes), so the newest backup restores to the
+    actives' state. At most `FOLLOW_UPS` rounds.
     """
+    first = await _backup_once(uri, repo_dir, full=full, partitions=partitions,
+                               on_progress=on_progress, on_warning=on_warning,
+                               streamer=streamer)  # fmt: skip
+    summary = first
+    for _ in range(FOLLOW_UPS):
+        try:
+            overtaken = await _overtaken(uri, repo_dir, summary.bucket, summary.backup_id)
+        except (UprError, OSError) as exc:  # committed already: the next run checks again
+            note = (f"backup {summary.backup_id} is committed; checking it against the "
+                    f"source afterwards failed: {exc}")  # fmt: skip
+            first.warnings.append(note)
+            (on_warning or log.warning)(note)
+            return first
+        if not overtaken:
+            return first
+        more = " …" if len(overtaken) > 8 else ""
+        note = (f"partitions {overtaken[:8]}{more}: a failover took back records after their "
+                "streams ended; a follow-up backup records it")  # fmt: skip
+        first.warnings.append(note)
+        (on_warning or log.warning)(note)
+        summary = await _backup_once(uri, repo_dir, partitions=overtaken,
+                                     on_progress=on_progress, on_warning=on_warning,
+                                     streamer=streamer)  # fmt: skip
+        first.follow_ups.append(summary.backup_id)
+        first.rollbacks += summary.rollbacks
+        first.warnings += summary.warnings
+        first.items += summary.items
+        first.bytes_read += summary.bytes_read
+        first.bytes_written += summary.bytes_written
+        first.seconds += summary.seconds
+    raise BackupInterrupted(
+        f"partitions kept failing over during {FOLLOW_UPS + 1} backups in a row "
+        f"(the last, {summary.backup_id}, is committed); run it again"
+    )
+
+
+async def _overtaken(uri: SourceUri, repo_dir: Path, bucket: str, backup_id: str) -> list[int]:
+    """Partitions of a committed backup whose end their active's history no longer holds."""
+    manifest = Repository(repo_dir).read_manifest(bucket, BackupId.parse(backup_id))
+    entries = [e for e in manifest.partitions if e.failover_log.entries]
+    if not entries:
+        return []
+    _count, logs, seqs = await _live_state(uri, [e.partition for e in entries], wait_for=10.0)
+    out = []
+    for e in entries:
+        live = logs.get(e.partition)
+        if live is None or not live.entries:
+            continue
+        high, purge = seqs.get(e.partition, (0, 0))
+        d = needs_rollback(live, start=e.end_seq, uuid=e.uuid, snap_start=e.snap_start,
+                           snap_end=e.snap_end, high=high, purge_seq=purge)  # fmt: skip
+        if d.rollback:
+            out.append(e.partition)
+    return out
+
+
+async def _backup_once(
+    uri: SourceUri,
+    repo_dir: Path,
+    *,
+    full: bool = False,
+    partitions: list[int] | None = None,
+    on_progress: Callable[[StreamStats], None] | None = None,
+    on_warning: Callable[[str], None] | None = None,
+    streamer: Streamer | None = None,
+) -> BackupSummary:
+    """One backup, committed (see `backup`)."""
     if uri.bucket is None:
         raise UsageError("the source URI names no bucket")
     bucket = uri.bucket
