@@ -164,9 +164,8 @@ def test_a_source_gone_after_the_commit_leaves_the_backup_committed(
     upr("load", node.uri, "--docs", "500")
 
     def hook(stats: StreamStats) -> None:
-        if stats.partitions_done == stats.partitions and node.proc is not None:
-            node.proc.send_signal(signal.SIGKILL)
-            node.proc.wait()
+        if stats.partitions_done == stats.partitions and node.alive():
+            node.kill()
 
     repo = tmp_path / "repo"
     summary = asyncio.run(backup(SourceUri.parse(node.uri), repo, on_progress=hook))
