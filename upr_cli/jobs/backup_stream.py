@@ -96,7 +96,6 @@ class _Open:
     start: int
     snapshots: list[tuple[int, int]] = field(default_factory=list)
     rollback: tuple[int, int] | None = None
-    items: int = 0
     cut_back: tuple[int, int] | None = None  # (from, to) of a rollback above `start`
     # records mid-run rollbacks took back, kept as lost writes: (from, to, cut-K segment)
     cuts: list[tuple[int, int, SegmentInfo]] = field(default_factory=list)
@@ -188,8 +187,6 @@ async def stream_to_segments(
 
     async def flush_rows() -> None:
         work = [(opened[p], rows) for p, rows in pending.items()]
-        for st, rows in work:
-            st.items += len(rows)
         pending.clear()
         if work:
             await submit(lambda: add_all(work))
