@@ -645,9 +645,12 @@ class NodeStorage:
                 {**args, "now": time.time()},
             )
             count = db.execute("DELETE FROM docs WHERE vbucket = :vb AND seq > :s", args).rowcount
+            # The version a key had at r is the one its first change above r replaced:
+            # the undo row above r holding a version at or below r. A key created above r
+            # has no such row (a creation replaces nothing), so it stays removed.
             db.execute(
                 f"INSERT INTO docs ({_DOC_COLUMNS}) SELECT {_DOC_COLUMNS} FROM undo u"
-                " WHERE u.vbucket = :vb AND u.new_seq > :s AND u.new_seq = ("
+                " WHERE u.vbucket = :vb AND u.new_seq > :s AND u.seq <= :s AND u.new_seq = ("
                 "  SELECT min(new_seq) FROM undo v"
                 "  WHERE v.vbucket = :vb AND v.key = u.key AND v.new_seq > :s)",
                 args,
