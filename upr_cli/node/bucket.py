@@ -9,23 +9,30 @@ Failover entries (seed 000 "Failover Log", dcp-wire §4.3): one {uuid, 0} at cre
 after an unclean shutdown, one per active partition at its last persisted complete
 snapshot (`snap_end` if the high seq equals it, else `snap_start`), written to disk
 before the node serves. A clean shutdown flushes everything and keeps the uuids.
+
+Storage work is never cut short: a commit runs in the writer thread whatever happens to
+the coroutine that asked for it, so every flush, state write and rollback runs as its
+own task under the flush lock (`_unbroken`), and its caller only stops waiting when
+cancelled (a replication link restarted by a map change, a client gone). Before, a flush
+cancelled mid-commit left its committed items queued, and every later flush failed on
+them ("seq 1 is not above stored seq 1").
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from upr_cli.failover import FailoverLog, new_uuid
+from upr_cli.net.aio import cancel_and_wait
 from upr_cli.node.partition import ACTIVE, PENDING, REPLICA, Partition
 from upr_cli.node.storage import DocRow, NodeStorage, PartitionRecord
 from upr_cli.protocol.status import (
@@ -92,6 +99,7 @@ class Bucket:
         self._lookup = NodeStorage(data_dir, name)  # loop-thread point reads
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flush-{name}")
         self._flush_lock = asyncio.Lock()
+        self._work: set[asyncio.Task[Any]] = set()  # storage work under way (`_unbroken`)
         self._flusher: asyncio.Task[None] | None = None
         self._last_cas = 0
         self.started_unclean = False
@@ -155,10 +163,10 @@ class Bucket:
     async def stop(self, *, clean: bool = True) -> None:
         """Stop flushing; on a clean stop flush everything and mark the shutdown clean."""
         if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
+            await cancel_and_wait([self._flusher])
             self._flusher = None
+        while self._work:  # storage work whose callers were cancelled ends first
+            await asyncio.gather(*self._work, return_exceptions=True)
         if clean:
             await self.flush()
             self.storage.set_clean_shutdown(True)
@@ -234,11 +242,29 @@ class Bucket:
         self._changed()
         return self.state_cas
 
-    async def _in_pool(self, fn: Callable[..., _T], *args: object) -> _T:
-        """Run a storage call on the writer thread, between flushes."""
-        async with self._flush_lock:
-            self._disk_gen += 1
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    def _in_pool(self, fn: Callable[..., _T], *args: object) -> Awaitable[_T]:
+        """Run a storage call on the writer thread, between flushes (never cut short)."""
+
+        async def call() -> _T:
+            async with self._flush_lock:
+                self._disk_gen += 1
+                return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+        return self._unbroken(call())
+
+    def _unbroken(self, work: Coroutine[Any, Any, _T]) -> Awaitable[_T]:
+        """Run storage work as its own task: a cancelled caller stops waiting, while the
+        work (a commit in the writer thread and the in-memory bookkeeping after it)
+        finishes under the flush lock. `stop` waits for what is left."""
+        task = asyncio.ensure_future(work)
+        self._work.add(task)
+        task.add_done_callback(self._work_done)
+        return asyncio.shield(task)
+
+    def _work_done(self, task: asyncio.Task[Any]) -> None:
+        self._work.discard(task)
+        if not task.cancelled():
+            task.exception()  # a caller that was cancelled never reads it; the next flush will
 
     # -- the replica side (seed 000 "How KV mutations flow into Replicas") -------------
 
@@ -292,8 +318,8 @@ class Bucket:
         if ok:
             lost = await self._in_pool(self.storage.rollback_replica, vb, seq, rec)
         else:
-            lost = await self._in_pool(self.storage.reset_partition, rec)
             part.undo_floor = 0
+            lost = await self._in_pool(self.storage.reset_partition, rec)
         log.warning("bucket %s: replica partition %d rolled back to %d (%s, %d versions %s)",
                     self.name, vb, seq, "undo" if ok else "reset: below the undo floor", lost,
                     "kept in lost_writes" if ok else "dropped")  # fmt: skip
@@ -454,8 +480,11 @@ class Bucket:
             except Exception:
                 log.exception("bucket %s: flush failed; will retry", self.name)
 
-    async def flush(self) -> int:
+    def flush(self) -> Awaitable[int]:
         """Commit every queued item (group commit) and advance persisted seqnos; returns count."""
+        return self._unbroken(self._flush())
+
+    async def _flush(self) -> int:
         async with self._flush_lock:
             total = 0
             loop = asyncio.get_running_loop()
@@ -499,28 +528,36 @@ class Bucket:
             floor = part.undo_floor
             if floor is not None and part.persisted_seq - floor > 2 * self.undo_window:
                 new_floor = part.persisted_seq - self.undo_window
+                part.undo_floor = new_floor  # first: a floor too high is only conservative
                 await self._in_pool(self.storage.prune_undo, vb, new_floor)
-                part.undo_floor = new_floor
 
     async def persist_state(self, parts: list[Partition]) -> None:
         """Write partition records (failover log or state changed) durably."""
-        async with self._flush_lock:
-            recs = [p.record() for p in parts]
-            await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.storage.save_partitions, recs
-            )
+
+        async def save() -> None:
+            async with self._flush_lock:
+                recs = [p.record() for p in parts]
+                await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self.storage.save_partitions, recs
+                )
+
+        await self._unbroken(save())
 
     async def purge(self, older_than: float) -> dict[int, int]:
         """Purge tombstones older than `older_than` seconds; raise purge seqnos."""
         await self.flush()
-        async with self._flush_lock:
-            purged = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.storage.purge_tombstones, older_than
-            )
-            self._disk_gen += 1
-        for vb, seq in purged.items():
-            self.partitions[vb].purge_seq = max(self.partitions[vb].purge_seq, seq)
-        return purged
+
+        async def run() -> dict[int, int]:
+            async with self._flush_lock:
+                purged = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self.storage.purge_tombstones, older_than
+                )
+                self._disk_gen += 1
+            for vb, seq in purged.items():
+                self.partitions[vb].purge_seq = max(self.partitions[vb].purge_seq, seq)
+            return purged
+
+        return await self._unbroken(run())
 
 
 def _replica_snapshot(part: Partition, top: int) -> tuple[int, int]:

@@ -1,0 +1,33 @@
+"""asyncio helpers that keep cancellation (STYLE.md practice 7: never swallow it).
+
+Two traps this module and its callers avoid:
+
+- Python 3.11's `asyncio.wait_for` returns the inner result when the caller is
+  cancelled in the same loop turn as the inner awaitable completes, and the caller's
+  cancellation is lost (3.12 rebuilt it on `asyncio.timeout`). A consumer cancelled
+  while opening then went on to stream, and whoever cancelled it waited forever. The
+  library therefore bounds waits with `async with asyncio.timeout(...)`, never
+  `wait_for`.
+- `with suppress(CancelledError): await task` after `task.cancel()` also eats a
+  cancellation aimed at the caller while it waits. `cancel_and_wait` waits with
+  `asyncio.wait`, which raises only for the caller's own cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    """Cancel `tasks` and wait until every one has ended; their results and errors are
+    consumed (they were told to stop), the caller's own cancellation propagates."""
+    pending = {t for t in tasks if not t.done()}
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    for task in pending:
+        if not task.cancelled():
+            task.exception()  # retrieved: "exception was never retrieved" otherwise
