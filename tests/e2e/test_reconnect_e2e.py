@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import pytest
 
@@ -13,6 +15,8 @@ from tests.e2e.e2e_helpers import Replica, drain, run, seqnos, wait_persisted
 from upr_cli.dcp.consumer import ConsumerError, DcpConsumer
 from upr_cli.dcp.events import Rollback
 from upr_cli.net.uri import SourceUri
+
+_T = TypeVar("_T")
 
 
 def test_a_following_consumer_survives_a_node_crash_and_rolls_back(
@@ -87,3 +91,46 @@ def test_a_silent_node_is_detected_and_reconnects_give_up_with_one_error(
     finally:
         assert node.proc is not None
         node.proc.send_signal(signal.SIGCONT)
+
+
+def _run_bounded(main: Coroutine[Any, Any, _T], seconds: float) -> _T:
+    """`asyncio.run` with a bound: a task that swallows its cancellation would hang
+    `asyncio.run`'s shutdown (and pytest-timeout's interrupt with it), so the test fails
+    in `seconds` instead, leaving the stuck tasks on a loop it closes."""
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(main)
+        loop.run_until_complete(asyncio.wait({task}, timeout=seconds))
+        if not task.done():
+            pytest.fail(f"still running after {seconds} s: a cancelled consumer hangs")
+        return task.result()
+    finally:
+        loop.close()
+
+
+def test_a_consumer_cancelled_while_opening_leaks_no_connection(node: Node) -> None:
+    """A replication link restarted by a map change is cancelled wherever it stands,
+    often inside `open`: every connection it made must be closed (the node logged
+    "Task was destroyed but it is pending" for their reader tasks)."""
+
+    async def main() -> list[str]:
+        leaked: list[str] = []
+        for delay in [0.0, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.03]:
+            consumer = DcpConsumer(SourceUri.parse(node.uri), name="upr-cancel-test")
+
+            async def use(c: DcpConsumer = consumer) -> None:
+                async with c:
+                    await asyncio.sleep(3600)
+
+            task = asyncio.ensure_future(use())
+            await asyncio.sleep(delay)
+            task.cancel()
+            await asyncio.wait({task}, timeout=10)
+            assert task.done(), f"cancelled after {delay} s, the consumer did not stop"
+            await asyncio.sleep(0)
+            leaked += [t.get_name() for t in asyncio.all_tasks()
+                       if t.get_name().startswith("reader ") and not t.done()]  # fmt: skip
+            assert not consumer._links
+        return leaked
+
+    assert _run_bounded(main(), 60) == []

@@ -354,25 +354,33 @@ class DcpConsumer:
             raise
         live = True
         old = self._links.get(addr)
-        if old is not None:
-            await old.session.conn.aclose()
+        # the new link is held before anything awaits: a cancellation cannot leak it
         self._links[addr] = _Link(addr, session, gen)
         if bootstrap or self.session is None or self.session.conn.closed:
             self.session = session
         if len(self._links) > 1:
             self.barriers_supported = False  # cookies are per connection
+        if old is not None:
+            await old.session.conn.aclose()
 
     async def aclose(self) -> None:
-        """Close every connection."""
+        """Close every connection (all at once first: a cancelled aclose leaks none)."""
         for task in list(self._tasks):
             task.cancel()
-        for link in list(self._links.values()):
-            await link.session.conn.aclose()
+        links = list(self._links.values())
         self._links.clear()
         self.session = None
+        for link in links:
+            link.session.conn.close()
+        for link in links:
+            await link.session.conn.aclose()
 
     async def __aenter__(self) -> DcpConsumer:
-        await self.open()
+        try:
+            await self.open()
+        except BaseException:  # a failed or cancelled open closes what it connected
+            await self.aclose()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -496,7 +496,8 @@ async def _round(
         tick = _COMMIT_SECONDS if follow or durability is not None else None
         while True:
             try:
-                got = await asyncio.wait_for(batches.get(), tick)
+                async with asyncio.timeout(tick):  # not wait_for (net/aio.py)
+                    got = await batches.get()
             except TimeoutError:
                 got = []
             if got is None:

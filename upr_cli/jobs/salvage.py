@@ -211,8 +211,8 @@ async def _changed_since(
     )
     changed: dict[int, dict[bytes, Version]] = {p: {} for p in cuts}
     unknown: set[int] = set()
-    await consumer.open()
     try:
+        await consumer.open()
         async for batch in consumer.batches():
             for it in batch:
                 if type(it) is tuple:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from upr_cli.errors import RemoteProtocolError, UprError
+from upr_cli.net.aio import cancel_and_wait
 from upr_cli.protocol import Frame, FrameDecoder, Message, ResponseMessage, decode_message
 from upr_cli.protocol.header import RESPONSE_MAGICS
 from upr_cli.protocol.messages import Request, StatResponse
@@ -88,9 +89,8 @@ class Connection:
     ) -> Connection:
         """Connect to host:port within `timeout` seconds."""
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=READ_SIZE), timeout
-            )
+            async with asyncio.timeout(timeout):  # not wait_for: it can lose a cancel (net/aio.py)
+                reader, writer = await asyncio.open_connection(host, port, limit=READ_SIZE)
         except TimeoutError:
             raise ConnectionError_(
                 f"connecting to {host}:{port} timed out after {timeout:g}s"
@@ -196,7 +196,8 @@ class Connection:
         self, fut: asyncio.Future[list[Message]], msg: Request | None, timeout: float | None
     ) -> list[Message]:
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: it can lose a cancel (net/aio.py)
+                return await asyncio.shield(fut)
         except TimeoutError:
             what = type(msg).__name__ if msg is not None else "request"
             exc = RequestTimeout(f"{self.name}: no answer to {what} within {timeout:g}s")
@@ -297,8 +298,8 @@ class Connection:
     async def aclose(self) -> None:
         """Close and wait for the reader task and the socket to finish."""
         self.close()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._task
+        if self._task is not asyncio.current_task():
+            await cancel_and_wait([self._task])
         with contextlib.suppress(Exception):
             await self._writer.wait_closed()
 

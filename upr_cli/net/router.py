@@ -229,7 +229,10 @@ class Router:
         return list(await asyncio.gather(*(one(a) for a in addrs)))
 
     async def aclose(self) -> None:
-        """Close every connection."""
-        for conn in list(self._conns.values()):
-            await conn.aclose()
+        """Close every connection (all at once first: a cancelled aclose leaks none)."""
+        conns = list(self._conns.values())
         self._conns.clear()
+        for conn in conns:
+            conn.close()
+        for conn in conns:
+            await conn.aclose()

@@ -160,4 +160,5 @@ class Partition:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: it can lose a cancel (net/aio.py)
+                await fut

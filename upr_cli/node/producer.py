@@ -18,7 +18,6 @@ streams without the node's memory growing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from upr_cli.failover import needs_rollback
+from upr_cli.net.aio import cancel_and_wait
 from upr_cli.node.bucket import Bucket
 from upr_cli.node.partition import ACTIVE, DEAD, REPLICA, Partition
 from upr_cli.node.storage import Backfill, DocRow, StorageReader
@@ -368,9 +368,7 @@ class DcpProducer:
         spec = self.specs.pop(vb, None)
         if task is None or task.done() or spec is None:
             raise KeyNotFound(f"no stream for partition {vb}")
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait([task])
         if self.controls.get("send_stream_end_on_client_close_stream") == "true":
             await self.sender.send(
                 [StreamEnd(vbucket=vb, opaque=spec.opaque, status=END_CLOSED).encode()]
@@ -387,11 +385,7 @@ class DcpProducer:
         tasks = [t for t in self.streams.values() if not t.done()]
         if self._noop_task is not None:
             tasks.append(self._noop_task)
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(tasks)
         self.streams.clear()
         readers, self._readers = self._readers, []
         for r in readers:  # idle: no thread uses them, so close here (also when cancelled)

@@ -34,6 +34,7 @@ from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Rollback, Snapshot, StreamOpened
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError
+from upr_cli.net.aio import cancel_and_wait
 from upr_cli.net.uri import SourceUri
 from upr_cli.node.bucket import FED, Bucket
 from upr_cli.node.partition import Partition
@@ -96,9 +97,7 @@ class Replicator:
     async def stop(self) -> None:
         """Stop every link."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
             self._task = None
         await self._cancel(list(self._links))
 
@@ -177,7 +176,8 @@ class Replicator:
                     self._links[source] = _Link(source, vbs, task)
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), RETRY_S)
+                async with asyncio.timeout(RETRY_S):  # not wait_for (net/aio.py)
+                    await self._wake.wait()
 
     async def _cancel(self, sources: list[str]) -> None:
         tasks = {self._links.pop(s).task for s in sources}

@@ -226,8 +226,8 @@ async def _stream(uri: SourceUri, ranges: list[Range]) -> list[tuple[Any, ...]]:
                            end_seqs={r.partition: r.end for r in ranges},
                            name="upr-spark-read")  # fmt: skip
     out: list[tuple[Any, ...]] = []
-    await consumer.open()
     try:
+        await consumer.open()
         async for batch in consumer.batches():
             for it in batch:
                 if type(it) is tuple:
