@@ -84,6 +84,20 @@ class Cluster:
                                                flags, exp)  # fmt: skip
         return out
 
+    def node_errors(self) -> dict[str, list[str]]:
+        """Per node, the ERROR lines and tracebacks of its serve.log (none expected: a
+        node that logs a failed flush or an unhandled exception is broken, even when the
+        cluster around it still converges)."""
+        out: dict[str, list[str]] = {}
+        for node in self.spec.nodes:
+            log_path = Path(node.data) / "serve.log"
+            if node.data and log_path.exists():
+                bad = [line for line in log_path.read_text(errors="replace").splitlines()
+                       if " ERROR " in line or line.startswith("Traceback")]  # fmt: skip
+                if bad:
+                    out[node.name] = bad[:5]
+        return out
+
     def stop(self) -> None:
         """Stop every node (tests call it in `finally`)."""
         if (self.data / spec.CLUSTER_FILE).exists():

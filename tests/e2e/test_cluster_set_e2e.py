@@ -180,6 +180,8 @@ def _run(tmp: Path, seconds: float, seed: int) -> None:
         upr("backup", cl.uri("n0"), "--repo", str(repo), "--no-progress")
         upr("restore", "--repo", str(repo), f"sqlite:{tmp / 'restored.db'}")
         assert store_rows(tmp / "restored.db") == final
+        # no node failed a flush or dropped a connection on an unhandled exception
+        assert not cl.node_errors(), (cl.node_errors(), nemesis_log)
     finally:
         cl.stop()
 
