@@ -68,3 +68,29 @@ def test_a_cancelled_state_change_leaves_a_usable_partition(tmp_path: Path) -> N
             await bucket.stop()
 
     asyncio.run(main())
+
+
+def test_a_cancelled_stop_does_not_cut_the_work_it_waits_for(tmp_path: Path) -> None:
+    """`stop` waits for storage work whose callers left; cancelling `stop` itself (a
+    second Ctrl-C) must not cancel that work either (gather would)."""
+
+    async def main() -> None:
+        bucket = Bucket(tmp_path, "default", 4, flush_interval=3600)
+        await bucket.start()
+        bucket.store("set", 0, b"k", b"v1")
+        blocker = sqlite3.connect(bucket.storage.path, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        flushing = asyncio.ensure_future(bucket.flush())
+        await asyncio.sleep(0.3)  # the commit waits for the write lock in the thread
+        flushing.cancel()
+        stopping = asyncio.ensure_future(bucket.stop(clean=False))
+        await asyncio.sleep(0.1)  # stop is now waiting for the flush
+        stopping.cancel()
+        await asyncio.wait({stopping, flushing})
+        blocker.execute("COMMIT")
+        blocker.close()
+        await bucket.stop(clean=False)  # waits for the flush, which was never cut short
+        part = bucket.partitions[0]
+        assert len(part.queue) == 0 and part.persisted_seq == 1
+
+    asyncio.run(main())

@@ -57,6 +57,7 @@ from upr_cli.dcp.events import BarrierReached, Rollback, Snapshot, StreamEnded, 
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog
+from upr_cli.net.aio import cancel_and_wait
 from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import decode_message
@@ -593,15 +594,15 @@ async def _round(
             await settle(all_=True)
         raise
     except BaseException:
-        with contextlib.suppress(BaseException):
-            await settle(all_=True)
-        await on_store(store.abort)
+        try:
+            with contextlib.suppress(Exception):  # not a cancel: Ctrl-C must still stop
+                await settle(all_=True)
+        finally:
+            await on_store(store.abort)
         raise
     finally:
         if pumping is not None:
-            pumping.cancel()
-            with contextlib.suppress(BaseException):
-                await pumping
+            await cancel_and_wait([pumping])
         await consumer.aclose()
 
 

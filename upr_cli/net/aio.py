@@ -16,18 +16,28 @@ Two traps this module and its callers avoid:
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]]) -> None:
-    """Cancel `tasks` and wait until every one has ended; their results and errors are
-    consumed (they were told to stop), the caller's own cancellation propagates."""
+    """Cancel `tasks` and wait until every one has ended; the caller's own cancellation
+    propagates. A task that ended with an error (before or while stopping) is logged:
+    nobody else will read it."""
+    tasks = list(tasks)
     pending = {t for t in tasks if not t.done()}
     for task in pending:
         task.cancel()
     if pending:
         await asyncio.wait(pending)
-    for task in pending:
-        if not task.cancelled():
-            task.exception()  # retrieved: "exception was never retrieved" otherwise
+    for task in tasks:
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            log.warning("%s ended with an error: %r", _name(task), exc, exc_info=exc)
+
+
+def _name(task: asyncio.Future[Any]) -> str:
+    return task.get_name() if isinstance(task, asyncio.Task) else "a task"

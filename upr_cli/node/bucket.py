@@ -166,7 +166,7 @@ class Bucket:
             await cancel_and_wait([self._flusher])
             self._flusher = None
         while self._work:  # storage work whose callers were cancelled ends first
-            await asyncio.gather(*self._work, return_exceptions=True)
+            await asyncio.wait(set(self._work))  # not gather: it would cancel them
         if clean:
             await self.flush()
             self.storage.set_clean_shutdown(True)
@@ -221,6 +221,11 @@ class Bucket:
         if not 0 <= vb < self.num_partitions:
             raise NotMyVbucket(f"partition {vb} does not exist")
         self.check_control(cas, rev)
+        # one piece of work: a cancelled caller (a dropped connection) cannot leave the
+        # new state persisted with the CAS not rotated or its streams not told
+        return await self._unbroken(self._set_state(vb, state, failover))
+
+    async def _set_state(self, vb: int, state: str, failover: bool) -> int:
         part = self.partitions[vb]
         await self.flush()
         if failover and state == ACTIVE:
@@ -258,13 +263,21 @@ class Bucket:
         finishes under the flush lock. `stop` waits for what is left."""
         task = asyncio.ensure_future(work)
         self._work.add(task)
-        task.add_done_callback(self._work_done)
-        return asyncio.shield(task)
+        task.add_done_callback(self._work.discard)
+        outer = asyncio.shield(task)
 
-    def _work_done(self, task: asyncio.Task[Any]) -> None:
-        self._work.discard(task)
-        if not task.cancelled():
-            task.exception()  # a caller that was cancelled never reads it; the next flush will
+        def left(_: object) -> None:
+            if outer.cancelled():  # nobody will read the outcome: a failure is logged
+                task.add_done_callback(self._report_abandoned)
+
+        outer.add_done_callback(left)
+        return outer
+
+    def _report_abandoned(self, task: asyncio.Task[Any]) -> None:
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            log.error("bucket %s: storage work failed after its caller left: %s", self.name,
+                      exc, exc_info=exc)  # fmt: skip
 
     # -- the replica side (seed 000 "How KV mutations flow into Replicas") -------------
 
