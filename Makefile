@@ -8,6 +8,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_ARGS ?=
+# Two workers (the 2-core CI machine): e2e tests mostly wait on their nodes, and one
+# worker took 16 min on a slow day against the 15-min budget. `loadfile` keeps a
+# module's tests (and its module-scoped node fixtures) in one worker.
+PYTEST_WORKERS ?= -n 2 --dist loadfile
 # A path-based editable install: Spark finds the `upr` data source by listing top-level
 # `pyspark_*` modules (pkgutil), which cannot see setuptools' import-hook editables.
 EDITABLE := --config-settings editable_mode=compat
@@ -54,7 +58,7 @@ typecheck: $(VENV)/.dev-stamp
 	$(VENV)/bin/mypy
 
 test: system-deps $(VENV)/.dev-stamp lint typecheck
-	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m "not slow" $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-slow: system-deps $(VENV)/.dev-stamp
 	$(VENV)/bin/pytest -m slow $(PYTEST_ARGS)

@@ -6,7 +6,7 @@ import dataclasses
 from urllib.parse import quote
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from upr_cli.errors import UsageError
@@ -177,7 +177,8 @@ def test_password_absent_from_str_and_repr(password: str) -> None:
     uri = parse(template.format(quote(password, safe="")))
     assert uri.password == password
     other = parse(template.format(OTHER))
-    assert (str(uri), repr(uri)) == (str(other), repr(other))
+    assert (str(uri), repr(uri)) == (str(other), repr(other))  # the password changes nothing
+    assume(password not in str(other) + repr(other))  # e.g. "127.0.0.1:" is in the text
     assert password not in str(uri) + repr(uri)
 
 
@@ -196,7 +197,9 @@ def test_password_absent_from_str_and_repr(password: str) -> None:
 def test_password_absent_from_errors(template: str, password: str) -> None:
     encoded = quote(password, safe="")
     message = error_for(template.format(encoded))
-    assert message == error_for(template.format(OTHER))
+    neutral = error_for(template.format(OTHER))
+    assert message == neutral  # the password changes nothing in the message
+    assume(password not in neutral and encoded not in neutral)  # e.g. "couchbase:" is
     assert password not in message
     assert encoded not in message
 
