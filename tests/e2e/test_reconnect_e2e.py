@@ -12,6 +12,7 @@ import pytest
 
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import Replica, drain, run, seqnos, wait_persisted
+from upr_cli.dcp import consumer as consumer_module
 from upr_cli.dcp.consumer import ConsumerError, DcpConsumer
 from upr_cli.dcp.events import Rollback
 from upr_cli.net.uri import SourceUri
@@ -134,3 +135,36 @@ def test_a_consumer_cancelled_while_opening_leaks_no_connection(node: Node) -> N
         return leaked
 
     assert _run_bounded(main(), 60) == []
+
+
+def test_a_map_refresh_cut_short_closes_its_connection(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_refresh_map` asks a node it holds no link to over a connection of its own. A
+    replication link cancelled (or refused) during that request left it open, and its
+    reader task was later destroyed pending (seen in the long set test's node logs).
+    The real `connect` runs; the task is cancelled as it returns, so the cancel lands
+    on the refresh's own request."""
+    real = consumer_module.connect
+
+    async def connect_then_cancel(*args: Any, **kwargs: Any) -> Any:
+        session = await real(*args, **kwargs)
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        return session
+
+    monkeypatch.setattr(consumer_module, "connect", connect_then_cancel)
+
+    async def main() -> list[str]:
+        consumer = DcpConsumer(SourceUri.parse(node.uri), name="upr-refresh-test")
+        # a map naming the node, to which the consumer holds no link: the refresh connects
+        consumer._config = {"vBucketServerMap": {"serverList": [f"127.0.0.1:{node.port}"]}}
+        task = asyncio.ensure_future(consumer._refresh_map())
+        await asyncio.wait({task}, timeout=10)
+        assert task.cancelled()
+        await asyncio.sleep(0)
+        return [t.get_name() for t in asyncio.all_tasks()
+                if t.get_name().startswith("reader upr-refresh-test") and not t.done()]  # fmt: skip
+
+    assert _run_bounded(main(), 30) == []

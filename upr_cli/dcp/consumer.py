@@ -559,8 +559,12 @@ class DcpConsumer:
                 else:
                     s = await connect(self.uri.at(*addr),
                                       timeout=3.0, name=self.name)  # fmt: skip
-                    resp = await s.conn.request(GetClusterConfig(opaque=s.conn.next_opaque()))
-                    await s.conn.aclose()
+                    try:  # closed whatever happens: an open one dropped leaks its reader
+                        resp = await s.conn.request(
+                            GetClusterConfig(opaque=s.conn.next_opaque()), timeout=3.0
+                        )
+                    finally:
+                        await s.conn.aclose()
                 cands.append(json.loads(getattr(resp, "value", b"") or b"{}"))
             except (UprError, OSError, ValueError):
                 continue
