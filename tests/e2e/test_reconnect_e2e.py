@@ -109,6 +109,12 @@ def _run_bounded(main: Coroutine[Any, Any, _T], seconds: float) -> _T:
         loop.close()
 
 
+def _open_readers(prefix: str) -> list[str]:
+    """Names of the connection reader tasks still running (a leaked connection's)."""
+    return [t.get_name() for t in asyncio.all_tasks()
+            if t.get_name().startswith(prefix) and not t.done()]  # fmt: skip
+
+
 def test_a_consumer_cancelled_while_opening_leaks_no_connection(node: Node) -> None:
     """A replication link restarted by a map change is cancelled wherever it stands,
     often inside `open`: every connection it made must be closed (the node logged
@@ -129,8 +135,7 @@ def test_a_consumer_cancelled_while_opening_leaks_no_connection(node: Node) -> N
             await asyncio.wait({task}, timeout=10)
             assert task.done(), f"cancelled after {delay} s, the consumer did not stop"
             await asyncio.sleep(0)
-            leaked += [t.get_name() for t in asyncio.all_tasks()
-                       if t.get_name().startswith("reader ") and not t.done()]  # fmt: skip
+            leaked += _open_readers("reader ")
             assert not consumer._links
         return leaked
 
@@ -164,7 +169,6 @@ def test_a_map_refresh_cut_short_closes_its_connection(
         await asyncio.wait({task}, timeout=10)
         assert task.cancelled()
         await asyncio.sleep(0)
-        return [t.get_name() for t in asyncio.all_tasks()
-                if t.get_name().startswith("reader upr-refresh-test") and not t.done()]  # fmt: skip
+        return _open_readers("reader upr-refresh-test")
 
     assert _run_bounded(main(), 30) == []

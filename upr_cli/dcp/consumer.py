@@ -49,7 +49,7 @@ from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import RemoteProtocolError, UprError
 from upr_cli.failover import FailoverLog
 from upr_cli.net.bootstrap import Session, connect, map_nodes
-from upr_cli.net.connection import ConnectionClosed, ConnectionError_, ServerItems
+from upr_cli.net.connection import ConnectionClosed, ConnectionError_, ServerItems, aclose_all
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame, decode_message
 from upr_cli.protocol.header import Opcode
@@ -367,13 +367,10 @@ class DcpConsumer:
         """Close every connection (all at once first: a cancelled aclose leaks none)."""
         for task in list(self._tasks):
             task.cancel()
-        links = list(self._links.values())
+        conns = [link.session.conn for link in self._links.values()]
         self._links.clear()
         self.session = None
-        for link in links:
-            link.session.conn.close()
-        for link in links:
-            await link.session.conn.aclose()
+        await aclose_all(conns)
 
     async def __aenter__(self) -> DcpConsumer:
         try:

@@ -310,6 +310,15 @@ class Connection:
         await self.aclose()
 
 
+async def aclose_all(conns: Sequence[Connection]) -> None:
+    """Close every connection at once, then wait for each: a cancelled wait leaves none
+    of them open (an open one dropped leaks its reader task)."""
+    for conn in conns:
+        conn.close()
+    for conn in conns:
+        await conn.aclose()
+
+
 def raise_for_status(resp: ResponseMessage) -> None:
     """Raise the status's error class for a non-success response."""
     if resp.status != Status.SUCCESS:

@@ -23,7 +23,7 @@ from typing import Any
 
 from upr_cli.errors import UprError
 from upr_cli.net.bootstrap import Session, connect, map_nodes, partition_of
-from upr_cli.net.connection import Connection
+from upr_cli.net.connection import Connection, aclose_all
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
 from upr_cli.protocol.messages import GetClusterConfig
@@ -232,7 +232,4 @@ class Router:
         """Close every connection (all at once first: a cancelled aclose leaks none)."""
         conns = list(self._conns.values())
         self._conns.clear()
-        for conn in conns:
-            conn.close()
-        for conn in conns:
-            await conn.aclose()
+        await aclose_all(conns)

@@ -249,13 +249,16 @@ class Bucket:
 
     def _in_pool(self, fn: Callable[..., _T], *args: object) -> Awaitable[_T]:
         """Run a storage call on the writer thread, between flushes (never cut short)."""
+        return self._unbroken(self._locked(fn, *args))
 
-        async def call() -> _T:
-            async with self._flush_lock:
-                self._disk_gen += 1
+    async def _locked(self, fn: Callable[..., _T], *args: object) -> _T:
+        """A storage call on the writer thread under the flush lock; the disk generation
+        moves once it is done, so a prefetch taken meanwhile is not trusted after it."""
+        async with self._flush_lock:
+            try:
                 return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-        return self._unbroken(call())
+            finally:
+                self._disk_gen += 1
 
     def _unbroken(self, work: Coroutine[Any, Any, _T]) -> Awaitable[_T]:
         """Run storage work as its own task: a cancelled caller stops waiting, while the
@@ -561,11 +564,7 @@ class Bucket:
         await self.flush()
 
         async def run() -> dict[int, int]:
-            async with self._flush_lock:
-                purged = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, self.storage.purge_tombstones, older_than
-                )
-                self._disk_gen += 1
+            purged = await self._locked(self.storage.purge_tombstones, older_than)
             for vb, seq in purged.items():
                 self.partitions[vb].purge_seq = max(self.partitions[vb].purge_seq, seq)
             return purged
