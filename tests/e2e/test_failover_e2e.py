@@ -48,11 +48,18 @@ def test_sigkill_loses_unpersisted_writes_and_clients_roll_back_exactly(
     for p, entries in logs.items():
         # a new entry at exactly the persisted seq, the old history behind it
         assert entries[0][1] == persisted[p] and entries[1:] == before[p]
-    # resuming, the client is told to roll back to exactly the persisted seq
-    rows, events, consumer = run(drain(node.uri, positions=seen))
+    # the persisted seq ended the disk snapshot the client received: a boundary it knows
+    bounds = {p: consumer.boundaries(p) for p in seen}
+    assert all(persisted[p] in bounds[p] for p in persisted)
+    # resuming without its boundaries, a client can only go back to 0 (always correct)
+    _rows, blind, _c = run(drain(node.uri, positions=seen, partitions=[0]))
+    assert [(e.asked, e.to_seq) for e in blind if isinstance(e, Rollback)] == [(persisted[0], 0)]
+    # with them, it is told to roll back to exactly the persisted seq, and goes there
+    rows, events, consumer = run(drain(node.uri, positions=seen, boundaries=bounds))
     rollbacks = {e.partition: e for e in events if isinstance(e, Rollback)}
     assert set(rollbacks) == set(highs)
     assert {p: e.to_seq for p, e in rollbacks.items()} == persisted
+    assert {p: e.asked for p, e in rollbacks.items()} == persisted
     assert all(e.uuid == before[p][0][0] for p, e in rollbacks.items())
     replica.apply(rows, events)
     # and ends equal to the node

@@ -52,7 +52,7 @@ def test_a_cut_that_takes_every_record_leaves_no_empty_segment(tmp_path: Path) -
     def open_cut(p: int, log: object, r: int, k: int) -> SegmentWriter:
         return SegmentWriter(tmp_path / f"p{p:04x}.cut-{k}", header(start=r, end=r, part=p))
 
-    _cut(st, 150, 100, held, open_cut, format_segment_name)
+    _cut(st, 150, 100, 100, held, open_cut, format_segment_name)
     ended = StreamEnded(3, 0, StreamPosition(3, hdr.failover_log.latest.uuid, 100, 100, 100))
     res = _finish(st, ended, tmp_path, format_segment_name, held)
     assert res.segment is None and res.items == 0 and held == [0]
@@ -60,3 +60,28 @@ def test_a_cut_that_takes_every_record_leaves_no_empty_segment(tmp_path: Path) -
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.seg")) == [
         f"cut-1/{format_segment_name(3, 101, 150)}"
     ]
+
+
+def test_a_cut_below_the_asked_seq_keeps_only_what_the_source_lost(tmp_path: Path) -> None:
+    """ROLLBACK(120) inside a snapshot the run received: the consumer goes back to the
+    boundary 110. Records above 120 are lost writes (cut-1/); those in (110, 120] the
+    source still has and streams again, so they are dropped, not kept as lost."""
+    from upr_cli.jobs.backup_stream import _cut, _Open
+
+    hdr = header(start=100, end=200, part=3)
+    w = SegmentWriter(tmp_path / "p0003.open", hdr)
+    w.add(rows_for(list(range(101, 151)), 3))
+    st = _Open(3, w, hdr.failover_log, 100)
+    held = [w.buffered]
+
+    def open_cut(p: int, log: object, r: int, k: int) -> SegmentWriter:
+        return SegmentWriter(tmp_path / f"p{p:04x}.cut-{k}", header(start=r, end=r, part=p))
+
+    _cut(st, 150, 110, 120, held, open_cut, format_segment_name)
+    assert w.last_seq == 110 and held == [w.buffered]
+    assert [(f, t, i.first_seq, i.last_seq, i.records) for f, t, i in st.cuts] == [
+        (150, 120, 121, 150, 30)
+    ]
+    # asked at or above everything held: nothing is lost, the segment is only cut back
+    _cut(st, 110, 105, 130, held, open_cut, format_segment_name)
+    assert w.last_seq == 105 and len(st.cuts) == 1

@@ -115,7 +115,7 @@ def test_round_trip_of_every_field_including_u64_max(tmp_path: Path) -> None:
         assert s.position(8) is None and s.failover_log(8) is None
         assert s.count() == 2
         meta = s.meta()
-        assert meta["format"] == "upr-store" and meta["schema_version"] == "2"
+        assert meta["format"] == "upr-store" and meta["schema_version"] == "3"
         assert meta["created"].endswith("Z")
 
 
@@ -498,16 +498,17 @@ def test_migrations_run_once_in_order(tmp_path: Path, monkeypatch: pytest.Monkey
         calls.append(1)
         db.execute("ALTER TABLE documents ADD COLUMN note TEXT")
 
-    monkeypatch.setattr(store_schema, "SCHEMA_VERSION", 3)
-    monkeypatch.setattr(store_schema, "MIGRATIONS", {**store_schema.MIGRATIONS, 2: add_note})
+    v = store_schema.SCHEMA_VERSION
+    monkeypatch.setattr(store_schema, "SCHEMA_VERSION", v + 1)
+    monkeypatch.setattr(store_schema, "MIGRATIONS", {**store_schema.MIGRATIONS, v: add_note})
     with Store(path) as s:
-        assert s.meta()["schema_version"] == "3" and s.meta()["source"] == "upr://a"
+        assert s.meta()["schema_version"] == str(v + 1) and s.meta()["source"] == "upr://a"
         assert "note" in s.db["documents"].columns_dict
     with Store(path, source="upr://b") as s:
         assert s.meta()["source"] == "upr://b"
     assert calls == [1]
-    monkeypatch.setattr(store_schema, "SCHEMA_VERSION", 4)
-    with pytest.raises(StoreError, match="no migration from schema version 3"):
+    monkeypatch.setattr(store_schema, "SCHEMA_VERSION", v + 2)
+    with pytest.raises(StoreError, match=f"no migration from schema version {v + 1}"):
         Store(path)
 
 
@@ -707,7 +708,7 @@ def test_spec_example_queries_run(store: Store) -> None:
                     row(5, 1001, b"new", b'"n"', datatype=JSON)],
                 pos(5, 1001), FailoverLog.of([(UUID, 0)]))  # fmt: skip
     queries = [q for q in sql_blocks()[1].split(";") if q.strip().strip("-")]
-    assert len(queries) == 7
+    assert len(queries) == 8
     results = [store.db.execute(q).fetchall() for q in queries]
     assert results[0] == [("Ann",)]
     assert results[1] == [("user::1", "Ann")]
@@ -715,7 +716,8 @@ def test_spec_example_queries_run(store: Store) -> None:
     assert results[3] == [("bin", "00", "2000")]
     assert results[4] == [(5, str(UUID), 1001, 1001, 1001, str(UUID), 0, 0)]
     assert results[5] == [(1001, "new", 0)]
-    assert results[6] == []
+    assert results[6] == [(1001,)]  # the position ends its snapshot: a boundary
+    assert results[7] == []
 
 
 def test_an_open_transaction_commits_or_aborts_as_a_whole(tmp_path: Path) -> None:
@@ -739,3 +741,45 @@ def test_an_open_transaction_commits_or_aborts_as_a_whole(tmp_path: Path) -> Non
             s.commit()
     with Store(path, create=False) as s:
         assert s.count() == 1 and s.position(1) == pos(1, 1)
+
+
+# --- snapshot boundaries (formats/store.md §3.6, §5.3) -----------------------------------
+
+
+def test_boundaries_are_the_saved_positions_that_end_their_snapshot(tmp_path: Path) -> None:
+    with Store(tmp_path / "s.db", undo_window=100) as s:
+        s.apply(0, [row(0, 1, b"K", b"v1"), row(0, 2, b"J")], StreamPosition(0, UUID, 2, 0, 2))
+        s.apply(0, [row(0, 3, b"K", b"v3")], StreamPosition(0, UUID, 3, 3, 5))  # partial
+        s.apply(0, [row(0, 5, b"J", b"j2")], StreamPosition(0, UUID, 5, 3, 5))
+        assert s.boundaries() == {0: [2, 5]} and s.boundaries(0) == {0: [2, 5]}
+        res = s.rollback(0, 2, lost_above=4)
+        assert not res.too_far and s.boundaries() == {0: [2]}
+        # only the version above the asked seq is lost: K@3 the source sends again
+        assert [(lw.document.key, lw.rolled_back_to) for lw in s.lost_writes()] == [(b"J", 4)]
+        assert state(s)[0, b"K"].value == b"v1"
+        s.reset_partition(0)
+        assert s.boundaries() == {}
+
+
+def test_boundaries_below_a_risen_log_floor_are_dropped(tmp_path: Path) -> None:
+    with Store(tmp_path / "s.db", undo_window=1) as s:
+        for seq in range(1, 6):
+            s.apply(0, [row(0, seq, b"K", b"v%d" % seq)], pos(0, seq))
+        floor = s.partition_state(0).log_floor  # type: ignore[union-attr]
+        assert floor > 1 and s.boundaries()[0] == [b for b in range(1, 6) if b >= floor]
+        assert s.rollback(0, floor - 1).too_far
+
+
+def test_migration_2_to_3_records_complete_positions(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    with Store(path) as s:
+        s.apply(0, [row(0, 1, b"a"), row(0, 2, b"b")], StreamPosition(0, UUID, 2, 0, 2))
+        s.apply(1, [row(1, 1, b"c")], StreamPosition(1, UUID, 1, 0, 4))
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("DROP TABLE boundaries")
+        conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    conn.close()
+    with Store(path) as s:
+        assert s.meta()["schema_version"] == "3"
+        assert s.boundaries() == {0: [2]}

@@ -8,9 +8,13 @@ the caller asks for the next one, i.e. after the sink took the items. Positions
 advance as items arrive; `commit()` marks what the caller has made durable, and a
 reconnect resumes from the committed positions (at-least-once delivery).
 
-ROLLBACK(r) follows §4.4: take the newest entry of the kept failover log with seq ≤ r,
-restart from (r, r, r) on that uuid, and hand the caller an explicit `Rollback` event
-first, so it can undo its sink above r. A stream that ends for any reason but "end
+ROLLBACK(r) follows docs/design.md, "Snapshot boundaries": inside a deduplicated
+snapshot a seq is not a state the source ever had, so the consumer goes back to r', the
+newest snapshot boundary at or below r that the caller reached (the boundaries it
+passed in, the start position, and every snapshot completed on a stream since), takes
+the newest entry of the kept failover log with seq ≤ r', restarts from (r', r', r') on
+that uuid, and hands the caller an explicit `Rollback` event first, so it can undo its
+sink above r'. A stream that ends for any reason but "end
 reached" or "closed by us" is reopened from where it stood. A connection silent for
 longer than `dead_after` seconds is treated as dead (the server sends NOOPs every
 `noop_interval`) and reconnected with capped exponential backoff and jitter.
@@ -33,7 +37,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +49,7 @@ from upr_cli.dcp.events import (
     StreamEnded,
     StreamOpened,
 )
-from upr_cli.dcp.position import StreamPosition
+from upr_cli.dcp.position import StreamPosition, boundary_at
 from upr_cli.errors import RemoteProtocolError, UprError
 from upr_cli.failover import FailoverLog
 from upr_cli.net.bootstrap import Session, connect, map_nodes
@@ -126,6 +130,11 @@ class _Part:
     done: bool = False
     log: FailoverLog = field(default_factory=FailoverLog)
     addr: Addr = ("", 0)  # the node streaming it
+    # Snapshot boundaries the caller reached (ascending, unpruned: `_rollback` takes the
+    # ones at or below where the partition stands), and whether the current stream has
+    # sent a marker yet: only then does a new marker complete the snapshot before it.
+    bounds: list[int] = field(default_factory=list)
+    marked: bool = False
 
     def position(self) -> StreamPosition:
         return StreamPosition(self.partition, self.uuid, self.seq, self.snap_start, self.snap_end)
@@ -149,6 +158,7 @@ class DcpConsumer:
         noop_interval: float = 2.0,
         dead_after: float | None = None,
         reconnect_attempts: int = 5,
+        boundaries: Mapping[int, Iterable[int]] | None = None,
         barriers: bool = False,
         connect_timeout: float = 10.0,
         follow_for: float = 120.0,
@@ -158,6 +168,7 @@ class DcpConsumer:
         self._want = None if partitions is None else sorted(set(partitions))
         self._start = dict(positions or {})
         self._logs = dict(failover_logs or {})
+        self._bounds = {p: sorted(set(b)) for p, b in (boundaries or {}).items()}
         self.until_end = until_end or end_seqs is not None
         self._end_seqs = dict(end_seqs or {})
         self.from_latest = from_latest
@@ -224,6 +235,7 @@ class DcpConsumer:
         for p in want:
             pos = self._start.get(p, StreamPosition.beginning(p))
             part = _Part(p, pos.uuid, pos.seq, pos.snap_start, pos.snap_end)
+            part.bounds = [b for b in self._bounds.get(p, ()) if b <= pos.seq]
             part.addr = (actives[p] if p < len(actives) else None) or home
             if p in self._logs:
                 part.log = self._logs[p]
@@ -405,6 +417,7 @@ class DcpConsumer:
                     snap_start_seqno=part.snap_start, snap_end_seqno=part.snap_end,
                 )  # fmt: skip
                 self._opening[part.partition] = part.addr
+                part.marked = False  # what arrives from now on belongs to the new stream
                 futs.append((part, conn.start_request(req), req))
             retry = []
             for part, fut, sent in futs:
@@ -572,16 +585,39 @@ class DcpConsumer:
         self._config = best
 
     def _rollback(self, part: _Part, r: int) -> None:
-        """dcp-wire §4.4: newest entry with seq ≤ r, prune above r, restart from (r, r, r)."""
+        """ROLLBACK(r): go back to the newest boundary b ≤ r the caller reached, take the
+        newest log entry with seq ≤ b, prune above b, restart from (b, b, b)
+        (docs/design.md, "Snapshot boundaries")."""
         previous = part.position()
-        entry = part.log.entry_at(r)
-        part.log = part.log.prune_above(r)
+        b = boundary_at(self._boundaries(part), r)
+        entry = part.log.entry_at(b)
+        part.log = part.log.prune_above(b)
         # Without a kept log, stay on the position's branch: the server bounded r by it.
         uuid = entry.uuid if entry is not None else previous.uuid
-        part.uuid, part.seq, part.snap_start, part.snap_end = uuid, r, r, r
+        part.uuid, part.seq, part.snap_start, part.snap_end = uuid, b, b, b
+        part.bounds = [x for x in part.bounds if x < b] + [b]
         self._committed[part.partition] = (part.uuid, part.seq, part.snap_start, part.snap_end)
-        self._events.append(Rollback(part.partition, previous, r, uuid))
-        log.info("partition %d: rollback from %d to %d", part.partition, previous.seq, r)
+        self._events.append(Rollback(part.partition, previous, b, uuid, r))
+        if b < r:
+            log.info("partition %d: rollback from %d to %d (asked %d, inside a snapshot)",
+                     part.partition, previous.seq, b, r)  # fmt: skip
+        else:
+            log.info("partition %d: rollback from %d to %d", part.partition, previous.seq, b)
+
+    @staticmethod
+    def _boundaries(part: _Part) -> list[int]:
+        """The boundaries a partition standing where it stands can go back to: those at
+        or below its seq, and the position itself when it is one."""
+        out = [b for b in part.bounds if b <= part.seq]
+        if part.seq == part.snap_end:
+            out.append(part.seq)
+        return out
+
+    def boundaries(self, partition: int) -> list[int]:
+        """Snapshot boundaries of a partition known at or below where it stands now
+        (ascending): what a rollback of the caller's sink could go back to."""
+        part = self.parts[partition]
+        return sorted(set(self._boundaries(part)))
 
     # -- receiving ------------------------------------------------------------------------
 
@@ -714,6 +750,13 @@ class DcpConsumer:
             if part is None:
                 continue
             if isinstance(msg, SnapshotMarker | SnapshotMarkerV2):
+                if part.marked or part.seq == part.snap_end:
+                    # the snapshot before is complete: the caller's state at its end (or
+                    # at the start position) is one the source had
+                    end = part.snap_end if part.marked else part.seq
+                    if not part.bounds or part.bounds[-1] < end:
+                        part.bounds.append(end)
+                part.marked = True
                 part.snap_start, part.snap_end = msg.start_seqno, msg.end_seqno
                 link = self._links.get(part.addr)
                 if msg.flags & MARKER_ACK and link is not None:

@@ -28,12 +28,16 @@ class Snapshot:
 
 @dataclass(frozen=True, slots=True)
 class Rollback:
-    """The server answered ROLLBACK: the caller must undo everything above `to_seq`."""
+    """The server answered ROLLBACK(`asked`): the caller must undo everything above
+    `to_seq`, the newest snapshot boundary at or below `asked` that the consumer knows
+    the caller reached (docs/design.md, "Snapshot boundaries"); the stream restarts
+    there. `to_seq < asked` when `asked` fell inside a snapshot the caller received."""
 
     partition: int
     previous: StreamPosition
     to_seq: int
     uuid: int
+    asked: int
 
 
 @dataclass(frozen=True, slots=True)

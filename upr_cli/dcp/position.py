@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,7 +30,10 @@ class StreamPosition:
 
     @property
     def complete(self) -> bool:
-        """True when the last snapshot was received entirely (seq == snap_end)."""
+        """True when the last snapshot was received entirely (seq == snap_end): the state
+        up to `seq` is then one the source really had, a snapshot boundary. Inside a
+        snapshot it is not, since deduplication left out the versions that later ones
+        in it replaced (docs/design.md, "Snapshot boundaries")."""
         return self.seq == self.snap_end
 
     def at(self, seq: int) -> StreamPosition:
@@ -56,3 +61,11 @@ class StreamPosition:
                        int(obj["snap_start"]), int(obj["snap_end"]))  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"malformed stream position: {exc}") from None
+
+
+def boundary_at(boundaries: Iterable[int], seq: int) -> int:
+    """The newest snapshot boundary at or below `seq`; 0 (the empty state, which every
+    client can return to) when there is none. `boundaries` need not be sorted."""
+    ordered = sorted(set(boundaries))
+    i = bisect.bisect_right(ordered, seq)
+    return ordered[i - 1] if i else 0

@@ -16,6 +16,7 @@ backups above a rollback point stay in place: they are the lost writes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -25,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from upr_cli.dcp.position import StreamPosition
+from upr_cli.dcp.position import StreamPosition, boundary_at
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, ImpossibleHistory, needs_rollback, rollback_point
 from upr_cli.jobs.backup_stream import (
@@ -53,6 +54,7 @@ from upr_cli.repo import (
     parse_cut_path,
     parse_segment_name,
     resume_point,
+    snapshot_boundaries,
 )
 from upr_cli.segments import SegmentError, SegmentInfo, SegmentReader
 from upr_cli.segments.writer import FileOps, sync_files
@@ -147,9 +149,16 @@ async def _live_state(
 
 
 def decide_start(
-    p: int, stored: Any, live: FailoverLog | None, high: int, purge: int
+    p: int,
+    stored: Any,
+    live: FailoverLog | None,
+    high: int,
+    purge: int,
+    bounds: Callable[[], list[int]] = lambda: [0],
 ) -> StartDecision:
-    """Both rules against the live log; the lower seq wins (DESIGN, Positions)."""
+    """Both rules against the live log; the lower seq wins; a rollback then lands on the
+    newest snapshot boundary of the chain at or below it (`bounds`, asked only when a
+    rollback is needed: docs/design.md, "Snapshot boundaries")."""
     pos = StreamPosition(p, stored.uuid, stored.seq, stored.snap_start, stored.snap_end)
     if live is None or not live.entries:
         return StartDecision(pos, stored.failover_log)
@@ -179,6 +188,7 @@ def decide_start(
         )
     if to >= pos.seq:
         return StartDecision(pos, stored.failover_log, None, warning)
+    to = boundary_at(bounds(), to)
     entry = live.entry_at(to)
     start = StreamPosition(p, entry.uuid if entry else 0, to, to, to)
     record = RollbackRecord(pos.seq, to, seed_seq, producer_seq)
@@ -312,9 +322,18 @@ async def _backup_once(
         count, live_logs, seqs = await _live_state(uri, None)
         wanted = partitions if partitions is not None else list(range(count))
         if stored:
+
+            def snapshots_of(bid: BackupId, seg: SegmentEntry) -> tuple[tuple[int, int], ...]:
+                try:
+                    with SegmentReader(repo.segment_path(bucket, bid, seg.file)) as r:
+                        return r.header.snapshots
+                except (SegmentError, OSError):
+                    return ()  # verify names the damage; the backup ends cover the rest
+
             for p, rp in stored.items():
                 high, purge = seqs.get(p, (0, 0))
-                d = decide_start(p, rp, live_logs.get(p), high, purge)
+                bounds = functools.partial(snapshot_boundaries, manifests, p, snapshots_of)
+                d = decide_start(p, rp, live_logs.get(p), high, purge, bounds)
                 decisions[p] = d
                 if d.warning:
                     warnings.append(d.warning)
@@ -335,6 +354,7 @@ async def _backup_once(
                     bucket=bucket,
                     positions=positions,
                     failover_logs=logs,
+                    boundaries={p: snapshot_boundaries(manifests, p) for p in positions},
                     partitions=to_stream,
                     segment_name=format_segment_name,
                     on_progress=on_progress,
@@ -353,7 +373,7 @@ async def _backup_once(
             decision = decisions.get(p)
             rb = decision.rollback if decision is not None else None
             if r.rollback is not None:  # the server still rolled us back while streaming
-                rb = RollbackRecord(r.rollback[0], r.rollback[1], None, r.rollback[1])
+                rb = RollbackRecord(*r.rollback[:2], None, r.rollback[2])
             entries.append(_entry(r, rb))
             if rb is not None:
                 rollbacks.append(
@@ -376,7 +396,7 @@ async def _backup_once(
                         "from": str(r.cut_back[0]),
                         "to": str(r.cut_back[1]),
                         "seed_rule_seq": None,
-                        "producer_seq": str(r.cut_back[1]),
+                        "producer_seq": str(r.cut_back[2]),
                         "during_run": True,
                         "cut_records": sum(s.records for *_, s in r.cuts),
                     }

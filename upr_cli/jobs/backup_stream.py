@@ -64,9 +64,12 @@ class PartitionResult:
     end_seq: int  # the end of the range covered (inclusive)
     snapshot: tuple[int, int]  # the last snapshot marker received
     segment: SegmentInfo | None  # None when the partition had nothing new
-    rollback: tuple[int, int] | None = None  # (from, to) when the source rolled us back
+    # (from, to, asked) when the source rolled us back: `asked` its ROLLBACK seq, `to` the
+    # snapshot boundary at or below it where the stream went on
+    rollback: tuple[int, int, int] | None = None
     items: int = 0
-    cut_back: tuple[int, int] | None = None  # (from, to): a rollback above start_seq mid-run
+    # (from, to, asked): a rollback above start_seq mid-run, as `rollback`
+    cut_back: tuple[int, int, int] | None = None
     cuts: list[tuple[int, int, SegmentInfo]] = field(default_factory=list)  # see _Open.cuts
 
     @property
@@ -95,8 +98,8 @@ class _Open:
     log: FailoverLog
     start: int
     snapshots: list[tuple[int, int]] = field(default_factory=list)
-    rollback: tuple[int, int] | None = None
-    cut_back: tuple[int, int] | None = None  # (from, to) of a rollback above `start`
+    rollback: tuple[int, int, int] | None = None  # (from, to, asked), as in PartitionResult
+    cut_back: tuple[int, int, int] | None = None  # (from, to, asked): a rollback above `start`
     # records mid-run rollbacks took back, kept as lost writes: (from, to, cut-K segment)
     cuts: list[tuple[int, int, SegmentInfo]] = field(default_factory=list)
 
@@ -116,6 +119,7 @@ async def stream_to_segments(
     on_progress: Callable[[StreamStats], None] | None = None,
     end_seqs: dict[int, int] | None = None,
     cuts: dict[int, list[tuple[int, int, SegmentInfo]]] | None = None,
+    boundaries: dict[int, list[int]] | None = None,
 ) -> dict[int, PartitionResult]:
     """Stream each partition from its position to the pinned high seqno into a segment.
 
@@ -123,13 +127,16 @@ async def stream_to_segments(
     so every task stops at the seqs a local run would).
 
     `cuts` are cut-back segments an interrupted run left (each partition's list goes on).
+    `boundaries` are the chain's snapshot boundaries per partition, where a rollback in
+    mid-run may land (docs/design.md, "Snapshot boundaries").
 
     `segment_name(partition, first_seq, last_seq)` names each file inside `directory` once
     its records are known (formats/repository.md names segments by their first and last
     record seq).
     """
     consumer = DcpConsumer(uri, partitions=partitions, positions=positions,
-                           failover_logs=failover_logs, until_end=True, end_seqs=end_seqs,
+                           failover_logs=failover_logs, boundaries=boundaries,
+                           until_end=True, end_seqs=end_seqs,
                            buffer_size=buffer_size, name="upr-backup")  # fmt: skip
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segments")
@@ -138,7 +145,7 @@ async def stream_to_segments(
     opened: dict[int, _Open] = {}
     finishing: dict[int, asyncio.Future[PartitionResult]] = {}
     pending: dict[int, list[tuple[Any, ...]]] = {}
-    rolled: dict[int, tuple[int, int]] = {}  # rollbacks met while a stream opened
+    rolled: dict[int, tuple[int, int, int]] = {}  # rollbacks met while a stream opened
     last: dict[int, int] = {}  # per partition, the seq of the last row taken
     now = time.time()
     created = (
@@ -192,30 +199,33 @@ async def stream_to_segments(
             await submit(lambda: add_all(work))
 
     async def rollback_open(rb: Rollback) -> None:
-        """dcp-wire §4.4: keep nothing above the rollback seq r; the stream goes on from r.
+        """Keep nothing above the rollback's boundary r (the consumer's `to_seq`, at or
+        below the source's ROLLBACK seq: docs/design.md, "Snapshot boundaries"); the
+        stream goes on from r.
 
         At the first open the partition simply starts at r. Later in the run (its active
         failed over, the new one's history branches below what was streamed) the open
         segment is cut back to r on the worker (queued after every row already sent
-        there), the records above r moving to a cut-back segment; when r is below where
-        this run began, all of the run's records move there and the partition starts
-        again at r like a first open.
+        there), the records above the asked seq moving to a cut-back segment (those
+        between r and it come again); when r is below where this run began, all of the
+        run's records go and the partition starts again at r like a first open.
         """
         p, r = rb.partition, rb.to_seq
         st = opened.get(p)
         last[p] = r
         if st is None:
-            rolled[p] = (rb.previous.seq, r)
+            rolled[p] = (rb.previous.seq, r, rb.asked)
             return
-        cut = functools.partial(_cut, st, rb.previous.seq, r, held, open_cut, segment_name)
+        cut = functools.partial(_cut, st, rb.previous.seq, r, rb.asked, held, open_cut,
+                                segment_name)  # fmt: skip
         if r >= st.start:
             st.snapshots = [(a, min(b, r)) for a, b in st.snapshots if a <= r]
-            was = st.cut_back or (rb.previous.seq, r)  # a second cut: the widest range
-            st.cut_back = (max(was[0], rb.previous.seq), min(was[1], r))
+            was = st.cut_back or (rb.previous.seq, r, rb.asked)  # a second cut: the widest
+            st.cut_back = (max(was[0], rb.previous.seq), min(was[1], r), min(was[2], rb.asked))
             await submit(cut)
         else:
             origin = st.rollback[0] if st.rollback is not None else st.start
-            opened[p] = _Open(p, None, st.log, r, rollback=(origin, r), cuts=st.cuts)
+            opened[p] = _Open(p, None, st.log, r, rollback=(origin, r, rb.asked), cuts=st.cuts)
             await submit(cut)
             await submit(functools.partial(_abandon, st, held))
 
@@ -303,22 +313,31 @@ def _cut(
     st: _Open,
     from_seq: int,
     r: int,
+    asked: int,
     held: list[int],
     open_cut: Callable[[int, FailoverLog, int, int], SegmentWriter],
     name: Callable[[int, int, int], str],
 ) -> None:
-    """On the worker: move the partition's records above the rollback seq r out of its
-    open segment into a cut-back segment (`cut-K/`, formats/repository.md §5.6), where
-    they stay as lost writes: the backup saw them, the history that continued does not
-    have them."""
+    """On the worker: cut the partition's open segment back to the boundary r. Its
+    records above the source's rollback seq `asked` move into a cut-back segment
+    (`cut-K/`, formats/repository.md §5.6), where they stay as lost writes: the backup
+    saw them, the history that continued does not have them. Those in (r, asked] are
+    dropped: the source has them and streams them again from r."""
     w = st.writer
     if w is None or w.last_seq <= r:
         return
-    k = len(st.cuts) + 1
-    into = open_cut(st.partition, w.header.failover_log, r, k)
+    asked = max(r, asked)
     before = w.buffered
+    if w.last_seq <= asked:
+        w.truncate(r)
+        held[0] += w.buffered - before
+        return
+    k = len(st.cuts) + 1
+    into = open_cut(st.partition, w.header.failover_log, asked, k)
     try:
-        w.truncate(r, into)
+        w.truncate(asked, into)
+        if r < asked:
+            w.truncate(r)
         held[0] += w.buffered - before
         (w.path.parent / f"cut-{k}").mkdir(exist_ok=True)
         path = w.path.parent / f"cut-{k}" / name(st.partition, into.first_seq, into.last_seq)
@@ -326,7 +345,7 @@ def _cut(
     except BaseException:
         into.abort()
         raise
-    st.cuts.append((max(from_seq, info.last_seq), r, info))
+    st.cuts.append((max(from_seq, info.last_seq), asked, info))
 
 
 def _finish(

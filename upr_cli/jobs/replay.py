@@ -54,7 +54,7 @@ from typing import Any
 
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import BarrierReached, Rollback, Snapshot, StreamEnded, StreamOpened
-from upr_cli.dcp.position import StreamPosition
+from upr_cli.dcp.position import StreamPosition, boundary_at
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog
 from upr_cli.net.aio import cancel_and_wait
@@ -327,8 +327,9 @@ async def _round(
 
     saved = await on_store(store.positions)
     logs = await on_store(lambda: {p: store.failover_log(p) for p in saved})
+    bounds = await on_store(store.boundaries)
     consumer = DcpConsumer(
-        uri, partitions=partitions, positions=saved,
+        uri, partitions=partitions, positions=saved, boundaries=bounds,
         failover_logs={p: lg for p, lg in logs.items() if lg is not None},
         until_end=not follow, barriers=consistent, buffer_size=buffer_size, name="upr-replay",
     )  # fmt: skip
@@ -430,11 +431,13 @@ async def _round(
             st.marks.clear()
             st.complete = st.received = ev.to_seq
         await settle(all_=True)
-        result = await on_store(lambda: store.rollback(ev.partition, ev.to_seq, uuid=ev.uuid))
+        result = await on_store(
+            lambda: store.rollback(ev.partition, ev.to_seq, uuid=ev.uuid, lost_above=ev.asked)
+        )
         entry = {"partition": ev.partition, "from": ev.previous.seq, "to": ev.to_seq,
-                 "lost": result.lost, "reset": result.too_far}  # fmt: skip
+                 "asked": ev.asked, "lost": result.lost, "reset": result.too_far}  # fmt: skip
         if result.too_far:
-            await on_store(lambda: store.reset_partition(ev.partition, lost_above=ev.to_seq))
+            await on_store(lambda: store.reset_partition(ev.partition, lost_above=ev.asked))
             stats.resets += 1
             say(f"{result}; partition reset, streaming it again from 0")
             stats.rollbacks.append(entry)
@@ -442,7 +445,7 @@ async def _round(
         stats.rollbacks.append(entry)
         if st is not None:
             st.committed = st.applied = result.position or StreamPosition(ev.partition)
-        say(str(result))
+        say(str(result) + _below_asked(ev.asked, ev.to_seq))
 
     async def restart_open_transaction() -> None:
         """A reconnect or rollback during the consistent catch-up: its rows come again."""
@@ -680,20 +683,24 @@ def replay_repo(
                 if decision.rollback:
                     if work:
                         flush()
-                    r = decision.rollback_seq
+                    asked = decision.rollback_seq
+                    # onto a snapshot boundary the store holds (formats/store.md §5.3)
+                    r = boundary_at(store.boundaries(p).get(p, ()), asked)
                     entry = rp.failover_log.entry_at(r)
-                    result = store.rollback(p, r, uuid=entry.uuid if entry else None)
+                    result = store.rollback(
+                        p, r, uuid=entry.uuid if entry else None, lost_above=asked
+                    )
                     stats.rollbacks.append(
-                        {"partition": p, "from": pos.seq, "to": r, "lost": result.lost,
-                         "reset": result.too_far}
+                        {"partition": p, "from": pos.seq, "to": r, "asked": asked,
+                         "lost": result.lost, "reset": result.too_far}
                     )  # fmt: skip
                     if result.too_far:
-                        store.reset_partition(p, lost_above=r)
+                        store.reset_partition(p, lost_above=asked)
                         stats.resets += 1
                         say(f"{result}; partition reset, applying it again from 0")
                         base = 0
                     else:
-                        say(str(result))
+                        say(str(result) + _below_asked(asked, r))
                         base = r
             rows: list[Row] = [
                 (op, p, seq, rev, cas, flags, exp, dtime, datatype, key, value, 0)
@@ -712,3 +719,13 @@ def replay_repo(
             flush()
     stats.seconds = time.monotonic() - stats.started
     return stats
+
+
+def _below_asked(asked: int, to: int) -> str:
+    """What to add to a rollback's message when it went below the seq the source asked."""
+    if to >= asked:
+        return ""
+    return (
+        f" (the source asked for {asked}, inside a deduplicated snapshot the store"
+        f" received; {to} is the newest snapshot boundary below it)"
+    )

@@ -18,6 +18,7 @@ from upr_cli.repo.chain import (
     lost_ranges,
     plan_state,
     resume_point,
+    snapshot_boundaries,
 )
 from upr_cli.repo.errors import RepositoryError, RepositoryLocked
 from upr_cli.repo.fsio import DiskOps, atomic_write
@@ -99,5 +100,6 @@ __all__ = [
     "parse_time",
     "plan_state",
     "resume_point",
+    "snapshot_boundaries",
     "temp_name",
 ]

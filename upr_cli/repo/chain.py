@@ -16,7 +16,7 @@ Everything here is pure: functions of manifests, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import pairwise
 from typing import NamedTuple
 
@@ -136,6 +136,10 @@ def _agreement(j: PartitionEntry, later: PartitionEntry) -> int:
     the latest. A branch the log does not know agrees nowhere (0).
     """
     if later.start_seq > 0:
+        # a rollback onto a snapshot boundary starts below where the histories part:
+        # the records up to the rule's answer are streamed again, not lost (§5.5)
+        if later.rollback is not None:
+            return max(later.start_seq, min(later.rollback.branch_seq, later.rollback.from_seq))
         return later.start_seq
     entries = later.failover_log.entries
     i = next((i for i, e in enumerate(entries) if e.uuid == j.uuid), None)
@@ -173,6 +177,29 @@ def lost_ranges(
         if low < entry.end_seq:
             out.append(SeqRange(bid, low, entry.end_seq))
     return out
+
+
+def snapshot_boundaries(
+    manifests: Sequence[Manifest],
+    partition: int,
+    snapshots_of: Callable[[BackupId, SegmentEntry], Sequence[tuple[int, int]]] | None = None,
+) -> list[int]:
+    """Snapshot boundaries of p's state at the newest backup, ascending: seqs s where
+    the chain's records up to s are a state the source had (formats/repository.md §8.4),
+    so that a rollback can land there. Each backup's end when its last snapshot was
+    received whole, and not cut by a later backup; with `snapshots_of` (the markers a
+    segment's header lists), the ends of the newest holding backup's snapshots too."""
+    held = _holding(manifests, partition, None)
+    out = {0}
+    for (_bid, e), c in zip(held, _cuts(held), strict=True):
+        if e.end_seq == e.snap_end and e.end_seq <= c:
+            out.add(e.end_seq)
+    if held and snapshots_of is not None:
+        bid, e = held[-1]
+        for seg in e.segments:
+            out.update(end for _s, end in snapshots_of(bid, seg)
+                       if e.start_seq <= end <= min(seg.last_seq, e.end_seq))  # fmt: skip
+    return sorted(out)
 
 
 def resume_point(manifests: Sequence[Manifest], partition: int) -> ResumePoint | None:

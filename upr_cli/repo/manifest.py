@@ -157,6 +157,16 @@ class RollbackRecord:
                 "(the lower seq wins, DESIGN)"
             )
 
+    @property
+    def branch_seq(self) -> int:
+        """Where the source's history and the backup's surely agree: the lower rule's
+        answer. `to_seq` may be lower still, the newest snapshot boundary at or below it
+        (formats/repository.md §5.5); the records in (to_seq, branch_seq] are streamed
+        again, never lost."""
+        if self.seed_rule_seq is None:
+            return self.producer_seq
+        return min(self.producer_seq, self.seed_rule_seq)
+
     def to_json(self) -> dict[str, Any]:
         """JSON object with decimal strings; `seed_rule_seq` may be null."""
         return {

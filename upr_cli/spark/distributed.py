@@ -46,10 +46,12 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                      segment_name: Callable[[int, int, int], str],
                      end_seqs: dict[int, int] | None = None,
                      cuts: dict[int, list[Any]] | None = None,
+                     boundaries: dict[int, list[int]] | None = None,
                      **_ignored: Any) -> dict[int, PartitionResult]:  # fmt: skip
         logs = failover_logs or {}
         ends = end_seqs or {}
         left = cuts or {}  # an interrupted run's cut-back segments (their lists go on)
+        bounds = boundaries or {}  # where a mid-run rollback may land (snapshot boundaries)
 
         def run(share: list[int]) -> list[tuple[int, PartitionResult]]:
             got = asyncio.run(stream_to_segments(
@@ -58,6 +60,7 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                 failover_logs={p: logs[p] for p in share if p in logs}, partitions=share,
                 segment_name=segment_name, end_seqs={p: ends[p] for p in share if p in ends},
                 cuts={p: left[p] for p in share if p in left},
+                boundaries={p: bounds[p] for p in share if p in bounds},
             ))  # fmt: skip
             return sorted(got.items())
 

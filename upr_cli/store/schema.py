@@ -26,7 +26,7 @@ import sqlite_utils
 
 from upr_cli.errors import UprError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 FORMAT = "upr-store"
 
 _DOCUMENT_COLUMNS: dict[str, type] = {
@@ -63,10 +63,29 @@ def _add_lost_writes(db: sqlite_utils.Database) -> None:
     db.execute(db.create_table_sql("lost_writes", columns, pk="id", not_null=not_null))
 
 
+def _add_boundaries(db: sqlite_utils.Database) -> None:
+    """v2 → v3: the `boundaries` table (formats/store.md §3.6). A v2 store recorded no
+    boundaries; its saved positions that end their snapshot (seq = snap_end) are the
+    only states it is known to have held whole."""
+    db.execute(_BOUNDARIES_SQL)
+    db.execute(
+        "INSERT OR IGNORE INTO boundaries (partition, seq) SELECT partition, seq"
+        " FROM partitions WHERE seq = snap_end"
+    )
+
+
+_BOUNDARIES_SQL = (
+    "CREATE TABLE boundaries (partition INTEGER NOT NULL, seq INTEGER NOT NULL,"
+    " PRIMARY KEY (partition, seq)) WITHOUT ROWID"
+)
+
 #: version v → the function that turns a version-v store into version v + 1, inside the
 #: open transaction (run DDL with `db.execute`; never commit). A new store is created at
 #: version 1 and brought up by these, so every step runs on every new store.
-MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _add_lost_writes}
+MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
+    1: _add_lost_writes,
+    2: _add_boundaries,
+}
 
 
 class StoreError(UprError):

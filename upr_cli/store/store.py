@@ -27,6 +27,11 @@ Theory of operation (formats/store.md is the normative spec)
   2^63-1 are rare (a cas would have to be from after 2262), so the rows are first bound
   as they are; if SQLite refuses an integer, the statements are undone to a savepoint
   and the rows re-bound with u64 → i64 conversion.
+* **Snapshot boundaries** (formats/store.md §3.6). Inside a deduplicated snapshot the
+  store's state is not one the source ever had, so a rollback must land on a boundary:
+  a saved position that ended (or had not begun) its snapshot. `apply` and
+  `set_position` record such positions, a rollback keeps those at or below its target,
+  and those below `log_floor`, out of the log's reach, are dropped as the floor rises.
 * **64-bit values** (seq, rev_seq, cas, uuid, snapshot bounds) are stored as their two's
   complement i64, as `upr_cli.node.storage` does; SQL comparisons are signed, exact for
   seqs below 2^63, the range a producer hands out.
@@ -564,6 +569,22 @@ class Store:
              state.failover_log, state.log_count, _i64(state.log_floor), state.updated),
         )  # fmt: skip
 
+    def _save_boundary(
+        self, db: sqlite3.Connection, position: StreamPosition, floor: int, old_floor: int
+    ) -> None:
+        """Record a saved position that is a snapshot boundary; drop the boundaries a
+        risen log floor put out of a rollback's reach (formats/store.md §3.6)."""
+        if floor > old_floor:
+            db.execute(
+                "DELETE FROM boundaries WHERE partition = ? AND seq < ?",
+                (position.partition, _i64(floor)),
+            )
+        if position.complete and position.seq >= floor:
+            db.execute(
+                "INSERT OR IGNORE INTO boundaries (partition, seq) VALUES (?, ?)",
+                (position.partition, _i64(position.seq)),
+            )
+
     def _newest_logged(self, db: sqlite3.Connection, partition: int) -> int:
         top = db.execute(
             "SELECT max(seq) FROM mutation_log WHERE partition = ?", (partition,)
@@ -684,6 +705,7 @@ class Store:
                 else None
             )
             self._save_state(db, _State(position, log_text, count, floor, now_iso()))
+            self._save_boundary(db, position, floor, state.log_floor if state else 0)
 
     def apply_many(
         self, batches: Iterable[tuple[int, Sequence[Row], StreamPosition, FailoverLog | None]]
@@ -712,6 +734,7 @@ class Store:
             )
             count, floor = (state.log_count, state.log_floor) if state else (0, 0)
             self._save_state(db, _State(position, log_text, count, floor, now_iso()))
+            self._save_boundary(db, position, floor, floor)
 
     def restore_rows(self, rows: Sequence[Row] | Iterable[Row], *, keep_log: bool = False) -> int:
         """Write rows of any partitions (their `vbucket` field) as they are: a restore.
@@ -743,6 +766,7 @@ class Store:
                 position = state.position if state else StreamPosition(p)
                 log_text = state.failover_log if state else None
                 self._save_state(db, _State(position, log_text, 0, floor, updated))
+                self._save_boundary(db, position, floor, state.log_floor if state else 0)
         return len(rows)
 
     def _restore_logged(self, rows: Sequence[Row]) -> int:
@@ -760,15 +784,23 @@ class Store:
                 position = state.position if state else StreamPosition(p)
                 log_text = state.failover_log if state else None
                 self._save_state(db, _State(position, log_text, count, floor, updated))
+                self._save_boundary(db, position, floor, state.log_floor if state else 0)
         return len(rows)
 
-    def rollback(self, partition: int, to_seq: int, *, uuid: int | None = None) -> RollbackResult:
+    def rollback(
+        self, partition: int, to_seq: int, *, uuid: int | None = None, lost_above: int | None = None
+    ) -> RollbackResult:
         """Undo every change above `to_seq` from the mutation log, in ONE transaction.
 
-        The position becomes (uuid, to_seq, to_seq, to_seq) (dcp-wire §4.4), `uuid` being
-        given or else that of the newest stored failover entry with seq ≤ to_seq (0 if
-        none), and the failover log is pruned above to_seq. When the log does not reach
-        back to `to_seq` nothing changes and the result says `too_far`.
+        `to_seq` must be a snapshot boundary (`boundary_at(self.boundaries(p), r)` for a
+        source's ROLLBACK(r), or what the consumer's `Rollback` event names): inside a
+        snapshot the undone state is not one the source had (formats/store.md §5.3).
+        The position becomes (uuid, to_seq, to_seq, to_seq), `uuid` being given or else
+        that of the newest stored failover entry with seq ≤ to_seq (0 if none), and the
+        failover log is pruned above to_seq. The versions above `lost_above` (the seq the
+        source asked for; default `to_seq`) are kept as lost writes: those between the
+        two the source still has and sends again. When the log does not reach back to
+        `to_seq` nothing changes and the result says `too_far`.
         """
         _check_partition(partition)
         with self._write() as db:
@@ -784,8 +816,10 @@ class Store:
             if to_seq < state.log_floor:
                 return RollbackResult(partition, held, to_seq, True, state.log_floor)
             args = {"p": partition, "r": _i64(to_seq)}
+            cut = to_seq if lost_above is None else max(to_seq, lost_above)
             lost = db.execute(
-                _KEEP_LOST, args | {"uuid": _i64(state.position.uuid), "now": now_iso()}
+                _KEEP_LOST,
+                args | {"r": _i64(cut), "uuid": _i64(state.position.uuid), "now": now_iso()},
             ).rowcount
             restored = db.execute(_UNDO_RESTORE, args).rowcount
             deleted = db.execute(_UNDO_DELETE, args).rowcount
@@ -805,6 +839,8 @@ class Store:
                 db,
                 _State(position, log_text, state.log_count - undone, state.log_floor, now_iso()),
             )
+            db.execute("DELETE FROM boundaries WHERE partition = :p AND seq > :r", args)
+            self._save_boundary(db, position, state.log_floor, state.log_floor)
         return RollbackResult(
             partition, held, to_seq, False, state.log_floor, undone, restored, deleted, position,
             lost,
@@ -826,6 +862,7 @@ class Store:
             n = db.execute("DELETE FROM documents WHERE partition = ?", (partition,)).rowcount
             db.execute("DELETE FROM mutation_log WHERE partition = ?", (partition,))
             db.execute("DELETE FROM partitions WHERE partition = ?", (partition,))
+            db.execute("DELETE FROM boundaries WHERE partition = ?", (partition,))
         return int(n)
 
     # --- reads
@@ -837,6 +874,21 @@ class Store:
             return None
         log = self._parse_log(partition, state.failover_log)
         return PartitionState(state.position, log, state.log_count, state.log_floor, state.updated)
+
+    def boundaries(self, partition: int | None = None) -> dict[int, list[int]]:
+        """The snapshot boundaries a rollback can land on, per partition (ascending):
+        recorded ones at or above the partition's log floor (formats/store.md §3.6)."""
+        where, args = ("WHERE b.partition = ?", [partition]) if partition is not None else ("", [])
+        rows = self._db.execute(
+            "SELECT b.partition, b.seq FROM boundaries AS b JOIN partitions AS p"
+            f" ON p.partition = b.partition AND b.seq >= p.log_floor {where}"
+            " ORDER BY b.partition, b.seq",
+            args,
+        )
+        out: dict[int, list[int]] = {}
+        for p, seq in rows:
+            out.setdefault(p, []).append(_u64(seq))
+        return out
 
     def position(self, partition: int) -> StreamPosition | None:
         """The saved position of a partition, or None."""
