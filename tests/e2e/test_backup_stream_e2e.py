@@ -82,9 +82,13 @@ def test_full_then_incremental_then_after_a_crash(node_factory: type[Node], tmp_
     d4.mkdir()
     pos = {p: r.position for p, r in r3.items()}
     logs = {p: r.failover_log for p, r in r3.items()}
+    # where the third run started (the second's end) is a snapshot boundary of the chain
+    bounds = {p: [r3[p].start_seq] for p in r3}
     r4 = run(stream_to_segments(uri, d4, bucket="default", positions=pos, failover_logs=logs,
-                                segment_name=name))  # fmt: skip
-    assert {p: r.rollback for p, r in r4.items()} == {p: (r3[p].end_seq, persisted[p]) for p in r3}
+                                segment_name=name, boundaries=bounds))  # fmt: skip
+    assert {p: r.rollback for p, r in r4.items()} == {
+        p: (r3[p].end_seq, persisted[p], persisted[p]) for p in r3
+    }
     assert all(r4[p].start_seq == persisted[p] for p in r4)
     replica_from(r4, mine)
     rows, _e, _c = run(drain(node.uri))

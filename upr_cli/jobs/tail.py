@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Rollback, Snapshot, StreamEnded, StreamOpened
@@ -115,7 +115,7 @@ def event_line(ev: object, fmt: str) -> str | None:
         }
     elif isinstance(ev, Rollback):
         d = {"event": "rollback", "partition": ev.partition, "from_seq": ev.previous.seq,
-             "to_seq": ev.to_seq, "uuid": str(ev.uuid)}  # fmt: skip
+             "to_seq": ev.to_seq, "asked_seq": ev.asked, "uuid": str(ev.uuid)}  # fmt: skip
     elif isinstance(ev, StreamEnded):
         d = {
             "event": "stream_end",
@@ -133,28 +133,52 @@ def event_line(ev: object, fmt: str) -> str | None:
     return "# " + " ".join(f"{k}={v}" for k, v in d.items() if k != "event") + f"  [{d['event']}]"
 
 
-def load_state(path: Path) -> tuple[dict[int, StreamPosition], dict[int, FailoverLog]]:
-    """Positions and failover logs saved by an earlier `--state` run (empty if no file)."""
+#: the newest snapshot boundaries a state file keeps per partition (where a resumed
+#: tail's rollback may land: docs/design.md, "Snapshot boundaries")
+STATE_BOUNDARIES = 16
+
+
+class TailState(NamedTuple):
+    """What a `--state` file holds."""
+
+    positions: dict[int, StreamPosition]
+    logs: dict[int, FailoverLog]
+    boundaries: dict[int, list[int]]
+
+
+def load_state(path: Path) -> TailState:
+    """Positions, failover logs and snapshot boundaries saved by an earlier `--state`
+    run (empty if no file). Version 1 files have no boundaries."""
     if not path.exists():
-        return {}, {}
+        return TailState({}, {}, {})
     try:
         data = json.loads(path.read_text())
+        if data.get("version", 1) not in (1, 2):
+            raise ValueError(f"unknown version {data.get('version')!r}")
         positions = {int(p["partition"]): StreamPosition.from_json(p) for p in data["positions"]}
         logs = {int(p): FailoverLog.from_json(v) for p, v in data.get("failover_logs", {}).items()}
-        return positions, logs
+        bounds = {int(p): [int(b) for b in v] for p, v in data.get("boundaries", {}).items()}
+        return TailState(positions, logs, bounds)
     except (OSError, ValueError, KeyError, TypeError, UprError) as exc:
         raise UsageError(f"--state: {path} is not a tail state file: {exc}") from None
 
 
 def save_state(
-    path: Path, positions: dict[int, StreamPosition], logs: dict[int, FailoverLog]
+    path: Path,
+    positions: dict[int, StreamPosition],
+    logs: dict[int, FailoverLog],
+    boundaries: dict[int, list[int]] | None = None,
 ) -> None:
-    """Write positions and failover logs atomically (temp, fsync, rename)."""
+    """Write positions, failover logs and boundaries atomically (temp, fsync, rename)."""
     tmp = path.with_name(path.name + ".tmp")
     state = {
-        "version": 1,
+        "version": 2,
         "positions": [p.to_json() for _, p in sorted(positions.items())],
         "failover_logs": {str(p): log.to_json() for p, log in sorted(logs.items())},
+        "boundaries": {
+            str(p): [str(b) for b in bs[-STATE_BOUNDARIES:]]
+            for p, bs in sorted((boundaries or {}).items())
+        },
     }
     with open(tmp, "w") as f:
         json.dump(state, f)
@@ -168,7 +192,7 @@ async def tail(
     on_progress: Callable[[TailSummary], None] | None = None,
 ) -> TailSummary:  # fmt: skip
     """Stream changes and print them; returns counts. Stops at the end (finite) or --count."""
-    positions, logs = load_state(opts.state) if opts.state else ({}, {})
+    positions, logs, bounds = load_state(opts.state) if opts.state else TailState({}, {}, {})
     start_seq = None
     if opts.start not in ("beginning", "now"):
         if not opts.start.isdigit():
@@ -176,7 +200,7 @@ async def tail(
         start_seq = int(opts.start)
     consumer = DcpConsumer(
         uri, partitions=opts.partitions, positions=positions, failover_logs=logs,
-        until_end=opts.until_end,
+        boundaries=bounds, until_end=opts.until_end,
         from_latest=opts.start == "now", start_seq=start_seq, buffer_size=opts.buffer_size,
         name="upr-tail",
     )  # fmt: skip
@@ -212,6 +236,9 @@ async def tail(
         out.flush()
     finally:
         if opts.state is not None and consumer.parts:
-            save_state(opts.state, consumer.committed, consumer.failover_logs)
+            committed = consumer.committed
+            bounds = {p: [b for b in consumer.boundaries(p) if b <= pos.seq]
+                      for p, pos in committed.items()}  # fmt: skip
+            save_state(opts.state, committed, consumer.failover_logs, bounds)
         await consumer.aclose()
     return summary

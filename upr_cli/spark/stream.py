@@ -10,9 +10,10 @@ Theory of operation (reference/spark-datasource.md §2, §5; dcp-wire §4)
 * **Planning** (`partitions(start, end)`, on the driver): a partition whose seq moved is
   planned as the range (start, end]. When the start is no longer on the source's history
   (a failover or an unclean restart), the producer rule (dcp-wire §4.2) against the
-  source's failover log gives the rollback point r: the range becomes (r, end] and its
-  first row is a **rollback marker** (`op` = `rollback`, `seq` = r), telling a consumer
-  to undo what it holds above r in that partition.
+  source's failover log says roll back: the range becomes (0, end] and its first row is
+  a **rollback marker** (`op` = `rollback`, `seq` = 0), telling a consumer to undo what
+  it holds in that partition (a rollback lands on a snapshot boundary, and the only one
+  an offset is known to be is 0: formats/spark.md §5).
 * **Reading** (`read`, on an executor) opens its own DCP connection and streams exactly
   the planned ranges, ending each at its planned seq (capped at what the source holds).
   A ROLLBACK met while reading (the source failed over after planning) fails the task
@@ -34,7 +35,7 @@ import pyarrow as pa
 
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Rollback
-from upr_cli.dcp.position import StreamPosition
+from upr_cli.dcp.position import StreamPosition, boundary_at
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import needs_rollback
 from upr_cli.net.connection import Connection
@@ -189,7 +190,12 @@ async def plan_ranges(uri: SourceUri, start: Mapping[int, StreamPosition],
             d = needs_rollback(logs[p].log, start=s.seq, uuid=s.uuid, snap_start=s.snap_start,
                                snap_end=s.snap_end, high=current[p][1])  # fmt: skip
             if d.rollback:
-                r = d.rollback_seq
+                # A rollback must land on a snapshot boundary the rows' consumer reached
+                # (docs/design.md, "Snapshot boundaries"). An offset is not one (a
+                # stream reads a little past it, and deduplication replaces versions
+                # across it), so the only boundary known here is 0: the marker resets
+                # the partition, and the range reads it whole on the new branch.
+                r = boundary_at((), d.rollback_seq)
                 entry = logs[p].log.entry_at(r)
                 s = StreamPosition(p, entry.uuid if entry else 0, r, r, r)
                 rollback = r
