@@ -173,6 +173,33 @@ def test_consistent_replay_never_commits_b_ahead_of_a(
     assert len(samples) > 5  # the sampler saw the store move through many states
 
 
+def test_consistent_replay_keeps_committing_after_a_reconnect(
+    node_factory: type[Node], tmp_path: Path
+) -> None:
+    """A restarted node is a new DCP connection: the consumer negotiates barrier cookies
+    on it again, and the replay asks for a new cookie (the pending one went with the old
+    connection), so its cuts keep committing."""
+    node = node_factory("--flush-interval", "0.02").start()
+    db = tmp_path / "c.db"
+    upr("load", node.uri, "--docs", "300", "--update-ratio", "0.3", "--delete-ratio", "0.1")
+    replay = _popen("replay", node.uri, "--into", str(db), "--follow", "--consistent",
+                    "--no-progress")  # fmt: skip
+    try:
+        highs = {p: h for p, (_u, h, _p) in wait_persisted(node.uri).items()}
+        _wait(lambda: _position_total(db) == sum(highs.values()))
+        node.stop()
+        node.start("--flush-interval", "0.02")
+        upr("load", node.uri, "--docs", "300", "--update-ratio", "0.5", "--delete-ratio", "0.1",
+            "--seed", "9", "--prefix", "after")  # fmt: skip
+        highs = {p: h for p, (_u, h, _p) in wait_persisted(node.uri).items()}
+        _wait(lambda: _position_total(db) == sum(highs.values()), timeout=30)
+    finally:
+        replay.send_signal(signal.SIGINT)
+        _out, err = replay.communicate(timeout=60)
+    assert replay.returncode == 0, err
+    assert store_rows(db) == node_rows(node.uri)
+
+
 def test_durable_only_never_holds_a_write_the_node_lost(
     node_factory: type[Node], tmp_path: Path
 ) -> None:

@@ -354,8 +354,9 @@ class DcpConsumer:
                         ("set_noop_interval", f"{self.noop_interval:g}")]  # fmt: skip
             for key, value in controls:
                 await conn.request(Control(name=key, value=value, opaque=conn.next_opaque()))
-            if self.want_barriers and bootstrap:
-                # a real server answers EINVAL: no barriers, callers fall back (formats/barrier.md)
+            if self.want_barriers:
+                # a real server answers EINVAL: no barriers, callers fall back (formats/barrier.md);
+                # asked on every connection: a reconnected link is a new DCP connection
                 resp = await conn.request(
                     Control(name="upr_barrier_cookies", value="true", opaque=conn.next_opaque()),
                     check=False,
@@ -834,12 +835,20 @@ class DcpConsumer:
                 reason = str(exc)
                 log.info("reconnect failed: %s", exc)
 
-    async def barrier(self, cookie: bytes) -> None:
-        """Send a barrier cookie; a `BarrierReached` event follows in the stream."""
+    async def barrier(self, cookie: bytes) -> bool:
+        """Send a barrier cookie; a `BarrierReached` event follows in the stream. False
+        when the connection is down: `batches()` reconnects it, and the caller asks
+        again once streams reopen (a cookie lives and dies with its connection)."""
         if not self.barriers_supported or self.session is None or len(self._links) > 1:
             raise ConsumerError("the source does not support barrier cookies")
         conn = self.session.conn
-        await conn.request(Barrier(cookie=cookie, opaque=conn.next_opaque()))
+        if conn.closed:
+            return False
+        try:
+            await conn.request(Barrier(cookie=cookie, opaque=conn.next_opaque()))
+        except ConnectionError_:
+            return False
+        return True
 
     async def failover_log(self, partition: int) -> FailoverLog:
         """The server's failover log for a partition (GET_FAILOVER_LOG), from its node."""

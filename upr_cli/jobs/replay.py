@@ -528,6 +528,8 @@ async def _round(
                     st.marks.append((item.start, item.end))
                 elif isinstance(item, StreamOpened):
                     st = parts[item.partition]
+                    # a reconnect dropped a pending cookie with its connection: ask anew
+                    barrier_out = None
                     if catching_up and item.position.seq < st.applied.seq:
                         await restart_open_transaction()
                     st.reset_to(item.position)
@@ -561,7 +563,8 @@ async def _round(
                     barrier_n += 1
                     barrier_out = f"replay-{os.getpid()}-{barrier_n}".encode()
                     barrier_sent = now
-                    await consumer.barrier(barrier_out)
+                    if not await consumer.barrier(barrier_out):
+                        barrier_out = None  # the link is down: ask again after the reconnect
             if on_progress is not None and time.monotonic() - shown >= 0.2:
                 shown = time.monotonic()
                 stats.partitions_caught_up = sum(
