@@ -55,7 +55,7 @@ class BackupLoop:
 
 def _start(cl: Cluster, tmp: Path, *, backup_from: str) -> tuple[Any, BackupLoop, Any]:
     """Initial data, then a following replay, a backup loop and a writing load."""
-    upr("load", cl.uri("n1"), "--docs", "4000", "--update-ratio", "0.2")
+    upr("load", cl.uri("n1"), "--docs", "4000", "--update-ratio", "0.2", "--delete-ratio", "0.1")
     replay = popen("replay", cl.uri("n1"), "--into", str(tmp / "replay.db"), "--follow",
                    "--no-progress")  # fmt: skip
     backups = BackupLoop(cl.uri(backup_from), tmp / "repo")

@@ -107,6 +107,11 @@ class _Lost:
         self.gen = gen
 
 
+#: the newest snapshot boundaries kept per partition beside those the caller passed in: a
+#: rollback further back than these lands on the caller's own, or resets the partition
+KEEP_BOUNDARIES = 256
+
+
 @dataclass(slots=True)
 class _Link:
     """One connection of the consumer, to one node."""
@@ -130,9 +135,10 @@ class _Part:
     done: bool = False
     log: FailoverLog = field(default_factory=FailoverLog)
     addr: Addr = ("", 0)  # the node streaming it
-    # Snapshot boundaries the caller reached (ascending, unpruned: `_rollback` takes the
-    # ones at or below where the partition stands), and whether the current stream has
-    # sent a marker yet: only then does a new marker complete the snapshot before it.
+    # Snapshot boundaries seen on this partition's streams (ascending, at most about
+    # 2 * KEEP_BOUNDARIES; `_rollback` takes those at or below where the partition
+    # stands, with the caller's), and whether the current stream has sent a marker yet:
+    # only then does a new marker complete the snapshot before it.
     bounds: list[int] = field(default_factory=list)
     marked: bool = False
 
@@ -235,7 +241,7 @@ class DcpConsumer:
         for p in want:
             pos = self._start.get(p, StreamPosition.beginning(p))
             part = _Part(p, pos.uuid, pos.seq, pos.snap_start, pos.snap_end)
-            part.bounds = [b for b in self._bounds.get(p, ()) if b <= pos.seq]
+            self._bounds[p] = [b for b in self._bounds.get(p, ()) if b <= pos.seq]
             part.addr = (actives[p] if p < len(actives) else None) or home
             if p in self._logs:
                 part.log = self._logs[p]
@@ -597,6 +603,8 @@ class DcpConsumer:
         uuid = entry.uuid if entry is not None else previous.uuid
         part.uuid, part.seq, part.snap_start, part.snap_end = uuid, b, b, b
         part.bounds = [x for x in part.bounds if x < b] + [b]
+        if part.partition in self._bounds:  # the caller's: those above b are gone with it
+            self._bounds[part.partition] = [x for x in self._bounds[part.partition] if x <= b]
         self._committed[part.partition] = (part.uuid, part.seq, part.snap_start, part.snap_end)
         self._events.append(Rollback(part.partition, previous, b, uuid, r))
         if b < r:
@@ -605,11 +613,12 @@ class DcpConsumer:
         else:
             log.info("partition %d: rollback from %d to %d", part.partition, previous.seq, b)
 
-    @staticmethod
-    def _boundaries(part: _Part) -> list[int]:
-        """The boundaries a partition standing where it stands can go back to: those at
-        or below its seq, and the position itself when it is one."""
+    def _boundaries(self, part: _Part) -> list[int]:
+        """The boundaries a partition standing where it stands can go back to: the
+        caller's and those seen since, at or below its seq, and the position itself when
+        it is one."""
         out = [b for b in part.bounds if b <= part.seq]
+        out += [b for b in self._bounds.get(part.partition, ()) if b <= part.seq]
         if part.seq == part.snap_end:
             out.append(part.seq)
         return out
@@ -757,6 +766,8 @@ class DcpConsumer:
                     end = part.snap_end if part.marked else part.seq
                     if not part.bounds or part.bounds[-1] < end:
                         part.bounds.append(end)
+                        if len(part.bounds) > 2 * KEEP_BOUNDARIES:  # bounded memory
+                            del part.bounds[:-KEEP_BOUNDARIES]
                 part.marked = True
                 part.snap_start, part.snap_end = msg.start_seqno, msg.end_seqno
                 link = self._links.get(part.addr)
