@@ -3,10 +3,14 @@
 #
 # Three nodes: A (n0) is the master of the one partition, B (n1) and C (n2) replicas fed
 # over UPR; D (n3) joins later. Replication pauses (`upr cluster pause --after SEQ`)
-# stage the seed's exact interleaving: B stops in the middle of the snapshot 6-8, C has
-# all of it. A dies; B is promoted with a new failover entry at the last complete
-# snapshot it persisted (5); C rolls back to 5, repairs the master with the write only
-# it held (`upr salvage --node-data`), and ends equal to B; D streams from B.
+# stage the seed's exact interleaving: B and C take the snapshot 1-5; B stops in the
+# middle of the snapshot 6-8, C has all of it. A dies; B is promoted with a new failover
+# entry at the last complete snapshot it persisted (5); C rolls back to 5 (a snapshot
+# boundary it received: formats/cluster.md §5), repairs the master with the write only
+# it held (`upr salvage --node-data`), and ends equal to B; D streams from B. The
+# workload updates and deletes documents too (+key sets doc-key, -key deletes it):
+#   A, seqs 1-5: +a +b +c +a +d   6-8: +b -c +e   9-11 (lost with A): +e -a +f
+#   B, seqs 8-9: +a +g   10: C's +e (salvaged)   11-13: +e -g +h
 #
 # Usage: examples/failover-walkthrough.sh [WORKDIR]   (after `make demo` or `make test`)
 # The last line is machine-readable: walkthrough key=value …
@@ -34,8 +38,33 @@ wait_high() {  # wait_high NODE SEQ: until the node's copy of partition 0 reache
   done
   echo "timed out waiting for $1 to reach seq $2" >&2; return 1
 }
-write() {  # write URI N PREFIX: N new documents
-  "$UPR" load "$1" --docs "$2" --prefix "$3" --seed "$RANDOM" --json >/dev/null
+writes() {  # writes URI FIGURE OP…: in order; +KEY sets doc-KEY (new or updated), -KEY deletes it
+  "$PY" - "$@" <<'EOF'
+import asyncio, json, sys
+from upr_cli.net.router import Router
+from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.messages import Delete, Set
+
+async def main(uri: str, figure: str, ops: list[str]) -> None:
+    router = await Router.open(SourceUri.parse(uri), name="walkthrough")  # follows the map
+    try:
+        for op in ops:
+            key = f"doc-{op[1:]}".encode()
+            vb = router.partition(key)
+            if op[0] == "-":
+                make = lambda o, k=key, vb=vb: Delete(vbucket=vb, key=k, opaque=o).encode()
+            else:
+                value = json.dumps({"key": key.decode(), "figure": figure}).encode()
+                make = lambda o, k=key, vb=vb, v=value: Set(
+                    vbucket=vb, key=k, value=v, datatype=1, opaque=o).encode()
+            status = (await router.request(vb, make)).vbucket_or_status
+            if status:
+                sys.exit(f"{op}: status 0x{status:02x}")
+    finally:
+        await router.aclose()
+
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3:]))
+EOF
 }
 
 say "Figure 1: A comes online as the master (failover entry at 0); B and C are replicas"
@@ -46,20 +75,22 @@ A=$UPR_N0 B=$UPR_N1
 "$UPR" cluster pause n2 --after 0 --data "$cl"
 status
 
-say "Figure 2: A takes 5 mutations; B streams the snapshot 1-5"
-write "$A" 5 fig2
+say "Figure 2: A takes 5 mutations (a updated at 4); B and C stream the snapshot 1-5"
+writes "$A" 2 +a +b +c +a +d
 "$UPR" cluster pause n1 --after 5 --data "$cl"
+"$UPR" cluster pause n2 --after 5 --data "$cl"
 wait_high n1 5
+wait_high n2 5
 
-say "Figure 3: A takes 3 more (6-8); C streams from 0 and gets the snapshot through 8"
-write "$A" 3 fig3
+say "Figure 3: A takes 3 more (6-8: b updated, c deleted, e new); C gets the snapshot 6-8"
+writes "$A" 3 +b -c +e
 "$UPR" cluster pause n2 --after 8 --data "$cl"
 wait_high n2 8
 
 say "Figure 4: B streams the next snapshot 6-8 but persists only 6 and 7 of it; A takes 3 more"
 "$UPR" cluster pause n1 --after 7 --data "$cl"
 wait_high n1 7
-write "$A" 3 fig4
+writes "$A" 4 +e -a +f
 status
 
 say "Figure 5: master A dies"
@@ -72,7 +103,7 @@ echo "B's new failover entry is at seq $b_entry"
 status
 
 say "Figure 7: B accepts mutations; C compares its failover log with B's"
-write "$B" 2 fig7
+writes "$B" 7 +a +g
 status
 
 say "Figure 8: C rolls back to the common snapshot, then repairs the master"
@@ -85,7 +116,7 @@ say "  D joins (rebalance) and streams from B"
 "$UPR" cluster rebalance --add new --data "$cl"
 
 say "Figure 9: streaming continues from the new master"
-write "$B" 3 fig9
+writes "$B" 9 +e -g +h
 high=$(field n1 high_seqno)
 wait_high n2 "$high"
 wait_high n3 "$high"

@@ -15,6 +15,17 @@ from typing import Any
 from tests.e2e.conftest import upr
 from tests.e2e.e2e_helpers import run, seqnos
 from upr_cli.cluster import spec
+from upr_cli.cluster.control import STATE_CODES
+from upr_cli.net.bootstrap import connect, partition_of
+from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.messages import (
+    Delete,
+    ObserveSeqno,
+    ObserveSeqnoResponse,
+    Set,
+    SetVbucket,
+)
+from upr_cli.protocol.status import Status
 
 Rows = dict[tuple[int, bytes], tuple[Any, ...]]
 
@@ -98,6 +109,97 @@ class Cluster:
                     out[node.name] = bad[:5]
         return out
 
+    def copy_rows(self, name: str) -> Rows:
+        """One node's own copies (any state), read from its database file, in the shape
+        of `rows`: persisted data only."""
+        cl = self.spec
+        db = Path(cl.node(name).data) / f"{cl.bucket}.sqlite3"
+        out: Rows = {}
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+            for part, key, seq, deleted, value, cas, rev, flags, exp in c.execute(
+                "SELECT vbucket, key, seq, deleted, value, cas, rev_seq, flags, expiry FROM docs"
+            ):  # fmt: skip
+                u64 = lambda v: v + (1 << 64) if v < 0 else v  # noqa: E731
+                out[(part, bytes(key))] = (seq, bool(deleted), bytes(value), u64(cas), rev,
+                                           flags, exp)  # fmt: skip
+        return out
+
+    def lost_writes(self, name: str) -> list[tuple[int, int, bytes, int, bool]]:
+        """A node's `lost_writes` table: (rolled back to, partition, key, seq, deleted),
+        in seq order."""
+        cl = self.spec
+        db = Path(cl.node(name).data) / f"{cl.bucket}.sqlite3"
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+            rows = c.execute("SELECT rolled_back_to, vbucket, key, seq, deleted FROM lost_writes"
+                             " ORDER BY vbucket, seq").fetchall()  # fmt: skip
+        return [(to, vb, bytes(k), seq, bool(d)) for to, vb, k, seq, d in rows]
+
+    def seqnos(self, name: str) -> dict[int, tuple[int, int, int]]:
+        """{partition: (uuid, high seq, persisted seq)} of one node (STAT vbucket-seqno)."""
+        return dict(run(seqnos(self.uri(name))))
+
+    def stats(self, name: str, group: str) -> dict[str, str]:
+        """One STAT group of a node."""
+
+        async def go() -> dict[str, str]:
+            s = await connect(SourceUri.parse(self.uri(name)))
+            try:
+                return await s.conn.stats(group)
+            finally:
+                await s.conn.aclose()
+
+        return dict(run(go()))
+
+    def wait(self, what: str, done: Any, timeout: float = 30.0) -> None:
+        """Poll `done()` until it is true; AssertionError naming `what` after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            time.sleep(0.05)
+
+    def restart(self, name: str, *extra: str) -> None:
+        """Stop a node cleanly and start it again with extra `upr serve` options (e.g.
+        `--flush-interval 3600`: it then persists only when told, see `flush`); the
+        orchestrator then gives it the map and turns its traffic on."""
+        script = (
+            "import sys; from pathlib import Path; from upr_cli.cluster import procs, spec\n"
+            "d = Path(sys.argv[1]); cl = spec.load(d); node = cl.node(sys.argv[2])\n"
+            "procs.stop_node(node); procs.start_node(cl, node, extra=sys.argv[3:])\n"
+            "spec.save(d, cl)\n"
+        )  # in a child, as `upr cluster start` does: the node outlives it
+        subprocess.run([sys.executable, "-c", script, str(self.data), name, *extra],
+                       check=True, timeout=120)  # fmt: skip
+        self.cli("start")
+
+    def flush(self, name: str) -> None:
+        """Make a node persist what it holds now: SET_VBUCKET of one of its partitions
+        to the state it already has (a state command flushes first, formats/cluster.md
+        §3), with the bucket CAS and the current map revision."""
+        cl = self.spec
+
+        async def go() -> None:
+            s = await connect(SourceUri.parse(cl.uri(cl.node(name))))
+            conn = s.conn
+            try:
+                held = await conn.stats("vbucket")
+                vb, state = next((int(k[3:]), v) for k, v in held.items() if v != "dead")
+                value = json.dumps({"rev": cl.rev}).encode()
+                cas = 0
+                for _ in range(5):
+                    resp = await conn.request(SetVbucket(
+                        vbucket=vb, state=STATE_CODES[state], cas=cas, value=value,
+                        opaque=conn.next_opaque()), check=False)  # fmt: skip
+                    if resp.status == Status.SUCCESS:
+                        return
+                    assert resp.status == Status.KEY_EEXISTS, resp.status
+                    cas = resp.cas  # the bucket CAS, as the orchestrator retries
+                raise AssertionError(f"{name}: the bucket CAS kept changing")
+            finally:
+                await conn.aclose()
+
+        run(go())
+
     def stop(self) -> None:
         """Stop every node (tests call it in `finally`)."""
         if (self.data / spec.CLUSTER_FILE).exists():
@@ -130,3 +232,34 @@ def tail_state(lines: str) -> dict[tuple[int, bytes], tuple[int, bool, Any]]:
 def as_tail(rows: Rows) -> dict[tuple[int, bytes], tuple[int, bool, Any]]:
     """`rows` in the shape `tail_state` gives."""
     return {k: (r[0], r[1], None if r[1] else json.loads(r[2])) for k, r in rows.items()}
+
+
+async def write(uri: str, ops: list[tuple[bytes, Any]]) -> None:
+    """Apply writes in order through one node: (key, JSON-able value) is a SET, (key,
+    None) a DELETE. For staged workloads on the node holding the active copies."""
+    s = await connect(SourceUri.parse(uri))
+    conn = s.conn
+    try:
+        for key, value in ops:
+            vb = partition_of(key, s.num_partitions)
+            if value is None:
+                msg: Any = Delete(vbucket=vb, key=key, opaque=conn.next_opaque())
+            else:
+                msg = Set(vbucket=vb, key=key, value=json.dumps(value).encode(), datatype=1,
+                          opaque=conn.next_opaque())  # fmt: skip
+            await conn.request(msg)
+    finally:
+        await conn.aclose()
+
+
+async def observe(uri: str, vb: int, uuid: int) -> ObserveSeqnoResponse:
+    """OBSERVE_SEQNO of one copy (formats/cluster.md §5 "What OBSERVE_SEQNO tells a
+    client")."""
+    s = await connect(SourceUri.parse(uri))
+    try:
+        resp = await s.conn.request(ObserveSeqno(vbucket=vb, vbucket_uuid=uuid,
+                                                 opaque=s.conn.next_opaque()))  # fmt: skip
+    finally:
+        await s.conn.aclose()
+    assert isinstance(resp, ObserveSeqnoResponse), resp
+    return resp

@@ -1,15 +1,18 @@
 """A set test in the manner of Jepsen (issue 7): nothing confirmed durable is ever lost.
 
-Writers add unique documents through the map-following router and record each write
-the cluster acknowledged, with its (partition, uuid, seq). A confirmer asks every copy
-of the partition the map names (the active and each replica) with OBSERVE_SEQNO; a write
-is *confirmed* once every copy reports the write's branch as its current one and a
-persisted seq at or above it (seed 000 "How front end clients ensure mutations are
-replicated or persisted on a replica"). A nemesis meanwhile SIGKILLs and restarts
-nodes, fails them over hard (then brings them back with a rebalance) and rebalances.
-Afterwards the cluster is healed and settled, a backup is taken and restored, and:
+Writers create documents, update and delete their own recent ones (so snapshots carry
+deduplicated keys) through the map-following router, and record each write the cluster
+acknowledged, with its (partition, uuid, seq). A confirmer asks every copy of the
+partition the map names (the active and each replica) with OBSERVE_SEQNO; a write is
+*confirmed* once every copy reports the write's branch as its current one and a
+persisted seq at or above it (formats/cluster.md §5 "What OBSERVE_SEQNO tells a
+client": a replica's persisted seq is its last complete snapshot). A nemesis meanwhile
+SIGKILLs and restarts nodes, fails them over hard (then brings them back with a
+rebalance) and rebalances. Afterwards the cluster is healed and settled, a backup is
+taken and restored, and, per key (each key has one writer, so its writes are ordered):
 
-* every confirmed write is present with its value;
+* the key ends as its last confirmed write left it, or as a later attempted write did
+  (a confirmed write is never lost, nor overwritten by an older one);
 * no document holds a value that was never written;
 * the restore equals the final cluster (read from the active copies' files).
 
@@ -38,36 +41,54 @@ from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.fast import encode_set
 from upr_cli.protocol.header import Opcode
-from upr_cli.protocol.messages import ObserveSeqno, ObserveSeqnoResponse
+from upr_cli.protocol.messages import Delete, ObserveSeqno, ObserveSeqnoResponse
 from upr_cli.protocol.status import Status
+
+Write = tuple[bytes, int]  # (key, index of the attempt among the key's writes)
 
 
 @dataclass
 class Ledger:
     """What the writers and the confirmer saw."""
 
-    attempted: dict[bytes, bytes] = field(default_factory=dict)  # key → value sent
-    acked: dict[bytes, tuple[int, int, int]] = field(default_factory=dict)  # (vb, uuid, seq)
-    confirmed: set[bytes] = field(default_factory=set)
+    # key → every write attempted, in order: the value set, or None for a delete
+    attempted: dict[bytes, list[bytes | None]] = field(default_factory=dict)
+    acked: dict[Write, tuple[int, int, int]] = field(default_factory=dict)  # (vb, uuid, seq)
+    confirmed: set[Write] = field(default_factory=set)
 
 
-async def _writer(router: Router, w: int, ledger: Ledger, stop: asyncio.Event) -> None:
+async def _writer(router: Router, w: int, ledger: Ledger, stop: asyncio.Event,
+                  rng: random.Random) -> None:  # fmt: skip
     i = 0
+    recent: list[bytes] = []  # this writer's newest keys: updates land in open snapshots
     while not stop.is_set():
-        key = f"set-{w}-{i:06d}".encode()
-        value = json.dumps({"w": w, "i": i}, separators=(",", ":")).encode()
+        r = rng.random()
+        if recent and r < 0.15:
+            key, value = recent.pop(rng.randrange(len(recent))), None
+        else:
+            if recent and r < 0.5:
+                key = rng.choice(recent)
+            else:
+                key = f"set-{w}-{i:06d}".encode()
+                recent = [*recent[-7:], key]
+            value = json.dumps({"w": w, "i": i}, separators=(",", ":")).encode()
         i += 1
         vb = router.partition(key)
-        ledger.attempted[key] = value
+        writes = ledger.attempted.setdefault(key, [])
+        writes.append(value)
+        if value is None:
+            make = lambda o, k=key, p=vb: Delete(vbucket=p, key=k, opaque=o).encode()  # noqa: E731
+        else:
+            make = lambda o, k=key, v=value, p=vb: encode_set(  # noqa: E731
+                Opcode.SET, p, o, k, v, datatype=1)  # fmt: skip
         try:
-            reply = await router.request(vb, lambda o, k=key, v=value, p=vb: encode_set(
-                Opcode.SET, p, o, k, v, datatype=1))  # fmt: skip
+            reply = await router.request(vb, make)
         except UprError:
             await asyncio.sleep(0.05)  # the whole cluster was unreachable for a moment
             continue
         if reply.vbucket_or_status == Status.SUCCESS and len(reply.extras) == 16:
             uuid, seq = struct.unpack(">QQ", reply.extras)
-            ledger.acked[key] = (vb, uuid, seq)
+            ledger.acked[(key, len(writes) - 1)] = (vb, uuid, seq)
 
 
 async def _observe(conns: dict[str, Connection], uri: SourceUri, server: str, vb: int,
@@ -98,7 +119,7 @@ async def _confirmer(router: Router, uri: SourceUri, ledger: Ledger, stop: async
             cfg = router.config.get("vBucketServerMap", {})
             servers, rows = cfg.get("serverList", []), cfg.get("vBucketMap", [])
             pending = [(k, a) for k, a in list(ledger.acked.items()) if k not in ledger.confirmed]
-            by_part: dict[tuple[int, int], list[tuple[bytes, int]]] = {}
+            by_part: dict[tuple[int, int], list[tuple[Write, int]]] = {}
             for key, (vb, uuid, seq) in pending:
                 by_part.setdefault((vb, uuid), []).append((key, seq))
             for (vb, uuid), writes in by_part.items():
@@ -149,7 +170,8 @@ def _run(tmp: Path, seconds: float, seed: int) -> None:
         async def workload() -> None:
             router = await Router.open(uri, name="upr-set-test")
             stop = asyncio.Event()
-            tasks = [asyncio.create_task(_writer(router, w, ledger, stop)) for w in range(4)]
+            tasks = [asyncio.create_task(_writer(router, w, ledger, stop, random.Random(seed + w)))
+                     for w in range(4)]  # fmt: skip
             confirm = asyncio.create_task(_confirmer(router, uri, ledger, stop))
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
@@ -168,13 +190,26 @@ def _run(tmp: Path, seconds: float, seed: int) -> None:
         cl.settle()
         final = cl.rows()
         live = {k: r[2] for (_p, k), r in final.items() if not r[1] and k.startswith(b"set-")}
-        # every write confirmed persisted on all copies survived, with its value
-        missing = [k for k in ledger.confirmed if live.get(k) != ledger.attempted[k]]
-        assert not missing, (missing[:5], nemesis_log)
+        last_confirmed: dict[bytes, int] = {}
+        for key, idx in ledger.confirmed:
+            last_confirmed[key] = max(idx, last_confirmed.get(key, -1))
+        # every key ends as its last confirmed write (persisted on all copies) left it, or
+        # as a later attempt did; with none confirmed, as any attempt did or absent
+        lost = []
+        for key, writes in ledger.attempted.items():
+            c = last_confirmed.get(key)
+            allowed = writes[c:] if c is not None else [*writes, None]
+            if live.get(key) not in allowed:
+                lost.append((key, c, writes, live.get(key)))
+        assert not lost, (lost[:5], nemesis_log)
         # no value appears that was never written
-        invented = [k for k, v in live.items() if ledger.attempted.get(k) != v]
+        invented = [k for k, v in live.items() if v not in ledger.attempted.get(k, [])]
         assert not invented, (invented[:5], nemesis_log)
         assert len(ledger.confirmed) > 100 and nemesis_log, (len(ledger.confirmed), nemesis_log)
+        # the workload's updates and deletes were confirmed too, not only creations
+        deletes = sum(1 for k, i in ledger.confirmed if ledger.attempted[k][i] is None)
+        updates = sum(1 for k, i in ledger.confirmed if i > 0) - deletes
+        assert deletes > 5 and updates > 10, (deletes, updates)
         # a backup of the final cluster restores to exactly it
         repo = tmp / "repo"
         upr("backup", cl.uri("n0"), "--repo", str(repo), "--no-progress")

@@ -165,8 +165,10 @@ class Orchestrator:
             await self.set_states(x, dict.fromkeys(chosen, "dead"))  # fence: no more writes
             target = {p: (await self.statuses())[x].highs[p] for p in chosen}
             self.progress(f"waiting for {len(chosen)} partitions to catch up")
+            # a complete snapshot through it (formats/cluster.md §5: a replica's persisted
+            # seqs inside a snapshot are not a state the old active had)
             await self.wait("the replicas to persist the old active's last seqs", lambda s: all(
-                s[i].persisted.get(p, 0) >= target[p] for p, i in chosen.items()))  # fmt: skip
+                s[i].complete.get(p, 0) >= target[p] for p, i in chosen.items()))  # fmt: skip
         elif sts[x].up:  # a hard failover of a live node: fence it first
             try:
                 await self.set_states(x, dict.fromkeys(range(cl.partitions), "dead"))
@@ -252,7 +254,8 @@ class Orchestrator:
 
         def lagging(s: list[NodeStatus], want: dict[int, int], persisted: bool) -> bool:
             for p in chunk:
-                have = s[target[p][0]].persisted if persisted else s[target[p][0]].highs
+                # persisted: the last complete snapshot persisted (formats/cluster.md §5)
+                have = s[target[p][0]].complete if persisted else s[target[p][0]].highs
                 if have.get(p, 0) < want[p]:
                     return True
             return False

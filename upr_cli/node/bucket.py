@@ -21,6 +21,7 @@ them ("seq 1 is not above stored seq 1").
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -146,11 +147,15 @@ class Bucket:
                 "bucket %s: partition %d on disk beyond --partitions, ignored", self.name, vb
             )
         floors = self.storage.undo_floors()
+        bounds = self.storage.boundaries()
         for vb, part in self.partitions.items():
             if part.state in FED:
                 if vb not in floors:
-                    self.storage.start_undo(vb, part.persisted_seq)
+                    whole = part.persisted_seq == part.snap_end
+                    self.storage.start_undo(vb, part.persisted_seq, boundary=whole)
+                    bounds[vb] = [part.persisted_seq] if whole else []
                 part.undo_floor = floors.get(vb, part.persisted_seq)
+                part.bounds = bounds.get(vb, [])
         self.started_unclean = not clean and not fresh
         if self._map_path.exists():
             self.cluster_map = json.loads(self._map_path.read_text(encoding="utf-8"))
@@ -231,11 +236,17 @@ class Bucket:
         if failover and state == ACTIVE:
             part.failover = part.failover.add_entry(new_uuid(), part.complete_seq)
         if state in FED and part.state not in FED:
-            # from here on every replaced version is kept: a rollback can undo it
-            await self._in_pool(self.storage.start_undo, vb, part.persisted_seq)
+            # from here on every replaced version is kept: a rollback can undo it, back to
+            # a snapshot boundary (the state it starts from is one when it is whole: an
+            # active's persisted data always is)
+            whole = part.complete_seq == part.persisted_seq
+            start_undo = functools.partial(self.storage.start_undo, boundary=whole)
+            await self._in_pool(start_undo, vb, part.persisted_seq)
             part.undo_floor = part.persisted_seq
+            part.bounds = [part.persisted_seq] if whole else []
         elif state not in FED:
             part.undo_floor = None
+            part.bounds, part.broken = [], set()
         if state != part.state and state == ACTIVE:
             part.markers.clear()
             # an active partition's persisted data is one complete snapshot
@@ -298,12 +309,20 @@ class Bucket:
         if doc.seq <= part.high_seq:
             return False
         self._last_cas = max(self._last_cas, doc.cas)
+        old = part.queue.get(doc.key)
+        if old is not None:
+            part.replaced(old.seq, doc.seq)  # the queue keeps one version per key
         part.append(doc)
         return True
 
     def replica_marker(self, vb: int, start: int, end: int) -> None:
-        """A snapshot marker for a replica partition: its items up to `end` are one cut."""
-        self.fed_partition(vb).markers.append((start, end))
+        """A snapshot marker for a replica partition: its items up to `end` are one cut.
+        A snapshot not received whole before a new one begins (its stream was cut short:
+        a pause, a link restarted) never completes: the new stream deduplicates on its
+        own, so the old snapshot's end is no boundary (nor a complete snapshot)."""
+        part = self.fed_partition(vb)
+        part.markers = [m for m in part.markers if m[1] <= part.high_seq]
+        part.markers.append((start, end))
 
     async def adopt_failover_log(self, vb: int, pairs: tuple[tuple[int, int], ...]) -> None:
         """A replica takes the active's whole failover log (dcp-wire §4.3), durably."""
@@ -313,33 +332,46 @@ class Bucket:
             part.failover = log_
             await self.persist_state([part])
 
-    async def rollback_replica(self, vb: int, to_seq: int) -> bool:
-        """Take a replica partition back to `to_seq` (the stream answered ROLLBACK); the
-        discarded versions go to `lost_writes`. Returns False when the undo table does
-        not reach that far back: the partition was emptied and must stream from 0."""
+    async def rollback_replica(self, vb: int, to_seq: int, *, asked: int | None = None
+                               ) -> int | None:  # fmt: skip
+        """Take a replica partition back to the newest snapshot boundary at or below
+        `to_seq` that its undo reaches (formats/cluster.md §5: inside a deduplicated
+        snapshot a seq is not a state the source had); returns that boundary, `to_seq`
+        itself when the stream chose one the undo reaches, else a lower one (the stream
+        must restart from it). None when no boundary serves: the partition was emptied
+        and must stream from 0. `asked` is the server's rollback seq (default `to_seq`):
+        the discarded versions above it go to `lost_writes`; those at or below it are the
+        source's too and come back on the stream."""
         part = self.fed_partition(vb)
         await self.flush()
-        if to_seq >= part.persisted_seq:
-            part.high_seq = part.persisted_seq
-            return True
-        floor = part.undo_floor if part.undo_floor is not None else part.persisted_seq
-        ok = to_seq >= floor
-        seq = to_seq if ok else 0
+        asked = to_seq if asked is None else asked
+        reachable = [b for b in part.boundaries() if b <= to_seq]
+        target = reachable[-1] if reachable else None
+        if target is not None and target == part.persisted_seq == part.high_seq:
+            part.markers.clear()  # nothing to undo: the stream restarts from here
+            part.broken.clear()
+            return target
+        seq = 0 if target is None else target
         part.high_seq = part.persisted_seq = part.snap_start = part.snap_end = seq
         part.markers.clear()
+        part.broken.clear()
         part.failover = part.failover.prune_above(seq)
         if not part.failover.entries:
             part.failover = FailoverLog.initial()
         rec = part.record()
-        if ok:
-            lost = await self._in_pool(self.storage.rollback_replica, vb, seq, rec)
+        if target is not None:
+            part.bounds = sorted({b for b in part.bounds if b < seq} | {seq})
+            undo = functools.partial(self.storage.rollback_replica, lost_above=asked)
+            lost = await self._in_pool(undo, vb, seq, rec)
         else:
-            part.undo_floor = 0
-            lost = await self._in_pool(self.storage.reset_partition, rec)
-        log.warning("bucket %s: replica partition %d rolled back to %d (%s, %d versions %s)",
-                    self.name, vb, seq, "undo" if ok else "reset: below the undo floor", lost,
-                    "kept in lost_writes" if ok else "dropped")  # fmt: skip
-        return ok
+            part.undo_floor, part.bounds = 0, []
+            reset = functools.partial(self.storage.reset_partition, lost_above=asked)
+            lost = await self._in_pool(reset, rec)
+        log.warning("bucket %s: replica partition %d rolled back to %d (asked %d; %s, %d "
+                    "versions undone, those above %d kept in lost_writes)", self.name, vb, seq,
+                    asked, "undo" if target is not None else "reset: no snapshot boundary "
+                    "the undo reaches", lost, asked)  # fmt: skip
+        return target
 
     # -- reads ---------------------------------------------------------------------
 
@@ -515,18 +547,23 @@ class Bucket:
                 if not batches:
                     return total
                 records = []
+                bounds: dict[int, list[int]] = {}
                 for part, docs in batches:
                     top = docs[-1].seq
                     start, end = _replica_snapshot(part, top) if part.state in FED else (top, top)
                     records.append(
                         replace(part.record(), high_seq=top, snap_start=start, snap_end=end)
                     )
+                    if part.state in FED and part.undo_floor is not None:
+                        # the ends of snapshots this round completes: the undo reaches the
+                        # state at each, unless the queue broke it
+                        bounds[part.vbucket] = sorted({
+                            e for _s, e in part.markers
+                            if part.persisted_seq < e <= top and e not in part.broken
+                        })  # fmt: skip
                 docs_all = [d for _, docs in batches for d in docs]
-                undo = {
-                    p.vbucket for p, _ in batches if p.state in FED and p.undo_floor is not None
-                }
                 await loop.run_in_executor(
-                    self._pool, self.storage.write_batch, docs_all, records, undo
+                    self._pool, self.storage.write_batch, docs_all, records, set(bounds), bounds
                 )
                 self._disk_gen += 1
                 for (part, docs), rec in zip(batches, records, strict=True):
@@ -534,6 +571,9 @@ class Bucket:
                     part.snap_start, part.snap_end = rec.snap_start, rec.snap_end
                     if part.markers:
                         part.markers = [m for m in part.markers if m[1] > rec.high_seq]
+                    if part.vbucket in bounds:
+                        part.bounds = sorted(set(part.bounds).union(bounds[part.vbucket]))
+                        part.broken = {e for e in part.broken if e > rec.high_seq}
                     part.queue.remove_flushed(docs)
                     part.notify()
                 total += len(docs_all)
@@ -545,6 +585,7 @@ class Bucket:
             if floor is not None and part.persisted_seq - floor > 2 * self.undo_window:
                 new_floor = part.persisted_seq - self.undo_window
                 part.undo_floor = new_floor  # first: a floor too high is only conservative
+                part.bounds = [b for b in part.bounds if b >= new_floor]
                 await self._in_pool(self.storage.prune_undo, vb, new_floor)
 
     async def persist_state(self, parts: list[Partition]) -> None:

@@ -96,9 +96,15 @@ class Partition:
     snap_end: int = 0
     queue: WriteQueue = field(default_factory=WriteQueue)
     # Replica side (formats/cluster.md §5): markers received and not yet persisted past,
-    # and the lowest seq the undo table can take the partition back to (None: no undo).
+    # the lowest seq the undo table can take the partition back to (None: no undo), the
+    # persisted snapshot boundaries it can take it back to (ascending, none below the
+    # floor), and the ends of received snapshots the write queue broke: a version at or
+    # below one was replaced by a newer one above it before either was persisted, so the
+    # state at that end never reaches the disk and no undo can restore it.
     markers: list[tuple[int, int]] = field(default_factory=list)
     undo_floor: int | None = None
+    bounds: list[int] = field(default_factory=list)
+    broken: set[int] = field(default_factory=set)
     _waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
     @classmethod
@@ -132,6 +138,30 @@ class Partition:
         """The end of the last complete snapshot persisted (dcp-wire §4.3): `snap_end` when
         everything up to it is on disk, else `snap_start` (a replica mid-snapshot)."""
         return self.snap_end if self.persisted_seq == self.snap_end else self.snap_start
+
+    def replaced(self, old_seq: int, new_seq: int) -> None:
+        """A replica's queued version at `old_seq` gives way to one at `new_seq`: the ends
+        of the snapshots between them are not states the disk will ever hold."""
+        for _start, end in self.markers:
+            if old_seq <= end < new_seq:
+                self.broken.add(end)
+
+    def boundaries(self) -> list[int]:
+        """Snapshot boundaries a replica rollback can take this partition back to now
+        (ascending): the persisted ones, the ends of snapshots received whole since (a
+        flush persists the state at each, unless the queue broke it), the state
+        persisted when whole, and 0 while the undo reaches back to the empty partition."""
+        floor = self.undo_floor
+        if floor is None:
+            return []
+        out = set(self.bounds)
+        if floor == 0:
+            out.add(0)
+        if self.persisted_seq == self.snap_end:
+            out.add(self.persisted_seq)
+        out.update(e for _s, e in self.markers
+                   if self.persisted_seq < e <= self.high_seq and e not in self.broken)  # fmt: skip
+        return sorted(out)
 
     @property
     def uuid(self) -> int:

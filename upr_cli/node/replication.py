@@ -10,12 +10,21 @@ Theory of operation. The node's cluster map names, per partition, the active nod
 runs one `DcpConsumer` (our client library, one connection) per active node. Each
 stream starts from the partition's own position (its newest failover uuid, high seq and
 snapshot), so the active's producer rule decides any rollback (dcp-wire §4.2); the
-replica adopts the active's whole failover log from the stream response (§4.3). A
-ROLLBACK is applied with the partition's undo table; when the undo does not reach back
-far enough the partition is emptied and streams again from 0. A map or state change
-(SET_CLUSTER_CONFIG, SET_VBUCKET) wakes the replicator, which restarts the links whose
-partition set changed. A link that fails (the active died, NOT_MY_VBUCKET during a
-rebalance) is restarted after a short wait, against whatever the map then says.
+replica adopts the active's whole failover log from the stream response (§4.3).
+
+ROLLBACK(r) takes a partition back to a snapshot boundary, not to r: inside a
+deduplicated snapshot a seq is not a state the source ever had (the UPR design
+specification: a replica rolls back onto a snapshot boundary it received before r). The
+consumer is given the boundaries the partition's undo reaches (`Partition.boundaries`)
+and picks the newest at or below r; the bucket undoes back to it, or, when that one is
+out of its reach (its write queue deduplicated across it), to the newest below, and the
+link restarts from there. With no boundary in reach the partition is emptied and
+streams again from 0.
+
+A map or state change (SET_CLUSTER_CONFIG, SET_VBUCKET) wakes the replicator, which
+restarts the links whose partition set changed. A link that fails (the active died,
+NOT_MY_VBUCKET during a rebalance) is restarted after a short wait, against whatever the
+map then says.
 
 Pausing (for staging the seed's walkthrough): `pause(vbs, after)` lets partitions apply
 items up to seq `after` (default: what they have now) and then closes their streams;
@@ -49,7 +58,8 @@ _LOOPBACK = {"127.0.0.1", "localhost", "$HOST", "::1", "[::1]"}
 
 
 class _Restart(Exception):
-    """A partition was emptied (rollback below its undo floor): restart the link."""
+    """A rollback went further back than the stream (to an older snapshot boundary, or
+    an emptied partition): restart the link from where the partitions stand."""
 
 
 @dataclass
@@ -201,6 +211,7 @@ class Replicator:
                 self._uri(source), partitions=sorted(vbs),
                 positions={vb: resume_position(parts[vb]) for vb in vbs},
                 failover_logs={vb: parts[vb].failover for vb in vbs},
+                boundaries={vb: parts[vb].boundaries() for vb in vbs},
                 reconnect_attempts=1, connect_timeout=3.0, name="upr-replication",
             )  # fmt: skip
             async with consumer:
@@ -211,7 +222,8 @@ class Replicator:
         except asyncio.CancelledError:
             raise
         except _Restart:
-            log.info("replication from %s restarts (a partition streams again from 0)", source)
+            log.info("replication from %s restarts (a partition rolled back further than its "
+                     "stream asked)", source)  # fmt: skip
         except (UprError, OSError, NotMyVbucket) as exc:
             self.errors[source] = str(exc)
             log.info("replication from %s stopped: %s", source, exc)
@@ -242,10 +254,10 @@ class Replicator:
                 bucket.replica_marker(item.partition, item.start, item.end)
             elif isinstance(item, StreamOpened):
                 await bucket.adopt_failover_log(item.partition, item.failover_log)
-            elif isinstance(item, Rollback) and not await bucket.rollback_replica(
-                item.partition, item.to_seq
-            ):
-                raise _Restart
+            elif isinstance(item, Rollback):
+                got = await bucket.rollback_replica(item.partition, item.to_seq, asked=item.asked)
+                if got != item.to_seq:  # further back than the stream restarts from
+                    raise _Restart
 
 
 def _is_me(server: str, port: int) -> bool:

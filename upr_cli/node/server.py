@@ -718,13 +718,20 @@ class ClientSession:
             if idx is None:
                 raise KeyNotFound(f"uuid {msg.vbucket_uuid:x} is not in partition {vb}'s history")
             hard = idx > 0  # a hard failover happened since: format 1
+            # formats/cluster.md §5 "What OBSERVE_SEQNO tells a client": a replica (or
+            # pending) copy reports as persisted the end of its last complete snapshot
+            # persisted. Mid-snapshot, the seqs it persisted are not a state the active
+            # had: a version deduplicated away (a key written again later in the same
+            # snapshot) is on neither copy, and the copy's promotion would not hold it.
+            # The current seqno stays the high seqno, as kv_engine reports it.
+            persisted = part.persisted_seq if part.state == ACTIVE else part.complete_seq
             self.send(
                 ObserveSeqnoResponse(
                     opaque=msg.opaque,
                     format=1 if hard else 0,
                     observed_vbucket=vb,
                     vbucket_uuid=part.uuid,
-                    persisted_seqno=part.persisted_seq,
+                    persisted_seqno=persisted,
                     current_seqno=part.high_seq,
                     old_vbucket_uuid=msg.vbucket_uuid if hard else None,
                     last_received_seqno=part.failover.entries[idx - 1].seq if hard else None,

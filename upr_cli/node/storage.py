@@ -37,7 +37,7 @@ import re
 import secrets
 import sqlite3
 import time
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -95,7 +95,8 @@ _DOC_COLUMNS = (
 # Replica undo (formats/cluster.md §5): the version a replica's write replaced, keyed by
 # the replacing seq, so a rollback to r restores every key to its version at r. Partitions
 # record undo only while replica or pending; `undo_floor` is the lowest r it can serve.
-# Added without a schema-version bump: CREATE IF NOT EXISTS on every open.
+# Added without a schema-version bump: CREATE IF NOT EXISTS on every open (the
+# `boundaries` table of a directory written before it existed is seeded on that open).
 _DOC_COLUMNS_DDL = (
     "vbucket INTEGER NOT NULL, key BLOB NOT NULL, seq INTEGER NOT NULL, rev_seq INTEGER NOT NULL,"
     " cas INTEGER NOT NULL, flags INTEGER NOT NULL, expiry INTEGER NOT NULL,"
@@ -109,12 +110,22 @@ _UNDO_SCHEMA = (
     ) WITHOUT ROWID""",
     "CREATE INDEX IF NOT EXISTS undo_by_key ON undo (vbucket, key, new_seq)",
     "CREATE TABLE IF NOT EXISTS undo_floor (vbucket INTEGER PRIMARY KEY, seq INTEGER NOT NULL)",
+    # Snapshot boundaries a replica rollback can go back to (formats/cluster.md §5): seqs
+    # where the partition's persisted state was a whole snapshot's, at or above its floor.
+    """CREATE TABLE IF NOT EXISTS boundaries (
+        vbucket INTEGER NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (vbucket, seq)
+    ) WITHOUT ROWID""",
     # Versions a replica's rollback discarded (what `upr salvage --node-data` offers back).
     f"""CREATE TABLE IF NOT EXISTS lost_writes (
         rolled_back_at REAL NOT NULL, rolled_back_to INTEGER NOT NULL, {_DOC_COLUMNS_DDL},
         PRIMARY KEY (vbucket, seq)
     ) WITHOUT ROWID""",
 )
+# A data directory written before `boundaries` existed: each replica partition's
+# persisted state is a boundary if it ends a snapshot (the only one known to be whole).
+_SEED_BOUNDARIES = """INSERT OR IGNORE INTO boundaries (vbucket, seq)
+SELECT p.vbucket, p.high_seq FROM partitions p JOIN undo_floor f ON f.vbucket = p.vbucket
+WHERE p.high_seq = p.snap_end AND p.high_seq >= f.seq"""
 _SAVE_UNDO = f"""INSERT OR REPLACE INTO undo (new_seq, {_DOC_COLUMNS})
 SELECT ?, {_DOC_COLUMNS} FROM docs WHERE vbucket = ? AND key = ?"""
 
@@ -354,6 +365,8 @@ class NodeStorage:
                 )
             for stmt in _UNDO_SCHEMA:
                 conn.execute(stmt)
+            if "boundaries" not in names and "partitions" in names:
+                conn.execute(_SEED_BOUNDARIES)  # migration: a directory of an older upr
             uuid = meta.get("bucket_uuid", "")
             if not re.fullmatch(r"[0-9a-f]{32}", uuid):
                 raise StorageError(f"{self.path}: bad bucket uuid {uuid!r}")
@@ -457,17 +470,20 @@ class NodeStorage:
         docs: Sequence[DocRow],
         records: Iterable[PartitionRecord],
         undo: Collection[int] = (),
+        boundaries: Mapping[int, Iterable[int]] | None = None,
     ) -> None:
         """Upsert docs (newest version per key) and partition records in ONE transaction.
 
         For docs of the partitions in `undo` (replicas), the version each one replaces is
-        kept in the undo table first. Raises ValueError, committing nothing, when a doc's
-        seq is not above the stored seq of its key, or reuses the seq of another key of
-        its partition.
+        kept in the undo table first. `boundaries` are snapshot boundaries this batch
+        makes reachable (per partition: seqs where its persisted state is a whole
+        snapshot's). Raises ValueError, committing nothing, when a doc's seq is not above
+        the stored seq of its key, or reuses the seq of another key of its partition.
         """
         doc_params = _doc_params(docs)
         rec_params = [_partition_params(r) for r in records]
-        if not doc_params and not rec_params:
+        bound_params = [(vb, _i64(b)) for vb, bs in (boundaries or {}).items() for b in bs]
+        if not doc_params and not rec_params and not bound_params:
             return
         undo_params = [(_i64(d.seq), d.vbucket, d.key) for d in docs if d.vbucket in undo]
         try:
@@ -478,6 +494,9 @@ class NodeStorage:
                 if changed != len(doc_params):
                     raise _StaleVersion  # some upsert was a no-op: see _UPSERT_DOC
                 db.executemany(_UPSERT_PARTITION, rec_params)
+                db.executemany(
+                    "INSERT OR IGNORE INTO boundaries (vbucket, seq) VALUES (?, ?)", bound_params
+                )
         except sqlite3.IntegrityError as exc:
             raise ValueError(f"write_batch: {exc} (a seq reused within a partition)") from exc
         except _StaleVersion:
@@ -606,44 +625,63 @@ class NodeStorage:
         rows = self._db.execute("SELECT vbucket, seq FROM undo_floor")
         return {int(vb): _u64(seq) for vb, seq in rows}
 
-    def start_undo(self, vbucket: int, floor: int) -> None:
-        """Start keeping undo for a partition that became replica at `floor`, durably."""
+    def boundaries(self) -> dict[int, list[int]]:
+        """Per partition, the snapshot boundaries a replica rollback can go back to
+        (ascending; formats/cluster.md §5)."""
+        out: dict[int, list[int]] = {}
+        for vb, seq in self._db.execute("SELECT vbucket, seq FROM boundaries ORDER BY 1, 2"):
+            out.setdefault(int(vb), []).append(_u64(seq))
+        return out
+
+    def start_undo(self, vbucket: int, floor: int, *, boundary: bool = False) -> None:
+        """Start keeping undo for a partition that became replica at `floor`, durably;
+        `boundary`: its state at `floor` is a whole snapshot's (it was active)."""
         with self._transaction(durable=True) as db:
             db.execute("DELETE FROM undo WHERE vbucket = ?", (vbucket,))
+            db.execute("DELETE FROM boundaries WHERE vbucket = ?", (vbucket,))
             db.execute(
                 "INSERT OR REPLACE INTO undo_floor (vbucket, seq) VALUES (?, ?)",
                 (vbucket, _i64(floor)),
             )
+            if boundary:
+                db.execute(
+                    "INSERT INTO boundaries (vbucket, seq) VALUES (?, ?)", (vbucket, _i64(floor))
+                )
 
     def prune_undo(self, vbucket: int, floor: int) -> None:
-        """Forget undo below `floor` (rollbacks below it then reset the partition)."""
+        """Forget undo below `floor` (rollbacks below it then reset the partition), and
+        the boundaries below it, which the undo no longer reaches."""
         with self._transaction(durable=False) as db:
             db.execute(
                 "DELETE FROM undo WHERE vbucket = ? AND new_seq <= ?", (vbucket, _i64(floor))
+            )
+            db.execute(
+                "DELETE FROM boundaries WHERE vbucket = ? AND seq < ?", (vbucket, _i64(floor))
             )
             db.execute(
                 "UPDATE undo_floor SET seq = max(seq, ?) WHERE vbucket = ?",
                 (_i64(floor), vbucket),
             )
 
-    def rollback_replica(self, vbucket: int, to_seq: int, record: PartitionRecord) -> int:
+    def rollback_replica(self, vbucket: int, to_seq: int, record: PartitionRecord, *,
+                         lost_above: int | None = None) -> int:  # fmt: skip
         """Take a replica partition back to its state at `to_seq`, durably; returns how
-        many versions were discarded (kept in `lost_writes`).
+        many versions were discarded.
 
         Every key changed above `to_seq` gets back the version its first change above
         `to_seq` replaced (the undo table), or disappears if it was created above it. The
-        caller checked `to_seq` ≥ the partition's undo floor. `record` is saved in the
-        same transaction.
+        caller checked `to_seq` ≥ the partition's undo floor. The discarded versions
+        above `lost_above` (the seq the source asked to roll back to, when the rollback
+        went further back to a snapshot boundary; default `to_seq`) go to `lost_writes`,
+        with `lost_above` as the seq rolled back to: those at or below it are the source's
+        too, and come back on the stream. The caller checked `to_seq` is a snapshot
+        boundary; the ones above it are forgotten. `record` is saved in the same
+        transaction.
         """
         seq = _i64(to_seq)
         args = {"vb": vbucket, "s": seq}
         with self._transaction(durable=True) as db:
-            db.execute(
-                f"INSERT OR REPLACE INTO lost_writes (rolled_back_at, rolled_back_to,"
-                f" {_DOC_COLUMNS}) SELECT :now, :s, {_DOC_COLUMNS} FROM docs"
-                " WHERE vbucket = :vb AND seq > :s",
-                {**args, "now": time.time()},
-            )
+            _record_lost(db, vbucket, max(to_seq, lost_above or 0))
             count = db.execute("DELETE FROM docs WHERE vbucket = :vb AND seq > :s", args).rowcount
             # The version a key had at r is the one its first change above r replaced:
             # the undo row above r holding a version at or below r. A key created above r
@@ -656,15 +694,22 @@ class NodeStorage:
                 args,
             )
             db.execute("DELETE FROM undo WHERE vbucket = :vb AND new_seq > :s", args)
+            db.execute("DELETE FROM boundaries WHERE vbucket = :vb AND seq > :s", args)
+            db.execute("INSERT OR IGNORE INTO boundaries (vbucket, seq) VALUES (:vb, :s)", args)
             db.execute(_UPSERT_PARTITION, _partition_params(record))
         return int(count)
 
-    def reset_partition(self, record: PartitionRecord) -> int:
-        """Empty a partition (a rollback below its undo floor: it streams again from 0)."""
+    def reset_partition(self, record: PartitionRecord, *, lost_above: int | None = None) -> int:
+        """Empty a partition (a rollback no reachable boundary serves: it streams again
+        from 0); returns how many versions were discarded. With `lost_above` (the seq the
+        source asked to roll back to), those above it go to `lost_writes` first."""
         vb = record.vbucket
         with self._transaction(durable=True) as db:
+            if lost_above is not None:
+                _record_lost(db, vb, lost_above)
             count = db.execute("DELETE FROM docs WHERE vbucket = ?", (vb,)).rowcount
             db.execute("DELETE FROM undo WHERE vbucket = ?", (vb,))
+            db.execute("DELETE FROM boundaries WHERE vbucket = ?", (vb,))
             db.execute("INSERT OR REPLACE INTO undo_floor (vbucket, seq) VALUES (?, 0)", (vb,))
             db.execute(_UPSERT_PARTITION, _partition_params(record))
         return int(count)
@@ -677,6 +722,16 @@ class NodeStorage:
         ).fetchall()
         docs = _rows_to_docs([r[1:] for r in rows])
         return [(_u64(r[0]), d) for r, d in zip(rows, docs, strict=True)]
+
+
+def _record_lost(db: sqlite3.Connection, vbucket: int, above: int) -> None:
+    """Copy a partition's versions with seq > `above` to `lost_writes` (rolled back to
+    `above`), inside the caller's transaction."""
+    db.execute(
+        f"INSERT OR REPLACE INTO lost_writes (rolled_back_at, rolled_back_to, {_DOC_COLUMNS})"
+        f" SELECT :now, :s, {_DOC_COLUMNS} FROM docs WHERE vbucket = :vb AND seq > :s",
+        {"vb": vbucket, "s": _i64(above), "now": time.time()},
+    )
 
 
 class StorageReader:
