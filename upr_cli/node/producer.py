@@ -1,18 +1,40 @@
 """The node's DCP producer: one per connection after DCP_OPEN (dcp-wire §2, §4, §7).
 
 Streams (seed 000 "How ep-engine streams a consistent snapshot"): a stream first
-backfills from disk what is at or below the partition's persisted seq, reading one
-consistent SQLite snapshot and sending it as one Disk snapshot (marker flags 0x06),
-then follows the write queue in Memory snapshots (0x01). The disk holds one row per key
-and the queue one entry per key, so both phases deduplicate. The first marker carries
-the requested start, later ones their first item's seq (§2.7). A finite stream ends
-with STREAM_END(OK) after the snapshot that reaches its end seq, so the client always
-stops on a snapshot boundary (a consistent cut), possibly a little past end.
+backfills from disk what is at or below the partition's persisted seq, then follows the
+write queue in Memory snapshots (0x01). The disk holds one row per key and the queue one
+entry per key, so both phases deduplicate. The first marker carries the requested start,
+later ones their first item's seq (§2.7).
+
+The rule: **every snapshot marker ends at a state the partition had**, so that a client
+holding a snapshot whole holds the source's state at its end (the UPR design
+specification, "Snapshot Markers and Deduplication"; docs/design.md "Snapshot
+boundaries"), the only seqs its consumers roll back to. Deduplication makes a snapshot
+whole only as a whole deduplicated range: a key written at x ≤ e and again at y > e is
+held only at y, so an end e cut out of a range lacks the key's version x. Hence:
+
+* a Disk snapshot (0x06) is ONE read transaction under ONE marker ending at the highest
+  seq it read; its rows go out in batches, never under several markers;
+* a Memory snapshot takes every queued item after the cursor in one synchronous step
+  (the event loop is the queue's only writer) and sends ONE marker ending at the last
+  of them, then the items in bounded batches (references to versions the queue already
+  held, so memory stays bounded by the queue);
+* a replica copy (served to a client that did not ask ActiveVbOnly) holds what its
+  active sent, possibly part of a snapshot: its memory snapshots end only on the end of
+  one it received whole whose state its queue still holds (`_whole_end`), and its disk
+  is streamed only while the state persisted is such an end (`snap_end`, as the flusher
+  records it). Until then the stream waits; a replica set dead then ends StateChanged.
+
+A finite stream ends with STREAM_END(OK) after the snapshot that reaches its end seq, so
+the client always stops on a snapshot boundary (a consistent cut), possibly past end:
+as far as the range the snapshot had to cover whole.
 
 Flow control (§7.1): every message but NOOP counts its full size; the connection
 stops sending once unacknowledged bytes reach the window and resumes on BUFFER_ACK.
 Streams hand the sender bounded batches, so a client that never acks stalls its
-streams without the node's memory growing.
+streams without the node's memory growing. Whatever the connection's read loop causes
+to be sent and counted (barrier cookies, STREAM_END on CLOSE_STREAM) is sent by a task of
+its own: the read loop must never wait for credit, since it alone reads the BUFFER_ACK.
 """
 
 from __future__ import annotations
@@ -21,9 +43,10 @@ import asyncio
 import json
 import logging
 import time
+from bisect import bisect_right
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from upr_cli.failover import needs_rollback
@@ -68,7 +91,6 @@ S_KNOWN = 0x1F7  # every defined bit but the removed 0x08
 MARKER_MEMORY, MARKER_DISK_CHECKPOINT = 0x01, 0x06
 END_OK, END_CLOSED, END_STATE_CHANGED, END_DISCONNECTED = 0, 1, 2, 3
 
-STREAM_ENDED = 1 << 64
 BACKFILLS_PER_CONNECTION = 6  # open disk snapshots per DCP connection
 BATCH_ITEMS = 512
 BATCH_BYTES = 64 * 1024
@@ -133,11 +155,18 @@ class DcpSender:
 
 @dataclass(slots=True)
 class PendingBarrier:
-    """A barrier cookie waiting until every recorded partition passed its point."""
+    """A barrier cookie waiting until every recorded partition passed its point.
+
+    `points`: per partition streamed when the cookie arrived, its high seqno then. `cut`:
+    per partition settled so far, the end of the first whole snapshot sent at or past the
+    point (or what its stream had sent whole when it ended). It is never the point itself:
+    deduplication may have sent the point's key only later, at its newest seq.
+    """
 
     cookie: bytes
     opaque: int
     points: dict[int, int]
+    cut: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -187,11 +216,16 @@ class DcpProducer:
         self._readers: list[StorageReader] = []  # idle read connections, reused
         self._on_fatal = on_fatal
         # Barrier cookies (formats/barrier.md): pending cookies in arrival order, and per
-        # partition the end of the last snapshot sent completely.
+        # partition the end of the last snapshot sent whole after which the client holds a
+        # state the partition had (the stream's start until then).
         self.barriers_enabled = False
         self._barriers: list[PendingBarrier] = []
-        self._barrier_lock = asyncio.Lock()
+        self._barrier_task: asyncio.Task[None] | None = None  # sends settled cookies back
         self.sent_end: dict[int, int] = {}
+        # STREAM_END(Closed) of the streams the client closed, being sent (`close_stream`),
+        # and per partition the newest of them (a new stream of it waits for that one)
+        self._ends: dict[int, asyncio.Task[None]] = {}
+        self._end_tasks: set[asyncio.Task[None]] = set()
 
     # -- controls -----------------------------------------------------------------
 
@@ -319,7 +353,7 @@ class DcpProducer:
         return spec, part.failover.pairs()
 
     def register_barrier(self, cookie: bytes, opaque: int) -> None:
-        """Note a cookie and, per open stream, the partition's high seqno now (seed 000)."""
+        """Note a cookie and, per open stream, the partition's high seqno now (its point)."""
         if not 1 <= len(cookie) <= 250:
             raise InvalidArguments("a barrier cookie has 1 to 250 bytes")
         if any(b.cookie == cookie for b in self._barriers):
@@ -328,29 +362,69 @@ class DcpProducer:
             vb: self.bucket.partitions[vb].high_seq for vb, task in self.streams.items()
             if not task.done()
         }  # fmt: skip
-        self._barriers.append(PendingBarrier(cookie, opaque, points))
+        b = PendingBarrier(cookie, opaque, points)
+        for vb, point in points.items():
+            if self.sent_end[vb] >= point:  # caught up: the client holds that state already
+                b.cut[vb] = self.sent_end[vb]
+        self._barriers.append(b)
+        self._release_barriers()
 
-    def _reached(self, b: PendingBarrier) -> bool:
-        for vb, point in b.points.items():
-            task = self.streams.get(vb)
-            if task is not None and not task.done() and self.sent_end.get(vb, -1) < point:
-                return False
-        return True
+    def _sent_whole(self, vb: int, end: int) -> None:
+        """The stream of `vb` sent a snapshot ending at `end` whole, and the client now holds
+        a state the partition had at `end`: settle the cookies whose point it reaches.
 
-    async def check_barriers(self) -> None:
-        """Send back, in arrival order, every cookie whose partitions all passed their point."""
-        if not self._barriers:
+        Called as soon as the snapshot's last message went to the sender, before any await,
+        so a cookie sent later follows every row up to its cut on the connection.
+        """
+        self.sent_end[vb] = end
+        for b in self._barriers:
+            point = b.points.get(vb)
+            if point is not None and vb not in b.cut and end >= point:
+                b.cut[vb] = end
+        self._release_barriers()
+
+    def _stream_gone(self, vb: int) -> None:
+        """The stream of `vb` ended or was closed: it holds no cookie back any longer; its
+        cut is what it had sent whole (before a new stream of `vb` resets `sent_end`)."""
+        for b in self._barriers:
+            if vb in b.points and vb not in b.cut:
+                b.cut[vb] = self.sent_end[vb]
+        self._release_barriers()
+
+    def _release_barriers(self) -> None:
+        """Have the settled cookies at the head of the queue sent back, in arrival order.
+
+        A task of their own sends them: a cookie counts for flow control, and waiting for
+        credit would stall the caller, which may be the connection's read loop (BARRIER,
+        CLOSE_STREAM, STREAM_REQ), the very loop that must read the BUFFER_ACK bringing it.
+        """
+        if not self._barriers or len(self._barriers[0].cut) < len(self._barriers[0].points):
             return
-        async with self._barrier_lock:
-            while self._barriers and self._reached(self._barriers[0]):
+        if self._barrier_task is None or self._barrier_task.done():
+            self._barrier_task = asyncio.get_running_loop().create_task(
+                self._send_barriers(), name="barrier cookies"
+            )
+
+    async def _send_barriers(self) -> None:
+        try:
+            while self._barriers and len(self._barriers[0].cut) == len(self._barriers[0].points):
                 b = self._barriers.pop(0)
-                cut = {str(vb): str(seq) for vb, seq in sorted(b.points.items())}
+                cut = {str(vb): str(seq) for vb, seq in sorted(b.cut.items())}
                 body = json.dumps({"cut": cut}, separators=(",", ":")).encode()
                 msg = Barrier(opaque=b.opaque, cookie=b.cookie, datatype=0x01, value=body)
                 await self.sender.send([msg.encode()])
+        except (ConnectionError, OSError):
+            return  # the connection is gone, and its pending cookies with it
+
+    async def check_barriers(self) -> None:
+        """Send back, in arrival order, every cookie whose partitions all passed their point
+        (without waiting for flow-control credit: `_release_barriers`)."""
+        self._release_barriers()
 
     def start_stream(self, spec: StreamSpec) -> None:
         """Start the stream task (after the SUCCESS response was sent)."""
+        if spec.vbucket in self.sent_end:
+            self._stream_gone(spec.vbucket)  # the previous stream's task may never have run
         self.sent_end[spec.vbucket] = spec.start
         self.specs[spec.vbucket] = spec
         self.streams[spec.vbucket] = asyncio.get_running_loop().create_task(
@@ -369,10 +443,24 @@ class DcpProducer:
         if task is None or task.done() or spec is None:
             raise KeyNotFound(f"no stream for partition {vb}")
         await cancel_and_wait([task])
+        self._stream_gone(vb)
         if self.controls.get("send_stream_end_on_client_close_stream") == "true":
-            await self.sender.send(
-                [StreamEnd(vbucket=vb, opaque=spec.opaque, status=END_CLOSED).encode()]
+            # A task of its own sends it: STREAM_END counts for flow control, and waiting
+            # for credit here would stall the connection's read loop, the only reader of
+            # the BUFFER_ACK bringing it. A new stream of `vb` waits for it (`_stream`).
+            end = StreamEnd(vbucket=vb, opaque=spec.opaque, status=END_CLOSED).encode()
+            task = asyncio.get_running_loop().create_task(
+                self._send_end(end), name=f"stream end vb{vb}"
             )
+            self._ends[vb] = task
+            self._end_tasks.add(task)
+            task.add_done_callback(self._end_tasks.discard)
+
+    async def _send_end(self, msg: bytes) -> None:
+        try:
+            await self.sender.send([msg])
+        except (ConnectionError, OSError):
+            return  # the connection is gone
 
     def end_streams_for(self, vb: int) -> None:
         """The partition changed state: its stream ends with StateChanged (§2.6)."""
@@ -381,11 +469,16 @@ class DcpProducer:
             self.bucket.partitions[vb].notify()
 
     async def aclose(self) -> None:
-        """Stop every stream and the noop task; close idle read connections."""
+        """Stop every stream, the noop task and the cookie sender; close idle read connections."""
+        self._barriers.clear()  # pending cookies die with the connection (formats/barrier.md)
         tasks = [t for t in self.streams.values() if not t.done()]
         if self._noop_task is not None:
             tasks.append(self._noop_task)
+        if self._barrier_task is not None:
+            tasks.append(self._barrier_task)
+        tasks += self._end_tasks
         await cancel_and_wait(tasks)
+        self._ends.clear()
         self.streams.clear()
         readers, self._readers = self._readers, []
         for r in readers:  # idle: no thread uses them, so close here (also when cancelled)
@@ -402,13 +495,13 @@ class DcpProducer:
             log.exception("stream of partition %d failed", spec.vbucket)
             self._on_fatal(f"internal error in the stream of partition {spec.vbucket}")
             return
+        finally:
+            self._stream_gone(spec.vbucket)  # an ended stream holds no barrier back
         await self.sender.send(
             [StreamEnd(vbucket=spec.vbucket, opaque=spec.opaque, status=status).encode()]
         )
         if self.specs.get(spec.vbucket) is spec:
             del self.specs[spec.vbucket]
-        self.sent_end[spec.vbucket] = STREAM_ENDED  # an ended stream holds no barrier back
-        await self.check_barriers()
 
     async def _stream(self, spec: StreamSpec) -> int:
         """Send snapshots until the end seq is passed; returns the STREAM_END status."""
@@ -416,6 +509,9 @@ class DcpProducer:
         part = self.bucket.partitions[vb]
         cursor, first = spec.start, True
         allowed = (ACTIVE,) if spec.flags & S_ACTIVE_ONLY else (ACTIVE, REPLICA)
+        pending_end = self._ends.get(vb)
+        if pending_end is not None:  # the closed stream's STREAM_END goes first
+            await asyncio.wait([pending_end])
         while True:
             if self.bucket.partitions.get(vb) is not part:
                 return END_STATE_CHANGED
@@ -426,29 +522,41 @@ class DcpProducer:
             if cursor >= end:
                 return END_OK
             if cursor < part.persisted_seq:
-                cursor = await self._backfill(spec, part, cursor, first)
-                first = False
+                done = await self._backfill(spec, part, cursor, first)
+                if done is None:  # the disk holds no whole received snapshot's state yet
+                    if part.state == DEAD:
+                        return END_STATE_CHANGED  # nothing more to come that could end one
+                    await part.wait_change(timeout=1.0)
+                    continue
+                cursor, sent = done
+                first = first and not sent
                 continue
-            items = part.queue.items_after(cursor, BATCH_ITEMS)
-            if items:
-                start = spec.start if first else items[0].seq
-                first = False
-                msgs = [
-                    SnapshotMarker(
-                        vbucket=vb,
-                        opaque=spec.opaque,
-                        start_seqno=start,
-                        end_seqno=items[-1].seq,
-                        flags=MARKER_MEMORY,
-                    ).encode()
-                ]
-                msgs += self._encode(spec, items)  # fmt: skip
-                await self._send_batched(msgs)
-                cursor = items[-1].seq
-                self.sent_end[vb] = cursor  # a memory batch is one complete snapshot
-                await self.check_barriers()
+            # From the persisted check to the capture: one synchronous step, so the queue
+            # holds exactly the newest version of every key written above `cursor`.
+            snap = _memory_snapshot(part, cursor)
+            if snap is None:
+                if part.state == DEAD and part.markers:
+                    return END_STATE_CHANGED  # a dead replica's copy: no more whole ends
+                await part.wait_change(timeout=1.0)
                 continue
-            await part.wait_change(timeout=1.0)
+            items, snap_end = snap
+            if not items:  # a whole received snapshot of purged tombstones only
+                cursor = snap_end
+                self._sent_whole(vb, cursor)
+                continue
+            marker = SnapshotMarker(
+                vbucket=vb, opaque=spec.opaque, start_seqno=spec.start if first else items[0].seq,
+                end_seqno=snap_end, flags=MARKER_MEMORY,
+            ).encode()  # fmt: skip
+            first = False
+            # One marker for the whole capture, its items in bounded batches: the writers
+            # may replace queued versions meanwhile, but the captured references keep the
+            # state at `snap_end` (and hold no more memory than the queue already did).
+            for i in range(0, len(items), BATCH_ITEMS):
+                msgs = self._encode(spec, items[i : i + BATCH_ITEMS])
+                await self._send_batched([marker, *msgs] if i == 0 else msgs)
+            cursor = snap_end
+            self._sent_whole(vb, cursor)
 
     async def _pool_call(self, fn: Callable[[], _T]) -> _T:
         """Run `fn` on the backfill pool under a server-wide slot.
@@ -464,8 +572,17 @@ class DcpProducer:
                 await asyncio.wait([fut])
                 raise
 
-    async def _backfill(self, spec: StreamSpec, part: Partition, cursor: int, first: bool) -> int:
-        """Stream one consistent disk snapshot of (cursor, disk high]; returns the new cursor.
+    async def _backfill(
+        self, spec: StreamSpec, part: Partition, cursor: int, first: bool
+    ) -> tuple[int, bool] | None:
+        """Stream one consistent disk snapshot of (cursor, disk high]; returns the new cursor
+        and whether a marker was sent, or None when the disk holds no whole snapshot's state
+        now (a replica's copy persisted in the middle of a snapshot it is receiving).
+
+        The rows come from ONE read transaction and go under ONE marker whose end is the
+        highest seq in it: the state persisted there, which the client holds once it has
+        them all (fetched and sent in batches, but never split into several markers: an
+        end inside the range would lack the keys whose newest version lies above it).
 
         The server-wide slots are held only around each SQLite call, never while waiting for
         flow-control credit, so a client that stops acknowledging stalls only itself. Rows
@@ -497,11 +614,25 @@ class DcpProducer:
                 reader.close()
 
         async with self._own:
+            # The read below starts later and sees at least the commit that persisted
+            # `persisted`; any later one writes seqs above it (a flush writes the queue).
+            persisted = part.persisted_seq
+            if part.state != ACTIVE and part.snap_end != persisted:
+                return None  # a replica persisted mid-snapshot: that state is not the active's
             reader, bf, msgs, first_seq = await self._pool_call(open_and_fetch)
             try:
+                if part.state != ACTIVE and (
+                    bf.high_seq > persisted or part.persisted_seq < persisted
+                ):
+                    # a flush (or a rollback) moved the disk under the read: what it saw is
+                    # not known to be whole; look again
+                    return cursor, False
                 if not msgs:
-                    # only purged tombstones lay between cursor and the persisted seq
-                    return max(cursor, bf.high_seq, part.persisted_seq)
+                    # only purged tombstones lay between cursor and what was read (not the
+                    # persisted seq now: a flush since may have persisted more rows)
+                    cursor = max(cursor, bf.high_seq, persisted)
+                    self._sent_whole(spec.vbucket, cursor)  # nothing else changed up to it
+                    return cursor, False
                 marker = SnapshotMarker(
                     vbucket=spec.vbucket, opaque=spec.opaque,
                     start_seqno=spec.start if first else first_seq,
@@ -511,9 +642,8 @@ class DcpProducer:
                 while msgs:
                     await self._send_batched(msgs)
                     msgs = await self._pool_call(lambda: self._encode_rows(spec, bf.fetch_rows()))
-                self.sent_end[spec.vbucket] = bf.high_seq
-                await self.check_barriers()
-                return max(cursor, bf.high_seq)
+                self._sent_whole(spec.vbucket, bf.high_seq)  # one read transaction: whole
+                return max(cursor, bf.high_seq), True
             finally:
                 await _finish(self._pool_call(lambda: close(reader, bf)))
 
@@ -569,6 +699,46 @@ async def _finish(call: Awaitable[None]) -> None:
     except asyncio.CancelledError:
         await asyncio.wait([task])
         raise
+
+
+def _memory_snapshot(part: Partition, cursor: int) -> tuple[list[DocRow], int] | None:
+    """The next memory snapshot after `cursor`: the queued items it holds and its end, or
+    None if there is none to send now. The caller has checked `cursor` ≥ the persisted
+    seq in the same synchronous step, so the queue holds the newest version of every key
+    written above `cursor`, and taking ALL of them at once gives the state at the last.
+
+    An active (or one set dead) sends everything queued. A replica's queue is what it
+    received from its active, possibly part of a snapshot: its snapshots end only where
+    the active's did, at the newest end `_whole_end` finds.
+    """
+    if part.state == ACTIVE or (part.state == DEAD and not part.markers):
+        items = part.queue.items_after(cursor, len(part.queue))
+        return (items, items[-1].seq) if items else None
+    if part.state != REPLICA:
+        return None  # a dead replica copy: the ends its queue broke are no longer tracked
+    snap_end = _whole_end(part, cursor)
+    if snap_end is None:
+        return None
+    items = part.queue.items_after(cursor, len(part.queue))
+    return items[: bisect_right(items, snap_end, key=lambda d: d.seq)], snap_end
+
+
+def _whole_end(part: Partition, cursor: int) -> int | None:
+    """The newest end above `cursor` of a snapshot a replica received whole, not yet
+    persisted past, at which its queue still holds the state: every item up to the end
+    arrived (the high seq reached it); the stream from the active did not restart inside
+    it (a later marker starting below the end: the resumed stream deduplicates against
+    its own end, so what it sent may lack a version at or below this one); and no version
+    at or below the end was replaced in the queue by one above it (`Partition.broken`;
+    conservative: also when the replaced version lies at or below `cursor`)."""
+    high, broken = part.high_seq, part.broken
+    best: int | None = None
+    later_start = high + 1  # the lowest start of the markers received after this one
+    for start, e in reversed(part.markers):
+        if cursor < e <= high and e <= later_start and e not in broken:
+            best = e if best is None else max(best, e)
+        later_start = min(later_start, start)
+    return best
 
 
 class RollbackTo(Exception):
