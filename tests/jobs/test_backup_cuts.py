@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tests.segments.test_segments import header, rows_for
 from upr_cli.jobs.backup import _leftover_cuts
@@ -36,24 +38,30 @@ def test_leftover_cuts_are_renumbered_in_order_and_broken_ones_left_alone(tmp_pa
     assert not a.exists() and not b.exists() and bad.exists()  # moved; the broken one stays
 
 
+def _open_segment(tmp_path: Path) -> tuple[Any, list[int], Callable[..., SegmentWriter]]:
+    """Partition 3's open segment of a run that began at 100, holding records 101-150."""
+    from upr_cli.jobs.backup_stream import _Open
+
+    hdr = header(start=100, end=200, part=3)
+    w = SegmentWriter(tmp_path / "p0003.open", hdr)
+    w.add(rows_for(list(range(101, 151)), 3))
+
+    def open_cut(p: int, log: object, r: int, k: int) -> SegmentWriter:
+        return SegmentWriter(tmp_path / f"p{p:04x}.cut-{k}", header(start=r, end=r, part=p))
+
+    return _Open(3, w, hdr.failover_log, 100), [w.buffered], open_cut
+
+
 def test_a_cut_that_takes_every_record_leaves_no_empty_segment(tmp_path: Path) -> None:
     """A rollback to the run's start, the new active holding nothing more: the records
     move to cut-1/, and the partition's own segment is dropped, not written empty."""
     from upr_cli.dcp.events import StreamEnded
     from upr_cli.dcp.position import StreamPosition
-    from upr_cli.jobs.backup_stream import _cut, _finish, _Open
+    from upr_cli.jobs.backup_stream import _cut, _finish
 
-    hdr = header(start=100, end=200, part=3)
-    w = SegmentWriter(tmp_path / "p0003.open", hdr)
-    w.add(rows_for(list(range(101, 151)), 3))
-    st = _Open(3, w, hdr.failover_log, 100)
-    held = [w.buffered]
-
-    def open_cut(p: int, log: object, r: int, k: int) -> SegmentWriter:
-        return SegmentWriter(tmp_path / f"p{p:04x}.cut-{k}", header(start=r, end=r, part=p))
-
+    st, held, open_cut = _open_segment(tmp_path)
     _cut(st, 150, 100, 100, held, open_cut, format_segment_name)
-    ended = StreamEnded(3, 0, StreamPosition(3, hdr.failover_log.latest.uuid, 100, 100, 100))
+    ended = StreamEnded(3, 0, StreamPosition(3, st.log.latest.uuid, 100, 100, 100))
     res = _finish(st, ended, tmp_path, format_segment_name, held)
     assert res.segment is None and res.items == 0 and held == [0]
     assert [(f, t, i.records) for f, t, i in res.cuts] == [(150, 100, 50)]
@@ -66,17 +74,11 @@ def test_a_cut_below_the_asked_seq_keeps_only_what_the_source_lost(tmp_path: Pat
     """ROLLBACK(120) inside a snapshot the run received: the consumer goes back to the
     boundary 110. Records above 120 are lost writes (cut-1/); those in (110, 120] the
     source still has and streams again, so they are dropped, not kept as lost."""
-    from upr_cli.jobs.backup_stream import _cut, _Open
+    from upr_cli.jobs.backup_stream import _cut
 
-    hdr = header(start=100, end=200, part=3)
-    w = SegmentWriter(tmp_path / "p0003.open", hdr)
-    w.add(rows_for(list(range(101, 151)), 3))
-    st = _Open(3, w, hdr.failover_log, 100)
-    held = [w.buffered]
-
-    def open_cut(p: int, log: object, r: int, k: int) -> SegmentWriter:
-        return SegmentWriter(tmp_path / f"p{p:04x}.cut-{k}", header(start=r, end=r, part=p))
-
+    st, held, open_cut = _open_segment(tmp_path)
+    w = st.writer
+    assert w is not None
     _cut(st, 150, 110, 120, held, open_cut, format_segment_name)
     assert w.last_seq == 110 and held == [w.buffered]
     assert [(f, t, i.first_seq, i.last_seq, i.records) for f, t, i in st.cuts] == [
