@@ -31,6 +31,7 @@ from upr_cli.repo import (
     lost_ranges,
     plan_state,
     resume_point,
+    snapshot_boundaries,
 )
 
 T0 = datetime(2026, 11, 21, 6, 15, tzinfo=UTC)
@@ -307,3 +308,35 @@ def test_lost_ranges_and_gaps_equal_the_definition(chain: Chain, k: int, p: int)
     got_missing = {x for g in gaps for x in range(g.from_seq + 1, g.to_seq + 1)}
     assert got_missing == missing
     assert all(g.from_seq < g.to_seq for g in gaps)
+
+
+# --- snapshot boundaries (formats/repository.md §8.4) ------------------------------------
+
+
+def test_snapshot_boundaries_of_a_chain() -> None:
+    b1 = backup(1, None, entry(0, 0, 100, [r(1, 50), r(51, 100)]))
+    b2 = backup(2, 1, entry(0, 100, 220, [r(101, 150), r(151, 220)]))
+    marks = {
+        r(101, 150)[0]: ((101, 120), (121, 150)),
+        # the stream restarted at 170 inside [151, 200]: that end is no boundary
+        r(151, 220)[0]: ((151, 200), (170, 220)),
+    }
+
+    def snapshots_of(_bid: BackupId, segment: SegmentEntry) -> tuple[tuple[int, int], ...]:
+        return marks[segment.first_seq]
+
+    assert snapshot_boundaries([b1, b2], 0) == [0, 100, 220]
+    assert snapshot_boundaries([b1, b2], 0, snapshots_of) == [0, 100, 120, 150, 220]
+    # a rollback to 80 cuts backup 1's end: it is no boundary of the newest state
+    b3 = backup(3, 2, entry(0, 80, 90, [r(81, 90)], LOG_B, RollbackRecord(220, 80, 80, 80)))
+    assert snapshot_boundaries([b1, b2, b3], 0) == [0, 90]
+
+
+def test_lost_writes_start_above_the_branch_seq_not_the_boundary() -> None:
+    """Backup 2 was told to roll back to 80 (the branch seq) and started at the boundary
+    50: backup 1's records in (50, 80] are streamed again, only those above 80 are lost."""
+    b1 = backup(1, None, entry(0, 0, 100, [r(1, 50), r(51, 100)]))
+    b2 = backup(2, 1, entry(0, 50, 150, [r(51, 150)], LOG_B, RollbackRecord(100, 50, 80, 80)))
+    assert lost_cut([b1, b2], 0, bid(1), bid(2)) == 80
+    assert lost_ranges([b1, b2], 0) == [SeqRange(bid(1), 80, 100)]
+    assert cut([b1, b2], 0, bid(1), bid(2)) == 50  # the state still takes only up to 50

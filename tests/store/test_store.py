@@ -783,3 +783,16 @@ def test_migration_2_to_3_records_complete_positions(tmp_path: Path) -> None:
     with Store(path) as s:
         assert s.meta()["schema_version"] == "3"
         assert s.boundaries() == {0: [2]}
+
+
+def test_boundaries_kept_per_partition_are_bounded(tmp_path: Path) -> None:
+    """New keys write no undo entries, so the log floor never rises: the boundaries are
+    trimmed to the newest KEEP_BOUNDARIES (and a few more between trims)."""
+    from upr_cli.store.store import KEEP_BOUNDARIES
+
+    with Store(tmp_path / "s.db", undo_window=100) as s:
+        for seq in range(1, 3 * KEEP_BOUNDARIES + 2):
+            s.apply(0, [row(0, seq, b"k%d" % seq)], pos(0, seq))
+        kept = s.boundaries()[0]
+        assert KEEP_BOUNDARIES <= len(kept) < 2 * KEEP_BOUNDARIES
+        assert kept[-1] == 3 * KEEP_BOUNDARIES + 1 and kept == sorted(kept)

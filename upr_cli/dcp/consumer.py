@@ -50,7 +50,7 @@ from upr_cli.dcp.events import (
     StreamOpened,
 )
 from upr_cli.dcp.position import StreamPosition, boundary_at
-from upr_cli.errors import RemoteProtocolError, UprError
+from upr_cli.errors import RemoteProtocolError, UprError, UsageError
 from upr_cli.failover import FailoverLog
 from upr_cli.net.bootstrap import Session, connect, map_nodes
 from upr_cli.net.connection import ConnectionClosed, ConnectionError_, ServerItems, aclose_all
@@ -235,7 +235,7 @@ class DcpConsumer:
         want = self._want if self._want is not None else list(range(n))
         bad = [p for p in want if not 0 <= p < n]
         if bad:
-            raise ConsumerError(f"partition {bad[0]} does not exist (the bucket has {n})")
+            raise UsageError(f"partition {bad[0]} does not exist (the bucket has {n})")
         actives = self._actives()
         self._follow = len({a for a in actives if a is not None}) > 1 or (len(self._servers()) > 1)
         for p in want:
@@ -424,7 +424,7 @@ class DcpConsumer:
                     snap_start_seqno=part.snap_start, snap_end_seqno=part.snap_end,
                 )  # fmt: skip
                 self._opening[part.partition] = part.addr
-                part.marked = False  # what arrives from now on belongs to the new stream
+                self._begin_stream(part)
                 futs.append((part, conn.start_request(req), req))
             retry = []
             for part, fut, sent in futs:
@@ -590,6 +590,15 @@ class DcpConsumer:
             if isinstance(rev, int) and rev > best.get("rev", 0):
                 best = cfg
         self._config = best
+
+    @staticmethod
+    def _begin_stream(part: _Part) -> None:
+        """A stream of `part` is requested from where it stands: what arrives from now on
+        belongs to it. Boundaries an earlier stream passed above that point are not this
+        stream's (it may deduplicate differently across them), so they go."""
+        part.marked = False
+        if part.bounds and part.bounds[-1] > part.seq:
+            part.bounds = [b for b in part.bounds if b <= part.seq]
 
     def _rollback(self, part: _Part, r: int) -> None:
         """ROLLBACK(r): go back to the newest boundary b ≤ r the caller reached, take the

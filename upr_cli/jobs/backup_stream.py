@@ -254,7 +254,12 @@ async def stream_to_segments(
                     p = item.partition
                     log_ = FailoverLog.sanitised(item.failover_log)
                     if p in opened:  # reopened (a reconnect, or moved to a new active node)
-                        opened[p].log = log_  # the same history goes on: same segment
+                        st0 = opened[p]
+                        st0.log = log_  # the same history goes on: same segment
+                        # a snapshot the old stream was cut off in is not one the segment
+                        # holds whole: its end is no boundary (formats/repository.md §8.4)
+                        at = item.position.seq
+                        st0.snapshots = [(a, b) for a, b in st0.snapshots if b <= at]
                     else:
                         opened[p] = _Open(p, None, log_, item.position.seq,
                                           rollback=rolled.pop(p, None),

@@ -154,7 +154,9 @@ class _Part:
         # store write still in flight: rows up to what the store has are dropped again.
         self.received = max(pos.seq, self.applied.seq)
         self.complete = min(self.complete, pos.seq)
-        self.marks = []
+        # A stream restarting inside a snapshot leaves that snapshot unfinished: a cut at
+        # or below `pos.seq` is inside it, never a boundary (docs/design.md).
+        self.marks = [(pos.snap_start, pos.snap_end)] if pos.seq < pos.snap_end else []
         self.ended = False
 
     def take(self, upto: int) -> tuple[list[Row], StreamPosition] | None:
@@ -170,7 +172,8 @@ class _Part:
                 start, end = ms, me
         if end < upto:  # the marker holding upto ended at or below it
             start = end = upto
-        self.marks = [m for m in self.marks if m[1] > upto]
+        # the newest marker stays: a later cut inside its snapshot must still see it
+        self.marks = [m for m in self.marks if m[1] > upto] or self.marks[-1:]
         # The branch holding `upto`: after a rollback the stream goes on under the newest
         # entry, and a position must name it, or a resume would be rolled back again.
         entry = self.branches.entry_at(upto) if self.branches is not None else None
@@ -427,10 +430,23 @@ async def _round(
     async def rollback(ev: Rollback) -> None:
         st = parts.get(ev.partition)
         if st is not None:
-            st.rows.clear()
+            # rows up to the boundary stay (they may not be in the store yet)
+            del st.rows[bisect_right(st.rows, ev.to_seq, key=_seq_of) :]
             st.marks.clear()
-            st.complete = st.received = ev.to_seq
+            st.complete = min(st.complete, ev.to_seq)
+            st.received = ev.to_seq
         await settle(all_=True)
+        if st is not None and ev.to_seq >= st.applied.seq:
+            # a stream that reopened where it stood (a move, a state change) rolled back
+            # above what the store holds: only uncommitted rows went, none are lost
+            stats.rollbacks.append({"partition": ev.partition, "from": ev.previous.seq,
+                                    "to": ev.to_seq, "asked": ev.asked, "lost": 0,
+                                    "reset": False})  # fmt: skip
+            say(
+                f"partition {ev.partition}: rolled back from seq {ev.previous.seq} to "
+                f"{ev.to_seq} before the store held it" + _below_asked(ev.asked, ev.to_seq)
+            )
+            return
         result = await on_store(
             lambda: store.rollback(ev.partition, ev.to_seq, uuid=ev.uuid, lost_above=ev.asked)
         )

@@ -321,8 +321,10 @@ class Bucket:
         a pause, a link restarted) never completes: the new stream deduplicates on its
         own, so the old snapshot's end is no boundary (nor a complete snapshot)."""
         part = self.fed_partition(vb)
-        part.markers = [m for m in part.markers if m[1] <= part.high_seq]
-        part.markers.append((start, end))
+        markers = part.markers
+        while markers and markers[-1][1] > part.high_seq:  # only the newest can be cut short
+            markers.pop()
+        markers.append((start, end))
 
     async def adopt_failover_log(self, vb: int, pairs: tuple[tuple[int, int], ...]) -> None:
         """A replica takes the active's whole failover log (dcp-wire §4.3), durably."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
 from upr_cli.failover import FailoverLog
@@ -142,9 +142,12 @@ class Partition:
     def replaced(self, old_seq: int, new_seq: int) -> None:
         """A replica's queued version at `old_seq` gives way to one at `new_seq`: the ends
         of the snapshots between them are not states the disk will ever hold."""
-        for _start, end in self.markers:
-            if old_seq <= end < new_seq:
-                self.broken.add(end)
+        # markers are in seq order: only those ending in [old_seq, new_seq) are looked at
+        markers = self.markers
+        i = bisect_left(markers, old_seq, key=_end_of)
+        while i < len(markers) and markers[i][1] < new_seq:
+            self.broken.add(markers[i][1])
+            i += 1
 
     def boundaries(self) -> list[int]:
         """Snapshot boundaries a replica rollback can take this partition back to now
@@ -192,3 +195,7 @@ class Partition:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):  # not wait_for: it can lose a cancel (net/aio.py)
                 await fut
+
+
+def _end_of(marker: tuple[int, int]) -> int:
+    return marker[1]

@@ -501,6 +501,9 @@ class DcpProducer:
             [StreamEnd(vbucket=spec.vbucket, opaque=spec.opaque, status=status).encode()]
         )
         if self.specs.get(spec.vbucket) is spec:
+            # a cookie that arrived while STREAM_END waited for credit counted this
+            # stream as open: it holds nothing back either
+            self._stream_gone(spec.vbucket)
             del self.specs[spec.vbucket]
 
     async def _stream(self, spec: StreamSpec) -> int:

@@ -196,9 +196,14 @@ def snapshot_boundaries(
             out.add(e.end_seq)
     if held and snapshots_of is not None:
         bid, e = held[-1]
-        for seg in e.segments:
-            out.update(end for _s, end in snapshots_of(bid, seg)
-                       if e.start_seq <= end <= min(seg.last_seq, e.end_seq))  # fmt: skip
+        marks = [(s, end, seg.last_seq) for seg in e.segments for s, end in snapshots_of(bid, seg)]
+        # a marker followed by one starting below its end was cut off (the stream
+        # restarted inside it), whatever the writer recorded
+        later_start = NO_CUT
+        for s, end, last in reversed(marks):
+            if end <= later_start and e.start_seq <= end <= min(last, e.end_seq):
+                out.add(end)
+            later_start = min(later_start, s)
     return sorted(out)
 
 

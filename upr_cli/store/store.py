@@ -68,6 +68,7 @@ T = TypeVar("T")
 
 U64_MAX = (1 << 64) - 1
 DEFAULT_UNDO_WINDOW = 10_000
+KEEP_BOUNDARIES = 256  # snapshot boundaries kept per partition (formats/store.md §3.6)
 OP_MUTATION, OP_DELETION, OP_EXPIRATION = 0x57, 0x58, 0x59
 _DATA_OPS = frozenset({OP_MUTATION, OP_DELETION, OP_EXPIRATION})
 _I64_MAX = (1 << 63) - 1
@@ -398,6 +399,7 @@ class Store:
         self._depth = 0  # open write transactions: 1 = BEGIN, more = savepoints
         self._utils: sqlite_utils.Database | None = None
         self._open: contextlib.ExitStack | None = None  # a transaction `begin` opened
+        self._bounds_added: dict[int, int] = {}  # boundaries recorded since the last trim
         if not create and not self.path.is_file():
             raise StoreError(f"{self.path}: no such store")
         try:
@@ -584,6 +586,16 @@ class Store:
                 "INSERT OR IGNORE INTO boundaries (partition, seq) VALUES (?, ?)",
                 (position.partition, _i64(position.seq)),
             )
+            # the newest KEEP_BOUNDARIES only: a rollback further back lands on the
+            # oldest kept (more streamed again), never wrong; trimmed now and then
+            n = self._bounds_added.get(position.partition, 0) + 1
+            self._bounds_added[position.partition] = n % KEEP_BOUNDARIES
+            if n == KEEP_BOUNDARIES:
+                db.execute(
+                    "DELETE FROM boundaries WHERE partition = :p AND seq < (SELECT seq FROM"
+                    " boundaries WHERE partition = :p ORDER BY seq DESC LIMIT 1 OFFSET :k)",
+                    {"p": position.partition, "k": KEEP_BOUNDARIES - 1},
+                )
 
     def _newest_logged(self, db: sqlite3.Connection, partition: int) -> int:
         top = db.execute(

@@ -1,0 +1,42 @@
+"""Replay's per-partition cut bookkeeping: a position is complete only at a snapshot end."""
+
+from __future__ import annotations
+
+from upr_cli.dcp.position import StreamPosition
+from upr_cli.jobs.replay import _Part
+
+UUID = 0xABC
+
+
+def _row(seq: int) -> tuple[object, ...]:
+    return (0x57, 0, seq, 1, seq, 0, 0, 0, 0, b"k%d" % seq, b"v", 0)
+
+
+def test_a_stream_reopened_inside_a_snapshot_never_yields_a_complete_position() -> None:
+    """Rows up to 13 of the snapshot [11, 20] arrived; the stream reopened from 13 (a
+    state change): a cut at 13 is inside [11, 20], not a boundary."""
+    st = _Part(0, StreamPosition(0, UUID, 10, 0, 10), StreamPosition(0, UUID, 10, 0, 10))
+    st.uuid = UUID
+    st.marks = [(11, 20)]
+    st.rows = [_row(11), _row(13)]
+    st.received = 13
+    st.reset_to(StreamPosition(0, UUID, 13, 11, 20))
+    got = st.take(13)
+    assert got is not None
+    rows, position = got
+    assert [r[2] for r in rows] == [11, 13]
+    assert (position.seq, position.snap_start, position.snap_end) == (13, 11, 20)
+    assert not position.complete
+
+
+def test_a_cut_at_a_snapshot_end_is_complete_and_the_next_one_inside_is_not() -> None:
+    st = _Part(0, StreamPosition(0, UUID, 0), StreamPosition(0, UUID, 0))
+    st.uuid = UUID
+    st.marks = [(1, 5), (6, 9)]
+    st.rows = [_row(s) for s in (2, 5, 7)]
+    st.received = 7
+    _rows, position = st.take(5)  # type: ignore[misc]
+    assert position.complete and position.seq == 5
+    st.applied = position
+    _rows, position = st.take(7)  # type: ignore[misc]
+    assert (position.seq, position.snap_start, position.snap_end) == (7, 6, 9)
