@@ -436,7 +436,8 @@ async def _round(
             st.complete = min(st.complete, ev.to_seq)
             st.received = ev.to_seq
         await settle(all_=True)
-        if st is not None and ev.to_seq >= st.applied.seq:
+        held = await on_store(lambda: store.position(ev.partition))
+        if ev.to_seq > (held.seq if held is not None else 0):
             # a stream that reopened where it stood (a move, a state change) rolled back
             # above what the store holds: only uncommitted rows went, none are lost
             stats.rollbacks.append({"partition": ev.partition, "from": ev.previous.seq,
