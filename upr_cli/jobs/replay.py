@@ -394,12 +394,13 @@ async def _round(
                 out.append((p, got[0], got[1], log))
         return out
 
-    def snapshot_targets(force: bool) -> dict[int, int]:
-        """Default/durable mode: per partition, the newest complete snapshot (capped)."""
+    def snapshot_targets(force: bool, whole: bool = False) -> dict[int, int]:
+        """Default/durable mode: per partition, the newest complete snapshot (capped);
+        `whole`: never inside a snapshot, however many rows wait."""
         out = {}
         for p, st in parts.items():
             t = st.complete
-            if len(st.rows) > max_pending:  # a snapshot too big to hold: commit inside it
+            if len(st.rows) > max_pending and not whole:  # too big to hold: commit inside
                 t = st.received
             if durability is not None:
                 t = min(t, durability.cap(st))
@@ -407,7 +408,7 @@ async def _round(
                 out[p] = max(t, st.applied.seq)
         return out
 
-    async def checkpoint(force: bool = False) -> None:
+    async def checkpoint(force: bool = False, whole: bool = False) -> None:
         nonlocal last_commit
         if consistent_on and not catching_up:
             return  # commits happen at barrier cuts only
@@ -419,10 +420,10 @@ async def _round(
         if not force and soon:
             return
         arrived[0] = 0
-        targets = snapshot_targets(force)
-        if catching_up:
-            targets = {p: min(t, consumer.highs.get(p, 0)) for p, t in targets.items()}
-        work = take_all(targets)
+        # During the consistent catch-up too, each partition goes to its newest complete
+        # snapshot, even past its pinned high: a cut at the high itself could fall inside
+        # a deduplicated snapshot, which is no state the partition had (docs/design.md).
+        work = take_all(snapshot_targets(force, whole))
         if work:
             await apply(work, in_open=catching_up)
             last_commit = now
@@ -474,7 +475,7 @@ async def _round(
 
     async def commit_open_transaction() -> None:
         nonlocal catching_up
-        await checkpoint(force=True)
+        await checkpoint(force=True, whole=True)  # the commit ends on snapshot ends
         await settle(all_=True)
         await on_store(store.commit)
         stats.commits += 1
