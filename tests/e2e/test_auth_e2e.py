@@ -398,7 +398,7 @@ def _serve(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
 def test_no_auth_on_a_non_loopback_address_is_refused_before_binding(tmp_path: Path) -> None:
     data = tmp_path / "data"
     proc = _serve("--data", str(data), "--port", "0", "--no-auth", "--host", "0.0.0.0")
-    assert proc.returncode == 1, proc
+    assert proc.returncode == 2, proc  # a usage error (README "Errors and exit codes")
     assert proc.stdout == ""  # no `listening` line: it never served
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("upr: error: "), proc.stderr
     assert "--no-auth" in proc.stderr and "loopback" in proc.stderr
@@ -407,7 +407,7 @@ def test_no_auth_on_a_non_loopback_address_is_refused_before_binding(tmp_path: P
 
 def test_serve_without_users_and_without_no_auth_is_refused(tmp_path: Path) -> None:
     proc = _serve("--data", str(tmp_path / "data"), "--port", "0")
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("upr: error: "), proc.stderr
     assert "user" in proc.stderr

@@ -10,6 +10,7 @@ import pytest
 
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import wait_persisted
+from upr_cli.jobs.inspect import verify
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +100,38 @@ def test_info_shows_backups_and_a_partition_chain(repo: Path) -> None:
     chain = data["buckets"]["default"]["partitions"]["2"]
     assert chain[0]["start"] == "0" and chain[1]["start"] == chain[0]["end"]
     assert "full" in upr("info", "--repo", str(repo)).stdout
+
+
+@pytest.mark.parametrize("damage", ["flip", "zero", "delete"])
+@pytest.mark.parametrize("name", ["manifest.json", "manifest.json.copy"])
+def test_a_damaged_manifest_file_is_named_and_repaired(
+    repo: Path, tmp_path: Path, damage: str, name: str
+) -> None:
+    """Either file of a pair, damaged while its twin keeps the backup readable: the
+    redundancy is gone, so verify names the file and exits 1; --repair rewrites it."""
+    r = copy(repo, tmp_path)
+    path = sorted(r.glob(f"default/*/{name}"))[0]
+    good = path.read_bytes()
+    if damage == "flip":
+        data = bytearray(good)
+        data[len(data) // 2] ^= 0x08
+        path.write_bytes(bytes(data))
+    elif damage == "zero":
+        path.write_bytes(good[:100] + bytes(64) + good[164:])
+    else:
+        path.unlink()
+    (report,) = verify(r)
+    assert not report.to_json()["ok"]
+    (problem,) = report.to_json()["problems"]
+    assert problem["kind"] == "manifest" and not problem["repaired"]
+    assert problem["where"] == f"default/{path.parent.name}/{name}"
+    if (name, damage) == ("manifest.json", "delete"):
+        text = upr("verify", "--repo", str(r), check=False)
+        assert text.returncode == 1 and f"{path.parent.name}/{name}" in text.stdout
+        # the data is all there: a restore reads the copy
+        upr("restore", "--repo", str(r), f"sqlite:{tmp_path / 'a.db'}")
+    fixed = upr("verify", "--repo", str(r), "--repair", "--json", check=False)
+    assert fixed.returncode == 0, fixed.stdout
+    (problem,) = json.loads(fixed.stdout)["buckets"][0]["problems"]
+    assert problem["repaired"] and path.read_bytes() == good
+    assert [rep.problems for rep in verify(r)] == [[]]

@@ -240,12 +240,14 @@ def test_crash_after_the_temp_file_is_written(repo: Repository) -> None:
         r.write_manifest(m)
     d = repo.backup_dir(BUCKET, bid(0))
     assert not (d / MANIFEST_FILE).exists() and (d / MANIFEST_COPY).exists()
-    assert repo.backups(BUCKET) == [] and repo.committed(BUCKET) == []
-    assert repo.incomplete(BUCKET) == [bid(0)]
-    with pytest.raises(RepositoryError, match="not committed"):
-        repo.read_manifest(BUCKET, bid(0))
-    repo.write_manifest(m)  # a rerun commits the same directory
-    assert repo.backups(BUCKET) == [bid(0)]
+    # the copy's rename was the commit point: committed, read from the copy (§4.3)
+    assert repo.backups(BUCKET) == [bid(0)] == repo.committed(BUCKET)
+    assert repo.incomplete(BUCKET) == [] and repo.read_manifest(BUCKET, bid(0)) == m
+    with pytest.raises(RepositoryError, match="already committed"):
+        repo.write_manifest(m)
+    with RepositoryLock(repo, BUCKET) as lock:  # the next backup rewrites manifest.json
+        assert repo.heal(BUCKET, lock) == [(d / MANIFEST_FILE, "missing")]
+    assert (d / MANIFEST_FILE).read_bytes() == m.dumps()
 
 
 def test_crash_at_every_call_of_a_commit(repo: Repository) -> None:
@@ -255,10 +257,10 @@ def test_crash_at_every_call_of_a_commit(repo: Repository) -> None:
     calls = counting.calls
     assert calls == [
         f"write {MANIFEST_COPY}",
-        f"rename {MANIFEST_COPY}",
+        f"rename {MANIFEST_COPY}",  # the commit point
         "fsync_dir 20261121T061500.000000Z",
         f"write {MANIFEST_FILE}",
-        f"rename {MANIFEST_FILE}",  # the commit point
+        f"rename {MANIFEST_FILE}",
         "fsync_dir 20261121T061500.000000Z",
     ]
     for i in range(len(calls)):
@@ -266,7 +268,7 @@ def test_crash_at_every_call_of_a_commit(repo: Repository) -> None:
         m = write_backup(repo, b, repo.committed(BUCKET)[-1], 100, 100 + i)
         with pytest.raises(Crash):
             Repository(repo.path, ops=FailingOps(i)).write_manifest(m)
-        committed = i > calls.index(f"rename {MANIFEST_FILE}")
+        committed = i > calls.index(f"rename {MANIFEST_COPY}")
         assert (b in repo.backups(BUCKET)) == committed, calls[i]
         assert not [p for p in repo.backup_dir(BUCKET, b).iterdir() if p.name.startswith(".")]
         if committed:
@@ -307,8 +309,8 @@ def test_sweep(repo: Repository) -> None:
     committed_dir = repo.backup_dir(BUCKET, bid(0))
     empty_manifest_dir = repo.new_backup_dir(BUCKET, bid(1))
     (empty_manifest_dir / MANIFEST_FILE).write_bytes(b"")  # committed, then damaged
-    old = repo.new_backup_dir(BUCKET, bid(2))
-    (old / MANIFEST_COPY).write_text("{}")  # crashed between copy and manifest
+    damaged_copy = repo.new_backup_dir(BUCKET, bid(2))
+    (damaged_copy / MANIFEST_COPY).write_text("{}")  # committed, then damaged
     running = repo.new_backup_dir(BUCKET, bid(3))
     newer = repo.new_backup_dir(BUCKET, bid(4))
     bdir = repo.bucket_dir(BUCKET)
@@ -331,8 +333,9 @@ def test_sweep(repo: Repository) -> None:
     odd_dir.mkdir()  # a directory named like a temp file: not ours
     with RepositoryLock(repo, BUCKET) as lock:
         removed = repo.sweep(BUCKET, bid(3), lock)
-    assert sorted(removed) == sorted([*temps, old])
+    assert sorted(removed) == sorted(temps)
     assert committed_dir.is_dir() and empty_manifest_dir.is_dir() and running.is_dir()
+    assert damaged_copy.is_dir()
     assert newer.is_dir() and all(p.exists() for p in keep)
     assert odd_dir.is_dir()
     assert repo.backups(BUCKET) == [bid(0)]

@@ -1,9 +1,12 @@
 """The `upr` Typer app and its single error funnel.
 
-Every `UprError` becomes one line on stderr and its exit code (1, 2 for usage, 3 for an
-impossible history); click usage errors become one line and exit 2; Ctrl-C exits 130;
-an unexpected exception is reported in one line too (set UPR_DEBUG=1 for the traceback,
-which never shows locals). STYLE 4 and 11.
+Every failure ends as one line on stderr and an exit code of `ExitCode` (README "Errors
+and exit codes"): an `UprError` with its own code; click usage errors (and a command run
+without its arguments) with 2; an `OSError` becomes the typed error `os_error` makes,
+naming the path (74 for a failing or full file system, 2 for a path that is not what it
+should be, 1 for the network); Ctrl-C exits 130; anything else is a bug, reported in one
+line with exit 70 (UPR_DEBUG=1 shows the traceback, which never shows locals). STYLE 4
+and 11.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 import click
 import typer
@@ -35,7 +39,7 @@ from upr_cli.cli import (
     tail,
 )
 from upr_cli.cli.output import error_line
-from upr_cli.errors import UprError
+from upr_cli.errors import ExitCode, UprError, free_bytes, is_network_error, os_error
 
 app = typer.Typer(
     name="upr",
@@ -82,6 +86,49 @@ spark.register(app)
 cluster.register(app)
 
 
+#: options whose value is a local path the command reads or writes: an error the file
+#: system reports without a path (ENOSPC from write(2)) is told against them
+PATH_OPTIONS = ("--repo", "--into", "--state", "--data", "--to", "--store", "--node-data")
+
+
+def given_paths(args: Sequence[str]) -> list[Path]:
+    """The local paths named on the command line: PATH_OPTIONS' values and the
+    `sqlite:PATH`, `repo:DIR[@BACKUP]` and `json:PATH` sources or targets."""
+    out: list[Path] = []
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in PATH_OPTIONS:
+            text = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        elif arg.startswith(("sqlite:", "json:")):
+            text = arg.split(":", 1)[1]
+        elif arg.startswith("repo:"):
+            text = arg[len("repo:") :].rsplit("@", 1)[0]
+        else:
+            continue
+        if text and "://" not in text:
+            out.append(Path(text))
+    return out
+
+
+def _os_failure(exc: OSError, args: Sequence[str]) -> UprError:
+    """The typed error of an OSError that escaped a command. Without a path from the system
+    (a write(2) on a full disk), the path is the command's own: of those it names, the one
+    on the fullest file system."""
+    paths = given_paths(args) if exc.filename is None and not is_network_error(exc) else []
+    return os_error(exc, min(paths, key=_free_or_inf) if paths else None)
+
+
+def _free_or_inf(path: Path) -> float:
+    free = free_bytes(path)
+    return float("inf") if free is None else free
+
+
+def _no_arguments(exc: Exception) -> bool:
+    """The error click raises for a command that shows its help when run without
+    arguments (its message is that help, already printed)."""
+    return type(exc).__name__ == "NoArgsIsHelpError"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point: run the app and map every failure to one line + exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -97,12 +144,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (TyperException, click.ClickException) as exc:
         # Usage errors (exit 2) from Typer's vendored click, or from click itself.
         ctx = getattr(exc, "ctx", None)
-        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        error_line(f"{exc.format_message()}{hint}")
-        code = exc.exit_code
+        path = ctx.command_path if ctx is not None else "upr"
+        hint = f" (see '{path} --help')"
+        if _no_arguments(exc):  # its message is the help, printed already: say what is wrong
+            error_line(f"{path}: no arguments given{hint}")
+            code = ExitCode.USAGE
+        else:
+            error_line(f"{exc.format_message()}{hint}")
+            code = exc.exit_code
     except (TyperAbort, click.exceptions.Abort):
         error_line("interrupted")
-        code = 130
+        code = ExitCode.INTERRUPTED
     except UprError as exc:
         if os.environ.get("UPR_DEBUG"):
             traceback.print_exc()
@@ -110,12 +162,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = exc.exit_code
     except KeyboardInterrupt:
         error_line("interrupted")
-        code = 130
+        code = ExitCode.INTERRUPTED
     except BrokenPipeError:
-        code = 0
+        code = ExitCode.OK
+    except OSError as exc:  # from the file system (or a socket) with no typed error around it
+        if os.environ.get("UPR_DEBUG"):
+            traceback.print_exc()
+        err = _os_failure(exc, args)
+        error_line(str(err))
+        code = err.exit_code
     except Exception as exc:
         if os.environ.get("UPR_DEBUG"):
             raise
-        error_line(f"internal error: {type(exc).__name__}: {exc} (set UPR_DEBUG=1 for details)")
-        code = 70
-    sys.exit(code if isinstance(code, int) else 0)
+        error_line(f"internal error (a bug in upr: please report it with the output of the same "
+                   f"command run with UPR_DEBUG=1): {type(exc).__name__}: {exc}")  # fmt: skip
+        code = ExitCode.INTERNAL
+    sys.exit(int(code) if isinstance(code, int) else ExitCode.OK)

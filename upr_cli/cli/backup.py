@@ -27,12 +27,24 @@ backup, readable. A failover while the run streams (a cluster) is followed the s
 what the rollback took back moves to cut-back segments, kept as lost writes, and the run
 completes with each partition as its new active holds it (a partition whose stream had
 already ended gets a follow-up backup that records the rollback). A backup exists once its
-manifest.json is written; an interrupted run leaves nothing visible. The repository is
-created on first use (formats/repository.md).
+manifest (manifest.json.copy, then manifest.json) is written; an interrupted run leaves
+nothing visible. The repository is created on first use (formats/repository.md).
+
+The next run after an interrupted one reuses the segments it finished and streams each
+of those partitions on to the new high seqnos, so every backup holds everything
+acknowledged before it started. A backup goes on only from a chain that is whole: a
+manifest file whose twin is valid is rewritten from it (with a warning); a damaged
+manifest, a missing parent backup, a seq gap or a missing segment file stops it, naming
+the problem, before anything is streamed (`upr verify --repair`, or --full to start a
+new chain). Nothing holding committed data is ever removed.
 
 Example:
 
   upr backup upr://admin@127.0.0.1:11210/default --repo /backups/cb
+
+Example (a new chain, after a backup refused a broken one):
+
+  upr backup upr://admin@127.0.0.1:11210/default --repo /backups/cb --full
 
 --spark MASTER divides the partitions among Spark tasks (--spark-tasks, default 8;
 --conf k=v passes Spark settings): each streams its share into the new backup's

@@ -7,18 +7,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import JsonOutput
+from upr_cli.cli.options import JsonOutput, one_is_an_answer
 from upr_cli.cli.output import print_json, stdout
-from upr_cli.errors import UprError
 from upr_cli.jobs.diff import STATUSES, PartitionDiff, diff_sources
 from upr_cli.jobs.tail import parse_partitions
-
-
-class DiffError(UprError):
-    """A source could not be read (exit 2: 1 is reserved for "they differ")."""
-
-    exit_code = 2
-
 
 HELP = """Compare the failover histories of A and B, partition by partition.
 
@@ -57,10 +49,8 @@ def diff_cmd(
     json_out: JsonOutput = False,
 ) -> None:
     """Compare failover histories."""
-    try:
+    with one_is_an_answer():  # 1 means "they differ": a source that fails exits 2
         report = diff_sources(a, b, parse_partitions(partitions) if partitions else None)
-    except UprError as exc:  # the contract: 2 on any error, 1 means "they differ"
-        raise DiffError(str(exc)) from None
     code = 0 if report.identical else 1
     if json_out:
         print_json(report.to_json())

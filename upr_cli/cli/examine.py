@@ -43,7 +43,8 @@ def examine_cmd(
             "--partitions",
             min=1,
             max=1024,
-            help="The bucket's partition count (default: from its full backups).",
+            help="The bucket's partition count (default: read from the repository's backups; "
+            "a count they contradict is an error).",
         ),
     ] = None,
     json_out: JsonOutput = False,

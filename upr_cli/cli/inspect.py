@@ -29,14 +29,23 @@ Example (partition 12's chain, as JSON):
 
 VERIFY_HELP = """Read everything in a repository and check it.
 
-Checks every segment's blocks, footer and checksums against its manifest, and that each
-partition's chain covers its seqs without gaps. Every problem is named (missing,
-truncated, checksum, corrupt, mismatch, gap, manifest, chain); the exit status is 1
-when there is one.
+Checks every segment's blocks, footer and checksums against its manifest, both files
+of every manifest (manifest.json and manifest.json.copy, each against its own checksum),
+that every incremental backup's parent is there, and that each partition's chain covers
+its seqs without gaps. Every problem is named (missing, truncated, checksum, corrupt,
+mismatch, gap, manifest, chain); the exit status is 1 when there is one.
+
+--repair takes each bucket's lock and rewrites a missing or damaged manifest.json or
+manifest.json.copy from its valid twin. Nothing else is changed: a problem it cannot
+repair is still reported, and the exit status is 1 while one is left.
 
 Example:
 
   upr verify --repo /backups/cb
+
+Example (rewrite a lost manifest from its copy, report the rest as JSON):
+
+  upr verify --repo /backups/cb --repair --json
 """
 
 
@@ -100,16 +109,22 @@ def info_cmd(
 def verify_cmd(
     repo: Annotated[Path, typer.Option("--repo", help="Repository directory.")],
     bucket: Annotated[str | None, typer.Option("--bucket", help="Only this bucket.")] = None,
+    repair: Annotated[
+        bool, typer.Option("--repair", help="Rewrite a lost or damaged manifest file.")
+    ] = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Check a repository."""
-    reports = verify(repo, bucket)
-    problems = [p for r in reports for p in r.problems]
+    reports = verify(repo, bucket, repair=repair)
+    problems = [p for r in reports for p in r.unrepaired]
     if json_out:
         print_json({"ok": not problems, "buckets": [r.to_json() for r in reports]})
     else:
         for r in reports:
-            status = "ok" if not r.problems else f"{len(r.problems)} problem(s)"
+            left, fixed = len(r.unrepaired), len(r.problems) - len(r.unrepaired)
+            status = "ok" if not left else f"{left} problem(s)"
+            if fixed:
+                status += f", {fixed} repaired"
             stdout.print(
                 f"{r.bucket}: {r.backups} backups, {r.segments} segments, "
                 f"{r.records:,} records, {r.bytes / 1e6:,.1f} MB read: {status}"

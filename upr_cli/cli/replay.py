@@ -11,7 +11,7 @@ import typer
 
 from upr_cli.cli.options import JsonOutput
 from upr_cli.cli.output import PartitionProgress, print_json, stderr, stdout
-from upr_cli.errors import UsageError
+from upr_cli.errors import UsageError, check_file_path
 from upr_cli.jobs.replay import ReplayStats, check_options, replay_node, replay_repo
 from upr_cli.jobs.tail import parse_partitions
 from upr_cli.net.uri import SourceUri
@@ -101,6 +101,7 @@ def replay_cmd(
     """Replay a source into a SQLite store."""
     check_options(follow, consistent, durable_only, source)
     parts = parse_partitions(partitions) if partitions else None
+    check_file_path(into, f"--into {into}")  # the store's directory, before streaming
     show = sys.stderr.isatty() and not no_progress
 
     def event(message: str) -> None:

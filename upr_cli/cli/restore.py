@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from upr_cli.cli.options import JsonOutput, SparkConf, SparkMaster, SparkTasks
+from upr_cli.cli.options import JsonOutput, SparkConf, SparkMaster, SparkTasks, restore_target
 from upr_cli.cli.output import print_json, stderr, stdout
 from upr_cli.errors import UsageError
 from upr_cli.jobs.restore import restore_to_node, restore_to_store
@@ -26,6 +26,11 @@ sent only where the target has the key, unless --include-tombstones. --dry-run p
 the plan and writes nothing. Reading verifies checksums; a corrupt segment stops the
 restore naming the file and block, unless --skip-corrupt, which reports what it skipped.
 
+Before anything is written, the chain the state reads is checked: every manifest
+readable (a lost manifest.json is read from its copy), every parent backup present,
+every seq covered, every segment file there at its size. A broken chain is an error
+naming the missing piece, never a smaller restore (`upr verify` lists every problem).
+
 A SQLite target (sqlite:PATH, formats/store.md) receives the documents and tombstones
 as they were, and each partition's position and failover log, so a replay can go on
 from the backup.
@@ -37,6 +42,10 @@ Example:
 Example (into a SQLite store):
 
   upr restore --repo /backups/cb sqlite:/tmp/bucket.db
+
+Example (the state at one backup; its chain is checked first):
+
+  upr restore --repo /backups/cb --at 20261121T061500.123456Z sqlite:/tmp/then.db
 
 --spark MASTER divides the partitions among Spark tasks (--spark-tasks, default 8;
 --conf k=v passes Spark settings); each task writes its share to the target node.
@@ -85,6 +94,7 @@ def restore_cmd(
     json_out: JsonOutput = False,
 ) -> None:
     """Restore a backup."""
+    restore_target(target)  # neither upr://… nor sqlite:PATH: a usage error, before any work
     try:
         pattern = re.compile(keys.encode()) if keys is not None else None
     except re.error as exc:

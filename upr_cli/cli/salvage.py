@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import JsonOutput
+from upr_cli.cli.options import JsonOutput, one_is_an_answer
 from upr_cli.cli.output import print_json, stdout
 from upr_cli.errors import UsageError
 from upr_cli.jobs.salvage import (
@@ -85,14 +85,15 @@ def salvage_cmd(
         raise UsageError("give exactly one of --repo DIR, --store PATH.db and --node-data DIR")
     target = check_target(to)
     parts = parse_partitions(partitions) if partitions else None
-    if repo is not None:
-        report = salvage_repo(repo, target, bucket=bucket, apply=apply, partitions=parts)
-    elif node_data is not None:
-        report = salvage_node_data(node_data, target, bucket=bucket or "default", apply=apply,
-                                   partitions=parts)  # fmt: skip
-    else:
-        assert store is not None
-        report = salvage_store(store, target, apply=apply, partitions=parts)
+    with one_is_an_answer():  # 1 means "lost writes remain": a failure exits 2
+        if repo is not None:
+            report = salvage_repo(repo, target, bucket=bucket, apply=apply, partitions=parts)
+        elif node_data is not None:
+            report = salvage_node_data(node_data, target, bucket=bucket or "default",
+                                       apply=apply, partitions=parts)  # fmt: skip
+        else:
+            assert store is not None
+            report = salvage_store(store, target, apply=apply, partitions=parts)
     counts = report.counts
     bad = counts.get("conflict", 0) + counts.get("error", 0)
     code = 1 if bad or (not apply and counts.get("would-write", 0)) else 0

@@ -76,6 +76,7 @@ def export_cmd(
     json_out: JsonOutput = False,
 ) -> None:
     """Export the state at a backup."""
+    from upr_cli.errors import check_parent_dir
     from upr_cli.spark.jobs import FORMATS, check_target, export
 
     if fmt not in FORMATS:
@@ -83,6 +84,7 @@ def export_cmd(
 
         raise UsageError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     _checked(repo, at, bucket)
+    check_parent_dir(to, f"--to {to}")  # before Spark starts, which would fail late
     check_target(to, overwrite)
     summary = _run(master, conf, "upr spark export",
                    lambda spark: export(spark, repo, to, fmt=fmt, at=at, bucket=bucket,
@@ -145,9 +147,12 @@ def merge_cmd(
 
 
 def _checked(repo: Path, at: str, bucket: str | None) -> None:
-    """The repository options, checked before Spark starts (its start-up takes seconds)."""
+    """The repository options, checked before Spark starts (its start-up takes seconds).
+    The repository is opened as every command opens it (same errors, same exit codes)."""
+    from upr_cli.jobs.inspect import open_bucket
     from upr_cli.spark.plan import parse_options
 
+    open_bucket(repo, bucket)
     parse_options({"path": str(repo), "at": at} | ({"bucket": bucket} if bucket else {}))
 
 

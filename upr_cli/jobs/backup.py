@@ -20,7 +20,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,6 +41,7 @@ from upr_cli.protocol.header import Opcode
 from upr_cli.protocol.messages import FailoverLogResponse, GetFailoverLog
 from upr_cli.repo import (
     BackupId,
+    BrokenChain,
     CutBack,
     Manifest,
     PartitionEntry,
@@ -56,7 +57,7 @@ from upr_cli.repo import (
     resume_point,
     snapshot_boundaries,
 )
-from upr_cli.segments import SegmentError, SegmentInfo, SegmentReader
+from upr_cli.segments import SegmentError, SegmentHeader, SegmentInfo, SegmentReader
 from upr_cli.segments.writer import FileOps, sync_files
 
 log = logging.getLogger(__name__)
@@ -298,12 +299,21 @@ async def _backup_once(
     repo.init()
     warn = on_warning or log.warning
     started, t0 = now_utc(), time.monotonic()
+    warnings: list[str] = []
     with RepositoryLock(repo, bucket, on_stale=warn) as lock:
-        manifests = repo.manifests(bucket)
-        parent = manifests[-1] if manifests and not full else None
+        # A lost or damaged manifest file whose twin is valid is rewritten from it; then an
+        # incremental backup goes on only from a chain that is whole (§8.8): never on top
+        # of a damaged manifest, a missing parent, a seq gap or a missing segment file.
+        for path, why in repo.heal(bucket, lock):
+            note = f"{path}: {why}; rewritten from its twin"
+            warnings.append(note)
+            warn(note)
+        manifests = [] if full else _checked_chain(repo, bucket, repo_dir)
+        parent = manifests[-1] if manifests else None
         # An interrupted run after the newest committed backup is continued in place: its
         # finished segments are reused once verified (the sweep keeps it, drops older ones).
-        newest = manifests[-1].backup_id if manifests else None
+        committed = repo.committed(bucket)
+        newest = committed[-1] if committed else None
         leftovers = [b for b in repo.incomplete(bucket) if newest is None or b > newest]
         backup_id = leftovers[-1] if leftovers else repo.next_backup_id(bucket)
         repo.sweep(bucket, backup_id, lock)
@@ -318,7 +328,6 @@ async def _backup_once(
             }
         )
         decisions: dict[int, StartDecision] = {}
-        warnings: list[str] = []
         count, live_logs, seqs = await _live_state(uri, None)
         wanted = partitions if partitions is not None else list(range(count))
         if stored:
@@ -340,12 +349,22 @@ async def _backup_once(
                     warn(d.warning)
         positions = {p: d.position for p, d in decisions.items()}
         logs = {p: d.log for p, d in decisions.items()}
+        # Segments an interrupted run finished end at its high seqs: each reused partition
+        # goes on from there to this run's high seq in a follow-on segment, so that the
+        # backup holds every write acknowledged before it started (§4.5).
         reused = _reusable(directory, wanted, positions)
+        for p in _overtaken_reuse(reused, live_logs, seqs):
+            note = (f"partition {p}: the source no longer holds the end of the segments an "
+                    "interrupted run left; streamed again")  # fmt: skip
+            log.warning("%s", note)
+            reused.pop(p).remove()
+        follow = [p for p, ru in reused.items() if seqs.get(p, (0, 0))[0] > ru.end_seq]
+        for p in follow:
+            positions[p], logs[p] = reused[p].position, reused[p].failover_log
         leftover = _leftover_cuts(directory)
-        for p, res in reused.items():
-            res.cuts = leftover.pop(p, [])
-        to_stream = [p for p in wanted if p not in reused]
-        results = dict(reused)
+        kept_cuts = {p: leftover.pop(p, []) for p in reused if p not in follow}
+        to_stream = [p for p in wanted if p not in reused or p in follow]
+        results: dict[int, PartitionResult] = {}
         if to_stream:
             results.update(
                 await (streamer or stream_to_segments)(
@@ -363,6 +382,24 @@ async def _backup_once(
                     cuts=leftover,
                 )
             )  # fmt: skip
+        prefix: dict[int, list[SegmentInfo]] = {}
+        for p, ru in reused.items():
+            prefix[p] = ru.segments
+            r = results.get(p)
+            if r is not None and r.rollback is None:  # the follow-on goes on from the reused
+                results[p] = replace(r, start_seq=ru.start_seq)
+                continue
+            cuts = kept_cuts.get(p, []) if r is None else r.cuts
+            if r is not None:  # rolled back below the reused end meanwhile: the backup ends
+                # there, and the follow-up after the commit records the rollback (`backup`)
+                if r.segment is not None:  # this run's records on the new branch go
+                    _remove([r.segment])
+                note = (f"partition {p}: a failover took back records of the segments an "
+                        "interrupted run left; a follow-up backup records it")  # fmt: skip
+                warnings.append(note)
+                warn(note)
+            results[p] = PartitionResult(p, ru.failover_log, ru.start_seq, ru.end_seq,
+                                         ru.snapshot, None, cuts=cuts)  # fmt: skip
         # cut-back segments (this run's, an interrupted run's): durable before the commit
         cut_paths = [Path(info.path) for r in results.values() for _f, _t, info in r.cuts]
         if cut_paths:
@@ -374,7 +411,7 @@ async def _backup_once(
             rb = decision.rollback if decision is not None else None
             if r.rollback is not None:  # the server still rolled us back while streaming
                 rb = RollbackRecord(*r.rollback[:2], None, r.rollback[2])
-            entries.append(_entry(r, rb))
+            entries.append(_entry(r, rb, prefix.get(p, ())))
             if rb is not None:
                 rollbacks.append(
                     {
@@ -401,6 +438,7 @@ async def _backup_once(
                         "cut_records": sum(s.records for *_, s in r.cuts),
                     }
                 )
+            bytes_read += sum(s.raw_bytes for s in prefix.get(p, ()))
             if r.segment is not None:
                 bytes_read += r.segment.raw_bytes
         manifest = Manifest(
@@ -414,6 +452,8 @@ async def _backup_once(
             partitions=tuple(entries),
             totals=Totals.derive(entries, bytes_read),
         )
+        if parent is not None:  # still whole at the commit (cached: no manifest read again)
+            _checked_chain(repo, bucket, repo_dir)
         repo.write_manifest(manifest)
     return BackupSummary(
         str(backup_id),
@@ -426,16 +466,66 @@ async def _backup_once(
         rollbacks,
         warnings,
         time.monotonic() - t0,
-        len(reused),
+        sum(len(ru.segments) for ru in reused.values()),
     )
+
+
+def _checked_chain(repo: Repository, bucket: str, repo_dir: Path) -> list[Manifest]:
+    """The chain an incremental backup continues, checked whole (formats/repository.md
+    §8.8) and with every segment file its newest state reads present at its size;
+    otherwise `BrokenChain` saying why, and how to repair or start a new chain."""
+    try:
+        manifests = repo.chain(bucket)
+        bad = repo.missing_files(bucket, manifests, manifests[-1].backup_id) if manifests else []
+        if bad:
+            also = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise BrokenChain(f"{bad[0]}{also}")
+    except RepositoryError as exc:
+        raise BrokenChain(
+            f"{exc}; refusing to back up on top of a broken chain: `upr verify --repo "
+            f"{repo_dir}` names every problem (`--repair` rewrites a lost manifest from its "
+            "copy), or `upr backup --full` starts a new chain"
+        ) from None
+    return manifests
+
+
+@dataclass
+class _Reused:
+    """Segments an interrupted run finished for one partition, in seq order, each going
+    on where the one before ended, the first starting where this run starts it."""
+
+    partition: int
+    start_seq: int
+    segments: list[SegmentInfo]
+    failover_log: FailoverLog  # the newest segment's
+    end_seq: int
+    snapshot: tuple[int, int]  # the last snapshot, containing end_seq
+
+    @property
+    def position(self) -> StreamPosition:
+        """Where a follow-on stream of the partition starts."""
+        uuid = self.failover_log.latest.uuid if self.failover_log.entries else 0
+        return StreamPosition(self.partition, uuid, self.end_seq, *self.snapshot)
+
+    def remove(self) -> None:
+        """Delete the segment files (they will be streamed again)."""
+        _remove(self.segments)
+
+
+def _remove(segments: Sequence[SegmentInfo]) -> None:
+    """Delete segment files of this uncommitted run that its manifest will not list."""
+    for seg in segments:
+        Path(seg.path).unlink(missing_ok=True)
 
 
 def _reusable(
     directory: Path, wanted: list[int], positions: dict[int, StreamPosition]
-) -> dict[int, PartitionResult]:
-    """Segments an interrupted run finished: kept if they verify and start where this run
-    starts each partition; anything else is removed and streamed again."""
-    out: dict[int, PartitionResult] = {}
+) -> dict[int, _Reused]:
+    """Segments an interrupted run finished: kept if they verify and, per partition, make
+    a run from where this run starts it, each on the branch the one before went on
+    (a resumed run's follow-on segments included); anything else is removed and
+    streamed again (formats/repository.md §4.5)."""
+    found: dict[int, list[tuple[SegmentHeader, SegmentInfo]]] = {}
     want = set(wanted)
     for path in sorted(directory.glob("p*.seg")):
         try:
@@ -443,7 +533,6 @@ def _reusable(
         except RepositoryError:
             continue
         p = name.partition
-        start = positions[p].seq if p in positions else 0
         try:
             with SegmentReader(path) as reader:
                 info = reader.verify()
@@ -452,14 +541,56 @@ def _reusable(
             log.warning("%s: not reused: %s", path.name, exc.reason)
             path.unlink(missing_ok=True)
             continue
-        if (p not in want or p in out or header.start_seq != start or header.partition != p
-                or not info.records):  # fmt: skip
+        if p not in want or header.partition != p or not info.records:
             path.unlink(missing_ok=True)
             continue
-        last = header.snapshots[-1] if header.snapshots else (header.end_seq, header.end_seq)
-        out[p] = PartitionResult(
-            p, header.failover_log, header.start_seq, header.end_seq, last, info, None, info.records
-        )
+        found.setdefault(p, []).append((header, info))
+    out: dict[int, _Reused] = {}
+    for p, segs in sorted(found.items()):
+        start = positions[p].seq if p in positions else 0
+        by_start: dict[int, tuple[SegmentHeader, SegmentInfo]] = {}
+        for header, info in sorted(segs, key=lambda hi: hi[1].first_seq):
+            by_start.setdefault(header.start_seq, (header, info))
+        run: list[tuple[SegmentHeader, SegmentInfo]] = []
+        at = start
+        while at in by_start:
+            header, info = by_start[at]
+            if run and header.failover_log.find(run[-1][0].uuid) is None:
+                break  # not the history the segment before went on
+            run.append((header, info))
+            at = header.end_seq
+        kept = {info.path for _h, info in run}
+        for _h, info in segs:
+            if info.path not in kept:
+                Path(info.path).unlink(missing_ok=True)
+        if not run:
+            continue
+        header = run[-1][0]
+        end = header.end_seq
+        snap = header.snapshots[-1] if header.snapshots else (end, end)
+        if not snap[0] <= end <= snap[1]:  # as the manifest records it (`_entry`)
+            snap = (end, end)
+        out[p] = _Reused(p, start, [i for _h, i in run], header.failover_log, end, snap)
+    return out
+
+
+def _overtaken_reuse(
+    reused: dict[int, _Reused],
+    live_logs: dict[int, FailoverLog],
+    seqs: dict[int, tuple[int, int]],
+) -> list[int]:
+    """Reused partitions whose end the live source no longer holds (the producer rule
+    against its failover log): a failover since the interrupted run took records back."""
+    out = []
+    for p, ru in reused.items():
+        live = live_logs.get(p)
+        if live is None or not live.entries:
+            continue
+        high, purge = seqs.get(p, (0, 0))
+        pos = ru.position
+        if needs_rollback(live, start=pos.seq, uuid=pos.uuid, snap_start=pos.snap_start,
+                          snap_end=pos.snap_end, high=high, purge_seq=purge).rollback:  # fmt: skip
+            out.append(p)
     return out
 
 
@@ -498,8 +629,12 @@ def _segment_entry(seg: SegmentInfo) -> SegmentEntry:
                         seg.bytes, seg.checksum)  # fmt: skip
 
 
-def _entry(r: PartitionResult, rb: RollbackRecord | None) -> PartitionEntry:
-    segments = () if r.segment is None else (_segment_entry(r.segment),)
+def _entry(
+    r: PartitionResult, rb: RollbackRecord | None, reused: Sequence[SegmentInfo] = ()
+) -> PartitionEntry:
+    """The manifest entry of a partition: `reused` segments (an interrupted run's), then
+    this run's."""
+    segments = tuple(_segment_entry(s) for s in (*reused, r.segment) if s is not None)
     uuid = r.failover_log.latest.uuid if r.failover_log.entries else 0
     snap_start, snap_end = r.snapshot
     end = r.end_seq

@@ -2,8 +2,15 @@
 
 `verify` reads everything (formats/segment.md: every block, footer and trailer check;
 the BLAKE2b digest against the manifest; record counts and seq ranges against the
-manifest) and the chain (formats/repository.md: each partition's seqs covered without
-gaps, parents in order). Every problem is named; none stops the walk.
+manifest), both files of every manifest, each against its own checksum (a damaged or
+missing copy is named even while the other file keeps the data readable), and the chain
+(formats/repository.md: each partition's seqs covered without gaps, parents present and
+in order). Every problem is named; none stops the walk. With `repair`, under the
+bucket's lock, a missing or damaged manifest file is rewritten from its valid twin
+(borg's `check --repair`, pgBackRest's `.copy`); nothing else is changed.
+
+`open_bucket` is how every reader gets its manifests: the chain it reads is checked
+whole first (`Repository.chain`, formats/repository.md §8.8).
 """
 
 from __future__ import annotations
@@ -14,9 +21,12 @@ from typing import Any
 
 from upr_cli.errors import UsageError
 from upr_cli.repo import (
+    MANIFEST_COPY,
+    MANIFEST_FILE,
     Manifest,
     Repository,
     RepositoryError,
+    RepositoryLock,
     broken_parents,
     coverage_gaps,
     lost_ranges,
@@ -31,9 +41,11 @@ class Problem:
     kind: str  # missing | truncated | checksum | corrupt | mismatch | gap | manifest | chain
     where: str
     detail: str
+    repaired: bool = False  # `verify --repair` fixed it
 
     def __str__(self) -> str:
-        return f"{self.kind}: {self.where}: {self.detail}"
+        done = "repaired: " if self.repaired else ""
+        return f"{done}{self.kind}: {self.where}: {self.detail}"
 
 
 @dataclass
@@ -47,17 +59,23 @@ class VerifyReport:
     bytes: int = 0
     problems: list[Problem] = field(default_factory=list)
 
+    @property
+    def unrepaired(self) -> list[Problem]:
+        """The problems still there (all of them without --repair)."""
+        return [p for p in self.problems if not p.repaired]
+
     def to_json(self) -> dict[str, Any]:
-        """JSON form."""
+        """JSON form: `ok` when no problem is left (a repaired one is still listed)."""
         return {
             "bucket": self.bucket,
             "backups": self.backups,
             "segments": self.segments,
             "records": self.records,
             "bytes": str(self.bytes),
-            "ok": not self.problems,
+            "ok": not self.unrepaired,
             "problems": [
-                {"kind": p.kind, "where": p.where, "detail": p.detail} for p in self.problems
+                {"kind": p.kind, "where": p.where, "detail": p.detail, "repaired": p.repaired}
+                for p in self.problems
             ],
         }
 
@@ -80,33 +98,53 @@ def open_repo(path: Path) -> Repository:
     return repo
 
 
-def open_bucket(path: Path, bucket: str | None) -> tuple[Repository, str, list[Manifest]]:
-    """The repository, the bucket (given, or the only one it holds) and its committed
-    manifests, oldest first; an ambiguous or missing bucket is a usage error."""
+def open_bucket(
+    path: Path, bucket: str | None, at: str = "latest"
+) -> tuple[Repository, str, list[Manifest]]:
+    """The repository, the bucket (given, or the only one it holds) and the manifests of
+    its committed backups up to `at` (a backup id, latest or oldest), oldest first, once
+    the chain the state at `at` reads is checked whole (`Repository.chain`: a damaged
+    manifest, a missing parent or a seq gap is a `BrokenChain` naming it). An ambiguous
+    or missing bucket is a usage error; an `at` that names no committed backup is left
+    to `jobs.state.select` to report."""
     repo = open_repo(path)
     names = repo.buckets()
     b = bucket or (names[0] if len(names) == 1 else None)
     if b is None:
         raise UsageError(f"{path}: holds buckets {', '.join(names) or 'none'}; give --bucket")
-    return repo, b, list(repo.manifests(b))
+    committed = repo.committed(b)
+    if not committed:
+        return repo, b, []
+    ids = {str(c): c for c in committed}
+    k = {"latest": committed[-1], "oldest": committed[0]}.get(at) or ids.get(at)
+    if k is None:  # not a committed backup: select() says so
+        return repo, b, repo.readable(b)[0]
+    return repo, b, repo.chain(b, k)
 
 
-def verify(path: Path, bucket: str | None = None) -> list[VerifyReport]:
-    """Check every committed backup of every (or one) bucket; problems are collected."""
+def verify(path: Path, bucket: str | None = None, *, repair: bool = False) -> list[VerifyReport]:
+    """Check every committed backup of every (or one) bucket; problems are collected.
+
+    With `repair`, each bucket's lock is taken and a missing or damaged manifest file is
+    rewritten from its valid twin; those problems are marked repaired."""
     repo = open_repo(path)
     reports = []
     for b in _buckets(repo, bucket):
         rep = VerifyReport(b)
         reports.append(rep)
-        for bid, reason in repo.damaged(b):
-            rep.problems.append(Problem("manifest", f"{b}/{bid}", reason))
-        damaged = {bid for bid, _ in repo.damaged(b)}
-        manifests = [repo.read_manifest(b, bid) for bid in repo.committed(b) if bid not in damaged]
+        if repair:
+            with RepositoryLock(repo, b) as lock:
+                _check_manifests(repo, b, rep, lock)
+        else:
+            _check_manifests(repo, b, rep, None)
+        manifests, damaged = repo.readable(b)
         rep.backups = len(manifests)
         for mm in broken_parents(manifests):
             rep.problems.append(
                 Problem(
-                    "chain", f"{b}/{mm.backup_id}", f"parent {mm.recorded}, expected {mm.expected}"
+                    "chain",
+                    f"{b}/{mm.backup_id}",
+                    repo.describe_parent(b, mm.backup_id, mm.recorded, mm.expected, damaged),
                 )
             )
         for m in manifests:
@@ -127,6 +165,37 @@ def verify(path: Path, bucket: str | None = None) -> list[VerifyReport]:
                     )
                 )
     return reports
+
+
+def _check_manifests(
+    repo: Repository, b: str, rep: VerifyReport, lock: RepositoryLock | None
+) -> None:
+    """Both manifest files of every committed backup, each on its own; with the lock,
+    the bad one of a pair is rewritten from the good one."""
+    for bid in repo.committed(b):
+        main, copy = repo.manifest_files(b, bid)
+        if not main.valid and not copy.valid:
+            why = f"{MANIFEST_FILE}: {main.error}; {MANIFEST_COPY}: {copy.error}"
+            rep.problems.append(Problem("manifest", f"{b}/{bid}", f"damaged: {why}"))
+            continue
+        if main.valid and copy.valid:
+            if main.data != copy.data:
+                why = f"{MANIFEST_FILE} and {MANIFEST_COPY} are both valid but differ"
+                rep.problems.append(
+                    Problem("manifest", f"{b}/{bid}", f"{why} (not repaired: which is right?)")
+                )
+            continue
+        bad, good = (copy, main) if main.valid else (main, copy)
+        fixed = lock is not None and bad.path in repo.repair_manifest(b, bid, lock)
+        rep.problems.append(
+            Problem(
+                "manifest",
+                f"{b}/{bid}/{bad.path.name}",
+                f"{bad.error} (its twin {good.path.name} is valid"
+                + ("; rewritten from it)" if fixed else "; `upr verify --repair` rewrites it)"),
+                repaired=fixed,
+            )
+        )
 
 
 def _check_segment(
@@ -177,9 +246,10 @@ def info(
     out: dict[str, Any] = {"repository": str(path), "buckets": {}}
     for b in _buckets(repo, bucket):
         try:
-            manifests = repo.manifests(b)
+            manifests = repo.chain(b)
         except RepositoryError as exc:
-            raise UsageError(f"{exc} (run `upr verify` for every problem)") from None
+            hint = "" if "upr verify" in str(exc) else " (run `upr verify` for every problem)"
+            raise UsageError(f"{exc}{hint}") from None
         backups = []
         for m in manifests:
             t = m.totals

@@ -8,6 +8,12 @@ unless `--include-tombstones`. Requests are pipelined, each to its partition's a
 (net/router.py: a cluster map is followed, NOT_MY_VBUCKET retried). Reading
 verifies checksums: corruption stops the restore with the file and block named, or,
 with `skip_corrupt`, the partition is skipped and reported.
+
+Before anything is written, the chain the state reads is checked whole (`open_bucket`,
+formats/repository.md §8.8: no damaged manifest, no missing parent, no seq gap) and
+every segment file it reads is there with its size (`check_files`, unless
+`skip_corrupt`): a broken chain is an error naming the missing piece, never a smaller
+restore.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from upr_cli.jobs.inspect import open_bucket
-from upr_cli.jobs.state import Selection, partition_state, select
+from upr_cli.jobs.state import Selection, check_files, partition_state, select
 from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
@@ -161,8 +167,10 @@ async def restore_to_node(
     on_progress: Callable[[RestoreSummary], None] | None = None,
 ) -> RestoreSummary:
     """Write the state at `at` into a node; returns counts."""
-    repo, b, manifests = open_bucket(repo_dir, bucket)
+    repo, b, manifests = open_bucket(repo_dir, bucket, at)
     sel = select(manifests, at, partitions)
+    if not skip_corrupt:  # before anything is written (--skip-corrupt skips them instead)
+        check_files(repo, b, manifests, sel)
     summary = RestoreSummary(str(sel.backup_id), target.redacted(), dry_run)
     t0 = time.monotonic()
     # Writes follow the cluster map: each to its partition's active node, retried with the
@@ -289,8 +297,10 @@ def restore_to_store(
     from upr_cli.repo import resume_point
     from upr_cli.store import Store
 
-    repo, b, manifests = open_bucket(repo_dir, bucket)
+    repo, b, manifests = open_bucket(repo_dir, bucket, at)
     sel = select(manifests, at, partitions)
+    if not skip_corrupt:  # before anything is written (--skip-corrupt skips them instead)
+        check_files(repo, b, manifests, sel)
     summary = RestoreSummary(str(sel.backup_id), f"sqlite:{db_path}", dry_run)
     t0 = time.monotonic()
     chain = [m for m in manifests if m.backup_id <= sel.backup_id]

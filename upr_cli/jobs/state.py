@@ -1,9 +1,14 @@
-"""The state of a bucket at a backup, read from the repository (DESIGN, chain semantics).
+"""The state of a bucket at a backup, read from the repository (formats/repository.md
+§8, chain semantics).
 
 For each partition, `plan_state` names the segments (and the seq cut of each) whose
 records make the state at backup K; reading them in order and keeping the latest
 version of every key gives that state, deletions included (as tombstones), so a restore
 can tell a deletion from absence. Memory holds one partition's keys at a time.
+
+The manifests come from `jobs.inspect.open_bucket`, which has checked the chain whole
+(§8.8); `check_files` then makes sure, before a restore writes anything, that every
+segment file the state reads is there with its recorded size.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from upr_cli.errors import UsageError
-from upr_cli.repo import BackupId, Manifest, Repository, plan_state
+from upr_cli.repo import BackupId, BrokenChain, Manifest, Repository, plan_state
 from upr_cli.segments import Record, SegmentReader
 
 
@@ -43,6 +48,18 @@ def select(
     if partitions is not None:
         held = [p for p in held if p in set(partitions)]
     return Selection(bid, tuple(held))
+
+
+def check_files(
+    repo: Repository, bucket: str, manifests: Sequence[Manifest], selection: Selection
+) -> None:
+    """Every segment file the selected state reads exists with the size its manifest
+    records; otherwise `BrokenChain` naming the first one (no file is read: block
+    checksums are verified as the records are read)."""
+    bad = repo.missing_files(bucket, manifests, selection.backup_id, selection.partitions)
+    if bad:
+        also = f" (and {len(bad) - 1} more: `upr verify` names them)" if len(bad) > 1 else ""
+        raise BrokenChain(f"{bad[0]}{also}")
 
 
 def partition_state(

@@ -15,11 +15,13 @@ from typing import NamedTuple, TextIO
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Rollback, Snapshot, StreamEnded, StreamOpened
 from upr_cli.dcp.position import StreamPosition
-from upr_cli.errors import UprError, UsageError
+from upr_cli.errors import UprError, UsageError, check_file_path
 from upr_cli.failover import FailoverLog
 from upr_cli.net.uri import SourceUri
 
 OPS = {0x57: "mutation", 0x58: "deletion", 0x59: "expiration"}
+#: partitions a bucket can have at most (ids 0-1023), as in Couchbase Server
+MAX_PARTITIONS = 1024
 
 
 def parse_partitions(spec: str) -> list[int]:
@@ -33,6 +35,9 @@ def parse_partitions(spec: str) -> list[int]:
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
             raise UsageError(f"--partitions: {part!r} is an empty range")
+        if hi >= MAX_PARTITIONS:
+            raise UsageError(f"--partitions: {hi} is not a partition (a bucket has at most "
+                             f"{MAX_PARTITIONS}: 0-{MAX_PARTITIONS - 1})")  # fmt: skip
         out.update(range(lo, hi + 1))
     return sorted(out)
 
@@ -192,6 +197,8 @@ async def tail(
     on_progress: Callable[[TailSummary], None] | None = None,
 ) -> TailSummary:  # fmt: skip
     """Stream changes and print them; returns counts. Stops at the end (finite) or --count."""
+    if opts.state is not None:  # where the positions go at the end: checked before streaming
+        check_file_path(opts.state, f"--state {opts.state}")
     positions, logs, bounds = load_state(opts.state) if opts.state else TailState({}, {}, {})
     start_seq = None
     if opts.start not in ("beginning", "now"):

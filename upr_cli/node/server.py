@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from upr_cli.errors import RemoteProtocolError, UprError
+from upr_cli.errors import ExitCode, RemoteProtocolError, UprError
 from upr_cli.net.scram import (
     AuthenticationFailed,
     ScramServer,
@@ -126,6 +126,12 @@ class ServeError(UprError):
     """The node cannot start (bad options, port in use, unusable data directory)."""
 
 
+class ServeUsageError(ServeError):
+    """The options given cannot make a node (exit 2, as every usage error)."""
+
+    exit_code = ExitCode.USAGE
+
+
 def is_loopback(host: str) -> bool:
     """True for 127.0.0.0/8, ::1 and localhost."""
     if host == "localhost":
@@ -159,11 +165,11 @@ class NodeServer:
 
     def __init__(self, config: NodeConfig) -> None:
         if not config.users and not config.no_auth:
-            raise ServeError("no users: give --user/--password or --users-file (or --no-auth)")
+            raise ServeUsageError("no users: give --user/--password or --users-file (or --no-auth)")
         if config.no_auth and not is_loopback(config.host):
-            raise ServeError("--no-auth is allowed only on a loopback address")
+            raise ServeUsageError("--no-auth is allowed only on a loopback address")
         if not 1 <= config.partitions <= 1024:
-            raise ServeError("--partitions must be between 1 and 1024")
+            raise ServeUsageError("--partitions must be between 1 and 1024")
         self.config = config
         self.credentials: dict[str, StoredCredential] = {
             u: make_credential("SCRAM-SHA512", p) for u, p in config.users.items()

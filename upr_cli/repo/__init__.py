@@ -2,7 +2,8 @@
 
 `names` holds every on-disk name as a format/parse pair; `manifest` the validated
 manifest dataclasses; `layout` the `Repository` (listing, atomic commit, sweep); `lock`
-the per-bucket `RepositoryLock`; `chain` the pure chain semantics of DESIGN.md.
+the per-bucket `RepositoryLock`; `chain` the pure chain semantics of
+formats/repository.md §8.
 """
 
 from upr_cli.repo.chain import (
@@ -16,17 +17,19 @@ from upr_cli.repo.chain import (
     cut,
     lost_cut,
     lost_ranges,
+    needed_from,
     plan_state,
     resume_point,
     snapshot_boundaries,
 )
-from upr_cli.repo.errors import RepositoryError, RepositoryLocked
+from upr_cli.repo.errors import BrokenChain, RepositoryError, RepositoryLocked
 from upr_cli.repo.fsio import DiskOps, atomic_write
 from upr_cli.repo.layout import (
     LOCK_FILE,
     MANIFEST_COPY,
     MANIFEST_FILE,
     REPO_FILE,
+    ManifestFile,
     RepoInfo,
     Repository,
     load_manifest_file,
@@ -63,10 +66,12 @@ __all__ = [
     "NO_CUT",
     "REPO_FILE",
     "BackupId",
+    "BrokenChain",
     "CutBack",
     "DiskOps",
     "LockHolder",
     "Manifest",
+    "ManifestFile",
     "ParentMismatch",
     "PartitionEntry",
     "PlanStep",
@@ -94,6 +99,7 @@ __all__ = [
     "load_manifest_file",
     "lost_cut",
     "lost_ranges",
+    "needed_from",
     "parse_cut_path",
     "parse_segment_name",
     "parse_temp_name",

@@ -1,7 +1,7 @@
 """Chain semantics: which records of which backups make up a partition's state.
 
-Theory of operation (DESIGN "Positions, rollback, lineage", **Chain semantics**; the
-normative statement with examples is formats/repository.md "Chains"): backups of one
+Theory of operation (the normative statement with examples is formats/repository.md
+§8 "Chains"; docs/design.md explains positions and rollbacks): backups of one
 bucket are ordered by id. For partition p, a backup J holds the records of its stream
 (start_J, end_J]. The state at backup K takes from each backup J ≤ K only the records
 with seq ≤ cut(J, K), where cut(J, K) is the lowest start seq of any backup after J up
@@ -10,6 +10,11 @@ p neither contributes records nor cuts. Because every later backup starts at or 
 each cut, the kept ranges are disjoint and increase with the backup, so "latest seq per
 key wins" is also "latest backup wins". Records above a cut are lost writes: a former
 master acknowledged them, the new branch does not have them; they stay addressable.
+
+Before any of this is used, a reader checks that the chain it needs is whole (§8.8):
+`needed_from` says which backups the state at K can depend on, and within them no
+manifest may be damaged, no parent missing (`broken_parents`), no seq uncovered
+(`coverage_gaps`); `Repository.chain` does the checking and names the missing piece.
 
 Everything here is pure: functions of manifests, no I/O.
 """
@@ -26,7 +31,7 @@ from upr_cli.repo.manifest import Manifest, PartitionEntry, SegmentEntry
 from upr_cli.repo.names import BackupId
 
 NO_CUT = 1 << 64
-"""cut(K, K): above every 64-bit seq (∞ in DESIGN)."""
+"""cut(K, K): above every 64-bit seq (∞ in formats/repository.md §8.1)."""
 
 
 class PlanStep(NamedTuple):
@@ -46,7 +51,7 @@ class SeqRange(NamedTuple):
 
 
 class ResumePoint(NamedTuple):
-    """Where the next incremental backup of a partition starts (dcp-wire §4.4)."""
+    """Where the next incremental backup of a partition starts (formats/repository.md §8.4)."""
 
     uuid: int
     seq: int
@@ -249,3 +254,16 @@ def broken_parents(manifests: Sequence[Manifest]) -> list[ParentMismatch]:
             out.append(ParentMismatch(m.backup_id, before, m.parent))
         previous = m
     return out
+
+
+def needed_from(manifests: Sequence[Manifest], at: BackupId) -> BackupId | None:
+    """The oldest backup the state at `at` can depend on (formats/repository.md §8.8):
+    the newest full backup up to `at` that holds every partition any backup up to `at`
+    holds (it starts them all at 0, so every earlier backup is cut away, §8.1), or None
+    when there is none and the whole chain up to `at` counts."""
+    upto = [m for m in ordered(manifests) if m.backup_id <= at]
+    held = {e.partition for m in upto for e in m.partitions}
+    for m in reversed(upto):
+        if m.full and held <= set(m.partition_ids):
+            return m.backup_id
+    return None

@@ -20,3 +20,9 @@ class RepositoryLocked(RepositoryError):
         super().__init__(message)
         self.pid = pid
         self.hostname = hostname
+
+
+class BrokenChain(RepositoryError):
+    """The chain a reader or a backup needs cannot be read whole: a backup's manifest is
+    damaged, a parent backup is gone, or seqs of a partition are in no backup
+    (formats/repository.md §8.8). The message names the missing piece."""

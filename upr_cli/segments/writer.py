@@ -27,7 +27,7 @@ from typing import IO, Any
 
 import zstandard
 
-from upr_cli.errors import LocalProtocolError
+from upr_cli.errors import LocalProtocolError, os_error
 from upr_cli.failover import FailoverLog
 from upr_cli.segments.format import (
     BLOCK_ENTRY,
@@ -48,6 +48,12 @@ from upr_cli.segments.format import (
 )
 
 
+def _name(f: IO[bytes]) -> str | None:
+    """The path a file object was opened with, if it has one."""
+    name = getattr(f, "name", None)
+    return name if isinstance(name, str) else None
+
+
 class FileOps:
     """The file-system calls a writer makes (tests subclass it to inject failures)."""
 
@@ -56,13 +62,19 @@ class FileOps:
         return open(path, "x+b")
 
     def write(self, f: IO[bytes], data: bytes) -> None:
-        """Write all of `data`."""
-        f.write(data)
+        """Write all of `data`; a failing file system is a typed error naming the file."""
+        try:
+            f.write(data)
+        except OSError as exc:
+            raise os_error(exc, _name(f)) from None
 
     def fsync(self, f: IO[bytes]) -> None:
-        """Flush and fsync a file."""
-        f.flush()
-        os.fsync(f.fileno())
+        """Flush and fsync a file (a full disk often shows here, on the buffered bytes)."""
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as exc:
+            raise os_error(exc, _name(f)) from None
 
     def copy(self, src: IO[bytes], dst: IO[bytes]) -> None:
         """Copy the rest of `src` into `dst` (the body into the final file)."""

@@ -82,7 +82,7 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
     from upr_cli.jobs.state import select
 
     t0 = time.monotonic()
-    _repo, _b, manifests = open_bucket(repo_dir, kw.get("bucket"))
+    _repo, _b, manifests = open_bucket(repo_dir, kw.get("bucket"), kw.get("at", "latest"))
     sel = select(manifests, kw.get("at", "latest"), partitions)
     groups = shares(list(sel.partitions), tasks)
 

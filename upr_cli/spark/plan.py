@@ -82,11 +82,11 @@ def parse_options(options: Mapping[str, str]) -> tuple[ReadOptions, list[Manifes
     view = (get_option(options, "view") or "state").lower()
     if view not in VIEWS:
         raise SparkOptionError(f"option view: {view!r} is not one of {', '.join(VIEWS)}")
-    try:
-        repo, bucket, manifests = open_bucket(Path(path), get_option(options, "bucket"))
+    at = get_option(options, "at") or "latest"
+    try:  # the chain the state at `at` reads is checked whole (formats/repository.md §8.8)
+        repo, bucket, manifests = open_bucket(Path(path), get_option(options, "bucket"), at)
     except UprError as exc:
         raise SparkOptionError(f"option path: {exc}") from None
-    at = get_option(options, "at") or "latest"
     want = None
     spec = get_option(options, "partitions")
     if spec:
