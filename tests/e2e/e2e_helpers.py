@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from upr_cli.dcp.consumer import DcpConsumer
@@ -161,3 +162,14 @@ async def set_keys(uri: str, values: dict[bytes, bytes]) -> None:
             )
     finally:
         await s.conn.aclose()
+
+
+def apply_changes(changes: Iterable[tuple[bytes, bytes | None]]) -> dict[bytes, bytes]:
+    """The state a sequence of (key, value) changes leaves; value None deletes the key."""
+    state: dict[bytes, bytes] = {}
+    for key, value in changes:
+        if value is None:
+            state.pop(key, None)
+        else:
+            state[key] = value
+    return state

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import Node, upr
-from tests.e2e.e2e_helpers import seqnos, wait_persisted
+from tests.e2e.e2e_helpers import apply_changes, seqnos, wait_persisted
 from upr_cli.dcp.consumer import ConsumerError, DcpConsumer
 from upr_cli.dcp.events import BarrierReached
 from upr_cli.net.bootstrap import Session, connect, partition_of
@@ -98,21 +98,11 @@ class _Source:
         return len(self.history.get(p, ()))
 
     def state_at(self, p: int, seq: int) -> dict[bytes, bytes]:
-        return _apply(self.history.get(p, [])[:seq])
+        return apply_changes(self.history.get(p, [])[:seq])
 
     def keys_in(self, p: int, n: int, prefix: str) -> list[bytes]:
         keys = (f"{prefix}{i}".encode() for i in range(100_000))
         return [k for k in keys if self.part(k) == p][:n]
-
-
-def _apply(changes: list[tuple[bytes, bytes | None]]) -> dict[bytes, bytes]:
-    state: dict[bytes, bytes] = {}
-    for key, value in changes:
-        if value is None:
-            state.pop(key, None)
-        else:
-            state[key] = value
-    return state
 
 
 async def _cut_after_dedup(uri: str, persist: bool) -> None:
@@ -180,12 +170,12 @@ async def _cut_after_dedup(uri: str, persist: bool) -> None:
                 assert src.history[p][seq - 1] == (key, value), (p, seq)
         for p, cut in sorted(reached.cut.items()):
             assert cut >= points[p], f"partition {p}: cut {cut} before its point {points[p]}"
-            got = _apply([(k, v) for seq, k, v in received.get(p, []) if seq <= cut])
+            got = apply_changes([(k, v) for seq, k, v in received.get(p, []) if seq <= cut])
             assert got == src.state_at(p, cut), (
                 f"partition {p}: the rows received up to cut {cut} are no state it had"
             )
         # in particular K: never v0, whatever was written before the cookie
-        held = _apply([(k, v) for seq, k, v in received[pa] if seq <= reached.cut[pa]])
+        held = apply_changes([(k, v) for seq, k, v in received[pa] if seq <= reached.cut[pa]])
         assert held[ka] == src.state_at(pa, reached.cut[pa])[ka] in (b'"v1"', b'"v2"')
     finally:
         await consumer.aclose()

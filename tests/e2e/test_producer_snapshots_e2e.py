@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import PASSWORD, USER, Node
-from tests.e2e.e2e_helpers import seqnos
+from tests.e2e.e2e_helpers import apply_changes, seqnos
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Snapshot, StreamEnded
 from upr_cli.net.bootstrap import Session, connect, partition_of
@@ -106,17 +106,7 @@ class Writer:
 
     def state_at(self, seq: int) -> dict[bytes, bytes]:
         """The partition's true state at `seq`: every change up to it, in seq order."""
-        return _apply(change for s, change in sorted(self.log.items()) if s <= seq)
-
-
-def _apply(changes: Any) -> dict[bytes, bytes]:
-    state: dict[bytes, bytes] = {}
-    for key, value in changes:
-        if value is None:
-            state.pop(key, None)
-        else:
-            state[key] = value
-    return state
+        return apply_changes(change for s, change in sorted(self.log.items()) if s <= seq)
 
 
 async def _writer(uri: str) -> Writer:
