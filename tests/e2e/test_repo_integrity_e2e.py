@@ -51,15 +51,20 @@ def backup_dirs(repo: Path) -> list[Path]:
     return sorted(p for p in (repo / "default").iterdir() if p.is_dir())
 
 
+def _copy(good_repo: Path, tmp_path: Path, which: str) -> tuple[Path, Path, list[Path]]:
+    """A copy of the good repository, the directory of backup `which` in it, its segments."""
+    repo = tmp_path / "repo"
+    shutil.copytree(good_repo, repo)
+    d = backup_dirs(repo)[WHICH[which]]
+    return repo, d, sorted(d.glob("p*.seg"))
+
+
 @pytest.mark.parametrize("which", list(WHICH))
 def test_a_lost_manifest_is_read_from_its_copy_and_the_next_backup_keeps_the_backup(
     chain: tuple[Node, Path, list[Any]], tmp_path: Path, which: str
 ) -> None:
     node, good_repo, good = chain
-    repo = tmp_path / "repo"
-    shutil.copytree(good_repo, repo)
-    d = backup_dirs(repo)[WHICH[which]]
-    segments = sorted(d.glob("p*.seg"))
+    repo, d, segments = _copy(good_repo, tmp_path, which)
     (d / "manifest.json").unlink()
     assert restored(repo, tmp_path / "a.db") == good  # not a smaller or older state
     out = upr("backup", node.uri, "--repo", str(repo), "--no-progress")
@@ -75,10 +80,7 @@ def test_a_backup_that_lost_both_manifest_files_stops_restore_and_backup_naming_
     chain: tuple[Node, Path, list[Any]], tmp_path: Path, which: str
 ) -> None:
     node, good_repo, good = chain
-    repo = tmp_path / "repo"
-    shutil.copytree(good_repo, repo)
-    d = backup_dirs(repo)[WHICH[which]]
-    segments = sorted(d.glob("p*.seg"))
+    repo, d, segments = _copy(good_repo, tmp_path, which)
     for name in ("manifest.json", "manifest.json.copy"):
         (d / name).unlink()
     bad = upr("restore", "--repo", str(repo), f"sqlite:{tmp_path / 'a.db'}", check=False)
