@@ -34,6 +34,7 @@ from upr_cli.cluster import spec
 from upr_cli.cluster.control import NodeStatus, node_status
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.decoder import DcpRecord
 
 
 def upr(*args: str) -> subprocess.CompletedProcess[str]:
@@ -66,7 +67,7 @@ async def drain(uri: str) -> int:
     n = 0
     async with DcpConsumer(SourceUri.parse(uri), until_end=True) as c:
         async for batch in c.batches():
-            n += sum(1 for it in batch if type(it) is tuple)
+            n += sum(1 for it in batch if type(it) is DcpRecord)
     return n
 
 

@@ -34,6 +34,7 @@ def drain(uri: str) -> None:
     """Child mode: drain with the library, print items and seconds as JSON."""
     from upr_cli.dcp.consumer import DcpConsumer
     from upr_cli.net.uri import SourceUri
+    from upr_cli.protocol.decoder import DcpRecord
 
     async def go() -> tuple[int, float]:
         consumer = DcpConsumer(SourceUri.parse(uri), until_end=True)
@@ -41,7 +42,7 @@ def drain(uri: str) -> None:
         t = time.perf_counter()
         n = 0
         async for batch in consumer.batches():
-            n += sum(1 for it in batch if type(it) is tuple)
+            n += sum(1 for it in batch if type(it) is DcpRecord)
             consumer.commit()
         elapsed = time.perf_counter() - t
         await consumer.aclose()

@@ -12,6 +12,7 @@ from upr_cli.dcp.events import Rollback
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.net.bootstrap import connect
 from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.store import content_hash_of
 
 
@@ -70,7 +71,7 @@ async def drain(uri: str, **kw: Any) -> tuple[list[tuple[Any, ...]], list[Any], 
     try:
         async for batch in consumer.batches():
             for it in batch:
-                if type(it) is tuple:
+                if type(it) is DcpRecord:
                     rows.append(tuple(bytes(v) if isinstance(v, memoryview) else v for v in it))
                 else:
                     events.append(it)

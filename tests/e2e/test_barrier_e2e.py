@@ -15,6 +15,7 @@ from upr_cli.dcp.consumer import ConsumerError, DcpConsumer
 from upr_cli.dcp.events import BarrierReached
 from upr_cli.net.bootstrap import Session, connect, partition_of
 from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.messages import Delete, Set
 
 
@@ -127,7 +128,7 @@ async def _cut_after_dedup(uri: str, persist: bool) -> None:
         ) -> BarrierReached | None:
             while True:
                 for item in await it.__anext__():
-                    if type(item) is tuple:
+                    if type(item) is DcpRecord:
                         op, p, seq, key, value = item[0], item[1], item[2], item[9], item[10]
                         row = (seq, bytes(key), bytes(value) if op == 0x57 else None)
                         received.setdefault(p, []).append(row)
@@ -201,7 +202,7 @@ async def _cookie_with_the_window_full(uri: str) -> tuple[BarrierReached, int]:
         await src.set(b"big", b'"v0"')
         await consumer.open()
         async with contextlib.aclosing(consumer.batches()) as it:
-            while not any(type(item) is tuple for item in await it.__anext__()):
+            while not any(type(item) is DcpRecord for item in await it.__anext__()):
                 pass
             # A document larger than the window, and nobody reading: the node sends it
             # whole (the window is checked before each message), so every stream has sent

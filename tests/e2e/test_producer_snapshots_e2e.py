@@ -33,6 +33,7 @@ from upr_cli.net.bootstrap import Session, connect, partition_of
 from upr_cli.net.scram import plain_message
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame, FrameDecoder, decode_message
+from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.header import RESPONSE_MAGICS, Opcode
 from upr_cli.protocol.messages import (
     STREAM_FOREVER,
@@ -135,7 +136,7 @@ async def _received(consumer: DcpConsumer, it: AsyncIterator[list[Any]]) -> list
     out: list[Any] = []
     async for batch in it:
         for item in batch:
-            if type(item) is tuple:
+            if type(item) is DcpRecord:
                 op, seq, key, value = item[0], item[2], bytes(item[9]), item[10]
                 out.append((seq, key, bytes(value) if op == OP_MUTATION else None))
             elif isinstance(item, Snapshot):

@@ -16,6 +16,7 @@ from upr_cli.dcp import consumer as consumer_module
 from upr_cli.dcp.consumer import ConsumerError, DcpConsumer
 from upr_cli.dcp.events import Rollback
 from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.decoder import DcpRecord
 
 _T = TypeVar("_T")
 
@@ -40,8 +41,8 @@ def test_a_following_consumer_survives_a_node_crash_and_rolls_back(
             while True:
                 batch = await asyncio.wait_for(consumer.batches().__anext__(), 30)
                 rows = [tuple(bytes(v) if isinstance(v, memoryview) else v for v in it)
-                        for it in batch if type(it) is tuple]  # fmt: skip
-                events = [it for it in batch if type(it) is not tuple]
+                        for it in batch if type(it) is DcpRecord]  # fmt: skip
+                events = [it for it in batch if type(it) is not DcpRecord]
                 replica.apply(rows, events)
                 rollbacks += [e for e in events if isinstance(e, Rollback)]
                 consumer.commit()
@@ -78,7 +79,7 @@ def test_a_silent_node_is_detected_and_reconnects_give_up_with_one_error(
         try:
             async for batch in consumer.batches():
                 consumer.commit()
-                if not any(type(it) is tuple for it in batch) and node.alive():
+                if not any(type(it) is DcpRecord for it in batch) and node.alive():
                     assert node.proc is not None
                     node.proc.send_signal(signal.SIGSTOP)  # alive but silent
                     t0 = time.monotonic()

@@ -39,7 +39,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from upr_cli.dcp.events import (
     BarrierReached,
@@ -56,6 +56,7 @@ from upr_cli.net.bootstrap import Session, connect, map_nodes
 from upr_cli.net.connection import ConnectionClosed, ConnectionError_, ServerItems, aclose_all
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame, decode_message
+from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.header import Opcode
 from upr_cli.protocol.messages import (
     STREAM_FOREVER,
@@ -88,7 +89,7 @@ FLAG_FROM_LATEST = 0x40
 FLAG_ACTIVE_ONLY = 0x10
 MARKER_ACK = 0x08
 END_OK, END_CLOSED = 0, 1
-Item = tuple[object, ...] | Event
+Item = DcpRecord | Event
 
 
 class ConsumerError(UprError):
@@ -738,7 +739,7 @@ class DcpConsumer:
             if opening:
                 keep: list[Item] = []
                 for it in out:
-                    p = it[1] if type(it) is tuple else getattr(it, "partition", None)
+                    p = it.vbucket if type(it) is DcpRecord else getattr(it, "partition", None)
                     if p in opening:
                         self._held.setdefault(p, []).append(it)
                     else:
@@ -750,13 +751,13 @@ class DcpConsumer:
         parts = self.parts
         out: list[Item] = []
         for it in items:
-            if type(it) is not Frame:
-                part = parts.get(it[1])  # type: ignore[call-overload]
+            if type(it) is DcpRecord:
+                part = parts.get(it.vbucket)
                 if part is not None:
-                    part.seq = it[2]
+                    part.seq = it.by_seqno
                 out.append(it)
                 continue
-            msg = decode_message(it)
+            msg = decode_message(cast(Frame, it))
             if isinstance(msg, Barrier):
                 try:
                     cut = json.loads(msg.value)["cut"]

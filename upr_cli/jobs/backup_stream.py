@@ -44,6 +44,7 @@ from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog
 from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.segments import SegmentHeader, SegmentInfo, SegmentWriter
 from upr_cli.segments.writer import new_compressor, sync_files
 
@@ -238,14 +239,14 @@ async def stream_to_segments(
         stats.partitions = len(consumer.parts)
         async for batch in consumer.batches():
             for item in batch:
-                if type(item) is tuple:
-                    vb: int = item[1]  # type: ignore[assignment]
-                    if item[2] <= last.get(vb, -1):  # type: ignore[operator]
+                if type(item) is DcpRecord:
+                    vb = item.vbucket
+                    if item.by_seqno <= last.get(vb, -1):
                         continue  # sent again after a reconnect or a move: already held
-                    last[vb] = item[2]  # type: ignore[assignment]
+                    last[vb] = item.by_seqno
                     pending.setdefault(vb, []).append(item)
                     stats.items += 1
-                    stats.bytes_in += 55 + len(item[9]) + len(item[10])  # type: ignore[arg-type]
+                    stats.bytes_in += 55 + len(item.key) + len(item.value)
                 elif isinstance(item, Rollback):
                     stats.rollbacks += 1
                     await flush_rows()  # rows above the cut go with it, on the worker

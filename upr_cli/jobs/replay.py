@@ -61,6 +61,7 @@ from upr_cli.net.aio import cancel_and_wait
 from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import decode_message
+from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.messages import ObserveSeqno, ObserveSeqnoResponse
 from upr_cli.store import DEFAULT_UNDO_WINDOW, Row, Store
 
@@ -528,7 +529,7 @@ async def _round(
                 raise got
             batch = got
             for item in batch:
-                if type(item) is tuple:
+                if type(item) is DcpRecord:
                     st = parts[item[1]]
                     seq: int = item[2]
                     if seq <= st.received:

@@ -42,6 +42,7 @@ from upr_cli.failover import FailoverLog, needs_rollback
 from upr_cli.jobs.rollback_point import node_states
 from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.messages import (
     Add,
     Delete,
@@ -215,7 +216,7 @@ async def _changed_since(
         await consumer.open()
         async for batch in consumer.batches():
             for it in batch:
-                if type(it) is tuple:
+                if type(it) is DcpRecord:
                     row: tuple[Any, ...] = it
                     if row[1] not in unknown:
                         changed[row[1]][bytes(row[9])] = _row_version(row)

@@ -18,6 +18,7 @@ from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError, UsageError, check_file_path
 from upr_cli.failover import FailoverLog
 from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.decoder import DcpRecord
 
 OPS = {0x57: "mutation", 0x58: "deletion", 0x59: "expiration"}
 #: partitions a bucket can have at most (ids 0-1023), as in Couchbase Server
@@ -219,8 +220,8 @@ async def tail(
         async for batch in consumer.batches():
             lines = []
             for item in batch:
-                if type(item) is tuple:
-                    if keys is not None and not keys.search(bytes(item[9])):  # type: ignore[call-overload]
+                if type(item) is DcpRecord:
+                    if keys is not None and not keys.search(bytes(item.key)):
                         continue
                     lines.append(fmt_row(item))
                     summary.items += 1

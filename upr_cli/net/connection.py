@@ -20,7 +20,14 @@ from typing import Any
 
 from upr_cli.errors import RemoteProtocolError, UprError
 from upr_cli.net.aio import cancel_and_wait
-from upr_cli.protocol import Frame, FrameDecoder, Message, ResponseMessage, decode_message
+from upr_cli.protocol import (
+    DcpRecord,
+    Frame,
+    FrameDecoder,
+    Message,
+    ResponseMessage,
+    decode_message,
+)
 from upr_cli.protocol.header import RESPONSE_MAGICS
 from upr_cli.protocol.messages import Request, StatResponse
 from upr_cli.protocol.status import Status, status_error
@@ -28,7 +35,7 @@ from upr_cli.protocol.status import Status, status_error
 log = logging.getLogger(__name__)
 
 READ_SIZE = 256 * 1024
-ServerItems = list[tuple[object, ...]]  # data rows and `Frame`s, in wire order
+ServerItems = list[DcpRecord | Frame]  # data records and `Frame`s, in wire order
 
 
 class ConnectionError_(UprError):
@@ -229,7 +236,7 @@ class Connection:
             log.exception("reader of %s failed", self.name)
             self.close(f"internal error: {exc}", exc)
 
-    def _dispatch(self, items: list[tuple[object, ...]], nbytes: int) -> None:
+    def _dispatch(self, items: list[DcpRecord | Frame], nbytes: int) -> None:
         server: ServerItems = []
         for item in items:
             if type(item) is Frame and item.magic in RESPONSE_MAGICS:

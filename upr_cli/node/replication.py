@@ -48,6 +48,7 @@ from upr_cli.net.uri import SourceUri
 from upr_cli.node.bucket import FED, Bucket
 from upr_cli.node.partition import Partition
 from upr_cli.node.storage import DocRow
+from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.status import NotMyVbucket
 
 log = logging.getLogger(__name__)
@@ -233,7 +234,7 @@ class Replicator:
         bucket = self.bucket
         pause = self.pause_after
         for item in batch:
-            if type(item) is tuple:
+            if type(item) is DcpRecord:
                 vb, seq = item[1], item[2]
                 if vb in pause and seq > pause[vb]:
                     if vb not in self.stopped:

@@ -27,11 +27,6 @@ _DEL_V2 = struct.Struct(">QQIB")  # §2.9 v2: by_seqno, rev_seqno, delete_time, 
 _EXPIRY = struct.Struct(">QQI")  # §2.10: by_seqno, rev_seqno, delete_time
 OP_MUTATION, OP_DELETION, OP_EXPIRATION = 0x57, 0x58, 0x59
 
-# Column order of a data row returned by `FrameDecoder.read_rows` (see `fast.DcpRecord`).
-ROW_FIELDS = (
-    "opcode", "vbucket", "by_seqno", "rev_seqno", "cas", "flags", "expiration",
-    "delete_time", "datatype", "key", "value", "opaque",
-)  # fmt: skip
 
 DEFAULT_MAX_BODY = 20 * 1024 * 1024
 _EMPTY = memoryview(b"")
@@ -58,6 +53,32 @@ def data_fields(
         seq, rev, dtime = _EXPIRY.unpack_from(buf, p)
         return seq, rev, 0, 0, dtime
     raise RemoteProtocolError(f"opcode 0x{opcode:02x}: extras length {extlen} is wrong")
+
+
+class DcpRecord(NamedTuple):
+    """One DCP data record: a mutation, deletion or expiration, read by field name.
+
+    Built by `FrameDecoder.read_rows` (the fast path) and `fast.record_from_frame`. For
+    deletions and expirations `flags` and `expiration` are 0 and `delete_time` is set;
+    key and value are memoryview slices of the received buffer. A new field (a
+    collection id, xattrs) is added here and in the two builders, nowhere else.
+    """
+
+    opcode: int
+    vbucket: int
+    by_seqno: int
+    rev_seqno: int
+    cas: int
+    flags: int
+    expiration: int
+    delete_time: int
+    datatype: int
+    key: memoryview | bytes
+    value: memoryview | bytes
+    opaque: int
+
+
+ROW_FIELDS = DcpRecord._fields
 
 
 class Frame(NamedTuple):
@@ -195,19 +216,21 @@ class FrameDecoder:
     def max_body(self, value: int) -> None:
         self._max_body = value
 
-    def read_rows(self, limit: int = 1024, *, data_rows: bool = True) -> list[tuple[object, ...]]:
-        """The DCP fast path: up to `limit` items, data rows as plain tuples, the rest as Frames.
+    def read_rows(self, limit: int = 1024, *, data_rows: bool = True) -> list[DcpRecord | Frame]:
+        """The DCP fast path: up to `limit` items, data records as `DcpRecord`, the rest as Frames.
 
-        A mutation, deletion or expiration request (magic 0x80) becomes a tuple in
-        `ROW_FIELDS` order (one struct call for a mutation's header and extras, key and
-        value as memoryview slices, no copies); anything else comes back as a `Frame`
-        (`type(item) is Frame`) for `decode_message`. With `data_rows=False` every item is a
-        Frame (a server reading requests: a malformed one must get EINVAL, not end the read).
+        A mutation, deletion or expiration request (magic 0x80) becomes a `DcpRecord` (one
+        struct call for a mutation's header and extras, key and value as memoryview
+        slices, no copies); anything else comes back as a `Frame` (`type(item) is Frame`)
+        for `decode_message`. With `data_rows=False` every item is a Frame (a server
+        reading requests: a malformed one must get EINVAL, not end the read).
         """
-        out: list[tuple[object, ...]] = []
+        out: list[DcpRecord | Frame] = []
         append = out.append
         unpack_hdr = HEADER.unpack_from
         unpack_mut = MUTATION_FRAME.unpack_from
+        new = tuple.__new__  # builds the named record without a Python-level __new__ call
+        record = DcpRecord
         max_body = self._max_body
         empty = _EMPTY
         while len(out) < limit:
@@ -215,32 +238,38 @@ class FrameDecoder:
             end_buf = len(buf)
             mv = memoryview(buf)
             room = limit - len(out)
-            while room and end_buf - off >= HEADER_LEN:
-                if end_buf - off >= _MUT_FIXED:
-                    (
-                        magic,
-                        opcode,
-                        keylen,
-                        extlen,
-                        datatype,
-                        vb,
-                        bodylen,
-                        opaque,
-                        cas,
-                        seq,
-                        rev,
-                        flags,
-                        exp,
-                        _lock,
-                        _nmeta,
-                        _nru,
-                    ) = unpack_mut(buf, off)
+            while room:
+                # The hot path: a classic DCP_MUTATION with its 31 bytes of extras, whole.
+                while data_rows and room and end_buf - off >= 55:
+                    (magic, opcode, keylen, extlen, datatype, vb, bodylen, opaque, cas,
+                     seq, rev, flags, exp, _lock, _nmeta, _nru) = unpack_mut(buf, off)  # fmt: skip
+                    end = off + 24 + bodylen
+                    if (
+                        magic != 0x80
+                        or opcode != 0x57
+                        or extlen != 31
+                        or end > end_buf
+                        or bodylen > max_body
+                        or keylen + 31 > bodylen
+                    ):
+                        break
+                    k = off + 55
+                    key, value = mv[k : k + keylen], mv[k + keylen : end]
+                    append(new(record, (0x57, vb, seq, rev, cas, flags, exp, 0, datatype,
+                                        key, value, opaque)))  # fmt: skip
+                    off = end
+                    room -= 1
+                if not room or end_buf - off < 24:
+                    break
+                if end_buf - off >= 55:  # room for a whole mutation's header and extras
+                    (magic, opcode, keylen, extlen, datatype, vb, bodylen, opaque, cas,
+                     seq, rev, flags, exp, _lock, _nmeta, _nru) = unpack_mut(buf, off)  # fmt: skip
                 else:  # too short to be a whole mutation: header only
                     magic, opcode, keylen, extlen, datatype, vb, bodylen, opaque, cas = unpack_hdr(
                         buf, off
                     )
                     seq = rev = flags = exp = 0
-                end = off + HEADER_LEN + bodylen
+                end = off + 24 + bodylen
                 if not (
                     0x80 <= magic <= 0x83
                     and bodylen <= max_body
@@ -249,12 +278,11 @@ class FrameDecoder:
                 ):
                     break
                 room -= 1
-                p = off + HEADER_LEN
-                k = p + extlen
-                if data_rows and magic == 0x80 and OP_MUTATION <= opcode <= OP_EXPIRATION:
-                    if opcode != OP_MUTATION or extlen != 31:  # the hot path has all fields
+                k = off + 24 + extlen
+                if magic == 0x80 and 0x57 <= opcode <= 0x59 and data_rows:
+                    if opcode != 0x57 or extlen != 31:  # the hot path has all fields
                         try:
-                            seq, rev, flags, exp, dtime = data_fields(opcode, buf, p, extlen)
+                            seq, rev, flags, exp, dtime = data_fields(opcode, buf, off + 24, extlen)
                         except RemoteProtocolError as exc:
                             self._off = off
                             self._error = exc
@@ -262,10 +290,11 @@ class FrameDecoder:
                     else:
                         dtime = 0
                     key, value = mv[k : k + keylen], mv[k + keylen : end]
-                    append((opcode, vb, seq, rev, cas, flags, exp, dtime, datatype,
-                            key, value, opaque))  # fmt: skip
+                    append(new(record, (opcode, vb, seq, rev, cas, flags, exp, dtime, datatype,
+                                        key, value, opaque)))  # fmt: skip
                     off = end
                     continue
+                p = off + 24
                 append(
                     Frame(
                         magic,

@@ -11,7 +11,6 @@ row path hands back, and the producer's one-call mutation encoder.
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
 
 from upr_cli.errors import LocalProtocolError
 from upr_cli.protocol.decoder import (
@@ -19,29 +18,13 @@ from upr_cli.protocol.decoder import (
     OP_DELETION,
     OP_EXPIRATION,
     OP_MUTATION,
+    DcpRecord,
     Frame,
     data_fields,
 )
 from upr_cli.protocol.header import Magic
 
 __all__ = ["OP_DELETION", "OP_EXPIRATION", "OP_MUTATION", "DcpRecord", "encode_mutation"]
-
-
-class DcpRecord(NamedTuple):
-    """One DCP data record. `flags`/`expiration` are 0 and `delete_time` set for deletions."""
-
-    opcode: int
-    vbucket: int
-    by_seqno: int
-    rev_seqno: int
-    cas: int
-    flags: int
-    expiration: int
-    delete_time: int
-    datatype: int
-    key: memoryview | bytes
-    value: memoryview | bytes
-    opaque: int
 
 
 def record_from_frame(frame: Frame) -> DcpRecord | None:

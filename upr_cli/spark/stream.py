@@ -40,6 +40,7 @@ from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import needs_rollback
 from upr_cli.net.connection import Connection
 from upr_cli.net.uri import SourceUri
+from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.spark.arrow import OPS, Buffer, Columns, ddl_of, i64, schema_of, text
 from upr_cli.spark.plan import SparkOptionError, get_option
 
@@ -236,7 +237,7 @@ async def _stream(uri: SourceUri, ranges: list[Range]) -> list[tuple[Any, ...]]:
         await consumer.open()
         async for batch in consumer.batches():
             for it in batch:
-                if type(it) is tuple:
+                if type(it) is DcpRecord:
                     row: tuple[Any, ...] = it
                     entry = consumer.parts[row[1]].log.entry_at(row[2])  # the seq's branch
                     uuid = str(entry.uuid if entry else consumer.parts[row[1]].uuid)
