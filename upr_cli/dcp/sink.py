@@ -1,0 +1,52 @@
+"""One loop from a `DcpConsumer` to whatever keeps what it streams.
+
+Theory of operation. `DcpConsumer.batches()` yields data records and events in wire
+order. Every tool that streams (tail, backup, replay, salvage, diff, the Spark stream,
+the node's replication) is a `Sink`: `drive` hands it each maximal run of consecutive
+data records as one list (the fast path: a sink batches a run into a segment block or
+one `executemany`), each event between runs on its own and in order (a snapshot marker,
+a rollback, a stream's end), and then says the consumer's batch is over. The sink
+decides there what is durable (and so what `consumer.commit()` may record) and whether
+to stop. Order is the only guarantee that matters: a record is never handed over after
+an event that followed it on the wire.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, cast
+
+from upr_cli.protocol.decoder import DcpRecord
+
+if TYPE_CHECKING:
+    from upr_cli.dcp.consumer import DcpConsumer
+    from upr_cli.dcp.events import Event
+
+
+class Sink(Protocol):
+    """What `drive` feeds: runs of records, events between them, and batch ends."""
+
+    async def records(self, records: list[DcpRecord]) -> None:
+        """A run of consecutive data records, in wire order (never empty)."""
+
+    async def event(self, event: Event) -> None:
+        """One event, after the records that preceded it on the wire."""
+
+    async def batch_done(self) -> bool:
+        """The consumer's batch is over: make durable what the sink holds and commit it if
+        it wants; return True to stop streaming."""
+
+
+async def drive(consumer: DcpConsumer, sink: Sink) -> None:
+    """Feed every batch of `consumer` to `sink` until the streams end or the sink stops."""
+    async for batch in consumer.batches():
+        start = 0
+        for i, item in enumerate(batch):
+            if not isinstance(item, DcpRecord):
+                if i > start:
+                    await sink.records(cast("list[DcpRecord]", batch[start:i]))
+                await sink.event(item)
+                start = i + 1
+        if start < len(batch):
+            await sink.records(cast("list[DcpRecord]", batch[start:] if start else batch))
+        if await sink.batch_done():
+            return
