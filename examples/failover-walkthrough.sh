@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Seed 000 "UPR in action on a Cluster", figures 1-9, staged on one machine.
+# The UPR design specification, "UPR in action on a Cluster" (its figures 1-9), staged
+# on one machine.
 #
 # Three nodes: A (n0) is the master of the one partition, B (n1) and C (n2) replicas fed
 # over UPR; D (n3) joins later. Replication pauses (`upr cluster pause --after SEQ`)
-# stage the seed's exact interleaving: B and C take the snapshot 1-5; B stops in the
+# stage the design's exact interleaving: B and C take the snapshot 1-5; B stops in the
 # middle of the snapshot 6-8, C has all of it. A dies; B is promoted with a new failover
 # entry at the last complete snapshot it persisted (5); C rolls back to 5 (a snapshot
 # boundary it received: formats/cluster.md §5), repairs the master with the write only

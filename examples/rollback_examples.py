@@ -1,7 +1,8 @@
-"""Run `upr rollback-point` on every worked example of seed 000 and print a table.
+"""Run `upr rollback-point` on the UPR design specification's worked examples; print a table.
 
 Usage: python examples/rollback_examples.py   (what `make demo` runs for now)
-Each row runs the real command line in a subprocess and compares with the seed.
+Each row runs the real command line in a subprocess and compares with the design's answer
+(its "Examples" section, "Finding RollbackSeq/StartSeq from the failover logs").
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ def fmt(log: list[list[object]]) -> str:
 
 def main() -> int:
     examples = json.loads((HERE / "seed-rollback-examples.json").read_text())["examples"]
-    table = Table(title="upr rollback-point on seed 000's examples (seed rule)")
+    table = Table(title="upr rollback-point on the UPR design's examples (seed rule)")
     table.add_column("example", max_width=46)
-    for col in ("server log", "client log", "snap", "seen", "seed says", "upr says", "step"):
+    for col in ("server log", "client log", "snap", "seen", "design says", "upr says", "step"):
         table.add_column(col, no_wrap=True)
     failures = 0
     for ex in examples:
@@ -70,7 +71,7 @@ def main() -> int:
         )
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
-    console.print(f"{len(examples) - failures}/{len(examples)} examples agree with the seed")
+    console.print(f"{len(examples) - failures}/{len(examples)} examples agree with the design")
     return 1 if failures else 0
 
 

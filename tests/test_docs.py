@@ -1,5 +1,5 @@
-"""Docs are tested (STYLE 12): every command has help with an example, a README section
-and a man page; the README shows exactly the two set-up commands."""
+"""Docs are tested: every command has help with an example, a README section and a man
+page; the README shows exactly the two set-up commands."""
 
 from __future__ import annotations
 
