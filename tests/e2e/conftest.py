@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.e2e.e2e_helpers import reap, spawn
+
 USER, PASSWORD = "admin", "s3cret-pw"
+START_TIMEOUT = 60.0  # seconds for `upr serve` to say it listens
 
 
 class Node:
@@ -35,41 +41,49 @@ class Node:
         cmd = [sys.executable, "-m", "upr_cli", "serve", "--data", str(self.data), "--port",
                str(self.port), "--partitions", str(self.partitions), "--user", USER,
                "--password", PASSWORD, *self.args, *extra]  # fmt: skip
+        if self.alive():
+            raise RuntimeError("the node is running: stop or kill it before starting it again")
+        if self.proc is not None:
+            reap(self.proc)  # the previous run's pipes
         for _attempt in range(50):
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                          text=True)  # fmt: skip
             assert self.proc.stdout is not None
-            line = self.proc.stdout.readline()
+            # a node that hangs before listening fails here, not at the test's timeout
+            ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT)
+            line = self.proc.stdout.readline() if ready else ""
             if line.startswith("listening "):
                 self.port = int(line.rsplit(":", 1)[1].split("/")[0])
                 return self
+            if not ready:
+                reap(self.proc)
+                raise RuntimeError(f"upr serve printed nothing in {START_TIMEOUT:g}s")
             err = self.proc.stderr.read() if self.proc.stderr else ""
-            self.proc.wait()
+            reap(self.proc)
             if "cannot listen" not in err:  # the old port may linger briefly after SIGKILL
                 raise RuntimeError(f"upr serve did not start: {err.strip()}")
             time.sleep(0.1)
         raise RuntimeError("upr serve could not get its port back")
 
     def stop(self) -> int:
-        """SIGTERM: a clean stop."""
+        """SIGTERM: a clean stop (SIGKILL if it does not end within a minute)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=60)
-        self._close_pipes()
+        try:
+            code = self.proc.wait(timeout=60)
+        finally:
+            reap(self.proc)
         return code
 
     def kill(self) -> None:
         """SIGKILL: an unclean stop that loses unpersisted writes."""
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        self._close_pipes()
+        reap(self.proc)
 
-    def _close_pipes(self) -> None:
-        assert self.proc is not None
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
+    def close(self) -> None:
+        """Kill the process if it runs and close its pipes (fixture teardown)."""
+        if self.proc is not None:
+            reap(self.proc)
 
     def rss_kib(self) -> int:
         """Resident set size of the node process."""
@@ -94,16 +108,25 @@ def node_factory(tmp_path: Path) -> Iterator[type[Node]]:
             super().__init__(tmp_path / name, *args, partitions=partitions)
             made.append(self)
 
-    yield Made
-    for n in made:
-        if n.alive():
-            n.kill()
+    try:
+        yield Made
+    finally:
+        for n in made:
+            n.close()
 
 
 @pytest.fixture
 def node(node_factory: type[Node]) -> Node:
     """A started node with 16 partitions and a short flush interval."""
     return node_factory("--flush-interval", "0.02").start()
+
+
+@pytest.fixture
+def spawned() -> Iterator[Callable[..., subprocess.Popen[Any]]]:
+    """Start processes the test owns: `spawned(*cmd, **popen)`; every one is killed,
+    waited for and its pipes closed at teardown, even when the test timed out."""
+    with contextlib.ExitStack() as stack:
+        yield lambda *cmd, **popen: stack.enter_context(spawn(*cmd, **popen))
 
 
 def upr(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:

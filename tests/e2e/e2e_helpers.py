@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from upr_cli.dcp.consumer import DcpConsumer
@@ -12,13 +16,46 @@ from upr_cli.dcp.events import Rollback
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.net.bootstrap import connect
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol.decoder import DcpRecord
+from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.store import content_hash_of
 
 
 def run(coro: Any) -> Any:
     """asyncio.run with a test-friendly name."""
     return asyncio.run(coro)
+
+
+def reap(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL a child if it still runs, wait for it and close its pipes. Run at teardown
+    whatever happened: a test that timed out leaves no process (or open pipe, which
+    warnings-as-errors would turn into a failure of a later test) behind."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+@contextlib.contextmanager
+def spawn(*cmd: str, **popen: Any) -> Iterator[subprocess.Popen[Any]]:
+    """Start a process owned by the block: at its end (or on any failure in it) the
+    process is killed, waited for and its pipes closed (`reap`)."""
+    proc = subprocess.Popen(list(cmd), **popen)
+    try:
+        yield proc
+    finally:
+        reap(proc)
+
+
+def spawn_upr(*args: str, **popen: Any) -> contextlib.AbstractContextManager[
+        subprocess.Popen[str]]:  # fmt: skip
+    """`spawn` the `upr` CLI (text pipes for stdout and stderr unless told otherwise)."""
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    popen.setdefault("text", True)
+    return spawn(sys.executable, "-m", "upr_cli", *args, **popen)
 
 
 async def seqnos(uri: str) -> dict[int, tuple[int, int, int]]:
@@ -61,18 +98,19 @@ async def failover_logs(uri: str) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
-async def drain(uri: str, **kw: Any) -> tuple[list[tuple[Any, ...]], list[Any], DcpConsumer]:
-    """Stream to the end; return rows (key/value as bytes), events and the closed consumer."""
+async def drain(uri: str, **kw: Any) -> tuple[list[DcpRecord], list[Any], DcpConsumer]:
+    """Stream to the end; return records (key/value as bytes), events and the closed
+    consumer."""
     kw.setdefault("until_end", True)
     consumer = DcpConsumer(SourceUri.parse(uri), **kw)
-    rows: list[tuple[Any, ...]] = []
+    rows: list[DcpRecord] = []
     events: list[Any] = []
     await consumer.open()
     try:
         async for batch in consumer.batches():
             for it in batch:
                 if type(it) is DcpRecord:
-                    rows.append(tuple(bytes(v) if isinstance(v, memoryview) else v for v in it))
+                    rows.append(it._replace(key=bytes(it.key), value=bytes(it.value)))
                 else:
                     events.append(it)
             consumer.commit()
@@ -82,28 +120,32 @@ async def drain(uri: str, **kw: Any) -> tuple[list[tuple[Any, ...]], list[Any], 
 
 
 class Replica:
-    """A client-side copy kept like seed 000's client: history per partition, undone on rollback."""
+    """A client-side copy kept as a DCP client keeps one: history per partition, undone
+    on rollback (docs/design.md "Snapshot boundaries")."""
 
     def __init__(self) -> None:
         self.history: dict[int, list[tuple[int, bytes, int, bytes]]] = {}
         self.positions: dict[int, StreamPosition] = {}
 
-    def apply(self, rows: list[tuple[Any, ...]], events: list[Any]) -> None:
-        """Apply a drain's rows and rollbacks in order (rollbacks come before the re-stream)."""
+    def apply(self, rows: Iterable[DcpRecord | tuple[Any, ...]], events: list[Any]) -> None:
+        """Apply a drain's records and rollbacks in order (rollbacks come before the
+        re-stream). Plain tuples in record order are taken too, as records."""
         for ev in events:
             if isinstance(ev, Rollback):
                 h = self.history.get(ev.partition, [])
                 self.history[ev.partition] = [e for e in h if e[0] <= ev.to_seq]
         for row in rows:
-            op, vb, seq, key, value = row[0], row[1], row[2], row[9], row[10]
-            self.history.setdefault(vb, []).append((seq, key, op, value))
+            rec = row if type(row) is DcpRecord else DcpRecord._make(row)
+            self.history.setdefault(rec.vbucket, []).append(
+                (rec.by_seqno, bytes(rec.key), rec.opcode, bytes(rec.value))
+            )
 
     def state(self) -> dict[bytes, bytes]:
         """Latest live value per key."""
         out: dict[bytes, bytes] = {}
         for h in self.history.values():
             for _seq, key, op, value in sorted(h, key=lambda e: e[0]):
-                if op == 0x57:
+                if op == OP_MUTATION:
                     out[key] = value
                 else:
                     out.pop(key, None)
@@ -114,11 +156,11 @@ def docs(uri: str) -> dict[bytes, tuple[Any, ...]]:
     """key -> (value, cas, rev_seq, flags, expiry) of every live document."""
     rows, _e, _c = run(drain(uri))
     out: dict[bytes, tuple[Any, ...]] = {}
-    for r in sorted(rows, key=lambda r: (r[1], r[2])):
-        if r[0] == 0x57:
-            out[r[9]] = (r[10], r[4], r[3], r[5], r[6])
+    for r in sorted(rows, key=lambda r: (r.vbucket, r.by_seqno)):
+        if r.opcode == OP_MUTATION:
+            out[bytes(r.key)] = (r.value, r.cas, r.rev_seqno, r.flags, r.expiration)
         else:
-            out.pop(r[9], None)
+            out.pop(bytes(r.key), None)
     return out
 
 
@@ -133,8 +175,9 @@ def node_rows(uri: str) -> dict[tuple[int, bytes], tuple[Any, ...]]:
     document a full stream of the node gives, tombstones included."""
     rows, _e, _c = run(drain(uri))
     out: dict[tuple[int, bytes], tuple[Any, ...]] = {}
-    for r in sorted(rows, key=lambda r: (r[1], r[2])):
-        out[(r[1], r[9])] = (r[2], r[0] != 0x57, r[10], r[4], r[3], r[5], r[6])
+    for r in sorted(rows, key=lambda r: (r.vbucket, r.by_seqno)):
+        out[(r.vbucket, bytes(r.key))] = (r.by_seqno, r.opcode != OP_MUTATION, r.value, r.cas,
+                                          r.rev_seqno, r.flags, r.expiration)  # fmt: skip
     return out
 
 

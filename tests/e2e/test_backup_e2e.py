@@ -6,15 +6,22 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import Node, upr
-from tests.e2e.e2e_helpers import Replica, drain, node_content_hash, run, wait_persisted
+from tests.e2e.e2e_helpers import (
+    Replica,
+    drain,
+    node_content_hash,
+    run,
+    spawn_upr,
+    wait_persisted,
+)
 from upr_cli.jobs.state import select, state_at
+from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.repo import Repository, lost_ranges
 from upr_cli.store import Store
 
@@ -32,8 +39,8 @@ def repo_state(repo: Path, at: str = "latest") -> dict[bytes, bytes]:
     out = {}
     for _p, records in state_at(r, "default", manifests, select(manifests, at)):
         for rec in records:
-            if rec[0] == 0x57:
-                out[bytes(rec[8])] = bytes(rec[9])
+            if rec.op == OP_MUTATION:
+                out[bytes(rec.key)] = bytes(rec.value)
     return out
 
 
@@ -108,9 +115,6 @@ def test_a_killed_backup_leaves_nothing_visible_and_a_rerun_equals_a_clean_run(
     upr("load", node.uri, "--docs", "6000", "--size", "3000")
     wait_persisted(node.uri)
     repo = tmp_path / "repo"
-    proc = subprocess.Popen([sys.executable, "-m", "upr_cli", "backup", node.uri, "--repo",
-                             str(repo), "--no-progress"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 60
 
     def reached() -> bool:
@@ -118,15 +122,17 @@ def test_a_killed_backup_leaves_nothing_visible_and_a_rerun_equals_a_clean_run(
             return (repo / "default" / "lock").exists()
         return len(list(repo.glob("default/*/p*.seg"))) >= segments_before_kill
 
-    while not reached() and time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        time.sleep(0.002)
-    finished = proc.poll() is not None
-    if finished and segments_before_kill < 32:
-        pytest.fail(f"the backup finished before {segments_before_kill} segments were seen")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    with spawn_upr("backup", node.uri, "--repo", str(repo), "--no-progress",
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:  # fmt: skip
+        while not reached() and time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.002)
+        finished = proc.poll() is not None
+        if finished and segments_before_kill < 32:
+            pytest.fail(f"the backup finished before {segments_before_kill} segments were seen")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     committed = list(repo.glob("default/*/manifest.json"))
     if not committed:  # killed before the commit: nothing visible, the run is incomplete
         info = json.loads(upr("info", "--repo", str(repo), "--json").stdout)

@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import Node, upr
-from tests.e2e.e2e_helpers import node_content_hash, wait_persisted
+from tests.e2e.e2e_helpers import node_content_hash, spawn_upr, wait_persisted
 from upr_cli.store import Store
 
 PARTITIONS = 16
@@ -29,16 +28,15 @@ def test_a_resumed_backup_holds_what_was_acknowledged_before_it_started(
         "--delete-ratio", "0.05")  # fmt: skip
     wait_persisted(node.uri)
     repo = tmp_path / "repo"
-    proc = subprocess.Popen([sys.executable, "-m", "upr_cli", "backup", node.uri, "--repo",
-                             str(repo), "--no-progress"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 60
-    while len(list(repo.glob("default/*/p*.seg"))) < 3 and time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    with spawn_upr("backup", node.uri, "--repo", str(repo), "--no-progress",
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:  # fmt: skip
+        while len(list(repo.glob("default/*/p*.seg"))) < 3 and time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     written = list(repo.glob("default/*/p*.seg"))
     if list(repo.glob("default/*/manifest.json*")) or not 0 < len(written) < PARTITIONS:
         pytest.fail(f"the kill missed the segment writing ({len(written)} segments)")

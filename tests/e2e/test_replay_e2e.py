@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.e2e.conftest import Node, upr
@@ -21,10 +22,13 @@ from tests.e2e.e2e_helpers import (
     wait_persisted,
 )
 
+Spawn = Callable[..., "subprocess.Popen[str]"]
 
-def _popen(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "upr_cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+def _upr_proc(spawned: Spawn, *args: str) -> subprocess.Popen[str]:
+    """A `upr` process owned by the `spawned` fixture (killed at teardown)."""
+    return spawned(sys.executable, "-m", "upr_cli", *args, stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
 def _position_total(db: Path) -> int:
@@ -44,7 +48,7 @@ def _wait(pred: object, timeout: float = 60.0) -> None:
 
 
 def test_follow_through_a_sigkill_under_load_ends_equal_to_the_node(
-    node_factory: type[Node], tmp_path: Path
+    node_factory: type[Node], tmp_path: Path, spawned: Spawn
 ) -> None:
     node = node_factory("--flush-interval", "0.02").start()
     db = tmp_path / "r.db"
@@ -52,9 +56,9 @@ def test_follow_through_a_sigkill_under_load_ends_equal_to_the_node(
     persisted = sum(h for _u, h, _p in wait_persisted(node.uri).values())
     node.stop()
     node.start("--flush-interval", "3600")  # from now on nothing is persisted
-    replay = _popen("replay", node.uri, "--into", str(db), "--follow", "--no-progress")
-    load = _popen("load", node.uri, "--docs", "3000", "--update-ratio", "0.4", "--rate", "3000",
-                  "--seed", "7", "--prefix", "live")  # fmt: skip
+    replay = _upr_proc(spawned, "replay", node.uri, "--into", str(db), "--follow", "--no-progress")
+    load = _upr_proc(spawned, "load", node.uri, "--docs", "3000", "--update-ratio", "0.4",
+                     "--rate", "3000", "--seed", "7", "--prefix", "live")  # fmt: skip
     # mid-stream: the store holds writes the node has not persisted
     _wait(lambda: _position_total(db) > persisted + 300)
     node.kill()
@@ -75,7 +79,7 @@ def test_follow_through_a_sigkill_under_load_ends_equal_to_the_node(
 
 
 def test_replay_resumes_after_sigkill_at_any_point_and_twice_is_the_same(
-    node: Node, tmp_path: Path
+    node: Node, tmp_path: Path, spawned: Spawn
 ) -> None:
     upr("load", node.uri, "--docs", "20000", "--update-ratio", "0.2", "--delete-ratio", "0.1")
     wait_persisted(node.uri)
@@ -86,7 +90,7 @@ def test_replay_resumes_after_sigkill_at_any_point_and_twice_is_the_same(
     assert store_rows(clean) == truth
     for i, delay in enumerate((0.35, 0.5, 0.7)):
         db = tmp_path / f"killed{i}.db"
-        proc = _popen("replay", node.uri, "--into", str(db), "--no-progress")
+        proc = _upr_proc(spawned, "replay", node.uri, "--into", str(db), "--no-progress")
         time.sleep(delay)
         proc.kill()
         proc.communicate()
@@ -123,7 +127,7 @@ def test_replay_from_a_repository_equals_restore_and_follows_the_chain(
 
 
 def test_consistent_replay_never_commits_b_ahead_of_a(
-    node_factory: type[Node], tmp_path: Path
+    node_factory: type[Node], tmp_path: Path, spawned: Spawn
 ) -> None:
     node = node_factory("--flush-interval", "0.02", partitions=16).start()
     db = tmp_path / "c.db"
@@ -137,8 +141,8 @@ def test_consistent_replay_never_commits_b_ahead_of_a(
     )  # fmt: skip
     upr("load", node.uri, "--docs", "3000")  # a backfill to catch up on first
     run(set_keys(node.uri, {a: b'{"v":0}', b: b'{"v":0}'}))
-    replay = _popen("replay", node.uri, "--into", str(db), "--follow", "--consistent",
-                    "--no-progress")  # fmt: skip
+    replay = _upr_proc(spawned, "replay", node.uri, "--into", str(db), "--follow", "--consistent",
+                       "--no-progress")  # fmt: skip
     violations: list[tuple[int, int]] = []
     samples: set[tuple[int, int]] = set()
     stop = threading.Event()
@@ -174,7 +178,7 @@ def test_consistent_replay_never_commits_b_ahead_of_a(
 
 
 def test_consistent_replay_keeps_committing_after_a_reconnect(
-    node_factory: type[Node], tmp_path: Path
+    node_factory: type[Node], tmp_path: Path, spawned: Spawn
 ) -> None:
     """A restarted node is a new DCP connection: the consumer negotiates barrier cookies
     on it again, and the replay asks for a new cookie (the pending one went with the old
@@ -182,8 +186,8 @@ def test_consistent_replay_keeps_committing_after_a_reconnect(
     node = node_factory("--flush-interval", "0.02").start()
     db = tmp_path / "c.db"
     upr("load", node.uri, "--docs", "300", "--update-ratio", "0.3", "--delete-ratio", "0.1")
-    replay = _popen("replay", node.uri, "--into", str(db), "--follow", "--consistent",
-                    "--no-progress")  # fmt: skip
+    replay = _upr_proc(spawned, "replay", node.uri, "--into", str(db), "--follow", "--consistent",
+                       "--no-progress")  # fmt: skip
     try:
         highs = {p: h for p, (_u, h, _p) in wait_persisted(node.uri).items()}
         _wait(lambda: _position_total(db) == sum(highs.values()))

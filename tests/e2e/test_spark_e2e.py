@@ -4,7 +4,7 @@ repository holding a failover's lost writes (formats/spark.md)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +203,7 @@ def test_merge_equals_the_chain_and_restores_the_same(
 
 
 def test_streaming_converges_and_survives_a_sigkill_with_rollback_rows(
-    spark: Any, node_factory: type[Node], tmp_path: Path
+    spark: Any, node_factory: type[Node], tmp_path: Path, spawned: Callable[..., Any]
 ) -> None:
     """A live node under load streamed into a sink batch by batch; SIGKILL and restart:
     the query goes on, rollback markers appear, and the rows applied in order (markers
@@ -227,9 +227,9 @@ def test_streaming_converges_and_survives_a_sigkill_with_rollback_rows(
         .start()
     )
     try:
-        load = subprocess.Popen([sys.executable, "-m", "upr_cli", "load", node.uri, "--docs",
-                                 "600", "--update-ratio", "0.4", "--seed", "7", "--rate", "2000"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        load = spawned(sys.executable, "-m", "upr_cli", "load", node.uri, "--docs", "600",
+                       "--update-ratio", "0.4", "--seed", "7", "--rate", "2000",
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         load.wait(timeout=60)
         q.processAllAvailable()  # under load, then caught up
         seen = {(r["partition"], r["seq"]) for b in batches for r in b}
@@ -350,7 +350,7 @@ def test_pyspark_finds_the_source_without_register(repo: Path, tmp_path: Path) -
 
 
 def test_streaming_into_a_memory_sink_under_load_converges(
-    spark: Any, node_factory: type[Node], tmp_path: Path
+    spark: Any, node_factory: type[Node], tmp_path: Path, spawned: Callable[..., Any]
 ) -> None:
     import subprocess
     import sys
@@ -363,10 +363,10 @@ def test_streaming_into_a_memory_sink_under_load_converges(
     q = (df.writeStream.format("memory").queryName("upr_rows")
          .option("checkpointLocation", str(tmp_path / "ck")).start())  # fmt: skip
     try:
-        load = subprocess.Popen([sys.executable, "-m", "upr_cli", "load", node.uri, "--docs",
-                                 "1500", "--update-ratio", "0.4", "--delete-ratio", "0.1",
-                                 "--seed", "4", "--rate", "3000"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        load = spawned(sys.executable, "-m", "upr_cli", "load", node.uri, "--docs", "1500",
+                       "--update-ratio", "0.4", "--delete-ratio", "0.1", "--seed", "4",
+                       "--rate", "3000", stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)  # fmt: skip
         q.processAllAvailable()  # while the load runs
         load.wait(timeout=60)
         q.processAllAvailable()

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 from tests.e2e.conftest import Node, upr
-from tests.e2e.e2e_helpers import drain, run, wait_persisted
+from tests.e2e.e2e_helpers import drain, run, spawn_upr, wait_persisted
+from upr_cli.protocol.decoder import OP_MUTATION
 
 
 def test_load_then_tail_shows_exactly_the_latest_version_of_every_key(node: Node) -> None:
@@ -29,7 +28,8 @@ def test_load_then_tail_shows_exactly_the_latest_version_of_every_key(node: Node
     assert len(deleted) == summary["deletes"]
     # the latest version: compare with what the node returns for each key, via the library
     rows, _events, _c = run(drain(node.uri))
-    assert {bytes(r[9]).decode(): json.loads(r[10]) for r in rows if r[0] == 0x57} == live
+    mutations = [r for r in rows if r.opcode == OP_MUTATION]
+    assert {bytes(r.key).decode(): json.loads(r.value) for r in mutations} == live
     # each partition's seqs strictly increase
     last: dict[int, int] = {}
     for r in lines:
@@ -63,10 +63,7 @@ def test_tail_errors_are_one_line(node: Node) -> None:
 
 
 def test_follow_mode_sees_new_writes_and_ctrl_c_exits_130(node: Node) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "upr_cli", "tail", node.uri, "--format", "json",
-                             "--from", "now"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    try:
+    with spawn_upr("tail", node.uri, "--format", "json", "--from", "now") as proc:
         time.sleep(1.5)
         upr("load", node.uri, "--docs", "50", "--prefix", "live")
         deadline = time.monotonic() + 20
@@ -79,7 +76,3 @@ def test_follow_mode_sees_new_writes_and_ctrl_c_exits_130(node: Node) -> None:
         assert seen == 50
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 130
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()

@@ -22,6 +22,7 @@ and CI runs as root).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -39,7 +40,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import PASSWORD, USER, Node, upr
-from tests.e2e.e2e_helpers import wait_persisted
+from tests.e2e.e2e_helpers import reap, wait_persisted
 from upr_cli.net.bootstrap import WANTED
 
 TSHARK = shutil.which("tshark")
@@ -283,20 +284,18 @@ class Tshark:
 
     def stop(self) -> None:
         """SIGINT (tshark drains what it captured and closes the file), then wait."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
         try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self._reader.join(timeout=10)
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=20)
+        finally:
+            self._reader.join(timeout=10)
+            reap(self.proc)  # killed if still running, pipes closed: nothing outlives the test
         while not self.lines.empty():
             line = self.lines.get_nowait()
             if line is not None:
                 self.stderr.append(line)
-        assert self.proc.stderr is not None
-        self.proc.stderr.close()
 
 
 def _tail(node: Node, *args: str) -> list[dict[str, Any]]:

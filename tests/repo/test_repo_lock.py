@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.e2e_helpers import spawn
 from upr_cli.repo import Repository, RepositoryError, RepositoryLock, RepositoryLocked, format_time
 from upr_cli.repo import lock as lock_module
 from upr_cli.repo.lock import FRESH_SECONDS, LockHolder
@@ -39,8 +40,8 @@ def repo(tmp_path: Path) -> Repository:
 
 def dead_pid() -> int:
     """The pid of a process that has exited and been reaped."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
+    with spawn(sys.executable, "-c", "pass") as proc:
+        proc.wait(timeout=60)
     return proc.pid
 
 
@@ -93,20 +94,14 @@ def test_stale_lock_of_a_dead_pid_is_taken_over(repo: Repository) -> None:
 
 
 def test_live_holder_in_another_process_then_killed(repo: Repository) -> None:
-    child = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(repo.path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with spawn(sys.executable, "-c", HOLDER, str(repo.path), stdin=subprocess.PIPE,
+               stdout=subprocess.PIPE, text=True) as child:  # fmt: skip
         assert child.stdout is not None and child.stdout.readline() == "held\n"
         with pytest.raises(RepositoryLocked) as info:
             RepositoryLock(repo, BUCKET).acquire()
         assert info.value.pid == child.pid and info.value.hostname == socket.gethostname()
-    finally:
         child.send_signal(signal.SIGKILL)
-        child.communicate()
+        child.wait(timeout=60)  # dead before the takeover below
     warnings: list[str] = []
     with RepositoryLock(repo, BUCKET, on_stale=warnings.append) as lock:
         assert lock.held and f"pid {child.pid}" in warnings[0]

@@ -1,0 +1,360 @@
+"""Structure checks over `upr_cli/` (issue 17, "Done when"), AST based and fast.
+
+1. No function or method is over 100 lines, except spec-shaped ones that say so: a
+   comment containing `spec-shaped` on the def line or in the first lines of the body.
+2. No numeric index of a DCP record outside `upr_cli/protocol/`. A record is read by
+   field name (`rec.key`, never `rec[9]`). The heuristic, per function (lambdas and
+   comprehensions included): a name holds a record when it is one of `item`, `it`,
+   `rec`, `record`, `row`, `r`, or when it is the target of a loop or comprehension
+   over something named `batch`, `records`, `run` or `chunk` (through `sorted(...)`,
+   `.values()` and the like). A name is cleared when that function binds it from
+   something that is not a record: a parameter annotated with a container of ints,
+   str or dict; a name splatted into another row type (`DocRow(*r)`: a storage row
+   in that type's order); a value or loop source calling `execute`/`fetch*` (SQLite rows),
+   `split`/`partition`, `loads` or `getsockname`; a source mentioning a cluster map
+   (`...map...`); or a name tested with `isinstance(name, list | dict | str)` (parsed
+   JSON). Flagged: a subscript of a record name by an int constant or an int-constant
+   slice, and a `type: ignore` comment on a line subscripting a record name at all.
+3. No literal opcode outside `upr_cli/protocol/`: a hex literal equal to a memcached
+   or DCP opcode compared with a name such as `op`, `opcode` or `..._op`, used as a
+   key or member of an opcode table (`OPS = {...}`), assigned to such a name
+   (`OP_MUTATION = 0x57`, a second definition), or passed as `opcode=`; and any
+   hex literal in 0x50-0x65 (the DCP range) written in a comparison.
+
+Each check reports `path:line` of its offenders. The checkers themselves are tested
+below on small snippets, so a check that passes does so for the right reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from upr_cli.protocol.header import Opcode
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "upr_cli"
+PROTOCOL = PACKAGE / "protocol"
+MAX_LINES = 100
+MARK_LINES = 3  # the def line and this many lines after it may carry the mark
+
+RECORD_NAMES = frozenset({"item", "it", "rec", "record", "row", "r"})
+RECORD_SOURCES = frozenset({"batch", "records", "run", "chunk"})
+NON_RECORD_CALLS = re.compile(r"^(execute\w*|fetch\w*|_fetch\w*|r?split|r?partition|loads|"
+                              r"getsockname)$")  # fmt: skip
+NON_RECORD_ANNOTATION = re.compile(r"^(list|Sequence|tuple)\[(int|str)|^(str|bytes|int|dict)")
+OPCODE_NAME = re.compile(r"(^|_)(op|opcode|cmd)s?($|_)", re.IGNORECASE)
+OPCODES = frozenset(int(o) for o in Opcode)
+DCP_RANGE = range(0x50, 0x66)
+
+Func = ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+
+
+def _sources() -> Iterator[tuple[Path, str]]:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if PROTOCOL not in path.parents:
+            yield path, path.read_text(encoding="utf-8")
+
+
+def _rel(path: Path | str) -> str:
+    return str(Path(path).relative_to(ROOT)) if isinstance(path, Path) else path
+
+
+# -- 1. function length ------------------------------------------------------------
+
+
+def long_functions(source: str, where: str = "<snippet>") -> list[str]:
+    """`where:line name (N lines)` for every unmarked function over MAX_LINES lines."""
+    lines = source.splitlines()
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        length = (node.end_lineno or node.lineno) - node.lineno + 1
+        if length <= MAX_LINES:
+            continue
+        head = lines[node.lineno - 1 : node.body[0].lineno + MARK_LINES - 1]
+        if any("#" in ln and "spec-shaped" in ln.split("#", 1)[1] for ln in head):
+            continue
+        out.append(f"{where}:{node.lineno} {node.name} ({length} lines)")
+    return out
+
+
+# -- 2. numeric record indexes ---------------------------------------------------------
+
+
+def _root(expr: ast.expr) -> str | None:
+    """The identifier a loop iterates: `batch`, `self.records`, `sorted(run, ...)`,
+    `latest.values()` → batch, records, run, latest."""
+    while True:
+        if isinstance(expr, ast.Name):
+            return expr.id
+        if isinstance(expr, ast.Attribute):
+            return expr.attr
+        if isinstance(expr, ast.Call):
+            func = expr.func
+            if isinstance(func, ast.Attribute) and func.attr in ("values", "copy"):
+                expr = func.value
+            elif isinstance(func, ast.Name) and func.id in ("sorted", "reversed", "list", "iter") \
+                    and expr.args:  # fmt: skip
+                expr = expr.args[0]
+            else:
+                return None
+        elif isinstance(expr, ast.Subscript):
+            expr = expr.value
+        else:
+            return None
+
+
+def _not_a_record(expr: ast.AST, cleared: set[str]) -> bool:
+    for sub in ast.walk(expr):
+        if isinstance(sub, ast.Call):
+            f = sub.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if NON_RECORD_CALLS.match(name):
+                return True
+        ident = sub.id if isinstance(sub, ast.Name) else getattr(sub, "attr", None)
+        if isinstance(ident, str) and ("map" in ident.lower() or ident in cleared):
+            return True
+    return False
+
+
+def _targets(target: ast.expr) -> Iterator[str]:
+    for sub in ast.walk(target):
+        if isinstance(sub, ast.Name):
+            yield sub.id
+
+
+def _scope_nodes(func: ast.AST) -> Iterator[ast.AST]:
+    """The nodes of a function, not of the functions nested in it (they are scopes too)."""
+    stack = list(ast.iter_child_nodes(func))
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _record_names(func: Func) -> set[str]:
+    nodes = list(_scope_nodes(func))
+    names = set(RECORD_NAMES)
+    cleared: set[str] = set()
+    args = func.args
+    for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+        if a.annotation is not None and NON_RECORD_ANNOTATION.match(ast.unparse(a.annotation)):
+            cleared.add(a.arg)
+    for _ in range(2):  # a source cleared on the first pass clears its loop targets
+        for node in nodes:
+            if isinstance(node, ast.For | ast.AsyncFor | ast.comprehension):
+                if _root(node.iter) in RECORD_SOURCES:
+                    names.update(_targets(node.target))
+                if _not_a_record(node.iter, cleared):
+                    cleared.update(_targets(node.target))
+            elif isinstance(node, ast.Assign | ast.AnnAssign | ast.NamedExpr):
+                value = node.value
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if value is not None and _not_a_record(value, cleared):
+                    for t in targets:
+                        cleared.update(_targets(t))
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", "").endswith("Row")
+                  and node.args and isinstance(node.args[0], ast.Starred)
+                  and isinstance(node.args[0].value, ast.Name)):  # fmt: skip
+                cleared.add(node.args[0].value.id)  # `DocRow(*r)`: r is in that row's order
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance"
+                  and len(node.args) == 2 and isinstance(node.args[0], ast.Name)):  # fmt: skip
+                kinds = {getattr(k, "id", "") for k in ast.walk(node.args[1])}
+                if kinds & {"list", "dict", "str"}:
+                    cleared.add(node.args[0].id)
+    return names - cleared
+
+
+def _int_index(index: ast.expr) -> bool:
+    def const(e: ast.expr | None) -> bool:
+        if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
+            e = e.operand
+        return isinstance(e, ast.Constant) and type(e.value) is int
+
+    if isinstance(index, ast.Slice):
+        bounds = [index.lower, index.upper]
+        return any(b is not None for b in bounds) and all(b is None or const(b) for b in bounds)
+    return const(index)
+
+
+def _ignored_lines(source: str) -> set[int]:
+    out = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT and "type: ignore" in tok.string:
+            out.add(tok.start[0])
+    return out
+
+
+def record_indexes(source: str, where: str = "<snippet>") -> list[str]:
+    """`where:line` of numeric subscripts of record names (and `type: ignore` on lines
+    subscripting them)."""
+    ignored = _ignored_lines(source)
+    found: set[int] = set()
+    for func in ast.walk(ast.parse(source)):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        names = _record_names(func)
+        for node in _scope_nodes(func):
+            if (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in names
+                and (_int_index(node.slice) or node.lineno in ignored)
+            ):
+                found.add(node.lineno)
+    return [f"{where}:{line}" for line in sorted(found)]
+
+
+# -- 3. literal opcodes ---------------------------------------------------------------
+
+
+def _hex_literals(node: ast.AST, source: str) -> Iterator[ast.Constant]:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Constant) and type(sub.value) is int:
+            text = ast.get_source_segment(source, sub) or ""
+            if text.lower().startswith("0x"):
+                yield sub
+
+
+def _names_op(node: ast.AST) -> bool:
+    for sub in ast.walk(node):
+        ident = sub.id if isinstance(sub, ast.Name) else getattr(sub, "attr", None)
+        if isinstance(ident, str) and OPCODE_NAME.search(ident):
+            return True
+    return False
+
+
+def literal_opcodes(source: str, where: str = "<snippet>") -> list[str]:
+    """`where:line` of hex literals used as opcodes."""
+    found: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            for side in sides:
+                others = [s for s in sides if s is not side]
+                for lit in _hex_literals(side, source):
+                    if lit.value in DCP_RANGE or (
+                        lit.value in OPCODES and any(_names_op(o) for o in others)
+                    ):
+                        found.add(lit.lineno)
+        elif isinstance(node, ast.keyword) and node.arg == "opcode":
+            found.update(c.lineno for c in _hex_literals(node.value, source)
+                         if c.value in OPCODES)  # fmt: skip
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            table = node.value
+            if any(_names_op(t) for t in targets) and isinstance(table, ast.Constant | ast.Tuple):
+                # `OP_MUTATION = 0x57`: a second definition of what protocol/ names
+                found.update(c.lineno for c in _hex_literals(table, source) if c.value in OPCODES)
+            if any(_names_op(t) for t in targets) and isinstance(table, ast.Dict | ast.Set):
+                members = table.keys if isinstance(table, ast.Dict) else table.elts
+                for m in members:
+                    if m is not None:
+                        found.update(c.lineno for c in _hex_literals(m, source)
+                                     if c.value in OPCODES)  # fmt: skip
+    return [f"{where}:{line}" for line in sorted(found)]
+
+
+# -- the checkers on snippets -----------------------------------------------------------
+
+_LONG_BODY = "".join(f"    x{i} = {i}\n" for i in range(101))
+
+
+@pytest.mark.parametrize(
+    ("source", "flagged"),
+    [
+        (f"def f():\n{_LONG_BODY}", 1),
+        (f"async def f():\n{_LONG_BODY}", 1),
+        (f"class C:\n    def m(self):\n    {_LONG_BODY.replace(chr(10), chr(10) + '    ')}", 1),
+        (f"def f():  # spec-shaped: the UPR rule in order\n{_LONG_BODY}", 0),
+        (f'def f():\n    """Doc."""\n    # spec-shaped (the decoder\'s table)\n{_LONG_BODY}', 0),
+        ("def f():\n" + "".join(f"    x{i} = {i}\n" for i in range(99)), 0),
+        ("def f():\n" + _LONG_BODY[:-1] + "  # spec-shaped, but too far down\n", 1),
+    ],
+)  # fmt: skip
+def test_long_functions_checker(source: str, flagged: int) -> None:
+    assert len(long_functions(source)) == flagged, long_functions(source)
+
+
+@pytest.mark.parametrize(
+    ("source", "flagged"),
+    [
+        ("def f(batch):\n    for item in batch:\n        k = item[9]\n", 1),
+        ("def f(batch):\n    for x in batch:\n        k = x[9]\n", 1),
+        ("def f(rows):\n    return [r[1] for r in rows]\n", 1),
+        ("def f(s):\n    return sorted(s.records, key=lambda r: r[1])\n", 1),
+        ("def f(batch):\n    for it in batch:\n        op, vb, seq = it[:3]\n", 1),
+        ("def f(batch):\n    for it in batch:\n        seq = it[2]  # type: ignore[index]\n", 1),
+        ("def f(b):\n    for rec in b:\n        v = rec[n]  # type: ignore[index]\n", 1),
+        ("def f(rec):\n    return rec[-1]\n", 1),
+        # legitimate: named fields, non-record names, SQLite rows, split parts, JSON, maps
+        ("def f(batch):\n    for item in batch:\n        k = item.key\n", 0),
+        ("def f(text):\n    parts = text.split(':')\n    return parts[0]\n", 0),
+        ("def f(db):\n    row = db.execute('q').fetchone()\n    return row[0]\n", 0),
+        ("def f(db):\n    rows = db.execute('q').fetchall()\n    return [r[0] for r in rows]\n", 0),
+        ("def f(line):\n    r = line.split()\n    return r[1]\n", 0),
+        ("def f(obj):\n    for item in obj:\n        if isinstance(item, list):\n"
+         "            return item[0]\n", 0),
+        ("def f(cl, p):\n    row = cl.vbmap[p]\n    return row[0]\n", 0),
+        ("def active_of(row: list[int]) -> int:\n    return row[0] if row else -1\n", 0),
+        ("def f(pairs):\n    return [p[0] for p in pairs]\n", 0),
+        ("def f(batch):\n    for item in batch:\n        k = item[key]\n", 0),
+        ("def f(rows):\n    if any(r[8] for r in rows):\n"
+         "        return [DocRow(*r) for r in rows]\n", 0),
+    ],
+)  # fmt: skip
+def test_record_index_checker(source: str, flagged: int) -> None:
+    assert len(record_indexes(source)) == flagged, record_indexes(source)
+
+
+@pytest.mark.parametrize(
+    ("source", "flagged"),
+    [
+        ("def f(r):\n    return r.opcode == 0x57\n", 1),
+        ("def f(op):\n    return op in (0x57, 0x58)\n", 1),
+        ("def f(rec):\n    return rec[0] != 0x57\n", 1),  # DCP range, any comparison
+        ("def f(x):\n    return 0x5f == x.kind\n", 1),
+        ("_DATA_OPS = {0x57, 0x58, 0x59}\n", 1),
+        ("NAMES = {0x57: 'mutation'}\nOPCODE_NAMES = {0x57: 'mutation'}\n", 1),
+        ("def f():\n    return Response(opcode=0x5E, opaque=1)\n", 1),
+        ("OP_MUTATION, OP_DELETION = 0x57, 0x58\n", 1),
+        # legitimate: named opcodes, flags and statuses, decimal numbers, plain constants
+        ("def f(r):\n    return r.opcode == Opcode.DCP_MUTATION\n", 0),
+        ("def f(flags):\n    return flags & 0x01 == 0x01\n", 0),
+        ("def f(status):\n    return status == 0x20\n", 0),
+        ("def f(n):\n    return n > 87\n", 0),
+        ("MASK = 0x57\n", 0),
+        ("def f(opaque):\n    return opaque == 0x1000_0000\n", 0),
+    ],
+)  # fmt: skip
+def test_literal_opcode_checker(source: str, flagged: int) -> None:
+    assert len(literal_opcodes(source)) == flagged, literal_opcodes(source)
+
+
+# -- the checks over upr_cli/ -------------------------------------------------------------
+
+
+def test_no_function_over_100_lines_unless_marked_spec_shaped() -> None:
+    found = [x for p, s in _sources() for x in long_functions(s, _rel(p))]
+    assert not found, f"{len(found)} functions over {MAX_LINES} lines:\n" + "\n".join(found)
+
+
+def test_no_numeric_index_of_a_record_outside_protocol() -> None:
+    found = [x for p, s in _sources() for x in record_indexes(s, _rel(p))]
+    assert not found, f"{len(found)} numeric record indexes (read fields by name):\n" + "\n".join(
+        found
+    )
+
+
+def test_no_literal_opcode_outside_protocol() -> None:
+    found = [x for p, s in _sources() for x in literal_opcodes(s, _rel(p))]
+    assert not found, f"{len(found)} literal opcodes (use Opcode or OP_*):\n" + "\n".join(found)
