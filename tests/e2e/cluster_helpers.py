@@ -36,7 +36,14 @@ class Cluster:
     def __init__(self, data: Path, *, nodes: int, replicas: int, partitions: int) -> None:
         self.data = data
         upr("cluster", "init", "--nodes", str(nodes), "--replicas", str(replicas),
-            "--data", str(data), "--partitions", str(partitions))  # fmt: skip
+            "--data", str(data), "--num-partitions", str(partitions))  # fmt: skip
+
+    @classmethod
+    def at(cls, data: Path) -> Cluster:
+        """The cluster already initialised in `data` (by a test's own `upr cluster init`)."""
+        cl = cls.__new__(cls)
+        cl.data = data
+        return cl
 
     @property
     def spec(self) -> spec.ClusterSpec:
@@ -204,6 +211,33 @@ class Cluster:
         """Stop every node (tests call it in `finally`)."""
         if (self.data / spec.CLUSTER_FILE).exists():
             upr("cluster", "stop", "--data", str(self.data), check=False)
+
+
+def on_terminal(*args: str, columns: int = 80) -> str:
+    """`upr ARGS` on a pseudo-terminal `columns` wide (Rich sizes tables to it); its
+    output with the escape sequences removed."""
+    import pty
+    import re
+
+    main, child = pty.openpty()
+    env = os.environ | {"COLUMNS": str(columns), "LINES": "50"}
+    env.pop("UPR_PASSWORD", None)
+    proc = subprocess.Popen([sys.executable, "-m", "upr_cli", *args], stdout=child,
+                            stderr=child, stdin=subprocess.DEVNULL, env=env)  # fmt: skip
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 1 << 16)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    proc.wait(timeout=120)
+    text = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
 
 
 def popen(*args: str) -> subprocess.Popen[str]:

@@ -35,7 +35,7 @@ def test_init_status_stop_start(tmp_path: Path) -> None:
     data = tmp_path / "cl"
     try:
         upr("cluster", "init", "--nodes", "3", "--replicas", "1", "--data", str(data),
-            "--partitions", "12")  # fmt: skip
+            "--num-partitions", "12")  # fmt: skip
         cl = spec.load(data)
         assert (data / "cluster.json").stat().st_mode & 0o777 == 0o600
         status = json.loads(upr("cluster", "status", "--data", str(data), "--json").stdout)

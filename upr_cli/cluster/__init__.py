@@ -2,5 +2,7 @@
 
 `spec` is the cluster file (nodes, ports, credentials); `procs` starts and stops the
 node processes; `control` pushes the map and the partition states with the bucket CAS
-and map revisions of formats/cluster.md; `status` reads every node back.
+and map revisions of formats/cluster.md; `orchestrate` runs failover, rebalance and
+replication pauses; `health` reads every node back and judges what is degraded;
+`lifecycle` is the one function per `upr cluster` command that the CLI calls.
 """

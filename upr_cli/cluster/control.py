@@ -60,11 +60,22 @@ def map_json(spec: ClusterSpec, vbmap: list[list[int]], rev: int) -> dict[str, A
     }  # fmt: skip
 
 
+def active_of(row: list[int]) -> int:
+    """The node index holding a map row's active copy (-1: none), as vBucketMap lists it."""
+    return row[0] if row else -1
+
+
+def replicas_of(row: list[int]) -> list[int]:
+    """The node indices holding a map row's replica copies."""
+    return row[1:]
+
+
 def states_for(vbmap: list[list[int]], index: int) -> dict[int, str]:
     """What node `index` must hold: active, replica or dead, per partition."""
     out = {}
     for p, row in enumerate(vbmap):
-        out[p] = "active" if row and row[0] == index else "replica" if index in row[1:] else "dead"
+        role = "replica" if index in replicas_of(row) else "dead"
+        out[p] = "active" if active_of(row) == index else role
     return out
 
 
@@ -144,7 +155,8 @@ class NodeStatus:
     name: str
     port: int
     up: bool
-    error: str = ""
+    error: str = ""  # why it did not answer, in full (JSON)
+    reason: str = ""  # the same in a few words (the status table)
     rev: int = 0
     states: dict[str, int] = field(default_factory=dict)  # state -> partitions
     highs: dict[int, int] = field(default_factory=dict)
@@ -165,7 +177,7 @@ async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
     try:
         s = await connect(SourceUri.parse(spec.uri(node)), name="upr-cluster", timeout=3.0)
     except (UprError, OSError) as exc:
-        st.error = str(exc)
+        st.error, st.reason = str(exc), short_reason(exc)
         return st
     try:
         general = await s.conn.stats("")
@@ -175,7 +187,7 @@ async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
         repl = await s.conn.stats("replication")
         fails = await s.conn.stats("failovers")
     except (UprError, OSError) as exc:
-        st.error = str(exc)
+        st.error, st.reason = str(exc), short_reason(exc)
         return st
     finally:
         await s.conn.aclose()
@@ -195,13 +207,28 @@ async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
             (int(fails[f"vb_{p}:{i}:id"]), int(fails[f"vb_{p}:{i}:seq"]))
             for i in range(int(fails.get(f"vb_{p}:num_entries", 0)))
         ]
-        st.heads[p] = st.logs[p][0] if st.logs[p] else (0, 0)
+        st.heads[p] = next(iter(st.logs[p]), (0, 0))  # the newest entry comes first
         st.snaps[p] = (
             int(seqnos.get(f"vb_{p}:last_persisted_snap_start", 0)),
             int(seqnos.get(f"vb_{p}:last_persisted_snap_end", 0)),
         )
     st.replication = {k: json.loads(v) for k, v in repl.items() if not k.startswith("vb_")}
     return st
+
+
+def short_reason(exc: BaseException) -> str:
+    """Why a node did not answer, in a few words (the full text goes to --json)."""
+    text = " ".join(str(exc).split())
+    low = text.lower()
+    if "refused" in low or "connect call failed" in low:
+        return "connection refused"
+    if "timed out" in low or isinstance(exc, TimeoutError):
+        return "no answer (timed out)"
+    if "auth" in low:
+        return "authentication failed"
+    if "closed" in low or "reset" in low:
+        return "connection lost"
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 def _copies(

@@ -1,9 +1,11 @@
 """Starting and stopping the `upr serve` processes of a local cluster.
 
 A node runs detached (its own session) with stdout and stderr in `DATA/serve.log`; it is
-up once that log shows its `listening` line. Stop is SIGTERM (a clean shutdown: the
-node flushes and keeps its failover uuids) and a wait; `kill` (SIGKILL) is for tests
-and the failover walkthrough.
+up once that log shows its `listening` line. The password goes to the node in its
+environment (UPR_PASSWORD, which `upr serve` reads), never in its argv: any local user
+can read a process's argv (`ps`), only its owner its environment. Stop is SIGTERM (a
+clean shutdown: the node flushes and keeps its failover uuids) and a wait; `kill`
+(SIGKILL) is for tests and the failover walkthrough.
 """
 
 from __future__ import annotations
@@ -45,13 +47,13 @@ def start_node(spec: ClusterSpec, node: NodeSpec, *, extra: list[str] | None = N
     data.mkdir(parents=True, exist_ok=True)
     log_path = data / "serve.log"
     cmd = [sys.executable, "-m", "upr_cli", "serve", "--data", str(data), "--host", HOST,
-           "--port", str(node.port), "--partitions", str(spec.partitions), "--bucket",
-           spec.bucket, "--user", spec.user, "--password", spec.password,
-           *(extra or [])]  # fmt: skip
+           "--port", str(node.port), "--num-partitions", str(spec.partitions), "--bucket",
+           spec.bucket, "--user", spec.user, *(extra or [])]  # fmt: skip
+    env = os.environ | {"UPR_PASSWORD": spec.password}
     with open(log_path, "ab") as log:
         start = log.tell()
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                start_new_session=True)  # fmt: skip
+                                env=env, start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log_path.read_bytes()[start:].decode(errors="replace")

@@ -237,6 +237,11 @@ class NodeServer:
         self.sessions.add(session)
         try:
             await session.run()
+        except (ConnectionError, OSError) as exc:
+            # a peer that leaves while its session closes is normal: one debug line, not
+            # an exception in this task that nobody awaits (asyncio would print it with a
+            # traceback as "Task exception was never retrieved")
+            log.debug("%s: connection lost while closing: %s", session.peer, exc)
         finally:
             self.sessions.discard(session)
 
