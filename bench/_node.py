@@ -16,7 +16,7 @@ class BenchNode:
     def __init__(self, data: Path, partitions: int = 1024, *extra: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "upr_cli", "serve", "--data", str(data), "--port", "0",
-             "--no-auth", "--partitions", str(partitions), *extra],
+             "--no-auth", "--num-partitions", str(partitions), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert self.proc.stdout is not None

@@ -78,7 +78,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="upr-bench-cluster-") as tmp:
         data = Path(tmp) / "cl"
         t0 = time.monotonic()
-        upr("cluster", "init", "--nodes", "3", "--replicas", "1", "--partitions", "1024",
+        upr("cluster", "init", "--nodes", "3", "--replicas", "1", "--num-partitions", "1024",
             "--data", str(data))  # fmt: skip
         init_s = time.monotonic() - t0
         try:

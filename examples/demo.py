@@ -62,7 +62,7 @@ class Node:
         for _ in range(50):
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "upr_cli", "serve", "--data", str(self.data), "--port",
-                 str(self.port), "--no-auth", "--partitions", str(PARTITIONS), *extra],
+                 str(self.port), "--no-auth", "--num-partitions", str(PARTITIONS), *extra],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
             assert self.proc.stdout is not None

@@ -69,7 +69,7 @@ EOF
 }
 
 say "Figure 1: A comes online as the master (failover entry at 0); B and C are replicas"
-"$UPR" cluster init --nodes 3 --replicas 2 --partitions 1 --data "$cl"
+"$UPR" cluster init --nodes 3 --replicas 2 --num-partitions 1 --data "$cl"
 eval "$("$UPR" cluster env --data "$cl")"
 A=$UPR_N0 B=$UPR_N1
 "$UPR" cluster pause n1 --after 0 --data "$cl"

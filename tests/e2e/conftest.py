@@ -39,7 +39,7 @@ class Node:
     def start(self, *extra: str) -> Node:
         """Start and wait for the `listening` line (reusing the port after a restart)."""
         cmd = [sys.executable, "-m", "upr_cli", "serve", "--data", str(self.data), "--port",
-               str(self.port), "--partitions", str(self.partitions), "--user", USER,
+               str(self.port), "--num-partitions", str(self.partitions), "--user", USER,
                "--password", PASSWORD, *self.args, *extra]  # fmt: skip
         if self.alive():
             raise RuntimeError("the node is running: stop or kill it before starting it again")

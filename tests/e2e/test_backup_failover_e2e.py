@@ -72,7 +72,7 @@ def _cut_records_are_lost_writes(cl: Cluster, repo: Path, rollbacks: list[dict[s
                for it in mine)  # fmt: skip
     ahead = [it for it in mine if it["key"].startswith("ahead-")]  # never on n1
     assert ahead
-    out = upr("examine", "--repo", str(repo), "--partitions", "4", "--json", ahead[0]["key"])
+    out = upr("examine", "--repo", str(repo), "--json", ahead[0]["key"])
     versions = json.loads(out.stdout)["versions"]
     assert [(int(v["seq"]), v["lost"], v["in_latest"]) for v in versions] == [
         (int(ahead[0]["lost"]["seq"]), True, False)

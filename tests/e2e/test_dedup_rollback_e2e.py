@@ -95,7 +95,7 @@ def test_a_hard_failover_inside_a_deduplicated_snapshot(tmp_path: Path) -> None:
         assert sorted((it["key"], int(it["lost"]["seq"]), it["cut"]) for it in items) == [
             ("D", 5, "2"), ("K", 4, "2")
         ]  # fmt: skip
-        out = upr("examine", "--repo", str(repo), "--partitions", "1", "--json", "K")
+        out = upr("examine", "--repo", str(repo), "--json", "K")
         versions = json.loads(out.stdout)["versions"]
         assert sorted((int(v["seq"]), v["lost"], v["in_latest"]) for v in versions) == [
             (1, False, True), (4, True, False)

@@ -5,8 +5,11 @@ and exit codes"): an `UprError` with its own code; click usage errors (and a com
 without its arguments) with 2; an `OSError` becomes the typed error `os_error` makes,
 naming the path (74 for a failing or full file system, 2 for a path that is not what it
 should be, 1 for the network); Ctrl-C exits 130; anything else is a bug, reported in one
-line with exit 70 (UPR_DEBUG=1 shows the traceback, which never shows locals). STYLE 4
-and 11.
+line with exit 70 (UPR_DEBUG=1 shows the traceback, which never shows locals). A command
+run without arguments prints its help and exits 2.
+
+The commands' modules are imported when one of them runs, not to list them
+(`cli/help.py`), so `upr --help` starts fast.
 """
 
 from __future__ import annotations
@@ -23,31 +26,30 @@ from typer.exceptions import Abort as TyperAbort
 from typer.exceptions import TyperException
 
 from upr_cli import __version__
-from upr_cli.cli import (
-    backup,
-    cluster,
-    diff,
-    examine,
-    inspect,
-    load,
-    replay,
-    restore,
-    rollback_point,
-    salvage,
-    serve,
-    spark,
-    tail,
-)
+from upr_cli.cli.help import LazyGroup
 from upr_cli.cli.output import error_line
 from upr_cli.errors import ExitCode, UprError, free_bytes, is_network_error, os_error
+from upr_cli.source import local_path
+
+HELP = """Toolkit for Couchbase's replication protocol (UPR, shipped as DCP): a node to
+serve, and backup, restore, tail, replay and failover-history tools for any node.
+
+Each command's --help has examples; `man upr` and `man upr-COMMAND` have the details.
+
+Example (a node, a workload, its changes, a backup and its restore):
+
+  upr serve --data /tmp/node --port 11210 --user admin --password secret
+  upr load upr://admin@127.0.0.1:11210/default --docs 10000
+  upr tail upr://admin@127.0.0.1:11210/default --until-end
+  upr backup upr://admin@127.0.0.1:11210/default --repo /backups/cb
+  upr restore --repo /backups/cb sqlite:/tmp/bucket.db
+  upr info --repo /backups/cb
+"""
 
 app = typer.Typer(
     name="upr",
-    help=(
-        "Toolkit for Couchbase's replication protocol (UPR, shipped as DCP).\n\n"
-        'Example: upr rollback-point --server-log \'[["deadbeef",8],["cafebabe",0]]\' '
-        '--client-log \'[["ba5eba11",7],["cafebabe",0]]\' --snapshot-seq 6 --seen-seq 9'
-    ),
+    cls=LazyGroup,
+    help=HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -71,21 +73,6 @@ def _root(
     """Toolkit for Couchbase's replication protocol (UPR, shipped as DCP)."""
 
 
-rollback_point.register(app)
-serve.register(app)
-tail.register(app)
-load.register(app)
-backup.register(app)
-inspect.register(app)
-restore.register(app)
-examine.register(app)
-replay.register(app)
-diff.register(app)
-salvage.register(app)
-spark.register(app)
-cluster.register(app)
-
-
 #: options whose value is a local path the command reads or writes: an error the file
 #: system reports without a path (ENOSPC from write(2)) is told against them
 PATH_OPTIONS = ("--repo", "--into", "--state", "--data", "--to", "--store", "--node-data")
@@ -99,12 +86,9 @@ def given_paths(args: Sequence[str]) -> list[Path]:
         name, eq, value = arg.partition("=")
         if name in PATH_OPTIONS:
             text = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-        elif arg.startswith(("sqlite:", "json:")):
-            text = arg.split(":", 1)[1]
-        elif arg.startswith("repo:"):
-            text = arg[len("repo:") :].rsplit("@", 1)[0]
         else:
-            continue
+            path = local_path(arg)
+            text = str(path) if path is not None else ""
         if text and "://" not in text:
             out.append(Path(text))
     return out
@@ -125,7 +109,8 @@ def _free_or_inf(path: Path) -> float:
 
 def _no_arguments(exc: Exception) -> bool:
     """The error click raises for a command that shows its help when run without
-    arguments (its message is that help, already printed)."""
+    arguments: the help is printed (on stdout) and the exit status is 2, as Typer and
+    click have it, with no error line after it."""
     return type(exc).__name__ == "NoArgsIsHelpError"
 
 
@@ -145,12 +130,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         # Usage errors (exit 2) from Typer's vendored click, or from click itself.
         ctx = getattr(exc, "ctx", None)
         path = ctx.command_path if ctx is not None else "upr"
-        hint = f" (see '{path} --help')"
-        if _no_arguments(exc):  # its message is the help, printed already: say what is wrong
-            error_line(f"{path}: no arguments given{hint}")
+        if _no_arguments(exc):  # the help is printed already, as the answer: nothing to add
             code = ExitCode.USAGE
         else:
-            error_line(f"{exc.format_message()}{hint}")
+            error_line(f"{exc.format_message()} (see '{path} --help')")
             code = exc.exit_code
     except (TyperAbort, click.exceptions.Abort):
         error_line("interrupted")

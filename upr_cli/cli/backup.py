@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import JsonOutput, SparkConf, SparkMaster, SparkTasks
+from upr_cli.cli.options import (
+    JsonOutput,
+    NodeUri,
+    NoProgress,
+    Partitions,
+    Repo,
+    SparkConf,
+    SparkMaster,
+    SparkTasks,
+)
 from upr_cli.cli.output import PartitionProgress, print_json, stderr, stdout
 from upr_cli.jobs.backup import backup
 from upr_cli.jobs.backup_stream import StreamStats
-from upr_cli.jobs.tail import parse_partitions
 from upr_cli.net.uri import SourceUri
+from upr_cli.source import selected
 
 HELP = """Back up a bucket into a repository, incrementally, through failovers.
 
@@ -64,15 +72,11 @@ def register(app: typer.Typer) -> None:
 
 
 def backup_cmd(
-    uri: Annotated[str, typer.Argument(help="upr://[user[:password]@]host[:port]/bucket")],
-    repo: Annotated[
-        Path, typer.Option("--repo", help="Repository directory (created on first use).")
-    ],
+    uri: NodeUri,
+    repo: Repo,
     full: Annotated[bool, typer.Option("--full", help="Stream everything from 0 again.")] = False,
-    partitions: Annotated[
-        str | None, typer.Option("--partitions", help="Only these, e.g. 0-15,40.")
-    ] = None,
-    no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar.")] = False,
+    partitions: Partitions = None,
+    no_progress: NoProgress = False,
     spark: SparkMaster = None,
     spark_tasks: SparkTasks = 8,
     conf: SparkConf = None,
@@ -100,7 +104,7 @@ def backup_cmd(
                     source,
                     repo,
                     full=full,
-                    partitions=parse_partitions(partitions) if partitions else None,
+                    partitions=selected(partitions),
                     on_progress=tick,
                     on_warning=lambda w: stderr.print(f"warning: {w}"),
                     streamer=streamer,

@@ -7,10 +7,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import JsonOutput, one_is_an_answer
+from upr_cli.cli.options import JsonOutput, Partitions, one_is_an_answer
 from upr_cli.cli.output import print_json, stdout
 from upr_cli.jobs.diff import STATUSES, PartitionDiff, diff_sources
-from upr_cli.jobs.tail import parse_partitions
+from upr_cli.source import selected
 
 HELP = """Compare the failover histories of A and B, partition by partition.
 
@@ -40,17 +40,17 @@ def register(app: typer.Typer) -> None:
 
 
 def diff_cmd(
-    a: Annotated[str, typer.Argument(help="upr://…, repo:DIR[@B], sqlite:PATH or a .json file")],
-    b: Annotated[str, typer.Argument(help="The same kinds; compared against A.")],
-    partitions: Annotated[
-        str | None, typer.Option("--partitions", help="Only these, e.g. 0-15,40.")
-    ] = None,
+    a: Annotated[
+        str, typer.Argument(metavar="A", help="upr://…, repo:DIR[@B], sqlite:PATH or a .json file")
+    ],
+    b: Annotated[str, typer.Argument(metavar="B", help="The same kinds; compared against A.")],
+    partitions: Partitions = None,
     all_rows: Annotated[bool, typer.Option("--all", help="List identical partitions too.")] = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Compare failover histories."""
     with one_is_an_answer():  # 1 means "they differ": a source that fails exits 2
-        report = diff_sources(a, b, parse_partitions(partitions) if partitions else None)
+        report = diff_sources(a, b, selected(partitions))
     code = 0 if report.identical else 1
     if json_out:
         print_json(report.to_json())

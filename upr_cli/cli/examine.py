@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import JsonOutput
+from upr_cli.cli.options import Bucket, JsonOutput, Partitions, Repo
 from upr_cli.cli.output import print_json, stdout
 from upr_cli.jobs.examine import examine
+from upr_cli.source import selected
 
 HELP = """Show every version of a key stored in a repository.
 
@@ -18,13 +18,17 @@ Each version with its backup, seq, op, cas and rev seq, whether it is in the lat
 state, and whether it is a lost write: a version a failover or an unclean restart rolled
 back (above a later backup's rollback point), absent from the latest state but kept.
 
+The key's partition comes from the bucket's partition count, which the repository's
+backups record. --partitions selects partitions as in every command: one that leaves
+out the key's partition is an error naming it.
+
 Example:
 
   upr examine --repo /backups/cb user::1042
 
-Example (as JSON, a repository of a 64-partition bucket):
+Example (as JSON):
 
-  upr examine --repo /backups/cb --partitions 64 --json user::1042
+  upr examine --repo /backups/cb --json user::1042
 """
 
 
@@ -34,23 +38,14 @@ def register(app: typer.Typer) -> None:
 
 
 def examine_cmd(
-    key: Annotated[str, typer.Argument(help="The document key.")],
-    repo: Annotated[Path, typer.Option("--repo", help="Repository directory.")],
-    bucket: Annotated[str | None, typer.Option("--bucket", help="The bucket (if several).")] = None,
-    partitions: Annotated[
-        int | None,
-        typer.Option(
-            "--partitions",
-            min=1,
-            max=1024,
-            help="The bucket's partition count (default: read from the repository's backups; "
-            "a count they contradict is an error).",
-        ),
-    ] = None,
+    key: Annotated[str, typer.Argument(metavar="KEY", help="The document key.")],
+    repo: Repo,
+    bucket: Bucket = None,
+    partitions: Partitions = None,
     json_out: JsonOutput = False,
 ) -> None:
     """Show every version of a key."""
-    versions = examine(repo, key.encode(), bucket=bucket, partitions=partitions)
+    versions = examine(repo, key.encode(), bucket=bucket, partitions=selected(partitions))
     if json_out:
         print_json({"key": key, "versions": [v.to_json() for v in versions]})
         return

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import JsonOutput
+from upr_cli.cli.options import Bucket, JsonOutput, Partitions, Repo
 from upr_cli.cli.output import print_json, stdout
 from upr_cli.jobs.inspect import info, verify
-from upr_cli.jobs.tail import parse_partitions
+from upr_cli.source import selected
 
 INFO_HELP = """Show a repository's backups: items, bytes, ratio, rollbacks, the chain.
 
@@ -56,15 +55,13 @@ def register(app: typer.Typer) -> None:
 
 
 def info_cmd(
-    repo: Annotated[Path, typer.Option("--repo", help="Repository directory.")],
-    bucket: Annotated[str | None, typer.Option("--bucket", help="Only this bucket.")] = None,
-    partitions: Annotated[
-        str | None, typer.Option("--partitions", help="Show these partitions' chains, e.g. 0-3,12.")
-    ] = None,
+    repo: Repo,
+    bucket: Bucket = None,
+    partitions: Partitions = None,
     json_out: JsonOutput = False,
 ) -> None:
     """Show a repository's backups."""
-    data = info(repo, bucket, parse_partitions(partitions) if partitions else None)
+    data = info(repo, bucket, selected(partitions))
     if json_out:
         print_json(data)
         return
@@ -107,8 +104,8 @@ def info_cmd(
 
 
 def verify_cmd(
-    repo: Annotated[Path, typer.Option("--repo", help="Repository directory.")],
-    bucket: Annotated[str | None, typer.Option("--bucket", help="Only this bucket.")] = None,
+    repo: Repo,
+    bucket: Bucket = None,
     repair: Annotated[
         bool, typer.Option("--repair", help="Rewrite a lost or damaged manifest file.")
     ] = False,

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from upr_cli.cli.options import JsonOutput
+from upr_cli.cli.options import JsonOutput, NodeUri
 from upr_cli.cli.output import print_json, stderr
 from upr_cli.jobs.load import LoadSummary, load
 from upr_cli.net.uri import SourceUri
@@ -25,7 +25,7 @@ Example (100,000 documents of about 180 bytes):
 
 Example (mixed workload at 2,000 ops/s, summary as JSON):
 
-  upr load upr://admin@127.0.0.1/default --docs 20000 --update-ratio 0.3
+  upr load upr://admin@127.0.0.1/default --docs 20000 --update-ratio 0.3 \\
       --delete-ratio 0.1 --rate 2000 --json
 """
 
@@ -36,11 +36,17 @@ def register(app: typer.Typer) -> None:
 
 
 def load_cmd(
-    uri: Annotated[str, typer.Argument(help="upr://[user[:password]@]host[:port]/bucket")],
-    docs: Annotated[int, typer.Option("--docs", min=1, help="Number of operations.")],
+    uri: NodeUri,
+    docs: Annotated[int, typer.Option("--docs", min=1, metavar="N", help="Number of operations.")],
     size: Annotated[
         int,
-        typer.Option("--size", min=60, max=20_000_000, help="Approximate document size in bytes."),
+        typer.Option(
+            "--size",
+            min=60,
+            max=20_000_000,
+            metavar="BYTES",
+            help="Approximate document size in bytes (60 to 20,000,000).",
+        ),
     ] = 180,
     update_ratio: Annotated[
         float,
@@ -48,20 +54,28 @@ def load_cmd(
             "--update-ratio",
             min=0.0,
             max=1.0,
+            metavar="SHARE",
             help="Share of operations updating an existing document.",
         ),
     ] = 0.0,
     delete_ratio: Annotated[
         float,
-        typer.Option("--delete-ratio", min=0.0, max=1.0, help="Share of operations deleting one."),
+        typer.Option(
+            "--delete-ratio",
+            min=0.0,
+            max=1.0,
+            metavar="SHARE",
+            help="Share of operations deleting one.",
+        ),
     ] = 0.0,
     rate: Annotated[
-        float | None, typer.Option("--rate", min=1.0, help="Operations per second at most.")
+        float | None,
+        typer.Option("--rate", min=1.0, metavar="N", help="Operations per second at most."),
     ] = None,
     seed: Annotated[
-        int, typer.Option("--seed", help="Random seed (same seed, same workload).")
+        int, typer.Option("--seed", metavar="N", help="Random seed (same seed, same workload).")
     ] = 1,
-    prefix: Annotated[str, typer.Option("--prefix", help="Key prefix.")] = "doc",
+    prefix: Annotated[str, typer.Option("--prefix", metavar="TEXT", help="Key prefix.")] = "doc",
     json_out: JsonOutput = False,
 ) -> None:
     """Write a workload."""

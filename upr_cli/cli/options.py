@@ -1,19 +1,47 @@
-"""Shared option aliases, so every command spells the same option the same way, and the
-parsing and error rules some commands share."""
+"""Shared option aliases, so every command spells the same option the same way (declared
+once here, as sqlite-utils shares its options), the deprecated spellings still accepted,
+and the parsing and error rules some commands share."""
 
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
 
 import typer
 
 from upr_cli.errors import ExitCode, UprError, UsageError, check_file_path, is_network_error
+from upr_cli.source import parse_source
+
+T = TypeVar("T")
+
+# -- options every command spells the same way -----------------------------------------
 
 JsonOutput = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
-Seq = Annotated[int, typer.Option(min=0, metavar="SEQ")]
+Partitions = Annotated[
+    str | None,
+    typer.Option("--partitions", metavar="LIST", help="Only these partitions, e.g. 0-15,40."),
+]
+Repo = Annotated[Path, typer.Option("--repo", metavar="DIR", help="The backup repository.")]
+Bucket = Annotated[
+    str | None,
+    typer.Option("--bucket", metavar="NAME", help="The bucket in the repository (if several)."),
+]
+At = Annotated[
+    str,
+    typer.Option("--at", metavar="BACKUP", help="A backup id, latest or oldest."),
+]
+NodeUri = Annotated[
+    str,
+    typer.Argument(metavar="URI", help="The node: upr://[user[:password]@]host[:port]/bucket."),
+]
+NoProgress = Annotated[bool, typer.Option("--no-progress", help="No progress bar.")]
+Keys = Annotated[
+    str | None, typer.Option("--keys", metavar="REGEX", help="Only keys matching this regex.")
+]
 
 SparkMaster = Annotated[
     str | None,
@@ -21,7 +49,8 @@ SparkMaster = Annotated[
                  help="Divide the partitions among Spark tasks (local[*], spark://…, yarn)."),
 ]  # fmt: skip
 SparkTasks = Annotated[
-    int, typer.Option("--spark-tasks", min=1, help="Spark tasks (partitions shares).")
+    int,
+    typer.Option("--spark-tasks", min=1, metavar="N", help="Spark tasks (partitions shares)."),
 ]
 SparkConf = Annotated[
     list[str] | None,
@@ -29,30 +58,57 @@ SparkConf = Annotated[
 ]
 
 
-#: what `upr restore` accepts as its TARGET
-RESTORE_TARGETS = "upr://[user@]host[:port]/bucket (a node) or sqlite:PATH (a SQLite store)"
+def key_pattern(keys: str | None) -> re.Pattern[bytes] | None:
+    """`--keys` compiled; a regex that does not compile is a usage error."""
+    try:
+        return re.compile(keys.encode()) if keys is not None else None
+    except re.error as exc:
+        raise UsageError(f"--keys: not a valid regex: {exc}") from None
+
+
+# -- deprecated spellings ---------------------------------------------------------------
+
+
+def deprecated_alias(old: str, new: str, **kwargs: Any) -> Any:
+    """A hidden option `old` still accepted for `new`: when given, it prints one warning
+    line on stderr. Declare it next to `new` with a default of None and merge the two
+    with `either`; `kwargs` (min, max, …) are `new`'s checks.
+
+        partitions: Annotated[int | None, deprecated_alias("--partitions", "--num-partitions")]
+    """
+
+    def warn(value: object) -> object:
+        if value is not None and value != []:
+            sys.stderr.write(f"upr: warning: {old} is deprecated here: use {new}\n")
+            sys.stderr.flush()
+        return value
+
+    return typer.Option(old, hidden=True, callback=warn, show_default=False, **kwargs)
+
+
+def either(new: T | None, old: T | None, default: T, names: tuple[str, str]) -> T:
+    """The value of an option given under its new name or its deprecated alias (`names`:
+    new, old); both at once is a usage error."""
+    if new is not None and old is not None:
+        raise UsageError(f"{names[1]} is the old spelling of {names[0]}: give one of them")
+    if new is not None:
+        return new
+    return old if old is not None else default
+
+
+# -- sources and targets ------------------------------------------------------------------
 
 
 def restore_target(text: str) -> tuple[Literal["node", "sqlite"], str]:
     """Parse `upr restore`'s TARGET: ("node", the URI) for upr://… or couchbase://…, or
     ("sqlite", PATH) for sqlite:PATH, whose directory must exist. Anything else is a
     UsageError naming what is wrong; a bare path gets the sqlite: form it probably meant."""
-    if text.startswith(("upr://", "couchbase://")):
-        return "node", text
-    if text.startswith("sqlite:"):
-        path = text[len("sqlite:") :]
-        if not path:
-            raise UsageError("TARGET sqlite: needs a path, e.g. sqlite:/tmp/bucket.db")
-        check_file_path(path, f"TARGET {text}")
-        return "sqlite", path
-    if not text.strip():
-        raise UsageError(f"TARGET is empty: give {RESTORE_TARGETS}")
-    scheme, colon, _rest = text.partition(":")
-    if colon and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]+", scheme):
-        shown = f"{scheme}:…" if "@" in text else text  # user:password@ is never echoed
-        raise UsageError(f"TARGET {shown!r}: unknown kind of target; give {RESTORE_TARGETS}")
-    raise UsageError(f"TARGET {text!r} is a path: a SQLite store there is sqlite:{text}; "
-                     "a node is upr://[user@]host[:port]/bucket")  # fmt: skip
+    target = parse_source(text, ("node", "sqlite"), what="TARGET")
+    if target.kind == "node":
+        return "node", target.uri
+    path = text[len("sqlite:") :]
+    check_file_path(path, f"TARGET {text}")
+    return "sqlite", path
 
 
 class NoAnswer(UprError):

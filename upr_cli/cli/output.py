@@ -1,4 +1,4 @@
-"""Where output goes: data to stdout (pipeable), messages and errors to stderr (STYLE 11)."""
+"""Where output goes: data to stdout (pipeable), messages and errors to stderr."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def error_line(message: str) -> None:
 
 class PartitionProgress:
     """A transient progress bar on stderr for jobs over partitions: "done/total <what>",
-    an item count and a rate. Hidden unless stderr is a terminal (STYLE 11)."""
+    an item count and a rate. Hidden unless stderr is a terminal (nothing when piped)."""
 
     def __init__(self, label: str, what: str, *, show: bool) -> None:
         import time

@@ -9,12 +9,12 @@ from typing import Annotated
 
 import typer
 
-from upr_cli.cli.options import JsonOutput
+from upr_cli.cli.options import Bucket, JsonOutput, NoProgress, Partitions
 from upr_cli.cli.output import PartitionProgress, print_json, stderr, stdout
-from upr_cli.errors import UsageError, check_file_path
+from upr_cli.errors import check_file_path
 from upr_cli.jobs.replay import ReplayStats, check_options, replay_node, replay_repo
-from upr_cli.jobs.tail import parse_partitions
 from upr_cli.net.uri import SourceUri
+from upr_cli.source import parse_source, selected
 from upr_cli.store import DEFAULT_UNDO_WINDOW
 
 HELP = """Replay a source into a SQLite store that follows it like a UPR replica.
@@ -42,13 +42,14 @@ Example:
 
 Example (follow, consistent cuts only, durable writes only):
 
-  upr replay upr://admin@127.0.0.1/default --into /tmp/bucket.db --follow --consistent
-      --durable-only
+  upr replay upr://admin@127.0.0.1/default --into /tmp/bucket.db --follow \\
+      --consistent --durable-only
 
 Example (from a backup repository, then query the JSON):
 
   upr replay repo:/backups/cb --into /tmp/bucket.db
-  sqlite3 /tmp/bucket.db "SELECT id, json_extract(doc, '$.name') FROM json_documents LIMIT 5"
+  sqlite3 /tmp/bucket.db \\
+      "SELECT id, json_extract(doc, '$.name') FROM json_documents LIMIT 5"
 """
 
 
@@ -57,11 +58,29 @@ def register(app: typer.Typer) -> None:
     app.command("replay", help=HELP, no_args_is_help=True)(replay_cmd)
 
 
+UndoWindow = Annotated[
+    int,
+    typer.Option("--undo-window", min=0, metavar="N",
+                 help="Mutation-log entries kept per partition (how far a rollback reaches)."),
+]  # fmt: skip
+MaxPending = Annotated[
+    int,
+    typer.Option("--max-pending", min=1, metavar="N",
+                 help="Uncommitted changes a partition may hold (bounds memory)."),
+]  # fmt: skip
+
+
 def replay_cmd(
     source: Annotated[
-        str, typer.Argument(help="upr://[user[:password]@]host[:port]/bucket or repo:DIR[@BACKUP]")
+        str,
+        typer.Argument(
+            metavar="SOURCE", help="upr://[user[:password]@]host[:port]/bucket or repo:DIR[@BACKUP]"
+        ),
     ],
-    into: Annotated[Path, typer.Option("--into", help="The SQLite store (created if missing).")],
+    into: Annotated[
+        Path,
+        typer.Option("--into", metavar="PATH", help="The SQLite store (created if missing)."),
+    ],
     follow: Annotated[
         bool, typer.Option("--follow", help="Keep following new changes until Ctrl-C.")
     ] = False,
@@ -71,36 +90,17 @@ def replay_cmd(
     durable_only: Annotated[
         bool, typer.Option("--durable-only", help="Apply only changes the source persisted.")
     ] = False,
-    undo_window: Annotated[
-        int,
-        typer.Option(
-            "--undo-window",
-            min=0,
-            metavar="N",
-            help="Mutation-log entries kept per partition (how far a rollback reaches).",
-        ),
-    ] = DEFAULT_UNDO_WINDOW,
-    max_pending: Annotated[
-        int,
-        typer.Option(
-            "--max-pending",
-            min=1,
-            metavar="N",
-            help="Uncommitted changes a partition may hold (bounds memory).",
-        ),
-    ] = 262_144,
-    partitions: Annotated[
-        str | None, typer.Option("--partitions", help="Only these, e.g. 0-15,40.")
-    ] = None,
-    bucket: Annotated[
-        str | None, typer.Option("--bucket", help="Repository source: the bucket (if several).")
-    ] = None,
-    no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar.")] = False,
+    undo_window: UndoWindow = DEFAULT_UNDO_WINDOW,
+    max_pending: MaxPending = 262_144,
+    partitions: Partitions = None,
+    bucket: Bucket = None,
+    no_progress: NoProgress = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Replay a source into a SQLite store."""
+    spec = parse_source(source, ("node", "repo"))
     check_options(follow, consistent, durable_only, source)
-    parts = parse_partitions(partitions) if partitions else None
+    parts = selected(partitions)
     check_file_path(into, f"--into {into}")  # the store's directory, before streaming
     show = sys.stderr.isatty() and not no_progress
 
@@ -112,26 +112,15 @@ def replay_cmd(
         def tick(s: ReplayStats) -> None:
             bar.update(s.partitions_caught_up, s.partitions, s.applied, "applied", s.started)
 
-        if source.startswith("repo:"):
-            spec = source[5:]
-            path, _, at = spec.partition("@")
-            if not path:
-                raise UsageError(f"{source!r}: a repository source is repo:DIR[@BACKUP]")
-            stats = replay_repo(
-                Path(path),
-                into,
-                bucket=bucket,
-                at=at or "latest",
-                partitions=parts,
-                undo_window=undo_window,
-                on_progress=tick,
-                on_event=event,
-            )
-        elif source.startswith(("upr://", "couchbase://")):
-            uri = SourceUri.parse(source)
+        if spec.kind == "repo":
+            assert spec.path is not None
+            stats = replay_repo(spec.path, into, bucket=bucket, at=spec.at or "latest",
+                                partitions=parts, undo_window=undo_window, on_progress=tick,
+                                on_event=event)  # fmt: skip
+        else:
             stats = asyncio.run(
                 replay_node(
-                    uri,
+                    SourceUri.parse(spec.uri),
                     into,
                     partitions=parts,
                     follow=follow,
@@ -143,8 +132,11 @@ def replay_cmd(
                     on_event=event,
                 )
             )
-        else:
-            raise UsageError(f"{source!r}: a source is upr://… or repo:DIR[@BACKUP]")
+    _report(stats, into, json_out)
+
+
+def _report(stats: ReplayStats, into: Path, json_out: bool) -> None:
+    """The run's summary: JSON, or one line."""
     if json_out:
         print_json(stats.to_json())
         return

@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from upr_cli.cli.options import JsonOutput, SparkConf, SparkMaster, SparkTasks, restore_target
+from upr_cli.cli.options import (
+    At,
+    Bucket,
+    JsonOutput,
+    Keys,
+    Partitions,
+    Repo,
+    SparkConf,
+    SparkMaster,
+    SparkTasks,
+    key_pattern,
+    restore_target,
+)
 from upr_cli.cli.output import print_json, stderr, stdout
 from upr_cli.errors import UsageError
-from upr_cli.jobs.restore import restore_to_node, restore_to_store
-from upr_cli.jobs.tail import parse_partitions
+from upr_cli.jobs.restore import RestoreSummary, restore_to_node, restore_to_store
 from upr_cli.net.uri import SourceUri
+from upr_cli.source import selected
 
 HELP = """Restore the state at a backup into a node or a SQLite store.
 
@@ -45,14 +58,16 @@ Example (into a SQLite store):
 
 Example (the state at one backup; its chain is checked first):
 
-  upr restore --repo /backups/cb --at 20261121T061500.123456Z sqlite:/tmp/then.db
+  upr restore --repo /backups/cb --at 20261121T061500.123456Z \\
+      sqlite:/tmp/then.db
 
 --spark MASTER divides the partitions among Spark tasks (--spark-tasks, default 8;
 --conf k=v passes Spark settings); each task writes its share to the target node.
 
 Example (what the oldest backup would restore for partitions 0-7):
 
-  upr restore --repo /backups/cb --at oldest --partitions 0-7 --dry-run upr://admin@127.0.0.1/default
+  upr restore --repo /backups/cb --at oldest --partitions 0-7 --dry-run \\
+      upr://admin@127.0.0.1/default
 """
 
 
@@ -63,19 +78,16 @@ def register(app: typer.Typer) -> None:
 
 def restore_cmd(
     target: Annotated[
-        str, typer.Argument(help="upr://[user[:password]@]host[:port]/bucket or sqlite:PATH")
+        str,
+        typer.Argument(
+            metavar="TARGET", help="upr://[user[:password]@]host[:port]/bucket or sqlite:PATH"
+        ),
     ],
-    repo: Annotated[Path, typer.Option("--repo", help="Repository directory.")],
-    at: Annotated[str, typer.Option("--at", help="A backup id, latest or oldest.")] = "latest",
-    bucket: Annotated[
-        str | None, typer.Option("--bucket", help="The bucket in the repository (if several).")
-    ] = None,
-    partitions: Annotated[
-        str | None, typer.Option("--partitions", help="Only these, e.g. 0-15,40.")
-    ] = None,
-    keys: Annotated[
-        str | None, typer.Option("--keys", help="Only keys matching this regex.")
-    ] = None,
+    repo: Repo,
+    at: At = "latest",
+    bucket: Bucket = None,
+    partitions: Partitions = None,
+    keys: Keys = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan; write nothing.")
     ] = False,
@@ -94,58 +106,70 @@ def restore_cmd(
     json_out: JsonOutput = False,
 ) -> None:
     """Restore a backup."""
-    restore_target(target)  # neither upr://… nor sqlite:PATH: a usage error, before any work
-    try:
-        pattern = re.compile(keys.encode()) if keys is not None else None
-    except re.error as exc:
-        raise UsageError(f"--keys: not a valid regex: {exc}") from None
-    parts = parse_partitions(partitions) if partitions else None
-    if spark is not None and not target.startswith(("upr://", "couchbase://")):
-        raise UsageError("--spark restores into a node (upr://…); a SQLite store has one writer")
+    kind, where = restore_target(target)  # anything else: a usage error, before any work
+    plan = Plan(repo, bucket=bucket, at=at, partitions=selected(partitions),
+                keys=key_pattern(keys), dry_run=dry_run, skip_corrupt=skip_corrupt)  # fmt: skip
     if spark is not None:
-        from upr_cli.spark.distributed import spark_restore
-        from upr_cli.spark.jobs import parse_conf, session
-
-        settings = parse_conf(conf or [])
-        sess = session(spark, settings, app="upr restore")
-        try:
-            summary = spark_restore(sess, repo, SourceUri.parse(target), tasks=spark_tasks,
-                                    partitions=parts, bucket=bucket, at=at, keys=pattern,
-                                    dry_run=dry_run, force_updates=force_updates,
-                                    include_tombstones=include_tombstones,
-                                    skip_corrupt=skip_corrupt)  # fmt: skip
-        finally:
-            sess.stop()
-    elif target.startswith("sqlite:"):
+        if kind != "node":
+            raise UsageError(
+                "--spark restores into a node (upr://…); a SQLite store has one writer"
+            )
+        summary = _on_spark(plan, where, spark, spark_tasks, conf, force_updates,
+                            include_tombstones)  # fmt: skip
+    elif kind == "sqlite":
         if force_updates:
             raise UsageError(
                 "--force-updates applies to node targets (a store keeps what it is given)"
             )
-        summary = restore_to_store(
-            repo,
-            Path(target[len("sqlite:") :]),
-            bucket=bucket,
-            at=at,
-            partitions=parts,
-            keys=pattern,
-            dry_run=dry_run,
-            skip_corrupt=skip_corrupt,
-        )
-    elif target.startswith(("upr://", "couchbase://")):
+        summary = restore_to_store(repo, Path(where), **plan.options())
+    else:
         summary = asyncio.run(
             restore_to_node(
                 repo,
-                SourceUri.parse(target),
-                bucket=bucket,
-                at=at,
-                partitions=parse_partitions(partitions) if partitions else None,
-                keys=pattern,
-                dry_run=dry_run,
+                SourceUri.parse(where),
                 force_updates=force_updates,
                 include_tombstones=include_tombstones,
-                skip_corrupt=skip_corrupt,
+                **plan.options(),
             )
         )
+    _report(summary, dry_run, json_out)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What to restore, as every kind of target takes it."""
+
+    repo: Path
+    bucket: str | None
+    at: str
+    partitions: list[int] | None
+    keys: re.Pattern[bytes] | None
+    dry_run: bool
+    skip_corrupt: bool
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of `restore_to_node` and `restore_to_store`."""
+        names = ("bucket", "at", "partitions", "keys", "dry_run", "skip_corrupt")
+        return {name: getattr(self, name) for name in names}
+
+
+def _on_spark(plan: Plan, uri: str, master: str, tasks: int, conf: list[str] | None,
+              force_updates: bool, include_tombstones: bool) -> Any:  # fmt: skip
+    """Restore into a node from Spark tasks, each writing its share of the partitions."""
+    from upr_cli.spark.distributed import spark_restore
+    from upr_cli.spark.jobs import parse_conf, session
+
+    sess = session(master, parse_conf(conf or []), app="upr restore")
+    try:
+        return spark_restore(sess, plan.repo, SourceUri.parse(uri), tasks=tasks,
+                             force_updates=force_updates, include_tombstones=include_tombstones,
+                             **plan.options())  # fmt: skip
+    finally:
+        sess.stop()
+
+
+def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
+    """The summary (JSON or two lines), what was skipped; exit 1 when anything failed."""
     if json_out:
         print_json(summary.to_json())
     else:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import JsonOutput, one_is_an_answer
+from upr_cli.cli.options import Bucket, JsonOutput, Partitions, one_is_an_answer
 from upr_cli.cli.output import print_json, stdout
 from upr_cli.errors import UsageError
 from upr_cli.jobs.salvage import (
@@ -18,7 +18,7 @@ from upr_cli.jobs.salvage import (
     salvage_repo,
     salvage_store,
 )
-from upr_cli.jobs.tail import parse_partitions
+from upr_cli.source import selected
 
 HELP = """Find the lost writes of a failover and write back those still safe to.
 
@@ -29,8 +29,8 @@ failover in the middle of a backup took back, and above the rollback point its n
 backup would get from the master now); --store finds them in a replay store
 (the versions its rollbacks took back, and its documents above the rollback point);
 --node-data finds them in a replica node's data directory (the versions its
-replication rollbacks took back, kept in its lost_writes table; seed 000 "Replica C
-repairs master").
+replication rollbacks took back, kept in its lost_writes table: a replica that rolled
+back repairs the new master).
 
 A lost write is safe to write back when the key has not changed on the master since
 the cut (the master's DCP stream from the cut does not name it); otherwise it is a
@@ -51,7 +51,8 @@ Example (write them back, from a replay store's mutation log):
 
 Example (a replica that rolled back repairs the new master):
 
-  upr salvage --node-data /tmp/cl/n2 --to upr://admin@127.0.0.1:12001/default --apply
+  upr salvage --node-data /tmp/cl/n2 \\
+      --to upr://admin@127.0.0.1:12001/default --apply
 """
 
 
@@ -62,29 +63,30 @@ def register(app: typer.Typer) -> None:
 
 def salvage_cmd(
     to: Annotated[
-        str | None, typer.Option("--to", help="The current master: upr://…/bucket.")
+        str | None, typer.Option("--to", metavar="URI", help="The current master: upr://…/bucket.")
     ] = None,
-    repo: Annotated[Path | None, typer.Option("--repo", help="A backup repository.")] = None,
-    store: Annotated[Path | None, typer.Option("--store", help="A replay store.")] = None,
+    repo: Annotated[
+        Path | None, typer.Option("--repo", metavar="DIR", help="A backup repository.")
+    ] = None,
+    store: Annotated[
+        Path | None, typer.Option("--store", metavar="PATH", help="A replay store.")
+    ] = None,
     node_data: Annotated[
-        Path | None, typer.Option("--node-data", help="A replica node's data directory.")
+        Path | None,
+        typer.Option("--node-data", metavar="DIR", help="A replica node's data directory."),
     ] = None,
-    bucket: Annotated[
-        str | None, typer.Option("--bucket", help="The bucket in the repository (if several).")
-    ] = None,
+    bucket: Bucket = None,
     apply: Annotated[
         bool, typer.Option("--apply/--dry-run", help="Write the safe ones (default: list only).")
     ] = False,
-    partitions: Annotated[
-        str | None, typer.Option("--partitions", help="Only these, e.g. 0-15,40.")
-    ] = None,
+    partitions: Partitions = None,
     json_out: JsonOutput = False,
 ) -> None:
     """Salvage lost writes."""
     if [repo, store, node_data].count(None) != 2:
         raise UsageError("give exactly one of --repo DIR, --store PATH.db and --node-data DIR")
     target = check_target(to)
-    parts = parse_partitions(partitions) if partitions else None
+    parts = selected(partitions)
     with one_is_an_answer():  # 1 means "lost writes remain": a failure exits 2
         if repo is not None:
             report = salvage_repo(repo, target, bucket=bucket, apply=apply, partitions=parts)

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from upr_cli.cli.options import deprecated_alias, either
 from upr_cli.errors import UsageError
 from upr_cli.node.server import NodeConfig, NodeServer
 
@@ -29,7 +30,13 @@ Example:
 Example (tests and demos on loopback, writes kept unpersisted for 60 s):
 
   upr serve --data /tmp/node --port 0 --no-auth --flush-interval 60
+
+Example (a bucket of 64 partitions; --partitions N, the old spelling, still works):
+
+  upr serve --data /tmp/node --no-auth --num-partitions 64
 """
+
+NUM_PARTITIONS = 1024
 
 
 def register(app: typer.Typer) -> None:
@@ -60,27 +67,48 @@ def load_users(user: str | None, password: str | None, users_file: Path | None) 
 
 
 def serve_cmd(
-    data: Annotated[Path, typer.Option("--data", help="Directory for the bucket's SQLite file.")],
-    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    data: Annotated[
+        Path, typer.Option("--data", metavar="DIR", help="Directory for the bucket's SQLite file.")
+    ],
+    host: Annotated[
+        str, typer.Option("--host", metavar="ADDRESS", help="Address to listen on.")
+    ] = "127.0.0.1",
     port: Annotated[
-        int, typer.Option("--port", min=0, max=65535, help="TCP port (0: any free port).")
+        int,
+        typer.Option(
+            "--port", min=0, max=65535, metavar="PORT", help="TCP port (0: any free port)."
+        ),
     ] = 11210,
-    bucket: Annotated[str, typer.Option("--bucket", help="Bucket name.")] = "default",
-    partitions: Annotated[
-        int, typer.Option("--partitions", min=1, max=1024, help="Partitions (vbuckets).")
-    ] = 1024,
-    user: Annotated[str | None, typer.Option("--user", help="A user name.")] = None,
+    bucket: Annotated[
+        str, typer.Option("--bucket", metavar="NAME", help="Bucket name.")
+    ] = "default",
+    num_partitions: Annotated[
+        int | None,
+        typer.Option(
+            "--num-partitions",
+            min=1,
+            max=1024,
+            metavar="N",
+            help="How many partitions (vbuckets) the bucket has (default 1024).",
+        ),
+    ] = None,
+    old_partitions: Annotated[
+        int | None, deprecated_alias("--partitions", "--num-partitions", min=1, max=1024)
+    ] = None,
+    user: Annotated[str | None, typer.Option("--user", metavar="NAME", help="A user name.")] = None,
     password: Annotated[
         str | None,
         typer.Option(
             "--password",
+            metavar="TEXT",
             help="Its password (or set UPR_PASSWORD).",
             envvar="UPR_PASSWORD",
             show_envvar=False,
         ),
     ] = None,
     users_file: Annotated[
-        Path | None, typer.Option("--users-file", help='JSON object {"user": "password", …}.')
+        Path | None,
+        typer.Option("--users-file", metavar="PATH", help='JSON object {"user": "password", …}.'),
     ] = None,
     no_auth: Annotated[
         bool, typer.Option("--no-auth", help="Serve without authentication (loopback only).")
@@ -90,6 +118,7 @@ def serve_cmd(
         typer.Option(
             "--flush-interval",
             min=0.001,
+            metavar="SECONDS",
             help="Seconds the flusher gathers writes before committing.",
         ),
     ] = 0.05,
@@ -98,6 +127,7 @@ def serve_cmd(
         typer.Option(
             "--purge-age",
             min=0.0,
+            metavar="SECONDS",
             help="Purge tombstones older than this many seconds (checked every flush).",
         ),
     ] = None,
@@ -106,11 +136,13 @@ def serve_cmd(
         typer.Option(
             "--dcp-idle-timeout",
             min=0.1,
+            metavar="SECONDS",
             help="Disconnect a DCP peer silent this long (with noop on).",
         ),
     ] = 360.0,
     log_level: Annotated[
-        str, typer.Option("--log-level", help="debug, info, warning or error.")
+        str,
+        typer.Option("--log-level", metavar="LEVEL", help="debug, info, warning or error."),
     ] = "warning",
 ) -> None:
     """Run a UPR node."""
@@ -120,6 +152,8 @@ def serve_cmd(
     logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(asctime)s upr-serve %(levelname)s %(message)s")  # fmt: skip
     users = load_users(user, password, users_file)
+    partitions = either(num_partitions, old_partitions, NUM_PARTITIONS,
+                        ("--num-partitions", "--partitions"))  # fmt: skip
     config = NodeConfig(
         data_dir=data, host=host, port=port, bucket=bucket, partitions=partitions, users=users,
         no_auth=no_auth, flush_interval=flush_interval, purge_age=purge_age,

@@ -8,12 +8,15 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from upr_cli.cli.options import JsonOutput
+from upr_cli.cli.options import At, Bucket, JsonOutput, Repo, SparkConf
 from upr_cli.cli.output import print_json, stdout
+from upr_cli.source import open_bucket
 
-HELP = """Run upr's data pipeline on Spark: locally (--master local[*], the default) or
-on any Spark cluster unchanged (--master spark://…, yarn, k8s://…; --conf k=v passes
-settings through). The repository must be on storage every executor can read.
+HELP = """Run upr's data pipeline on Spark, locally or on a Spark cluster.
+
+Locally with --master local[*] (the default), or on any Spark cluster unchanged
+(--master spark://…, yarn, k8s://…; --conf k=v passes settings through). The
+repository must be on storage every executor can read.
 
 Example (the latest state as Parquet, partitioned by partition id):
 
@@ -28,8 +31,8 @@ EXPORT_HELP = """Export the state of a repository at a backup, partitioned by pa
 
 The state at --at (a backup id, latest or oldest) follows the chain semantics: the
 latest version of every key, tombstones and lost writes left out; columns as in
-formats/spark.md. Writes PATH/partition=N/… as Parquet (default) or JSON lines; an
-existing PATH is refused unless --overwrite.
+formats/spark.md. Writes DIR/partition=N/… as Parquet (default) or JSON lines; an
+existing directory is refused unless --overwrite.
 
 Example:
 
@@ -37,8 +40,9 @@ Example:
 
 Example (an older backup as JSON, on a cluster):
 
-  upr spark export --repo /shared/cb --at 20261121T071033.959105Z --to /shared/cb-json
-      --format json --master spark://10.0.0.5:7077 --conf spark.executor.memory=4g
+  upr spark export --repo /shared/cb --at 20261121T071033.959105Z \\
+      --to /shared/cb-json --format json --master spark://10.0.0.5:7077 \\
+      --conf spark.executor.memory=4g
 """
 
 T = TypeVar("T")
@@ -46,12 +50,10 @@ T = TypeVar("T")
 app = typer.Typer(name="spark", help=HELP, no_args_is_help=True)
 
 Master = Annotated[
-    str, typer.Option("--master", help="Spark master URL (local[*], spark://…, yarn, k8s://…).")
-]
-Conf = Annotated[
-    list[str] | None,
-    typer.Option("--conf", metavar="KEY=VALUE", help="A Spark setting (repeatable)."),
-]
+    str,
+    typer.Option("--master", metavar="URL",
+                 help="Spark master URL (local[*], spark://…, yarn, k8s://…)."),
+]  # fmt: skip
 
 
 def register(root: typer.Typer) -> None:
@@ -61,18 +63,16 @@ def register(root: typer.Typer) -> None:
 
 @app.command("export", help=EXPORT_HELP, no_args_is_help=True)
 def export_cmd(
-    repo: Annotated[Path, typer.Option("--repo", help="Repository directory.")],
-    to: Annotated[Path, typer.Option("--to", help="Output directory.")],
+    repo: Repo,
+    to: Annotated[Path, typer.Option("--to", metavar="DIR", help="Output directory.")],
     fmt: Annotated[
-        str, typer.Option("--format", help="parquet or json.", metavar="FORMAT")
+        str, typer.Option("--format", metavar="parquet|json", help="The files' format.")
     ] = "parquet",
-    at: Annotated[str, typer.Option("--at", help="A backup id, latest or oldest.")] = "latest",
-    bucket: Annotated[
-        str | None, typer.Option("--bucket", help="The bucket in the repository (if several).")
-    ] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace PATH.")] = False,
+    at: At = "latest",
+    bucket: Bucket = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DIR.")] = False,
     master: Master = "local[*]",
-    conf: Conf = None,
+    conf: SparkConf = None,
     json_out: JsonOutput = False,
 ) -> None:
     """Export the state at a backup."""
@@ -120,15 +120,18 @@ Example (on a cluster, the repository on shared storage):
 
 @app.command("merge", help=MERGE_HELP, no_args_is_help=True)
 def merge_cmd(
-    repo: Annotated[Path, typer.Option("--repo", help="Repository directory.")],
+    repo: Repo,
     through: Annotated[
-        str, typer.Option("--through", help="The backup to merge through (an id, latest, oldest).")
+        str,
+        typer.Option(
+            "--through",
+            metavar="BACKUP",
+            help="The backup to merge through (an id, latest, oldest).",
+        ),
     ] = "latest",
-    bucket: Annotated[
-        str | None, typer.Option("--bucket", help="The bucket in the repository (if several).")
-    ] = None,
+    bucket: Bucket = None,
     master: Master = "local[*]",
-    conf: Conf = None,
+    conf: SparkConf = None,
     json_out: JsonOutput = False,
 ) -> None:
     """Merge a chain into one full backup."""
@@ -149,7 +152,6 @@ def merge_cmd(
 def _checked(repo: Path, at: str, bucket: str | None) -> None:
     """The repository options, checked before Spark starts (its start-up takes seconds).
     The repository is opened as every command opens it (same errors, same exit codes)."""
-    from upr_cli.jobs.inspect import open_bucket
     from upr_cli.spark.plan import parse_options
 
     open_bucket(repo, bucket)

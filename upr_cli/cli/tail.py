@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from upr_cli.cli.options import Keys, NodeUri, Partitions, key_pattern
 from upr_cli.cli.output import stderr
 from upr_cli.errors import UsageError
-from upr_cli.jobs.tail import TailOptions, parse_partitions, tail
+from upr_cli.jobs.tail import TailOptions, tail
 from upr_cli.net.uri import SourceUri
+from upr_cli.source import selected
 
 HELP = """Print a bucket's changes as they stream over DCP.
 
@@ -30,7 +31,8 @@ Example (everything up to now, as JSON lines):
 
 Example (follow new changes of partitions 0-15, keys matching user::):
 
-  upr tail upr://admin@127.0.0.1/default --from now --partitions 0-15 --keys 'user::'
+  upr tail upr://admin@127.0.0.1/default --from now --partitions 0-15 \\
+      --keys 'user::'
 """
 
 
@@ -40,41 +42,38 @@ def register(app: typer.Typer) -> None:
 
 
 def tail_cmd(
-    uri: Annotated[str, typer.Argument(help="upr://[user[:password]@]host[:port]/bucket")],
+    uri: NodeUri,
     start: Annotated[
-        str, typer.Option("--from", help="beginning, now, or a seq number.")
+        str, typer.Option("--from", metavar="WHERE", help="beginning, now, or a seq number.")
     ] = "beginning",
     until_end: Annotated[
         bool, typer.Option("--until-end", help="Stop at the high seqnos read at start.")
     ] = False,
     count: Annotated[
-        int | None, typer.Option("--count", min=1, help="Stop after N changes.")
+        int | None, typer.Option("--count", min=1, metavar="N", help="Stop after N changes.")
     ] = None,
-    partitions: Annotated[str | None, typer.Option("--partitions", help="e.g. 0-15,40")] = None,
-    keys: Annotated[
-        str | None, typer.Option("--keys", help="Only keys matching this regex.")
-    ] = None,
-    fmt: Annotated[str, typer.Option("--format", help="text or json.")] = "text",
+    partitions: Partitions = None,
+    keys: Keys = None,
+    fmt: Annotated[
+        str, typer.Option("--format", metavar="text|json", help="One line of text, or of JSON.")
+    ] = "text",
     verbose: Annotated[
         bool,
         typer.Option("-v", "--verbose", help="Also show snapshot markers, rollbacks, stream ends."),
     ] = False,
     state: Annotated[
         Path | None,
-        typer.Option("--state", help="Resume from and save positions to this JSON file."),
+        typer.Option(
+            "--state", metavar="PATH", help="Resume from and save positions to this JSON file."
+        ),
     ] = None,
 ) -> None:
     """Print a bucket's changes."""
     if fmt not in ("text", "json"):
         raise UsageError("--format takes text or json")
-    try:
-        pattern = re.compile(keys.encode()) if keys is not None else None
-    except re.error as exc:
-        raise UsageError(f"--keys: not a valid regex: {exc}") from None
     opts = TailOptions(
-        start=start, until_end=until_end, count=count,
-        partitions=parse_partitions(partitions) if partitions else None, keys=pattern, fmt=fmt,
-        verbose=verbose, state=state,
+        start=start, until_end=until_end, count=count, partitions=selected(partitions),
+        keys=key_pattern(keys), fmt=fmt, verbose=verbose, state=state,
     )  # fmt: skip
     source = SourceUri.parse(uri)
     try:

@@ -1,12 +1,14 @@
 """`upr examine`: every version of one key across a repository's chain.
 
 The key's partition follows the SDKs' hashing over the bucket's partition count, read from
-the repository's manifests (`partition_count`); a count given that the repository
-contradicts is refused rather than answered with a silent "no version". Each version
-found in a segment is listed with its backup, seq, op, cas and rev seq, and whether it
-is a lost write: above the cut a later backup's rollback made (DESIGN, chain semantics),
-so absent from the latest state, or taken back by a rollback in the middle of its
-backup (a cut-back segment, formats/repository.md §5.6).
+the repository's manifests (`partition_count`); when the backups only bound the count
+from below, every partition the key could hash to is searched. `--partitions` selects
+partitions, as in every command: a selection that leaves out the key's partition is
+refused, naming it, rather than answered with a silent "no version". Each version found
+in a segment is listed with its backup, seq, op, cas and rev seq, and whether it is a
+lost write: above the cut a later backup's rollback made (formats/repository.md §8,
+chain semantics), so absent from the latest state, or taken back by a rollback in the
+middle of its backup (a cut-back segment, formats/repository.md §5.6).
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.errors import UsageError
-from upr_cli.jobs.inspect import open_bucket
 from upr_cli.net.bootstrap import partition_of
+from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION
 from upr_cli.repo import Manifest, lost_cut
 from upr_cli.segments import SegmentReader
+from upr_cli.source import MAX_PARTITIONS, open_bucket
 
-OPS = {0x57: "mutation", 0x58: "deletion", 0x59: "expiration"}
+OPS = {OP_MUTATION: "mutation", OP_DELETION: "deletion", OP_EXPIRATION: "expiration"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,55 +84,76 @@ def partition_count(manifests: Sequence[Manifest]) -> tuple[int, bool]:
     return lower, False
 
 
+def key_partitions(
+    key: bytes, manifests: Sequence[Manifest], selection: Sequence[int] | None, where: str
+) -> list[int]:
+    """The partitions that can hold `key`: its partition under the bucket's count, or,
+    when the backups only bound the count from below, each one it hashes to under a
+    count the backups allow. A `selection` that leaves them all out, or names a partition
+    the bucket lacks, raises UsageError naming the key's partition."""
+    known, exact = partition_count(manifests)
+    held = {e.partition for m in manifests for e in m.partitions}
+    if exact:
+        candidates = {partition_of(key, known)}
+    else:
+        counts = range(known, MAX_PARTITIONS + 1)
+        candidates = {partition_of(key, n) for n in counts} & held or {partition_of(key, known)}
+    if selection is None:
+        return sorted(candidates)
+    has = f"{known} partitions" if exact else f"partitions up to {known - 1} at least"
+    lacking = [p for p in selection if exact and p >= known]
+    if lacking:
+        raise UsageError(f"--partitions: {where} has {has}; {lacking[0]} is not one of them")
+    chosen = sorted(candidates & set(selection))
+    if not chosen:
+        which = ", ".join(map(str, sorted(candidates)))
+        raise UsageError(
+            f"--partitions: the key {key.decode(errors='replace')!r} is in partition {which} "
+            f"of {where} ({has}), which the selection leaves out"
+        )
+    return chosen
+
+
 def examine(
-    repo_dir: Path, key: bytes, *, bucket: str | None = None, partitions: int | None = None
+    repo_dir: Path,
+    key: bytes,
+    *,
+    bucket: str | None = None,
+    partitions: Sequence[int] | None = None,
 ) -> list[Version]:
-    """Every version of `key`, oldest first. `partitions` is the bucket's partition count
-    (default: `partition_count`); one the repository contradicts raises UsageError."""
+    """Every version of `key`, oldest first. `partitions` selects partitions (default:
+    the key's, from the bucket's partition count: `key_partitions`)."""
     repo, b, manifests = open_bucket(repo_dir, bucket)
     if not manifests:
         raise UsageError(f"{repo_dir}: no committed backup of bucket {b!r}")
-    known, exact = partition_count(manifests)
-    if partitions is not None and (partitions < known or (exact and partitions != known)):
-        has = f"{known} partitions" if exact else f"partitions up to {known - 1}"
-        raise UsageError(
-            f"--partitions {partitions}: bucket {b!r} in {repo_dir} has {has}; the key's "
-            f"partition depends on the count (leave --partitions out to use the repository's)"
-        )
-    count = partitions or known
-    p = partition_of(key, count)
+    where = f"bucket {b!r} in {repo_dir}"
     latest = manifests[-1].backup_id
     out: list[Version] = []
-    for m in manifests:
-        entry = m.partition(p)
-        if entry is None:
-            continue
-        c = lost_cut(manifests, p, m.backup_id, latest)
-        # its segments, then the records mid-run rollbacks took back (lost: seq above 0)
-        files = [(seg.file, c) for seg in entry.segments]
-        files += [(name, 0) for name, _seg in entry.cut_files()]
-        for name, c in files:
-            with SegmentReader(repo.segment_path(b, m.backup_id, name)) as reader:
-                for op, seq, rev, cas, flags, exp, _dt, dtype, k, value in reader.records():
-                    if k == key:
-                        out.append(
-                            Version(
-                                str(m.backup_id),
-                                p,
-                                seq,
-                                OPS[op],
-                                cas,
-                                rev,
-                                flags,
-                                exp,
-                                value,
-                                dtype,
-                                seq > c,
-                                False,
-                            )
-                        )
+    for p in key_partitions(key, manifests, partitions, where):
+        for m in manifests:
+            entry = m.partition(p)
+            if entry is None:
+                continue
+            c = lost_cut(manifests, p, m.backup_id, latest)
+            # its segments, then the records mid-run rollbacks took back (lost: seq above 0)
+            files = [(seg.file, c) for seg in entry.segments]
+            files += [(name, 0) for name, _seg in entry.cut_files()]
+            for name, cut in files:
+                path = repo.segment_path(b, m.backup_id, name)
+                out += _versions(path, key, str(m.backup_id), p, cut)
     kept = [v for v in out if not v.lost]
     if kept:
         newest = max(kept, key=lambda v: v.seq)
         out = [replace(v, in_latest=v is newest) for v in out]
+    return out
+
+
+def _versions(path: Path, key: bytes, backup_id: str, p: int, cut: int) -> list[Version]:
+    """The versions of `key` in one segment file (lost: above `cut`)."""
+    out = []
+    with SegmentReader(path) as reader:
+        for r in reader.records():
+            if r.key == key:
+                out.append(Version(backup_id, p, r.seq, OPS[r.op], r.cas, r.rev_seq, r.flags,
+                                   r.expiry, r.value, r.datatype, r.seq > cut, False))  # fmt: skip
     return out

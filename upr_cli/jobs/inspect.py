@@ -9,8 +9,9 @@ in order). Every problem is named; none stops the walk. With `repair`, under the
 bucket's lock, a missing or damaged manifest file is rewritten from its valid twin
 (borg's `check --repair`, pgBackRest's `.copy`); nothing else is changed.
 
-`open_bucket` is how every reader gets its manifests: the chain it reads is checked
-whole first (`Repository.chain`, formats/repository.md §8.8).
+`source.open_bucket` is how every reader gets its manifests: the chain it reads is checked
+whole first (`Repository.chain`, formats/repository.md §8.8). It is also importable from
+here until every reader imports it from `upr_cli.source`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from upr_cli.errors import UsageError
 from upr_cli.repo import (
     MANIFEST_COPY,
     MANIFEST_FILE,
-    Manifest,
     Repository,
     RepositoryError,
     RepositoryLock,
@@ -32,6 +32,9 @@ from upr_cli.repo import (
     lost_ranges,
 )
 from upr_cli.segments import SegmentError, SegmentReader
+from upr_cli.source import open_bucket, open_repo
+
+__all__ = ["Problem", "VerifyReport", "info", "open_bucket", "open_repo", "verify"]
 
 
 @dataclass
@@ -87,39 +90,6 @@ def _buckets(repo: Repository, bucket: str | None) -> list[str]:
             raise UsageError(f"{repo.path}: no backups of bucket {bucket!r}")
         return [bucket]
     return names
-
-
-def open_repo(path: Path) -> Repository:
-    """An existing repository (its repo.json is checked); a missing one is a usage error."""
-    if not (path / "repo.json").exists():
-        raise UsageError(f"{path}: not a upr repository (no repo.json)")
-    repo = Repository(path)
-    repo.info()
-    return repo
-
-
-def open_bucket(
-    path: Path, bucket: str | None, at: str = "latest"
-) -> tuple[Repository, str, list[Manifest]]:
-    """The repository, the bucket (given, or the only one it holds) and the manifests of
-    its committed backups up to `at` (a backup id, latest or oldest), oldest first, once
-    the chain the state at `at` reads is checked whole (`Repository.chain`: a damaged
-    manifest, a missing parent or a seq gap is a `BrokenChain` naming it). An ambiguous
-    or missing bucket is a usage error; an `at` that names no committed backup is left
-    to `jobs.state.select` to report."""
-    repo = open_repo(path)
-    names = repo.buckets()
-    b = bucket or (names[0] if len(names) == 1 else None)
-    if b is None:
-        raise UsageError(f"{path}: holds buckets {', '.join(names) or 'none'}; give --bucket")
-    committed = repo.committed(b)
-    if not committed:
-        return repo, b, []
-    ids = {str(c): c for c in committed}
-    k = {"latest": committed[-1], "oldest": committed[0]}.get(at) or ids.get(at)
-    if k is None:  # not a committed backup: select() says so
-        return repo, b, repo.readable(b)[0]
-    return repo, b, repo.chain(b, k)
 
 
 def verify(path: Path, bucket: str | None = None, *, repair: bool = False) -> list[VerifyReport]:

@@ -1,7 +1,8 @@
 """`upr restore`: the state at a backup, written to a node (or, later, a SQLite store).
 
 The state comes from the chain (`jobs.state`). To a node, live documents go as
-SET_WITH_META and deletions as DEL_WITH_META (dcp-wire §6), keeping cas, rev seq,
+SET_WITH_META and deletions as DEL_WITH_META (docs/protocol.md "SET_WITH_META and
+DEL_WITH_META"), keeping cas, rev seq,
 flags and expiry; the target's conflict resolution decides unless `--force-updates`
 (option FORCE_WITH_META_OP). A deletion is sent only where the target has the key,
 unless `--include-tombstones`. Requests are pipelined, each to its partition's active node
@@ -30,15 +31,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from upr_cli.jobs.inspect import open_bucket
 from upr_cli.jobs.state import Selection, check_files, partition_state, select
 from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
+from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.protocol.messages import DelWithMeta, Get, SetWithMeta
 from upr_cli.protocol.status import Status
 from upr_cli.repo import Manifest, Repository
 from upr_cli.segments import Record, SegmentError
+from upr_cli.source import open_bucket
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -97,7 +99,7 @@ def states_ahead(
             state = partition_state(repo, bucket, manifests, sel.backup_id, p)
         except SegmentError as exc:
             return exc
-        return sorted(state.values(), key=lambda r: r[1])
+        return sorted(state.values(), key=lambda r: r.seq)
 
     return prefetch(read, sel.partitions)
 
@@ -106,7 +108,9 @@ def states_ahead(
 # not by the backup, while amortising the commit over many small partitions.
 _RESTORE_BATCH_ROWS = 32_768
 
-FORCE = 0x01  # FORCE_WITH_META_OP: skip conflict resolution (dcp-wire §6)
+# FORCE_WITH_META_OP: the target skips its conflict resolution (docs/protocol.md
+# "SET_WITH_META and DEL_WITH_META")
+FORCE = 0x01
 
 
 @dataclass
@@ -177,42 +181,7 @@ async def restore_to_node(
     # newer map on NOT_MY_VBUCKET (net/router.py).
     router = None if dry_run else await Router.open(target, name="upr-restore")
     options = FORCE if force_updates else 0
-    inflight: deque[tuple[asyncio.Future[Frame], int, Make, str, bytes]] = deque()
-    present: set[bytes] = set()  # keys the target has (GETs before deletions)
-
-    def settle(reply: Frame, kind: str, key: bytes) -> None:
-        status = reply.vbucket_or_status
-        if kind == "get":
-            if status == Status.SUCCESS:
-                present.add(key)
-            return
-        if status == Status.SUCCESS:
-            summary.written += 1
-        elif status == Status.KEY_EEXISTS:
-            summary.conflicts += 1
-        elif status == Status.KEY_ENOENT and kind == "delete":
-            summary.absent_deletes += 1
-        else:
-            name = f"0x{status:02x}"
-            summary.errors[name] = summary.errors.get(name, 0) + 1
-
-    async def send(vb: int, make: Callable[[int], bytes], kind: str, key: bytes) -> None:
-        assert router is not None
-        inflight.append((router.submit(vb, make), vb, make, kind, key))
-        if len(inflight) % 64 == 0:
-            router.flush()
-        if len(inflight) >= window:
-            router.flush()
-            fut, vb_, make_, k, key_ = inflight.popleft()
-            settle(await router.settle(fut, vb_, make_), k, key_)
-
-    async def drain() -> None:
-        assert router is not None
-        router.flush()
-        while inflight:
-            fut, vb_, make_, k, key_ = inflight.popleft()
-            settle(await router.settle(fut, vb_, make_), k, key_)
-
+    writer = None if router is None else _NodeWriter(router, summary, window, options)
     try:
         for p in sel.partitions:
             try:
@@ -223,42 +192,86 @@ async def restore_to_node(
                 summary.skipped.append(f"partition {p}: {exc}")
                 continue
             summary.partitions += 1
-            deletes = []
-            for rec in sorted(state.values(), key=lambda r: r[1]):
-                op, _seq, rev, cas, flags, exp, _dtime, datatype, key, value = rec
-                if keys is not None and not keys.search(key):
-                    continue
-                if op != 0x57:
-                    summary.deletions += 1
-                    deletes.append(rec)
-                    continue
-                summary.documents += 1
-                if router is not None:
-                    make = functools.partial(_set_with_meta, p, key, value, datatype, flags,
-                                             exp, rev, cas, options)  # fmt: skip
-                    await send(p, make, "set", key)
-            if router is not None and deletes:
-                if not include_tombstones:  # only where the target has the key
-                    await drain()
-                    present.clear()
-                    for rec in deletes:
-                        await send(p, functools.partial(_get, p, rec[8]), "get", rec[8])
-                    await drain()
-                    summary.absent_deletes += len(deletes) - len(present)
-                    deletes = [r for r in deletes if r[8] in present]
-                for rec in deletes:
-                    op, _seq, rev, cas, flags, _exp, _dtime, _dt, key, _value = rec
-                    make = functools.partial(_del_with_meta, p, key, flags, rev, cas, options)
-                    await send(p, make, "delete", key)
+            records = [r for r in sorted(state.values(), key=lambda r: r.seq)
+                       if keys is None or keys.search(r.key)]  # fmt: skip
+            deletes = [r for r in records if r.op != OP_MUTATION]
+            summary.deletions += len(deletes)
+            summary.documents += len(records) - len(deletes)
+            if writer is not None:
+                await writer.partition(p, records, deletes, include_tombstones)
             if on_progress is not None:
                 on_progress(summary)
-        if router is not None:
-            await drain()
+        if writer is not None:
+            await writer.drain()
     finally:
         if router is not None:
             await router.aclose()
     summary.seconds = time.monotonic() - t0
     return summary
+
+
+class _NodeWriter:
+    """Pipelined writes of a restore to a node: up to `window` requests in flight, each
+    answer counted into the summary (written, kept newer on the target, absent, errors)."""
+
+    def __init__(self, router: Router, summary: RestoreSummary, window: int, options: int):
+        self.router, self.summary, self.window, self.options = router, summary, window, options
+        self.inflight: deque[tuple[asyncio.Future[Frame], int, Make, str, bytes]] = deque()
+        self.present: set[bytes] = set()  # keys the target has (GETs before deletions)
+
+    async def partition(self, p: int, records: list[Record], deletes: list[Record],
+                        include_tombstones: bool) -> None:  # fmt: skip
+        """Write one partition's documents, then its deletions: all of them with
+        `include_tombstones`, else only those of keys the target has."""
+        for r in records:
+            if r.op == OP_MUTATION:
+                make = functools.partial(_set_with_meta, p, r.key, r.value, r.datatype, r.flags,
+                                         r.expiry, r.rev_seq, r.cas, self.options)  # fmt: skip
+                await self.send(p, make, "set", r.key)
+        if deletes and not include_tombstones:  # only where the target has the key
+            await self.drain()
+            self.present.clear()
+            for r in deletes:
+                await self.send(p, functools.partial(_get, p, r.key), "get", r.key)
+            await self.drain()
+            self.summary.absent_deletes += len(deletes) - len(self.present)
+            deletes = [r for r in deletes if r.key in self.present]
+        for r in deletes:
+            make = functools.partial(_del_with_meta, p, r.key, r.flags, r.rev_seq, r.cas,
+                                     self.options)  # fmt: skip
+            await self.send(p, make, "delete", r.key)
+
+    async def send(self, vb: int, make: Make, kind: str, key: bytes) -> None:
+        """Queue one request; with `window` in flight, wait for the oldest answer first."""
+        self.inflight.append((self.router.submit(vb, make), vb, make, kind, key))
+        if len(self.inflight) % 64 == 0:
+            self.router.flush()
+        if len(self.inflight) >= self.window:
+            self.router.flush()
+            await self._settle_oldest()
+
+    async def drain(self) -> None:
+        """Wait for every answer in flight."""
+        self.router.flush()
+        while self.inflight:
+            await self._settle_oldest()
+
+    async def _settle_oldest(self) -> None:
+        fut, vb, make, kind, key = self.inflight.popleft()
+        reply = await self.router.settle(fut, vb, make)
+        status, summary = reply.vbucket_or_status, self.summary
+        if kind == "get":
+            if status == Status.SUCCESS:
+                self.present.add(key)
+        elif status == Status.SUCCESS:
+            summary.written += 1
+        elif status == Status.KEY_EEXISTS:
+            summary.conflicts += 1
+        elif status == Status.KEY_ENOENT and kind == "delete":
+            summary.absent_deletes += 1
+        else:
+            name = f"0x{status:02x}"
+            summary.errors[name] = summary.errors.get(name, 0) + 1
 
 
 def _set_with_meta(p: int, key: bytes, value: bytes, datatype: int, flags: int, exp: int,
@@ -334,14 +347,15 @@ def restore_to_store(
                 summary.skipped.append(f"partition {p}: {records}")
                 continue
             summary.partitions += 1
-            for op, seq, rev, cas, flags, exp, dtime, datatype, key, value in records:
-                if keys is not None and not keys.search(key):
+            for r in records:
+                if keys is not None and not keys.search(r.key):
                     continue
-                if op == 0x57:
+                if r.op == OP_MUTATION:
                     summary.documents += 1
                 else:
                     summary.deletions += 1
-                pending.append((op, p, seq, rev, cas, flags, exp, dtime, datatype, key, value, 0))
+                pending.append((r.op, p, r.seq, r.rev_seq, r.cas, r.flags, r.expiry,
+                                r.delete_time, r.datatype, r.key, r.value, 0))  # fmt: skip
             pending_parts.append(p)
             if len(pending) >= _RESTORE_BATCH_ROWS:
                 flush()

@@ -6,7 +6,7 @@ records make the state at backup K; reading them in order and keeping the latest
 version of every key gives that state, deletions included (as tombstones), so a restore
 can tell a deletion from absence. Memory holds one partition's keys at a time.
 
-The manifests come from `jobs.inspect.open_bucket`, which has checked the chain whole
+The manifests come from `source.open_bucket`, which has checked the chain whole
 (§8.8); `check_files` then makes sure, before a restore writes anything, that every
 segment file the state reads is there with its recorded size.
 """
@@ -71,9 +71,9 @@ def partition_state(
         path = repo.segment_path(bucket, step.backup_id, step.segment.file)
         with SegmentReader(path) as reader:
             for rec in reader.records():
-                if rec[1] > step.max_seq:
+                if rec.seq > step.max_seq:
                     break
-                latest[rec[8]] = rec
+                latest[rec.key] = rec
     return latest
 
 
@@ -84,6 +84,6 @@ def state_at(
     for p in selection.partitions:
         records = sorted(
             partition_state(repo, bucket, manifests, selection.backup_id, p).values(),
-            key=lambda r: r[1],
+            key=lambda r: r.seq,
         )
         yield p, records

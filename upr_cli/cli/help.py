@@ -1,0 +1,274 @@
+"""The command group behind `upr`: commands imported when used, help that reads at 80 columns.
+
+`LazyGroup` knows each command's module and one-line summary (`COMMANDS`), so `upr
+--help` lists them without importing a module (and through it asyncio, sqlite-utils,
+zstandard, Rich tables or Spark). A command's module is imported when the command runs
+or shows its own help.
+
+Every command it hands out, and its subcommands, goes through `polish` once:
+
+- help paragraphs are hard-wrapped in the source and Rich wraps them again at the
+  terminal's width, which leaves ragged lines; prose lines of a paragraph are joined so
+  Rich wraps each paragraph once. Indented lines (examples) keep their line breaks, and
+  one longer than an 80-column terminal shows is broken before an option, with ` \\`, so
+  it still pastes into a shell;
+- square brackets in help are text, not Rich markup ("[uuid, seq]" was swallowed);
+- metavars are plain names (URI, N, PATH, text|json), never Typer's type labels
+  (`<int range> [x>=1]`, `<bool>`, `{uri}`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Iterator, MutableMapping
+from typing import Any, get_args
+
+import typer
+import typer.core
+
+#: name -> (module under upr_cli.cli, the summary `upr --help` lists), in the order a new
+#: user meets them; the summary is the first line of the command's help (a test checks)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("serve", "Run a UPR node: KV front end, DCP producer, SQLite storage in --data DIR."),
+    "load": ("load", "Write a reproducible workload of JSON documents through the KV front end."),
+    "tail": ("tail", "Print a bucket's changes as they stream over DCP."),
+    "backup": ("backup", "Back up a bucket into a repository, incrementally, through failovers."),
+    "restore": ("restore", "Restore the state at a backup into a node or a SQLite store."),
+    "info": ("inspect", "Show a repository's backups: items, bytes, ratio, rollbacks, the chain."),
+    "verify": ("inspect", "Read everything in a repository and check it."),
+    "examine": ("examine", "Show every version of a key stored in a repository."),
+    "replay": ("replay", "Replay a source into a SQLite store that follows it like a UPR replica."),
+    "diff": ("diff", "Compare the failover histories of A and B, partition by partition."),
+    "salvage": (
+        "salvage",
+        "Find the lost writes of a failover and write back those still safe to.",
+    ),
+    "rollback-point": (
+        "rollback_point",
+        "Compute where a client must roll back to and restart streaming a partition.",
+    ),
+    "spark": ("spark", "Run upr's data pipeline on Spark, locally or on a Spark cluster."),
+    "cluster": ("cluster", "Run a cluster of upr serve nodes on loopback, under one cluster map."),
+}
+
+#: the widest line of help text an 80-column terminal shows (Rich pads one column a side)
+HELP_WIDTH = 78
+
+
+def load_command(name: str) -> typer.core.TyperGroup | typer.core.TyperCommand:
+    """Import the module of command `name` and build its click command, polished."""
+    module = importlib.import_module(f"upr_cli.cli.{COMMANDS[name][0]}")
+    holder = typer.Typer(add_completion=False)
+    module.register(holder)
+    command = typer.main.get_group(holder).commands[name]
+    polish(command)
+    return command  # type: ignore[return-value]
+
+
+class _Commands(MutableMapping[str, Any]):
+    """The group's commands by name, each built on first use (a mapping, as click's
+    `Group.commands` is, so code that reads that sees every command)."""
+
+    def __init__(self) -> None:
+        self._built: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._built:
+            if name not in COMMANDS:
+                raise KeyError(name)
+            self._built[name] = load_command(name)
+        return self._built[name]
+
+    def __setitem__(self, name: str, command: Any) -> None:
+        self._built[name] = command
+
+    def __delitem__(self, name: str) -> None:
+        del self._built[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*COMMANDS, *(n for n in self._built if n not in COMMANDS)])
+
+    def __len__(self) -> int:
+        return len(set(COMMANDS) | set(self._built))
+
+    def summary(self, name: str) -> Any:
+        """A stand-in for the listing: the command if built, else its name and summary."""
+        if name in self._built or name not in COMMANDS:
+            return self[name]
+        return typer.core.TyperCommand(name=name, short_help=COMMANDS[name][1])
+
+
+class LazyGroup(typer.core.TyperGroup):
+    """`upr`'s group: its commands are imported when run, listed without importing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands = _Commands()
+        self._listing = False
+        polish(self)
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        """Every command's name, in `COMMANDS` order."""
+        return list(self.commands)
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        """The command (imported now), or only its summary while the help lists them."""
+        commands = self.commands
+        assert isinstance(commands, _Commands)
+        if self._listing:
+            return commands.summary(cmd_name)
+        return commands.get(cmd_name)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        """The group's help, listing the commands by their summaries."""
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
+
+# -- polish -------------------------------------------------------------------------------
+
+
+def polish(command: Any) -> None:
+    """Make `command`'s help (and its subcommands') read well: see the module's doc."""
+    if getattr(command, "_upr_polished", False):
+        return
+    command._upr_polished = True
+    if command.help:
+        command.help = reflow(command.help)
+    if command.short_help:
+        command.short_help = _escape(command.short_help)
+    for param in command.params:
+        _plain_param(param)
+    built = command.get_help_option  # click builds --help on first use
+
+    def help_option(ctx: Any) -> Any:
+        option = built(ctx)
+        if option is not None:
+            _plain_param(option)
+        return option
+
+    command.get_help_option = help_option
+    subcommands = getattr(command, "commands", {})
+    if not isinstance(subcommands, _Commands):  # those are polished as they are built
+        for sub in subcommands.values():
+            polish(sub)
+
+
+def reflow(text: str) -> str:
+    """Help text whose prose paragraphs are one line each (Rich wraps them to the
+    terminal), examples as written (long ones broken), square brackets escaped."""
+    paragraphs = [_reflow_paragraph(p) for p in re.split(r"\n[ \t]*\n", inspect.cleandoc(text))]
+    rest = "\n".join(paragraphs[2:]).split("\n")
+    if len(paragraphs) > 2 and all(line[:1].isspace() for line in rest if line):
+        # Typer dedents the text after the summary as a docstring, from its second line
+        # on: when only examples follow one prose line, they would lose their indent. A
+        # separator line holding a zero-width space (shown blank) keeps it.
+        return "\n\n".join(paragraphs[:2]) + "\n\u200b\n" + "\n\n".join(paragraphs[2:])
+    return "\n\n".join(paragraphs)
+
+
+def _reflow_paragraph(paragraph: str) -> str:
+    if paragraph.startswith("\b"):  # click's "do not rewrap" mark
+        return paragraph
+    out: list[str] = []
+    prose = False
+    for line in paragraph.split("\n"):
+        if line[:1].isspace():  # an example or a continuation of one: as written
+            out.extend(_fit(line.rstrip()))
+            prose = False
+        elif prose:
+            out[-1] += " " + line.strip()
+        else:
+            out.append(line.strip())
+            prose = True
+    return "\n".join(_escape(line) for line in out)
+
+
+def _fit(line: str, width: int = HELP_WIDTH) -> list[str]:
+    """An example line broken before options (` \\` at each break, the rest indented 4
+    more) so no piece is wider than `width`; a line that fits, or that has no place to
+    break, is kept as it is."""
+    indent = len(line) - len(line.lstrip())
+    out: list[str] = []
+    while len(line) > width:
+        cut = _break_at(line, width - 2, indent)
+        if cut is None:
+            break
+        out.append(line[:cut] + " \\")
+        line = " " * (indent + 4) + line[cut + 1 :]
+    out.append(line)
+    return out
+
+
+def _break_at(line: str, limit: int, indent: int) -> int | None:
+    """The last space before `limit` outside quotes that comes before an option (else
+    any such space), past the first word."""
+    spaces: list[int] = []
+    quote = ""
+    for i, ch in enumerate(line[:limit]):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == " " and i > indent and line[i - 1] != " ":
+            spaces.append(i)
+    options = [i for i in spaces if line[i + 1 : i + 2] == "-"]
+    found = options or spaces
+    return found[-1] if found else None
+
+
+_TAG = re.compile(r"(\\*)(\[[a-z#/@][^[]*?])")
+
+
+def _escape(text: str) -> str:
+    """`text` with what Rich would read as a markup tag escaped ("[uuid, seq]"), as
+    `rich.markup.escape` does, but a backslash ending a line (a shell continuation) kept
+    single."""
+    return _TAG.sub(r"\1\1\\\2", text)
+
+
+_SECONDS = re.compile(r"timeout|interval|age|wait|seconds|after-s")
+
+
+def _plain_param(param: Any) -> None:
+    """A plain metavar for `param` and no Typer type labels or range notes."""
+    if param.help:
+        param.help = _escape(" ".join(param.help.split()))
+    if hasattr(param, "_get_number_range_help_str"):
+        # "[x>=1]" reads as code: the help says the range where it matters
+        param._get_number_range_help_str = lambda: None
+    if isinstance(param, typer.core.TyperArgument):
+        name = param.metavar or (param.name or "ARG").upper()
+        param.metavar = name
+        shown = name if param.required else f"[{name}]"
+        shown += "..." if param.nargs != 1 else ""
+        # the usage line shows URI, not Typer's {uri}; the name column is the metavar already
+        setattr(param, "get_usage_pieces", lambda ctx: [shown])  # noqa: B010
+        setattr(param, "display_type_rich", lambda ctx: None)  # noqa: B010
+        return
+    if getattr(param, "is_flag", False) or getattr(param, "count", False):
+        param.metavar = ""  # a flag takes no value: no "<bool>"
+    elif param.metavar is None:
+        param.metavar = _metavar(param)
+
+
+def _metavar(param: Any) -> str:
+    """The plain metavar of an option declared without one, from its type and name."""
+    desc = param.type_descriptor
+    if desc.is_choice:
+        return "|".join(str(getattr(c, "value", c)) for c in desc.choices or ())
+    if desc.is_path:
+        return "PATH"
+    annotation = desc.annotation
+    if desc.is_list:
+        annotation = (get_args(annotation) or (str,))[0]
+    if annotation is int:
+        return "N"
+    if annotation is float:
+        return "SECONDS" if _SECONDS.search(param.name.replace("_", "-")) else "N"
+    return "TEXT"

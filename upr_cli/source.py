@@ -1,0 +1,174 @@
+"""Where the commands' data comes from: partition lists, repositories, source specifications.
+
+Every command names its sources and targets the same way: `upr://…` or `couchbase://…`
+(a live node or cluster), `repo:DIR[@BACKUP]` (a backup repository), `sqlite:PATH` (a
+replay store) and `json:PATH` (a JSON file of failover logs; a bare path ending in .json
+too). `parse_source` is the one parser of those forms; each command says which kinds it
+takes, and anything else is a usage error naming what it does take. The module imports
+nothing heavy, so the CLI can use it before it knows which command runs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from upr_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from upr_cli.repo import Manifest, Repository
+
+#: a bucket has at most this many partitions (vbuckets), numbered from 0
+MAX_PARTITIONS = 1024
+
+SourceKind = Literal["node", "repo", "sqlite", "json"]
+
+#: how each kind is written, for the messages that list what a command takes
+FORMS: dict[SourceKind, str] = {
+    "node": "upr://…",
+    "repo": "repo:DIR[@BACKUP]",
+    "sqlite": "sqlite:PATH",
+    "json": "a JSON file of failover logs",
+}
+
+
+def parse_partitions(spec: str) -> list[int]:
+    """'0-15,40' → [0, …, 15, 40]; anything else, or a partition no bucket has, is a
+    UsageError naming the part that is wrong."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise UsageError(f"--partitions: {part!r} is not N or N-M")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise UsageError(f"--partitions: {part!r} is an empty range")
+        if hi >= MAX_PARTITIONS:
+            raise UsageError(f"--partitions: {hi} is not a partition (a bucket has at most "
+                             f"{MAX_PARTITIONS}: 0-{MAX_PARTITIONS - 1})")  # fmt: skip
+        out.update(range(lo, hi + 1))
+    return sorted(out)
+
+
+def selected(spec: str | None) -> list[int] | None:
+    """`--partitions` as the jobs take it: None (every partition) when not given."""
+    return parse_partitions(spec) if spec else None
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """A parsed source or target: its kind, the text as given, and its parts."""
+
+    kind: SourceKind
+    text: str
+    path: Path | None = None  # repo, sqlite, json: the local path
+    at: str | None = None  # repo: the backup after '@' (None: the latest)
+
+    @property
+    def uri(self) -> str:
+        """A node's URI (the text as given, credentials and all)."""
+        assert self.kind == "node", self
+        return self.text
+
+
+def parse_source(
+    text: str, kinds: Collection[SourceKind] = FORMS, *, what: str = "SOURCE"
+) -> Source:
+    """Parse one source specification of the `kinds` a command takes.
+
+    A form the command does not take, an unknown scheme or an empty path is a UsageError
+    that says what the command takes (credentials in the text are never echoed)."""
+    noun = "target" if "TARGET" in what else "source"
+    takes = f"a {noun} is " + " or ".join(FORMS[k] for k in FORMS if k in kinds)
+    source = _parse(text, json_paths="json" in kinds)
+    if source is None:
+        raise UsageError(_not_a_source(text, kinds, what, noun, takes))
+    if source.kind not in kinds:
+        raise UsageError(f"{what} {_shown(text)!r}: {FORMS[source.kind]} is not a {noun} "
+                         f"here; {takes}")  # fmt: skip
+    if source.kind != "node" and source.path is None:
+        raise UsageError(f"{what} {text} needs a path, e.g. {source.kind}:/tmp/x")
+    return source
+
+
+def _parse(text: str, *, json_paths: bool) -> Source | None:
+    """The source `text` names, by its prefix (or a bare PATH.json when `json_paths`)."""
+    if text.startswith(("upr://", "couchbase://")):
+        return Source("node", text)
+    if text.startswith("repo:"):
+        rest = text[len("repo:") :]
+        path, at = rest.rsplit("@", 1) if "@" in rest else (rest, "")
+        return Source("repo", text, Path(path) if path else None, at or None)
+    if text.startswith("sqlite:"):
+        path = text[len("sqlite:") :]
+        return Source("sqlite", text, Path(path) if path else None)
+    if text.startswith("json:"):
+        path = text[len("json:") :]
+        return Source("json", text, Path(path) if path else None)
+    if json_paths and text.endswith(".json"):
+        return Source("json", text, Path(text))
+    return None
+
+
+def local_path(text: str) -> Path | None:
+    """The local path a `repo:`, `sqlite:` or `json:` argument names, else None."""
+    source = _parse(text, json_paths=False)
+    return source.path if source is not None and source.kind != "node" else None
+
+
+def _shown(text: str) -> str:
+    """`text` as a message may show it: `scheme:…` when it may hold a password."""
+    scheme, colon, _rest = text.partition(":")
+    return f"{scheme}:…" if colon and "@" in text and "://" in text else text
+
+
+def _not_a_source(
+    text: str, kinds: Collection[SourceKind], what: str, noun: str, takes: str
+) -> str:
+    if not text.strip():
+        return f"{what} is empty: {takes}"
+    scheme, colon, _rest = text.partition(":")
+    if colon and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]+", scheme):
+        return f"{what} {_shown(text)!r}: unknown kind of {noun}; {takes}"
+    hints = {"sqlite": "a SQLite store", "repo": "a repository"}
+    there = next((f"{hints[k]} there is {k}:{text}; " for k in hints if k in kinds), "")
+    return f"{what} {text!r} is a path: {there}{takes}"
+
+
+def open_repo(path: Path) -> Repository:
+    """An existing repository (its repo.json is checked); a missing one is a usage error."""
+    from upr_cli.repo import Repository
+
+    if not (path / "repo.json").exists():
+        raise UsageError(f"{path}: not a upr repository (no repo.json)")
+    repo = Repository(path)
+    repo.info()
+    return repo
+
+
+def open_bucket(
+    path: Path, bucket: str | None, at: str = "latest"
+) -> tuple[Repository, str, list[Manifest]]:
+    """The repository, the bucket (given, or the only one it holds) and the manifests of
+    its committed backups up to `at` (a backup id, latest or oldest), oldest first, once
+    the chain the state at `at` reads is checked whole (`Repository.chain`: a damaged
+    manifest, a missing parent or a seq gap is a `BrokenChain` naming it). An ambiguous
+    or missing bucket is a usage error; an `at` that names no committed backup is left
+    to `jobs.state.select` to report."""
+    repo = open_repo(path)
+    names = repo.buckets()
+    b = bucket or (names[0] if len(names) == 1 else None)
+    if b is None:
+        raise UsageError(f"{path}: holds buckets {', '.join(names) or 'none'}; give --bucket")
+    committed = repo.committed(b)
+    if not committed:
+        return repo, b, []
+    ids = {str(c): c for c in committed}
+    k = {"latest": committed[-1], "oldest": committed[0]}.get(at) or ids.get(at)
+    if k is None:  # not a committed backup: select() says so
+        return repo, b, repo.readable(b)[0]
+    return repo, b, repo.chain(b, k)
