@@ -9,12 +9,26 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from upr_cli.jobs.tail import json_line, parse_partitions, text_line
+from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
 
 DOC = b'{"a":1,"b":[true,null]}'
 
 
-def row(key: bytes, value: bytes = DOC, datatype: int = 1, op: int = 0x57) -> tuple[object, ...]:
-    return (op, 7, 42, 3, 2**64 - 1, 9, 100, 0, datatype, memoryview(key), memoryview(value), 1)
+def row(key: bytes, value: bytes = DOC, datatype: int = 1, op: int = OP_MUTATION) -> DcpRecord:
+    return DcpRecord(
+        opcode=op,
+        vbucket=7,
+        by_seqno=42,
+        rev_seqno=3,
+        cas=2**64 - 1,
+        flags=9,
+        expiration=100,
+        delete_time=0,
+        datatype=datatype,
+        key=memoryview(key),
+        value=memoryview(value),
+        opaque=1,
+    )
 
 
 @given(st.binary(max_size=40), st.binary(max_size=60))
@@ -37,9 +51,9 @@ def test_json_values_are_spliced_as_documents() -> None:
 
 
 def test_deletions_have_no_value() -> None:
-    obj = json.loads(json_line(row(b"gone", b"", datatype=0, op=0x58)))
+    obj = json.loads(json_line(row(b"gone", b"", datatype=0, op=OP_DELETION)))
     assert obj["op"] == "deletion" and "value" not in obj and "value_b64" not in obj
-    assert "deletion key=gone" in text_line(row(b"gone", b"", datatype=0, op=0x58))
+    assert "deletion key=gone" in text_line(row(b"gone", b"", datatype=0, op=OP_DELETION))
 
 
 def test_partition_lists() -> None:

@@ -54,8 +54,9 @@ from upr_cli.errors import RemoteProtocolError, UprError, UsageError
 from upr_cli.failover import FailoverLog
 from upr_cli.net.bootstrap import Session, connect, map_nodes
 from upr_cli.net.connection import ConnectionClosed, ConnectionError_, ServerItems, aclose_all
+from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol import Frame, decode_message
+from upr_cli.protocol import Frame, Message, decode_message
 from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.header import Opcode
 from upr_cli.protocol.messages import (
@@ -254,13 +255,13 @@ class DcpConsumer:
             if part.addr not in self._links:
                 part.addr = home
         unpinned = await self._pin_highs(list(self.parts.values()))
-        deadline = time.monotonic() + self.follow_for
+        retry = self._following(0.1).start()
         while unpinned:  # the map named a node that no longer holds them active
-            if time.monotonic() > deadline:
+            if retry.spent:
                 raise ConsumerError(
                     f"partitions {[u.partition for u in unpinned[:8]]}: no active node found"
                 )
-            await asyncio.sleep(0.2)
+            await retry.wait()
             await self._refresh_map()
             actives = self._actives()
             for part in unpinned:
@@ -316,6 +317,11 @@ class DcpConsumer:
                 else:
                     missing.append(part)
         return missing
+
+    def _following(self, first: float) -> RetryPolicy:
+        """Waiting for a map to name a partition's new active node: for up to
+        `follow_for` seconds, first after `first` seconds, then at most every half second."""
+        return RetryPolicy(within=self.follow_for, first=first, cap=max(first, 0.5))
 
     def _servers(self) -> list[Addr]:
         return map_nodes(self.uri, self._config)[0]
@@ -410,93 +416,98 @@ class DcpConsumer:
         A NOT_MY_VBUCKET while following a map moves the partition (`_move`)."""
         pending = [p for p in parts if not p.done]
         while pending:
-            futs = []
-            for part in pending:
-                link = self._links.get(part.addr)
-                if link is None or link.session.conn.closed:
-                    raise ConnectionError_(f"no open link to {part.addr[0]}:{part.addr[1]}")
-                conn = link.session.conn
-                flags = FLAG_ACTIVE_ONLY | (
-                    FLAG_FROM_LATEST if self.from_latest and part.seq == 0 and not part.uuid else 0
+            sent = self._request_streams(pending)
+            try:
+                pending = [part for part, fut, req in sent if await self._answered(part, fut, req)]
+            except BaseException:
+                for part, _fut, _req in sent:
+                    self._opening.pop(part.partition, None)
+                raise
+
+    def _request_streams(
+        self, pending: list[_Part]
+    ) -> list[tuple[_Part, asyncio.Future[list[Message]], StreamRequest]]:
+        """Send a STREAM_REQ for each partition from where it stands, on its node's link."""
+        sent = []
+        for part in pending:
+            link = self._links.get(part.addr)
+            if link is None or link.session.conn.closed:
+                raise ConnectionError_(f"no open link to {part.addr[0]}:{part.addr[1]}")
+            conn = link.session.conn
+            flags = FLAG_ACTIVE_ONLY | (
+                FLAG_FROM_LATEST if self.from_latest and part.seq == 0 and not part.uuid else 0
+            )
+            req = StreamRequest(
+                vbucket=part.partition, opaque=0x1000_0000 + part.partition, flags=flags,
+                start_seqno=part.seq, end_seqno=max(part.end, part.seq), vbucket_uuid=part.uuid,
+                snap_start_seqno=part.snap_start, snap_end_seqno=part.snap_end,
+            )  # fmt: skip
+            self._opening[part.partition] = part.addr
+            self._begin_stream(part)
+            sent.append((part, conn.start_request(req), req))
+        return sent
+
+    async def _answered(
+        self, part: _Part, fut: asyncio.Future[list[Message]], sent: StreamRequest
+    ) -> bool:
+        """Act on one stream request's answer; True when it must be sent again (after a
+        ROLLBACK, from the rollback point)."""
+        try:
+            resp = (await fut)[0]
+        except ConnectionError_:
+            self._opening.pop(part.partition, None)
+            if self._follow:
+                return False  # its link's loss is queued: batches() reopens it there
+            raise
+        if isinstance(resp, StreamRequestOk):
+            self._accepted(part, resp, sent)
+            return False
+        if isinstance(resp, StreamRequestRollback):
+            self._rollback(part, resp.rollback_seqno)
+            return True
+        self._opening.pop(part.partition, None)
+        assert isinstance(resp, Response)
+        if resp.status == Status.NOT_MY_VBUCKET and self._follow:
+            self._spawn(self._move(part, resp.value))
+        elif resp.status == Status.ETMPFAIL:
+            # a cluster node that restarted serves nothing until its orchestrator
+            # turns traffic on (formats/cluster.md §3): ask the map again shortly
+            since = self._tmpfail.setdefault(part.partition, time.monotonic())
+            if time.monotonic() - since > self.follow_for:
+                raise ConsumerError(
+                    f"partition {part.partition}: {part.addr[0]}:{part.addr[1]} "
+                    f"refused streams (ETMPFAIL) for {self.follow_for:g}s"
                 )
-                req = StreamRequest(
-                    vbucket=part.partition, opaque=0x1000_0000 + part.partition, flags=flags,
-                    start_seqno=part.seq, end_seqno=max(part.end, part.seq), vbucket_uuid=part.uuid,
-                    snap_start_seqno=part.snap_start, snap_end_seqno=part.snap_end,
-                )  # fmt: skip
-                self._opening[part.partition] = part.addr
-                self._begin_stream(part)
-                futs.append((part, conn.start_request(req), req))
-            retry = []
-            for part, fut, sent in futs:
-                try:
-                    resp = (await fut)[0]
-                except ConnectionError_:
-                    self._opening.pop(part.partition, None)
-                    if self._follow:
-                        continue  # its link's loss is queued: batches() reopens it there
-                    for other, _f, _s in futs:
-                        self._opening.pop(other.partition, None)
-                    raise
-                except BaseException:
-                    for other, _f, _s in futs:
-                        self._opening.pop(other.partition, None)
-                    raise
-                if isinstance(resp, StreamRequestOk):
-                    part.log = FailoverLog.sanitised(resp.failover_log)
-                    if part.log.entries:
-                        part.uuid = (
-                            part.log.latest.uuid
-                            if not part.uuid or part.log.find(part.uuid) is None
-                            else part.uuid
-                        )
-                    if self.from_latest and part.seq == 0:
-                        part.seq = part.snap_start = part.snap_end = self.highs.get(
-                            part.partition, 0
-                        )
-                        part.uuid = part.log.latest.uuid if part.log.entries else 0
-                    # where the stream starts (not where held data already moved it)
-                    start = StreamPosition(part.partition, part.uuid, sent.start_seqno,
-                                           sent.snap_start_seqno, sent.snap_end_seqno)  # fmt: skip
-                    if self.from_latest and sent.start_seqno == 0:
-                        start = part.position()
-                    self._tmpfail.pop(part.partition, None)
-                    self._events.append(StreamOpened(part.partition, resp.failover_log, start))
-                    self._events.extend(self._held.pop(part.partition, []))
-                    self._opening.pop(part.partition, None)
-                    log.debug("partition %d: stream open from %d on %s:%d",
-                              part.partition, sent.start_seqno, *part.addr)  # fmt: skip
-                elif isinstance(resp, StreamRequestRollback):
-                    self._rollback(part, resp.rollback_seqno)
-                    retry.append(part)
-                elif (
-                    isinstance(resp, Response)
-                    and resp.status == Status.NOT_MY_VBUCKET
-                    and self._follow
-                ):
-                    self._opening.pop(part.partition, None)
-                    self._spawn(self._move(part, resp.value))
-                elif isinstance(resp, Response) and resp.status == Status.ETMPFAIL:
-                    # a cluster node that restarted serves nothing until its orchestrator
-                    # turns traffic on (formats/cluster.md §3): ask the map again shortly
-                    self._opening.pop(part.partition, None)
-                    since = self._tmpfail.setdefault(part.partition, time.monotonic())
-                    if time.monotonic() - since > self.follow_for:
-                        for other, _f, _s in futs:
-                            self._opening.pop(other.partition, None)
-                        raise ConsumerError(
-                            f"partition {part.partition}: {part.addr[0]}:{part.addr[1]} "
-                            f"refused streams (ETMPFAIL) for {self.follow_for:g}s"
-                        )
-                    self._spawn(self._move(part, delay=0.25))
-                else:
-                    self._opening.pop(part.partition, None)
-                    assert isinstance(resp, Response)
-                    err = status_error(resp.status, body=resp.value, opcode=Opcode.DCP_STREAM_REQ)
-                    raise ConsumerError(
-                        f"partition {part.partition}: stream request refused: {err}"
-                    )
-            pending = retry
+            self._spawn(self._move(part, delay=0.25))
+        else:
+            err = status_error(resp.status, body=resp.value, opcode=Opcode.DCP_STREAM_REQ)
+            raise ConsumerError(f"partition {part.partition}: stream request refused: {err}")
+        return False
+
+    def _accepted(self, part: _Part, resp: StreamRequestOk, sent: StreamRequest) -> None:
+        """A stream is open: keep its failover log, settle its branch (and, from latest,
+        its start), then hand over StreamOpened and the data held for it meanwhile."""
+        part.log = FailoverLog.sanitised(resp.failover_log)
+        if part.log.entries:
+            part.uuid = (
+                part.log.latest.uuid
+                if not part.uuid or part.log.find(part.uuid) is None
+                else part.uuid
+            )
+        if self.from_latest and part.seq == 0:
+            part.seq = part.snap_start = part.snap_end = self.highs.get(part.partition, 0)
+            part.uuid = part.log.latest.uuid if part.log.entries else 0
+        # where the stream starts (not where held data already moved it)
+        start = StreamPosition(part.partition, part.uuid, sent.start_seqno,
+                               sent.snap_start_seqno, sent.snap_end_seqno)  # fmt: skip
+        if self.from_latest and sent.start_seqno == 0:
+            start = part.position()
+        self._tmpfail.pop(part.partition, None)
+        self._events.append(StreamOpened(part.partition, resp.failover_log, start))
+        self._events.extend(self._held.pop(part.partition, []))
+        self._opening.pop(part.partition, None)
+        log.debug("partition %d: stream open from %d on %s:%d",
+                  part.partition, sent.start_seqno, *part.addr)  # fmt: skip
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run a background step; an error it did not expect ends `batches()` with it
@@ -521,9 +532,9 @@ class DcpConsumer:
         if p in self._moving:
             return
         self._moving.add(p)
-        deadline = time.monotonic() + self.follow_for
+        retry = self._following(delay).start()
         try:
-            await asyncio.sleep(delay)  # a map being changed: give it a moment
+            await retry.wait()  # a map being changed: give it a moment
             while True:
                 await self._refresh_map(body)
                 body = b""
@@ -549,11 +560,11 @@ class DcpConsumer:
                         return
                     except (ConnectionError_, OSError, UprError) as exc:
                         log.info("partition %d: %s:%d unusable: %s", p, *addr, exc)
-                if time.monotonic() > deadline:
+                if retry.spent:
                     raise ConsumerError(
                         f"partition {p}: no reachable active node for {self.follow_for:g}s"
                     )
-                await asyncio.sleep(0.2)
+                await retry.wait()
         except (ConsumerError, ConnectionError_) as exc:
             self._queue.put_nowait(exc)
         finally:
@@ -822,19 +833,20 @@ class DcpConsumer:
         link = self._links.pop(addr, None)
         if link is not None:
             await link.session.conn.aclose()
-        deadline = time.monotonic() + self.follow_for
+        # While following a map a node that stays away is waited for (it may restart or
+        # fail over), in steps of at most a second; else the attempts bound it alone.
+        policy = RetryPolicy(attempts=self.reconnect_attempts,
+                             within=self.follow_for if self._follow else None,
+                             first=0.2, cap=1.0 if self._follow else 10.0)  # fmt: skip
+        retry = policy.start(tries=attempts)
         while True:
-            attempts += 1
-            if attempts > self.reconnect_attempts and (
-                not self._follow or time.monotonic() > deadline
-            ):
+            if retry.spent:
                 raise ConsumerError(
                     f"{self.uri.redacted()}: connection to {addr[0]}:{addr[1]} lost ({reason}); "
-                    f"{attempts - 1} reconnect attempts failed"
+                    f"{retry.tries} reconnect attempts failed"
                 )
-            delay = min(10.0 if not self._follow else 1.0, 0.2 * 2 ** (attempts - 1))
-            log.info("reconnecting in %.1fs (attempt %d)", delay, attempts)
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            log.info("reconnecting to %s:%d (attempt %d)", *addr, retry.tries + 1)
+            await retry.wait()
             for part in parts:
                 self._reset(part)
             if self._follow:
@@ -851,7 +863,7 @@ class DcpConsumer:
             try:
                 await self._link(addr)
                 await self._open_streams(parts)
-                return attempts
+                return retry.tries
             except (ConnectionError_, OSError) as exc:
                 reason = str(exc)
                 log.info("reconnect failed: %s", exc)

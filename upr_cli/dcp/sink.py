@@ -36,6 +36,21 @@ class Sink(Protocol):
         it wants; return True to stop streaming."""
 
 
+class SinkBase:
+    """A `Sink` that ignores what it is not written for: subclass it and override the
+    methods a tool needs (records are dropped, events ignored, streaming goes on)."""
+
+    async def records(self, records: list[DcpRecord]) -> None:
+        """A run of consecutive data records, in wire order (never empty)."""
+
+    async def event(self, event: Event) -> None:
+        """One event, after the records that preceded it on the wire."""
+
+    async def batch_done(self) -> bool:
+        """The consumer's batch is over; True stops streaming."""
+        return False
+
+
 async def drive(consumer: DcpConsumer, sink: Sink) -> None:
     """Feed every batch of `consumer` to `sink` until the streams end or the sink stops."""
     async for batch in consumer.batches():

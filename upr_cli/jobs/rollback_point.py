@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError, UsageError
@@ -122,33 +121,17 @@ class SourceState:
 async def node_states(
     uri: SourceUri, partitions: list[int] | None
 ) -> tuple[dict[int, SourceState], int]:
-    """Each partition's failover log (GET_FAILOVER_LOG, pipelined) and high seq (STAT
-    vbucket-seqno), and the partition count. In a cluster each partition is asked of its
-    active node, as the map says (formats/cluster.md): a replica or dead copy has its own
-    log, not the history clients stream."""
-    from upr_cli.net.bootstrap import on_active_nodes
+    """Each partition's failover log and high seq from its active node (`dcp.states`),
+    and the partition count; a partition the node gives no failover log is left out."""
+    from upr_cli.dcp.states import partition_states
 
-    return await on_active_nodes(uri, partitions, _states_of, name="upr-failover-logs")
-
-
-async def _states_of(conn: Any, partitions: list[int]) -> dict[int, SourceState]:
-    """Failover logs and high seqs of these partitions from one node."""
-    from upr_cli.protocol.header import Opcode
-    from upr_cli.protocol.messages import FailoverLogResponse, GetFailoverLog
-
-    futs = [
-        (p, conn.start_request(GetFailoverLog(opcode=Opcode.GET_FAILOVER_LOG, vbucket=p,
-                                              opaque=conn.next_opaque())))
-        for p in partitions
-    ]  # fmt: skip
-    stats = await conn.stats("vbucket-seqno")
-    out = {}
-    for p, fut in futs:
-        resp = (await fut)[0]
-        if isinstance(resp, FailoverLogResponse):
-            high = int(stats.get(f"vb_{p}:high_seqno", 0))
-            out[p] = SourceState(FailoverLog.sanitised(resp.failover_log), high, high)
-    return out
+    states, n = await partition_states(uri, partitions, failover_logs=True,
+                                       name="upr-failover-logs")  # fmt: skip
+    return {
+        p: SourceState(st.failover_log, st.high_seq, st.high_seq)
+        for p, st in states.items()
+        if st.failover_log is not None
+    }, n
 
 
 async def _node_logs(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:

@@ -32,17 +32,18 @@ import base64
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from upr_cli.dcp.consumer import DcpConsumer
-from upr_cli.dcp.events import Rollback
+from upr_cli.dcp.events import Event, Rollback
 from upr_cli.dcp.position import StreamPosition
+from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, needs_rollback
 from upr_cli.jobs.rollback_point import node_states
 from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol.decoder import DcpRecord
+from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.protocol.messages import (
     Add,
     Delete,
@@ -52,7 +53,8 @@ from upr_cli.protocol.messages import (
 from upr_cli.protocol.status import Status
 from upr_cli.store import Document
 
-OP_MUTATION = 0x57
+if TYPE_CHECKING:
+    from upr_cli.segments import Record
 
 
 def _text_or_b64(name: str, data: bytes) -> dict[str, str]:
@@ -154,10 +156,11 @@ class SalvageReport:
         }
 
 
-def _version(rec: tuple[Any, ...]) -> Version:
-    """From a segment Record (op, seq, rev, cas, flags, exp, dtime, datatype, key, value)."""
-    op, seq, rev, cas, flags, exp, _dt, datatype, _key, value = rec
-    return Version(seq, op != OP_MUTATION, bytes(value), cas, rev, flags, exp, datatype)
+def _seg_version(rec: Record) -> tuple[bytes, Version]:
+    """A segment record's key and version (fields in `segments.format.RECORD_FIELDS` order)."""
+    op, seq, rev, cas, flags, exp, _dt, datatype, key, value = rec
+    return bytes(key), Version(seq, op != OP_MUTATION, bytes(value), cas, rev, flags, exp,
+                               datatype)  # fmt: skip
 
 
 def _same(a: Version, b: Version) -> bool:
@@ -167,11 +170,10 @@ def _same(a: Version, b: Version) -> bool:
     return (a.value, a.flags, a.expiry) == (b.value, b.flags, b.expiry)
 
 
-def _row_version(row: tuple[Any, ...]) -> Version:
-    """From a DCP row (ROW_FIELDS order)."""
-    return Version(
-        row[2], row[0] != OP_MUTATION, bytes(row[10]), row[4], row[3], row[5], row[6], row[8]
-    )
+def _record_version(rec: DcpRecord) -> Version:
+    """A streamed record's version."""
+    return Version(rec.by_seqno, rec.opcode != OP_MUTATION, bytes(rec.value), rec.cas,
+                   rec.rev_seqno, rec.flags, rec.expiration, rec.datatype)  # fmt: skip
 
 
 # -- the master ----------------------------------------------------------------------------
@@ -210,22 +212,36 @@ async def _changed_since(
     consumer = DcpConsumer(
         uri, partitions=sorted(cuts), positions=positions, until_end=True, name="upr-salvage"
     )
-    changed: dict[int, dict[bytes, Version]] = {p: {} for p in cuts}
-    unknown: set[int] = set()
+    sink = _ChangedSink(consumer, cuts)
     try:
         await consumer.open()
-        async for batch in consumer.batches():
-            for it in batch:
-                if type(it) is DcpRecord:
-                    row: tuple[Any, ...] = it
-                    if row[1] not in unknown:
-                        changed[row[1]][bytes(row[9])] = _row_version(row)
-                elif isinstance(it, Rollback):
-                    unknown.add(it.partition)  # the master cannot say what changed after r
-            consumer.commit()
+        await drive(consumer, sink)
     finally:
         await consumer.aclose()
-    return changed, unknown
+    return sink.changed, sink.unknown
+
+
+class _ChangedSink(SinkBase):
+    """The newest version of every key the master streams after the cut, per partition;
+    a partition it rolls back instead cannot say what changed (`unknown`)."""
+
+    def __init__(self, consumer: DcpConsumer, cuts: dict[int, int]) -> None:
+        self.consumer = consumer
+        self.changed: dict[int, dict[bytes, Version]] = {p: {} for p in cuts}
+        self.unknown: set[int] = set()
+
+    async def records(self, records: list[DcpRecord]) -> None:
+        for rec in records:
+            if rec.vbucket not in self.unknown:
+                self.changed[rec.vbucket][bytes(rec.key)] = _record_version(rec)
+
+    async def event(self, event: Event) -> None:
+        if isinstance(event, Rollback):
+            self.unknown.add(event.partition)  # the master cannot say what changed after r
+
+    async def batch_done(self) -> bool:
+        self.consumer.commit()
+        return False
 
 
 async def _write_back(uri: SourceUri, items: list[LostItem], num_partitions: int) -> None:
@@ -345,16 +361,10 @@ def _repo_items(
                 if seg.last_seq <= rng.from_seq:
                     continue
                 with SegmentReader(repo.segment_path(b, rng.backup_id, seg.file)) as reader:
-                    for rec in reader.records():
-                        if rng.from_seq < rec[1] <= rng.to_seq:
+                    for key, v in map(_seg_version, reader.records()):
+                        if rng.from_seq < v.seq <= rng.to_seq:
                             items.append(
-                                LostItem(
-                                    p,
-                                    bytes(rec[8]),
-                                    rng.from_seq,
-                                    _version(rec),
-                                    f"backup {rng.backup_id}",
-                                )
+                                LostItem(p, key, rng.from_seq, v, f"backup {rng.backup_id}")
                             )
         for m in manifests:  # records a mid-run rollback took back (repository.md §5.6)
             entry = m.partition(p)
@@ -362,9 +372,9 @@ def _repo_items(
                 for seg in c.segments:
                     path = repo.segment_path(b, m.backup_id, format_cut_path(k, seg.file))
                     with SegmentReader(path) as reader:
-                        items += [LostItem(p, bytes(rec[8]), c.to_seq, _version(rec),
+                        items += [LostItem(p, key, c.to_seq, v,
                                            f"backup {m.backup_id} (cut back mid-run)")
-                                  for rec in reader.records()]  # fmt: skip
+                                  for key, v in map(_seg_version, reader.records())]  # fmt: skip
         if logs is None or p not in logs:
             continue
         rp = resume_point(manifests, p)
@@ -374,16 +384,16 @@ def _repo_items(
         r = rollback_cut(logs[p], highs.get(p, 0), pos)
         if r is None or r >= rp.seq:
             continue
-        latest: dict[bytes, tuple[Any, ...]] = {}
+        latest: dict[bytes, Version] = {}
         at = manifests[-1].backup_id
         for step in plan_state(manifests, at=at, partition=p):
             with SegmentReader(repo.segment_path(b, step.backup_id, step.segment.file)) as reader:
-                for rec in reader.records():
-                    if rec[1] > step.max_seq:
+                for key, v in map(_seg_version, reader.records()):
+                    if v.seq > step.max_seq:
                         break
-                    if rec[1] > r:
-                        latest[bytes(rec[8])] = rec
-        items += [LostItem(p, k, r, _version(rec), "head vs master") for k, rec in latest.items()]
+                    if v.seq > r:
+                        latest[key] = v
+        items += [LostItem(p, k, r, v, "head vs master") for k, v in latest.items()]
     return _newest(items), held
 
 

@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import NamedTuple, TextIO
 
 from upr_cli.dcp.consumer import DcpConsumer
-from upr_cli.dcp.events import Rollback, Snapshot, StreamEnded, StreamOpened
+from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpened
 from upr_cli.dcp.position import StreamPosition
+from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.errors import UprError, UsageError, check_file_path
 from upr_cli.failover import FailoverLog
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol.decoder import DcpRecord
+from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION, DcpRecord
 
-OPS = {0x57: "mutation", 0x58: "deletion", 0x59: "expiration"}
+OPS = {OP_MUTATION: "mutation", OP_DELETION: "deletion", OP_EXPIRATION: "expiration"}
 #: partitions a bucket can have at most (ids 0-1023), as in Couchbase Server
 MAX_PARTITIONS = 1024
 
@@ -83,30 +84,30 @@ def _json_key(kb: memoryview | bytes) -> str:
     return json.dumps(key)
 
 
-def json_line(row: tuple[object, ...]) -> str:
+def json_line(rec: DcpRecord) -> str:
     """One change as a JSON object: the value spliced raw when its datatype says JSON."""
-    op, vb, seq, rev, cas, flags, exp, _dt, datatype, key, value, _opq = row
-    jkey = _json_key(key)  # type: ignore[arg-type]
-    if op != 0x57:
+    jkey = _json_key(rec.key)
+    if rec.opcode != OP_MUTATION:
         body = ""
-    elif int(datatype) & 0x03 == 0x01:  # type: ignore[call-overload]  # JSON, not Snappy
-        body = ',"value":' + str(value, "utf-8")  # type: ignore[call-overload]  # checked on write
+    elif rec.datatype & 0x03 == 0x01:  # JSON, not Snappy
+        body = ',"value":' + str(rec.value, "utf-8")  # checked on write
     else:
-        body = ',"value_b64":"' + base64.b64encode(value).decode() + '"'  # type: ignore[arg-type]
-    return (f'{{"partition":{vb},"seq":{seq},"op":"{OPS[op]}","key":{jkey}{body},'  # type: ignore[index]
-            f'"cas":"{cas}","rev_seq":{rev},"flags":{flags},"expiry":{exp}}}')  # fmt: skip
+        body = ',"value_b64":"' + base64.b64encode(rec.value).decode() + '"'
+    return (f'{{"partition":{rec.vbucket},"seq":{rec.by_seqno},"op":"{OPS[rec.opcode]}",'
+            f'"key":{jkey}{body},"cas":"{rec.cas}","rev_seq":{rec.rev_seqno},'
+            f'"flags":{rec.flags},"expiry":{rec.expiration}}}')  # fmt: skip
 
 
-def text_line(row: tuple[object, ...]) -> str:
+def text_line(rec: DcpRecord) -> str:
     """One change as a human-readable line."""
-    op, vb, seq, rev, cas, _flags, _exp, _dt, datatype, key, value, _opq = row
-    k = bytes(key).decode(errors="replace")  # type: ignore[call-overload]
-    v = bytes(value)  # type: ignore[call-overload]
-    shown = v.decode(errors="replace") if int(datatype) & 0x01 else repr(v)  # type: ignore[call-overload]
+    k = bytes(rec.key).decode(errors="replace")
+    v = bytes(rec.value)
+    shown = v.decode(errors="replace") if rec.datatype & 0x01 else repr(v)
     if len(shown) > 120:
         shown = shown[:117] + "..."
-    tail = f" value={shown}" if op == 0x57 else ""
-    return f"p={vb} seq={seq} {OPS[op]} key={k} cas={cas} rev={rev}{tail}"  # type: ignore[index]
+    tail = f" value={shown}" if rec.opcode == OP_MUTATION else ""
+    return (f"p={rec.vbucket} seq={rec.by_seqno} {OPS[rec.opcode]} key={k} cas={rec.cas} "
+            f"rev={rec.rev_seqno}{tail}")  # fmt: skip
 
 
 def event_line(ev: object, fmt: str) -> str | None:
@@ -193,6 +194,57 @@ def save_state(
     os.replace(tmp, path)
 
 
+class _TailSink(SinkBase):
+    """Prints each batch's changes (and events with -v), commits after writing them, and
+    stops once --count changes were printed (the rest of that batch is not shown)."""
+
+    def __init__(
+        self, consumer: DcpConsumer, opts: TailOptions, out: TextIO, summary: TailSummary,
+        on_progress: Callable[[TailSummary], None] | None,
+    ) -> None:  # fmt: skip
+        self.consumer = consumer
+        self.opts = opts
+        self.out = out
+        self.summary = summary
+        self.on_progress = on_progress
+        self.fmt_row = json_line if opts.fmt == "json" else text_line
+        self.lines: list[str] = []
+        self.full = False  # --count reached
+
+    async def records(self, records: list[DcpRecord]) -> None:
+        if self.full:
+            return
+        keys, count, summary, lines = self.opts.keys, self.opts.count, self.summary, self.lines
+        fmt_row = self.fmt_row
+        for rec in records:
+            if keys is not None and not keys.search(bytes(rec.key)):
+                continue
+            lines.append(fmt_row(rec))
+            summary.items += 1
+            if count is not None and summary.items >= count:
+                self.full = True
+                return
+
+    async def event(self, event: Event) -> None:
+        if self.full:
+            return
+        if isinstance(event, Rollback):
+            self.summary.rollbacks += 1
+        if self.opts.verbose:
+            line = event_line(event, self.opts.fmt)
+            if line:
+                self.lines.append(line)
+
+    async def batch_done(self) -> bool:
+        if self.lines:
+            self.out.write("\n".join(self.lines) + "\n")
+            self.lines = []
+        self.consumer.commit()
+        if self.on_progress is not None:
+            self.on_progress(self.summary)
+        return self.full
+
+
 async def tail(
     uri: SourceUri, opts: TailOptions, out: TextIO = sys.stdout,
     on_progress: Callable[[TailSummary], None] | None = None,
@@ -213,34 +265,10 @@ async def tail(
         name="upr-tail",
     )  # fmt: skip
     summary = TailSummary()
-    fmt_row = json_line if opts.fmt == "json" else text_line
-    keys = opts.keys
+    sink = _TailSink(consumer, opts, out, summary, on_progress)
     try:
         await consumer.open()
-        async for batch in consumer.batches():
-            lines = []
-            for item in batch:
-                if type(item) is DcpRecord:
-                    if keys is not None and not keys.search(bytes(item.key)):
-                        continue
-                    lines.append(fmt_row(item))
-                    summary.items += 1
-                    if opts.count is not None and summary.items >= opts.count:
-                        break
-                else:
-                    if isinstance(item, Rollback):
-                        summary.rollbacks += 1
-                    if opts.verbose:
-                        line = event_line(item, opts.fmt)
-                        if line:
-                            lines.append(line)
-            if lines:
-                out.write("\n".join(lines) + "\n")
-            consumer.commit()
-            if on_progress is not None:
-                on_progress(summary)
-            if opts.count is not None and summary.items >= opts.count:
-                break
+        await drive(consumer, sink)
         out.flush()
     finally:
         if opts.state is not None and consumer.parts:

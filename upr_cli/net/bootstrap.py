@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from upr_cli.errors import UprError
 from upr_cli.net.connection import Connection, ConnectionError_, ServerItems
+from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.scram import AuthenticationFailed, ScramClient, plain_message
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.header import Feature
@@ -224,57 +225,83 @@ async def on_active_nodes(
     returns the merged answers and the partition count. A node that cannot be reached
     is retried under a re-read map for up to `wait_for` seconds (a failover may be
     moving its partitions), then its error is raised."""
-    import asyncio
-    import time
-
     s = await connect(uri, name=name)
     try:
         pending = partitions if partitions is not None else list(range(s.num_partitions))
         out: dict[int, _V] = {}
-        deadline = time.monotonic() + wait_for
+        retry = RetryPolicy(within=wait_for, first=0.1, cap=0.5).start()
         while True:
-            uris = node_uris(s)
-            owner = active_index(s)
-            by_node: dict[int, list[int]] = {}
-            failed: list[int] = []
-            error: Exception | None = None
-            for p in pending:
-                if not owner:  # no map: the bootstrap node serves everything
-                    k = 0
-                elif 0 <= p < len(owner) and 0 <= owner[p] < len(uris):
-                    k = owner[p]
-                else:  # the map gives it no active node (a failover without a replica)
-                    failed.append(p)
-                    error = BootstrapError(f"{uri.redacted()}: partition {p} has no active node")
-                    continue
-                by_node.setdefault(k, []).append(p)
+            by_node, failed, error = _by_active_node(s, pending, uri)
             for k, parts in sorted(by_node.items()):
-                same = (uris[k].host, uris[k].port) == (s.uri.host, s.uri.port)
                 try:
-                    other = None if same else await connect(uris[k], name=name, timeout=3.0)
-                except (UprError, OSError) as exc:
+                    out |= await _ask_node(s, k, parts, ask, name)
+                except _NodeAway as away:
                     failed += parts
-                    error = exc
-                    continue
-                try:
-                    out |= await ask((other or s).conn, parts)
-                except ConnectionError_ as exc:
-                    if other is None:
-                        raise  # the bootstrap node itself went away
-                    failed += parts  # that node went away meanwhile: ask again
-                    error = exc
-                finally:
-                    if other is not None:
-                        await other.conn.aclose()
+                    error = away.error
             if not failed:
                 return out, s.num_partitions
-            if time.monotonic() > deadline:
+            if retry.spent:
                 assert error is not None
                 raise error
             pending = failed
-            await asyncio.sleep(0.2)
+            await retry.wait()
             resp = await s.conn.request(GetClusterConfig(opaque=s.conn.next_opaque()))
             with contextlib.suppress(ValueError):
                 s.config = json.loads(getattr(resp, "value", b"") or b"{}")
     finally:
         await s.conn.aclose()
+
+
+def _by_active_node(
+    s: Session, partitions: list[int], uri: SourceUri
+) -> tuple[dict[int, list[int]], list[int], Exception | None]:
+    """The partitions grouped by the index of their active node in the session's map;
+    those the map gives no active node (a failover without a replica), with the error."""
+    uris, owner = node_uris(s), active_index(s)
+    by_node: dict[int, list[int]] = {}
+    failed: list[int] = []
+    error: Exception | None = None
+    for p in partitions:
+        if not owner:  # no map: the bootstrap node serves everything
+            k = 0
+        elif 0 <= p < len(owner) and 0 <= owner[p] < len(uris):
+            k = owner[p]
+        else:
+            failed.append(p)
+            error = BootstrapError(f"{uri.redacted()}: partition {p} has no active node")
+            continue
+        by_node.setdefault(k, []).append(p)
+    return by_node, failed, error
+
+
+class _NodeAway(Exception):
+    """A node other than the bootstrap one could not be reached or went away: ask again
+    under a newer map."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _ask_node(
+    s: Session,
+    k: int,
+    parts: list[int],
+    ask: Callable[[Connection, list[int]], Awaitable[dict[int, _V]]],
+    name: str,
+) -> dict[int, _V]:
+    """`ask` node `k` of the map about `parts`, over the session's connection when it is
+    that node (its loss is final); `_NodeAway` when another node cannot be asked."""
+    target = node_uris(s)[k]
+    if (target.host, target.port) == (s.uri.host, s.uri.port):
+        return await ask(s.conn, parts)
+    try:
+        other = await connect(target, name=name, timeout=3.0)
+    except (UprError, OSError) as exc:
+        raise _NodeAway(exc) from exc
+    try:
+        return await ask(other.conn, parts)
+    except ConnectionError_ as exc:
+        raise _NodeAway(exc) from exc  # it went away meanwhile
+    finally:
+        await other.conn.aclose()

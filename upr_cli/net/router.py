@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
 from upr_cli.errors import UprError
 from upr_cli.net.bootstrap import Session, connect, map_nodes, partition_of
 from upr_cli.net.connection import Connection, aclose_all
+from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
 from upr_cli.protocol.messages import GetClusterConfig
@@ -164,19 +164,23 @@ class Router:
 
     async def _retry(self, vb: int, make: Make, body: bytes | None, reason: str,
                      frame: Frame | None = None) -> Frame:  # fmt: skip
-        deadline = time.monotonic() + self.retry_for
+        # Paced by the retry policy only while no answer carries a newer map (the map is
+        # being changed: ask again shortly); a newer one is used at once.
+        retry = RetryPolicy(within=self.retry_for, first=0.05, cap=0.5).start()
         while True:
             self.retries += 1
-            if time.monotonic() > deadline:
+            if retry.spent:
                 if frame is not None:
                     return frame
                 raise RouterError(f"partition {vb}: {reason} for {self.retry_for:g}s")
+            if self._newer(body) is None:
+                await retry.wait()
             try:
-                await self.refresh(body)  # NoNodeAnswers: the whole cluster is gone, fail
+                await self.refresh(body)
             except NoNodeAnswers:
-                raise
+                raise  # the whole cluster is gone: fail
             except (UprError, OSError):
-                await asyncio.sleep(0.1)
+                pass  # the request below fails too, and the next round asks again
             fut = self.submit(vb, make)
             self.flush()
             try:
@@ -188,6 +192,14 @@ class Router:
                 return got
             body, reason, frame = _map_body(got), _why(got), got
 
+    def _newer(self, body: bytes | None) -> dict[str, Any] | None:
+        """The map an answer carries, when it is newer than the one in use."""
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            cand = json.loads(body) if body else None
+            if isinstance(cand, dict) and cand.get("rev", 0) > self.rev:
+                return cand
+        return None
+
     async def refresh(self, body: bytes | None = None) -> None:
         """Take a newer map: from an answer's body, else from every node we know."""
         gen = self._gen
@@ -195,13 +207,8 @@ class Router:
             if self._gen != gen:
                 return  # another retry refreshed meanwhile
             self._gen += 1
-            best = self.config
-            with contextlib.suppress(ValueError, UnicodeDecodeError):
-                cand = json.loads(body) if body else None
-                if isinstance(cand, dict) and cand.get("rev", 0) > self.rev:
-                    best = cand
+            best = self._newer(body) or self.config
             if best is self.config:
-                await asyncio.sleep(0.05)  # the map is being changed: ask again shortly
                 got = await self._fetch_all()
                 if not any(got):
                     raise NoNodeAnswers(f"{self.uri.redacted()}: no node of the cluster answers")

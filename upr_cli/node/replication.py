@@ -40,20 +40,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from upr_cli.dcp.consumer import DcpConsumer
-from upr_cli.dcp.events import Rollback, Snapshot, StreamOpened
+from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamOpened
 from upr_cli.dcp.position import StreamPosition
+from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.errors import UprError
 from upr_cli.net.aio import cancel_and_wait
 from upr_cli.net.uri import SourceUri
 from upr_cli.node.bucket import FED, Bucket
 from upr_cli.node.partition import Partition
 from upr_cli.node.storage import DocRow
-from upr_cli.protocol.decoder import DcpRecord
+from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.protocol.status import NotMyVbucket
 
 log = logging.getLogger(__name__)
 
-OP_MUTATION = 0x57
 RETRY_S = 0.5  # wait before restarting a failed link
 _LOOPBACK = {"127.0.0.1", "localhost", "$HOST", "::1", "[::1]"}
 
@@ -133,6 +133,10 @@ class Replicator:
             self.stopped.discard(vb)
         self._wake.set()
         return vbs
+
+    def wake(self) -> None:
+        """Have the replicator look at its links again (a partition paused, the map moved)."""
+        self._wake.set()
 
     def _fed(self, partitions: list[int] | None) -> list[int]:
         parts = self.bucket.partitions
@@ -217,9 +221,7 @@ class Replicator:
             )  # fmt: skip
             async with consumer:
                 self.errors.pop(source, None)
-                async for batch in consumer.batches():
-                    await self._apply(batch)
-                    consumer.commit()
+                await drive(consumer, _ReplicaSink(self, consumer))
         except asyncio.CancelledError:
             raise
         except _Restart:
@@ -230,35 +232,51 @@ class Replicator:
             log.info("replication from %s stopped: %s", source, exc)
         self._wake.set()
 
-    async def _apply(self, batch: list[Any]) -> None:
+
+class _ReplicaSink(SinkBase):
+    """Applies one link's stream to the bucket's replica partitions: records up to each
+    paused partition's seq, markers, adopted failover logs and rollbacks."""
+
+    def __init__(self, replicator: Replicator, consumer: DcpConsumer) -> None:
+        self.replicator = replicator
+        self.bucket = replicator.bucket
+        self.consumer = consumer
+
+    async def records(self, records: list[DcpRecord]) -> None:
+        bucket, repl = self.bucket, self.replicator
+        pause, stopped = repl.pause_after, repl.stopped
+        for rec in records:
+            vb, seq = rec.vbucket, rec.by_seqno
+            if vb in pause and seq > pause[vb]:
+                if vb not in stopped:
+                    stopped.add(vb)
+                    repl.wake()
+                continue
+            deleted = rec.opcode != OP_MUTATION
+            bucket.apply_replica(DocRow(
+                vbucket=vb, key=bytes(rec.key), seq=seq, rev_seq=rec.rev_seqno, cas=rec.cas,
+                flags=rec.flags, expiry=0 if deleted else rec.expiration,
+                datatype=0 if deleted else rec.datatype, deleted=deleted,
+                delete_time=rec.delete_time, value=b"" if deleted else bytes(rec.value),
+            ))  # fmt: skip
+            if vb in pause and seq >= pause[vb] and vb not in stopped:
+                stopped.add(vb)
+                repl.wake()
+
+    async def event(self, event: Event) -> None:
         bucket = self.bucket
-        pause = self.pause_after
-        for item in batch:
-            if type(item) is DcpRecord:
-                vb, seq = item[1], item[2]
-                if vb in pause and seq > pause[vb]:
-                    if vb not in self.stopped:
-                        self.stopped.add(vb)
-                        self._wake.set()
-                    continue
-                op, _, _, rev, cas, flags, exp, dtime, dt, key, value = item[:11]
-                deleted = op != OP_MUTATION
-                bucket.apply_replica(DocRow(
-                    vbucket=vb, key=bytes(key), seq=seq, rev_seq=rev, cas=cas, flags=flags,
-                    expiry=0 if deleted else exp, datatype=0 if deleted else dt,
-                    deleted=deleted, delete_time=dtime, value=b"" if deleted else bytes(value),
-                ))  # fmt: skip
-                if vb in pause and seq >= pause[vb] and vb not in self.stopped:
-                    self.stopped.add(vb)
-                    self._wake.set()
-            elif isinstance(item, Snapshot):
-                bucket.replica_marker(item.partition, item.start, item.end)
-            elif isinstance(item, StreamOpened):
-                await bucket.adopt_failover_log(item.partition, item.failover_log)
-            elif isinstance(item, Rollback):
-                got = await bucket.rollback_replica(item.partition, item.to_seq, asked=item.asked)
-                if got != item.to_seq:  # further back than the stream restarts from
-                    raise _Restart
+        if isinstance(event, Snapshot):
+            bucket.replica_marker(event.partition, event.start, event.end)
+        elif isinstance(event, StreamOpened):
+            await bucket.adopt_failover_log(event.partition, event.failover_log)
+        elif isinstance(event, Rollback):
+            got = await bucket.rollback_replica(event.partition, event.to_seq, asked=event.asked)
+            if got != event.to_seq:  # further back than the stream restarts from
+                raise _Restart
+
+    async def batch_done(self) -> bool:
+        self.consumer.commit()
+        return False
 
 
 def _is_me(server: str, port: int) -> bool:

@@ -34,13 +34,14 @@ from typing import Any
 import pyarrow as pa
 
 from upr_cli.dcp.consumer import DcpConsumer
-from upr_cli.dcp.events import Rollback
+from upr_cli.dcp.events import Event, Rollback
 from upr_cli.dcp.position import StreamPosition, boundary_at
+from upr_cli.dcp.sink import SinkBase, drive
+from upr_cli.dcp.states import partition_states
 from upr_cli.errors import UprError, UsageError
-from upr_cli.failover import needs_rollback
-from upr_cli.net.connection import Connection
+from upr_cli.failover import FailoverLog, needs_rollback
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol.decoder import DcpRecord
+from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.spark.arrow import OPS, Buffer, Columns, ddl_of, i64, schema_of, text
 from upr_cli.spark.plan import SparkOptionError, get_option
 
@@ -143,18 +144,11 @@ def from_offset(offset: Mapping[str, Any]) -> dict[int, StreamPosition]:
 async def probe(uri: SourceUri, partitions: tuple[int, ...] | None) -> dict[int, tuple[int, int]]:
     """{partition: (uuid, high seq)} from STAT vbucket-seqno of each partition's active node
     (one request per node; a node that does not answer fails the probe at once)."""
-    from upr_cli.net.bootstrap import on_active_nodes
-
-    async def ask(conn: Connection, parts: list[int]) -> dict[int, tuple[int, int]]:
-        st = await conn.stats("vbucket-seqno")
-        return {p: (int(st.get(f"vb_{p}:uuid", 0)), int(st.get(f"vb_{p}:high_seqno", 0)))
-                for p in parts}  # fmt: skip
-
-    got, _n = await on_active_nodes(
-        uri, list(partitions) if partitions is not None else None, ask,
+    states, _n = await partition_states(
+        uri, list(partitions) if partitions is not None else None, failover_logs=False,
         name="upr-spark-probe", wait_for=0.0,
     )  # fmt: skip
-    return got
+    return {p: (st.uuid, st.high_seq) for p, st in states.items()}
 
 
 # -- planning -------------------------------------------------------------------------------
@@ -174,21 +168,23 @@ class Range:
 async def plan_ranges(uri: SourceUri, start: Mapping[int, StreamPosition],
                       end: Mapping[int, StreamPosition]) -> list[Range]:  # fmt: skip
     """The ranges of a micro-batch, rollbacks decided by the producer rule (§4.2)."""
-    from upr_cli.jobs.rollback_point import node_states
-
     moved = [p for p, e in end.items() if start.get(p, StreamPosition(p)) != e]
     if not moved:
         return []
     current = await probe(uri, tuple(moved))
     suspect = [p for p in moved if start.get(p, StreamPosition(p)).seq > 0
                and start[p].uuid != current[p][0]]  # fmt: skip
-    logs = (await node_states(uri, suspect))[0] if suspect else {}
+    logs: dict[int, FailoverLog] = {}
+    if suspect:
+        states, _n = await partition_states(uri, suspect, failover_logs=True,
+                                            name="upr-spark-plan")  # fmt: skip
+        logs = {p: st.failover_log for p, st in states.items() if st.failover_log is not None}
     out = []
     for p in moved:
         s = start.get(p, StreamPosition(p))
         rollback = None
         if p in logs:
-            d = needs_rollback(logs[p].log, start=s.seq, uuid=s.uuid, snap_start=s.snap_start,
+            d = needs_rollback(logs[p], start=s.seq, uuid=s.uuid, snap_start=s.snap_start,
                                snap_end=s.snap_end, high=current[p][1])  # fmt: skip
             if d.rollback:
                 # A rollback must land on a snapshot boundary the rows' consumer reached
@@ -197,7 +193,7 @@ async def plan_ranges(uri: SourceUri, start: Mapping[int, StreamPosition],
                 # across it), so the only boundary known here is 0: the marker resets
                 # the partition, and the range reads it whole on the new branch.
                 r = boundary_at((), d.rollback_seq)
-                entry = logs[p].log.entry_at(r)
+                entry = logs[p].entry_at(r)
                 s = StreamPosition(p, entry.uuid if entry else 0, r, r, r)
                 rollback = r
         if end[p].seq > s.seq or rollback is not None:
@@ -216,38 +212,58 @@ def read_ranges(source: str, ranges: list[Range]) -> Iterator[pa.RecordBatch]:
             buf.add([r.partition, "rollback", None, None, r.rollback_to, None, None, None, None,
                      None, False, None, None, str(r.start.uuid)])  # fmt: skip
     rows = asyncio.run(_stream(SourceUri.parse(source), ranges))
-    for op, p, seq, rev, cas, flags, exp, _dt, dtype, key, value, uuid in rows:
+    for rec, uuid in rows:
+        op, dtype = rec.opcode, rec.datatype
+        key, value = bytes(rec.key), bytes(rec.value)  # already bytes: no copy
         js = text(value) if dtype & 7 == 1 else None
-        buf.add([p, OPS.get(op, f"0x{op:02x}"), key, text(key), seq, i64(rev), i64(cas), flags,
-                 exp, dtype, op != 0x57, value, js, uuid])  # fmt: skip
+        buf.add([rec.vbucket, OPS.get(op, f"0x{op:02x}"), key, text(key), rec.by_seqno,
+                 i64(rec.rev_seqno), i64(rec.cas), rec.flags, rec.expiration, dtype,
+                 op != OP_MUTATION, value, js, uuid])  # fmt: skip
         if len(buf) >= BATCH_ROWS:
             yield buf.take()
     if len(buf):
         yield buf.take()
 
 
-async def _stream(uri: SourceUri, ranges: list[Range]) -> list[tuple[Any, ...]]:
-    """Every row of the ranges (key and value as bytes, the branch uuid last)."""
+class _RangeSink(SinkBase):
+    """Keeps every record of the planned ranges with the branch uuid of its seq; a
+    rollback met while reading fails the task (module docstring, "Reading")."""
+
+    def __init__(self, consumer: DcpConsumer) -> None:
+        self.consumer = consumer
+        self.rows: list[tuple[DcpRecord, str]] = []
+
+    async def records(self, records: list[DcpRecord]) -> None:
+        parts = self.consumer.parts
+        for rec in records:
+            part = parts[rec.vbucket]
+            entry = part.log.entry_at(rec.by_seqno)  # the seq's branch
+            uuid = str(entry.uuid if entry else part.uuid)
+            # key and value copied: the Arrow batch outlives the received buffer
+            self.rows.append((rec._replace(key=bytes(rec.key), value=bytes(rec.value)), uuid))
+
+    async def event(self, event: Event) -> None:
+        if isinstance(event, Rollback):
+            raise StreamRolledBack(
+                f"partition {event.partition}: the source rolled back to seq {event.to_seq} "
+                "while this task read it; the next micro-batch resumes from there"
+            )
+
+    async def batch_done(self) -> bool:
+        self.consumer.commit()
+        return False
+
+
+async def _stream(uri: SourceUri, ranges: list[Range]) -> list[tuple[DcpRecord, str]]:
+    """Every record of the ranges (key and value as bytes) with its branch uuid."""
     positions = {r.partition: r.start for r in ranges}
     consumer = DcpConsumer(uri, partitions=sorted(positions), positions=positions,
                            end_seqs={r.partition: r.end for r in ranges},
                            name="upr-spark-read")  # fmt: skip
-    out: list[tuple[Any, ...]] = []
+    sink = _RangeSink(consumer)
     try:
         await consumer.open()
-        async for batch in consumer.batches():
-            for it in batch:
-                if type(it) is DcpRecord:
-                    row: tuple[Any, ...] = it
-                    entry = consumer.parts[row[1]].log.entry_at(row[2])  # the seq's branch
-                    uuid = str(entry.uuid if entry else consumer.parts[row[1]].uuid)
-                    out.append((*row[:9], bytes(row[9]), bytes(row[10]), uuid))
-                elif isinstance(it, Rollback):
-                    raise StreamRolledBack(
-                        f"partition {it.partition}: the source rolled back to seq {it.to_seq} "
-                        "while this task read it; the next micro-batch resumes from there"
-                    )
-            consumer.commit()
+        await drive(consumer, sink)
     finally:
         await consumer.aclose()
-    return out
+    return sink.rows
