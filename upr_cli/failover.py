@@ -400,6 +400,8 @@ def _rows(rows: list[_Row]) -> str:
     return "[" + ", ".join(f"{r.label}@{r.seq}" for r in rows) + "]"
 
 
+# spec-shaped: follows the needs_rollback pseudocode of docs/protocol.md "Stream request
+# checks"; kept whole.
 def needs_rollback(
     server_log: FailoverLog,
     *,

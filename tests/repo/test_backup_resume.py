@@ -8,6 +8,7 @@ from pathlib import Path
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.failover import FailoverLog
 from upr_cli.jobs.backup import _overtaken_reuse, _reusable
+from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.repo import format_segment_name
 from upr_cli.segments import SegmentHeader, SegmentWriter
 
@@ -20,7 +21,7 @@ def seg(d: Path, p: int, start: int, seqs: list[int], log: FailoverLog, end: int
     hdr = SegmentHeader("default", p, log, start, end, ((seqs[0], end),),
                         "2026-11-21T00:00:00.000000Z", "upr://h/default")  # fmt: skip
     w = SegmentWriter(d / f"p{p:04x}.open", hdr)
-    w.add([(0x57, p, s, 1, s, 0, 0, 0, 0, f"k{s}".encode(), b"v", 0) for s in seqs])
+    w.add([DcpRecord(OP_MUTATION, p, s, 1, s, 0, 0, 0, 0, f"k{s}".encode(), b"v", 0) for s in seqs])
     return Path(w.finish(path=d / format_segment_name(p, seqs[0], seqs[-1])).path)
 
 

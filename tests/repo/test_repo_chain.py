@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from upr_cli.failover import FailoverLog
+from upr_cli.position import StreamPosition
 from upr_cli.repo import (
     NO_CUT,
     BackupId,
@@ -107,8 +108,8 @@ def test_design_example() -> None:
     assert lost_ranges(chain, 0) == [SeqRange(bid(1), 80, 100)]  # (80, 100]
     assert lost_ranges(chain, 0, at=bid(1)) == []
     assert coverage_gaps(chain, 0) == [] == coverage_gaps(chain, 0, at=bid(2))
-    assert resume_point(chain, 0) == ResumePoint(0xB, 150, 150, 150, LOG_B)
-    assert resume_point([B1], 0) == ResumePoint(0xA, 100, 100, 100, LOG_A)
+    assert resume_point(chain, 0) == ResumePoint(StreamPosition(0, 0xB, 150, 150, 150), LOG_B)
+    assert resume_point([B1], 0) == ResumePoint(StreamPosition(0, 0xA, 100, 100, 100), LOG_A)
     assert resume_point(chain, 1) is None and plan_state(chain, at=bid(2), partition=1) == []
     assert broken_parents(chain) == []
 
@@ -166,8 +167,8 @@ def test_a_backup_without_the_partition_neither_contributes_nor_cuts() -> None:
         bid(3),
     ]
     assert coverage_gaps(chain, 0) == [] and lost_ranges(chain, 0) == []
-    assert resume_point(chain, 0) == ResumePoint(0xA, 120, 120, 120, LOG_A)
-    assert resume_point(chain, 1) == ResumePoint(0xA, 10, 10, 10, LOG_A)
+    assert resume_point(chain, 0) == ResumePoint(StreamPosition(0, 0xA, 120, 120, 120), LOG_A)
+    assert resume_point(chain, 1) == ResumePoint(StreamPosition(1, 0xA, 10, 10, 10), LOG_A)
 
 
 def test_chain_errors() -> None:

@@ -24,6 +24,7 @@ from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog
 from upr_cli.jobs.inspect import verify
 from upr_cli.jobs.restore import restore_to_store
+from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
 from upr_cli.repo import (
     MANIFEST_COPY,
     MANIFEST_FILE,
@@ -72,8 +73,9 @@ class Source:
         return ops
 
 
-def _rows(p: int, ops: list[tuple[int, bytes, bool, bytes]]) -> list[tuple[Any, ...]]:
-    return [(0x58 if deleted else 0x57, p, seq, seq, seq * 1000 + 7, 0, 0, 0, 0, key, value, 0)
+def _rows(p: int, ops: list[tuple[int, bytes, bool, bytes]]) -> list[DcpRecord]:
+    return [DcpRecord(OP_DELETION if deleted else OP_MUTATION, p, seq, seq, seq * 1000 + 7, 0, 0,
+                      0, 0, key, value, 0)
             for seq, key, deleted, value in ops]  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from upr_cli.repo import (
     MANIFEST_COPY,
     MANIFEST_FILE,
     BackupId,
-    DiskOps,
+    FileOps,
     Manifest,
     PartitionEntry,
     Repository,
@@ -40,8 +40,8 @@ class Crash(Exception):
     """A simulated crash at one file-system call."""
 
 
-class FailingOps(DiskOps):
-    """DiskOps that raises at call number `fail_at` (counting from 0), or never."""
+class FailingOps(FileOps):
+    """FileOps that raises at call number `fail_at` (counting from 0), or never."""
 
     def __init__(self, fail_at: int | None = None) -> None:
         self.fail_at = fail_at

@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 
 from upr_cli.errors import LocalProtocolError
 from upr_cli.failover import FailoverLog
-from upr_cli.segments import FileOps, SegmentError, SegmentHeader, SegmentReader, SegmentWriter
+from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION, DcpRecord
+from upr_cli.segments import (
+    FileOps,
+    Record,
+    SegmentError,
+    SegmentHeader,
+    SegmentReader,
+    SegmentWriter,
+)
 
 VECTORS = Path(__file__).resolve().parents[2] / "formats" / "vectors"
 LOG = FailoverLog.of([(0xDEADBEEF, 8), (0xCAFEBABE, 0)])
@@ -32,10 +40,10 @@ def header(start: int = 0, end: int = 10_000, block: int = 256, part: int = 3) -
     )
 
 
-def rows_for(seqs: list[int], part: int = 3) -> list[tuple[Any, ...]]:
-    ops = (0x57, 0x58, 0x59)
+def rows_for(seqs: list[int], part: int = 3) -> list[DcpRecord]:
+    ops = (OP_MUTATION, OP_DELETION, OP_EXPIRATION)
     return [
-        (
+        DcpRecord(
             ops[s % 3],
             part,
             s,
@@ -53,14 +61,31 @@ def rows_for(seqs: list[int], part: int = 3) -> list[tuple[Any, ...]]:
     ]
 
 
-def as_records(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+def as_records(rows: list[DcpRecord]) -> list[Record]:
     return [
-        (op, seq, rev, cas, fl, exp, dt, dtype, bytes(k), bytes(v))
-        for op, _vb, seq, rev, cas, fl, exp, dt, dtype, k, v, _o in rows
+        Record(
+            r.opcode,
+            r.by_seqno,
+            r.rev_seqno,
+            r.cas,
+            r.flags,
+            r.expiration,
+            r.delete_time,
+            r.datatype,
+            bytes(r.key),
+            bytes(r.value),
+        )
+        for r in rows
     ]
 
 
-def write(path: Path, hdr: SegmentHeader, rows: list[tuple[Any, ...]]) -> Any:
+def vector_record(x: Record) -> list[Any]:
+    """A record as the vector files list it (64-bit values as decimal strings)."""
+    return [x.op, str(x.seq), str(x.rev_seq), str(x.cas), x.flags, x.expiry, x.delete_time,
+            x.datatype, x.key.hex(), x.value.hex()]  # fmt: skip
+
+
+def write(path: Path, hdr: SegmentHeader, rows: list[DcpRecord]) -> Any:
     w = SegmentWriter(path, hdr)
     w.add(rows)
     return w.finish()
@@ -97,8 +122,19 @@ def test_vectors_read_back_exactly(name: str) -> None:
         assert json.loads(r.header.to_bytes()) == expected["header"]
         assert len(r.blocks) == expected["blocks"]
         got = [
-            [op, str(seq), str(rev), str(cas), fl, exp, dt, dtype, k.hex(), v.hex()]
-            for op, seq, rev, cas, fl, exp, dt, dtype, k, v in r.records()
+            [
+                x.op,
+                str(x.seq),
+                str(x.rev_seq),
+                str(x.cas),
+                x.flags,
+                x.expiry,
+                x.delete_time,
+                x.datatype,
+                x.key.hex(),
+                x.value.hex(),
+            ]
+            for x in r.records()
         ]
         assert got == expected["records"]
         info = r.verify()
@@ -234,7 +270,7 @@ def test_writer_refuses_records_out_of_range_or_order(tmp_path: Path) -> None:
         w.finish()
     w = SegmentWriter(tmp_path / "op.seg", header())
     with pytest.raises(LocalProtocolError):
-        w.add([(0x5A, 3, 1, 1, 1, 0, 0, 0, 0, b"k", b"", 0)])
+        w.add([DcpRecord(OP_EXPIRATION + 1, 3, 1, 1, 1, 0, 0, 0, 0, b"k", b"", 0)])  # no data op
     assert not list(tmp_path.iterdir())  # every refusal aborted and removed its files
 
 
@@ -293,13 +329,13 @@ def test_truncate_keeps_exactly_the_records_up_to_the_seq(
         (tmp_path / "cut.seg").unlink(missing_ok=True)
         moved = SegmentWriter(tmp_path / "cut.seg", header(start=cut, end=cut + 5000, block=block))
     dropped = w.truncate(cut, into=moved)
-    kept = [r for r in rows if r[2] <= cut]
+    kept = [r for r in rows if r.by_seqno <= cut]
     assert dropped == len(rows) - len(kept)
     if moved is not None:  # the records cut off, kept elsewhere: exactly those above cut
         if moved.last_seq > cut:
             moved.finish()
             with SegmentReader(tmp_path / "cut.seg") as r:
-                assert list(r.records()) == as_records([x for x in rows if x[2] > cut])
+                assert list(r.records()) == as_records([x for x in rows if x.by_seqno > cut])
         else:
             assert dropped == 0
             moved.abort()

@@ -26,9 +26,10 @@ from hypothesis import strategies as st
 
 from upr_cli.dcp.position import StreamPosition, boundary_at
 from upr_cli.failover import FailoverLog, needs_rollback
+from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
 from upr_cli.store import Store
 
-MUT, DEL = 0x57, 0x58
+MUT, DEL = OP_MUTATION, OP_DELETION
 KEYS = [b"k0", b"k1", b"k2", b"k3"]
 Write = tuple[int, bytes, bytes | None]  # seq, key, value (None: a deletion)
 
@@ -87,8 +88,8 @@ class Client:
         if not got and upto is not None:
             return  # crashed before any item of the snapshot: the position stays
         rows = [
-            (MUT if v is not None else DEL, 0, s, 1, s * 10, 0, 0, 0, 0,
-             memoryview(k), memoryview(v or b""), 0)
+            DcpRecord(MUT if v is not None else DEL, 0, s, 1, s * 10, 0, 0, 0, 0,
+                      memoryview(k), memoryview(v or b""), 0)
             for s, k, v in got
         ]  # fmt: skip
         seq = end if upto is None else got[-1][0]

@@ -18,7 +18,13 @@ from hypothesis import strategies as st
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog
-from upr_cli.protocol.decoder import ROW_FIELDS
+from upr_cli.protocol.decoder import (
+    OP_DELETION,
+    OP_EXPIRATION,
+    OP_MUTATION,
+    ROW_FIELDS,
+    DcpRecord,
+)
 from upr_cli.store import (
     Document,
     Row,
@@ -30,7 +36,7 @@ from upr_cli.store import schema as store_schema
 
 U64_MAX = (1 << 64) - 1
 UUID = 0xFEEDFACE
-MUT, DEL, EXP = 0x57, 0x58, 0x59
+MUT, DEL, EXP = OP_MUTATION, OP_DELETION, OP_EXPIRATION
 JSON, SNAPPY, XATTR = 0x01, 0x02, 0x04
 
 
@@ -50,8 +56,8 @@ def row(
 ) -> Row:
     """A data row in ROW_FIELDS order, key and value as memoryviews (as the decoder gives)."""
     cas = seq * 1000 if cas is None else cas
-    return (op, p, seq, rev, cas, flags, expiry, dtime, datatype,
-            memoryview(key), memoryview(value), 0xBEEF)  # fmt: skip
+    return DcpRecord(op, p, seq, rev, cas, flags, expiry, dtime, datatype,
+                     memoryview(key), memoryview(value), 0xBEEF)  # fmt: skip
 
 
 def pos(p: int, seq: int, uuid: int = UUID) -> StreamPosition:
@@ -60,8 +66,9 @@ def pos(p: int, seq: int, uuid: int = UUID) -> StreamPosition:
 
 def doc_of(r: Row) -> Document:
     """The document a row leaves behind."""
-    op, p, seq, rev, cas, flags, expiry, dtime, dt, key, value, _ = r
-    return Document(p, bytes(key), seq, rev, cas, flags, expiry, dtime, dt, op != MUT, bytes(value))
+    deleted = r.opcode != MUT
+    return Document(r.vbucket, bytes(r.key), r.by_seqno, r.rev_seqno, r.cas, r.flags,
+                    r.expiration, r.delete_time, r.datatype, deleted, bytes(r.value))  # fmt: skip
 
 
 def state(store: Store) -> dict[tuple[int, bytes], Document]:
@@ -172,7 +179,7 @@ def test_json_values_are_text_and_queryable(store: Store) -> None:
     # The view never fails on a value that claims JSON but is not: its doc is NULL.
     assert q("SELECT id FROM json_documents WHERE doc IS NULL").fetchall() == [("liar",)]
     for r in rows[:6]:
-        assert store.get(3, bytes(r[9])) == doc_of(r)  # exact bytes back, TEXT or BLOB
+        assert store.get(3, bytes(r.key)) == doc_of(r)  # exact bytes back, TEXT or BLOB
 
 
 # --- tombstones -------------------------------------------------------------------------
@@ -203,7 +210,7 @@ def test_a_failure_mid_batch_commits_nothing(tmp_path: Path) -> None:
         s.apply(1, [row(1, 1, b"a"), row(1, 2, b"b")], pos(1, 2), FailoverLog.of([(UUID, 0)]))
         before = raw_tables(path)
         bad = [row(1, 3, b"a", b"new"), row(1, 4, b"c"), row(1, 5, b"d"), row(1, 6, b"e")]
-        bad[2] = (*bad[2][:10], None, bad[2][11])  # value NULL: NOT NULL fails at row 3
+        bad[2] = bad[2]._replace(value=None)  # value NULL: NOT NULL fails at row 3
         with pytest.raises(ValueError, match="key and value must be bytes"):
             s.apply(1, bad, pos(1, 6))
         assert raw_tables(path) == before
@@ -397,8 +404,8 @@ def build(p: int, start: int, batches: list[list[tuple[int, int, bytes, int]]]) 
 def model(rows: Sequence[Row], upto: int) -> dict[tuple[int, bytes], Document]:
     out: dict[tuple[int, bytes], Document] = {}
     for r in rows:
-        if r[2] <= upto:
-            out[(r[1], bytes(r[9]))] = doc_of(r)
+        if r.by_seqno <= upto:
+            out[(r.vbucket, bytes(r.key))] = doc_of(r)
     return out
 
 
@@ -426,7 +433,7 @@ def test_rollback_equals_the_model_at_the_target_seq(
             top = applied[-1][2] if applied else 0
             s.apply(1, rows, pos(1, top))
         high = applied[-1][2] if applied else 0
-        seqs = [r[2] for r in applied]
+        seqs = [r.by_seqno for r in applied]
         floor = expected_floor(seqs, window)
         to = data.draw(st.integers(0, high), label="first rollback")
         result = s.rollback(1, to)
@@ -442,14 +449,16 @@ def test_rollback_equals_the_model_at_the_target_seq(
         assert state(s) == {**other, **model(applied, to)}
         assert s.position(1) == StreamPosition(1, 0, to, to, to)
         # A new branch from `to`, then a second rollback.
-        kept = [r for r in applied if r[2] <= to]
+        kept = [r for r in applied if r.by_seqno <= to]
         new = [r for rows in build(1, to, second) for r in rows]
         for rows in build(1, to, second):
             if rows:
                 s.apply(1, rows, pos(1, rows[-1][2]))
         history = kept + new
-        high = history[-1][2] if history else 0
-        floor = max(floor, expected_floor([r[2] for r in history if r[2] > floor], window))
+        high = history[-1].by_seqno if history else 0
+        floor = max(
+            floor, expected_floor([r.by_seqno for r in history if r.by_seqno > floor], window)
+        )
         to2 = data.draw(st.integers(0, high), label="second rollback")
         result = s.rollback(1, to2)
         assert result.too_far == (to2 < result.log_floor)
@@ -530,13 +539,16 @@ def test_content_hash_is_stable_and_order_independent(tmp_path: Path) -> None:
             for p in range(4) for s in range(1, 9)]  # fmt: skip
     with Store(tmp_path / "a.db") as a, Store(tmp_path / "b.db") as b:
         for p in range(4):
-            mine = [r for r in docs if r[1] == p]
+            mine = [r for r in docs if r.vbucket == p]
             a.apply(p, mine, pos(p, 8))
         b.restore_rows(list(reversed(docs)))
         h = a.content_hash()
         assert h == b.content_hash()
         assert h == content_hash_of(
-            [(bytes(r[9]), bytes(r[10]), r[4], r[3], r[5], r[6]) for r in docs]
+            [
+                (bytes(r.key), bytes(r.value), r.cas, r.rev_seqno, r.flags, r.expiration)
+                for r in docs
+            ]
         )
         assert a.content_hash([0, 1]) == b.content_hash([1, 0])
         assert a.content_hash([0, 1]) != h

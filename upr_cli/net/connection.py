@@ -338,5 +338,5 @@ def raise_for_status(resp: ResponseMessage) -> None:
         raise err
 
 
-def _opcode(item: Sequence[object]) -> str:
-    return f"0x{item[1]:02x}" if type(item) is Frame else f"0x{item[0]:02x}"
+def _opcode(item: DcpRecord | Frame) -> str:
+    return f"0x{item.opcode:02x}"

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from upr_cli.failover import FailoverLog, new_uuid
 from upr_cli.net.aio import cancel_and_wait
-from upr_cli.node.partition import ACTIVE, PENDING, REPLICA, Partition
+from upr_cli.node.partition import ACTIVE, PENDING, REPLICA, Marker, Partition
 from upr_cli.node.storage import DocRow, NodeStorage, PartitionRecord
 from upr_cli.protocol.status import (
     InvalidArguments,
@@ -58,7 +58,6 @@ log = logging.getLogger(__name__)
 FLUSH_CHUNK = 50_000  # docs per transaction at most
 UNDO_WINDOW = 200_000  # seqs of undo a replica partition keeps (formats/cluster.md §5)
 FED = (REPLICA, PENDING)  # states fed by a replication stream
-_MISSING = object()
 _T = TypeVar("_T")
 
 
@@ -322,9 +321,9 @@ class Bucket:
         own, so the old snapshot's end is no boundary (nor a complete snapshot)."""
         part = self.fed_partition(vb)
         markers = part.markers
-        while markers and markers[-1][1] > part.high_seq:  # only the newest can be cut short
+        while markers and markers[-1].end > part.high_seq:  # only the newest can be cut short
             markers.pop()
-        markers.append((start, end))
+        markers.append(Marker(start, end))
 
     async def adopt_failover_log(self, vb: int, pairs: tuple[tuple[int, int], ...]) -> None:
         """A replica takes the active's whole failover log (dcp-wire §4.3), durably."""
@@ -389,10 +388,9 @@ class Bucket:
         part = self.partitions[vb]
         doc = part.get(key)
         if doc is None:
-            if self._prefetched_gen == self._disk_gen:
-                hit = self._prefetched.get((vb, key), _MISSING)
-                if hit is not _MISSING:
-                    return hit  # type: ignore[return-value]
+            # a prefetched None means known to be absent
+            if self._prefetched_gen == self._disk_gen and (vb, key) in self._prefetched:
+                return self._prefetched[(vb, key)]
             doc = self._lookup.get(vb, key)
         return doc
 
@@ -560,8 +558,8 @@ class Bucket:
                         # the ends of snapshots this round completes: the undo reaches the
                         # state at each, unless the queue broke it
                         bounds[part.vbucket] = sorted({
-                            e for _s, e in part.markers
-                            if part.persisted_seq < e <= top and e not in part.broken
+                            m.end for m in part.markers
+                            if part.persisted_seq < m.end <= top and m.end not in part.broken
                         })  # fmt: skip
                 docs_all = [d for _, docs in batches for d in docs]
                 await loop.run_in_executor(
@@ -572,7 +570,7 @@ class Bucket:
                     part.persisted_seq = rec.high_seq
                     part.snap_start, part.snap_end = rec.snap_start, rec.snap_end
                     if part.markers:
-                        part.markers = [m for m in part.markers if m[1] > rec.high_seq]
+                        part.markers = [m for m in part.markers if m.end > rec.high_seq]
                     if part.vbucket in bounds:
                         part.bounds = sorted(set(part.bounds).union(bounds[part.vbucket]))
                         part.broken = {e for e in part.broken if e > rec.high_seq}

@@ -13,12 +13,21 @@ import asyncio
 import contextlib
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import NamedTuple
 
 from upr_cli.failover import FailoverLog
 from upr_cli.node.storage import DocRow, PartitionRecord
 
 ACTIVE, REPLICA, PENDING, DEAD = "active", "replica", "pending", "dead"
 STATE_CODES = {ACTIVE: 1, REPLICA: 2, PENDING: 3, DEAD: 4}  # dcp-wire §2.11
+
+
+class Marker(NamedTuple):
+    """A snapshot marker a replica received: its items [start, end] are one snapshot."""
+
+    start: int
+    end: int
 
 
 class WriteQueue:
@@ -101,7 +110,7 @@ class Partition:
     # floor), and the ends of received snapshots the write queue broke: a version at or
     # below one was replaced by a newer one above it before either was persisted, so the
     # state at that end never reaches the disk and no undo can restore it.
-    markers: list[tuple[int, int]] = field(default_factory=list)
+    markers: list[Marker] = field(default_factory=list)
     undo_floor: int | None = None
     bounds: list[int] = field(default_factory=list)
     broken: set[int] = field(default_factory=set)
@@ -145,8 +154,8 @@ class Partition:
         # markers are in seq order: only those ending in [old_seq, new_seq) are looked at
         markers = self.markers
         i = bisect_left(markers, old_seq, key=_end_of)
-        while i < len(markers) and markers[i][1] < new_seq:
-            self.broken.add(markers[i][1])
+        while i < len(markers) and markers[i].end < new_seq:
+            self.broken.add(markers[i].end)
             i += 1
 
     def boundaries(self) -> list[int]:
@@ -162,8 +171,8 @@ class Partition:
             out.add(0)
         if self.persisted_seq == self.snap_end:
             out.add(self.persisted_seq)
-        out.update(e for _s, e in self.markers
-                   if self.persisted_seq < e <= self.high_seq and e not in self.broken)  # fmt: skip
+        low, high = self.persisted_seq, self.high_seq
+        out.update(m.end for m in self.markers if low < m.end <= high and m.end not in self.broken)
         return sorted(out)
 
     @property
@@ -197,5 +206,4 @@ class Partition:
                 await fut
 
 
-def _end_of(marker: tuple[int, int]) -> int:
-    return marker[1]
+_end_of = attrgetter("end")

@@ -47,13 +47,13 @@ from bisect import bisect_right
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from upr_cli.failover import needs_rollback
 from upr_cli.net.aio import cancel_and_wait
 from upr_cli.node.bucket import Bucket
 from upr_cli.node.partition import ACTIVE, DEAD, REPLICA, Partition
-from upr_cli.node.storage import Backfill, DocRow, StorageReader
+from upr_cli.node.storage import Backfill, DocRow, StorageReader, StoredRow
 from upr_cli.protocol.fast import encode_mutation
 from upr_cli.protocol.messages import (
     Barrier,
@@ -462,12 +462,6 @@ class DcpProducer:
         except (ConnectionError, OSError):
             return  # the connection is gone
 
-    def end_streams_for(self, vb: int) -> None:
-        """The partition changed state: its stream ends with StateChanged (§2.6)."""
-        task = self.streams.get(vb)
-        if task is not None and not task.done():
-            self.bucket.partitions[vb].notify()
-
     async def aclose(self) -> None:
         """Stop every stream, the noop task and the cookie sender; close idle read connections."""
         self._barriers.clear()  # pending cookies die with the connection (formats/barrier.md)
@@ -603,7 +597,7 @@ class DcpProducer:
             except BaseException:
                 reader.close()
                 raise
-            return reader, bf, self._encode_rows(spec, rows), rows[0][2] if rows else 0
+            return reader, bf, self._encode_rows(spec, rows), rows[0].seq if rows else 0
 
         def close(reader: StorageReader, bf: Backfill) -> None:
             try:
@@ -662,15 +656,15 @@ class DcpProducer:
         if batch:
             await self.sender.send(batch)
 
-    def _encode_rows(self, spec: StreamSpec, rows: list[tuple[Any, ...]]) -> list[bytes]:
-        """Encode storage rows (DocRow field order) without building DocRows."""
+    def _encode_rows(self, spec: StreamSpec, rows: list[StoredRow]) -> list[bytes]:
+        """Encode storage rows without building DocRows (all live mutations: the hot path)."""
         if self.flags & (OPEN_NO_VALUE | OPEN_NO_VALUE_DT | OPEN_DELETE_TIMES) or any(
-            r[8] for r in rows
+            r.deleted for r in rows
         ):
-            return self._encode(spec, [DocRow(*r) for r in rows])
+            return self._encode(spec, [r.as_doc() for r in rows])
         opaque, vb = spec.opaque, spec.vbucket
-        return [encode_mutation(vb, opaque, r[4], r[7], r[2], r[3], r[5], r[6], r[1], r[10])
-                for r in rows]  # fmt: skip
+        return [encode_mutation(vb, opaque, r.cas, r.datatype, r.seq, r.rev_seq, r.flags,
+                                r.expiry, r.key, r.value) for r in rows]  # fmt: skip
 
     def _encode(self, spec: StreamSpec, docs: list[DocRow]) -> list[bytes]:
         no_value = self.flags & (OPEN_NO_VALUE | OPEN_NO_VALUE_DT)

@@ -16,7 +16,7 @@ import struct
 from typing import NamedTuple
 
 from upr_cli.errors import RemoteProtocolError
-from upr_cli.protocol.header import ALT_MAGICS, HEADER, HEADER_LEN, VALID_MAGICS
+from upr_cli.protocol.header import ALT_MAGICS, HEADER, HEADER_LEN, VALID_MAGICS, Opcode
 
 # Header + DCP_MUTATION extras in one call (dcp-wire §1.1 + §2.8): 24 + 31 = 55 bytes.
 MUTATION_FRAME = struct.Struct(">BBHBBHIIQ" + "QQIIIHB")
@@ -25,7 +25,10 @@ _MUT_EXTRAS = struct.Struct(">QQIIIHB")  # §2.8
 _DEL_V1 = struct.Struct(">QQH")  # §2.9 v1: by_seqno, rev_seqno, nmeta
 _DEL_V2 = struct.Struct(">QQIB")  # §2.9 v2: by_seqno, rev_seqno, delete_time, unused
 _EXPIRY = struct.Struct(">QQI")  # §2.10: by_seqno, rev_seqno, delete_time
-OP_MUTATION, OP_DELETION, OP_EXPIRATION = 0x57, 0x58, 0x59
+# Plain ints (not the IntEnum members): they are compared and stored per record.
+OP_MUTATION = int(Opcode.DCP_MUTATION)
+OP_DELETION = int(Opcode.DCP_DELETION)
+OP_EXPIRATION = int(Opcode.DCP_EXPIRATION)
 
 
 DEFAULT_MAX_BODY = 20 * 1024 * 1024
@@ -216,6 +219,8 @@ class FrameDecoder:
     def max_body(self, value: int) -> None:
         self._max_body = value
 
+    # spec-shaped: one tuned loop over the wire layout of docs/protocol.md "Data records";
+    # kept whole, since a call per record would cost the rate bench/codec.py measures.
     def read_rows(self, limit: int = 1024, *, data_rows: bool = True) -> list[DcpRecord | Frame]:
         """The DCP fast path: up to `limit` items, data records as `DcpRecord`, the rest as Frames.
 

@@ -30,7 +30,6 @@ class Magic(IntEnum):
     SERVER_RESPONSE = 0x83
 
 
-REQUEST_MAGICS = frozenset({Magic.REQUEST, Magic.ALT_REQUEST, Magic.SERVER_REQUEST})
 RESPONSE_MAGICS = frozenset({Magic.RESPONSE, Magic.ALT_RESPONSE, Magic.SERVER_RESPONSE})
 ALT_MAGICS = frozenset({Magic.ALT_REQUEST, Magic.ALT_RESPONSE})
 VALID_MAGICS = frozenset(int(m) for m in Magic)

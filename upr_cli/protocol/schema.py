@@ -9,7 +9,6 @@ fields are set on encode (e.g. SET_WITH_META's 24/26/28/30-byte extras, dcp-wire
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -195,8 +194,3 @@ def unpack_variant(
             return
     sizes = "/".join(str(v.size) for v in variants)
     raise RemoteProtocolError(f"{what} length {n}, expected {sizes}")
-
-
-def dumps_json(obj: Any) -> bytes:
-    """Compact JSON bytes, as servers send them."""
-    return json.dumps(obj, separators=(",", ":")).encode()

@@ -6,6 +6,7 @@ the per-bucket `RepositoryLock`; `chain` the pure chain semantics of
 formats/repository.md §8.
 """
 
+from upr_cli.fsio import FileOps, atomic_write
 from upr_cli.repo.chain import (
     NO_CUT,
     ParentMismatch,
@@ -23,7 +24,6 @@ from upr_cli.repo.chain import (
     snapshot_boundaries,
 )
 from upr_cli.repo.errors import BrokenChain, RepositoryError, RepositoryLocked
-from upr_cli.repo.fsio import DiskOps, atomic_write
 from upr_cli.repo.layout import (
     LOCK_FILE,
     MANIFEST_COPY,
@@ -68,7 +68,7 @@ __all__ = [
     "BackupId",
     "BrokenChain",
     "CutBack",
-    "DiskOps",
+    "FileOps",
     "LockHolder",
     "Manifest",
     "ManifestFile",

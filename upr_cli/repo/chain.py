@@ -26,6 +26,7 @@ from itertools import pairwise
 from typing import NamedTuple
 
 from upr_cli.failover import FailoverLog
+from upr_cli.position import StreamPosition
 from upr_cli.repo.errors import RepositoryError
 from upr_cli.repo.manifest import Manifest, PartitionEntry, SegmentEntry
 from upr_cli.repo.names import BackupId
@@ -51,13 +52,38 @@ class SeqRange(NamedTuple):
 
 
 class ResumePoint(NamedTuple):
-    """Where the next incremental backup of a partition starts (formats/repository.md §8.4)."""
+    """Where the next incremental backup of a partition starts (formats/repository.md §8.4):
+    the stream position the newest backup holding it ended at, and its failover log."""
 
-    uuid: int
-    seq: int
-    snap_start: int
-    snap_end: int
+    position: StreamPosition
     failover_log: FailoverLog
+
+    @property
+    def uuid(self) -> int:
+        """The branch the position is on."""
+        return self.position.uuid
+
+    @property
+    def seq(self) -> int:
+        """The last seq backed up."""
+        return self.position.seq
+
+    @property
+    def snap_start(self) -> int:
+        """Start of the last snapshot backed up."""
+        return self.position.snap_start
+
+    @property
+    def snap_end(self) -> int:
+        """End of the last snapshot backed up."""
+        return self.position.snap_end
+
+
+class Held(NamedTuple):
+    """A backup holding a partition, and the partition's entry in its manifest."""
+
+    backup_id: BackupId
+    entry: PartitionEntry
 
 
 class ParentMismatch(NamedTuple):
@@ -82,9 +108,7 @@ def ordered(manifests: Sequence[Manifest]) -> list[Manifest]:
     return out
 
 
-def _holding(
-    manifests: Sequence[Manifest], partition: int, at: BackupId | None
-) -> list[tuple[BackupId, PartitionEntry]]:
+def _holding(manifests: Sequence[Manifest], partition: int, at: BackupId | None) -> list[Held]:
     """(id, entry) of the backups up to `at` (all when None) that hold `partition`."""
     chain = ordered(manifests)
     if at is not None and not any(m.backup_id == at for m in chain):
@@ -95,17 +119,17 @@ def _holding(
             break
         entry = m.partition(partition)
         if entry is not None:
-            out.append((m.backup_id, entry))
+            out.append(Held(m.backup_id, entry))
     return out
 
 
-def _cuts(held: list[tuple[BackupId, PartitionEntry]]) -> list[int]:
+def _cuts(held: list[Held]) -> list[int]:
     """cut(J, K) for each J in `held`, K being the last: suffix minima of start seqs."""
     cuts = [NO_CUT] * len(held)
     lowest = NO_CUT
     for i in range(len(held) - 1, -1, -1):
         cuts[i] = lowest
-        lowest = min(lowest, held[i][1].start_seq)
+        lowest = min(lowest, held[i].entry.start_seq)
     return cuts
 
 
@@ -153,7 +177,7 @@ def _agreement(j: PartitionEntry, later: PartitionEntry) -> int:
     return NO_CUT if i == 0 else entries[i - 1].seq
 
 
-def _lost_cuts(held: list[tuple[BackupId, PartitionEntry]]) -> list[int]:
+def _lost_cuts(held: list[Held]) -> list[int]:
     """lost_cut(J, K) for each J in `held`, K being the last."""
     return [
         min((_agreement(e, later) for _b, later in held[i + 1 :]), default=NO_CUT)
@@ -217,8 +241,9 @@ def resume_point(manifests: Sequence[Manifest], partition: int) -> ResumePoint |
     held = _holding(manifests, partition, None)
     if not held:
         return None
-    e = held[-1][1]
-    return ResumePoint(e.uuid, e.end_seq, e.snap_start, e.snap_end, e.failover_log)
+    e = held[-1].entry
+    position = StreamPosition(partition, e.uuid, e.end_seq, e.snap_start, e.snap_end)
+    return ResumePoint(position, e.failover_log)
 
 
 def coverage_gaps(

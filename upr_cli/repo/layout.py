@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from upr_cli.errors import ExitCode, os_error
+from upr_cli.fsio import FileOps, atomic_write
 from upr_cli.repo.chain import (
     broken_parents,
     coverage_gaps,
@@ -47,7 +48,6 @@ from upr_cli.repo.chain import (
     plan_state,
 )
 from upr_cli.repo.errors import BrokenChain, RepositoryError
-from upr_cli.repo.fsio import DiskOps, atomic_write
 from upr_cli.repo.manifest import MAX_MANIFEST_BYTES, Manifest, load_json
 from upr_cli.repo.names import (
     BackupId,
@@ -155,9 +155,9 @@ class ManifestFile:
 class Repository:
     """A backup repository rooted at `path` (formats/repository.md)."""
 
-    def __init__(self, path: str | os.PathLike[str], *, ops: DiskOps | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, ops: FileOps | None = None) -> None:
         self.path = Path(path)
-        self.ops = ops or DiskOps()
+        self.ops = ops or FileOps()
         # manifests parsed, by (device, inode, size, mtime) of their file: a file is only
         # ever replaced by a rename (a new inode), so an entry never goes stale
         self._parsed: dict[tuple[int, int, int, int], Manifest] = {}

@@ -7,8 +7,8 @@ test. Names are fixed-width, so a plain directory listing is already in order:
 * backup ids are UTC timestamps `YYYYMMDDTHHMMSS.ffffffZ`: name order = time order;
 * segment files are `pPPPP-sFFFFFFFFFFFFFFFF-eLLLLLLLLLLLLLLLL.seg` in lowercase hex:
   name order = (partition, seq) order;
-* temp files are `.NAME.tmp-RRRRRRRR[-SUFFIX]`, the convention the segment writer also
-  uses (formats/segment.md "Writing"), so one sweep removes every leftover.
+* temp files are `.NAME.tmp-RRRRRRRR[-SUFFIX]` (`upr_cli.fsio`, which the segment
+  writer also uses: formats/segment.md "Writing"), so one sweep removes every leftover.
 
 formats/repository.md "Names" is the normative grammar.
 """
@@ -16,10 +16,11 @@ formats/repository.md "Names" is the normative grammar.
 from __future__ import annotations
 
 import re
-import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from upr_cli import fsio
+from upr_cli.fsio import parse_temp_name as parse_temp_name
 from upr_cli.repo.errors import RepositoryError
 
 U64_MAX = (1 << 64) - 1
@@ -30,7 +31,6 @@ _TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})Z",
 _SEGMENT = re.compile(r"p([0-9a-f]{4})-s([0-9a-f]{16})-e([0-9a-f]{16})\.seg")
 _CUT = re.compile(r"cut-([1-9][0-9]{0,3})/([^/]+)")
 CUT_MAX = 9999
-_TEMP = re.compile(r"\.(.+)\.tmp-([0-9a-f]{8})(?:-[a-z0-9]+)?")
 # Couchbase bucket names: letters, digits, "_", "-", ".", "%"; at most 100; no leading ".".
 _BUCKET = re.compile(r"[A-Za-z0-9_%-][A-Za-z0-9_.%-]{0,99}")
 RESERVED_BUCKET_NAMES = frozenset({"repo.json"})
@@ -180,19 +180,11 @@ def parse_cut_path(text: str) -> tuple[int, SegmentName]:
 
 
 def temp_name(final: str, token: str | None = None) -> str:
-    """The name a file is written under before its rename to `final`: `.FINAL.tmp-RANDOM`."""
-    if not final or "/" in final:
-        raise RepositoryError(f"a temp name needs a plain file name, got {final!r}")
-    token = secrets.token_hex(4) if token is None else token
-    if not re.fullmatch(r"[0-9a-f]{8}", token):
-        raise RepositoryError(f"temp token {token!r} is not 8 lowercase hex digits")
-    return f".{final}.tmp-{token}"
-
-
-def parse_temp_name(name: str) -> str | None:
-    """The final name a temp file was meant for, or None when `name` is not a temp name."""
-    m = _TEMP.fullmatch(name)
-    return m.group(1) if m else None
+    """`fsio.temp_name`, its errors as RepositoryError (the repository names everything)."""
+    try:
+        return fsio.temp_name(final, token)
+    except ValueError as exc:
+        raise RepositoryError(str(exc)) from None
 
 
 def is_temp_name(name: str) -> bool:

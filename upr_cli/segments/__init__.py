@@ -1,5 +1,6 @@
 """Segment files (formats/segment.md): one partition's records for one seq range of one branch."""
 
+from upr_cli.fsio import FileOps
 from upr_cli.segments.format import (
     RECORD_FIELDS,
     BlockInfo,
@@ -9,7 +10,7 @@ from upr_cli.segments.format import (
     SegmentInfo,
 )
 from upr_cli.segments.reader import SegmentReader
-from upr_cli.segments.writer import FileOps, SegmentWriter, temp_name
+from upr_cli.segments.writer import SegmentWriter
 
 __all__ = [
     "RECORD_FIELDS",
@@ -21,5 +22,4 @@ __all__ = [
     "SegmentInfo",
     "SegmentReader",
     "SegmentWriter",
-    "temp_name",
 ]

@@ -6,10 +6,11 @@ import json
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog, InvalidFailoverLog
+from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION, DcpRecord
 
 MAGIC = b"\x89USEG\r\n\x1a"
 END_MAGIC = b"USEGEND\n"
@@ -22,14 +23,34 @@ FOOTER_FIXED = struct.Struct("<IIQQQQ")  # block_count, reserved, records, raw_b
 BLOCK_ENTRY = struct.Struct("<QQQIIII")  # offset, first, last, clen, rlen, count, crc
 TRAILER = struct.Struct("<QII8s")  # footer_offset, footer_len, footer_crc, end magic
 MAX_HEADER = 1 << 20
-OPS = frozenset({0x57, 0x58, 0x59})
-# Record tuples handed out by readers, in this order:
-RECORD_FIELDS = ("op", "seq", "rev_seq", "cas", "flags", "expiry", "delete_time", "datatype",
-                 "key", "value")  # fmt: skip
+OPS = frozenset({OP_MUTATION, OP_DELETION, OP_EXPIRATION})
 _TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")  # ASCII
 U64 = (1 << 64) - 1
 
-Record = tuple[int, int, int, int, int, int, int, int, bytes, bytes]
+
+class Record(NamedTuple):
+    """One record as a segment reader hands it out (formats/segment.md, Blocks), read by
+    field name. The partition is the segment's; a writer takes `DcpRecord`s instead."""
+
+    op: int
+    seq: int
+    rev_seq: int
+    cas: int
+    flags: int
+    expiry: int
+    delete_time: int
+    datatype: int
+    key: bytes
+    value: bytes
+
+    def as_dcp(self, vbucket: int) -> DcpRecord:
+        """The same record as the DCP record a stream of `vbucket` delivers (opaque 0)."""
+        return DcpRecord(self.op, vbucket, self.seq, self.rev_seq, self.cas, self.flags,
+                         self.expiry, self.delete_time, self.datatype, self.key, self.value,
+                         0)  # fmt: skip
+
+
+RECORD_FIELDS = Record._fields
 
 
 class SegmentError(UprError):
@@ -142,15 +163,19 @@ def parse_block(raw: bytes, count: int) -> list[Record]:
     if k > n:
         raise ValueError(f"{count} record heads do not fit in {n} bytes")
     heads = list(RECORD_HEAD.iter_unpack(raw[:k]))
-    v = k + sum(h[2] for h in heads)
-    if v + sum(h[3] for h in heads) != n:
+    key_bytes = sum(klen for _op, _dt, klen, *_ in heads)
+    value_bytes = sum(vlen for _op, _dt, _klen, vlen, *_ in heads)
+    v = k + key_bytes
+    if v + value_bytes != n:
         raise ValueError("keys and values do not fill the block exactly")
     out: list[Record] = []
+    new = tuple.__new__  # builds the named record without a Python-level __new__ call
     prev = 0
     for op, dt, klen, vlen, seq, rev, cas, flags, exp, dtime, _r in heads:
         if op not in OPS or seq <= prev:
             raise ValueError(f"bad record head (seq {seq}, op 0x{op:02x})")
-        out.append((op, seq, rev, cas, flags, exp, dtime, dt, raw[k : k + klen], raw[v : v + vlen]))
+        key, value = raw[k : k + klen], raw[v : v + vlen]
+        out.append(new(Record, (op, seq, rev, cas, flags, exp, dtime, dt, key, value)))
         k += klen
         v += vlen
         prev = seq

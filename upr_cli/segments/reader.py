@@ -137,7 +137,7 @@ class SegmentReader:
             out = parse_block(raw, b.record_count)
         except ValueError as exc:
             raise SegmentError(p, str(exc), i) from None
-        if len(out) != b.record_count or out[0][1] != b.first_seq or out[-1][1] != b.last_seq:
+        if len(out) != b.record_count or out[0].seq != b.first_seq or out[-1].seq != b.last_seq:
             raise SegmentError(p, "records do not match the block index", i)
         return out
 
@@ -146,7 +146,7 @@ class SegmentReader:
         start = bisect_left(self._last_seqs, from_seq)
         for i in range(start, len(self.blocks)):
             for rec in self.block_records(i):
-                if rec[1] >= from_seq:
+                if rec.seq >= from_seq:
                     yield rec
 
     def verify(self) -> SegmentInfo:

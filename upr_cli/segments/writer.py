@@ -7,7 +7,9 @@ pass the pinned end to finish a snapshot, and the markers covered), so `finish()
 assembles the file then: preamble and header, the body copied by the kernel (compressed
 bytes: about an eighth of the raw size), footer, trailer; fsync, rename to the final
 name, fsync the directory (STYLE 9). Before that nothing is visible under the final
-name. All file-system calls go through `FileOps`, so tests can fail any of them.
+name. All file-system calls go through `upr_cli.fsio.FileOps`, so tests can fail any of
+them; a caller that finishes many segments without syncing makes them durable together
+with `sync_files` (re-exported here).
 """
 
 from __future__ import annotations
@@ -15,20 +17,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import secrets
-import shutil
 import zlib
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import zstandard
 
-from upr_cli.errors import LocalProtocolError, os_error
+from upr_cli.errors import LocalProtocolError
 from upr_cli.failover import FailoverLog
+from upr_cli.fsio import FileOps, sync_files, temp_path
+from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.segments.format import (
     BLOCK_ENTRY,
     CRC,
@@ -47,56 +48,7 @@ from upr_cli.segments.format import (
     parse_block,
 )
 
-
-def _name(f: IO[bytes]) -> str | None:
-    """The path a file object was opened with, if it has one."""
-    name = getattr(f, "name", None)
-    return name if isinstance(name, str) else None
-
-
-class FileOps:
-    """The file-system calls a writer makes (tests subclass it to inject failures)."""
-
-    def open(self, path: Path) -> IO[bytes]:
-        """Create a new file for reading and writing (fails if it exists)."""
-        return open(path, "x+b")
-
-    def write(self, f: IO[bytes], data: bytes) -> None:
-        """Write all of `data`; a failing file system is a typed error naming the file."""
-        try:
-            f.write(data)
-        except OSError as exc:
-            raise os_error(exc, _name(f)) from None
-
-    def fsync(self, f: IO[bytes]) -> None:
-        """Flush and fsync a file (a full disk often shows here, on the buffered bytes)."""
-        try:
-            f.flush()
-            os.fsync(f.fileno())
-        except OSError as exc:
-            raise os_error(exc, _name(f)) from None
-
-    def copy(self, src: IO[bytes], dst: IO[bytes]) -> None:
-        """Copy the rest of `src` into `dst` (the body into the final file)."""
-        dst.flush()
-        shutil.copyfileobj(src, dst, 1 << 20)
-
-    def rename(self, src: Path, dst: Path) -> None:
-        """Atomically rename."""
-        os.replace(src, dst)
-
-    def fsync_dir(self, path: Path) -> None:
-        """fsync a directory so a rename in it is durable."""
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def remove(self, path: Path) -> None:
-        """Remove a file if it exists."""
-        path.unlink(missing_ok=True)
-
+__all__ = ["DEFAULT_LEVEL", "FileOps", "SegmentWriter", "new_compressor", "sync_files"]
 
 # Level 7: with one segment per partition, blocks are often ~100 KB; measured there
 # (formats/segment.md, Decisions) level 3 falls 6% short of `zstd -3` on the whole stream,
@@ -107,11 +59,6 @@ DEFAULT_LEVEL = 7
 def new_compressor(level: int = DEFAULT_LEVEL) -> zstandard.ZstdCompressor:
     """A zstd compressor as segments use it (content size written, no zstd checksum)."""
     return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
-
-
-def temp_name(path: Path) -> Path:
-    """The temporary name a segment is written under (sweepable: `.NAME.tmp-*`)."""
-    return path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
 
 
 class SegmentWriter:
@@ -139,7 +86,7 @@ class SegmentWriter:
         # A compression context costs about half a megabyte: writers used from one thread
         # (a backup has one per partition) share one (`new_compressor`).
         self._zstd = compressor or new_compressor(level)
-        self._tmp = temp_name(path)
+        self._tmp = temp_path(path)
         self._body_path = self._tmp.with_name(self._tmp.name + "-body")
         self._body: IO[bytes] | None = None  # opened by the first spill
         self._out: IO[bytes] | None = None
@@ -159,8 +106,8 @@ class SegmentWriter:
         self._raw_total = 0
         self._done = False
 
-    def add(self, rows: Iterable[tuple[Any, ...]]) -> None:
-        """Append DCP rows (`ROW_FIELDS` order) with increasing seqs above the start.
+    def add(self, rows: Iterable[DcpRecord]) -> None:
+        """Append DCP records with increasing seqs above the start.
 
         Any failure (a write error, a record out of order) aborts the whole segment.
         """
@@ -169,7 +116,8 @@ class SegmentWriter:
         pack = RECORD_HEAD.pack
         heads, keys, values, last = self._heads, self._keys, self._values, self._last_seq
         try:
-            for op, _vb, seq, rev, cas, flags, exp, dtime, datatype, key, value, _opq in rows:
+            for r in rows:
+                seq, op = r.by_seqno, r.opcode
                 if seq <= last or op not in OPS:
                     raise LocalProtocolError(
                         f"record seq {seq} (op 0x{op:02x}) does not follow {last}"
@@ -178,10 +126,9 @@ class SegmentWriter:
                     self._raw_first = seq
                     if not self._first_seq:
                         self._first_seq = seq
-                k, v = bytes(key), bytes(value)
-                heads.append(
-                    pack(op, datatype, len(k), len(v), seq, rev, cas, flags, exp, dtime, 0)
-                )
+                k, v = bytes(r.key), bytes(r.value)
+                heads.append(pack(op, r.datatype, len(k), len(v), seq, r.rev_seqno, r.cas,
+                                  r.flags, r.expiration, r.delete_time, 0))  # fmt: skip
                 keys.append(k)
                 values.append(v)
                 self._raw_len += 48 + len(k) + len(v)
@@ -215,16 +162,6 @@ class SegmentWriter:
     def buffered(self) -> int:
         """Bytes held in memory: raw records waiting for a block, plus unspilled blocks."""
         return self._raw_len + self._frames_len
-
-    def flush_block(self) -> None:
-        """Compress the records buffered so far into a block (it stays in memory)."""
-        if self._done:
-            raise LocalProtocolError("segment already finished")
-        try:
-            self._flush_block()
-        except BaseException:
-            self.abort()
-            raise
 
     def spill(self) -> None:
         """Compress buffered records and move every block to the body file (frees memory)."""
@@ -269,9 +206,9 @@ class SegmentWriter:
                 raw = dctx.decompress(self._frame(b), max_output_size=b.raw_len)
                 records = parse_block(raw, b.record_count)
                 if not i:
-                    kept = [r for r in records if r[1] <= seq]
+                    kept = [r for r in records if r.seq <= seq]
                 if into is not None:
-                    into.add(_rows(r for r in records if r[1] > seq))
+                    into.add(_rows(r for r in records if r.seq > seq))
                     if into.buffered > 4 * self._block_size:
                         into.spill()  # memory stays bounded: the cut can be a whole run
             cut = gone[0]
@@ -415,26 +352,7 @@ class SegmentWriter:
             self.abort()
 
 
-def _rows(records: Iterable[Record]) -> Iterator[tuple[Any, ...]]:
-    """Reader records (`RECORD_FIELDS`) as the DCP rows `add` takes (`ROW_FIELDS`)."""
-    for op, seq, rev, cas, flags, exp, dtime, dt, key, value in records:
-        yield (op, 0, seq, rev, cas, flags, exp, dtime, dt, key, value, 0)
-
-
-def sync_files(paths: Iterable[Path], workers: int = 8) -> None:
-    """fsync many files concurrently (the journal commits them together), then each
-    directory once: what a caller does after `finish(sync=False)` and before committing."""
-    files = list(paths)
-
-    def one(p: Path) -> None:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fsync") as pool:
-        list(pool.map(one, files))
-    ops = FileOps()
-    for d in sorted({p.parent for p in files}):
-        ops.fsync_dir(d)
+def _rows(records: Iterable[Record]) -> Iterator[DcpRecord]:
+    """Reader records as the DCP records `add` takes (the vbucket is unused: 0)."""
+    for r in records:
+        yield r.as_dcp(0)

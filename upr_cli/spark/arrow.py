@@ -6,13 +6,15 @@ from typing import Any
 
 import pyarrow as pa
 
+from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION
+
 Columns = list[tuple[str, pa.DataType, bool]]  # (name, type, nullable)
 
 _TWO64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
 _DDL = {pa.int32(): "INT", pa.int64(): "BIGINT", pa.binary(): "BINARY", pa.string(): "STRING",
         pa.bool_(): "BOOLEAN"}  # fmt: skip
-OPS = {0x57: "mutation", 0x58: "deletion", 0x59: "expiration"}
+OPS = {OP_MUTATION: "mutation", OP_DELETION: "deletion", OP_EXPIRATION: "expiration"}
 
 
 def schema_of(columns: Columns) -> pa.Schema:

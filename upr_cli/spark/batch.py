@@ -9,16 +9,24 @@ and drops tombstones; `history` streams every record, flagging those above the c
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from operator import attrgetter
 from typing import Any
 
 import pyarrow as pa
 
+from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.segments import Record, SegmentReader
 from upr_cli.spark.arrow import OPS, Columns, ddl_of, i64, schema_of, text
 from upr_cli.spark.plan import Group, Piece
 
 BATCH_ROWS = 65_536
 _I64_MAX = (1 << 63) - 1
+# Record fields taken by name, each column in one C-level `map` pass over a batch.
+_NUMBER_FIELDS = tuple(
+    attrgetter(f)
+    for f in ("op", "seq", "rev_seq", "cas", "flags", "expiry", "delete_time", "datatype")
+)
+_KEY, _VALUE = attrgetter("key"), attrgetter("value")
 
 _COMMON: Columns = [
     ("partition", pa.int32(), False),
@@ -75,16 +83,18 @@ class _Columns:
     def take(self) -> pa.RecordBatch:
         rows, self.rows = self.rows, []
         parts, recs, bids, losts = zip(*rows, strict=True)
-        ops, seqs, revs, cass, flags, exps, dtimes, dts, keys, values = zip(*recs, strict=True)
-        keys = tuple(map(bytes, keys))
-        values = tuple(map(bytes, values))
+        ops, seqs, revs, cass, flags, exps, dtimes, dts = (
+            list(map(get, recs)) for get in _NUMBER_FIELDS
+        )
+        keys = list(map(bytes, map(_KEY, recs)))
+        values = list(map(bytes, map(_VALUE, recs)))
         if max(revs) > _I64_MAX:
-            revs = tuple(map(i64, revs))
+            revs = list(map(i64, revs))
         if max(cass) > _I64_MAX:
-            cass = tuple(map(i64, cass))
+            cass = list(map(i64, cass))
         js = [text(v) if d & 7 == 1 else None for v, d in zip(values, dts, strict=True)]
         cols: list[Any] = [parts, keys, list(map(text, keys)), seqs, revs, cass, flags, exps, dts,
-                           [op != 0x57 for op in ops], values, js]  # fmt: skip
+                           [op != OP_MUTATION for op in ops], values, js]  # fmt: skip
         if self.view == "history":
             cols += [[OPS.get(op, f"0x{op:02x}") for op in ops], dtimes, bids, losts]
         return pa.RecordBatch.from_arrays(
@@ -109,11 +119,11 @@ def read_group(group: Group) -> Iterator[pa.RecordBatch]:
             for piece in pieces:  # in chain order: later records win
                 with SegmentReader(piece.path) as reader:
                     for rec in reader.records():
-                        if rec[1] > piece.max_seq:
+                        if rec.seq > piece.max_seq:
                             break
-                        latest[bytes(rec[8])] = rec
-            for rec in sorted(latest.values(), key=lambda r: r[1]):
-                if rec[0] != 0x57:
+                        latest[bytes(rec.key)] = rec
+            for rec in sorted(latest.values(), key=lambda r: r.seq):
+                if rec.op != OP_MUTATION:
                     continue  # the state drops tombstones
                 cols.add_record(p, rec)
                 if len(cols) >= BATCH_ROWS:
@@ -122,7 +132,7 @@ def read_group(group: Group) -> Iterator[pa.RecordBatch]:
         for piece in group.pieces:
             with SegmentReader(piece.path) as reader:
                 for rec in reader.records():
-                    cols.add_record(piece.partition, rec, piece.backup_id, rec[1] > piece.cut)
+                    cols.add_record(piece.partition, rec, piece.backup_id, rec.seq > piece.cut)
                     if len(cols) >= BATCH_ROWS:
                         yield cols.take()
     if len(cols):

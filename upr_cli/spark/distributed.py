@@ -22,11 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.failover import FailoverLog
 from upr_cli.jobs.backup_stream import PartitionResult, stream_to_segments
 from upr_cli.jobs.restore import RestoreSummary, restore_to_node
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition
 
 
 def shares(partitions: list[int], tasks: int) -> list[list[int]]:

@@ -81,10 +81,10 @@ def _state_records(group: Group, partition: int) -> list[Record]:
             continue
         with SegmentReader(piece.path) as reader:
             for rec in reader.records():
-                if rec[1] > piece.max_seq:
+                if rec.seq > piece.max_seq:
                     break
-                latest[bytes(rec[8])] = rec
-    return sorted(latest.values(), key=lambda r: r[1])
+                latest[bytes(rec.key)] = rec
+    return sorted(latest.values(), key=lambda r: r.seq)
 
 
 def write_group(group: Group, specs: dict[int, PartitionSpec], bucket: str, directory: str,
@@ -101,11 +101,8 @@ def write_group(group: Group, specs: dict[int, PartitionSpec], bucket: str, dire
                                spec.end_seq, (spec.snapshot,), created, source)  # fmt: skip
         writer = SegmentWriter(Path(directory) / f"p{p:04x}.open", header)
         try:
-            writer.add(
-                (op, p, seq, rev, cas, flags, exp, dtime, dt, key, value, 0)
-                for op, seq, rev, cas, flags, exp, dtime, dt, key, value in records
-            )
-            name = format_segment_name(p, records[0][1], records[-1][1])
+            writer.add(rec.as_dcp(p) for rec in records)
+            name = format_segment_name(p, records[0].seq, records[-1].seq)
             info = writer.finish(path=Path(directory) / name, sync=True)
         except BaseException:
             writer.abort()
@@ -144,8 +141,9 @@ def merge(spark: Any, repo_dir: Path, *, through: str = "latest",
         for p in opts.partitions:
             rp = resume_point(manifests, p)
             if rp is not None:
-                specs[p] = PartitionSpec(p, rp.failover_log.to_json(), rp.seq,
-                                         (rp.snap_start, rp.snap_end))  # fmt: skip
+                pos = rp.position
+                specs[p] = PartitionSpec(p, rp.failover_log.to_json(), pos.seq,
+                                         (pos.snap_start, pos.snap_end))  # fmt: skip
         groups = plan(opts, manifests)
         source = f"merge of {manifests[0].backup_id}..{opts.at}"
         args = (specs, opts.bucket, str(directory), source)

@@ -20,8 +20,8 @@ from pyspark.sql.datasource import (
     InputPartition,
 )
 
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError
+from upr_cli.position import StreamPosition
 from upr_cli.spark.batch import ddl, read_group
 from upr_cli.spark.plan import Group, get_option, parse_options, plan
 from upr_cli.spark.stream import (

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import sqlite_utils
 
+from upr_cli import sqlite
 from upr_cli.errors import UprError
 
 SCHEMA_VERSION = 3
@@ -167,9 +168,8 @@ def init_schema(conn: sqlite3.Connection, path: Path, *, create: bool, source: s
     if _current(conn, source):
         return
     db = sqlite_utils.Database(conn, execute_plugins=False)
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema")}
+    with sqlite.transaction(conn):
+        names = {name for (name,) in conn.execute("SELECT name FROM sqlite_schema")}
         if not names:
             if not create:
                 raise StoreError(f"{path}: not an upr store (the database is empty)")
@@ -198,8 +198,3 @@ def init_schema(conn: sqlite3.Connection, path: Path, *, create: bool, source: s
             _set_meta(conn, "schema_version", str(SCHEMA_VERSION))
         if source is not None and meta.get("source") != source:
             _set_meta(conn, "source", source)
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise

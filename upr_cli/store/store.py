@@ -19,8 +19,8 @@ Theory of operation (formats/store.md is the normative spec)
   back, or the document is deleted if that entry is all NULLs. `log_floor` is the
   highest seq whose change can no longer be undone (trimmed, never logged, or written by
   a restore): a rollback below it is "too far" and the caller resets the partition.
-* **Hot path without per-row Python.** Rows are bound exactly as the decoder yields them
-  (`ROW_FIELDS` order, key and value as memoryviews) with `executemany`; SQL maps the
+* **Hot path without per-row Python.** Records are bound exactly as the decoder yields
+  them (`DcpRecord`, key and value as memoryviews) with `executemany`; SQL maps the
   opcode to `deleted` and stores JSON values as TEXT. Undo entries are captured in bulk,
   one INSERT … SELECT per up to 256 changes. Checks that need every row (seq order,
   partition, opcode) run over columns with C-level `map`/`set`. 64-bit values above
@@ -50,38 +50,47 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
-from operator import itemgetter, lt
+from operator import attrgetter, lt
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NamedTuple, Self, TypeVar
+from typing import Any, NamedTuple, Self, TypeVar, cast
 
 import sqlite_utils
 
-from upr_cli.dcp.position import StreamPosition
+from upr_cli import sqlite
 from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog
+from upr_cli.position import StreamPosition
+from upr_cli.protocol.decoder import (
+    OP_DELETION,
+    OP_EXPIRATION,
+    OP_MUTATION,
+    ROW_FIELDS,
+    DcpRecord,
+)
+from upr_cli.sqlite import I64_MAX as _I64_MAX
+from upr_cli.sqlite import TWO64 as _TWO64
+from upr_cli.sqlite import i64 as _i64
+from upr_cli.sqlite import u64 as _u64
 from upr_cli.store.content import ContentHasher, Document
 from upr_cli.store.schema import StoreError, init_schema, now_iso
 
-Row = tuple[Any, ...]  # upr_cli.protocol.decoder.ROW_FIELDS order
+# What `apply` and `restore_rows` take: DcpRecords, or plain tuples in ROW_FIELDS order
+# (converted once on entry, by `_records`); everything inside works on DcpRecords.
+Row = tuple[Any, ...]
 T = TypeVar("T")
 
-U64_MAX = (1 << 64) - 1
 DEFAULT_UNDO_WINDOW = 10_000
 KEEP_BOUNDARIES = 256  # snapshot boundaries kept per partition (formats/store.md §3.6)
-OP_MUTATION, OP_DELETION, OP_EXPIRATION = 0x57, 0x58, 0x59
 _DATA_OPS = frozenset({OP_MUTATION, OP_DELETION, OP_EXPIRATION})
-_I64_MAX = (1 << 63) - 1
-_TWO64 = 1 << 64
-_BUSY_TIMEOUT_S = 10.0
-_PAGE_SIZE = 16384
 _CACHE_KIB = 32 * 1024
 _FETCH = 4096
 
-_get_op = itemgetter(0)
-_get_partition = itemgetter(1)
-_get_seq = itemgetter(2)
-_get_key = itemgetter(9)
+# Column extractors run by `map` in C over a whole batch (see the module header).
+_get_op = attrgetter("opcode")
+_get_partition = attrgetter("vbucket")
+_get_seq = attrgetter("by_seqno")
+_get_key = attrgetter("key")
 
 _DOC_COLUMNS = (
     "partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype, deleted, value"
@@ -91,8 +100,9 @@ _DOC_SELECT = (
     " CAST(value AS BLOB)"
 )
 
-# Rows are bound as ?1..?12 in ROW_FIELDS order (opcode, vbucket, by_seqno, rev_seqno, cas,
-# flags, expiration, delete_time, datatype, key, value, opaque). An unknown opcode gives
+# The SQL layer: a record (a tuple) is bound positionally, as ?1..?12 in ROW_FIELDS order
+# (opcode, vbucket, by_seqno, rev_seqno, cas, flags, expiration, delete_time, datatype,
+# key, value, opaque), so no per-row Python runs to bind it. An unknown opcode gives
 # deleted = NULL, which the NOT NULL constraint rejects. ?12 (opaque) is unused: the
 # `0 * (?12 IS NULL)` term, always 0, only makes the statement take the 12 parameters a
 # row carries. (A VALUES list, not INSERT … SELECT: measured twice as fast.)
@@ -133,10 +143,10 @@ JOIN documents AS d ON d.partition = v.column1 AND d.key = v.column3
 
 
 _LOG_SIZES = (256, 64, 16, 4, 1)  # a few statement shapes, so the statement cache hits
-_log_key = itemgetter(1, 2, 9)
+_log_key = attrgetter("vbucket", "by_seqno", "key")
 
 
-def _log_previous(db: sqlite3.Connection, rows: Sequence[Row]) -> int:
+def _log_previous(db: sqlite3.Connection, rows: Sequence[DcpRecord]) -> int:
     """Insert the undo entries of rows whose keys are distinct (see `_unique_key_runs`);
     returns how many were inserted (one per row whose key already had a document)."""
     i, n, logged = 0, len(rows), 0
@@ -178,33 +188,23 @@ _PARTITION_COLUMNS = (
 )
 
 
-def _i64(value: int) -> int:
-    """Encode a u64 as the i64 SQLite stores (two's complement); ValueError if not a u64."""
-    if not 0 <= value <= U64_MAX:
-        raise ValueError(f"{value} is not an unsigned 64-bit value")
-    return value - _TWO64 if value > _I64_MAX else value
-
-
-def _u64(value: int) -> int:
-    """Decode an i64 column back into the u64 it stores."""
-    return value + _TWO64 if value < 0 else value
-
-
-def _i64_rows(rows: Sequence[Row]) -> list[Row]:
+def _i64_rows(rows: Sequence[DcpRecord]) -> list[DcpRecord]:
     """Rows with seq, rev seq and cas converted to i64 where they exceed 2^63-1."""
     m, conv = _I64_MAX, _i64
     return [
-        r if r[2] <= m and r[3] <= m and r[4] <= m
-        else (r[0], r[1], conv(r[2]), conv(r[3]), conv(r[4]), *r[5:])
+        r if r.by_seqno <= m and r.rev_seqno <= m and r.cas <= m
+        else r._replace(by_seqno=conv(r.by_seqno), rev_seqno=conv(r.rev_seqno), cas=conv(r.cas))
         for r in rows
     ]  # fmt: skip
 
 
-def _not_inserted(db: sqlite3.Connection, partition: int, rows: Sequence[Row]) -> list[Row]:
+def _not_inserted(
+    db: sqlite3.Connection, partition: int, rows: Sequence[DcpRecord]
+) -> list[DcpRecord]:
     """The rows `_INSERT_NEW` ignored: their key's stored seq is not theirs (a stored row
     is always below every row being applied, so an inserted row is one whose seq is)."""
     stored: dict[bytes, int] = {}
-    keys = [bytes(r[9]) for r in rows]
+    keys = [bytes(r.key) for r in rows]
     for i in range(0, len(keys), 500):
         chunk = keys[i : i + 500]
         stored.update(
@@ -215,11 +215,14 @@ def _not_inserted(db: sqlite3.Connection, partition: int, rows: Sequence[Row]) -
             ).fetchall()
         )
     m = _I64_MAX  # rows may come already converted to i64 (`_i64_retry`)
-    return [r for r, k in zip(rows, keys, strict=True)
-            if stored.get(k) != (r[2] - _TWO64 if r[2] > m else r[2])]  # fmt: skip
+    return [
+        r
+        for r, k in zip(rows, keys, strict=True)
+        if stored.get(k) != (r.by_seqno - _TWO64 if r.by_seqno > m else r.by_seqno)
+    ]
 
 
-def _unique_key_runs(rows: Sequence[Row]) -> list[Sequence[Row]]:
+def _unique_key_runs(rows: Sequence[DcpRecord]) -> list[Sequence[DcpRecord]]:
     """Split rows into consecutive runs in which no key repeats (usually one run).
 
     A run's undo entries are read before its rows are written, so a key changed twice
@@ -233,7 +236,7 @@ def _unique_key_runs(rows: Sequence[Row]) -> list[Sequence[Row]]:
         distinct = len(set(keys))
     if distinct == len(keys):
         return [rows]
-    runs: list[Sequence[Row]] = []
+    runs: list[Sequence[DcpRecord]] = []
     seen: set[Any] = set()
     start = 0
     for i, key in enumerate(keys):
@@ -245,8 +248,16 @@ def _unique_key_runs(rows: Sequence[Row]) -> list[Sequence[Row]]:
     return runs
 
 
-def _as_list(rows: Sequence[Row] | Iterable[Row]) -> Sequence[Row]:
-    return rows if isinstance(rows, list | tuple) else list(rows)
+def _records(rows: Iterable[Row]) -> Sequence[DcpRecord]:
+    """The records as a sequence; plain tuples in ROW_FIELDS order become DcpRecords."""
+    given: Sequence[Row] = rows if isinstance(rows, list | tuple) else list(rows)
+    if given and set(map(type, given)) == {DcpRecord}:
+        return cast("Sequence[DcpRecord]", given)
+    try:
+        return [r if type(r) is DcpRecord else DcpRecord._make(r) for r in given]
+    except TypeError:
+        bad = next(r for r in given if len(r) != len(ROW_FIELDS))
+        raise ValueError(f"a row has {len(bad)} fields, expected {len(ROW_FIELDS)}") from None
 
 
 def _check_partition(partition: int) -> None:
@@ -254,7 +265,7 @@ def _check_partition(partition: int) -> None:
         raise ValueError(f"partition {partition!r} is not a vbucket id (0..65535)")
 
 
-def _check_rows(partition: int, rows: Sequence[Row], above: int) -> list[int]:
+def _check_rows(partition: int, rows: Sequence[DcpRecord], above: int) -> list[int]:
     """The seqs of one partition's rows, checked (ValueError otherwise).
 
     They must be data rows of `partition` with strictly increasing seqs above `above`.
@@ -282,7 +293,7 @@ def _check_rows(partition: int, rows: Sequence[Row], above: int) -> list[int]:
     return seqs
 
 
-def _by_partition(rows: Sequence[Row]) -> tuple[Sequence[Row], dict[int, int]]:
+def _by_partition(rows: Sequence[DcpRecord]) -> tuple[Sequence[DcpRecord], dict[int, int]]:
     """The rows grouped by partition, stably, and each partition's highest seq.
 
     Rows already grouped (a restore reads one partition at a time) cost two C-level
@@ -302,15 +313,14 @@ def _by_partition(rows: Sequence[Row]) -> tuple[Sequence[Row], dict[int, int]]:
     return rows, tops
 
 
-def _bad_row(rows: Sequence[Row], exc: Exception) -> str:
+def _bad_row(rows: Sequence[DcpRecord], exc: Exception) -> str:
     """Explain why SQLite rejected a batch (called only after a failure)."""
     for r in rows:
-        if len(r) != 12:
-            return f"a row has {len(r)} fields, expected 12 (ROW_FIELDS)"
-        if r[0] not in _DATA_OPS:
-            return f"row with seq {r[2]}: opcode {r[0]!r} is not mutation, deletion or expiration"
-        if r[9] is None or r[10] is None:
-            return f"row with seq {r[2]}: key and value must be bytes, not None"
+        if r.opcode not in _DATA_OPS:
+            return (f"row with seq {r.by_seqno}: opcode {r.opcode!r} is not mutation, deletion"
+                    " or expiration")  # fmt: skip
+        if r.key is None or r.value is None:
+            return f"row with seq {r.by_seqno}: key and value must be bytes, not None"
     return str(exc)
 
 
@@ -404,23 +414,12 @@ class Store:
             raise StoreError(f"{self.path}: no such store")
         try:
             target = f"{self.path.resolve().as_uri()}?mode={'rwc' if create else 'rw'}"
-            conn = sqlite3.connect(
-                target,
-                uri=True,
-                timeout=_BUSY_TIMEOUT_S,
-                isolation_level=None,
-                check_same_thread=False,
-            )
+            conn = sqlite.connect(target, uri=True)
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: cannot open: {exc}") from None
         try:
-            # page_size takes effect on a new file only (16 KiB, as in node.storage).
-            conn.execute(f"PRAGMA page_size = {_PAGE_SIZE}")
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if mode != "wal":
-                raise StoreError(f"{self.path}: cannot switch to WAL mode (got {mode})")
-            conn.execute("PRAGMA synchronous = NORMAL")
-            conn.execute(f"PRAGMA cache_size = -{_CACHE_KIB}")
+            sqlite.set_writer_pragmas(conn, self.path, synchronous="NORMAL",
+                                      cache_kib=_CACHE_KIB, error=StoreError)  # fmt: skip
             init_schema(conn, self.path, create=create, source=source)
         except sqlite3.DatabaseError as exc:
             conn.close()
@@ -471,24 +470,14 @@ class Store:
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, or a savepoint inside an open one; undone unless completed."""
         db = self._db
-        outer = self._depth == 0
-        name = f"upr_{self._depth}"
+        depth = self._depth
         try:
-            db.execute("BEGIN IMMEDIATE" if outer else f"SAVEPOINT {name}")
-            self._depth += 1
-            try:
-                yield db
-            except BaseException:
-                if outer:
-                    if db.in_transaction:
-                        db.execute("ROLLBACK")
-                elif db.in_transaction:
-                    db.execute(f"ROLLBACK TO {name}")
-                    db.execute(f"RELEASE {name}")
-                raise
-            finally:
-                self._depth -= 1
-            db.execute("COMMIT" if outer else f"RELEASE {name}")
+            with sqlite.transaction(db) if not depth else sqlite.savepoint(db, f"upr_{depth}"):
+                self._depth += 1
+                try:
+                    yield db
+                finally:
+                    self._depth -= 1
         except (sqlite3.IntegrityError, sqlite3.InterfaceError, OverflowError) as exc:
             raise ValueError(f"{self.path}: rows rejected: {exc}") from exc
         except sqlite3.ProgrammingError as exc:
@@ -496,21 +485,17 @@ class Store:
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: {exc}") from exc
 
-    def _i64_retry(self, db: sqlite3.Connection, work: Callable[[Sequence[Row]], T],
-                   rows: Sequence[Row]) -> T:  # fmt: skip
+    def _i64_retry(self, db: sqlite3.Connection, work: Callable[[Sequence[DcpRecord]], T],
+                   rows: Sequence[DcpRecord]) -> T:  # fmt: skip
         """Run `work(rows)`; if SQLite refuses an integer, undo it and re-run it on i64 rows.
 
         See the module header: values above 2^63-1 are converted only when present.
         """
-        db.execute("SAVEPOINT upr_i64")
         try:
-            result = work(rows)
+            with sqlite.savepoint(db, "upr_i64"):
+                return work(rows)
         except OverflowError:
-            db.execute("ROLLBACK TO upr_i64")
-            db.execute("RELEASE upr_i64")
             return work(_i64_rows(rows))
-        db.execute("RELEASE upr_i64")
-        return result
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[Self]:
@@ -616,7 +601,7 @@ class Store:
     # --- writes
 
     def _write_logged(
-        self, db: sqlite3.Connection, partition: int, rows: Sequence[Row], seqs: list[int],
+        self, db: sqlite3.Connection, partition: int, rows: Sequence[DcpRecord], seqs: list[int],
         state: _State | None,
     ) -> tuple[int, int]:  # fmt: skip
         """Write one partition's checked rows with their undo entries; trim the log.
@@ -631,7 +616,7 @@ class Store:
         unlogged = max(0, len(rows) - window)
         if rows:
 
-            def work(rows: Sequence[Row]) -> int:
+            def work(rows: Sequence[DcpRecord]) -> int:
                 if unlogged:
                     db.executemany(_UPSERT_ROW, rows[:unlogged])
                 rest = rows[unlogged:]
@@ -675,13 +660,13 @@ class Store:
     def apply(
         self,
         partition: int,
-        rows: Sequence[Row],
+        rows: Iterable[Row],
         position: StreamPosition,
         failover_log: FailoverLog | None = None,
     ) -> None:
         """Apply a partition's rows, log what they replace, save the position: ONE transaction.
 
-        `rows` are `ROW_FIELDS` tuples of `partition` with strictly increasing seqs above
+        `rows` are data records of `partition` with strictly increasing seqs above
         the stored position; `position` must cover them. ValueError, committing nothing,
         when they are not.
         """
@@ -690,7 +675,7 @@ class Store:
             raise ValueError(
                 f"partition {partition}: position is of partition {position.partition}"
             )
-        rows = _as_list(rows)
+        records = _records(rows)
         with self._write() as db:
             state = self._state(db, partition)
             held = state.position.seq if state else 0
@@ -700,15 +685,15 @@ class Store:
                     f" {held} (use rollback to go back)"
                 )
             seqs: list[int] = []
-            if rows:
+            if records:
                 above = max(held, self._newest_logged(db, partition))
-                seqs = _check_rows(partition, rows, above)
+                seqs = _check_rows(partition, records, above)
                 if seqs[-1] > position.seq:
                     raise ValueError(
                         f"partition {partition}: position seq {position.seq} does not cover"
                         f" row seq {seqs[-1]}"
                     )
-            count, floor = self._write_logged(db, partition, rows, seqs, state)
+            count, floor = self._write_logged(db, partition, records, seqs, state)
             log_text = (
                 json.dumps(failover_log.to_json(), separators=(",", ":"))
                 if failover_log is not None
@@ -720,7 +705,7 @@ class Store:
             self._save_boundary(db, position, floor, state.log_floor if state else 0)
 
     def apply_many(
-        self, batches: Iterable[tuple[int, Sequence[Row], StreamPosition, FailoverLog | None]]
+        self, batches: Iterable[tuple[int, Iterable[Row], StreamPosition, FailoverLog | None]]
     ) -> None:
         """`apply` each (partition, rows, position, failover_log) in ONE transaction."""
         with self.batch():
@@ -748,7 +733,7 @@ class Store:
             self._save_state(db, _State(position, log_text, count, floor, now_iso()))
             self._save_boundary(db, position, floor, floor)
 
-    def restore_rows(self, rows: Sequence[Row] | Iterable[Row], *, keep_log: bool = False) -> int:
+    def restore_rows(self, rows: Iterable[Row], *, keep_log: bool = False) -> int:
         """Write rows of any partitions (their `vbucket` field) as they are: a restore.
 
         The fast path (default) records no undo entries: it drops the mutation log of
@@ -757,19 +742,19 @@ class Store:
         `keep_log=True` records undo entries as `apply` does (and checks the rows as it
         does, per partition) without moving positions. Returns the number of rows.
         """
-        rows = _as_list(rows)
-        if not rows:
+        records = _records(rows)
+        if not records:
             return 0
         if keep_log:
-            return self._restore_logged(rows)
-        rows, tops = _by_partition(rows)
+            return self._restore_logged(records)
+        records, tops = _by_partition(records)
         for p in tops:
             _check_partition(p)
         with self._write() as db:
             try:
-                self._i64_retry(db, lambda r: db.executemany(_UPSERT_ROW, r), rows)
+                self._i64_retry(db, lambda r: db.executemany(_UPSERT_ROW, r), records)
             except sqlite3.IntegrityError as exc:
-                raise ValueError(f"{self.path}: restore: {_bad_row(rows, exc)}") from exc
+                raise ValueError(f"{self.path}: restore: {_bad_row(records, exc)}") from exc
             db.executemany("DELETE FROM mutation_log WHERE partition = ?", [(p,) for p in tops])
             updated = now_iso()
             for p, top in tops.items():
@@ -779,12 +764,12 @@ class Store:
                 log_text = state.failover_log if state else None
                 self._save_state(db, _State(position, log_text, 0, floor, updated))
                 self._save_boundary(db, position, floor, state.log_floor if state else 0)
-        return len(rows)
+        return len(records)
 
-    def _restore_logged(self, rows: Sequence[Row]) -> int:
-        groups: dict[int, list[Row]] = {}
+    def _restore_logged(self, rows: Sequence[DcpRecord]) -> int:
+        groups: dict[int, list[DcpRecord]] = {}
         for r in rows:
-            groups.setdefault(r[1], []).append(r)
+            groups.setdefault(r.vbucket, []).append(r)
         with self._write() as db:
             updated = now_iso()
             for p, part_rows in groups.items():
