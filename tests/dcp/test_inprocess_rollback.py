@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from tests.dcp.inprocess import InProcessNode, Received, consume_until, nodes, run
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Rollback, StreamOpened
@@ -57,11 +55,6 @@ def test_a_crash_that_loses_items_the_consumer_saw_rolls_it_back(tmp_path: Path)
     assert [r.by_seqno for r in kept] == [1, 2, 3, 4, 5, 6, 7]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the consumer keeps the lost branch's uuid after a "
-    "rollback resumes on the new branch, so the next reconnect rolls back again",
-)
 def test_after_a_rollback_the_position_moves_to_the_new_branch(tmp_path: Path) -> None:
     """Resumed at 5 on a node whose log is [(new, 5), (old, 0)], the consumer receives 6
     and 7 of branch `new`. Its position must name `new`: (old, 7) is not a state the

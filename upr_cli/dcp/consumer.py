@@ -488,17 +488,21 @@ class DcpConsumer:
         """A stream is open: keep its failover log, settle its branch (and, from latest,
         its start), then hand over StreamOpened and the data held for it meanwhile."""
         part.log = FailoverLog.sanitised(resp.failover_log)
+        started_on = part.uuid  # the branch the start was asked on (0: none yet)
         if part.log.entries:
-            part.uuid = (
-                part.log.latest.uuid
-                if not part.uuid or part.log.find(part.uuid) is None
-                else part.uuid
-            )
+            if not started_on or part.log.find(started_on) is None:
+                started_on = part.log.latest.uuid
+            # The source accepted the start, so it lies on its current history, and all
+            # that follows is that history: the position's branch is the newest entry.
+            # Keeping an older uuid that the log still lists would name a branch that
+            # ended below the seqs about to arrive, and the next resume from it would be
+            # answered ROLLBACK (docs/design.md "Positions").
+            part.uuid = part.log.latest.uuid
         if self.from_latest and part.seq == 0:
             part.seq = part.snap_start = part.snap_end = self.highs.get(part.partition, 0)
             part.uuid = part.log.latest.uuid if part.log.entries else 0
         # where the stream starts (not where held data already moved it)
-        start = StreamPosition(part.partition, part.uuid, sent.start_seqno,
+        start = StreamPosition(part.partition, started_on, sent.start_seqno,
                                sent.snap_start_seqno, sent.snap_end_seqno)  # fmt: skip
         if self.from_latest and sent.start_seqno == 0:
             start = part.position()

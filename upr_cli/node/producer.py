@@ -491,9 +491,12 @@ class DcpProducer:
             return
         finally:
             self._stream_gone(spec.vbucket)  # an ended stream holds no barrier back
-        await self.sender.send(
-            [StreamEnd(vbucket=spec.vbucket, opaque=spec.opaque, status=status).encode()]
-        )
+        try:
+            await self.sender.send(
+                [StreamEnd(vbucket=spec.vbucket, opaque=spec.opaque, status=status).encode()]
+            )
+        except (ConnectionError, OSError):
+            return  # the client left as its stream ended: there is no one to tell
         if self.specs.get(spec.vbucket) is spec:
             # a cookie that arrived while STREAM_END waited for credit counted this
             # stream as open: it holds nothing back either
