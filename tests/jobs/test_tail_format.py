@@ -8,8 +8,9 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from upr_cli.jobs.tail import json_line, parse_partitions, text_line
+from upr_cli.jobs.tail import json_line, text_line
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
+from upr_cli.source import parse_partitions
 
 DOC = b'{"a":1,"b":[true,null]}'
 

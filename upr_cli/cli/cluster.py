@@ -428,7 +428,7 @@ def resume_cmd(
 def _pause(data: Path, node: str, partitions: str | None, after: int | None, json_out: bool,
            *, resume: bool) -> None:  # fmt: skip
     from upr_cli.cluster import lifecycle
-    from upr_cli.jobs.tail import parse_partitions
+    from upr_cli.source import parse_partitions
 
     vbs = None if partitions is None else parse_partitions(partitions)
     done = lifecycle.pause(data, node, vbs, after, resume=resume)

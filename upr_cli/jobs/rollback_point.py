@@ -138,11 +138,12 @@ async def _node_logs(spec: str, partitions: list[int] | None) -> dict[int, Sourc
     return (await node_states(SourceUri.parse(spec), partitions))[0]
 
 
-def _repo_states(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:
-    from upr_cli.jobs.inspect import open_repo
+def _repo_states(
+    path: str, at: str | None, partitions: list[int] | None
+) -> dict[int, SourceState]:
     from upr_cli.repo import resume_point
+    from upr_cli.source import open_repo
 
-    path, _, at = spec.partition("@")
     repo = open_repo(Path(path))
     names = repo.buckets()
     if len(names) != 1:
@@ -151,15 +152,14 @@ def _repo_states(spec: str, partitions: list[int] | None) -> dict[int, SourceSta
     if at:
         manifests = [m for m in manifests if str(m.backup_id) <= at]
         if not manifests or str(manifests[-1].backup_id) != at:
-            raise UsageError(f"repo:{spec}: no committed backup {at!r}")
+            raise UsageError(f"repo:{path}@{at}: no committed backup {at!r}")
     held = sorted({e.partition for m in manifests for e in m.partitions})
     out = {}
     for p in held if partitions is None else [p for p in held if p in set(partitions)]:
         rp = resume_point(manifests, p)
         if rp is not None:
             snap = rp.snap_end if rp.seq == rp.snap_end else rp.snap_start
-            pos = StreamPosition(p, rp.uuid, rp.seq, rp.snap_start, rp.snap_end)
-            out[p] = SourceState(rp.failover_log, min(snap, rp.seq), rp.seq, pos)
+            out[p] = SourceState(rp.failover_log, min(snap, rp.seq), rp.seq, rp.position)
     return out
 
 
@@ -212,24 +212,25 @@ def _json_states(path: str, partitions: list[int] | None) -> dict[int, SourceSta
     return out
 
 
-SOURCES = "upr://…, repo:DIR[@BACKUP], sqlite:PATH or a JSON file of failover logs"
 
 
 def load_source(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:
     """Per-partition states from `upr://…` (a live node), `repo:DIR[@BACKUP]`,
     `sqlite:PATH` (a replay store) or a JSON file of failover logs (`json:PATH` or a
     path ending in .json)."""
-    if spec.startswith(("upr://", "couchbase://")):
+    from upr_cli.source import parse_source
+
+    source = parse_source(spec, ("node", "repo", "sqlite", "json"))
+    if source.kind == "node":
         import asyncio
 
         return asyncio.run(_node_logs(spec, partitions))
-    if spec.startswith("repo:"):
-        return _repo_states(spec[5:], partitions)
-    if spec.startswith("sqlite:"):
-        return _store_states(spec[7:], partitions)
-    if spec.startswith("json:") or spec.endswith(".json"):
-        return _json_states(spec.removeprefix("json:"), partitions)
-    raise UsageError(f"{spec!r}: a source is {SOURCES}")
+    assert source.path is not None  # parse_source: every local form has a path
+    if source.kind == "repo":
+        return _repo_states(str(source.path), source.at, partitions)
+    if source.kind == "sqlite":
+        return _store_states(str(source.path), partitions)
+    return _json_states(str(source.path), partitions)
 
 
 @dataclass(frozen=True, slots=True)

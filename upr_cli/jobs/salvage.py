@@ -345,9 +345,9 @@ def _repo_items(
 ) -> tuple[list[LostItem], list[int]]:
     """Lost writes a repository holds: above recorded cuts, and above the head's rollback
     point against the master (`logs`/`highs`)."""
-    from upr_cli.jobs.inspect import open_bucket
     from upr_cli.repo import format_cut_path, lost_ranges, plan_state, resume_point
     from upr_cli.segments import SegmentReader
+    from upr_cli.source import open_bucket
 
     repo, b, manifests = open_bucket(repo_dir, bucket)
     held = sorted({e.partition for m in manifests for e in m.partitions})
@@ -380,7 +380,7 @@ def _repo_items(
         rp = resume_point(manifests, p)
         if rp is None:
             continue
-        pos = StreamPosition(p, rp.uuid, rp.seq, rp.snap_start, rp.snap_end)
+        pos = rp.position
         r = rollback_cut(logs[p], highs.get(p, 0), pos)
         if r is None or r >= rp.seq:
             continue
@@ -406,7 +406,7 @@ def salvage_repo(
     partitions: list[int] | None = None,
 ) -> SalvageReport:
     """Find a repository's lost writes and (apply) write back the safe ones to `target`."""
-    from upr_cli.jobs.inspect import open_bucket
+    from upr_cli.source import open_bucket
 
     _repo, _b, manifests = open_bucket(repo_dir, bucket)
     held = sorted({e.partition for m in manifests for e in m.partitions})

@@ -22,26 +22,6 @@ from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION, DcpRecord
 
 OPS = {OP_MUTATION: "mutation", OP_DELETION: "deletion", OP_EXPIRATION: "expiration"}
-#: partitions a bucket can have at most (ids 0-1023), as in Couchbase Server
-MAX_PARTITIONS = 1024
-
-
-def parse_partitions(spec: str) -> list[int]:
-    """'0-15,40' → [0, …, 15, 40]."""
-    out: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not m:
-            raise UsageError(f"--partitions: {part!r} is not N or N-M")
-        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
-        if hi < lo:
-            raise UsageError(f"--partitions: {part!r} is an empty range")
-        if hi >= MAX_PARTITIONS:
-            raise UsageError(f"--partitions: {hi} is not a partition (a bucket has at most "
-                             f"{MAX_PARTITIONS}: 0-{MAX_PARTITIONS - 1})")  # fmt: skip
-        out.update(range(lo, hi + 1))
-    return sorted(out)
 
 
 @dataclass

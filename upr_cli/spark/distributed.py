@@ -78,8 +78,8 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
     """`restore_to_node` with the partitions divided among Spark tasks; counts summed."""
     import time
 
-    from upr_cli.jobs.inspect import open_bucket
     from upr_cli.jobs.state import select
+    from upr_cli.source import open_bucket
 
     t0 = time.monotonic()
     _repo, _b, manifests = open_bucket(repo_dir, kw.get("bucket"), kw.get("at", "latest"))

@@ -72,9 +72,8 @@ def parse_options(options: Mapping[str, str]) -> tuple[ReadOptions, list[Manifes
 
     Every problem is a `SparkOptionError` naming the option (one line).
     """
-    from upr_cli.jobs.inspect import open_bucket
     from upr_cli.jobs.state import select
-    from upr_cli.jobs.tail import parse_partitions
+    from upr_cli.source import open_bucket, parse_partitions
 
     path = get_option(options, "path") or get_option(options, "repo")
     if not path:

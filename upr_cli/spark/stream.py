@@ -95,7 +95,7 @@ class StreamOptions:
 
 def parse_stream_options(options: Mapping[str, str]) -> StreamOptions:
     """Check a streaming read's options; a `SparkOptionError` names the bad one."""
-    from upr_cli.jobs.tail import parse_partitions
+    from upr_cli.source import parse_partitions
 
     src = get_option(options, "source") or get_option(options, "path")
     if not src or not src.startswith(("upr://", "couchbase://")):
