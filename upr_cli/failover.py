@@ -400,9 +400,7 @@ def _rows(rows: list[_Row]) -> str:
     return "[" + ", ".join(f"{r.label}@{r.seq}" for r in rows) + "]"
 
 
-# spec-shaped: follows the needs_rollback pseudocode of docs/protocol.md "Stream request
-# checks"; kept whole.
-def needs_rollback(
+def needs_rollback(  # spec-shaped: the rule of docs/protocol.md §4.2, step by step
     server_log: FailoverLog,
     *,
     start: int,
