@@ -67,17 +67,29 @@ def tail_cmd(
             "--state", metavar="PATH", help="Resume from and save positions to this JSON file."
         ),
     ] = None,
+    wait: Annotated[
+        float,
+        typer.Option(
+            "--wait",
+            min=0,
+            metavar="SECONDS",
+            help="How long partitions with no reachable active node (a cluster node down) "
+            "are waited for; the others stream meanwhile.",
+        ),
+    ] = 120.0,
 ) -> None:
     """Print a bucket's changes."""
     if fmt not in ("text", "json"):
         raise UsageError("--format takes text or json")
     opts = TailOptions(
         start=start, until_end=until_end, count=count, partitions=selected(partitions),
-        keys=key_pattern(keys), fmt=fmt, verbose=verbose, state=state,
+        keys=key_pattern(keys), fmt=fmt, verbose=verbose, state=state, wait=wait,
     )  # fmt: skip
     source = SourceUri.parse(uri)
     try:
-        summary = asyncio.run(tail(source, opts))
+        summary = asyncio.run(
+            tail(source, opts, on_warning=lambda text: stderr.print(f"upr: warning: {text}"))
+        )
     except BrokenPipeError:
         # the reader went away (`upr tail … | head`): a normal end, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -1,12 +1,12 @@
 """The DCP consumer: stream a set of partitions from positions, in batches.
 
-Theory of operation. The connection's reader task hands every batch of server frames
-to `_on_server`, which answers NOOPs at once (dcp-wire §2.12) and queues the rest; the
-flow-control window (§7.1) bounds what can be queued. `batches()` turns frames into
-row tuples (`DcpRecord` order) and events, and acknowledges a batch's bytes only when
-the caller asks for the next one, i.e. after the sink took the items. Positions
-advance as items arrive; `commit()` marks what the caller has made durable, and a
-reconnect resumes from the committed positions (at-least-once delivery).
+Theory of operation. The connection's reader task hands every batch of server frames to
+`_on_server`, which answers NOOPs at once (docs/protocol.md §2.12) and queues the rest;
+the flow-control window (docs/protocol.md §7.1) bounds what can be queued. `batches()`
+turns frames into row tuples (`DcpRecord` order) and events, and acknowledges a batch's
+bytes only when the caller asks for the next one, i.e. after the sink took the items.
+Positions advance as items arrive; `commit()` marks what the caller has made durable,
+and a reconnect resumes from the committed positions (at-least-once delivery).
 
 ROLLBACK(r) follows docs/design.md, "Snapshot boundaries": inside a deduplicated
 snapshot a seq is not a state the source ever had, so the consumer goes back to r', the
@@ -85,8 +85,8 @@ log = logging.getLogger(__name__)
 
 OPEN_PRODUCER = 0x01
 FLAG_FROM_LATEST = 0x40
-# dcp-wire §2.2 ActiveVbOnly: a client wants the history of the active copy; a replica
-# copy (possibly behind, possibly on another branch) is refused with NOT_MY_VBUCKET.
+# docs/protocol.md §2.2 ActiveVbOnly: a client wants the history of the active copy; a
+# replica copy (possibly behind, possibly on another branch) is refused with NOT_MY_VBUCKET.
 FLAG_ACTIVE_ONLY = 0x10
 MARKER_ACK = 0x08
 END_OK, END_CLOSED = 0, 1
@@ -189,6 +189,7 @@ class DcpConsumer:
         self.barriers_supported = False
         self.connect_timeout = connect_timeout
         self.follow_for = follow_for  # how long a partition may wait for a new active
+        self.waiting: set[int] = set()  # partitions with no reachable active node yet
         self.name = f"{name}:{random.getrandbits(32):08x}"
         self.parts: dict[int, _Part] = {}
         # (uuid, seq, snap_start, snap_end) per partition: plain tuples, since commit()
@@ -255,36 +256,39 @@ class DcpConsumer:
             if part.addr not in self._links:
                 part.addr = home
         unpinned = await self._pin_highs(list(self.parts.values()))
-        retry = self._following(0.1).start()
-        while unpinned:  # the map named a node that no longer holds them active
-            if retry.spent:
-                raise ConsumerError(
-                    f"partitions {[u.partition for u in unpinned[:8]]}: no active node found"
-                )
-            await retry.wait()
-            await self._refresh_map()
-            actives = self._actives()
-            for part in unpinned:
-                found = actives[part.partition] if part.partition < len(actives) else None
-                with contextlib.suppress(ConnectionError_, OSError, UprError):
-                    if found is not None:
-                        await self._link(found)
-                        part.addr = found
-            unpinned = await self._pin_highs(unpinned)
+        waiting = {part.partition for part in unpinned}
         for part in self.parts.values():
             p = part.partition
-            if self.start_seq is not None and p not in self._start:
-                seq = min(self.start_seq, self.highs.get(p, 0))
-                entry = (await self.failover_log(p)).entry_at(seq)
-                part.uuid, part.seq = (entry.uuid if entry else 0), seq
-                part.snap_start = part.snap_end = seq
-            if self.until_end:
-                # `end_seqs` (a planned range) is capped at what the source holds now: a
-                # branch that rolled back below it cannot serve it (the next plan sees that)
-                high = self.highs.get(p, 0)
-                part.end = min(self._end_seqs.get(p, high), high)
+            if p not in waiting:
+                await self._settle_start(part)
+            elif self.until_end:  # its high is unknown until an active node answers
+                part.end = self._end_seqs.get(p, part.end)
             self._committed[p] = (part.uuid, part.seq, part.snap_start, part.snap_end)
-        await self._open_streams(list(self.parts.values()))
+        # A degraded cluster (a node down, not yet failed over) must not hold back the
+        # partitions that can be streamed: they start now, and the others wait for an
+        # active node in the background for up to `follow_for` seconds (`waiting` says
+        # which, so that the caller can warn at once), then fail the stream.
+        self.waiting = waiting
+        await self._open_streams([part for part in self.parts.values() if part.partition
+                                  not in waiting])  # fmt: skip
+        for part in unpinned:
+            self._spawn(self._move(part, delay=0.1))
+
+    async def _settle_start(self, part: _Part) -> None:
+        """A partition whose high seq is pinned: its start (`start_seq`) and end
+        (`until_end`, capped at what the source holds now)."""
+        p = part.partition
+        if self.start_seq is not None and p not in self._start:
+            seq = min(self.start_seq, self.highs.get(p, 0))
+            entry = (await self.failover_log(p)).entry_at(seq)
+            part.uuid, part.seq = (entry.uuid if entry else 0), seq
+            part.snap_start = part.snap_end = seq
+            self._committed[p] = (part.uuid, part.seq, part.snap_start, part.snap_end)
+        if self.until_end:
+            # `end_seqs` (a planned range) is capped at what the source holds now: a
+            # branch that rolled back below it cannot serve it (the next plan sees that)
+            high = self.highs.get(p, 0)
+            part.end = min(self._end_seqs.get(p, high), high)
 
     async def _pin_highs(self, parts: list[_Part]) -> list[_Part]:
         """Each partition's high seq, from the node streaming it (GET_ALL_VB_SEQNOS; in a
@@ -412,7 +416,7 @@ class DcpConsumer:
     # -- streams ------------------------------------------------------------------------
 
     async def _open_streams(self, parts: list[_Part]) -> None:
-        """Send every STREAM_REQ pipelined; follow ROLLBACK answers (§4.4) until accepted.
+        """Send every STREAM_REQ pipelined; follow ROLLBACKs (docs/protocol.md §4.4) until accepted.
         A NOT_MY_VBUCKET while following a map moves the partition (`_move`)."""
         pending = [p for p in parts if not p.done]
         while pending:
@@ -548,15 +552,22 @@ class DcpConsumer:
                     try:
                         await self._link(addr)
                         part.addr = addr
-                        if self.until_end:  # the new active may hold less (a failover)
-                            before = self.highs.get(p, 0)
+                        first = p in self.waiting  # never pinned: no high, no start yet
+                        if self.until_end or first:  # the new active may hold less
+                            before = self.highs.get(p)
                             if await self._pin_highs([part]):
                                 raise ConsumerError(f"{addr[0]}:{addr[1]} is not active yet")
-                            self.highs[p] = min(before, self.highs.get(p, 0))
-                            part.end = min(part.end, self.highs[p])
+                            if before is not None:
+                                self.highs[p] = min(before, self.highs.get(p, 0))
+                            if first:
+                                await self._settle_start(part)
+                                self.waiting.discard(p)
+                            elif self.until_end:
+                                part.end = min(part.end, self.highs[p])
                             # Opened even when nothing is left to send: only the new
                             # active's producer rule says whether what was streamed is
-                            # still its history (a hard failover: ROLLBACK, §4.2).
+                            # still its history (a hard failover: ROLLBACK,
+                            # docs/protocol.md §4.2).
                         log.info("partition %d: streaming from %s:%d", p, *addr)
                         self._moving.discard(p)
                         await self._open_streams([part])
@@ -565,8 +576,11 @@ class DcpConsumer:
                     except (ConnectionError_, OSError, UprError) as exc:
                         log.info("partition %d: %s:%d unusable: %s", p, *addr, exc)
                 if retry.spent:
+                    stuck = sorted(self.waiting) if p in self.waiting else [p]
+                    shown = ", ".join(map(str, stuck[:8])) + (", …" if len(stuck) > 8 else "")
                     raise ConsumerError(
-                        f"partition {p}: no reachable active node for {self.follow_for:g}s"
+                        f"partition{'s' if len(stuck) > 1 else ''} {shown}: no reachable "
+                        f"active node for {self.follow_for:g}s"
                     )
                 await retry.wait()
         except (ConsumerError, ConnectionError_) as exc:
@@ -741,7 +755,10 @@ class DcpConsumer:
             self._ack(link, nbytes)
 
     def _ack(self, link: _Link, nbytes: int) -> None:
-        """Acknowledge consumed bytes once a fifth of the window is pending (§7.1)."""
+        """Acknowledge consumed bytes once a fifth of the window is pending.
+
+        The window and the acknowledgements are docs/protocol.md §7.1.
+        """
         link.unacked += nbytes
         if link.unacked >= self.buffer_size // 5 and not link.session.conn.closed:
             link.session.conn.send_bytes(BufferAck(acked=link.unacked).encode())

@@ -37,6 +37,7 @@ class TailOptions:
     verbose: bool = False
     state: Path | None = None
     buffer_size: int = 4 * 1024 * 1024
+    wait: float = 120.0  # how long a partition may wait for a reachable active node
 
 
 @dataclass
@@ -228,8 +229,13 @@ class _TailSink(SinkBase):
 async def tail(
     uri: SourceUri, opts: TailOptions, out: TextIO = sys.stdout,
     on_progress: Callable[[TailSummary], None] | None = None,
+    on_warning: Callable[[str], None] | None = None,
 ) -> TailSummary:  # fmt: skip
-    """Stream changes and print them; returns counts. Stops at the end (finite) or --count."""
+    """Stream changes and print them; returns counts. Stops at the end (finite) or --count.
+
+    Partitions with no reachable active node (a cluster node down and not failed over)
+    do not hold the others back: `on_warning` hears of them at once, they are waited
+    for up to `opts.wait` seconds, and then the tail fails naming them."""
     if opts.state is not None:  # where the positions go at the end: checked before streaming
         check_file_path(opts.state, f"--state {opts.state}")
     positions, logs, bounds = load_state(opts.state) if opts.state else TailState({}, {}, {})
@@ -242,12 +248,14 @@ async def tail(
         uri, partitions=opts.partitions, positions=positions, failover_logs=logs,
         boundaries=bounds, until_end=opts.until_end,
         from_latest=opts.start == "now", start_seq=start_seq, buffer_size=opts.buffer_size,
-        name="upr-tail",
+        follow_for=opts.wait, name="upr-tail",
     )  # fmt: skip
     summary = TailSummary()
     sink = _TailSink(consumer, opts, out, summary, on_progress)
     try:
         await consumer.open()
+        if consumer.waiting and on_warning is not None:
+            on_warning(_waiting_note(sorted(consumer.waiting), len(consumer.parts), opts.wait))
         await drive(consumer, sink)
         out.flush()
     finally:
@@ -258,3 +266,11 @@ async def tail(
             save_state(opts.state, committed, consumer.failover_logs, bounds)
         await consumer.aclose()
     return summary
+
+
+def _waiting_note(waiting: list[int], total: int, wait: float) -> str:
+    """What a tail over a degraded cluster says at once."""
+    shown = ",".join(map(str, waiting[:16])) + (",…" if len(waiting) > 16 else "")
+    return (f"{len(waiting)} of {total} partitions have no reachable active node ({shown}): "
+            f"streaming the other {total - len(waiting)} now, waiting up to {wait:g}s for "
+            f"these (--wait); `upr cluster status` shows which node is down")  # fmt: skip
