@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.jobs.replay import _Part
+from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 
 UUID = 0xABC
 
 
-def _row(seq: int) -> tuple[object, ...]:
-    return (0x57, 0, seq, 1, seq, 0, 0, 0, 0, b"k%d" % seq, b"v", 0)
+def _row(seq: int) -> DcpRecord:
+    return DcpRecord(OP_MUTATION, 0, seq, 1, seq, 0, 0, 0, 0, b"k%d" % seq, b"v", 0)
 
 
 def test_a_stream_reopened_inside_a_snapshot_never_yields_a_complete_position() -> None:
@@ -24,7 +25,7 @@ def test_a_stream_reopened_inside_a_snapshot_never_yields_a_complete_position() 
     got = st.take(13)
     assert got is not None
     rows, position = got
-    assert [r[2] for r in rows] == [11, 13]
+    assert [r.by_seqno for r in rows] == [11, 13]
     assert (position.seq, position.snap_start, position.snap_end) == (13, 11, 20)
     assert not position.complete
 
@@ -35,8 +36,12 @@ def test_a_cut_at_a_snapshot_end_is_complete_and_the_next_one_inside_is_not() ->
     st.marks = [(1, 5), (6, 9)]
     st.rows = [_row(s) for s in (2, 5, 7)]
     st.received = 7
-    _rows, position = st.take(5)  # type: ignore[misc]
+    got = st.take(5)
+    assert got is not None
+    position = got[1]
     assert position.complete and position.seq == 5
     st.applied = position
-    _rows, position = st.take(7)  # type: ignore[misc]
+    got = st.take(7)
+    assert got is not None
+    position = got[1]
     assert (position.seq, position.snap_start, position.snap_end) == (7, 6, 9)

@@ -1,13 +1,15 @@
-"""`upr backup`: incremental backups that survive failovers (DESIGN data flow 3).
+"""`upr backup`: incremental backups that survive failovers (docs/design.md "3. Backup").
 
-One run: take the bucket's lock, sweep leftovers, read where every partition's newest
-committed backup ended, decide each partition's start against the live source, stream
-into a new backup directory (`stream_to_segments`), then commit the manifest last.
+One run (`_BackupRun`): take the bucket's lock, sweep leftovers, read where every
+partition's newest committed backup ended, decide each partition's start against the
+live source, stream into a new backup directory (`stream_to_segments`), then commit the
+manifest last.
 
-Where a partition starts (DESIGN "Positions, rollback, lineage"): from the stored end,
+Where a partition starts (docs/design.md "The two rollback rules"): from the stored end,
 unless the source's branch no longer holds it. Both rules are evaluated against the
-live failover log before streaming: the producer rule (dcp-wire §4.2, what the server
-will answer) and the seed rule (seed 000, from the stored and the live logs). When they
+live failover log before streaming: the producer rule (docs/protocol.md "4.2 The
+producer's rollback rule", what the server will answer) and the seed rule (the UPR
+design specification's client-side rule, from the stored and the live logs). When they
 disagree the lower seq wins and a warning says so; the manifest records the rollback
 (from, to, seed rule seq, producer seq). A ROLLBACK the server still sends (a failover
 between the check and the stream) is followed and recorded too. Records of earlier
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.dcp.position import StreamPosition, boundary_at
+from upr_cli.dcp.states import partition_states
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, ImpossibleHistory, needs_rollback, rollback_point
 from upr_cli.jobs.backup_stream import (
@@ -35,10 +38,7 @@ from upr_cli.jobs.backup_stream import (
     StreamStats,
     stream_to_segments,
 )
-from upr_cli.net.connection import Connection
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol.header import Opcode
-from upr_cli.protocol.messages import FailoverLogResponse, GetFailoverLog
 from upr_cli.repo import (
     BackupId,
     BrokenChain,
@@ -48,6 +48,7 @@ from upr_cli.repo import (
     Repository,
     RepositoryError,
     RepositoryLock,
+    ResumePoint,
     RollbackRecord,
     SegmentEntry,
     Totals,
@@ -117,41 +118,17 @@ class BackupSummary:
 async def _live_state(
     uri: SourceUri, partitions: list[int] | None, wait_for: float = 60.0
 ) -> tuple[int, dict[int, FailoverLog], dict[int, tuple[int, int]]]:
-    """The partition count, live failover logs (GET_FAILOVER_LOG 0x96) and (high, purge),
-    each partition from its active node (formats/cluster.md; a node away is waited for
-    up to `wait_for` s)."""
-    from upr_cli.net.bootstrap import on_active_nodes
-
-    async def ask(
-        conn: Connection, parts: list[int]
-    ) -> dict[int, tuple[FailoverLog | None, int, int]]:
-        futs = [
-            (p, conn.start_request(GetFailoverLog(
-                opcode=Opcode.GET_FAILOVER_LOG, vbucket=p, opaque=conn.next_opaque())))
-            for p in parts
-        ]  # fmt: skip
-        stats = await conn.stats("vbucket-seqno")
-        out: dict[int, tuple[FailoverLog | None, int, int]] = {}
-        for p, fut in futs:
-            resp = (await fut)[0]
-            log = (
-                FailoverLog.sanitised(resp.failover_log)
-                if isinstance(resp, FailoverLogResponse)
-                else None
-            )
-            out[p] = (log, int(stats.get(f"vb_{p}:high_seqno", 0)),
-                      int(stats.get(f"vb_{p}:purge_seqno", 0)))  # fmt: skip
-        return out
-
-    got, count = await on_active_nodes(uri, partitions, ask, name="upr-backup-check",
-                                       wait_for=wait_for)  # fmt: skip
-    logs = {p: log for p, (log, _h, _u) in got.items() if log is not None}
-    return count, logs, {p: (h, u) for p, (_l, h, u) in got.items()}
+    """The partition count, live failover logs and (high, purge), each partition from its
+    active node (formats/cluster.md; a node away is waited for up to `wait_for` s)."""
+    states, count = await partition_states(uri, partitions, failover_logs=True,
+                                           name="upr-backup-check", wait_for=wait_for)  # fmt: skip
+    logs = {p: st.failover_log for p, st in states.items() if st.failover_log is not None}
+    return count, logs, {p: (st.high_seq, st.purge_seq) for p, st in states.items()}
 
 
 def decide_start(
     p: int,
-    stored: Any,
+    stored: ResumePoint,
     live: FailoverLog | None,
     high: int,
     purge: int,
@@ -160,7 +137,7 @@ def decide_start(
     """Both rules against the live log; the lower seq wins; a rollback then lands on the
     newest snapshot boundary of the chain at or below it (`bounds`, asked only when a
     rollback is needed: docs/design.md, "Snapshot boundaries")."""
-    pos = StreamPosition(p, stored.uuid, stored.seq, stored.snap_start, stored.snap_end)
+    pos = stored.position
     if live is None or not live.entries:
         return StartDecision(pos, stored.failover_log)
     producer = needs_rollback(
@@ -220,10 +197,10 @@ async def backup(
 
     A failover can also take back records of a partition whose stream had already
     ended in this run. After the commit every partition's end is checked against its
-    live failover log (the producer rule, dcp-wire §4.2); those it no longer holds get a
-    follow-up incremental backup at once, which records the rollback (the records above
-    it stay in the first one as lost writes), so the newest backup restores to the
-    actives' state. At most `FOLLOW_UPS` rounds.
+    live failover log (the producer rule, docs/protocol.md "4.2 The producer's rollback
+    rule"); those it no longer holds get a follow-up incremental backup at once, which
+    records the rollback (the records above it stay in the first one as lost writes), so
+    the newest backup restores to the actives' state. At most `FOLLOW_UPS` rounds.
     """
     first = await _backup_once(uri, repo_dir, full=full, partitions=partitions,
                                on_progress=on_progress, on_warning=on_warning,
@@ -298,9 +275,81 @@ async def _backup_once(
     repo = Repository(repo_dir)
     repo.init()
     warn = on_warning or log.warning
-    started, t0 = now_utc(), time.monotonic()
-    warnings: list[str] = []
+    started = now_utc(), time.monotonic()
     with RepositoryLock(repo, bucket, on_stale=warn) as lock:
+        run = _BackupRun.open(uri, bucket, repo_dir, repo, lock, full=full, warn=warn,
+                              started=started)  # fmt: skip
+        await run.plan(partitions)
+        results = await run.stream(streamer, on_progress)
+        manifest, rollbacks, bytes_read = run.commit(results)
+    return BackupSummary(
+        str(manifest.backup_id),
+        run.bucket,
+        run.parent is None,
+        manifest.totals.items,
+        bytes_read,
+        manifest.totals.bytes_written,
+        len(manifest.partitions),
+        rollbacks,
+        run.warnings,
+        time.monotonic() - run.t0,
+        sum(len(ru.segments) for ru in run.reused.values()),
+    )
+
+
+class _BackupRun:
+    """The steps of one backup, under the bucket's lock: open the backup directory, plan
+    where each partition starts, stream, then commit the manifest."""
+
+    def __init__(
+        self,
+        uri: SourceUri,
+        bucket: str,
+        repo_dir: Path,
+        repo: Repository,
+        *,
+        manifests: list[Manifest],
+        backup_id: BackupId,
+        warn: Callable[[str], None],
+        warnings: list[str],
+        started: tuple[datetime, float],
+    ) -> None:
+        self.uri = uri
+        self.repo_dir = repo_dir
+        self.repo = repo
+        self.bucket = bucket
+        self.manifests = manifests  # the chain this backup continues (none: a full one)
+        self.parent = manifests[-1] if manifests else None
+        self.backup_id = backup_id
+        self.directory = repo.new_backup_dir(self.bucket, backup_id)
+        self.warn = warn
+        self.warnings = warnings
+        self.started, self.t0 = started
+        self.decisions: dict[int, StartDecision] = {}
+        self.positions: dict[int, StreamPosition] = {}
+        self.logs: dict[int, FailoverLog] = {}
+        self.seqs: dict[int, tuple[int, int]] = {}  # live (high, purge) per partition
+        self.reused: dict[int, _Reused] = {}  # an interrupted run's segments, kept
+        self.follow: list[int] = []  # reused partitions streamed on past the reused end
+        self.cuts: dict[int, list[tuple[int, int, SegmentInfo]]] = {}  # left, streamed on
+        self.kept_cuts: dict[int, list[tuple[int, int, SegmentInfo]]] = {}  # left, reused
+        self.to_stream: list[int] = []
+
+    @classmethod
+    def open(
+        cls,
+        uri: SourceUri,
+        bucket: str,
+        repo_dir: Path,
+        repo: Repository,
+        lock: RepositoryLock,
+        *,
+        full: bool,
+        warn: Callable[[str], None],
+        started: tuple[datetime, float],
+    ) -> _BackupRun:
+        """Heal, check the chain and open the backup directory (an interrupted run's)."""
+        warnings = []
         # A lost or damaged manifest file whose twin is valid is rewritten from it; then an
         # incremental backup goes on only from a chain that is whole (§8.8): never on top
         # of a damaged manifest, a missing parent, a seq gap or a missing segment file.
@@ -309,7 +358,6 @@ async def _backup_once(
             warnings.append(note)
             warn(note)
         manifests = [] if full else _checked_chain(repo, bucket, repo_dir)
-        parent = manifests[-1] if manifests else None
         # An interrupted run after the newest committed backup is continued in place: its
         # finished segments are reused once verified (the sweep keeps it, drops older ones).
         committed = repo.committed(bucket)
@@ -317,135 +365,129 @@ async def _backup_once(
         leftovers = [b for b in repo.incomplete(bucket) if newest is None or b > newest]
         backup_id = leftovers[-1] if leftovers else repo.next_backup_id(bucket)
         repo.sweep(bucket, backup_id, lock)
-        directory = repo.new_backup_dir(bucket, backup_id)
-        stored = (
-            {}
-            if parent is None
-            else {
-                p: rp
-                for p in {e.partition for m in manifests for e in m.partitions}
-                if (rp := resume_point(manifests, p)) is not None
-            }
-        )
-        decisions: dict[int, StartDecision] = {}
-        count, live_logs, seqs = await _live_state(uri, None)
+        return cls(uri, bucket, repo_dir, repo, manifests=manifests, backup_id=backup_id, warn=warn,
+                   warnings=warnings, started=started)  # fmt: skip
+
+    def note(self, warning: str) -> None:
+        """A warning for the summary, shown now too."""
+        self.warnings.append(warning)
+        self.warn(warning)
+
+    async def plan(self, partitions: list[int] | None) -> None:
+        """Where each partition starts, against the live source; what is reused."""
+        count, live_logs, self.seqs = await _live_state(self.uri, None)
         wanted = partitions if partitions is not None else list(range(count))
-        if stored:
+        if self.parent is not None:
+            self._decide_starts(live_logs)
+        self.positions = {p: d.position for p, d in self.decisions.items()}
+        self.logs = {p: d.log for p, d in self.decisions.items()}
+        self._reuse(wanted, live_logs)
 
-            def snapshots_of(bid: BackupId, seg: SegmentEntry) -> tuple[tuple[int, int], ...]:
-                try:
-                    with SegmentReader(repo.segment_path(bucket, bid, seg.file)) as r:
-                        return r.header.snapshots
-                except (SegmentError, OSError):
-                    return ()  # verify names the damage; the backup ends cover the rest
+    def _decide_starts(self, live_logs: dict[int, FailoverLog]) -> None:
+        repo, bucket, manifests = self.repo, self.bucket, self.manifests
 
-            for p, rp in stored.items():
-                high, purge = seqs.get(p, (0, 0))
-                bounds = functools.partial(snapshot_boundaries, manifests, p, snapshots_of)
-                d = decide_start(p, rp, live_logs.get(p), high, purge, bounds)
-                decisions[p] = d
-                if d.warning:
-                    warnings.append(d.warning)
-                    warn(d.warning)
-        positions = {p: d.position for p, d in decisions.items()}
-        logs = {p: d.log for p, d in decisions.items()}
-        # Segments an interrupted run finished end at its high seqs: each reused partition
-        # goes on from there to this run's high seq in a follow-on segment, so that the
-        # backup holds every write acknowledged before it started (§4.5).
-        reused = _reusable(directory, wanted, positions)
-        for p in _overtaken_reuse(reused, live_logs, seqs):
-            note = (f"partition {p}: the source no longer holds the end of the segments an "
-                    "interrupted run left; streamed again")  # fmt: skip
-            log.warning("%s", note)
+        def snapshots_of(bid: BackupId, seg: SegmentEntry) -> tuple[tuple[int, int], ...]:
+            try:
+                with SegmentReader(repo.segment_path(bucket, bid, seg.file)) as r:
+                    return r.header.snapshots
+            except (SegmentError, OSError):
+                return ()  # verify names the damage; the backup ends cover the rest
+
+        for p in sorted({e.partition for m in manifests for e in m.partitions}):
+            rp = resume_point(manifests, p)
+            if rp is None:
+                continue
+            high, purge = self.seqs.get(p, (0, 0))
+            bounds = functools.partial(snapshot_boundaries, manifests, p, snapshots_of)
+            d = decide_start(p, rp, live_logs.get(p), high, purge, bounds)
+            self.decisions[p] = d
+            if d.warning:
+                self.note(d.warning)
+
+    def _reuse(self, wanted: list[int], live_logs: dict[int, FailoverLog]) -> None:
+        """Segments an interrupted run finished end at its high seqs: each reused partition
+        goes on from there to this run's high seq in a follow-on segment, so that the
+        backup holds every write acknowledged before it started (§4.5)."""
+        reused = self.reused = _reusable(self.directory, wanted, self.positions)
+        for p in _overtaken_reuse(reused, live_logs, self.seqs):
+            log.warning("partition %d: the source no longer holds the end of the segments an "
+                        "interrupted run left; streamed again", p)  # fmt: skip
             reused.pop(p).remove()
-        follow = [p for p, ru in reused.items() if seqs.get(p, (0, 0))[0] > ru.end_seq]
-        for p in follow:
-            positions[p], logs[p] = reused[p].position, reused[p].failover_log
-        leftover = _leftover_cuts(directory)
-        kept_cuts = {p: leftover.pop(p, []) for p in reused if p not in follow}
-        to_stream = [p for p in wanted if p not in reused or p in follow]
+        self.follow = [p for p, ru in reused.items() if self.seqs.get(p, (0, 0))[0] > ru.end_seq]
+        for p in self.follow:
+            self.positions[p], self.logs[p] = reused[p].position, reused[p].failover_log
+        self.cuts = _leftover_cuts(self.directory)
+        self.kept_cuts = {p: self.cuts.pop(p, []) for p in reused if p not in self.follow}
+        self.to_stream = [p for p in wanted if p not in reused or p in self.follow]
+
+    async def stream(
+        self, streamer: Streamer | None, on_progress: Callable[[StreamStats], None] | None
+    ) -> dict[int, PartitionResult]:
+        """Stream the partitions that need it; every partition's result, reused ones too."""
         results: dict[int, PartitionResult] = {}
+        to_stream, seqs = self.to_stream, self.seqs
         if to_stream:
             results.update(
                 await (streamer or stream_to_segments)(
-                    uri,
-                    directory,
-                    bucket=bucket,
-                    positions=positions,
-                    failover_logs=logs,
-                    boundaries={p: snapshot_boundaries(manifests, p) for p in positions},
+                    self.uri,
+                    self.directory,
+                    bucket=self.bucket,
+                    positions=self.positions,
+                    failover_logs=self.logs,
+                    boundaries={p: snapshot_boundaries(self.manifests, p) for p in self.positions},
                     partitions=to_stream,
                     segment_name=format_segment_name,
                     on_progress=on_progress,
-                    end_seqs=None if streamer is None else {p: seqs.get(p, (0, 0))[0]
-                                                            for p in to_stream},
-                    cuts=leftover,
+                    end_seqs=None if streamer is None
+                    else {p: seqs.get(p, (0, 0))[0] for p in to_stream},
+                    cuts=self.cuts,
                 )
             )  # fmt: skip
-        prefix: dict[int, list[SegmentInfo]] = {}
-        for p, ru in reused.items():
-            prefix[p] = ru.segments
-            r = results.get(p)
-            if r is not None and r.rollback is None:  # the follow-on goes on from the reused
-                results[p] = replace(r, start_seq=ru.start_seq)
-                continue
-            cuts = kept_cuts.get(p, []) if r is None else r.cuts
-            if r is not None:  # rolled back below the reused end meanwhile: the backup ends
-                # there, and the follow-up after the commit records the rollback (`backup`)
-                if r.segment is not None:  # this run's records on the new branch go
-                    _remove([r.segment])
-                note = (f"partition {p}: a failover took back records of the segments an "
-                        "interrupted run left; a follow-up backup records it")  # fmt: skip
-                warnings.append(note)
-                warn(note)
-            results[p] = PartitionResult(p, ru.failover_log, ru.start_seq, ru.end_seq,
-                                         ru.snapshot, None, cuts=cuts)  # fmt: skip
+        for p, ru in self.reused.items():
+            results[p] = self._with_reused(p, ru, results.get(p))
+        return results
+
+    def _with_reused(self, p: int, ru: _Reused, r: PartitionResult | None) -> PartitionResult:
+        """The result of a reused partition: its follow-on goes on from the reused
+        segments, or (rolled back below their end meanwhile) the backup ends there."""
+        if r is not None and r.rollback is None:
+            return replace(r, start_seq=ru.start_seq)
+        cuts = self.kept_cuts.get(p, []) if r is None else r.cuts
+        if r is not None:  # the follow-up after the commit records the rollback (`backup`)
+            if r.segment is not None:  # this run's records on the new branch go
+                _remove([r.segment])
+            self.note(f"partition {p}: a failover took back records of the segments an "
+                      "interrupted run left; a follow-up backup records it")  # fmt: skip
+        return PartitionResult(p, ru.failover_log, ru.start_seq, ru.end_seq, ru.snapshot, None,
+                               cuts=cuts)  # fmt: skip
+
+    def commit(
+        self, results: dict[int, PartitionResult]
+    ) -> tuple[Manifest, list[dict[str, Any]], int]:
+        """Write the manifest (the backup's commit point); it, the rollbacks, bytes read."""
         # cut-back segments (this run's, an interrupted run's): durable before the commit
         cut_paths = [Path(info.path) for r in results.values() for _f, _t, info in r.cuts]
         if cut_paths:
             sync_files(cut_paths)  # the files, then their cut-K directories
-            FileOps().fsync_dir(directory)  # the cut-K directories' entries
+            FileOps().fsync_dir(self.directory)  # the cut-K directories' entries
         entries, rollbacks, bytes_read = [], [], 0
         for p, r in sorted(results.items()):
-            decision = decisions.get(p)
+            decision = self.decisions.get(p)
             rb = decision.rollback if decision is not None else None
             if r.rollback is not None:  # the server still rolled us back while streaming
                 rb = RollbackRecord(*r.rollback[:2], None, r.rollback[2])
-            entries.append(_entry(r, rb, prefix.get(p, ())))
-            if rb is not None:
-                rollbacks.append(
-                    {
-                        "partition": p,
-                        "from": str(rb.from_seq),
-                        "to": str(rb.to_seq),
-                        "seed_rule_seq": None
-                        if rb.seed_rule_seq is None
-                        else str(rb.seed_rule_seq),
-                        "producer_seq": str(rb.producer_seq),
-                        "during_run": r.rollback is not None,
-                        "cut_records": 0 if r.cut_back else sum(s.records for *_, s in r.cuts),
-                    }
-                )
-            if r.cut_back is not None:  # a failover mid-run: this run's records above `to` went
-                rollbacks.append(
-                    {
-                        "partition": p,
-                        "from": str(r.cut_back[0]),
-                        "to": str(r.cut_back[1]),
-                        "seed_rule_seq": None,
-                        "producer_seq": str(r.cut_back[2]),
-                        "during_run": True,
-                        "cut_records": sum(s.records for *_, s in r.cuts),
-                    }
-                )
-            bytes_read += sum(s.raw_bytes for s in prefix.get(p, ()))
+            prefix = self.reused[p].segments if p in self.reused else []
+            entries.append(_entry(r, rb, prefix))
+            rollbacks += _rollbacks_json(p, r, rb)
+            bytes_read += sum(s.raw_bytes for s in prefix)
             if r.segment is not None:
                 bytes_read += r.segment.raw_bytes
+        parent = self.parent
         manifest = Manifest(
-            backup_id=backup_id,
-            bucket=bucket,
-            source=uri.redacted(),
-            started=started,
+            backup_id=self.backup_id,
+            bucket=self.bucket,
+            source=self.uri.redacted(),
+            started=self.started,
             finished=now_utc(),
             full=parent is None,
             parent=None if parent is None else parent.backup_id,
@@ -453,21 +495,37 @@ async def _backup_once(
             totals=Totals.derive(entries, bytes_read),
         )
         if parent is not None:  # still whole at the commit (cached: no manifest read again)
-            _checked_chain(repo, bucket, repo_dir)
-        repo.write_manifest(manifest)
-    return BackupSummary(
-        str(backup_id),
-        bucket,
-        parent is None,
-        manifest.totals.items,
-        bytes_read,
-        manifest.totals.bytes_written,
-        len(entries),
-        rollbacks,
-        warnings,
-        time.monotonic() - t0,
-        sum(len(ru.segments) for ru in reused.values()),
-    )
+            _checked_chain(self.repo, self.bucket, self.repo_dir)
+        self.repo.write_manifest(manifest)
+        return manifest, rollbacks, bytes_read
+
+
+def _rollbacks_json(p: int, r: PartitionResult, rb: RollbackRecord | None) -> list[dict[str, Any]]:
+    """The summary's rollbacks of one partition: where it started (or the server rolled
+    it back while streaming), and a failover mid-run that took this run's records back."""
+    out: list[dict[str, Any]] = []
+    cut_records = sum(s.records for *_, s in r.cuts)
+    if rb is not None:
+        out.append({
+            "partition": p,
+            "from": str(rb.from_seq),
+            "to": str(rb.to_seq),
+            "seed_rule_seq": None if rb.seed_rule_seq is None else str(rb.seed_rule_seq),
+            "producer_seq": str(rb.producer_seq),
+            "during_run": r.rollback is not None,
+            "cut_records": 0 if r.cut_back else cut_records,
+        })  # fmt: skip
+    if r.cut_back is not None:  # a failover mid-run: this run's records above `to` went
+        out.append({
+            "partition": p,
+            "from": str(r.cut_back[0]),
+            "to": str(r.cut_back[1]),
+            "seed_rule_seq": None,
+            "producer_seq": str(r.cut_back[2]),
+            "during_run": True,
+            "cut_records": cut_records,
+        })  # fmt: skip
+    return out
 
 
 def _checked_chain(repo: Repository, bucket: str, repo_dir: Path) -> list[Manifest]:

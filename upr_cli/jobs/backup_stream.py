@@ -1,10 +1,11 @@
 """Stream partitions of a bucket into segment files (the data path of `upr backup`).
 
-Theory of operation (DESIGN data flow 3). One `DcpConsumer` streams every partition over
-one connection, finite to the high seqnos pinned at start. Each partition's records go
-to its own `SegmentWriter`; compression and file writes run on one worker thread, in
-arrival order, so the event loop (and the network) never waits on zstd: the reader task
-keeps filling the flow-control window meanwhile. Memory is bounded by configuration:
+Theory of operation (docs/design.md "3. Backup"). One `DcpConsumer` streams every
+partition over one connection, finite to the high seqnos pinned at start; `drive` feeds
+it to a `BackupStream` (a `Sink`). Each partition's records go to its own
+`SegmentWriter`; compression and file writes run on one `Worker` thread, in arrival
+order, so the event loop (and the network) never waits on zstd: the reader task keeps
+filling the flow-control window meanwhile. Memory is bounded by configuration:
 the flow-control window, plus `memory_budget` of records held across open segments (raw,
 or compressed blocks not yet on disk; when exceeded, the largest are spilled to their
 body files), plus one shared zstd context. Segments become durable together
@@ -19,30 +20,26 @@ as lost writes, formats/repository.md §5.6), and the partition goes on from the
 new branch; when the seq is below where this run began, the partition starts again from
 it like a first open. Either way the run completes with each partition as its current
 active holds it, and the rollback is reported (`cut_back` and `cuts`, or the manifest's
-rollback record).
-Positions the caller passes in say where each partition's
-previous backup ended.
+rollback record). Positions the caller passes in say where each partition's previous
+backup ended.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import gc
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from upr_cli.dcp.consumer import DcpConsumer
-from upr_cli.dcp.events import Rollback, Snapshot, StreamEnded, StreamOpened
+from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpened
 from upr_cli.dcp.position import StreamPosition
+from upr_cli.dcp.sink import drive
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog
+from upr_cli.jobs.worker import Worker
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.segments import SegmentHeader, SegmentInfo, SegmentWriter
@@ -139,172 +136,231 @@ async def stream_to_segments(
                            failover_logs=failover_logs, boundaries=boundaries,
                            until_end=True, end_seqs=end_seqs,
                            buffer_size=buffer_size, name="upr-backup")  # fmt: skip
-    loop = asyncio.get_running_loop()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segments")
-    zstd = new_compressor()  # shared: every writer runs on the one worker thread
-    stats = StreamStats()
-    opened: dict[int, _Open] = {}
-    finishing: dict[int, asyncio.Future[PartitionResult]] = {}
-    pending: dict[int, list[tuple[Any, ...]]] = {}
-    rolled: dict[int, tuple[int, int, int]] = {}  # rollbacks met while a stream opened
-    last: dict[int, int] = {}  # per partition, the seq of the last row taken
-    now = time.time()
-    created = (
-        time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1e6) % 10**6:06d}Z"
-    )
-    source = uri.redacted()
+    async with Worker("segments", max_queued=MAX_INFLIGHT) as worker:
+        stream = BackupStream(
+            consumer, worker, directory, bucket=bucket, segment_name=segment_name,
+            block_size=block_size, memory_budget=memory_budget, on_progress=on_progress,
+            cuts=cuts,
+        )  # fmt: skip
+        try:
+            await consumer.open()
+            stream.stats.partitions = len(consumer.parts)
+            await drive(consumer, stream)
+            return await stream.finish()
+        except BaseException:
+            await stream.abort()
+            raise
+        finally:
+            await consumer.aclose()
 
-    def open_writer(p: int, st: _Open) -> SegmentWriter:
-        header = SegmentHeader(bucket, p, st.log, st.start, max(st.start, consumer.highs.get(p, 0)),
-                               (), created, source, block_size)  # fmt: skip
-        return SegmentWriter(directory / f"p{p:04x}.open", header, compressor=zstd)
 
-    def open_cut(p: int, log: FailoverLog, r: int, k: int) -> SegmentWriter:
-        """The K-th cut-back segment of p: what a mid-run rollback to r took back."""
-        header = SegmentHeader(bucket, p, log, r, r, (), created, source, block_size)
-        return SegmentWriter(directory / f"p{p:04x}.cut-{k}", header, compressor=zstd)
+class BackupStream:
+    """A `Sink` writing each partition's records into its own segment, on the worker."""
 
-    held = [0]  # bytes buffered across writers, kept up to date incrementally
+    def __init__(
+        self,
+        consumer: DcpConsumer,
+        worker: Worker,
+        directory: Path,
+        *,
+        bucket: str,
+        segment_name: Callable[[int, int, int], str],
+        block_size: int = 1 << 20,
+        memory_budget: int = 64 * 1024 * 1024,
+        on_progress: Callable[[StreamStats], None] | None = None,
+        cuts: dict[int, list[tuple[int, int, SegmentInfo]]] | None = None,
+    ) -> None:
+        self.consumer = consumer
+        self.worker = worker
+        self.directory = directory
+        self.bucket = bucket
+        self.segment_name = segment_name
+        self.block_size = block_size
+        self.memory_budget = memory_budget
+        self.on_progress = on_progress
+        self.stats = StreamStats()
+        self._cuts = cuts or {}
+        self._zstd = new_compressor()  # shared: every writer runs on the one worker thread
+        self._opened: dict[int, _Open] = {}
+        self._finishing: dict[int, asyncio.Future[PartitionResult]] = {}
+        self._pending: dict[int, list[DcpRecord]] = {}  # records not yet sent to the worker
+        self._rolled: dict[int, tuple[int, int, int]] = {}  # rollbacks met while opening
+        self._last: dict[int, int] = {}  # per partition, the seq of the last record taken
+        self._held = [0]  # bytes buffered across writers (worker side), kept incrementally
+        now = time.time()
+        self._created = (
+            time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1e6) % 10**6:06d}Z"
+        )
+        self._source = consumer.uri.redacted()
 
-    def add_all(work: list[tuple[_Open, list[tuple[Any, ...]]]]) -> None:
-        """On the worker: append rows, then keep buffered bytes within the budget."""
-        for st, rows in work:
-            if st.writer is None:
-                st.writer = open_writer(st.partition, st)
-            before = st.writer.buffered
-            st.writer.add(rows)
-            held[0] += st.writer.buffered - before
-        if held[0] > memory_budget:
-            writers = [st.writer for st in opened.values() if st.writer is not None]
-            for w in sorted(writers, key=lambda w: w.buffered, reverse=True):
-                if held[0] <= memory_budget // 2:
-                    break
-                held[0] -= w.buffered
-                w.spill()
+    # -- the Sink ---------------------------------------------------------------------
 
-    inflight: deque[asyncio.Future[Any]] = deque()
+    async def records(self, records: list[DcpRecord]) -> None:
+        """Take each record above the partition's last one (a reconnect or a move sends
+        some again), to be sent to the worker at the batch's end."""
+        last, pending = self._last, self._pending
+        n = nbytes = 0
+        for item in records:
+            vb = item.vbucket
+            if item.by_seqno <= last.get(vb, -1):
+                continue  # sent again after a reconnect or a move: already held
+            last[vb] = item.by_seqno
+            pending.setdefault(vb, []).append(item)
+            n += 1
+            nbytes += 55 + len(item.key) + len(item.value)
+        self.stats.items += n
+        self.stats.bytes_in += nbytes
 
-    async def submit(fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        """Queue work on the worker (FIFO: per-partition order holds) without waiting for it,
-        unless MAX_INFLIGHT batches are already queued (bounded memory)."""
-        fut = loop.run_in_executor(pool, fn)
-        inflight.append(fut)
-        while len(inflight) > MAX_INFLIGHT or (inflight and inflight[0].done()):
-            await inflight.popleft()  # re-raises a worker's failure
-        return fut
+    async def event(self, event: Event) -> None:
+        """Follow a stream's life: opened, snapshot markers, rollbacks, its end."""
+        if isinstance(event, Snapshot):
+            st = self._opened.get(event.partition)
+            if st is not None:
+                st.snapshots.append((event.start, event.end))
+        elif isinstance(event, StreamOpened):
+            self._stream_opened(event)
+        elif isinstance(event, Rollback):
+            self.stats.rollbacks += 1
+            await self._flush()  # records above the cut go with it, on the worker
+            await self._rollback(event)
+        elif isinstance(event, StreamEnded):
+            await self._stream_ended(event)
 
-    async def flush_rows() -> None:
-        work = [(opened[p], rows) for p, rows in pending.items()]
-        pending.clear()
-        if work:
-            await submit(lambda: add_all(work))
+    async def batch_done(self) -> bool:
+        """Send the batch's records to the worker; the consumer may resume after them."""
+        await self._flush()
+        self.consumer.commit()
+        if self.on_progress is not None:
+            self.on_progress(self.stats)
+        return False
 
-    async def rollback_open(rb: Rollback) -> None:
+    # -- after the streams ------------------------------------------------------------
+
+    async def finish(self) -> dict[int, PartitionResult]:
+        """Every partition's result, its segment durable (not yet committed)."""
+        await self.worker.drain()
+        unfinished = sorted(set(self.consumer.parts) - set(self._finishing))
+        if unfinished:  # never commit a backup missing a partition it was asked for
+            raise BackupInterrupted(
+                f"partitions {unfinished[:8]}: the streams stopped without ending; run it again"
+            )
+        results = {p: fut.result() for p, fut in self._finishing.items()}
+        # durable together (parallel fsyncs, one directory fsync), before the caller commits
+        paths = [Path(r.segment.path) for r in results.values() if r.segment is not None]
+        await asyncio.get_running_loop().run_in_executor(None, sync_files, paths)
+        return results
+
+    async def abort(self) -> None:
+        """Drop every open segment, on the worker after the jobs queued before (they may
+        open writers)."""
+        await self.worker.run(self._abort_all)
+
+    # -- steps --------------------------------------------------------------------------
+
+    def _stream_opened(self, ev: StreamOpened) -> None:
+        p = ev.partition
+        log_ = FailoverLog.sanitised(ev.failover_log)
+        st = self._opened.get(p)
+        if st is None:
+            self._opened[p] = _Open(p, None, log_, ev.position.seq,
+                                    rollback=self._rolled.pop(p, None),
+                                    cuts=list(self._cuts.get(p, [])))  # fmt: skip
+            return
+        # reopened (a reconnect, or moved to a new active node): the same history goes
+        # on, into the same segment; a snapshot the old stream was cut off in is not one
+        # the segment holds whole, so its end is no boundary (formats/repository.md §8.4)
+        st.log = log_
+        at = ev.position.seq
+        st.snapshots = [(a, b) for a, b in st.snapshots if b <= at]
+
+    async def _stream_ended(self, ev: StreamEnded) -> None:
+        if not self.consumer.parts[ev.partition].done:
+            return  # the consumer reopens it (state changed, moved)
+        await self._flush()
+        job = functools.partial(_finish, self._opened[ev.partition], ev, self.directory,
+                                self.segment_name, self._held)  # fmt: skip
+        self._finishing[ev.partition] = await self.worker.submit(job)
+        self.stats.partitions_done += 1
+
+    async def _flush(self) -> None:
+        """Send the records taken so far to the worker (FIFO: per-partition order holds)."""
+        if not self._pending:
+            return
+        work = [(self._opened[p], rows) for p, rows in self._pending.items()]
+        self._pending = {}
+        await self.worker.submit(functools.partial(self._add_all, work))
+
+    async def _rollback(self, rb: Rollback) -> None:
         """Keep nothing above the rollback's boundary r (the consumer's `to_seq`, at or
         below the source's ROLLBACK seq: docs/design.md, "Snapshot boundaries"); the
         stream goes on from r.
 
         At the first open the partition simply starts at r. Later in the run (its active
         failed over, the new one's history branches below what was streamed) the open
-        segment is cut back to r on the worker (queued after every row already sent
+        segment is cut back to r on the worker (queued after every record already sent
         there), the records above the asked seq moving to a cut-back segment (those
         between r and it come again); when r is below where this run began, all of the
         run's records go and the partition starts again at r like a first open.
         """
         p, r = rb.partition, rb.to_seq
-        st = opened.get(p)
-        last[p] = r
+        st = self._opened.get(p)
+        self._last[p] = r
         if st is None:
-            rolled[p] = (rb.previous.seq, r, rb.asked)
+            self._rolled[p] = (rb.previous.seq, r, rb.asked)
             return
-        cut = functools.partial(_cut, st, rb.previous.seq, r, rb.asked, held, open_cut,
-                                segment_name)  # fmt: skip
+        cut = functools.partial(_cut, st, rb.previous.seq, r, rb.asked, self._held,
+                                self._open_cut, self.segment_name)  # fmt: skip
         if r >= st.start:
             st.snapshots = [(a, min(b, r)) for a, b in st.snapshots if a <= r]
             was = st.cut_back or (rb.previous.seq, r, rb.asked)  # a second cut: the widest
             st.cut_back = (max(was[0], rb.previous.seq), min(was[1], r), min(was[2], rb.asked))
-            await submit(cut)
+            await self.worker.submit(cut)
         else:
             origin = st.rollback[0] if st.rollback is not None else st.start
-            opened[p] = _Open(p, None, st.log, r, rollback=(origin, r, rb.asked), cuts=st.cuts)
-            await submit(cut)
-            await submit(functools.partial(_abandon, st, held))
+            self._opened[p] = _Open(p, None, st.log, r, rollback=(origin, r, rb.asked),
+                                    cuts=st.cuts)  # fmt: skip
+            await self.worker.submit(cut)
+            await self.worker.submit(functools.partial(_abandon, st, self._held))
 
-    # Rows wait on the worker queue (up to MAX_INFLIGHT batches); they form no cycles, but
-    # every gen-0 collection would walk them: measured 4x slower decoding. Collect rarely.
-    gc_threshold = gc.get_threshold()
-    gc.set_threshold(max(gc_threshold[0], 200_000), *gc_threshold[1:])
-    try:
-        await consumer.open()
-        stats.partitions = len(consumer.parts)
-        async for batch in consumer.batches():
-            for item in batch:
-                if type(item) is DcpRecord:
-                    vb = item.vbucket
-                    if item.by_seqno <= last.get(vb, -1):
-                        continue  # sent again after a reconnect or a move: already held
-                    last[vb] = item.by_seqno
-                    pending.setdefault(vb, []).append(item)
-                    stats.items += 1
-                    stats.bytes_in += 55 + len(item.key) + len(item.value)
-                elif isinstance(item, Rollback):
-                    stats.rollbacks += 1
-                    await flush_rows()  # rows above the cut go with it, on the worker
-                    await rollback_open(item)
-                elif isinstance(item, StreamOpened):
-                    p = item.partition
-                    log_ = FailoverLog.sanitised(item.failover_log)
-                    if p in opened:  # reopened (a reconnect, or moved to a new active node)
-                        st0 = opened[p]
-                        st0.log = log_  # the same history goes on: same segment
-                        # a snapshot the old stream was cut off in is not one the segment
-                        # holds whole: its end is no boundary (formats/repository.md §8.4)
-                        at = item.position.seq
-                        st0.snapshots = [(a, b) for a, b in st0.snapshots if b <= at]
-                    else:
-                        opened[p] = _Open(p, None, log_, item.position.seq,
-                                          rollback=rolled.pop(p, None),
-                                          cuts=list((cuts or {}).get(p, [])))  # fmt: skip
-                elif isinstance(item, Snapshot):
-                    st1 = opened.get(item.partition)
-                    if st1 is not None:
-                        st1.snapshots.append((item.start, item.end))
-                elif isinstance(item, StreamEnded):
-                    if not consumer.parts[item.partition].done:
-                        continue  # the consumer reopens it (state changed, moved)
-                    await flush_rows()
-                    job = functools.partial(_finish, opened[item.partition], item,
-                                            directory, segment_name, held)  # fmt: skip
-                    finishing[item.partition] = await submit(job)
-                    stats.partitions_done += 1
-            await flush_rows()
-            consumer.commit()
-            if on_progress is not None:
-                on_progress(stats)
-        while inflight:
-            await inflight.popleft()
-        unfinished = sorted(set(consumer.parts) - set(finishing))
-        if unfinished:  # never commit a backup missing a partition it was asked for
-            raise BackupInterrupted(
-                f"partitions {unfinished[:8]}: the streams stopped without ending; run it again"
-            )
-        results = {p: fut.result() for p, fut in finishing.items()}
-        # durable together, once, before the caller commits (STYLE 9)
-        paths = [Path(r.segment.path) for r in results.values() if r.segment is not None]
-        await loop.run_in_executor(None, sync_files, paths)
-        return results
-    except BaseException:
-        for fut in inflight:
-            with contextlib.suppress(BaseException):
-                await fut
-        for st in opened.values():
+    # -- on the worker --------------------------------------------------------------------
+
+    def _open_writer(self, st: _Open) -> SegmentWriter:
+        p = st.partition
+        header = SegmentHeader(self.bucket, p, st.log, st.start,
+                               max(st.start, self.consumer.highs.get(p, 0)), (), self._created,
+                               self._source, self.block_size)  # fmt: skip
+        return SegmentWriter(self.directory / f"p{p:04x}.open", header, compressor=self._zstd)
+
+    def _open_cut(self, p: int, log: FailoverLog, r: int, k: int) -> SegmentWriter:
+        """The K-th cut-back segment of p: what a mid-run rollback to r took back."""
+        header = SegmentHeader(self.bucket, p, log, r, r, (), self._created, self._source,
+                               self.block_size)  # fmt: skip
+        return SegmentWriter(self.directory / f"p{p:04x}.cut-{k}", header, compressor=self._zstd)
+
+    def _add_all(self, work: list[tuple[_Open, list[DcpRecord]]]) -> None:
+        """Append records, then keep the bytes buffered within the memory budget (the
+        largest writers spill to their body files)."""
+        held = self._held
+        for st, rows in work:
+            if st.writer is None:
+                st.writer = self._open_writer(st)
+            before = st.writer.buffered
+            st.writer.add(rows)
+            held[0] += st.writer.buffered - before
+        if held[0] > self.memory_budget:
+            # list(): one step under the GIL, while the loop may add a partition
+            opened = list(self._opened.values())
+            writers = [st.writer for st in opened if st.writer is not None]
+            for w in sorted(writers, key=lambda w: w.buffered, reverse=True):
+                if held[0] <= self.memory_budget // 2:
+                    break
+                held[0] -= w.buffered
+                w.spill()
+
+    def _abort_all(self) -> None:
+        for st in self._opened.values():
             if st.writer is not None:
-                await loop.run_in_executor(pool, st.writer.abort)
-        raise
-    finally:
-        gc.set_threshold(*gc_threshold)
-        await consumer.aclose()
-        pool.shutdown(wait=True)
+                st.writer.abort()
 
 
 def _abandon(st: _Open, held: list[int]) -> None:

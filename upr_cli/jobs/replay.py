@@ -1,8 +1,9 @@
 """`upr replay`: keep a SQLite store in step with a source, as a UPR replica would.
 
-Theory of operation (seed 000 "Client and Mutation Log", "How clients roll back changes
-when seeing a new failover ID"; formats/store.md is the store's contract)
------------------------------------------------------------------------------------
+Theory of operation (the UPR design specification, "Client and Mutation Log" and "How
+clients roll back changes when seeing a new failover ID"; formats/store.md is the store's
+contract)
+-----------------------------------------------------------------------------------------
 * **Positions live in the store.** A run streams every partition from the position the
   store saved with its documents, so a restart (or a SIGKILL at any point) resumes
   exactly there; rows at or below a saved seq are dropped (the consumer is
@@ -12,7 +13,7 @@ when seeing a new failover ID"; formats/store.md is the store's contract)
   changes of all partitions that reached a point in one batch share it). The point of a
   partition is, by mode:
   - default: the end of its last complete snapshot (a marker's end reached, the next
-    marker, or the stream's end: dcp-wire §2.4);
+    marker, or the stream's end: docs/protocol.md "2.7 SNAPSHOT_MARKER");
   - `--durable-only`: that, capped at the seq the source reports persisted on the
     stream's branch (OBSERVE_SEQNO to each partition's active node, polled on other
     connections), so the store never holds a write a crash of the source can take back;
@@ -25,14 +26,19 @@ when seeing a new failover ID"; formats/store.md is the store's contract)
     support the run commits per snapshot and says so once.
   A partition holding more than `max_pending` uncommitted rows (a snapshot that large:
   a disk backfill of a big partition) commits inside the snapshot, at its last row
-  (a valid resume position, dcp-wire §4.4), so memory is bounded by configuration.
-* **Rollbacks.** The consumer turns ROLLBACK(r) into a `Rollback` event (dcp-wire §4.4);
+  (a valid resume position, docs/protocol.md "4.4 What a client keeps per partition, and
+  how it resumes"), so memory is bounded by configuration.
+* **Rollbacks.** The consumer turns ROLLBACK(r) into a `Rollback` event, at the newest
+  snapshot boundary at or below r (docs/design.md "Rollback");
   the store undoes its changes above r from its mutation log, keeping the versions it
   takes back in `lost_writes` (for `upr salvage --store`). When r is below what the log
   reaches, the partition is reset and the run restarts its stream from 0. Every rollback
   is reported through `on_event`.
-* The store runs on one worker thread, so the event loop (and the network) never waits
-  on SQLite (DESIGN "Never stall the event loop"); at most two applies are in flight.
+* **One session, one sink.** A `ReplaySession` is one consumer session: a `Sink` that
+  `drive` feeds, holding the partitions' state; a rollback below what the store's log
+  reaches ends it, and the next session reopens every stream from the store.
+* The store runs on one `Worker` thread, so the event loop (and the network) never waits
+  on SQLite (docs/design.md "Performance"); at most two applies are in flight.
 """
 
 from __future__ import annotations
@@ -40,23 +46,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import os
 import signal
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from operator import itemgetter
+from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from upr_cli.dcp.consumer import DcpConsumer
-from upr_cli.dcp.events import BarrierReached, Rollback, Snapshot, StreamEnded, StreamOpened
+from upr_cli.dcp.consumer import DcpConsumer, Item
+from upr_cli.dcp.events import (
+    BarrierReached,
+    Event,
+    Rollback,
+    Snapshot,
+    StreamEnded,
+    StreamOpened,
+)
 from upr_cli.dcp.position import StreamPosition, boundary_at
-from upr_cli.errors import UprError, UsageError
+from upr_cli.dcp.sink import drive
+from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog
+from upr_cli.jobs.worker import Worker, rare_gc
 from upr_cli.net.aio import cancel_and_wait
 from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
@@ -65,30 +78,17 @@ from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.messages import ObserveSeqno, ObserveSeqnoResponse
 from upr_cli.store import DEFAULT_UNDO_WINDOW, Row, Store
 
-_seq_of = itemgetter(2)
+if TYPE_CHECKING:
+    from upr_cli.repo import ResumePoint
+
+_seq_of = attrgetter("by_seqno")
 _COMMIT_ROWS = 32_768  # committable rows gathered before a transaction (amortises commits)
 _COMMIT_SECONDS = 0.5  # ... or this long since the last one
-_MAX_INFLIGHT = 2  # store transactions queued on the worker
+_MAX_QUEUED = 1  # applies left on the worker when one is queued (two at most meanwhile)
 _REPO_BATCH_ROWS = 131_072  # rows per transaction from a repository (best of 32k..1M)
 
-
-_GC_YOUNG = 200_000  # allocations between young collections while rows are held
-
-
-@contextlib.contextmanager
-def rare_gc() -> Iterator[None]:
-    """Collect garbage rarely: rows held for a batch form no cycles, but every young
-    collection walks them (measured: 80k -> 130k items/s replaying from a node)."""
-    threshold = gc.get_threshold()
-    gc.set_threshold(max(threshold[0], _GC_YOUNG), *threshold[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*threshold)
-
-
-class ReplayError(UprError):
-    """The replay cannot continue (refused stream, unusable source)."""
+#: (partition, rows, the position after them, a failover log to save): one store apply
+Work = list[tuple[int, list[DcpRecord], StreamPosition, FailoverLog | None]]
 
 
 @dataclass
@@ -111,7 +111,7 @@ class ReplayStats:
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        """JSON form (STYLE 8: counts as numbers, no 64-bit values here)."""
+        """JSON form (counts as numbers; there are no 64-bit values here)."""
         secs = self.seconds or (time.monotonic() - self.started)
         return {
             "source": self.source,
@@ -138,7 +138,7 @@ class _Part:
     committed: StreamPosition  # durable in the store
     applied: StreamPosition  # written to the store, maybe in the open transaction
     uuid: int = 0
-    rows: list[Row] = field(default_factory=list)  # received, uncommitted, seq increasing
+    rows: list[DcpRecord] = field(default_factory=list)  # received, uncommitted, by seq
     marks: list[tuple[int, int]] = field(default_factory=list)  # markers not yet passed
     complete: int = 0  # every snapshot up to this seq was received whole
     received: int = 0
@@ -160,7 +160,7 @@ class _Part:
         self.marks = [(pos.snap_start, pos.snap_end)] if pos.seq < pos.snap_end else []
         self.ended = False
 
-    def take(self, upto: int) -> tuple[list[Row], StreamPosition] | None:
+    def take(self, upto: int) -> tuple[list[DcpRecord], StreamPosition] | None:
         """Rows ≤ `upto` and the position there; None when nothing would change."""
         upto = min(upto, max(self.complete, self.received))
         if upto < self.applied.seq or (upto == self.applied.seq and self.log is None):
@@ -253,12 +253,45 @@ async def replay_node(
     mode = "consistent" if consistent else "snapshot"
     mode += " durable-only" if durable_only else ""
     stats = ReplayStats(uri.redacted(), str(db_path), mode)
-    say = on_event or (lambda _m: None)
+    options = _Options(
+        partitions=partitions, follow=follow, consistent=consistent, max_pending=max_pending,
+        barrier_interval=barrier_interval, buffer_size=buffer_size, on_progress=on_progress,
+        say=on_event or (lambda _m: None),
+    )  # fmt: skip
+    # the worker keeps young collections rare: rows wait in memory until their commit point
+    async with Worker("upr-store", max_queued=_MAX_QUEUED) as worker:
+        store = await worker.run(
+            lambda: Store(db_path, undo_window=undo_window, source=uri.redacted())
+        )
+        durability = _Durability(uri) if durable_only else None
+        try:
+            with _cancel_on_signals() as stopping:
+                try:
+                    while True:
+                        session = await ReplaySession.resume(
+                            uri, store, worker, stats, options, durability
+                        )
+                        try:
+                            await session.run()
+                            break
+                        except _Restart:
+                            continue
+                except asyncio.CancelledError:
+                    if not stopping():
+                        raise
+                    stats.interrupted = True
+        finally:
+            if durability is not None:
+                await durability.aclose()
+            await worker.run(store.close)
+    stats.seconds = time.monotonic() - stats.started
+    return stats
+
+
+@contextlib.contextmanager
+def _cancel_on_signals() -> Iterator[Callable[[], bool]]:
+    """SIGINT and SIGTERM cancel the running task (once); yields 'did one?'."""
     loop = asyncio.get_running_loop()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="upr-store")
-    store = await loop.run_in_executor(
-        pool, lambda: Store(db_path, undo_window=undo_window, source=uri.redacted())
-    )
     task = asyncio.current_task()
     stopping = False
 
@@ -275,118 +308,341 @@ async def replay_node(
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop)
             handled.append(sig)
-    durability = _Durability(uri) if durable_only else None
-    gc_rarely = contextlib.ExitStack()
-    gc_rarely.enter_context(rare_gc())  # rows wait in memory until their commit point
     try:
-        while True:
-            try:
-                await _round(
-                    uri, store, pool, stats, say, partitions=partitions, follow=follow,
-                    consistent=consistent, durability=durability, max_pending=max_pending,
-                    barrier_interval=barrier_interval, buffer_size=buffer_size,
-                    on_progress=on_progress,
-                )  # fmt: skip
-                break
-            except _Restart:
-                continue
-    except asyncio.CancelledError:
-        if not stopping:
-            raise
-        stats.interrupted = True
+        yield lambda: stopping
     finally:
-        gc_rarely.close()
         for sig in handled:
             loop.remove_signal_handler(sig)
-        if durability is not None:
-            await durability.aclose()
-        await loop.run_in_executor(pool, store.close)
-        pool.shutdown(wait=True)
-    stats.seconds = time.monotonic() - stats.started
-    return stats
 
 
-async def _round(
-    uri: SourceUri,
-    store: Store,
-    pool: ThreadPoolExecutor,
-    stats: ReplayStats,
-    say: Callable[[str], None],
-    *,
-    partitions: list[int] | None,
-    follow: bool,
-    consistent: bool,
-    durability: _Durability | None,
-    max_pending: int,
-    barrier_interval: float,
-    buffer_size: int,
-    on_progress: Callable[[ReplayStats], None] | None,
-    durable_wait: float = 5.0,
-) -> None:
-    """One consumer session: stream from the store's positions until done (or a restart)."""
-    loop = asyncio.get_running_loop()
+@dataclass(frozen=True)
+class _Options:
+    """What `replay_node` was asked, as every session sees it."""
 
-    def on_store(fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        return loop.run_in_executor(pool, fn)
+    partitions: list[int] | None
+    follow: bool
+    consistent: bool
+    max_pending: int
+    barrier_interval: float
+    buffer_size: int
+    on_progress: Callable[[ReplayStats], None] | None
+    say: Callable[[str], None]
+    durable_wait: float = 5.0  # at the end, how long to wait for the source to persist
 
-    saved = await on_store(store.positions)
-    logs = await on_store(lambda: {p: store.failover_log(p) for p in saved})
-    bounds = await on_store(store.boundaries)
-    consumer = DcpConsumer(
-        uri, partitions=partitions, positions=saved, boundaries=bounds,
-        failover_logs={p: lg for p, lg in logs.items() if lg is not None},
-        until_end=not follow, barriers=consistent, buffer_size=buffer_size, name="upr-replay",
-    )  # fmt: skip
-    inflight: list[asyncio.Future[Any]] = []
-    parts: dict[int, _Part] = {}
-    last_commit = time.monotonic()
-    barrier_out: bytes | None = None
-    barrier_sent = 0.0
-    barrier_n = 0
-    arrived = [0]  # rows appended since the last checkpoint
-    shown = 0.0  # when progress was last reported
-    cuts: list[dict[int, int]] = []  # barrier cuts back, waiting to commit (durable-only)
-    catching_up = False  # consistent catch-up: one open store transaction
 
-    async def settle(all_: bool = False) -> None:
-        while inflight and (all_ or len(inflight) >= _MAX_INFLIGHT or inflight[0].done()):
-            await inflight.pop(0)
+class _ReadAhead:
+    """The consumer's batches read ahead by a task (so flow control is acknowledged while
+    a batch is handled), and an empty batch after `tick` seconds without one: in
+    `--follow` the stream may go idle while rows wait for a commit by time, persistence
+    must be polled and barriers sent."""
 
-    async def apply(work: list[tuple[int, list[Row], StreamPosition, FailoverLog | None]],
-                    *, in_open: bool = False) -> None:  # fmt: skip
-        """Apply (partition, rows, position, log) in one transaction (or the open one)."""
+    def __init__(self, consumer: DcpConsumer, tick: float | None) -> None:
+        self.tick = tick
+        self._queue: asyncio.Queue[list[Item] | BaseException | None] = asyncio.Queue(2)
+        self._task = asyncio.create_task(self._pump(consumer), name="upr-replay-pump")
+
+    async def _pump(self, consumer: DcpConsumer) -> None:
+        try:
+            async for batch in consumer.batches():
+                await self._queue.put(batch)
+            await self._queue.put(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - re-raised by `batches`
+            await self._queue.put(exc)
+
+    async def batches(self) -> AsyncIterator[list[Item]]:
+        """What `drive` iterates: as `DcpConsumer.batches`, plus the empty ticks."""
+        while True:
+            try:
+                async with asyncio.timeout(self.tick):  # not wait_for (net/aio.py)
+                    got = await self._queue.get()
+            except TimeoutError:
+                got = []
+            if got is None:
+                return
+            if isinstance(got, BaseException):
+                raise got
+            yield got
+
+    async def aclose(self) -> None:
+        """Stop reading."""
+        await cancel_and_wait([self._task])
+
+
+class ReplaySession:
+    """One consumer session of `replay_node`: a `Sink` that streams every partition from
+    the store's positions, holds rows per partition until a commit point and applies them
+    on the store's worker; it ends when the streams do (or raises `_Restart`)."""
+
+    def __init__(
+        self,
+        consumer: DcpConsumer,
+        store: Store,
+        worker: Worker,
+        stats: ReplayStats,
+        options: _Options,
+        durability: _Durability | None,
+    ) -> None:
+        self.consumer = consumer
+        self.store = store
+        self.worker = worker
+        self.stats = stats
+        self.opt = options
+        self.say = options.say
+        self.durability = durability
+        self.parts: dict[int, _Part] = {}
+        self.consistent_on = False  # barrier cuts are the commit points
+        self.catching_up = False  # consistent catch-up: one open store transaction
+        self.cuts: list[dict[int, int]] = []  # barrier cuts back, waiting to commit
+        self._barrier_out: bytes | None = None  # the cookie asked and not back yet
+        self._barrier_sent = 0.0
+        self._barrier_n = 0
+        self._arrived = 0  # rows taken since the last checkpoint
+        self._last_commit = time.monotonic()
+        self._shown = 0.0  # when progress was last reported
+
+    # -- the session ------------------------------------------------------------------
+
+    @classmethod
+    async def resume(
+        cls,
+        uri: SourceUri,
+        store: Store,
+        worker: Worker,
+        stats: ReplayStats,
+        options: _Options,
+        durability: _Durability | None,
+    ) -> ReplaySession:
+        """A session whose consumer resumes each partition where the store stands."""
+        saved = await worker.run(store.positions)
+        logs = await worker.run(lambda: {p: store.failover_log(p) for p in saved})
+        bounds = await worker.run(store.boundaries)
+        consumer = DcpConsumer(
+            uri, partitions=options.partitions, positions=saved, boundaries=bounds,
+            failover_logs={p: lg for p, lg in logs.items() if lg is not None},
+            until_end=not options.follow, barriers=options.consistent,
+            buffer_size=options.buffer_size, name="upr-replay",
+        )  # fmt: skip
+        return cls(consumer, store, worker, stats, options, durability)
+
+    async def run(self) -> None:
+        """Stream from the store's positions until every finite stream ended (in
+        `--follow`, until cancelled: what is committable is kept, then it stops)."""
+        consumer = self.consumer
+        ahead: _ReadAhead | None = None
+        try:
+            await consumer.open()
+            await self._start(consumer)
+            tick = _COMMIT_SECONDS if self.opt.follow or self.durability is not None else None
+            ahead = _ReadAhead(consumer, tick)
+            # drive reads nothing of its consumer but `batches()`
+            await drive(cast("DcpConsumer", ahead), self)
+            await self._finish()
+        except asyncio.CancelledError:
+            await self._interrupted()
+            raise
+        except BaseException:
+            try:
+                await self.worker.discard()
+            finally:
+                await self.worker.run(self.store.abort)
+            raise
+        finally:
+            if ahead is not None:
+                await ahead.aclose()
+            await consumer.aclose()
+
+    async def _start(self, consumer: DcpConsumer) -> None:
+        """The streams are open: pick the commit mode, set each partition's state."""
+        if self.opt.consistent:
+            if consumer.barriers_supported:
+                self.consistent_on = self.catching_up = True
+                await self.worker.run(self.store.begin)
+            elif "no-barriers" not in self.stats.notes:
+                self.stats.notes.append("no-barriers")
+                self.say("the source does not support barrier cookies: committing per snapshot")
+        self.stats.partitions = len(consumer.parts)
+        for p, part in consumer.parts.items():
+            pos = part.position()
+            self.parts[p] = _Part(p, pos, pos, pos.uuid, complete=pos.seq, received=pos.seq)
+
+    async def _finish(self) -> None:
+        """Every finite stream ended: commit the rest."""
+        if self.durability is not None:
+            await self._wait_persisted(self.durability)
+        if self.catching_up:
+            await self._commit_open_transaction()
+        else:
+            await self._checkpoint(force=True)
+        await self.worker.drain()
+        left = sum(len(st.rows) for st in self.parts.values())
+        if left:
+            self.stats.notes.append(f"not-persisted:{left}")
+            self.say(
+                f"{left} changes the source has not persisted yet were left out (--durable-only)"
+            )
+
+    async def _wait_persisted(self, durability: _Durability) -> None:
+        """Wait (a bounded time) for the source to persist what was received."""
+        deadline = time.monotonic() + self.opt.durable_wait
+        while time.monotonic() < deadline and any(
+            durability.cap(st) < st.received for st in self.parts.values()
+        ):
+            await asyncio.sleep(durability.interval)
+            await durability.poll(self.parts, force=True)
+
+    async def _interrupted(self) -> None:
+        """Ctrl-C in `--follow`: keep what is committable (never a part of a cut)."""
+        await self.worker.drain()
+        if self.catching_up:
+            await self.worker.run(self.store.abort)
+        elif not self.consistent_on:
+            await self._checkpoint(force=True)
+            await self.worker.drain()
+
+    # -- the Sink -----------------------------------------------------------------------
+
+    async def records(self, records: list[DcpRecord]) -> None:
+        """Hold each row above what its partition received (a reconnect sends some again)."""
+        parts = self.parts
+        n = 0
+        for item in records:
+            st = parts[item.vbucket]
+            seq = item.by_seqno
+            if seq <= st.received:
+                continue  # already held (at-least-once after a reconnect)
+            st.rows.append(item)
+            n += 1
+            st.received = seq
+            if st.marks and seq >= st.marks[-1][1]:
+                st.complete = seq
+        self._arrived += n
+        self.stats.items += n
+
+    async def event(self, event: Event) -> None:
+        """Markers, stream (re)opens and ends, rollbacks and barrier cuts, in wire order."""
+        if isinstance(event, Snapshot):
+            st = self.parts[event.partition]
+            if st.marks:
+                st.complete = max(st.complete, st.marks[-1][1])
+            st.marks.append((event.start, event.end))
+        elif isinstance(event, StreamOpened):
+            await self._stream_opened(event)
+        elif isinstance(event, Rollback):
+            if self.catching_up:
+                await self._restart_open_transaction()
+            await self._rollback(event)
+        elif isinstance(event, StreamEnded):
+            if self.consumer.parts[event.partition].done:
+                st = self.parts[event.partition]
+                st.ended = True
+                st.complete = max(st.complete, event.position.seq)
+        elif isinstance(event, BarrierReached) and event.cookie == self._barrier_out:
+            self._barrier_out = None
+            self.cuts.append(event.cut)
+
+    async def batch_done(self) -> bool:
+        """Commit what reached its commit point (by mode), ask for the next barrier, and
+        report progress; replay streams on until the streams end."""
+        consumer = self.consumer
+        if self.catching_up and all(
+            st.complete >= consumer.highs.get(p, 0) or st.ended for p, st in self.parts.items()
+        ):
+            await self._commit_open_transaction()
+        await self._checkpoint()
+        await self._commit_cuts()
+        if self.consistent_on and not self.catching_up:
+            await self._send_barrier(consumer)
+        if self.opt.on_progress is not None and time.monotonic() - self._shown >= 0.2:
+            self._shown = time.monotonic()
+            self.stats.partitions_caught_up = sum(
+                1 for p, st in self.parts.items() if st.committed.seq >= consumer.highs.get(p, 0)
+            )
+            self.opt.on_progress(self.stats)
+        return False
+
+    # -- events -------------------------------------------------------------------------
+
+    async def _stream_opened(self, ev: StreamOpened) -> None:
+        st = self.parts[ev.partition]
+        # a reconnect dropped a pending cookie with its connection: ask anew
+        self._barrier_out = None
+        if self.catching_up and ev.position.seq < st.applied.seq:
+            await self._restart_open_transaction()
+        st.reset_to(ev.position)
+        st.log = st.branches = FailoverLog.sanitised(ev.failover_log)
+
+    async def _rollback(self, ev: Rollback) -> None:
+        """Undo the store's changes above the boundary (its log keeps what it takes back);
+        too far for the log: reset the partition and restart the session."""
+        st = self.parts.get(ev.partition)
+        if st is not None:
+            # rows up to the boundary stay (they may not be in the store yet)
+            del st.rows[bisect_right(st.rows, ev.to_seq, key=_seq_of) :]
+            st.marks.clear()
+            st.complete = min(st.complete, ev.to_seq)
+            st.received = ev.to_seq
+        await self.worker.drain()
+        store, p = self.store, ev.partition
+        held = await self.worker.run(lambda: store.position(p))
+        entry: dict[str, Any] = {"partition": p, "from": ev.previous.seq, "to": ev.to_seq,
+                                 "asked": ev.asked, "lost": 0, "reset": False}  # fmt: skip
+        if ev.to_seq > (held.seq if held is not None else 0):
+            # a stream that reopened where it stood (a move, a state change) rolled back
+            # above what the store holds: only uncommitted rows went, none are lost
+            self.stats.rollbacks.append(entry)
+            self.say(
+                f"partition {p}: rolled back from seq {ev.previous.seq} to "
+                f"{ev.to_seq} before the store held it" + _below_asked(ev.asked, ev.to_seq)
+            )
+            return
+        result = await self.worker.run(
+            lambda: store.rollback(p, ev.to_seq, uuid=ev.uuid, lost_above=ev.asked)
+        )
+        entry.update(lost=result.lost, reset=result.too_far)
+        if result.too_far:
+            await self.worker.run(lambda: store.reset_partition(p, lost_above=ev.asked))
+            self.stats.resets += 1
+            self.say(f"{result}; partition reset, streaming it again from 0")
+            self.stats.rollbacks.append(entry)
+            raise _Restart
+        self.stats.rollbacks.append(entry)
+        if st is not None:
+            st.committed = st.applied = result.position or StreamPosition(p)
+        self.say(str(result) + _below_asked(ev.asked, ev.to_seq))
+
+    # -- commits --------------------------------------------------------------------------
+
+    async def _apply(self, work: Work, *, in_open: bool = False) -> None:
+        """Apply (partition, rows, position, log) in one transaction (or the open one);
+        a position reaches the consumer only once the store committed it."""
         if not work:
             return
         positions = {p: pos for p, _r, pos, _l in work}
         n = sum(len(r) for _p, r, _pos, _l in work)
+        stats, consumer = self.stats, self.consumer
 
-        def run() -> None:
-            store.apply_many(work)
-
-        fut = on_store(run)
-        inflight.append(fut)
-
-        def done(f: asyncio.Future[Any]) -> None:
-            if f.cancelled() or f.exception() is not None:
-                return
+        def done(_result: None) -> None:
             stats.applied += n
             if not in_open:
                 stats.commits += 1
                 consumer.commit(positions)
 
-        fut.add_done_callback(done)
+        job = functools.partial(self.store.apply_many, work)
         for p, _r, pos, _l in work:
-            parts[p].applied = pos
-            parts[p].log = None
+            st = self.parts[p]
+            st.applied = pos
+            st.log = None
             if not in_open:
-                parts[p].committed = pos
-        await settle()
+                st.committed = pos
+        await self.worker.submit(job, done)
 
-    def take_all(targets: dict[int, int]) -> list[tuple[int, list[Row], StreamPosition,
-                                                         FailoverLog | None]]:  # fmt: skip
-        out = []
+    def _take_all(self, targets: dict[int, int]) -> Work:
+        """Each partition's rows up to its target, and the position there."""
+        out: Work = []
         for p, upto in targets.items():
-            st = parts.get(p)
+            st = self.parts.get(p)
             if st is None:
                 continue
             log = st.log
@@ -395,11 +651,12 @@ async def _round(
                 out.append((p, got[0], got[1], log))
         return out
 
-    def snapshot_targets(force: bool, whole: bool = False) -> dict[int, int]:
+    def _snapshot_targets(self, force: bool, whole: bool = False) -> dict[int, int]:
         """Default/durable mode: per partition, the newest complete snapshot (capped);
         `whole`: never inside a snapshot, however many rows wait."""
         out = {}
-        for p, st in parts.items():
+        durability, max_pending = self.durability, self.opt.max_pending
+        for p, st in self.parts.items():
             t = st.complete
             if len(st.rows) > max_pending and not whole:  # too big to hold: commit inside
                 t = st.received
@@ -409,226 +666,74 @@ async def _round(
                 out[p] = max(t, st.applied.seq)
         return out
 
-    async def checkpoint(force: bool = False, whole: bool = False) -> None:
-        nonlocal last_commit
-        if consistent_on and not catching_up:
+    async def _checkpoint(self, force: bool = False, whole: bool = False) -> None:
+        """Snapshot mode (and the consistent catch-up): commit at snapshot ends, once
+        enough rows or time gathered (or `force`)."""
+        if self.consistent_on and not self.catching_up:
             return  # commits happen at barrier cuts only
-        if durability is not None:
-            await durability.poll(parts, force=force)
+        if self.durability is not None:
+            await self.durability.poll(self.parts, force=force)
         now = time.monotonic()
         # rows received since the last commit: cheap to keep, unlike a sum over partitions
-        soon = arrived[0] < min(_COMMIT_ROWS, max_pending) and now - last_commit < _COMMIT_SECONDS
+        soon = (
+            self._arrived < min(_COMMIT_ROWS, self.opt.max_pending)
+            and now - self._last_commit < _COMMIT_SECONDS
+        )
         if not force and soon:
             return
-        arrived[0] = 0
+        self._arrived = 0
         # During the consistent catch-up too, each partition goes to its newest complete
         # snapshot, even past its pinned high: a cut at the high itself could fall inside
         # a deduplicated snapshot, which is no state the partition had (docs/design.md).
-        work = take_all(snapshot_targets(force, whole))
+        work = self._take_all(self._snapshot_targets(force, whole))
         if work:
-            await apply(work, in_open=catching_up)
-            last_commit = now
+            await self._apply(work, in_open=self.catching_up)
+            self._last_commit = now
 
-    async def rollback(ev: Rollback) -> None:
-        st = parts.get(ev.partition)
-        if st is not None:
-            # rows up to the boundary stay (they may not be in the store yet)
-            del st.rows[bisect_right(st.rows, ev.to_seq, key=_seq_of) :]
-            st.marks.clear()
-            st.complete = min(st.complete, ev.to_seq)
-            st.received = ev.to_seq
-        await settle(all_=True)
-        held = await on_store(lambda: store.position(ev.partition))
-        if ev.to_seq > (held.seq if held is not None else 0):
-            # a stream that reopened where it stood (a move, a state change) rolled back
-            # above what the store holds: only uncommitted rows went, none are lost
-            stats.rollbacks.append({"partition": ev.partition, "from": ev.previous.seq,
-                                    "to": ev.to_seq, "asked": ev.asked, "lost": 0,
-                                    "reset": False})  # fmt: skip
-            say(
-                f"partition {ev.partition}: rolled back from seq {ev.previous.seq} to "
-                f"{ev.to_seq} before the store held it" + _below_asked(ev.asked, ev.to_seq)
-            )
+    async def _commit_cuts(self) -> None:
+        """Barrier cuts back, each committed whole once (`--durable-only`) the source
+        persisted all of it."""
+        durability = self.durability
+        if self.cuts and durability is not None:
+            await durability.poll(self.parts)
+        while self.cuts and (durability is None or all(
+            durability.cap(self.parts[p]) >= seq for p, seq in self.cuts[0].items()
+            if p in self.parts
+        )):  # fmt: skip
+            await self._apply(self._take_all(self.cuts.pop(0)))
+
+    async def _send_barrier(self, consumer: DcpConsumer) -> None:
+        """After the catch-up in `--follow`: a barrier every `barrier_interval`, one at
+        a time (formats/barrier.md)."""
+        if self._barrier_out is not None or self.cuts or not self.opt.follow:
             return
-        result = await on_store(
-            lambda: store.rollback(ev.partition, ev.to_seq, uuid=ev.uuid, lost_above=ev.asked)
-        )
-        entry = {"partition": ev.partition, "from": ev.previous.seq, "to": ev.to_seq,
-                 "asked": ev.asked, "lost": result.lost, "reset": result.too_far}  # fmt: skip
-        if result.too_far:
-            await on_store(lambda: store.reset_partition(ev.partition, lost_above=ev.asked))
-            stats.resets += 1
-            say(f"{result}; partition reset, streaming it again from 0")
-            stats.rollbacks.append(entry)
-            raise _Restart
-        stats.rollbacks.append(entry)
-        if st is not None:
-            st.committed = st.applied = result.position or StreamPosition(ev.partition)
-        say(str(result) + _below_asked(ev.asked, ev.to_seq))
+        now = time.monotonic()
+        if now - self._barrier_sent < self.opt.barrier_interval:
+            return
+        self._barrier_n += 1
+        self._barrier_out = f"replay-{os.getpid()}-{self._barrier_n}".encode()
+        self._barrier_sent = now
+        if not await consumer.barrier(self._barrier_out):
+            self._barrier_out = None  # the link is down: ask again after the reconnect
 
-    async def restart_open_transaction() -> None:
+    async def _restart_open_transaction(self) -> None:
         """A reconnect or rollback during the consistent catch-up: its rows come again."""
-        await settle(all_=True)
-        await on_store(store.abort)
-        for st in parts.values():
+        await self.worker.drain()
+        await self.worker.run(self.store.abort)
+        for st in self.parts.values():
             st.applied = st.committed
-        await on_store(store.begin)
+        await self.worker.run(self.store.begin)
 
-    async def commit_open_transaction() -> None:
-        nonlocal catching_up
-        await checkpoint(force=True, whole=True)  # the commit ends on snapshot ends
-        await settle(all_=True)
-        await on_store(store.commit)
-        stats.commits += 1
-        for st in parts.values():
+    async def _commit_open_transaction(self) -> None:
+        """The consistent catch-up reached every pinned high: commit it as one."""
+        await self._checkpoint(force=True, whole=True)  # the commit ends on snapshot ends
+        await self.worker.drain()
+        await self.worker.run(self.store.commit)
+        self.stats.commits += 1
+        for st in self.parts.values():
             st.committed = st.applied
-        consumer.commit({p: st.committed for p, st in parts.items()})
-        catching_up = False
-
-    consistent_on = False
-    pumping: asyncio.Task[None] | None = None
-    try:
-        await consumer.open()
-        if consistent:
-            if consumer.barriers_supported:
-                consistent_on = catching_up = True
-                await on_store(store.begin)
-            elif "no-barriers" not in stats.notes:
-                stats.notes.append("no-barriers")
-                say("the source does not support barrier cookies: committing per snapshot")
-        stats.partitions = len(consumer.parts)
-        for p, part in consumer.parts.items():
-            pos = part.position()
-            parts[p] = _Part(p, pos, pos, pos.uuid, complete=pos.seq, received=pos.seq)
-        batches: asyncio.Queue[list[Any] | BaseException | None] = asyncio.Queue(maxsize=2)
-
-        async def pump() -> None:
-            """Batches onto a queue, so the loop below can also wake on a timer."""
-            try:
-                async for b in consumer.batches():
-                    await batches.put(b)
-                await batches.put(None)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:  # noqa: BLE001 - re-raised by the loop below
-                await batches.put(exc)
-
-        pumping = asyncio.create_task(pump(), name="upr-replay-pump")
-        # Commits wait for a batch size or a time; in --follow the stream may go idle, so
-        # the loop wakes up on a timer too (and to poll persistence, send barriers).
-        tick = _COMMIT_SECONDS if follow or durability is not None else None
-        while True:
-            try:
-                async with asyncio.timeout(tick):  # not wait_for (net/aio.py)
-                    got = await batches.get()
-            except TimeoutError:
-                got = []
-            if got is None:
-                break
-            if isinstance(got, BaseException):
-                raise got
-            batch = got
-            for item in batch:
-                if type(item) is DcpRecord:
-                    st = parts[item[1]]
-                    seq: int = item[2]
-                    if seq <= st.received:
-                        continue  # already held (at-least-once after a reconnect)
-                    st.rows.append(item)
-                    arrived[0] += 1
-                    st.received = seq
-                    if st.marks and seq >= st.marks[-1][1]:
-                        st.complete = seq
-                    stats.items += 1
-                elif isinstance(item, Snapshot):
-                    st = parts[item.partition]
-                    if st.marks:
-                        st.complete = max(st.complete, st.marks[-1][1])
-                    st.marks.append((item.start, item.end))
-                elif isinstance(item, StreamOpened):
-                    st = parts[item.partition]
-                    # a reconnect dropped a pending cookie with its connection: ask anew
-                    barrier_out = None
-                    if catching_up and item.position.seq < st.applied.seq:
-                        await restart_open_transaction()
-                    st.reset_to(item.position)
-                    st.log = st.branches = FailoverLog.sanitised(item.failover_log)
-                elif isinstance(item, Rollback):
-                    if catching_up:
-                        await restart_open_transaction()
-                    await rollback(item)
-                elif isinstance(item, StreamEnded):
-                    st = parts[item.partition]
-                    if consumer.parts[item.partition].done:
-                        st.ended = True
-                        st.complete = max(st.complete, item.position.seq)
-                elif isinstance(item, BarrierReached) and item.cookie == barrier_out:
-                    barrier_out = None
-                    cuts.append(item.cut)
-            if catching_up and all(
-                st.complete >= consumer.highs.get(p, 0) or st.ended for p, st in parts.items()
-            ):
-                await commit_open_transaction()
-            await checkpoint()
-            if cuts and durability is not None:
-                await durability.poll(parts)
-            while cuts and (durability is None or all(
-                durability.cap(parts[p]) >= seq for p, seq in cuts[0].items() if p in parts
-            )):  # fmt: skip
-                await apply(take_all(cuts.pop(0)))
-            if consistent_on and not catching_up and barrier_out is None and not cuts:
-                now = time.monotonic()
-                if now - barrier_sent >= barrier_interval and follow:
-                    barrier_n += 1
-                    barrier_out = f"replay-{os.getpid()}-{barrier_n}".encode()
-                    barrier_sent = now
-                    if not await consumer.barrier(barrier_out):
-                        barrier_out = None  # the link is down: ask again after the reconnect
-            if on_progress is not None and time.monotonic() - shown >= 0.2:
-                shown = time.monotonic()
-                stats.partitions_caught_up = sum(
-                    1 for p, st in parts.items()
-                    if st.committed.seq >= consumer.highs.get(p, 0)
-                )  # fmt: skip
-                on_progress(stats)
-        # Every finite stream ended: commit the rest.
-        if durability is not None:
-            # Wait (a bounded time) for the source to persist what was received.
-            deadline = time.monotonic() + durable_wait
-            while time.monotonic() < deadline and any(
-                durability.cap(st) < st.received for st in parts.values()
-            ):
-                await asyncio.sleep(durability.interval)
-                await durability.poll(parts, force=True)
-        if catching_up:
-            await commit_open_transaction()
-        else:
-            await checkpoint(force=True)
-        await settle(all_=True)
-        left = sum(len(st.rows) for st in parts.values())
-        if left:
-            stats.notes.append(f"not-persisted:{left}")
-            say(f"{left} changes the source has not persisted yet were left out (--durable-only)")
-    except asyncio.CancelledError:
-        # Ctrl-C in --follow: keep what is committable, then stop.
-        await settle(all_=True)
-        if catching_up:
-            await on_store(store.abort)
-        elif not consistent_on:
-            await checkpoint(force=True)
-            await settle(all_=True)
-        raise
-    except BaseException:
-        try:
-            with contextlib.suppress(Exception):  # not a cancel: Ctrl-C must still stop
-                await settle(all_=True)
-        finally:
-            await on_store(store.abort)
-        raise
-    finally:
-        if pumping is not None:
-            await cancel_and_wait([pumping])
-        await consumer.aclose()
+        self.consumer.commit({p: st.committed for p, st in self.parts.items()})
+        self.catching_up = False
 
 
 def check_options(follow: bool, consistent: bool, durable_only: bool, source: str) -> None:
@@ -654,12 +759,12 @@ def replay_repo(
 
     Each partition of the chain is a source whose failover log and position are the
     chain's resume point (formats/repository.md). The store's saved position is checked
-    against that log by the producer rule (dcp-wire §4.2), as a server would check a
-    STREAM_REQ; a rollback is applied as for a live source; then the state's records
-    above the store's seq are applied as one snapshot (a disk backfill) with the
-    backup's position. Replaying into an empty store equals restoring to it.
+    against that log by the producer rule (docs/protocol.md "4.2 The producer's rollback
+    rule"), as a server would check a STREAM_REQ; a rollback is applied as for a live
+    source; then the state's records above the store's seq are applied as one snapshot (a
+    disk backfill) with the backup's position. Replaying into an empty store equals
+    restoring to it.
     """
-    from upr_cli.failover import needs_rollback
     from upr_cli.jobs.inspect import open_bucket
     from upr_cli.jobs.restore import states_ahead
     from upr_cli.jobs.state import select
@@ -672,75 +777,107 @@ def replay_repo(
     chain = [m for m in manifests if m.backup_id <= sel.backup_id]
     stats = ReplayStats(f"repo:{repo_dir}@{sel.backup_id}", str(db_path), "snapshot")
     stats.partitions = len(sel.partitions)
-
-    work: list[tuple[int, list[Row], StreamPosition, FailoverLog | None]] = []
-    queued = [0]  # rows in `work`
     with Store(db_path, undo_window=undo_window, source=stats.source) as store, rare_gc():
-
-        def flush() -> None:
-            store.apply_many(work)
-            stats.applied += sum(len(w[1]) for w in work)
-            stats.commits += 1
-            stats.partitions_caught_up += len(work)
-            work.clear()
-            queued[0] = 0
-            if on_progress is not None:
-                on_progress(stats)
-
+        batch = _RepoBatch(store, stats, on_progress)
         for p, records in states_ahead(repo, b, manifests, sel):
             if isinstance(records, SegmentError):
                 raise records
             rp = resume_point(chain, p)
             if rp is None:
                 continue
-            held = store.partition_state(p)
-            base = 0
-            if held is not None and (held.position.seq or held.position.uuid):
-                pos = held.position
-                decision = needs_rollback(
-                    rp.failover_log, start=pos.seq, uuid=pos.uuid, snap_start=pos.snap_start,
-                    snap_end=pos.snap_end, high=rp.seq,
-                )  # fmt: skip
-                base = pos.seq
-                if decision.rollback:
-                    if work:
-                        flush()
-                    asked = decision.rollback_seq
-                    # onto a snapshot boundary the store holds (formats/store.md §5.3)
-                    r = boundary_at(store.boundaries(p).get(p, ()), asked)
-                    entry = rp.failover_log.entry_at(r)
-                    result = store.rollback(
-                        p, r, uuid=entry.uuid if entry else None, lost_above=asked
-                    )
-                    stats.rollbacks.append(
-                        {"partition": p, "from": pos.seq, "to": r, "asked": asked,
-                         "lost": result.lost, "reset": result.too_far}
-                    )  # fmt: skip
-                    if result.too_far:
-                        store.reset_partition(p, lost_above=asked)
-                        stats.resets += 1
-                        say(f"{result}; partition reset, applying it again from 0")
-                        base = 0
-                    else:
-                        say(str(result) + _below_asked(asked, r))
-                        base = r
+            base = _repo_base(store, p, rp, stats, say, before_rollback=batch.flush)
+            # a segment record is (op, seq, rev, cas, flags, exp, delete_time, datatype,
+            # key, value) (formats/segment.md); a store row has DcpRecord's fields in order
             rows: list[Row] = [
                 (op, p, seq, rev, cas, flags, exp, dtime, datatype, key, value, 0)
                 for op, seq, rev, cas, flags, exp, dtime, datatype, key, value in records
                 if seq > base
             ]
             stats.items += len(rows)
-            position = StreamPosition(p, rp.uuid, rp.seq, rp.snap_start, rp.snap_end)
-            if position.seq < base:  # nothing newer in the backup than the store holds
+            if rp.seq < base:  # nothing newer in the backup than the store holds
                 continue
-            work.append((p, rows, position, rp.failover_log))
-            queued[0] += len(rows)
-            if queued[0] >= _REPO_BATCH_ROWS:
-                flush()
-        if work:
-            flush()
+            batch.add(p, rows, rp.position, rp.failover_log)
+        batch.flush()
     stats.seconds = time.monotonic() - stats.started
     return stats
+
+
+class _RepoBatch:
+    """Partitions' rows gathered for one store transaction (bounded by rows, so memory
+    does not grow with the backup while the commit is amortised over small partitions)."""
+
+    def __init__(
+        self, store: Store, stats: ReplayStats, on_progress: Callable[[ReplayStats], None] | None
+    ) -> None:
+        self.store = store
+        self.stats = stats
+        self.on_progress = on_progress
+        self.work: list[tuple[int, list[Row], StreamPosition, FailoverLog | None]] = []
+        self.rows = 0
+
+    def add(self, p: int, rows: list[Row], position: StreamPosition, log: FailoverLog) -> None:
+        """Take partition p's rows up to `position`; apply the batch once it is full."""
+        self.work.append((p, rows, position, log))
+        self.rows += len(rows)
+        if self.rows >= _REPO_BATCH_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply what was taken, in one transaction."""
+        if not self.work:
+            return
+        stats = self.stats
+        self.store.apply_many(self.work)
+        stats.applied += sum(len(w[1]) for w in self.work)
+        stats.commits += 1
+        stats.partitions_caught_up += len(self.work)
+        self.work.clear()
+        self.rows = 0
+        if self.on_progress is not None:
+            self.on_progress(stats)
+
+
+def _repo_base(
+    store: Store,
+    p: int,
+    rp: ResumePoint,
+    stats: ReplayStats,
+    say: Callable[[str], None],
+    *,
+    before_rollback: Callable[[], None],
+) -> int:
+    """The seq above which partition p's records are applied: what the store holds,
+    unless the backup's branch no longer holds that (the producer rule): then the store
+    rolls back, as for a live source, onto a snapshot boundary it holds (formats/store.md
+    §5.3), or resets the partition when its log does not reach that far."""
+    from upr_cli.failover import needs_rollback
+
+    held = store.partition_state(p)
+    if held is None or not (held.position.seq or held.position.uuid):
+        return 0
+    pos = held.position
+    decision = needs_rollback(
+        rp.failover_log, start=pos.seq, uuid=pos.uuid, snap_start=pos.snap_start,
+        snap_end=pos.snap_end, high=rp.seq,
+    )  # fmt: skip
+    if not decision.rollback:
+        return pos.seq
+    before_rollback()  # what was gathered for other partitions goes first
+    asked = decision.rollback_seq
+    r = boundary_at(store.boundaries(p).get(p, ()), asked)
+    entry = rp.failover_log.entry_at(r)
+    result = store.rollback(p, r, uuid=entry.uuid if entry else None, lost_above=asked)
+    stats.rollbacks.append(
+        {"partition": p, "from": pos.seq, "to": r, "asked": asked, "lost": result.lost,
+         "reset": result.too_far}
+    )  # fmt: skip
+    if result.too_far:
+        store.reset_partition(p, lost_above=asked)
+        stats.resets += 1
+        say(f"{result}; partition reset, applying it again from 0")
+        return 0
+    say(str(result) + _below_asked(asked, r))
+    return r
 
 
 def _below_asked(asked: int, to: int) -> str:
