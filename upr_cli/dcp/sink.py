@@ -18,8 +18,19 @@ from typing import TYPE_CHECKING, Protocol, cast
 from upr_cli.protocol.decoder import DcpRecord
 
 if TYPE_CHECKING:
-    from upr_cli.dcp.consumer import DcpConsumer
+    from collections.abc import AsyncIterator
+
+    from upr_cli.dcp.consumer import Item
     from upr_cli.dcp.events import Event
+
+
+class Batches(Protocol):
+    """What `drive` reads: a `DcpConsumer`, or anything that yields its batches (a
+    read-ahead in front of one)."""
+
+    def batches(self) -> AsyncIterator[list[Item]]:
+        """Records and events in wire order, batch by batch."""
+        ...
 
 
 class Sink(Protocol):
@@ -51,7 +62,7 @@ class SinkBase:
         return False
 
 
-async def drive(consumer: DcpConsumer, sink: Sink) -> None:
+async def drive(consumer: Batches, sink: Sink) -> None:
     """Feed every batch of `consumer` to `sink` until the streams end or the sink stops."""
     async for batch in consumer.batches():
         start = 0

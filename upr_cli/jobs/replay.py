@@ -54,7 +54,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from upr_cli.dcp.consumer import DcpConsumer, Item
 from upr_cli.dcp.events import (
@@ -437,7 +437,7 @@ class ReplaySession:
             tick = _COMMIT_SECONDS if self.opt.follow or self.durability is not None else None
             ahead = _ReadAhead(consumer, tick)
             # drive reads nothing of its consumer but `batches()`
-            await drive(cast("DcpConsumer", ahead), self)
+            await drive(ahead, self)
             await self._finish()
         except asyncio.CancelledError:
             await self._interrupted()
@@ -765,11 +765,11 @@ def replay_repo(
     disk backfill) with the backup's position. Replaying into an empty store equals
     restoring to it.
     """
-    from upr_cli.jobs.inspect import open_bucket
     from upr_cli.jobs.restore import states_ahead
     from upr_cli.jobs.state import select
     from upr_cli.repo import resume_point
     from upr_cli.segments import SegmentError
+    from upr_cli.source import open_bucket
 
     say = on_event or (lambda _m: None)
     repo, b, manifests = open_bucket(repo_dir, bucket)
