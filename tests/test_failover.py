@@ -1,4 +1,4 @@
-"""FailoverLog and the two rules on the seed's worked examples and hand-made cases."""
+"""FailoverLog and the two rules on the design's worked examples and hand-made cases."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_new_uuid_is_48_bits_and_never_zero() -> None:
     assert all(0 < new_uuid() < 2**48 for _ in range(100))
 
 
-# -- producer rule, dcp-wire §4.2: one case per step ---------------------------
+# -- producer rule, docs/protocol.md §4.2: one case per step ---------------------------
 
 
 def dcp(lg: FailoverLog, **kw: int | bool) -> tuple[bool, int, str]:

@@ -1,8 +1,9 @@
 """A model of one partition's replication history, checked against both rollback rules.
 
-The model (a hypothesis `RuleBasedStateMachine`) follows seed 000 ("Failover Log", "How
-clients roll back changes…", "How UPR Replicas/Clients find out where to rollback to") and
-dcp-wire §2.7 and §4.
+The model (a hypothesis `RuleBasedStateMachine`) follows the UPR design specification
+("Failover Log", "How clients roll back changes when seeing a new failover ID", "How UPR
+Replicas/Clients find out where to rollback to and stream from") and
+docs/protocol.md §2.7 and §4.
 
 * **Nodes** (2 or 3, exactly one primary). Each holds its items by seq (item identity is a
   unique token, so two holders agree at seq s iff they hold the same token there), its
@@ -14,25 +15,27 @@ dcp-wire §2.7 and §4.
   some seq (the persisted snapshot range is the checkpoint holding that seq, whose end is the
   current high seq while the checkpoint is open); crash and restart: items above the
   persisted seq are lost, the shutdown was unclean, so a new entry is added at
-  `last_snap_end if high == last_snap_end else last_snap_start` (§4.3); the items between
-  that seq and the persisted high survive.
+  `last_snap_end if high == last_snap_end else last_snap_start` (docs/protocol.md §4.3);
+  the items between that seq and the persisted high survive.
 * **Replica operations.** Catch up from the primary as a DCP consumer (below); persist what
   it received (with its last marker's range and last complete snapshot; a rollback is
-  persisted at once); crash and restart from disk (no new entry: only an active vbucket
-  gets one at warm-up). Failover: promote a replica, which adds an entry at its last
-  complete snapshot seq (`add_entry`, i.e. createEntry, drops entries above it first) and
-  keeps the items of a partial snapshot above it. Rebalance: a replica catches up completely
-  and takes over with no new entry (§4.3 "not through a takeover transfer"). Either way the
-  old primary is demoted and resyncs at once against the new primary with the producer
-  rule, as a real replica would (it asks with its open checkpoint's range, start = high).
-* **Consumers** (1-2 clients, and every replica) follow dcp-wire §4.4: they keep the log
-  from the last successful STREAM_REQ, the last seq received (`seen`), the last marker's
-  bounds and the last complete snapshot (`snapshot_seq`). A request is (start = seen, uuid
-  = newest uuid of the kept log or 0, the marker bounds); the primary answers with
+  persisted at once); crash and restart from disk (no new entry: only an active vbucket gets
+  one at warm-up). Failover: promote a replica, which adds an entry at its last complete
+  snapshot seq (`add_entry`, i.e. createEntry, drops entries above it first) and keeps the
+  items of a partial snapshot above it. Rebalance: a replica catches up completely and takes
+  over with no new entry (docs/protocol.md §4.3: "other than at the end of a takeover").
+  Either way the old primary is demoted and resyncs at once against the new primary with the
+  producer rule, as a real replica would (it asks with its open checkpoint's range, start =
+  high).
+* **Consumers** (1-2 clients, and every replica) follow docs/protocol.md §4.4: they keep the
+  log from the last successful STREAM_REQ, the last seq received (`seen`), the last marker's
+  bounds and the last complete snapshot (`snapshot_seq`). A request is (start = seen, uuid =
+  newest uuid of the kept log or 0, the marker bounds); the primary answers with
   `needs_rollback`; ROLLBACK(r) drops items above r, prunes the log above r and retries with
   (r, r, r); success replaces the kept log with the primary's. Items then arrive in
   snapshots cut at the primary's checkpoint ends (the first marker starts at the requested
-  start, later ones at their first item, §2.7), and the consumer may stop part-way.
+  start, later ones at their first item, docs/protocol.md §2.7), and the consumer may stop
+  part-way.
 
 Properties, checked after every step for every consumer against the current primary (and
 for each request a consumer makes), where `agree` is the largest s ≤ min(seen, primary high)
@@ -41,7 +44,7 @@ such that consumer and primary hold the same token at every seq ≤ s:
 1. producer rule: no rollback ⇒ agree ≥ seen; rollback to r ⇒ r ≤ agree;
 2. seed rule: `rollback_point(...).rollback_seq ≤ agree`, and it never reports a history the
    model produced as impossible;
-3. `needs_rollback` equals a literal transcription of the dcp-wire §4.2 pseudocode, on the
+3. `needs_rollback` equals a literal transcription of the docs/protocol.md §4.2 rule, on the
    model's states and on arbitrary generated requests (`test_producer_rule_matches_spec`).
 """
 
@@ -66,7 +69,7 @@ from upr_cli.failover import (
 U64_MAX = 2**64 - 1
 
 
-# -- dcp-wire §4.2, transcribed literally -------------------------------------------------
+# -- docs/protocol.md §4.2, transcribed literally -----------------------------------------
 
 
 def spec_needs_rollback(
@@ -81,7 +84,7 @@ def spec_needs_rollback(
     strict: bool,
     coll_max_high: int | None,
 ) -> int | None:
-    """dcp-wire §4.2 line by line: None means no rollback, else the rollback seqno.
+    """docs/protocol.md §4.2 line by line: None means no rollback, else the rollback seqno.
 
     `table` is newest-first (uuid, seqno) pairs.
     """
@@ -125,7 +128,7 @@ def same_as_spec(decision: RollbackDecision, spec: int | None, start: int) -> bo
 
 @dataclass(frozen=True)
 class Request:
-    """A STREAM_REQ as a consumer sends it (dcp-wire §4.4)."""
+    """A STREAM_REQ as a consumer sends it (docs/protocol.md §4.4)."""
 
     start: int
     uuid: int
@@ -286,7 +289,7 @@ class PartitionHistories(RuleBasedStateMachine):
         head = f"[{when}] request {req} to {p.name} (high {p.high}, log {p.log}), agree={a}"
         assert same_as_spec(d, spec, req.start), self.report(
             consumer,
-            f"{head}\nproducer rule differs from dcp-wire §4.2: ours rollback={d.rollback} "
+            f"{head}\nproducer rule differs from docs/protocol.md §4.2: ours rollback={d.rollback} "
             f"seq={d.rollback_seq} ({d.step}), spec {spec}",
         )
         if d.rollback:
@@ -320,7 +323,7 @@ class PartitionHistories(RuleBasedStateMachine):
         return d
 
     def handshake(self, c: Consumer) -> list[str]:
-        """STREAM_REQ until success, following the rollback protocol (dcp-wire §4.4)."""
+        """STREAM_REQ until success, following the rollback protocol (docs/protocol.md §4.4)."""
         steps = []
         for _ in range(64):
             req = c.request()
@@ -439,7 +442,7 @@ class PartitionHistories(RuleBasedStateMachine):
 
     @rule(which=st.integers(0, 1))
     def takeover(self, which: int) -> None:
-        """Rebalance: a replica catches up completely and takes over; no new entry (§4.3)."""
+        """Rebalance: a replica catches up and takes over; no new entry (docs/protocol.md §4.3)."""
         new, old = self.replicas[which % len(self.replicas)], self.prim
         self.sync(new, old.high)
         if new.high > new.ends[-1]:

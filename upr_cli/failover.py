@@ -1,13 +1,15 @@
 """Failover logs and the two rollback rules.
 
 A failover log is a partition's branch history: newest-first (uuid, seq) entries, each
-marking where a new history branch began (seed 000 "Failover Log"; dcp-wire §4.3).
+marking where a new history branch began (the UPR design specification, "Failover Log";
+docs/protocol.md §4.3).
 
-* The **seed rule** (`rollback_point`) is the client-side algorithm of seed 000 "How UPR
-  Replicas/Clients find out where to rollback to and stream from": sentinel entries,
-  common ancestor, next newer entries.
+* The **seed rule** (`rollback_point`) is the client-side algorithm of the UPR design
+  specification, "How UPR Replicas/Clients find out where to rollback to and stream
+  from": sentinel entries, common ancestor, next newer entries (docs/design.md "The two
+  rollback rules").
 * The **producer rule** (`needs_rollback`) is what a DCP producer runs to answer
-  STREAM_REQ (dcp-wire §4.2, kv_engine `FailoverTable::needsRollback`).
+  STREAM_REQ (docs/protocol.md §4.2, kv_engine `FailoverTable::needsRollback`).
 
 Both return a `RollbackDecision` carrying the seq and why (matched entry, bound, step),
 so tools can print the reasoning. 64-bit values travel in JSON as decimal strings.
@@ -33,7 +35,7 @@ class InvalidFailoverLog(UsageError):
 
 
 class ImpossibleHistory(UprError):
-    """The logs describe a history that cannot happen (seed 000, the "Not possible!" case)."""
+    """The logs describe a history that cannot happen (the design's "Not possible!" example)."""
 
     exit_code = 3
 
@@ -54,7 +56,7 @@ class FailoverEntry:
 
 
 def new_uuid(rng: random.Random | None = None) -> int:
-    """A fresh failover uuid: random 64 bits shifted right by 16, never 0 (dcp-wire §4.3)."""
+    """A fresh failover uuid: random 64 bits shifted right by 16, not 0 (docs/protocol.md §4.3)."""
     r = rng or random.SystemRandom()
     while True:
         u = r.getrandbits(64) >> 16
@@ -85,7 +87,7 @@ class FailoverLog:
     def sanitised(
         cls, pairs: Iterable[tuple[int, int]], max_entries: int = MAX_ENTRIES
     ) -> FailoverLog:
-        """A log from a possibly corrupt table, as kv_engine loads one (dcp-wire §4.3).
+        """A log from a possibly corrupt table, as kv_engine loads one (docs/protocol.md §4.3).
 
         Entries with uuid 0, or whose seq exceeds the (newer) entry before them, are
         dropped; so are repeated uuids; the oldest beyond `max_entries` go too.
@@ -124,7 +126,7 @@ class FailoverLog:
         return self.entries[0]
 
     def pairs(self) -> tuple[tuple[int, int], ...]:
-        """(uuid, seq) pairs, newest first (the wire form, dcp-wire §2.4)."""
+        """(uuid, seq) pairs, newest first (the wire form, docs/protocol.md §2.4)."""
         return tuple((e.uuid, e.seq) for e in self.entries)
 
     def find(self, uuid: int) -> int | None:
@@ -149,7 +151,7 @@ class FailoverLog:
         return FailoverLog((FailoverEntry(uuid, seq), *kept)[: self.max_entries], self.max_entries)
 
     def prune_above(self, seq: int) -> FailoverLog:
-        """Drop entries above `seq` (the client side of a rollback, dcp-wire §4.4)."""
+        """Drop entries above `seq` (the client side of a rollback, docs/protocol.md §4.4)."""
         return FailoverLog(tuple(e for e in self.entries if e.seq <= seq), self.max_entries)
 
     def rolled_back(self, seq: int, rng: random.Random | None = None) -> FailoverLog:
@@ -311,8 +313,10 @@ class RollbackDecision:
         }
 
 
-SERVER_SENTINEL = "ffffffff"  # seed 000: always the highest seq the client has seen
-CLIENT_SENTINEL = "00000000"  # seed 000: always the client's last snapshot seq
+# The sentinels of the UPR design specification's "Examples" (docs/design.md "The two
+# rollback rules"):
+SERVER_SENTINEL = "ffffffff"  # always the highest seq the client has seen
+CLIENT_SENTINEL = "00000000"  # always the client's last snapshot seq
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,10 +329,12 @@ class _Row:
 def rollback_point(
     server_log: FailoverLog, client_log: FailoverLog, snapshot_seq: int, seen_seq: int
 ) -> RollbackDecision:
-    """The seed rule (seed 000 "How UPR Replicas/Clients find out where to rollback to").
+    """The seed rule: the UPR design specification's client-side rollback algorithm.
 
-    `snapshot_seq` is the client's last complete (persisted) snapshot, `seen_seq` the
-    highest seq it has seen. Raises ImpossibleHistory for the seed's "Not possible!" case.
+    From the section "How UPR Replicas/Clients find out where to rollback to and stream
+    from". `snapshot_seq` is the client's last complete (persisted) snapshot, `seen_seq`
+    the highest seq it has seen. Raises ImpossibleHistory for the design's "Not
+    possible!" example.
     """
     parse_seq(snapshot_seq, where="snapshot seq")
     parse_seq(seen_seq, where="seen seq")
@@ -413,11 +419,12 @@ def needs_rollback(  # spec-shaped: the rule of docs/protocol.md §4.2, step by 
     strict: bool = False,
     collection_max_high: int | None = None,
 ) -> RollbackDecision:
-    """The producer rule for a STREAM_REQ (dcp-wire §4.2), with its explanation.
+    """The producer rule for a STREAM_REQ (docs/protocol.md §4.2), with its explanation.
 
     `rollback` is False when the stream may start at `start`. The caller has already
-    checked `snap_start ≤ start ≤ snap_end` (§4.1 step 5); this function refuses
-    arguments that break it, since a server answers ERANGE before reaching the rule.
+    checked `snap_start ≤ start ≤ snap_end` (docs/protocol.md §4.1 step 5); this function
+    refuses arguments that break it, since a server answers ERANGE before reaching the
+    rule.
     """
     for name, v in (
         ("start", start),
@@ -428,10 +435,10 @@ def needs_rollback(  # spec-shaped: the rule of docs/protocol.md §4.2, step by 
         ("client purge seq", client_purge_seq),
     ):
         parse_seq(v, where=name)
-    if not snap_start <= start <= snap_end:
+    if not snap_start <= start <= snap_end:  # docs/protocol.md §4.1 step 5
         raise UsageError(
             f"snap start {snap_start} ≤ start {start} ≤ snap end {snap_end} does not hold: "
-            "the server answers ERANGE before the rollback check (dcp-wire §4.1 step 5)"
+            "the server answers ERANGE before the rollback check"
         )
     why: list[str] = []
 

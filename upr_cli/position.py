@@ -1,5 +1,4 @@
-"""Where a partition's stream stands (docs/design.md "Positions";
-docs/protocol.md "Stream request").
+"""Where a partition's stream stands (docs/design.md "Positions"; docs/protocol.md §4.4).
 
 A position is shared by every layer that resumes a stream: the DCP consumer, the
 backup repository's resume points, the store and the Spark source all hold one.
@@ -19,8 +18,7 @@ from upr_cli.errors import UsageError
 class StreamPosition:
     """The last seq received and the last snapshot's bounds, on branch `uuid`.
 
-    A resume sends start = seq, uuid, snap_start, snap_end (docs/protocol.md "Stream
-    request").
+    A resume sends start = seq, uuid, snap_start, snap_end (docs/protocol.md §2.4, §4.4).
     """
 
     partition: int
@@ -51,8 +49,7 @@ class StreamPosition:
         return replace(self, snap_start=start, snap_end=end)
 
     def rolled_back(self, uuid: int, seq: int) -> StreamPosition:
-        """After ROLLBACK(seq): restart from (seq, seq, seq) on `uuid` (docs/protocol.md
-        "Rollback")."""
+        """After ROLLBACK(seq): restart from (seq, seq, seq) on `uuid` (docs/protocol.md §4.4)."""
         return StreamPosition(self.partition, uuid, seq, seq, seq)
 
     def to_json(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Flow control with a small window: the consumer acknowledges what it consumed, the
 node never has more than a window (plus the message that crossed it) unacknowledged,
-and a stream many windows long completes (docs/protocol.md "Flow control"; the UPR
+and a stream many windows long completes (docs/protocol.md §7.1; the UPR
 design specification, "Flow Control"). In-process node, tests/dcp/inprocess.py."""
 
 from __future__ import annotations

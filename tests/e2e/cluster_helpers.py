@@ -181,8 +181,8 @@ class Cluster:
 
     def flush(self, name: str) -> None:
         """Make a node persist what it holds now: SET_VBUCKET of one of its partitions
-        to the state it already has (a state command flushes first, formats/cluster.md
-        §3), with the bucket CAS and the current map revision."""
+        to the state it already has (a state command flushes first: formats/cluster.md §3),
+        with the bucket CAS and the current map revision."""
         cl = self.spec
 
         async def go() -> None:

@@ -2,12 +2,13 @@
 
 The README ("upr serve") and the server's docstring document: wrong password →
 AUTH_ERROR 0x20; a bucket command before SELECT_BUCKET → NO_BUCKET 0x08; SELECT_BUCKET
-or DCP_OPEN before authenticating → EACCESS 0x24. dcp-wire adds: SELECT_BUCKET of an
-unknown bucket → EACCESS (§5.3); an unknown CONTROL key → EINVAL (§2.14); a second
-DCP_OPEN → EINVAL and no SASL after DCP_OPEN (§2.1); STREAM_REQ on a connection that is
-not a DCP producer → EINVAL; an unknown opcode → UNKNOWN_COMMAND 0x81 (§3). Each misuse
-is a status, never a disconnect, so every test goes on using the same connection. The
-last tests run `upr serve` with options it must refuse before it binds a socket.
+or DCP_OPEN before authenticating → EACCESS 0x24. docs/protocol.md adds: SELECT_BUCKET
+of an unknown bucket → EACCESS (docs/protocol.md §5.3); an unknown CONTROL key → EINVAL
+(docs/protocol.md §2.14); a second DCP_OPEN → EINVAL and no SASL after DCP_OPEN
+(docs/protocol.md §2.1); STREAM_REQ on a connection that is not a DCP producer → EINVAL;
+an unknown opcode → UNKNOWN_COMMAND 0x81 (docs/protocol.md §3). Each misuse is a status,
+never a disconnect, so every test goes on using the same connection. The last tests run
+`upr serve` with options it must refuse before it binds a socket.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Peer:
         return (await self.call(make)).status
 
     async def plain(self, password: str = PASSWORD, user: str = USER) -> int:
-        """SASL PLAIN (§5.2)."""
+        """SASL PLAIN (docs/protocol.md §5.2)."""
         payload = plain_message(user, password)
         return await self.status(lambda o: SaslAuth(mechanism="PLAIN", payload=payload, opaque=o))
 
@@ -110,7 +111,7 @@ class Peer:
         return first.status, done.status
 
     async def select(self, bucket: str = "default") -> int:
-        """SELECT_BUCKET (§5.3)."""
+        """SELECT_BUCKET (docs/protocol.md §5.3)."""
         return await self.status(lambda o: SelectBucket(bucket=bucket, opaque=o))
 
     async def alive(self) -> None:
@@ -256,7 +257,7 @@ def test_a_bucket_command_before_select_bucket_is_no_bucket(
 
 
 def test_dcp_open_without_a_bucket_is_refused(auth_node: Node) -> None:
-    """§2.1: DCP needs a selected bucket (README: a bucket command → NO_BUCKET)."""
+    """docs/protocol.md §2.1: DCP needs a selected bucket (README: a bucket command → NO_BUCKET)."""
 
     async def body(p: Peer) -> None:
         assert await p.plain() == SUCCESS

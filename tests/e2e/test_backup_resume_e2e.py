@@ -1,7 +1,10 @@
-"""A resumed backup holds every write acknowledged before it started (formats/repository.md
-§4.5): a `upr backup` process is SIGKILLed while it writes segments, the bucket changes
-(updates, deletions, new keys), and the rerun, which reuses the segments the killed run
-finished, restores to the state the source had when the rerun started."""
+"""A resumed backup holds every write acknowledged before it started.
+
+As formats/repository.md §4.5 requires: a `upr backup` process is SIGKILLed while it
+writes segments, the bucket changes (updates, deletions, new keys), and the rerun, which
+reuses the segments the killed run finished, restores to the state the source had when
+the rerun started.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Partition-state control on a node (formats/cluster.md): the bucket CAS of seed 000,
-map revisions as fences, the cluster map served and attached to NOT_MY_VBUCKET."""
+"""Partition-state control on a node: the bucket CAS (formats/cluster.md §1), map
+revisions as fences, the cluster map served and attached to NOT_MY_VBUCKET."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ async def _scenario(uri: str, port: int) -> dict[str, Any]:
         async def call(msg: Any) -> Any:
             return await conn.request(msg, check=False)
 
-        # seed 000 steps 2-6: discover the CAS from a refused command, then use it
+        # discover the CAS from a refused command, then use it (the UPR design
+        # specification, "How ns_server and ep-engine guarantee ordering of partition state
+        # transitions", steps 2-6)
         r = await call(SetVbucket(vbucket=3, state=REPLICA, cas=0, value=b'{"rev": 1}',
                                   opaque=conn.next_opaque()))  # fmt: skip
         out["no_cas"] = r.status
@@ -75,7 +77,8 @@ async def _scenario(uri: str, port: int) -> dict[str, Any]:
         r = await call(Set(vbucket=3, key=key, value=b"{}", opaque=conn.next_opaque()))
         out["write_to_replica"] = r.status
         out["nmvb_map_rev"] = json.loads(r.value)["rev"]
-        # promotion with a failover entry (seed 000 "How ns_server performs failover")
+        # promotion with a failover entry (the UPR design specification, "How ns_server
+        # performs failover")
         r = await call(SetVbucket(vbucket=3, state=ACTIVE, cas=cas,
                                   value=b'{"rev": 2, "failover": true}',
                                   opaque=conn.next_opaque()))  # fmt: skip
@@ -104,7 +107,8 @@ def test_state_commands_are_fenced_by_cas_and_revision(node_factory: type[Node])
     assert after[3][0][1] == persisted[3] and after[3][1:] == before[3]  # a new entry
     assert after[4] == before[4]
     # the map and the states survive a restart; the bucket CAS is new; front-end traffic
-    # stays off until ENABLE_TRAFFIC (seed 000, state transitions steps 1-3)
+    # stays off until ENABLE_TRAFFIC (formats/cluster.md §3; the UPR design specification's
+    # state transitions, steps 1-3)
     node.stop()
     node.start()
     assert run(_served_rev(node.uri)) == 2

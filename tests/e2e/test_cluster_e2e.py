@@ -79,7 +79,7 @@ def test_init_status_stop_start(tmp_path: Path) -> None:
         assert logs == {p: run(failover_logs_of(cl.uri(cl.nodes[vbmap[p][0]])))[p]
                         for p in range(12)}  # fmt: skip
         # streams follow the map too: a backup bootstrapped from one node streams every
-        # partition from its active copy (dcp-wire §2.2 ActiveVbOnly), and a restore into
+        # partition from its active copy (docs/protocol.md §2.2 ActiveVbOnly), and a restore into
         # a SQLite store holds all 601 documents (600 loaded, one probe)
         upr("backup", cl.uri(cl.nodes[0]), "--repo", str(tmp_path / "repo"))
         upr("restore", "--repo", str(tmp_path / "repo"), f"sqlite:{tmp_path / 'r.db'}")
@@ -159,11 +159,12 @@ async def _write_to(uri: str, vb: int, n: int) -> int:
 def test_a_restarted_node_serves_nothing_until_the_orchestrator_turns_traffic_on(
     tmp_path: Path,
 ) -> None:
-    """Seed 000 (state transitions, steps 1-3): a node that comes back after it was failed
-    over starts in its persisted states (active for partitions that moved away) with
-    front-end traffic off, so a client holding the old map cannot write to it; clients
-    bootstrapped from it find the current map elsewhere; `upr cluster start` gives it
-    the map and states, then turns traffic on."""
+    """A node that comes back after it was failed over starts in its persisted states
+    (active for partitions that moved away) with front-end traffic off, so a client holding
+    the old map cannot write to it; clients bootstrapped from it find the current map
+    elsewhere; `upr cluster start` gives it the map and states, then turns traffic on (the
+    UPR design specification, "How ns_server and ep-engine guarantee ordering of partition
+    state transitions", steps 1-3)."""
     from tests.e2e.cluster_helpers import Cluster
 
     cl = Cluster(tmp_path / "cl", nodes=2, replicas=1, partitions=4)

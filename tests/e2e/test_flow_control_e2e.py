@@ -1,12 +1,13 @@
-"""DCP flow control (dcp-wire §2.13, §2.14, §7.1) against a real `upr serve` process.
+"""DCP flow control (docs/protocol.md §2.13, §2.14, §7.1) against a real `upr serve` process.
 
 One node per module holds about 22 MB: 5,000 JSON documents of ~4.5 KB each, every one
 larger than the 4 KiB window used here, so each message the producer sends overshoots
-the window (the case §7.1 allows: a message may go whenever unacknowledged bytes are
-below the window). The library consumer must still deliver every item with a tiny
-window; a hand-driven client that never sends DCP_BUFFER_ACKNOWLEDGEMENT must see the
-stream stop at the window (plus the one overshooting message) while the node's memory
-stays flat, and see it resume after an ack.
+the window (the case docs/protocol.md §7.1 allows: a message may go whenever
+unacknowledged bytes are below the window). The library consumer must still deliver
+every item with a tiny window; a hand-driven client that never sends
+DCP_BUFFER_ACKNOWLEDGEMENT must see the stream stop at the window (plus the one
+overshooting message) while the node's memory stays flat, and see it resume after an
+ack.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class RawDcpClient:
     """A hand-driven DCP client: our codec on an asyncio socket, acks only when told to.
 
     It counts the bytes of every DCP message the producer sends (full wire size, as
-    §7.1 counts them), leaving out responses to its own requests and NOOPs.
+    docs/protocol.md §7.1 counts them), leaving out responses to its own requests and NOOPs.
     """
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -166,7 +167,7 @@ class RawDcpClient:
             msg = decode_message(frame)
             assert isinstance(msg, ResponseMessage)
             self.responses[frame.opaque] = msg.status
-        elif frame.opcode != Opcode.DCP_NOOP:  # NOOPs are not counted (§7.1)
+        elif frame.opcode != Opcode.DCP_NOOP:  # NOOPs are not counted (docs/protocol.md §7.1)
             self.dcp_bytes += frame.size
             self.last_size = frame.size
             self.messages += 1
@@ -184,7 +185,7 @@ class RawDcpClient:
         raise AssertionError(f"DCP data kept flowing for {limit:g}s: no stall")
 
     def ack(self, nbytes: int) -> None:
-        """DCP_BUFFER_ACKNOWLEDGEMENT (no response on success, §2.13)."""
+        """DCP_BUFFER_ACKNOWLEDGEMENT (no response on success, docs/protocol.md §2.13)."""
         self.writer.write(BufferAck(acked=nbytes, opaque=0).encode())
 
     async def aclose(self) -> None:
@@ -229,7 +230,7 @@ def test_a_client_that_never_acks_stalls_at_the_window_and_resumes_on_ack(
             await client.read_until_quiet()
             assert all(client.responses.get(0x100 + vb) == 0 for vb in range(PARTITIONS))
             first = client.dcp_bytes
-            # §7.1: a message goes out only while unacknowledged bytes < window, so
+            # docs/protocol.md §7.1: a message goes out only while unacknowledged bytes < window, so
             # everything before the last message is below the window, and it stopped
             # because the window was reached, far short of the ~22 MB in the bucket.
             assert first >= WINDOW
@@ -297,7 +298,10 @@ def test_when_the_stuck_client_leaves_other_clients_proceed(loaded: Loaded) -> N
 
 
 def test_window_zero_disables_flow_control(loaded: Loaded) -> None:
-    """CONTROL connection_buffer_size=0 turns flow control off (§2.14): no stall at all."""
+    """CONTROL connection_buffer_size=0 turns flow control off (docs/protocol.md §2.14).
+
+    No stall at all.
+    """
     node = loaded.node
 
     async def scenario() -> None:

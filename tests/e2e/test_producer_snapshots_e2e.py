@@ -2,7 +2,7 @@
 
 DCP deduplicates: inside a snapshot a key appears once, at its newest seq. A marker
 [s, e] therefore promises that once the client received the snapshot whole its state
-equals the source's at e (the UPR design specification, "Snapshot Markers and
+equals the source's at e (the UPR protocol draft, "Snapshot Markers and
 Deduplication"; docs/design.md "Snapshot boundaries"). The node's write queue holds one
 entry per key, so a memory snapshot made of a prefix of it ends at no such state: a key
 written at x ≤ e and rewritten at y > e sits in the queue only at y. These tests write a
@@ -10,8 +10,8 @@ partition's history through the KV front end, with the seqs the node answers, an
 compare, marker by marker, the rows a DCP client received with the true state.
 
 A node with `--flush-interval 3600` keeps its writes in memory (the memory phase); a
-SET_VBUCKET to the state a partition already has persists everything (formats/cluster.md
-§3: a state command flushes first), which puts the disk backfill in front.
+SET_VBUCKET to the state a partition already has persists everything (a state command
+flushes first: formats/cluster.md §3), which puts the disk backfill in front.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ tells a client"): a replica in the middle of a deduplicated snapshot reports as 
 the end of its last complete snapshot, not the seqs it holds, and every write up to what
 it reports survives its promotion.
 
-Staged with replication pauses (§6) on three nodes and one partition: n0 is active, n1
-pauses in the middle of a deduplicated snapshot, n2 takes everything.
+Staged with replication pauses (formats/cluster.md §6) on three nodes and one partition:
+n0 is active, n1 pauses in the middle of a deduplicated snapshot, n2 takes everything.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ goes back to the newest snapshot boundary at or below r that its undo reaches, s
 again from there, and ends equal to the new active key for key; its `lost_writes` hold
 exactly the versions above r (the ones the new active never had).
 
-Both stagings use one partition, replication pauses (§6), updates and deletes.
+Both stagings use one partition, replication pauses (formats/cluster.md §6), updates and deletes.
 """
 
 from __future__ import annotations

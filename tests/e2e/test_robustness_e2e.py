@@ -3,7 +3,7 @@
 What the README promises: a peer sending bytes that do not frame (bad magic, huge
 lengths) is disconnected and the node keeps serving everyone else; a well-framed but
 wrong request gets a status, not a disconnect. Hypothesis generates the bytes
-(reliability-scenarios §4.1-§4.2: header checks before any body is read, frame limits,
+(docs/protocol.md §1.6: header checks before any body is read, frame limits,
 per-opcode validation). After every example the node must be alive, must have closed
 the connection once we closed our side, must have sent only well-framed responses (or
 DCP traffic), must have logged no internal error, and a fresh authenticated client must

@@ -185,7 +185,7 @@ def test_merge_equals_the_chain_and_restores_the_same(
         assert list(a.documents()) == list(b.documents())  # tombstones included
         assert a.positions() == b.positions()
     # through an older backup: the merge sorts right after it, the later backups go on
-    # from it as they did from that backup (formats/repository.md §8.6)
+    # from it as they did from that backup (formats/repository.md §8.9)
     at_b1 = tmp_path / "at-b1.db"
     upr("restore", "--repo", str(copy), "--at", before[1], f"sqlite:{at_b1}")
     older = merge(spark, copy, through=before[1])

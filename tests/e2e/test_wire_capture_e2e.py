@@ -1,4 +1,4 @@
-"""Wire conformance: a live `upr tail` session on loopback, decoded by Wireshark (dcp-wire §8.1).
+"""Wire conformance: a live `upr tail` session, decoded by Wireshark (docs/protocol.md §8.1).
 
 A `upr serve` node (16 partitions) gets a few hundred documents with updates and deletes
 from `upr load`; tshark captures the node's port on `lo` while two real `upr tail`
@@ -53,29 +53,29 @@ BUFFER_SIZE = 4 * 1024 * 1024  # upr tail's default connection_buffer_size
 LOAD = ("--docs", "400", "--size", "10000", "--update-ratio", "0.3", "--delete-ratio", "0.1",
         "--seed", "11")  # fmt: skip
 
-# Opcodes (dcp-wire §2, §5).
+# Opcodes (docs/protocol.md §2, §5).
 HELLO, SASL_LIST, SASL_AUTH, SASL_STEP = 0x1F, 0x20, 0x21, 0x22
 GET_ALL_VB_SEQNOS, SELECT_BUCKET, GET_CLUSTER_CONFIG, GET_ERROR_MAP = 0x48, 0x89, 0xB5, 0xFE
 DCP_OPEN, STREAM_REQ, STREAM_END, SNAPSHOT_MARKER = 0x50, 0x53, 0x55, 0x56
 MUTATION, DELETION, NOOP, BUFFER_ACK, CONTROL = 0x57, 0x58, 0x5C, 0x5D, 0x5E
 AUTH_CONTINUE = 0x21
 STREAM_FOREVER = 2**64 - 1
-# Messages the producer counts against the flow-control window (dcp-wire §7.1).
+# Messages the producer counts against the flow-control window (docs/protocol.md §7.1).
 FLOW_CONTROLLED = {SNAPSHOT_MARKER, MUTATION, DELETION, STREAM_END, 0x59, 0x5B, 0x5F, 0x64, 0x65}
 
 STRAY = ("_ws.string.trailing_stray_characters", "Trailing stray characters")
 # Expert infos that are the dissector's doing, not problems with our bytes, by the
 # (magic, opcode) of the PDU they may appear on. Anything else fails the test.
 EXPECTED_QUIRKS: dict[tuple[int, int], set[tuple[str, str]]] = {
-    # dcp-wire §8.1 and test_tshark.py: the failover-log body is added as a string item
+    # docs/protocol.md §8.1 and test_tshark.py: the failover-log body is added as a string item
     # before its u64 pairs are decoded, so binary bytes give "Trailing stray characters".
     (0x81, STREAM_REQ): {STRAY},
-    # Not listed in §8.1, seen here: the GET_ALL_VB_SEQNOS response body goes through the
-    # same code (`proto_tree_add_item(hf_vbucket_states, ..., ENC_ASCII)` in
+    # Not listed in docs/protocol.md §8.1, seen here: the GET_ALL_VB_SEQNOS response body goes
+    # through the same code (`proto_tree_add_item(hf_vbucket_states, ..., ENC_ASCII)` in
     # packet-couchbase.c); its {u16 vb, u64 seqno} records are decoded and checked below.
     (0x81, GET_ALL_VB_SEQNOS): {STRAY},
     # test_tshark.py: any non-success status gets a "<opcode>: <status>" warning; SCRAM's
-    # first SASL_AUTH reply is AUTH_CONTINUE by design (dcp-wire §5.2).
+    # first SASL_AUTH reply is AUTH_CONTINUE by design (docs/protocol.md §5.2).
     (0x81, SASL_AUTH): {
         ("couchbase.warn.unknown_opcode", "SASL Authenticate: Authentication continue")
     },
@@ -134,7 +134,7 @@ class Pdu:
 
     @property
     def opaque(self) -> int:
-        # Quirk (dcp-wire §8.1): the opaque is shown byte-swapped; read its raw bytes.
+        # Quirk (docs/protocol.md §8.1): the opaque is shown byte-swapped; read its raw bytes.
         return int.from_bytes(self.raw("couchbase.opaque"), "big")
 
     @property
@@ -153,7 +153,7 @@ class Pdu:
         """The whole key; checks the collection-prefix quirk on the way."""
         key = self.raw("couchbase.key")
         if "couchbase.key.collection_id" in self.fields:
-            # Quirk (dcp-wire §8.1): DCP keys are read as collection-prefixed although
+            # Quirk (docs/protocol.md §8.1): DCP keys are read as collection-prefixed although
             # HELLO did not negotiate collections: first byte as a CID, the rest as the key.
             assert self.num("couchbase.key.collection_id") == key[0]
             assert self.raw("couchbase.key.logical_key") == key[1:]
@@ -533,7 +533,7 @@ def test_stream_request_per_partition_with_its_extras(capture: Capture, index: i
               "vbucket_uuid": 0, "snap_start_seqno": 0, "snap_end_seqno": 0}  # fmt: skip
 
 
-ACTIVE_VB_ONLY = 0x10  # dcp-wire §2.2: clients stream the active copy only
+ACTIVE_VB_ONLY = 0x10  # docs/protocol.md §2.2: clients stream the active copy only
 
 
 @pytest.mark.parametrize("index", [0, 1], ids=["until_end", "count"])
@@ -623,7 +623,8 @@ def test_snapshot_markers_and_stream_ends_match_tail(capture: Capture) -> None:
 
 def test_buffer_acks_acknowledge_only_bytes_received(capture: Capture) -> None:
     """BUFFER_ACK (bytes_to_ack, opaque 0, no reply): at least one in a ~2 MB session, and
-    never more than the flow-controlled bytes the producer had sent so far (§7.1)."""
+    never more than the flow-controlled bytes the producer had sent so far
+    (docs/protocol.md §7.1)."""
     pdus = capture.session(0)
     sent = acked = 0
     acks = 0

@@ -1,4 +1,4 @@
-"""net/aio.py: cancellation is never swallowed (STYLE.md practice 7)."""
+"""net/aio.py: cancellation is never swallowed."""
 
 from __future__ import annotations
 

@@ -300,7 +300,7 @@ def test_plain_round_trips_any_text(user: str, password: str) -> None:
     assert parse_plain(message) == (user, password)
 
 
-# Garbage in every parse step: only AuthenticationFailed may come out (STYLE 6).
+# Garbage in every parse step: only AuthenticationFailed may come out.
 
 MECH = "SCRAM-SHA256"
 CRED = make_credential(MECH, "pencil", salt=b"0123456789abcdef", iterations=16)

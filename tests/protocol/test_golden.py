@@ -1,8 +1,8 @@
 """Golden wire bytes for every message upr speaks, driving both encode and decode.
 
-Every packet below was written by hand from the byte layouts in
-/work/shared/reference/dcp-wire.md (section numbers cited per row), never produced by
-our encoder or by `struct.pack`. One table drives all the tests:
+Every packet below was written by hand from the byte layouts in docs/protocol.md
+(section numbers cited per row), never produced by our encoder or by `struct.pack`. One
+table drives all the tests:
 
 * encode: `message.encode()` gives exactly the golden bytes;
 * decode whole: `decode_one`, `FrameDecoder.next_frame` and `FrameDecoder.frames`
@@ -12,11 +12,11 @@ our encoder or by `struct.pack`. One table drives all the tests:
   the rest buffered.
 
 Hex notation. `#` starts a comment; whitespace is ignored. Header lines are split per
-field, always in this order (dcp-wire §1.1, 24 bytes, big-endian):
+field, always in this order (docs/protocol.md §1.1: 24 bytes, big-endian):
 
     magic opcode keylen(2) extlen datatype vbucket|status(2) bodylen(4) opaque(4) cas(8)
 
-The alternate header (magic 0x08 / 0x18, §1.3) replaces keylen(2) by
+The alternate header (magic 0x08 / 0x18, docs/protocol.md §1.3) replaces keylen(2) by
 framelen(1) keylen(1):
 
     magic opcode framelen keylen extlen datatype vbucket|status(2) bodylen(4) opaque(4) cas(8)
@@ -113,7 +113,7 @@ class Row:
         return unhex(self.hex)
 
 
-# The first 10 bytes of a DCP NOOP request (§2.12), used as "trailing bytes".
+# The first 10 bytes of a DCP NOOP request (docs/protocol.md §2.12), used as "trailing bytes".
 NOOP_HEX = """
     80 5c 0000 00 00 0000 00000000 00000099 0000000000000000  # NOOP, opaque 0x99
 """
@@ -123,9 +123,9 @@ TRAILING = NOOP_PACKET[:10]
 DOC1 = "646f6331  # key 'doc1'"
 
 GOLDEN: list[Row] = [
-    # ------------------------------------------------------------ bootstrap (§5)
+    # ------------------------------------------------------------ bootstrap (docs/protocol.md §5)
     Row(
-        "hello",  # §5.1
+        "hello",  # docs/protocol.md §5.1
         Hello(opaque=0xDEADBEEF, agent="upr/1", features=(0x06, 0x07, 0x12)),
         """
         80 1f 0005 00 00 0000 0000000b deadbeef 0000000000000000
@@ -134,7 +134,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "hello-response",  # §5.1
+        "hello-response",  # docs/protocol.md §5.1
         HelloResponse(opaque=0xDEADBEEF, features=(0x07, 0x12)),
         """
         81 1f 0000 00 00 0000 00000004 deadbeef 0000000000000000
@@ -142,14 +142,14 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "sasl-list-mechs",  # §5.2
+        "sasl-list-mechs",  # docs/protocol.md §5.2
         SaslListMechs(opaque=0x01020304),
         """
         80 20 0000 00 00 0000 00000000 01020304 0000000000000000
         """,
     ),
     Row(
-        "sasl-list-mechs-response",  # §5.2
+        "sasl-list-mechs-response",  # docs/protocol.md §5.2
         SaslListMechsResponse(opaque=0x01020304, mechanisms="SCRAM-SHA512 PLAIN"),
         """
         81 20 0000 00 00 0000 00000012 01020304 0000000000000000
@@ -159,7 +159,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "sasl-auth-plain",  # §5.2
+        "sasl-auth-plain",  # docs/protocol.md §5.2
         SaslAuth(opaque=0x05060708, mechanism="PLAIN", payload=b"\0alice\0secret"),
         """
         80 21 0005 00 00 0000 00000012 05060708 0000000000000000
@@ -169,7 +169,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "sasl-step",  # §5.2
+        "sasl-step",  # docs/protocol.md §5.2
         SaslStep(opaque=0x090A0B0C, mechanism="SCRAM-SHA512", payload=b"c=biws"),
         """
         80 22 000c 00 00 0000 00000012 090a0b0c 0000000000000000
@@ -178,7 +178,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "select-bucket",  # §5.3
+        "select-bucket",  # docs/protocol.md §5.3
         SelectBucket(opaque=0x0D0E0F10, bucket="default"),
         """
         80 89 0007 00 00 0000 00000007 0d0e0f10 0000000000000000
@@ -186,7 +186,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "get-error-map",  # §5.4
+        "get-error-map",  # docs/protocol.md §5.4
         GetErrorMap(opaque=0x11121314, version=2),
         """
         80 fe 0000 00 00 0000 00000002 11121314 0000000000000000
@@ -194,14 +194,14 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "get-cluster-config",  # §5.5, no extras
+        "get-cluster-config",  # docs/protocol.md §5.5, no extras
         GetClusterConfig(opaque=0x15161718),
         """
         80 b5 0000 00 00 0000 00000000 15161718 0000000000000000
         """,
     ),
     Row(
-        "get-cluster-config-known-version",  # §5.5, 16-byte extras
+        "get-cluster-config-known-version",  # docs/protocol.md §5.5: 16-byte extras
         GetClusterConfig(opaque=0x15161719, epoch=2, revision=0x78),
         """
         80 b5 0000 10 00 0000 00000010 15161719 0000000000000000
@@ -210,7 +210,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "get-cluster-config-epoch-minus-1",  # §5.5, i64 is signed
+        "get-cluster-config-epoch-minus-1",  # docs/protocol.md §5.5, i64 is signed
         GetClusterConfig(opaque=0x1516171A, epoch=-1, revision=5),
         """
         80 b5 0000 10 00 0000 00000010 1516171a 0000000000000000
@@ -219,7 +219,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "stat-vbucket-seqno",  # §5.7
+        "stat-vbucket-seqno",  # docs/protocol.md §5.7
         Stat(opaque=0x1A1B1C1D, group="vbucket-seqno"),
         """
         80 10 000d 00 00 0000 0000000d 1a1b1c1d 0000000000000000
@@ -227,14 +227,14 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "stat-default-group",  # §5.7, empty key
+        "stat-default-group",  # docs/protocol.md §5.7, empty key
         Stat(opaque=0x1A1B1C1E),
         """
         80 10 0000 00 00 0000 00000000 1a1b1c1e 0000000000000000
         """,
     ),
     Row(
-        "stat-response",  # §5.7
+        "stat-response",  # docs/protocol.md §5.7
         StatResponse(opaque=0x1A1B1C1D, name="vb_3:high_seqno", value="42"),
         """
         81 10 000f 00 00 0000 00000011 1a1b1c1d 0000000000000000
@@ -243,7 +243,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "stat-response-end",  # §5.7, the empty terminator
+        "stat-response-end",  # docs/protocol.md §5.7, the empty terminator
         StatResponse(opaque=0x1A1B1C1D),
         """
         81 10 0000 00 00 0000 00000000 1a1b1c1d 0000000000000000
@@ -360,7 +360,8 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "store-response-alt-magic-frame",  # §1.2/§1.3: 0x18 response, frame id 0 len 2
+        # docs/protocol.md §1.2/§1.3: 0x18 response, frame id 0 len 2
+        "store-response-alt-magic-frame",
         StoreResponse(
             opaque=0x35363738,
             cas=0x1122334455667788,
@@ -372,7 +373,7 @@ GOLDEN: list[Row] = [
         02 0123         # frame: id 0 (server duration), len 2, u16 0x0123
         """,
     ),
-    # ------------------------------------------------------------ *_WITH_META (§6)
+    # ------------------------------------------------------------ *_WITH_META (docs/protocol.md §6)
     Row(
         "set-with-meta-24",
         SetWithMeta(
@@ -494,7 +495,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     # ------------------------------------------------------------ seqno queries
-    # OBSERVE_SEQNO (0x91) is not in dcp-wire; layout from kv_engine BinaryProtocol.md:
+    # OBSERVE_SEQNO (0x91): docs/protocol.md §11; layout from kv_engine docs/BinaryProtocol.md:
     # request value u64 vbucket uuid; reply u8 format, u16 vbucket, u64 uuid,
     # u64 persisted seqno, u64 current seqno [, u64 old uuid, u64 last received seqno].
     Row(
@@ -548,14 +549,14 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "get-all-vb-seqnos-0",  # §2.19
+        "get-all-vb-seqnos-0",  # docs/protocol.md §2.19
         GetAllVbSeqnos(opaque=0x51525354),
         """
         80 48 0000 00 00 0000 00000000 51525354 0000000000000000
         """,
     ),
     Row(
-        "get-all-vb-seqnos-4",  # §2.19
+        "get-all-vb-seqnos-4",  # docs/protocol.md §2.19
         GetAllVbSeqnos(opaque=0x51525355, state=1),
         """
         80 48 0000 04 00 0000 00000004 51525355 0000000000000000
@@ -563,7 +564,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "get-all-vb-seqnos-8",  # §2.19
+        "get-all-vb-seqnos-8",  # docs/protocol.md §2.19
         GetAllVbSeqnos(opaque=0x51525356, state=2, collection=0x0A),
         """
         80 48 0000 08 00 0000 00000008 51525356 0000000000000000
@@ -572,7 +573,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "get-all-vb-seqnos-response",  # §2.19
+        "get-all-vb-seqnos-response",  # docs/protocol.md §2.19
         GetAllVbSeqnosResponse(
             opaque=0x51525354, seqnos=((0x0000, 0x0102030405060708), (0x0203, 0x0ABC))
         ),
@@ -582,9 +583,9 @@ GOLDEN: list[Row] = [
         0203 0000000000000abc  #        u16 vb 0x203, u64 seqno
         """,
     ),
-    # ------------------------------------------------------------ DCP (§2)
+    # ------------------------------------------------------------ DCP (docs/protocol.md §2)
     Row(
-        "dcp-open-producer",  # §2.1
+        "dcp-open-producer",  # docs/protocol.md §2.1
         DcpOpen(opaque=0x61626364, name="upr:backup-1", flags=0x25),
         """
         80 50 000c 08 00 0000 00000014 61626364 0000000000000000
@@ -594,7 +595,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "dcp-open-consumer-json",  # §2.1
+        "dcp-open-consumer-json",  # docs/protocol.md §2.1
         DcpOpen(
             opaque=0x61626365,
             datatype=0x01,
@@ -612,7 +613,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "add-stream",  # §2.2
+        "add-stream",  # docs/protocol.md §2.2
         AddStream(opaque=0x71727374, vbucket=0x0203, flags=0x11),
         """
         80 51 0000 04 00 0203 00000004 71727374 0000000000000000
@@ -620,7 +621,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "add-stream-response",  # §2.2
+        "add-stream-response",  # docs/protocol.md §2.2
         AddStreamResponse(opaque=0x71727374, stream_opaque=0xABCD),
         """
         81 51 0000 04 00 0000 00000004 71727374 0000000000000000
@@ -628,14 +629,14 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "close-stream",  # §2.3
+        "close-stream",  # docs/protocol.md §2.3
         CloseStream(opaque=0x75767778, vbucket=0x0203),
         """
         80 52 0000 00 00 0203 00000000 75767778 0000000000000000
         """,
     ),
     Row(
-        "close-stream-stream-id",  # §2.3, §1.3
+        "close-stream-stream-id",  # docs/protocol.md §2.3, §1.3
         CloseStream(opaque=0x75767779, vbucket=0x0203, stream_id=7),
         """
         08 52 03 00 00 00 0203 00000003 75767779 0000000000000000
@@ -643,7 +644,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "stream-request",  # §2.4
+        "stream-request",  # docs/protocol.md §2.4
         StreamRequest(
             opaque=0xDEADBEEF,
             vbucket=0x0203,
@@ -666,7 +667,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "stream-request-json-value",  # §2.4
+        "stream-request-json-value",  # docs/protocol.md §2.4
         StreamRequest(
             opaque=0xDEADBEF0,
             vbucket=0x0203,
@@ -688,7 +689,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "stream-request-ok",  # §2.4
+        "stream-request-ok",  # docs/protocol.md §2.4
         StreamRequestOk(
             opaque=0xDEADBEEF,
             failover_log=((0x0000A1B2C3D4E5F6, 0x1000), (0x00001122334455AA, 0)),
@@ -700,7 +701,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "stream-request-rollback",  # §2.4, status 0x23
+        "stream-request-rollback",  # docs/protocol.md §2.4, status 0x23
         StreamRequestRollback(opaque=0xDEADBEEF, rollback_seqno=0x0FA0),
         """
         81 53 0000 00 00 0023 00000008 deadbeef 0000000000000000
@@ -708,21 +709,21 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "get-failover-log-dcp",  # §2.5, 0x54
+        "get-failover-log-dcp",  # docs/protocol.md §2.5: 0x54
         GetFailoverLog(opaque=0x81828384, vbucket=0x0203),
         """
         80 54 0000 00 00 0203 00000000 81828384 0000000000000000
         """,
     ),
     Row(
-        "get-failover-log-plain",  # §2.5, 0x96
+        "get-failover-log-plain",  # docs/protocol.md §2.5: 0x96
         GetFailoverLog(opaque=0x81828385, vbucket=0x0203, opcode=0x96),
         """
         80 96 0000 00 00 0203 00000000 81828385 0000000000000000
         """,
     ),
     Row(
-        "failover-log-response-dcp",  # §2.5
+        "failover-log-response-dcp",  # docs/protocol.md §2.5
         FailoverLogResponse(opaque=0x81828384, failover_log=((0x0000A1B2C3D4E5F6, 0x1000),)),
         """
         81 54 0000 00 00 0000 00000010 81828384 0000000000000000
@@ -730,7 +731,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "failover-log-response-plain",  # §2.5
+        "failover-log-response-plain",  # docs/protocol.md §2.5
         FailoverLogResponse(
             opaque=0x81828385,
             opcode=0x96,
@@ -743,7 +744,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "stream-end",  # §2.6
+        "stream-end",  # docs/protocol.md §2.6
         StreamEnd(opaque=0xDEADBEEF, vbucket=0x0203, status=2),
         """
         80 55 0000 04 00 0203 00000004 deadbeef 0000000000000000
@@ -751,7 +752,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "snapshot-marker-v1",  # §2.7
+        "snapshot-marker-v1",  # docs/protocol.md §2.7
         SnapshotMarker(
             opaque=0xDEADBEEF,
             vbucket=0x0203,
@@ -767,7 +768,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "snapshot-marker-v2.0",  # §2.7
+        "snapshot-marker-v2.0",  # docs/protocol.md §2.7
         SnapshotMarkerV2(
             opaque=0xDEADBEEF,
             vbucket=0x0203,
@@ -789,7 +790,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "snapshot-marker-v2.2",  # §2.7
+        "snapshot-marker-v2.2",  # docs/protocol.md §2.7
         SnapshotMarkerV2(
             opaque=0xDEADBEEF,
             vbucket=0x0203,
@@ -815,7 +816,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "mutation",  # §2.8
+        "mutation",  # docs/protocol.md §2.8
         Mutation(
             opaque=0xDEADBEEF,
             vbucket=0x0203,
@@ -843,7 +844,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "mutation-stream-id",  # §2.8 with §1.3 stream-id frame, magic 0x08
+        "mutation-stream-id",  # docs/protocol.md §2.8 with §1.3 stream-id frame, magic 0x08
         Mutation(
             opaque=0xDEADBEEF,
             vbucket=0x0203,
@@ -874,7 +875,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "deletion-v1",  # §2.9
+        "deletion-v1",  # docs/protocol.md §2.9
         Deletion(
             opaque=0xDEADBEEF,
             vbucket=0x0203,
@@ -892,7 +893,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "deletion-v2-xattrs",  # §2.9, value = xattr section (§1.4)
+        "deletion-v2-xattrs",  # docs/protocol.md §2.9, value = xattr section (§1.4)
         DeletionV2(
             opaque=0xDEADBEEF,
             vbucket=0x0203,
@@ -917,7 +918,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "expiration",  # §2.10
+        "expiration",  # docs/protocol.md §2.10
         Expiration(
             opaque=0xDEADBEEF,
             vbucket=0x0203,
@@ -936,7 +937,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "set-vbucket-state",  # §2.11
+        "set-vbucket-state",  # docs/protocol.md §2.11
         SetVbucketState(opaque=0xDEADBEEF, vbucket=0x0203, state=3),
         """
         80 5b 0000 01 00 0203 00000001 deadbeef 0000000000000000
@@ -987,21 +988,21 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "noop",  # §2.12
+        "noop",  # docs/protocol.md §2.12
         Noop(opaque=0x11),
         """
         80 5c 0000 00 00 0000 00000000 00000011 0000000000000000
         """,
     ),
     Row(
-        "noop-response",  # §2.12: no schema, so the generic Response
+        "noop-response",  # docs/protocol.md §2.12: no schema, so the generic Response
         Response(opcode=0x5C, opaque=0x11),
         """
         81 5c 0000 00 00 0000 00000000 00000011 0000000000000000
         """,
     ),
     Row(
-        "buffer-ack",  # §2.13
+        "buffer-ack",  # docs/protocol.md §2.13
         BufferAck(acked=0x00012345),
         """
         80 5d 0000 04 00 0000 00000004 00000000 0000000000000000
@@ -1009,7 +1010,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "control",  # §2.14
+        "control",  # docs/protocol.md §2.14
         Control(opaque=0x91929394, name="enable_noop", value="true"),
         """
         80 5e 000b 00 00 0000 0000000f 91929394 0000000000000000
@@ -1018,7 +1019,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "system-event-create-scope",  # §2.15, event 3 version 0
+        "system-event-create-scope",  # docs/protocol.md §2.15, event 3 version 0
         SystemEvent(
             opaque=0xDEADBEEF,
             vbucket=0x0203,
@@ -1039,7 +1040,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "system-event-begin-collection-v1",  # §2.15, event 0 version 1
+        "system-event-begin-collection-v1",  # docs/protocol.md §2.15, event 0 version 1
         SystemEvent(
             opaque=0xDEADBEEF,
             vbucket=0x0203,
@@ -1062,7 +1063,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "seqno-advanced",  # §2.16
+        "seqno-advanced",  # docs/protocol.md §2.16
         SeqnoAdvanced(opaque=0xDEADBEEF, vbucket=0x0203, by_seqno=0x0102030405060708),
         """
         80 64 0000 08 00 0203 00000008 deadbeef 0000000000000000
@@ -1089,7 +1090,7 @@ GOLDEN: list[Row] = [
     ),
     # ------------------------------------------------------------ generic fallbacks
     Row(
-        "unknown-request-abort",  # §2.18 ABORT 0x63 has no schema in upr
+        "unknown-request-abort",  # docs/protocol.md §2.18 ABORT 0x63 has no schema in upr
         UnknownRequest(
             opcode=0x63,
             opaque=0xDEADBEEF,
@@ -1105,7 +1106,8 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "unknown-request-oso-stream-id",  # §2.17 OSO_SNAPSHOT 0x65, §1.3 magic 0x08
+        # docs/protocol.md §2.17 OSO_SNAPSHOT 0x65, §1.3 magic 0x08
+        "unknown-request-oso-stream-id",
         UnknownRequest(
             opcode=0x65,
             opaque=0xDEADBEEF,
@@ -1120,7 +1122,8 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "unknown-request-server-initiated",  # §1.2 magic 0x82, 0x01 ClustermapChangeNotification
+        # docs/protocol.md §1.2 magic 0x82, 0x01 ClustermapChangeNotification
+        "unknown-request-server-initiated",
         UnknownRequest(
             magic=0x82,
             opcode=0x01,
@@ -1136,14 +1139,16 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "response-server-initiated",  # §1.2 magic 0x83: the client's answer to 0x82
+        # docs/protocol.md §1.2 magic 0x83: the client's answer to 0x82
+        "response-server-initiated",
         Response(magic=0x83, opcode=0x01, opaque=0x0000CAFE),
         """
         83 01 0000 00 00 0000 00000000 0000cafe 0000000000000000
         """,
     ),
     Row(
-        "response-alt-magic-enoent-read-units",  # §1.3 magic 0x18, frame id 1 len 2
+        # docs/protocol.md §1.3 magic 0x18, frame id 1 len 2
+        "response-alt-magic-enoent-read-units",
         Response(
             opcode=0x00,
             status=0x01,
@@ -1156,7 +1161,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "response-not-my-vbucket-config",  # §3: NOT_MY_VBUCKET with a config body
+        "response-not-my-vbucket-config",  # docs/protocol.md §3: NOT_MY_VBUCKET with a config body
         Response(opcode=0x53, status=0x07, opaque=0xDEADBEEF, datatype=0x01, value=b'{"rev":1}'),
         """
         81 53 0000 00 01 0007 00000009 deadbeef 0000000000000000
@@ -1164,7 +1169,7 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
-        "response-einval-xerror",  # §1.5, §3: EINVAL with an XERROR body
+        "response-einval-xerror",  # docs/protocol.md §1.5, §3: EINVAL with an XERROR body
         Response(
             opcode=0x5E,
             status=0x04,
@@ -1319,7 +1324,7 @@ class BadRow:
 
 BAD_MESSAGES: list[BadRow] = [
     BadRow(
-        "mutation-30-byte-extras",  # §2.8 requires 31
+        "mutation-30-byte-extras",  # docs/protocol.md §2.8 requires 31
         f"""
         80 57 0004 1e 00 0203 00000022 deadbeef 1122334455667788
         0000000000001001 0000000000000003 a1b2c3d4 5f5e1000 00000000 0000  # 30 B extras
@@ -1327,13 +1332,13 @@ BAD_MESSAGES: list[BadRow] = [
         """,
     ),
     BadRow(
-        "stream-end-no-extras",  # §2.6 requires 4
+        "stream-end-no-extras",  # docs/protocol.md §2.6 requires 4
         """
         80 55 0000 00 00 0203 00000000 deadbeef 0000000000000000
         """,
     ),
     BadRow(
-        "snapshot-marker-v2.1",  # §2.7: version byte 1 is rejected
+        "snapshot-marker-v2.1",  # docs/protocol.md §2.7: version byte 1 is rejected
         """
         80 56 0000 01 00 0203 00000025 deadbeef 0000000000000000
         01
@@ -1341,7 +1346,7 @@ BAD_MESSAGES: list[BadRow] = [
         """,
     ),
     BadRow(
-        "snapshot-marker-version-0-with-52-byte-value",  # §2.7
+        "snapshot-marker-version-0-with-52-byte-value",  # docs/protocol.md §2.7
         """
         80 56 0000 01 00 0203 00000035 deadbeef 0000000000000000
         00
@@ -1350,7 +1355,7 @@ BAD_MESSAGES: list[BadRow] = [
         """,
     ),
     BadRow(
-        "set-with-meta-25-byte-extras",  # §6: 24, 26, 28 or 30
+        "set-with-meta-25-byte-extras",  # docs/protocol.md §6: 24, 26, 28 or 30
         f"""
         80 a2 0004 19 00 0203 0000001d 41424344 0000000000000000
         01020304 05060708 1112131415161718 2122232425262728 00
@@ -1358,7 +1363,7 @@ BAD_MESSAGES: list[BadRow] = [
         """,
     ),
     BadRow(
-        "stream-request-47-byte-extras",  # §2.4 requires 48
+        "stream-request-47-byte-extras",  # docs/protocol.md §2.4 requires 48
         """
         80 53 0000 2f 00 0203 0000002f deadbeef 0000000000000000
         00000000 00000000 0000000000000000 ffffffffffffffff 0000000000000000
@@ -1366,42 +1371,42 @@ BAD_MESSAGES: list[BadRow] = [
         """,
     ),
     BadRow(
-        "failover-log-20-bytes",  # §2.4: 16 bytes per entry
+        "failover-log-20-bytes",  # docs/protocol.md §2.4: 16 bytes per entry
         """
         81 53 0000 00 00 0000 00000014 deadbeef 0000000000000000
         0000a1b2c3d4e5f6 0000000000001000 00000000
         """,
     ),
     BadRow(
-        "rollback-4-bytes",  # §2.4: u64 rollback seqno
+        "rollback-4-bytes",  # docs/protocol.md §2.4: u64 rollback seqno
         """
         81 53 0000 00 00 0023 00000004 deadbeef 0000000000000000
         00000fa0
         """,
     ),
     BadRow(
-        "hello-odd-feature-list",  # §5.1: u16 codes
+        "hello-odd-feature-list",  # docs/protocol.md §5.1: u16 codes
         """
         81 1f 0000 00 00 0000 00000003 deadbeef 0000000000000000
         0007 12
         """,
     ),
     BadRow(
-        "stream-id-frame-1-byte",  # §1.3: stream-id data is a u16
+        "stream-id-frame-1-byte",  # docs/protocol.md §1.3: stream-id data is a u16
         """
         08 52 02 00 00 00 0203 00000002 75767779 0000000000000000
         21 07
         """,
     ),
     BadRow(
-        "frame-info-overruns-framing",  # §1.3: frame says 2 data bytes, 1 present
+        "frame-info-overruns-framing",  # docs/protocol.md §1.3: frame says 2 data bytes, 1 present
         """
         08 52 02 00 00 00 0203 00000002 75767779 0000000000000000
         22 00
         """,
     ),
     BadRow(
-        "control-key-not-utf8",  # §2.14: key is an ASCII name
+        "control-key-not-utf8",  # docs/protocol.md §2.14: key is an ASCII name
         """
         80 5e 0002 00 00 0000 00000006 91929394 0000000000000000
         ff fe
@@ -1409,7 +1414,7 @@ BAD_MESSAGES: list[BadRow] = [
         """,
     ),
     BadRow(
-        "close-stream-with-value",  # §2.3: no extras, key or value
+        "close-stream-with-value",  # docs/protocol.md §2.3: no extras, key or value
         """
         80 52 0000 00 00 0203 00000001 75767778 0000000000000000
         00
@@ -1455,14 +1460,14 @@ BAD_HEADERS: list[tuple[str, int | None, str]] = [
         """,
     ),
     (
-        "extras-and-key-exceed-body",  # §1.1
+        "extras-and-key-exceed-body",  # docs/protocol.md §1.1
         None,
         """
         80 57 0004 1f 00 0203 00000010 deadbeef 0000000000000000  # 31 + 4 > 16
         """,
     ),
     (
-        "alt-framing-and-key-exceed-body",  # §1.3
+        "alt-framing-and-key-exceed-body",  # docs/protocol.md §1.3
         None,
         """
         08 57 03 04 1f 00 0203 00000020 deadbeef 0000000000000000  # 3 + 31 + 4 > 32

@@ -1,4 +1,4 @@
-"""upr_cli.protocol is sans-IO: no socket, asyncio, file or OS API is imported (STYLE 1)."""
+"""upr_cli.protocol is sans-IO: no socket, asyncio, file or OS API is imported."""
 
 from __future__ import annotations
 

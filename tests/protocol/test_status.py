@@ -1,4 +1,4 @@
-"""Status registry: every status of dcp-wire §3 is a named error class with `retriable`."""
+"""Status registry: every status of docs/protocol.md §3 is a named error class with `retriable`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from upr_cli.protocol.status import (
     status_error,
 )
 
-# dcp-wire §3, "Status codes seen around DCP" (0x00 success is not an error).
+# docs/protocol.md §3, "Status codes seen around DCP" (0x00 success is not an error).
 SPEC_CODES = {
     0x01: "KeyEnoent", 0x02: "KeyEexists", 0x04: "Einval", 0x07: "NotMyVbucket",
     0x08: "NoBucket", 0x0A: "DcpStreamNotFound", 0x0B: "OpaqueNoMatch", 0x20: "AuthError",

@@ -1,4 +1,4 @@
-"""Wireshark's Couchbase dissector as an independent oracle for our encoder (dcp-wire §8.1).
+"""Wireshark's Couchbase dissector as an independent oracle for our encoder (docs/protocol.md §8.1).
 
 Every packet of one made-up DCP conversation (HELLO, DCP_OPEN, CONTROL, STREAM_REQ and
 its success/ROLLBACK replies, markers v1/v2.0, mutations with and without a stream-id

@@ -1,4 +1,7 @@
-"""Chain semantics (DESIGN "Chain semantics"): hand-made chains and a brute-force oracle."""
+"""Chain semantics (docs/design.md "Chain semantics"): hand-made chains, a brute-force oracle.
+
+The exact rules are formats/repository.md §8.1 and §8.3.
+"""
 
 from __future__ import annotations
 
@@ -80,8 +83,9 @@ def r(lo: int, hi: int) -> list[int]:
     return list(range(lo, hi + 1))
 
 
-# The DESIGN example: backup 1 covers 0..100; the source fails over, and backup 2 is
-# told to roll back to 80 and covers 80..150 on the new branch.
+# The example of formats/repository.md §8.7 (also docs/design.md "Chain semantics"):
+# backup 1 covers 0..100; the source fails over, and backup 2 is told to roll back to 80
+# and covers 80..150 on the new branch.
 B1 = backup(1, None, entry(0, 0, 100, [r(1, 50), r(51, 100)]))
 B2 = backup(
     2,
@@ -224,7 +228,7 @@ def chains(draw: st.DrawFn) -> Chain:
 
 
 def brute_cut(chain: Chain, p: int, j: int, k: int) -> int | None:
-    """The DESIGN definition, literally: None is ∞."""
+    """formats/repository.md §8.1, literally: None is ∞."""
     starts = [
         e.start_seq
         for m in chain.manifests[j + 1 : k + 1]
@@ -234,8 +238,9 @@ def brute_cut(chain: Chain, p: int, j: int, k: int) -> int | None:
 
 
 def brute_lost_cut(chain: Chain, p: int, j: int, k: int) -> int | None:
-    """§8.3 literally, for these chains (every backup on branch A): a later backup that
-    started above 0 agrees up to its start; one from 0 carries branch A on (∞)."""
+    """formats/repository.md §8.3 literally, for these chains (every backup on branch A): a
+    later backup that started above 0 agrees up to its start; one from 0 carries branch A
+    on (∞)."""
     starts = [
         e.start_seq
         for m in chain.manifests[j + 1 : k + 1]

@@ -240,7 +240,8 @@ def test_crash_after_the_temp_file_is_written(repo: Repository) -> None:
         r.write_manifest(m)
     d = repo.backup_dir(BUCKET, bid(0))
     assert not (d / MANIFEST_FILE).exists() and (d / MANIFEST_COPY).exists()
-    # the copy's rename was the commit point: committed, read from the copy (§4.3)
+    # the copy's rename was the commit point: committed, read from the copy
+    # (formats/repository.md §4.3)
     assert repo.backups(BUCKET) == [bid(0)] == repo.committed(BUCKET)
     assert repo.incomplete(BUCKET) == [] and repo.read_manifest(BUCKET, bid(0)) == m
     with pytest.raises(RepositoryError, match="already committed"):

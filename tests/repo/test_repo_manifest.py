@@ -311,7 +311,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("rollback above seed", setter(rollback, "seed_rule_seq", "79"), "seed rule"),
     ("rollback key", deleter(rollback, "producer_seq"), "missing key"),
     ("rollback type", setter(P0, "rollback", []), "expected a JSON object"),
-    # cut-back records (§5.6)
+    # cut-back records (formats/repository.md §5.6)
     ("cut_back type", setter(P0, "cut_back", {}), "cut_back is not an array"),
     ("cut_back not below", setter(P0, "cut_back", [CUT | {"to": "200"}]), "not below"),
     ("cut_back key", setter(P0, "cut_back", [CUT | {"k": "1"}]), "unknown key"),

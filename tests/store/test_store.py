@@ -296,7 +296,7 @@ def test_rollback_restores_replaced_rows_and_deletes_new_ones(store: Store) -> N
         (1, b"a"): doc_of(row(1, 3, b"a", b"a2")),
         (1, b"b"): doc_of(row(1, 2, b"b", b"b1")),
     }
-    # dcp-wire §4.4: the newest entry with seq ≤ 3 is 0xA; the log is pruned above 3.
+    # docs/protocol.md §4.4: the newest entry with seq ≤ 3 is 0xA; the log is pruned above 3.
     assert result.position == store.position(1) == StreamPosition(1, 0xA, 3, 3, 3)
     assert store.failover_log(1) == FailoverLog.of([(0xA, 0)])
     assert store.db.execute("SELECT max(seq) FROM mutation_log").fetchone() == (3,)

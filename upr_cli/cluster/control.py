@@ -3,7 +3,8 @@ every node back for `upr cluster status`.
 
 Each node is driven over one authenticated connection, one command at a time: every
 accepted command changes the node's bucket CAS, which the response carries; a refused
-one (KEY_EEXISTS) carries the current CAS and is retried with it (seed 000 "ordering of
+one (KEY_EEXISTS) carries the current CAS and is retried with it (formats/cluster.md §1;
+the UPR design specification, "How ns_server and ep-engine guarantee ordering of
 partition state transitions"). A command refused for an older map revision (EINVAL)
 means another orchestrator has a newer map: the push stops with that message.
 """
@@ -48,7 +49,7 @@ def balanced_map(partitions: int, nodes: int, replicas: int) -> list[list[int]]:
 
 
 def map_json(spec: ClusterSpec, vbmap: list[list[int]], rev: int) -> dict[str, Any]:
-    """The terse bucket config every node serves (dcp-wire §5.5)."""
+    """The terse bucket config every node serves (docs/protocol.md §5.5)."""
     servers = [f"{HOST}:{n.port}" for n in spec.nodes]
     return {
         "rev": rev, "revEpoch": 1, "name": spec.bucket, "nodeLocator": "vbucket",
@@ -103,7 +104,7 @@ async def push(spec: ClusterSpec, node: NodeSpec, config: dict[str, Any],
                 sent += 1
                 return
             if resp.status == Status.KEY_EEXISTS:
-                cas = resp.cas  # seed 000 step 6: the right CAS, retry with it
+                cas = resp.cas  # the right CAS, retry with it (formats/cluster.md §1)
                 continue
             text = _body(resp).decode(errors="replace")
             if resp.status == Status.EINVAL and "revision" in text:
@@ -139,8 +140,9 @@ async def push(spec: ClusterSpec, node: NodeSpec, config: dict[str, Any],
                                                                opaque=conn.next_opaque()),
                           f"partition {p} → {state}")  # fmt: skip
         if waiting and full is not None:
-            # seed 000 (state transitions, step 3): with the map and every state in place,
-            # front-end traffic on (a node that restarted starts with it off)
+            # with the map and every state in place, front-end traffic on (a node that
+            # restarted starts with it off): the UPR design specification's state
+            # transitions, step 3; formats/cluster.md §3
             await conn.request(EnableTraffic(opaque=conn.next_opaque()))
             sent += 1
     finally:
@@ -254,7 +256,7 @@ def lag(statuses: list[NodeStatus]) -> dict[int, dict[str, int]]:
 
 def rollback_points(statuses: list[NodeStatus]) -> dict[int, dict[str, int]]:
     """Per partition, where each replica copy would roll back to if it streamed from the
-    active copy now (the producer rule, dcp-wire §4.2); absent when it would not."""
+    active copy now (the producer rule, docs/protocol.md §4.2); absent when it would not."""
     from upr_cli.failover import FailoverLog, needs_rollback
 
     out: dict[int, dict[str, int]] = {}

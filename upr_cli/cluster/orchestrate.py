@@ -1,19 +1,20 @@
 """Failover, rebalance and replication pauses: the orchestrator's side of formats/cluster.md §7.
 
-Seed 000 "How ns_server performs failover": for every partition active on the failed
-node, the replica with the highest persisted complete snapshot becomes active with a
-new failover entry (at that snapshot), in one SET_VBUCKET; the map is then republished
-and the remaining replicas re-stream from the new active, rolling back as the producer
-rule says. A graceful failover first fences the old active (state dead: no more
-writes; its streams send what it holds, then end), waits until the chosen replica has
-persisted all of it, and promotes it without a failover entry.
+The UPR design specification, "How ns_server performs failover": for every partition
+active on the failed node, the replica with the highest persisted complete snapshot
+becomes active with a new failover entry (at that snapshot), in one SET_VBUCKET; the map
+is then republished and the remaining replicas re-stream from the new active, rolling
+back as the producer rule says. A graceful failover first fences the old active (state
+dead: no more writes; its streams send what it holds, then end), waits until the chosen
+replica has persisted all of it, and promotes it without a failover entry.
 
-Seed 000 "How ns_server performs a partition rebalance": a partition moves to a new
-node as pending, streams from the old active until caught up, the old active is set
-dead, the new node is promoted once it has persisted the old active's last seq, and
-the map is republished (a client that met NOT_MY_VBUCKET meanwhile retries with the
-map the answer carries). If the catch-up times out, the old active is set active again
-(step 5). Every command carries the bucket CAS and the map revision (control.push).
+The UPR design specification, "How ns_server performs a partition rebalance": a
+partition moves to a new node as pending, streams from the old active until caught up,
+the old active is set dead, the new node is promoted once it has persisted the old
+active's last seq, and the map is republished (a client that met NOT_MY_VBUCKET
+meanwhile retries with the map the answer carries). If the catch-up times out, the old
+active is set active again (step 5). Every command carries the bucket CAS and the map
+revision (control.push).
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ class Orchestrator:
             if not cands:
                 report.lost.append(p)
                 continue
-            # seed 000: the replica with the highest persisted complete snapshot
+            # the replica with the highest persisted complete snapshot (formats/cluster.md §7;
+            # the UPR design specification, "How ns_server performs failover")
             chosen[p] = max(cands, key=lambda i: (sts[i].complete[p], sts[i].persisted[p]))
         if graceful and report.lost:
             raise UsageError(
@@ -238,7 +240,7 @@ class Orchestrator:
         return report
 
     async def _move(self, chunk: list[int], target: list[list[int]], report: Report) -> None:
-        """Seed 000 rebalance steps 1-5 for a set of partitions."""
+        """Steps 1-5 of "How ns_server performs a partition rebalance", for some partitions."""
         cl = self.cl
         sts = await self.statuses()
         news: dict[int, dict[int, str]] = {}

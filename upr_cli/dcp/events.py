@@ -42,7 +42,7 @@ class Rollback:
 
 @dataclass(frozen=True, slots=True)
 class StreamEnded:
-    """The stream ended (status per dcp-wire §2.6; 0 = end seq reached)."""
+    """The stream ended (status per docs/protocol.md §2.6; 0 = end seq reached)."""
 
     partition: int
     status: int

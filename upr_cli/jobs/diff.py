@@ -1,12 +1,12 @@
 """`upr diff A B`: how two holders of a bucket's history relate, partition by partition.
 
-Theory of operation (seed 000 "Failover log", "How UPR Replicas/Clients find out where
-to rollback to"). A failover log names the branches a partition's history went
-through, newest first: (uuid, seq) says "from seq on, history follows branch uuid". Two
-logs share history up to their newest common entry (the common ancestor, matched by
-uuid and seq). After it, A followed the ancestor's branch up to `a_end` (the seq of A's
-next newer entry, else A's own seq) and B up to `b_end`; both hold the same history up
-to S = min(a_end, b_end), so:
+Theory of operation (the UPR design specification, "Failover Log" and "How UPR
+Replicas/Clients find out where to rollback to and stream from"). A failover log names
+the branches a partition's history went through, newest first: (uuid, seq) says "from
+seq on, history follows branch uuid". Two logs share history up to their newest common
+entry (the common ancestor, matched by uuid and seq). After it, A followed the
+ancestor's branch up to `a_end` (the seq of A's next newer entry, else A's own seq) and
+B up to `b_end`; both hold the same history up to S = min(a_end, b_end), so:
 
 * no newer entries on either side: one branch; equal seqs are **identical**, else B is
   **behind** or **ahead**;
@@ -18,8 +18,8 @@ to S = min(a_end, b_end), so:
 * no common entry: **no common history** (B must start again from 0).
 
 For each partition both rollback rules give where B would restart streaming from A: the
-seed rule (B's log, last complete snapshot, seen seq) and the producer rule (dcp-wire
-§4.2: B's position against A's log, A's high seq).
+seed rule (B's log, last complete snapshot, seen seq) and the producer rule
+(docs/protocol.md §4.2: B's position against A's log, A's high seq).
 """
 
 from __future__ import annotations

@@ -138,9 +138,7 @@ async def _node_logs(spec: str, partitions: list[int] | None) -> dict[int, Sourc
     return (await node_states(SourceUri.parse(spec), partitions))[0]
 
 
-def _repo_states(
-    path: str, at: str | None, partitions: list[int] | None
-) -> dict[int, SourceState]:
+def _repo_states(path: str, at: str | None, partitions: list[int] | None) -> dict[int, SourceState]:
     from upr_cli.repo import resume_point
     from upr_cli.source import open_repo
 
@@ -210,8 +208,6 @@ def _json_states(path: str, partitions: list[int] | None) -> dict[int, SourceSta
         snap = parse_seq(obj.get("snapshot_seq", seen), where="snapshot_seq")
         out[p] = SourceState(log, min(snap, seen), seen, None, known)
     return out
-
-
 
 
 def load_source(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:

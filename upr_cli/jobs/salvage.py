@@ -1,17 +1,19 @@
 """`upr salvage`: find the lost writes of a failover and write back those still safe to.
 
-Theory of operation (seed 000 "Replica C repairs master": writes a failover took back
+Theory of operation (the UPR design specification, "Replica C repairs master and rolls
+back to common snapshot sequence"; docs/design.md "Salvage": writes a failover took back
 are not gone while some copy still holds them). A *lost write* is the newest version of
 a key, in some partition, above a rollback cut r: a former master acknowledged it, the
 current history does not have it.
 
 * **Where they come from.** From a repository: the records above each cut the chain
   recorded (formats/repository.md "Chains", `lost_ranges`), the records a rollback in
-  the middle of a backup took back (its cut-back segments, §5.6), plus the records above the
-  rollback point the chain's head would get from the current master now (producer
-  rule, dcp-wire §4.2), which covers a failover no backup has seen yet. From a replay
-  store: the versions its rollbacks took back (`lost_writes`, formats/store.md §3.5),
-  plus its documents above the rollback point the master would give it now.
+  the middle of a backup took back (its cut-back segments, formats/repository.md §5.6),
+  plus the records above the rollback point the chain's head would get from the current
+  master now (producer rule, docs/protocol.md §4.2), which covers a failover no backup
+  has seen yet. From a replay store: the versions its rollbacks took back
+  (`lost_writes`, formats/store.md §3.5), plus its documents above the rollback point
+  the master would give it now.
 * **What is safe.** A lost write may go back only where the key has not changed on the
   master since r. The master says what changed: a DCP stream of the partition from r
   (on the master's branch at r) to its high seq names every key written or deleted
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
 
 
 def _text_or_b64(name: str, data: bytes) -> dict[str, str]:
-    """{name: text} when `data` is UTF-8, else {name_b64: base64} (STYLE 8)."""
+    """{name: text} when `data` is UTF-8, else {name_b64: base64}."""
     try:
         return {name: data.decode()}
     except UnicodeDecodeError:
@@ -478,7 +480,8 @@ def salvage_node_data(
     partitions: list[int] | None = None,
 ) -> SalvageReport:  # fmt: skip
     """Lost writes a replica node's rollbacks kept (its `lost_writes` table, read from
-    its data directory; the node may be running): seed 000 "Replica C repairs master"."""
+    its data directory; the node may be running): the UPR design specification, "Replica C
+    repairs master and rolls back to common snapshot sequence"."""
     from upr_cli.node.storage import NodeStorage
 
     if not (data_dir / f"{bucket}.sqlite3").exists():

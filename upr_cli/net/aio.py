@@ -1,4 +1,4 @@
-"""asyncio helpers that keep cancellation (STYLE.md practice 7: never swallow it).
+"""asyncio helpers that keep cancellation: it is never swallowed.
 
 Two traps this module and its callers avoid:
 

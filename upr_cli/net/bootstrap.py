@@ -1,8 +1,9 @@
-"""Connection bootstrap before DCP or KV (dcp-wire §5): HELLO → SASL → SELECT_BUCKET → config.
+"""Connection bootstrap before DCP or KV: HELLO → SASL → SELECT_BUCKET → config.
 
-SASL picks SCRAM-SHA512 when the server offers it, else PLAIN (couchbase-cli tools and
-servers that offer nothing else, §5.2). The cluster config gives the partition count
-(`vBucketServerMap.vBucketMap`, §5.5), which key hashing needs.
+Each step follows docs/protocol.md §5. SASL picks SCRAM-SHA512 when the server offers
+it, else PLAIN (couchbase-cli tools and servers that offer nothing else,
+docs/protocol.md §5.2). The cluster config gives the partition count
+(`vBucketServerMap.vBucketMap`, docs/protocol.md §5.5), which key hashing needs.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Session:
 
 
 def partition_of(key: bytes, num_partitions: int) -> int:
-    """Key → partition, as the SDKs map it (dcp-wire §5.5, CRC32)."""
+    """Key → partition, as the SDKs map it (docs/protocol.md §5.5, CRC32)."""
     return ((zlib.crc32(key) >> 16) & 0x7FFF) % num_partitions
 
 

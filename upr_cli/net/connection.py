@@ -1,12 +1,12 @@
-"""One asyncio connection speaking the memcached binary protocol (STYLE 7, aiokafka's good parts).
+"""One asyncio connection speaking the memcached binary protocol (aiokafka's good parts).
 
 Theory of operation. A single reader task owns the socket's read side: it feeds a
 `FrameDecoder` and hands out what arrives. Responses (magic 0x81/0x18) complete the
 request waiting on their opaque; everything else the server sends (DCP stream traffic:
-data rows and control frames, dcp-wire §1.5 "DCP is full duplex") goes, in batches, to
-the `on_server` callback together with the bytes those frames occupied, which DCP flow
-control must acknowledge (§7.1). One `close(reason, exc)` path fails every waiter, and
-every later call raises the same `ConnectionClosed`.
+data rows and control frames, docs/protocol.md §1.5 "DCP is full duplex") goes, in
+batches, to the `on_server` callback together with the bytes those frames occupied,
+which DCP flow control must acknowledge (docs/protocol.md §7.1). One `close(reason,
+exc)` path fails every waiter, and every later call raises the same `ConnectionClosed`.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class Connection:
         return resp
 
     async def stats(self, group: str = "", *, timeout: float | None = 30.0) -> dict[str, str]:
-        """STAT: collect name/value pairs until the empty response ends the list (§5.7)."""
+        """STAT: name/value pairs until an empty response ends them (docs/protocol.md §5.7)."""
         from upr_cli.protocol.messages import Stat
 
         fut = self.start_request(Stat(group=group, opaque=self.next_opaque()), multi=True)

@@ -1,15 +1,16 @@
 """KV requests routed by the cluster map, retried on NOT_MY_VBUCKET (formats/cluster.md §4).
 
-Seed 000 "How front end clients ensure mutations are persisted": a node that is no
-longer the partition's active answers "not my partition", and the client reloads the
-cluster map and retries. The router keeps one connection per node holding an active
-partition, sends each request to its partition's active node, and when an answer is
-NOT_MY_VBUCKET (whose value is the answering node's map), ETMPFAIL (a restarted node
-whose orchestrator has not turned its traffic on yet) or the node's connection is
-lost, it takes the newest map it can find (that answer's, else one fetched from every
-node it knows) and sends the request again, until `retry_for` seconds have passed.
-Requests stay pipelined: `submit` sends at once and returns the node's answer future;
-`settle` turns it into the final answer, retrying only when the answer asks for it.
+The UPR design specification, "How front end clients ensure mutations are persisted to
+disk on master": a node that is no longer the partition's active answers "not my
+partition", and the client reloads the cluster map and retries. The router keeps one
+connection per node holding an active partition, sends each request to its partition's
+active node, and when an answer is NOT_MY_VBUCKET (whose value is the answering node's
+map), ETMPFAIL (a restarted node whose orchestrator has not turned its traffic on yet)
+or the node's connection is lost, it takes the newest map it can find (that answer's,
+else one fetched from every node it knows) and sends the request again, until
+`retry_for` seconds have passed. Requests stay pipelined: `submit` sends at once and
+returns the node's answer future; `settle` turns it into the final answer, retrying only
+when the answer asks for it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Sans-IO SASL: SCRAM (RFC 5802, SHA-256 as in RFC 7677) and PLAIN (RFC 4616).
 
 Couchbase names the SCRAM mechanisms SCRAM-SHA512, SCRAM-SHA256 and SCRAM-SHA1 and runs
-them as three packets: SASL_AUTH, AuthContinue, SASL_STEP (dcp-wire §5.2). This module only
-turns bytes into bytes; the connection layer carries them.
+them as three packets: SASL_AUTH, AuthContinue, SASL_STEP (docs/protocol.md §5.2). This
+module only turns bytes into bytes; the connection layer carries them.
 
     client-first  n,,n=<user>,r=<client nonce>
     server-first  r=<client nonce><server nonce>,s=<salt, base64>,i=<iterations>

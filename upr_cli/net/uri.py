@@ -12,7 +12,7 @@ except a well-formed scheme, because a mistyped URI can put the password anywher
 User name, password and bucket are percent-decoded. The userinfo ends at the last "@", so
 a password with a raw "@", "/" or "?" still parses. A user given without a password takes
 it from $UPR_PASSWORD; "user:@" means an explicitly empty password. The port defaults to
-11210, the memcached data port (dcp-wire §5).
+11210, the memcached data port (docs/protocol.md §5).
 """
 
 from __future__ import annotations

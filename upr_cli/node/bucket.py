@@ -1,14 +1,16 @@
 """A bucket of the node: partitions, the KV write path, the flusher and start-up recovery.
 
-Write path (seed 000 "How KV mutations flow into ep-engine and write queue"; DESIGN data
-flow 1): CAS check → next per-partition seqno → write queue → acknowledged; the flusher
-commits every queued item in one transaction per round (group commit) and only then
-advances `persisted_seq`, so OBSERVE_SEQNO tells clients when a write is durable.
+Write path (the UPR design specification, "How KV mutations flow into ep-engine and write
+queue"; docs/design.md "Data flows" (1. Write)): CAS check → next per-partition seqno →
+write queue → acknowledged; the flusher commits every queued item in one transaction per
+round (group commit) and only then advances `persisted_seq`, so OBSERVE_SEQNO tells
+clients when a write is durable.
 
-Failover entries (seed 000 "Failover Log", dcp-wire §4.3): one {uuid, 0} at creation;
-after an unclean shutdown, one per active partition at its last persisted complete
-snapshot (`snap_end` if the high seq equals it, else `snap_start`), written to disk
-before the node serves. A clean shutdown flushes everything and keeps the uuids.
+Failover entries (the UPR design specification, "Failover Log"; docs/protocol.md §4.3):
+one {uuid, 0} at creation; after an unclean shutdown, one per active partition at its
+last persisted complete snapshot (`snap_end` if the high seq equals it, else
+`snap_start`), written to disk before the node serves. A clean shutdown flushes
+everything and keeps the uuids.
 
 Storage work is never cut short: a commit runs in the writer thread whatever happens to
 the coroutine that asked for it, so every flush, state write and rollback runs as its
@@ -67,7 +69,7 @@ def _new_cas() -> int:
 
 
 def checked_datatype(datatype: int, value: bytes) -> int:
-    """Clear the JSON bit of a value that is not JSON, as a server must (dcp-wire §1.4)."""
+    """Clear the JSON bit of a value that is not JSON, as a server must (docs/protocol.md §1.4)."""
     if datatype & 0x01 and not datatype & 0x02:
         try:
             json.loads(value)
@@ -107,14 +109,16 @@ class Bucket:
         self._disk_gen = 0
         self._prefetched: dict[tuple[int, bytes], DocRow | None] = {}
         self._prefetched_gen = -1
-        # Partition-state control (seed 000 "ordering of partition state transitions";
-        # formats/cluster.md): one CAS for the bucket, new at every start and after every
-        # accepted state command; the cluster map an orchestrator set, with its revision.
+        # Partition-state control (the UPR design specification, "How ns_server and
+        # ep-engine guarantee ordering of partition state transitions"; formats/cluster.md §1):
+        # one CAS for the bucket, new at every start and after every accepted state command;
+        # the cluster map an orchestrator set, with its revision.
         self.state_cas = _new_cas()
         self._map_path = data_dir / f"{name}.cluster-map.json"
         self.cluster_map: dict[str, object] | None = None
-        # seed 000 (state transitions, step 1): a cluster node starts in its persisted
-        # states with front-end traffic off, until its orchestrator turns it on
+        # a cluster node starts in its persisted states with front-end traffic off, until
+        # its orchestrator turns it on (the same section of the UPR design specification,
+        # step 1; formats/cluster.md §3)
         self.traffic = True
         self.undo_window = UNDO_WINDOW
         self.listeners: list[Callable[[], None]] = []  # told of map and state changes
@@ -135,8 +139,8 @@ class Bucket:
             else:
                 part = Partition.from_record(rec)
                 if not clean and part.state == ACTIVE:
-                    # dcp-wire §4.3: at warm-up after an unclean shutdown, an entry at the last
-                    # persisted complete snapshot.
+                    # docs/protocol.md §4.3: at warm-up after an unclean shutdown, an
+                    # entry at the last persisted complete snapshot.
                     seq = part.snap_end if part.persisted_seq == part.snap_end else part.snap_start
                     part.failover = part.failover.add_entry(new_uuid(), seq)
                     changed.append(part.record())
@@ -220,7 +224,8 @@ class Bucket:
         """Change a partition's state (persisted before the answer); returns the new CAS.
 
         `failover` on a promotion to active adds a failover entry at the partition's last
-        persisted complete snapshot (seed 000 "How ns_server performs failover").
+        persisted complete snapshot (the UPR design specification, "How ns_server
+        performs failover").
         """
         if not 0 <= vb < self.num_partitions:
             raise NotMyVbucket(f"partition {vb} does not exist")
@@ -292,7 +297,8 @@ class Bucket:
             log.error("bucket %s: storage work failed after its caller left: %s", self.name,
                       exc, exc_info=exc)  # fmt: skip
 
-    # -- the replica side (seed 000 "How KV mutations flow into Replicas") -------------
+    # -- the replica side ------------------------------------------------------------
+    # (the UPR design specification, "How KV mutations flow into Replicas")
 
     def fed_partition(self, vb: int) -> Partition:
         """A partition a replication stream may write (replica or pending)."""
@@ -326,7 +332,7 @@ class Bucket:
         markers.append(Marker(start, end))
 
     async def adopt_failover_log(self, vb: int, pairs: tuple[tuple[int, int], ...]) -> None:
-        """A replica takes the active's whole failover log (dcp-wire §4.3), durably."""
+        """A replica takes the active's whole failover log (docs/protocol.md §4.3), durably."""
         part = self.fed_partition(vb)
         log_ = FailoverLog.sanitised(pairs)
         if log_.entries and log_ != part.failover:
@@ -488,7 +494,7 @@ class Bucket:
         options: int = 0,
         cas: int = 0,
     ) -> DocRow:
-        """SET/DEL_WITH_META: keep the given metadata; rev-seq conflict resolution (dcp-wire §6)."""
+        """SET/DEL_WITH_META: given metadata, rev-seq conflict resolution (docs/protocol.md §6)."""
         part = self.partition(vb)
         old = self.lookup(vb, key)
         if cas and (old is None or old.cas != cas):
@@ -617,7 +623,8 @@ def _replica_snapshot(part: Partition, top: int) -> tuple[int, int]:
     """(snap_start, snap_end) to record when a replica partition is persisted up to `top`:
     (top, top) if `top` ends a snapshot; else (the last complete snapshot's end, the end
     of the snapshot holding `top`), so `complete_seq` names the last complete snapshot
-    (seed 000 walkthrough: B persisted through 7 of snapshot 6-8 and promotes at 5)."""
+    (the UPR design specification's walkthrough, "UPR in action on a Cluster": B persisted
+    through 7 of snapshot 6-8 and promotes at 5)."""
     complete, current = part.complete_seq, top
     for start, end in part.markers:
         if end <= top:

@@ -1,10 +1,11 @@
 """A partition (vbucket) of the node: state, failover log, seqnos and its write queue.
 
-Write queue (seed 000 "How KV mutations flow into ep-engine and write queue"): the
-partition's unpersisted items, **one per key**, in seq order. An update replaces the
-key's older entry (deduplication). Invariant kept by the bucket: the queue holds exactly
-the latest version of every key written above `persisted_seq`; everything at or below
-it is on disk. Streams read the queue concurrently through `items_after`.
+Write queue (the UPR design specification, "How KV mutations flow into ep-engine and
+write queue"): the partition's unpersisted items, **one per key**, in seq order. An
+update replaces the key's older entry (deduplication). Invariant kept by the bucket: the
+queue holds exactly the latest version of every key written above `persisted_seq`;
+everything at or below it is on disk. Streams read the queue concurrently through
+`items_after`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from upr_cli.failover import FailoverLog
 from upr_cli.node.storage import DocRow, PartitionRecord
 
 ACTIVE, REPLICA, PENDING, DEAD = "active", "replica", "pending", "dead"
-STATE_CODES = {ACTIVE: 1, REPLICA: 2, PENDING: 3, DEAD: 4}  # dcp-wire §2.11
+STATE_CODES = {ACTIVE: 1, REPLICA: 2, PENDING: 3, DEAD: 4}  # docs/protocol.md §2.11
 
 
 class Marker(NamedTuple):
@@ -144,7 +145,7 @@ class Partition:
 
     @property
     def complete_seq(self) -> int:
-        """The end of the last complete snapshot persisted (dcp-wire §4.3): `snap_end` when
+        """The end of the last complete snapshot persisted (docs/protocol.md §4.3): `snap_end` when
         everything up to it is on disk, else `snap_start` (a replica mid-snapshot)."""
         return self.snap_end if self.persisted_seq == self.snap_end else self.snap_start
 

@@ -1,17 +1,17 @@
-"""The node's DCP producer: one per connection after DCP_OPEN (dcp-wire §2, §4, §7).
+"""The node's DCP producer: one per connection after DCP_OPEN (docs/protocol.md §2, §4, §7).
 
-Streams (seed 000 "How ep-engine streams a consistent snapshot"): a stream first
-backfills from disk what is at or below the partition's persisted seq, then follows the
-write queue in Memory snapshots (0x01). The disk holds one row per key and the queue one
-entry per key, so both phases deduplicate. The first marker carries the requested start,
-later ones their first item's seq (§2.7).
+Streams (the UPR design specification, "How ep-engine streams a consistent snapshot for a
+partition"): a stream first backfills from disk what is at or below the partition's
+persisted seq, then follows the write queue in Memory snapshots (0x01). The disk holds one
+row per key and the queue one entry per key, so both phases deduplicate. The first marker
+carries the requested start, later ones their first item's seq (docs/protocol.md §2.7).
 
 The rule: **every snapshot marker ends at a state the partition had**, so that a client
-holding a snapshot whole holds the source's state at its end (the UPR design
-specification, "Snapshot Markers and Deduplication"; docs/design.md "Snapshot
-boundaries"), the only seqs its consumers roll back to. Deduplication makes a snapshot
-whole only as a whole deduplicated range: a key written at x ≤ e and again at y > e is
-held only at y, so an end e cut out of a range lacks the key's version x. Hence:
+holding a snapshot whole holds the source's state at its end (the UPR protocol draft,
+"Snapshot Markers and Deduplication"; docs/design.md "Snapshot boundaries"), the only
+seqs its consumers roll back to. Deduplication makes a snapshot whole only as a whole
+deduplicated range: a key written at x ≤ e and again at y > e is held only at y, so an
+end e cut out of a range lacks the key's version x. Hence:
 
 * a Disk snapshot (0x06) is ONE read transaction under ONE marker ending at the highest
   seq it read; its rows go out in batches, never under several markers;
@@ -29,8 +29,9 @@ A finite stream ends with STREAM_END(OK) after the snapshot that reaches its end
 the client always stops on a snapshot boundary (a consistent cut), possibly past end:
 as far as the range the snapshot had to cover whole.
 
-Flow control (§7.1): every message but NOOP counts its full size; the connection
-stops sending once unacknowledged bytes reach the window and resumes on BUFFER_ACK.
+Flow control (docs/protocol.md §7.1): every message but NOOP counts its full size; the
+connection stops sending once unacknowledged bytes reach the window and resumes on
+BUFFER_ACK.
 Streams hand the sender bounded batches, so a client that never acks stalls its
 streams without the node's memory growing. Whatever the connection's read loop causes
 to be sent and counted (barrier cookies, STREAM_END on CLOSE_STREAM) is sent by a task of
@@ -79,15 +80,15 @@ from upr_cli.protocol.status import (
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-# DCP_OPEN flags (§2.1)
+# DCP_OPEN flags (docs/protocol.md §2.1)
 OPEN_PRODUCER, OPEN_NOTIFIER, OPEN_XATTRS, OPEN_NO_VALUE = 0x01, 0x02, 0x04, 0x08
 OPEN_DELETE_TIMES, OPEN_NO_VALUE_DT, OPEN_DELETED_USER_XATTRS = 0x20, 0x40, 0x100
 OPEN_SKIP_DELETES = 0x200
-# Stream-request flags (§2.2)
+# Stream-request flags (docs/protocol.md §2.2)
 S_TAKEOVER, S_DISK_ONLY, S_TO_LATEST, S_ACTIVE_ONLY = 0x01, 0x02, 0x04, 0x10
 S_STRICT_UUID, S_FROM_LATEST, S_IGNORE_PURGED, S_CACHE_TRANSFER = 0x20, 0x40, 0x80, 0x100
 S_KNOWN = 0x1F7  # every defined bit but the removed 0x08
-# Snapshot marker flags (§2.7) and stream-end statuses (§2.6)
+# Snapshot marker flags (docs/protocol.md §2.7) and stream-end statuses (§2.6)
 MARKER_MEMORY, MARKER_DISK_CHECKPOINT = 0x01, 0x06
 END_OK, END_CLOSED, END_STATE_CHANGED, END_DISCONNECTED = 0, 1, 2, 3
 
@@ -95,7 +96,7 @@ BACKFILLS_PER_CONNECTION = 6  # open disk snapshots per DCP connection
 BATCH_ITEMS = 512
 BATCH_BYTES = 64 * 1024
 BACKFILL_ROWS = 1000
-MIN_NOOP_INTERVAL = 0.1  # connection_manager_interval (§2.14)
+MIN_NOOP_INTERVAL = 0.1  # connection_manager_interval (docs/protocol.md §2.14)
 BARRIER_CONTROL = "upr_barrier_cookies"  # our extension, formats/barrier.md
 
 CONTROL_KEYS = {
@@ -121,7 +122,7 @@ class DcpSender:
         self._lock = asyncio.Lock()
 
     async def send(self, msgs: list[bytes]) -> None:
-        """Send messages in order, pausing while unacknowledged bytes ≥ window (§7.1)."""
+        """Send messages in order, pausing while unacked bytes ≥ window (docs/protocol.md §7.1)."""
         async with self._lock:
             i, n = 0, len(msgs)
             while i < n:
@@ -171,7 +172,7 @@ class PendingBarrier:
 
 @dataclass(slots=True)
 class StreamSpec:
-    """What a STREAM_REQ asked for, after the §4.1 adjustments."""
+    """What a STREAM_REQ asked for, after the docs/protocol.md §4.1 adjustments."""
 
     vbucket: int
     opaque: int
@@ -230,7 +231,7 @@ class DcpProducer:
     # -- controls -----------------------------------------------------------------
 
     def control(self, key: str, value: str) -> None:
-        """DCP_CONTROL (§2.14): unknown keys or invalid values raise EINVAL."""
+        """DCP_CONTROL (docs/protocol.md §2.14): unknown keys or invalid values raise EINVAL."""
         if key not in CONTROL_KEYS:
             raise InvalidArguments(f"unknown DCP control key {key!r}")
         v = value.strip()
@@ -281,7 +282,10 @@ class DcpProducer:
             self._noop_task = asyncio.get_running_loop().create_task(self._noop_loop())
 
     async def _noop_loop(self) -> None:
-        """Send NOOPs (§2.12, not flow-controlled); disconnect an idle peer (§7.2)."""
+        """Send NOOPs, which flow control does not count; disconnect an idle peer.
+
+        As docs/protocol.md §2.12 and §7.2 describe.
+        """
         while True:
             await asyncio.sleep(self.noop_interval)
             if time.monotonic() - self.last_received > self.idle_timeout:
@@ -293,7 +297,7 @@ class DcpProducer:
     # -- streams --------------------------------------------------------------------
 
     def stream_request(self, req: StreamRequest) -> tuple[StreamSpec, tuple[tuple[int, int], ...]]:
-        """The checks of dcp-wire §4.1 in order; returns the stream and the failover log.
+        """The checks of docs/protocol.md §4.1 in order; returns the stream and the failover log.
 
         Raises a status error, or RollbackRequired carrying the seq in its message via
         `RollbackTo`.
@@ -332,7 +336,7 @@ class DcpProducer:
         task = self.streams.get(vb)
         if task is not None and not task.done():
             raise KeyExists(f"a stream for partition {vb} is already open")
-        # 8. the producer rule (§4.2)
+        # 8. the producer rule (docs/protocol.md §4.2)
         decision = needs_rollback(
             part.failover, start=start, uuid=uuid, snap_start=snap_start, snap_end=snap_end,
             high=high, purge_seq=0 if flags & S_IGNORE_PURGED else part.purge_seq,
@@ -437,7 +441,7 @@ class DcpProducer:
         return task is not None and not task.done()
 
     async def close_stream(self, vb: int) -> None:
-        """DCP_CLOSE_STREAM (§2.3): KEY_ENOENT if none; STREAM_END(1) only if asked for."""
+        """DCP_CLOSE_STREAM (docs/protocol.md §2.3): KEY_ENOENT if none; STREAM_END(1) if asked."""
         task = self.streams.pop(vb, None)
         spec = self.specs.pop(vb, None)
         if task is None or task.done() or spec is None:
@@ -516,8 +520,9 @@ class DcpProducer:
             if self.bucket.partitions.get(vb) is not part:
                 return END_STATE_CHANGED
             if part.state not in allowed and not (part.state == DEAD and cursor < part.high_seq):
-                # seed 000 rebalance step 4: a partition set dead accepts no more writes,
-                # and its streams first send everything it holds, then end StateChanged
+                # a partition set dead accepts no more writes, and its streams first send
+                # everything it holds, then end StateChanged (the UPR design specification,
+                # "How ns_server performs a partition rebalance", step 4)
                 return END_STATE_CHANGED
             if cursor >= end:
                 return END_OK
@@ -750,7 +755,7 @@ class RollbackTo(Exception):
 
 
 def open_flags_problem(flags: int) -> str | None:
-    """Why DCP_OPEN flags are invalid (§2.1), or None."""
+    """Why DCP_OPEN flags are invalid (docs/protocol.md §2.1), or None."""
     if flags & (OPEN_NOTIFIER | 0x10 | 0x80):
         return f"removed or unused DCP_OPEN flags in 0x{flags:x}"
     if flags & ~0x3FF:
@@ -765,7 +770,7 @@ def open_flags_problem(flags: int) -> str | None:
 
 
 def error_response(opcode: int, opaque: int, status: int, message: str) -> bytes:
-    """A response with a status and an XERROR-style JSON context (§1.5)."""
+    """A response with a status and an XERROR-style JSON context (docs/protocol.md §1.5)."""
     body = json.dumps({"error": {"context": message}}).encode()
     return Response(opcode=opcode, opaque=opaque, status=status, value=body, datatype=1).encode()
 

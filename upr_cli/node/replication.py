@@ -1,16 +1,17 @@
 """Replication into this node's replica and pending partitions (formats/cluster.md §5).
 
-Seed 000 "How KV mutations flow into Replicas": a replica partition is fed by a UPR
-client streaming from its active copy; the replica keeps the seqnos, cas and rev seqs
-it is sent, persists in seq order (the flusher commits each partition's queue in one
-transaction) and records the last complete snapshot it persisted.
+The UPR design specification, "How KV mutations flow into Replicas": a replica partition
+is fed by a UPR client streaming from its active copy; the replica keeps the seqnos, cas
+and rev seqs it is sent, persists in seq order (the flusher commits each partition's queue
+in one transaction) and records the last complete snapshot it persisted.
 
 Theory of operation. The node's cluster map names, per partition, the active node. The
 `Replicator` groups this node's replica and pending partitions by their active node and
 runs one `DcpConsumer` (our client library, one connection) per active node. Each
 stream starts from the partition's own position (its newest failover uuid, high seq and
-snapshot), so the active's producer rule decides any rollback (dcp-wire §4.2); the
-replica adopts the active's whole failover log from the stream response (§4.3).
+snapshot), so the active's producer rule decides any rollback (docs/protocol.md §4.2);
+the replica adopts the active's whole failover log from the stream response
+(docs/protocol.md §4.3).
 
 ROLLBACK(r) takes a partition back to a snapshot boundary, not to r: inside a
 deduplicated snapshot a seq is not a state the source ever had (the UPR design
@@ -26,9 +27,9 @@ restarts the links whose partition set changed. A link that fails (the active di
 NOT_MY_VBUCKET during a rebalance) is restarted after a short wait, against whatever the
 map then says.
 
-Pausing (for staging the seed's walkthrough): `pause(vbs, after)` lets partitions apply
-items up to seq `after` (default: what they have now) and then closes their streams;
-`resume` reopens them from where they stand.
+Pausing (for staging the UPR design specification's walkthrough): `pause(vbs, after)`
+lets partitions apply items up to seq `after` (default: what they have now) and then
+closes their streams; `resume` reopens them from where they stand.
 """
 
 from __future__ import annotations

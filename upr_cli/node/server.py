@@ -1,9 +1,9 @@
-"""The node's front end: the memcached binary protocol on TCP (dcp-wire §5, §9).
+"""The node's front end: the memcached binary protocol on TCP (docs/protocol.md §5, §9).
 
 One `ClientSession` per connection reads frames in order (no unordered execution,
-§1.5) and answers each request before taking the next. Authentication is required
-unless the node runs with `--no-auth` on loopback. Statuses for a misuse, as documented
-in the README: wrong password → AUTH_ERROR (0x20); a bucket command before
+docs/protocol.md §1.5) and answers each request before taking the next. Authentication
+is required unless the node runs with `--no-auth` on loopback. Statuses for a misuse, as
+documented in the README: wrong password → AUTH_ERROR (0x20); a bucket command before
 SELECT_BUCKET → NO_BUCKET (0x08); SELECT_BUCKET or DCP_OPEN before authenticating →
 EACCESS (0x24). A peer sending bytes that do not frame (bad magic, huge lengths) is
 disconnected; the node keeps serving everyone else.
@@ -247,7 +247,7 @@ class NodeServer:
 
     def cluster_config(self, bucket: Bucket) -> dict[str, Any]:
         """The cluster map an orchestrator set (formats/cluster.md), else a terse
-        single-node bucket config (dcp-wire §5.5)."""
+        single-node bucket config (docs/protocol.md §5.5)."""
         if bucket.cluster_map is not None:
             return bucket.cluster_map
         port = self.port
@@ -310,7 +310,7 @@ class ClientSession:
 
     async def run(self) -> None:
         """Read and answer requests until the peer leaves or misbehaves."""
-        # kv_engine's limit for unauthenticated peers; raised after SASL (reliability §4.1)
+        # kv_engine's limit for unauthenticated peers; raised after SASL (docs/protocol.md §1.6)
         self.decoder.max_body = (
             self.server.config.max_body if self.authenticated else UNAUTH_MAX_BODY
         )
@@ -401,7 +401,7 @@ class ClientSession:
     async def handle(self, frame: Frame) -> None:
         """Answer one request; status errors become responses, not disconnects."""
         if frame.magic in RESPONSE_MAGICS:
-            return  # a client's reply: NOOP (§2.12), marker ack, set-vbucket-state
+            return  # a client's reply: NOOP (docs/protocol.md §2.12), marker ack, set-vbucket-state
         if frame.opcode in FAST_STORE and frame.magic == Magic.REQUEST and len(frame.extras) == 8:
             try:
                 self.fast_store(frame)
@@ -423,11 +423,12 @@ class ClientSession:
     def error_reply(self, frame: Frame, exc: StatusError) -> None:
         """The response to a refused request (formats/cluster.md for the first two)."""
         if isinstance(exc, StaleCas) and self.bucket is not None:
-            # the right bucket CAS in the header: the orchestrator retries with it (seed 000)
+            # the right bucket CAS in the header: the orchestrator retries with it
+            # (formats/cluster.md §1)
             self.send(Response(opcode=frame.opcode, opaque=frame.opaque, status=exc.code,
                                cas=self.bucket.state_cas, value=str(exc).encode()))  # fmt: skip
         elif exc.code == Status.NOT_MY_VBUCKET and self.bucket is not None:
-            # the cluster map travels with NOT_MY_VBUCKET (dcp-wire §3)
+            # the cluster map travels with NOT_MY_VBUCKET (docs/protocol.md §3)
             body = json.dumps(self.server.cluster_config(self.bucket)).encode()
             self.send(Response(opcode=frame.opcode, opaque=frame.opaque, status=exc.code,
                                value=body, datatype=1))  # fmt: skip
@@ -494,8 +495,9 @@ class ClientSession:
 
     def check_traffic(self) -> None:
         """ETMPFAIL while front-end traffic is off: a cluster node that restarted serves
-        no data until its orchestrator has given it the current map and states (seed 000,
-        state transitions steps 1-3), so a client holding an older map cannot write to a
+        no data until its orchestrator has given it the current map and states (the UPR
+        design specification, "How ns_server and ep-engine guarantee ordering of partition
+        state transitions", steps 1-3), so a client holding an older map cannot write to a
         copy that is no longer active (formats/cluster.md §3)."""
         if self.bucket is not None and not self.bucket.traffic:
             raise TemporaryFailure(
@@ -604,7 +606,7 @@ class ClientSession:
             raise UnknownCommand(f"opcode 0x{getattr(msg, 'opcode', 0):02x} is not supported")
 
     def sasl(self, msg: SaslAuth | SaslStep) -> None:
-        """SASL PLAIN and SCRAM-SHA512 (dcp-wire §5.2); refused after DCP_OPEN (§2.1)."""
+        """SASL PLAIN and SCRAM-SHA512 (docs/protocol.md §5.2); refused after DCP_OPEN (§2.1)."""
         if self.dcp is not None:
             raise InvalidArguments("SASL is not accepted after DCP_OPEN")
         creds = self.server.credentials
@@ -649,7 +651,10 @@ class ClientSession:
         self.send(Response(opcode=opcode, opaque=msg.opaque, value=payload))
 
     def stats(self, msg: Stat) -> None:
-        """STAT groups `""`, `vbucket [vb]`, `vbucket-seqno [vb]` and `failovers [vb]` (§5.7)."""
+        """STAT groups `""`, `vbucket [vb]`, `vbucket-seqno [vb]` and `failovers [vb]`.
+
+        As docs/protocol.md §5.7 lists them.
+        """
         bucket = self.need_bucket()
         group, _, arg = msg.group.partition(" ")
         parts = sorted(bucket.partitions.items())
@@ -721,7 +726,9 @@ class ClientSession:
             )
             return
         if isinstance(msg, ObserveSeqno):
-            # seed 000: a replica answers too, so a client can wait for replica persistence
+            # a replica answers too, so a client can wait for replica persistence (the UPR
+            # design specification, "How front end clients ensure mutations are replicated
+            # or persisted on a replica"; formats/cluster.md §5)
             part = bucket.partition(vb, active=False)
             if part.state == DEAD:
                 raise NotMyVbucket(f"partition {vb} is dead here")
@@ -837,7 +844,7 @@ class ClientSession:
         if dcp is None:
             raise InvalidArguments("send DCP_OPEN first")
         if isinstance(msg, BufferAck):
-            dcp.sender.ack(msg.acked)  # no response on success (§2.13)
+            dcp.sender.ack(msg.acked)  # no response on success (docs/protocol.md §2.13)
         elif isinstance(msg, Control):
             dcp.control(msg.name, msg.value)
             self.send(Response(opcode=Opcode.DCP_CONTROL, opaque=msg.opaque))

@@ -2,12 +2,13 @@
 
 Theory of operation
 -------------------
-* **Two trees in one table** (couchstore's by-id and by-seq b-trees, seed 000 "How
-  ep-engine streams a consistent snapshot"). `docs` is keyed by (vbucket, key) and
-  holds only the latest version of each key, live or tombstone; the UNIQUE index
-  `docs_by_seq(vbucket, seq)` is the by-seq tree. Writing a newer version of a key
-  replaces its row, so the by-seq tree holds one entry per key: a stream from disk is
-  deduplicated for free. A version must carry a higher seq than the stored one.
+* **Two trees in one table** (couchstore's by-id and by-seq b-trees, the UPR design
+  specification, "How ep-engine streams a consistent snapshot for a partition"). `docs` is
+  keyed by (vbucket, key) and holds only the latest version of each key, live or
+  tombstone; the UNIQUE index `docs_by_seq(vbucket, seq)` is the by-seq tree. Writing a
+  newer version of a key replaces its row, so the by-seq tree holds one entry per key: a
+  stream from disk is deduplicated for free. A version must carry a higher seq than the
+  stored one.
 * **Group commit.** The node's flusher hands `write_batch` everything it drained from
   the write queue; documents and the partition records that describe them (high seq,
   last complete snapshot) commit in ONE transaction, with `executemany`. In WAL mode
@@ -19,13 +20,14 @@ Theory of operation
   one write at a time) and any number of `StorageReader` connections, one per worker
   thread. A `Backfill` reads one partition inside one read transaction: WAL mode gives
   it a fixed snapshot while the writer keeps committing, so the rows it returns and
-  its `high_seq` agree with each other, as a DCP snapshot must (dcp-wire §4).
+  its `high_seq` agree with each other, as a DCP snapshot must (docs/protocol.md §4).
 * **64-bit values.** SQLite integers are signed 64-bit. Every u64 column (seq, rev_seq,
   cas, and the partition seqnos) is stored as its two's complement i64, so values up to
-  2^64-1 round-trip; failover logs are JSON with decimal strings (STYLE 8). Ordering
-  and comparisons in SQL are signed, so the by-seq order, `after_seq`, `high_seq`,
-  purge and rollback are exact only for seqs < 2^63, which is the range ep-engine ever
-  hands out. The seq-regression check of `write_batch` compares as unsigned.
+  2^64-1 round-trip; failover logs are JSON with decimal strings (docs/design.md
+  "Conventions"). Ordering and comparisons in SQL are signed, so the by-seq order,
+  `after_seq`, `high_seq`, purge and rollback are exact only for seqs < 2^63, which is the
+  range ep-engine ever hands out. The seq-regression check of `write_batch` compares as
+  unsigned.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Sans-IO memcached binary protocol + DCP codec: bytes in, frames and messages out.
 
 No socket, asyncio or file API is imported here (a test checks); the client, the node,
-replay and the tests all drive this same code (STYLE 1).
+replay and the tests all drive this same code.
 """
 
 from upr_cli.protocol.decoder import DEFAULT_MAX_BODY, Frame, FrameDecoder

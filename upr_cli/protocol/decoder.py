@@ -3,9 +3,9 @@
 Theory of operation. Received chunks are kept as a list and joined only when the
 next frame is complete, so feeding a large frame one byte at a time stays linear.
 The header is validated as soon as its 24 bytes are present (magic, body limit,
-framing+extras+key fitting in the body, dcp-wire §1.1/§1.3), before the declared body
-is waited for or allocated. Frames hold memoryview slices of the received buffer:
-no per-frame copy of keys or values. After an error the decoder is poisoned and
+framing+extras+key fitting in the body, docs/protocol.md §1.1/§1.3), before the declared
+body is waited for or allocated. Frames hold memoryview slices of the received buffer: no
+per-frame copy of keys or values. After an error the decoder is poisoned and
 raises the same error again. For any input it yields frames or raises
 `RemoteProtocolError`, nothing else.
 """
@@ -18,13 +18,14 @@ from typing import NamedTuple
 from upr_cli.errors import RemoteProtocolError
 from upr_cli.protocol.header import ALT_MAGICS, HEADER, HEADER_LEN, VALID_MAGICS, Opcode
 
-# Header + DCP_MUTATION extras in one call (dcp-wire §1.1 + §2.8): 24 + 31 = 55 bytes.
+# Header + DCP_MUTATION extras in one call (docs/protocol.md §1.1 + §2.8): 24 + 31 = 55 bytes.
 MUTATION_FRAME = struct.Struct(">BBHBBHIIQ" + "QQIIIHB")
 _MUT_FIXED = MUTATION_FRAME.size
-_MUT_EXTRAS = struct.Struct(">QQIIIHB")  # §2.8
-_DEL_V1 = struct.Struct(">QQH")  # §2.9 v1: by_seqno, rev_seqno, nmeta
-_DEL_V2 = struct.Struct(">QQIB")  # §2.9 v2: by_seqno, rev_seqno, delete_time, unused
-_EXPIRY = struct.Struct(">QQI")  # §2.10: by_seqno, rev_seqno, delete_time
+_MUT_EXTRAS = struct.Struct(">QQIIIHB")  # docs/protocol.md §2.8
+_DEL_V1 = struct.Struct(">QQH")  # docs/protocol.md §2.9 v1: by_seqno, rev_seqno, nmeta
+# docs/protocol.md §2.9 v2: by_seqno, rev_seqno, delete_time, unused
+_DEL_V2 = struct.Struct(">QQIB")
+_EXPIRY = struct.Struct(">QQI")  # docs/protocol.md §2.10: by_seqno, rev_seqno, delete_time
 # Plain ints (not the IntEnum members): they are compared and stored per record.
 OP_MUTATION = int(Opcode.DCP_MUTATION)
 OP_DELETION = int(Opcode.DCP_DELETION)
@@ -40,8 +41,8 @@ def data_fields(
 ) -> tuple[int, int, int, int, int]:
     """(by_seqno, rev_seqno, flags, expiration, delete_time) from a data record's extras.
 
-    Mutation §2.8 (31 B), deletion v1/v2 §2.9 (18/21 B), expiration §2.10 (20 B);
-    any other length raises RemoteProtocolError.
+    Mutation docs/protocol.md §2.8 (31 B), deletion v1/v2 docs/protocol.md §2.9 (18/21 B),
+    expiration docs/protocol.md §2.10 (20 B); any other length raises RemoteProtocolError.
     """
     if opcode == OP_MUTATION and extlen == 31:
         seq, rev, flags, exp, _lock, _nmeta, _nru = _MUT_EXTRAS.unpack_from(buf, p)
@@ -103,7 +104,7 @@ class Frame(NamedTuple):
 
     @property
     def size(self) -> int:
-        """Full wire size: header plus body (what DCP flow control counts, dcp-wire §7.1)."""
+        """Full wire size: header plus body (what flow control counts, docs/protocol.md §7.1)."""
         return HEADER_LEN + len(self.framing) + len(self.extras) + len(self.key) + len(self.value)
 
 
@@ -141,7 +142,7 @@ class FrameDecoder:
 
     @property
     def consumed(self) -> int:
-        """Total bytes of all frames returned so far (DCP flow control counts them, §7.1)."""
+        """Total bytes of all frames returned so far (what docs/protocol.md §7.1 counts)."""
         return self._consumed
 
     @property
@@ -219,7 +220,7 @@ class FrameDecoder:
     def max_body(self, value: int) -> None:
         self._max_body = value
 
-    # spec-shaped: one tuned loop over the wire layout of docs/protocol.md "Data records";
+    # spec-shaped: one tuned loop over the wire layout of docs/protocol.md §2.8-§2.10;
     # kept whole, since a call per record would cost the rate bench/codec.py measures.
     def read_rows(self, limit: int = 1024, *, data_rows: bool = True) -> list[DcpRecord | Frame]:
         """The DCP fast path: up to `limit` items, data records as `DcpRecord`, the rest as Frames.

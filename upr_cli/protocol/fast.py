@@ -4,7 +4,7 @@ A `Mutation` dataclass costs about 2 µs to build; a backup streams millions of 
 `FrameDecoder.read_rows` decodes a mutation's header and extras in one precompiled
 `struct` call and leaves key and value as memoryview slices of the received buffer
 (no per-frame copy). Rows are what sinks batch into segment blocks or `executemany`
-(DESIGN "Performance"). This module adds the record type, the fallback for frames the
+(docs/design.md "Performance"). This module adds the record type, the fallback for frames the
 row path hands back, and the producer's one-call mutation encoder.
 """
 
@@ -82,7 +82,7 @@ def encode_mutation(
 
 # -- KV fast paths (the load generator and the node's SET path) --------------------
 
-_SET_FRAME = struct.Struct(">BBHBBHIIQII")  # header + SET extras: flags, expiration (§5, SET)
+_SET_FRAME = struct.Struct(">BBHBBHIIQII")  # header + SET extras (docs/protocol.md §11)
 _STORE_RESPONSE = struct.Struct(">BBHBBHIIQ")
 _STORE_RESPONSE_SEQ = struct.Struct(">BBHBBHIIQQQ")  # + u64 vbucket uuid, u64 seqno
 

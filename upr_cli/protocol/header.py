@@ -1,8 +1,9 @@
 """The 24-byte memcached binary header, magics, opcodes, datatype bits and frame extras.
 
-dcp-wire §1.1 (classic header), §1.3 (alternate header with flexible framing extras:
-byte 2 is the framing-extras length, byte 3 the key length), §1.4 (datatype), §2 and
-§5.1 (opcodes, HELLO features). All integers are big-endian.
+docs/protocol.md §1.1 (classic header), §1.3 (alternate header with flexible framing
+extras: byte 2 is the framing-extras length, byte 3 the key length), docs/protocol.md §1.4
+(datatype), docs/protocol.md §2 and §5.1 (opcodes, HELLO features). All integers are
+big-endian.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ ALT_HEADER = struct.Struct(">BBBBBBHIIQ")
 
 
 class Magic(IntEnum):
-    """Byte 0 of every packet (dcp-wire §1.2)."""
+    """Byte 0 of every packet (docs/protocol.md §1.2)."""
 
     REQUEST = 0x80
     RESPONSE = 0x81
@@ -36,7 +37,7 @@ VALID_MAGICS = frozenset(int(m) for m in Magic)
 
 
 class Opcode(IntEnum):
-    """Opcodes used by upr (dcp-wire §2, §5, §6)."""
+    """Opcodes used by upr (docs/protocol.md §2, §5, §6)."""
 
     GET = 0x00
     SET = 0x01
@@ -68,7 +69,7 @@ class Opcode(IntEnum):
     DCP_SYSTEM_EVENT = 0x5F
     DCP_SEQNO_ADVANCED = 0x64
     SELECT_BUCKET = 0x89
-    ENABLE_TRAFFIC = 0x8D  # front-end traffic on/off (seed 000; formats/cluster.md §3)
+    ENABLE_TRAFFIC = 0x8D  # front-end traffic on/off (formats/cluster.md §3)
     DISABLE_TRAFFIC = 0x8E
     OBSERVE_SEQNO = 0x91
     GET_FAILOVER_LOG = 0x96
@@ -81,7 +82,7 @@ class Opcode(IntEnum):
 
 
 class Datatype(IntFlag):
-    """Datatype bits of header byte 5 (dcp-wire §1.4)."""
+    """Datatype bits of header byte 5 (docs/protocol.md §1.4)."""
 
     RAW = 0x00
     JSON = 0x01
@@ -90,7 +91,7 @@ class Datatype(IntFlag):
 
 
 class Feature(IntEnum):
-    """HELLO feature codes (dcp-wire §5.1) that upr names."""
+    """HELLO feature codes (docs/protocol.md §5.1) that upr names."""
 
     TCP_NODELAY = 0x03
     MUTATION_SEQNO = 0x04
@@ -109,7 +110,7 @@ class Feature(IntEnum):
 
 
 class FrameId(IntEnum):
-    """Request frame-info ids (dcp-wire §1.3)."""
+    """Request frame-info ids (docs/protocol.md §1.3)."""
 
     BARRIER = 0
     DURABILITY = 1

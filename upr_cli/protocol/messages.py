@@ -1,10 +1,11 @@
-"""Every message upr speaks, as frozen slotted dataclasses; one schema each (STYLE 2).
+"""Every message upr speaks, as frozen slotted dataclasses; one schema each.
 
 Requests carry `vbucket` (header bytes 6-7), responses `status`. All carry `opaque`,
-`cas`, `datatype`, an optional DCP `stream_id` (frame info 2, dcp-wire §1.3) and any
-other frame infos verbatim. `decode_message(frame)` picks the class by magic, opcode,
-status and extras length; unknown requests become `UnknownRequest`, responses without
-a structured body `Response`. Layouts cite dcp-wire sections; offsets live only there.
+`cas`, `datatype`, an optional DCP `stream_id` (frame info 2, docs/protocol.md §1.3) and
+any other frame infos verbatim. `decode_message(frame)` picks the class by magic, opcode,
+status and extras length; unknown requests become `UnknownRequest`, responses without a
+structured body `Response`. Layouts cite docs/protocol.md sections; offsets live only
+there.
 """
 
 from __future__ import annotations
@@ -255,7 +256,7 @@ class Response(ResponseMessage):
     """Any response without a structured body: status plus raw extras, key, value.
 
     Error responses land here; their value may be an XERROR JSON body or, for
-    NOT_MY_VBUCKET, a cluster config (dcp-wire §1.5, §3).
+    NOT_MY_VBUCKET, a cluster config (docs/protocol.md §1.5, §3).
     """
 
     SCHEMA = Schema(opcodes=(), response=True, key=("key", RAW), value=("value", RAW))
@@ -273,12 +274,12 @@ class Response(ResponseMessage):
         return self.extras, self.key, self.value
 
 
-# ---------------------------------------------------------------- bootstrap (dcp-wire §5)
+# ---------------------------------------------------------------- bootstrap (docs/protocol.md §5)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hello(Request):
-    """HELLO 0x1f: key = user agent, value = u16 feature codes (§5.1)."""
+    """HELLO 0x1f: key = user agent, value = u16 feature codes (docs/protocol.md §5.1)."""
 
     SCHEMA = Schema(opcodes=(Opcode.HELLO,), key=("agent", TEXT), value=("features", U16_LIST))
     agent: str = ""
@@ -297,7 +298,7 @@ class HelloResponse(ResponseMessage):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SaslListMechs(Request):
-    """SASL_LIST_MECHS 0x20: empty request (§5.2)."""
+    """SASL_LIST_MECHS 0x20: empty request (docs/protocol.md §5.2)."""
 
     SCHEMA = Schema(opcodes=(Opcode.SASL_LIST_MECHS,))
 
@@ -322,7 +323,7 @@ class SaslListMechsResponse(ResponseMessage):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SaslAuth(Request):
-    """SASL_AUTH 0x21: key = mechanism, value = first client message (§5.2)."""
+    """SASL_AUTH 0x21: key = mechanism, value = first client message (docs/protocol.md §5.2)."""
 
     SCHEMA = Schema(opcodes=(Opcode.SASL_AUTH,), key=("mechanism", TEXT), value=("payload", RAW))
     mechanism: str
@@ -331,7 +332,7 @@ class SaslAuth(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SaslStep(Request):
-    """SASL_STEP 0x22: key = mechanism, value = next client message (§5.2)."""
+    """SASL_STEP 0x22: key = mechanism, value = next client message (docs/protocol.md §5.2)."""
 
     SCHEMA = Schema(opcodes=(Opcode.SASL_STEP,), key=("mechanism", TEXT), value=("payload", RAW))
     mechanism: str
@@ -340,7 +341,7 @@ class SaslStep(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SelectBucket(Request):
-    """SELECT_BUCKET 0x89: key = bucket name (§5.3)."""
+    """SELECT_BUCKET 0x89: key = bucket name (docs/protocol.md §5.3)."""
 
     SCHEMA = Schema(opcodes=(Opcode.SELECT_BUCKET,), key=("bucket", TEXT))
     bucket: str
@@ -348,7 +349,7 @@ class SelectBucket(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GetErrorMap(Request):
-    """GET_ERROR_MAP 0xfe: value = u16 highest map version understood (§5.4)."""
+    """GET_ERROR_MAP 0xfe: value = u16 highest map version understood (docs/protocol.md §5.4)."""
 
     SCHEMA = Schema(opcodes=(Opcode.GET_ERROR_MAP,), value=("version", U16))
     version: int = 2
@@ -356,7 +357,7 @@ class GetErrorMap(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GetClusterConfig(Request):
-    """GET_CLUSTER_CONFIG 0xb5: extras empty or i64 epoch + i64 revision known (§5.5)."""
+    """GET_CLUSTER_CONFIG 0xb5: extras empty or i64 epoch + revision (docs/protocol.md §5.5)."""
 
     SCHEMA = Schema(
         opcodes=(Opcode.GET_CLUSTER_CONFIG,),
@@ -368,7 +369,7 @@ class GetClusterConfig(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Stat(Request):
-    """STAT 0x10: key = stat group, empty for the default group (§5.7)."""
+    """STAT 0x10: key = stat group, empty for the default group (docs/protocol.md §5.7)."""
 
     SCHEMA = Schema(opcodes=(Opcode.STAT,), key=("group", TEXT))
     group: str = ""
@@ -376,7 +377,7 @@ class Stat(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatResponse(ResponseMessage):
-    """One stat of a STAT reply; an empty name and value end the list (§5.7)."""
+    """One stat of a STAT reply; an empty name and value end the list (docs/protocol.md §5.7)."""
 
     SCHEMA = Schema(
         opcodes=(Opcode.STAT,),
@@ -457,7 +458,7 @@ class Delete(Request):
     key: bytes
 
 
-# dcp-wire §6: flags, expiration, rev_seqno, cas [, u32 options] [, u16 nmeta]
+# docs/protocol.md §6: flags, expiration, rev_seqno, cas [, u32 options] [, u16 nmeta]
 _META_BASE = (("flags", "I"), ("expiration", "I"), ("rev_seqno", "Q"), ("item_cas", "Q"))
 _WITH_META_EXTRAS = (
     layout(*_META_BASE),
@@ -469,7 +470,10 @@ _WITH_META_EXTRAS = (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SetWithMeta(Request):
-    """SET_WITH_META 0xa2: store with the original metadata (§6); extras 24/26/28/30 B."""
+    """SET_WITH_META 0xa2: store with the original metadata, extras 24/26/28/30 B.
+
+    The layout is docs/protocol.md §6.
+    """
 
     SCHEMA = Schema(
         opcodes=(Opcode.SET_WITH_META,),
@@ -489,7 +493,7 @@ class SetWithMeta(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DelWithMeta(SetWithMeta):
-    """DEL_WITH_META 0xa8: delete with the original metadata (§6)."""
+    """DEL_WITH_META 0xa8: delete with the original metadata (docs/protocol.md §6)."""
 
     SCHEMA = Schema(
         opcodes=(Opcode.DEL_WITH_META,),
@@ -573,7 +577,10 @@ class ObserveSeqnoResponse(ResponseMessage):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GetAllVbSeqnos(Request):
-    """GET_ALL_VB_SEQNOS 0x48: extras empty, u32 state, or state + u32 collection (§2.19)."""
+    """GET_ALL_VB_SEQNOS 0x48: extras empty, u32 state, or state + u32 collection.
+
+    The layout is docs/protocol.md §2.19.
+    """
 
     SCHEMA = Schema(
         opcodes=(Opcode.GET_ALL_VB_SEQNOS,),
@@ -600,12 +607,12 @@ class GetAllVbSeqnosResponse(ResponseMessage):
     seqnos: tuple[tuple[int, int], ...] = ()
 
 
-# ---------------------------------------------------------------- DCP (dcp-wire §2)
+# ---------------------------------------------------------------- DCP (docs/protocol.md §2)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DcpOpen(Request):
-    """DCP_OPEN 0x50: extras u32 reserved, u32 flags; key = connection name (§2.1)."""
+    """DCP_OPEN 0x50: extras u32 reserved, u32 flags; key = name (docs/protocol.md §2.1)."""
 
     SCHEMA = Schema(
         opcodes=(Opcode.DCP_OPEN,),
@@ -621,7 +628,7 @@ class DcpOpen(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AddStream(Request):
-    """DCP_ADD_STREAM 0x51: extras u32 stream flags (§2.2)."""
+    """DCP_ADD_STREAM 0x51: extras u32 stream flags (docs/protocol.md §2.2)."""
 
     SCHEMA = Schema(opcodes=(Opcode.DCP_ADD_STREAM,), extras=(layout(("flags", "I")),))
     flags: int = 0
@@ -642,7 +649,7 @@ class AddStreamResponse(ResponseMessage):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CloseStream(Request):
-    """DCP_CLOSE_STREAM 0x52: vbucket in the header, no body (§2.3)."""
+    """DCP_CLOSE_STREAM 0x52: vbucket in the header, no body (docs/protocol.md §2.3)."""
 
     SCHEMA = Schema(opcodes=(Opcode.DCP_CLOSE_STREAM,))
 
@@ -652,7 +659,7 @@ STREAM_FOREVER = 0xFFFFFFFFFFFFFFFF
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamRequest(Request):
-    """DCP_STREAM_REQ 0x53: 48-byte extras (§2.4); value JSON only with collections."""
+    """DCP_STREAM_REQ 0x53: 48-byte extras (docs/protocol.md §2.4); JSON value for collections."""
 
     SCHEMA = Schema(
         opcodes=(Opcode.DCP_STREAM_REQ,),
@@ -681,7 +688,10 @@ class StreamRequest(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamRequestOk(ResponseMessage):
-    """STREAM_REQ SUCCESS: value = failover log, {u64 uuid, u64 seqno} newest first (§2.4)."""
+    """STREAM_REQ SUCCESS: value = failover log, {u64 uuid, u64 seqno} newest first.
+
+    The layout is docs/protocol.md §2.4.
+    """
 
     SCHEMA = Schema(
         opcodes=(Opcode.DCP_STREAM_REQ,),
@@ -694,7 +704,7 @@ class StreamRequestOk(ResponseMessage):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamRequestRollback(ResponseMessage):
-    """STREAM_REQ ROLLBACK 0x23: value = u64 rollback seqno (§2.4)."""
+    """STREAM_REQ ROLLBACK 0x23: value = u64 rollback seqno (docs/protocol.md §2.4)."""
 
     SCHEMA = Schema(
         opcodes=(Opcode.DCP_STREAM_REQ,),
@@ -708,7 +718,7 @@ class StreamRequestRollback(ResponseMessage):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GetFailoverLog(Request):
-    """DCP_GET_FAILOVER_LOG 0x54 (0x96 on plain connections): no body (§2.5)."""
+    """DCP_GET_FAILOVER_LOG 0x54 (0x96 on plain connections): no body (docs/protocol.md §2.5)."""
 
     SCHEMA = Schema(opcodes=(Opcode.DCP_GET_FAILOVER_LOG, Opcode.GET_FAILOVER_LOG))
     opcode: int = Opcode.DCP_GET_FAILOVER_LOG
@@ -716,7 +726,7 @@ class GetFailoverLog(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FailoverLogResponse(ResponseMessage):
-    """GET_FAILOVER_LOG reply: the failover log, newest first (§2.5)."""
+    """GET_FAILOVER_LOG reply: the failover log, newest first (docs/protocol.md §2.5)."""
 
     SCHEMA = Schema(
         opcodes=(Opcode.DCP_GET_FAILOVER_LOG, Opcode.GET_FAILOVER_LOG),
@@ -730,7 +740,7 @@ class FailoverLogResponse(ResponseMessage):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamEnd(Request):
-    """DCP_STREAM_END 0x55: extras u32 end status (§2.6)."""
+    """DCP_STREAM_END 0x55: extras u32 end status (docs/protocol.md §2.6)."""
 
     SCHEMA = Schema(opcodes=(Opcode.DCP_STREAM_END,), extras=(layout(("status", "I")),))
     status: int = 0
@@ -738,7 +748,7 @@ class StreamEnd(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SnapshotMarker(Request):
-    """DCP_SNAPSHOT_MARKER 0x56 v1: 20-byte extras start, end, flags (§2.7)."""
+    """DCP_SNAPSHOT_MARKER 0x56 v1: 20-byte extras start, end, flags (docs/protocol.md §2.7)."""
 
     SCHEMA = Schema(
         opcodes=(Opcode.DCP_SNAPSHOT_MARKER,),
@@ -801,7 +811,7 @@ MUTATION_EXTRAS = layout(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Mutation(Request):
-    """DCP_MUTATION 0x57: 31-byte extras (§2.8); CAS and datatype in the header."""
+    """DCP_MUTATION 0x57: 31-byte extras (docs/protocol.md §2.8); CAS and datatype in the header."""
 
     SCHEMA = Schema(
         opcodes=(Opcode.DCP_MUTATION,),
@@ -828,7 +838,7 @@ DELETION_V2_EXTRAS = layout(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Deletion(Request):
-    """DCP_DELETION 0x58 v1: 18-byte extras (§2.9)."""
+    """DCP_DELETION 0x58 v1: 18-byte extras (docs/protocol.md §2.9)."""
 
     SCHEMA = Schema(
         opcodes=(Opcode.DCP_DELETION,),
@@ -845,7 +855,7 @@ class Deletion(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeletionV2(Request):
-    """DCP_DELETION 0x58 v2 (IncludeDeleteTimes): 21-byte extras (§2.9)."""
+    """DCP_DELETION 0x58 v2 (IncludeDeleteTimes): 21-byte extras (docs/protocol.md §2.9)."""
 
     SCHEMA = Schema(
         opcodes=(Opcode.DCP_DELETION,),
@@ -866,7 +876,7 @@ EXPIRATION_EXTRAS = layout(("by_seqno", "Q"), ("rev_seqno", "Q"), ("delete_time"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Expiration(Request):
-    """DCP_EXPIRATION 0x59: 20-byte extras (§2.10)."""
+    """DCP_EXPIRATION 0x59: 20-byte extras (docs/protocol.md §2.10)."""
 
     SCHEMA = Schema(
         opcodes=(Opcode.DCP_EXPIRATION,),
@@ -883,7 +893,10 @@ class Expiration(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SetVbucketState(Request):
-    """DCP_SET_VBUCKET_STATE 0x5b: extras u8 state (1 active … 4 dead), optional JSON (§2.11)."""
+    """DCP_SET_VBUCKET_STATE 0x5b: extras u8 state (1 active … 4 dead), optional JSON.
+
+    The layout is docs/protocol.md §2.11.
+    """
 
     SCHEMA = Schema(
         opcodes=(Opcode.DCP_SET_VBUCKET_STATE,),
@@ -919,8 +932,9 @@ class SetClusterConfig(Request):
 class EnableTraffic(Request):
     """ENABLE_TRAFFIC 0x8d: no body. A cluster node starts with front-end traffic off
     (data commands and stream requests answer ETMPFAIL) until its orchestrator has
-    given it the map and states (seed 000, state transitions step 3; formats/cluster.md
-    §3)."""
+    given it the map and states (formats/cluster.md §3; the UPR design specification,
+    "How ns_server and ep-engine guarantee ordering of partition state transitions",
+    step 3)."""
 
     SCHEMA = Schema(opcodes=(Opcode.ENABLE_TRAFFIC,))
 
@@ -948,14 +962,14 @@ class SetParam(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Noop(Request):
-    """DCP_NOOP 0x5c: no body; the client must answer with the same opaque (§2.12)."""
+    """DCP_NOOP 0x5c: no body; the client answers with the same opaque (docs/protocol.md §2.12)."""
 
     SCHEMA = Schema(opcodes=(Opcode.DCP_NOOP,))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BufferAck(Request):
-    """DCP_BUFFER_ACKNOWLEDGEMENT 0x5d: extras u32 bytes processed (§2.13, §7.1)."""
+    """DCP_BUFFER_ACKNOWLEDGEMENT 0x5d: extras u32 bytes processed (docs/protocol.md §2.13)."""
 
     SCHEMA = Schema(opcodes=(Opcode.DCP_BUFFER_ACKNOWLEDGEMENT,), extras=(layout(("acked", "I")),))
     acked: int
@@ -963,7 +977,7 @@ class BufferAck(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Control(Request):
-    """DCP_CONTROL 0x5e: key = control name, value = string (§2.14)."""
+    """DCP_CONTROL 0x5e: key = control name, value = string (docs/protocol.md §2.14)."""
 
     SCHEMA = Schema(opcodes=(Opcode.DCP_CONTROL,), key=("name", TEXT), value=("value", TEXT))
     name: str
@@ -972,7 +986,7 @@ class Control(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SeqnoAdvanced(Request):
-    """DCP_SEQNO_ADVANCED 0x64: extras u64 seqno (§2.16)."""
+    """DCP_SEQNO_ADVANCED 0x64: extras u64 seqno (docs/protocol.md §2.16)."""
 
     SCHEMA = Schema(opcodes=(Opcode.DCP_SEQNO_ADVANCED,), extras=(layout(("by_seqno", "Q")),))
     by_seqno: int
@@ -980,7 +994,7 @@ class SeqnoAdvanced(Request):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SystemEvent(Request):
-    """DCP_SYSTEM_EVENT 0x5f: extras u64 seqno, u32 event, u8 version (§2.15)."""
+    """DCP_SYSTEM_EVENT 0x5f: extras u64 seqno, u32 event, u8 version (docs/protocol.md §2.15)."""
 
     SCHEMA = Schema(
         opcodes=(Opcode.DCP_SYSTEM_EVENT,),

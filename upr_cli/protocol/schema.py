@@ -4,7 +4,7 @@ A `Schema` names the opcode(s), whether the message is a request or a response, 
 extras layout(s), and how the key and value map to fields. Byte offsets live only in
 `Layout`s (a precompiled big-endian `struct`), so no offset is written twice. A layout
 tuple with several variants is chosen by length on decode and by which optional
-fields are set on encode (e.g. SET_WITH_META's 24/26/28/30-byte extras, dcp-wire §6).
+fields are set on encode (e.g. SET_WITH_META's 24/26/28/30-byte extras, docs/protocol.md §6).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Memcached binary-protocol status codes, each a named error class (dcp-wire §3).
+"""Memcached binary-protocol status codes, each a named error class (docs/protocol.md §3).
 
 `error_for_status(code)` returns the class for a code; unknown codes get
 `UnknownStatus`. `retriable` says whether the same request may succeed later
@@ -86,7 +86,7 @@ def _status_error(
     return cls
 
 
-# One class per status of dcp-wire §3 (plus the KV statuses SET/GET return).
+# One class per status of docs/protocol.md §3 (plus the KV statuses SET/GET return).
 KeyNotFound = _status_error("KeyNotFound", Status.KEY_ENOENT, "KEY_ENOENT: no such key or stream.")
 KeyExists = _status_error(
     "KeyExists", Status.KEY_EEXISTS, "KEY_EEXISTS: key or stream exists / CAS mismatch."

@@ -1,20 +1,21 @@
 """Chain semantics: which records of which backups make up a partition's state.
 
-Theory of operation (the normative statement with examples is formats/repository.md
-§8 "Chains"; docs/design.md explains positions and rollbacks): backups of one
-bucket are ordered by id. For partition p, a backup J holds the records of its stream
-(start_J, end_J]. The state at backup K takes from each backup J ≤ K only the records
-with seq ≤ cut(J, K), where cut(J, K) is the lowest start seq of any backup after J up
-to K, and ∞ (`NO_CUT`) for J = K. Only backups that hold p take part: a backup without
-p neither contributes records nor cuts. Because every later backup starts at or above
-each cut, the kept ranges are disjoint and increase with the backup, so "latest seq per
-key wins" is also "latest backup wins". Records above a cut are lost writes: a former
-master acknowledged them, the new branch does not have them; they stay addressable.
+Theory of operation (the normative statement with examples is formats/repository.md §8
+"Chains"; docs/design.md explains positions and rollbacks): backups of one bucket are
+ordered by id. For partition p, a backup J holds the records of its stream (start_J,
+end_J]. The state at backup K takes from each backup J ≤ K only the records with seq ≤
+cut(J, K), where cut(J, K) is the lowest start seq of any backup after J up to K, and ∞
+(`NO_CUT`) for J = K. Only backups that hold p take part: a backup without p neither
+contributes records nor cuts. Because every later backup starts at or above each cut,
+the kept ranges are disjoint and increase with the backup, so "latest seq per key wins"
+is also "latest backup wins". Records above a cut are lost writes: a former master
+acknowledged them, the new branch does not have them; they stay addressable.
 
-Before any of this is used, a reader checks that the chain it needs is whole (§8.8):
-`needed_from` says which backups the state at K can depend on, and within them no
-manifest may be damaged, no parent missing (`broken_parents`), no seq uncovered
-(`coverage_gaps`); `Repository.chain` does the checking and names the missing piece.
+Before any of this is used, a reader checks that the chain it needs is whole
+(formats/repository.md §8.8): `needed_from` says which backups the state at K can depend
+on, and within them no manifest may be damaged, no parent missing (`broken_parents`), no
+seq uncovered (`coverage_gaps`); `Repository.chain` does the checking and names the
+missing piece.
 
 Everything here is pure: functions of manifests, no I/O.
 """
@@ -166,7 +167,8 @@ def _agreement(j: PartitionEntry, later: PartitionEntry) -> int:
     """
     if later.start_seq > 0:
         # a rollback onto a snapshot boundary starts below where the histories part:
-        # the records up to the rule's answer are streamed again, not lost (§5.5)
+        # the records up to the rule's answer are streamed again, not lost
+        # (formats/repository.md §5.5)
         if later.rollback is not None:
             return max(later.start_seq, min(later.rollback.branch_seq, later.rollback.from_seq))
         return later.start_seq
@@ -186,7 +188,10 @@ def _lost_cuts(held: list[Held]) -> list[int]:
 
 
 def lost_cut(manifests: Sequence[Manifest], partition: int, j: BackupId, k: BackupId) -> int:
-    """lost_cut(J, K): J's records above it are lost writes at K (§8.3); `NO_CUT` if none."""
+    """lost_cut(J, K): J's records above it are lost writes at K; `NO_CUT` if none.
+
+    As formats/repository.md §8.3 defines it.
+    """
     held = _holding(manifests, partition, k)
     for (bid, _e), c in zip(held, _lost_cuts(held), strict=True):
         if bid == j:
@@ -198,7 +203,7 @@ def lost_ranges(
     manifests: Sequence[Manifest], partition: int, *, at: BackupId | None = None
 ) -> list[SeqRange]:
     """Per backup, the seqs (from, to] above its lost cut at `at` (default: newest): the
-    writes the history that continued does not have (§8.3)."""
+    writes the history that continued does not have (formats/repository.md §8.3)."""
     held = _holding(manifests, partition, at)
     out = []
     for (bid, entry), c in zip(held, _lost_cuts(held), strict=True):
@@ -272,7 +277,7 @@ def broken_parents(manifests: Sequence[Manifest]) -> list[ParentMismatch]:
     out = []
     previous: Manifest | None = None
     for m in ordered(manifests):
-        # a merge stands in for the backup it merges through (formats/repository.md §8.6)
+        # a merge stands in for the backup it merges through (formats/repository.md §8.9)
         allowed = set() if previous is None else {previous.backup_id, previous.merged_through}
         if not m.full and m.parent not in allowed:
             before = None if previous is None else previous.backup_id
@@ -284,8 +289,9 @@ def broken_parents(manifests: Sequence[Manifest]) -> list[ParentMismatch]:
 def needed_from(manifests: Sequence[Manifest], at: BackupId) -> BackupId | None:
     """The oldest backup the state at `at` can depend on (formats/repository.md §8.8):
     the newest full backup up to `at` that holds every partition any backup up to `at`
-    holds (it starts them all at 0, so every earlier backup is cut away, §8.1), or None
-    when there is none and the whole chain up to `at` counts."""
+    holds (it starts them all at 0, so every earlier backup is cut away,
+    formats/repository.md §8.1), or None when there is none and the whole chain up to `at`
+    counts."""
     upto = [m for m in ordered(manifests) if m.backup_id <= at]
     held = {e.partition for m in upto for e in m.partitions}
     for m in reversed(upto):

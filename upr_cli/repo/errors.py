@@ -1,7 +1,7 @@
 """Errors of the backup repository (formats/repository.md).
 
 Every message is one line that names the file or directory at fault, so the CLI can print
-it as it is (STYLE 4).
+it as it is.
 """
 
 from __future__ import annotations

@@ -15,13 +15,14 @@ loses nothing. Hence:
 * a directory with neither file is an interrupted run: the next run reuses it (resume)
   or `sweep` removes it. `sweep` runs under the bucket's lock and never removes a
   directory holding either file, whatever state it is in, nor one that a committed
-  backup names as its parent, nor any that a damaged manifest could name (§4.4);
+  backup names as its parent, nor any that a damaged manifest could name
+  (formats/repository.md §4.4);
 * commits go forward only: a new backup id sorts after every committed one, and an
   incremental manifest's parent is the newest committed backup, so id order is chain
-  order (§8);
+  order (formats/repository.md §8);
 * readers and backups take the chain through `chain`, which refuses a chain that is not
   whole (a damaged manifest, a missing parent, a seq gap) with an error naming the
-  missing piece (§8.8), instead of reading around it.
+  missing piece (formats/repository.md §8.8), instead of reading around it.
 
 Every path is built from the tested format/parse pairs in `names`.
 """
@@ -401,9 +402,9 @@ class Repository:
         self, bucket: str, manifests: Sequence[Manifest], at: BackupId,
         partitions: Iterable[int] | None = None,
     ) -> list[str]:  # fmt: skip
-        """The segment files the state at `at` reads (§8.2) that are missing or whose size
-        differs from their manifest's, each as one line naming the file: a cheap check
-        (no file is read) made before anything is written."""
+        """The segment files the state at `at` reads (formats/repository.md §8.2) that are
+        missing or whose size differs from their manifest's, each as one line naming the
+        file: a cheap check (no file is read) made before anything is written."""
         chain = ordered(manifests)
         held = sorted({e.partition for m in chain if m.backup_id <= at for e in m.partitions})
         wanted = held if partitions is None else [p for p in held if p in set(partitions)]
@@ -437,8 +438,8 @@ class Repository:
         """Create (or reuse, when uncommitted) the directory of backup `backup_id`.
 
         It must be newer than every committed backup, or, for a merge standing in for
-        the committed backup `after` (§8.6), sort right after it: newer than `after`
-        and older than every committed backup after `after`.
+        the committed backup `after` (formats/repository.md §8.9), sort right after it:
+        newer than `after` and older than every committed backup after `after`.
         """
         self.info()
         committed = self.committed(bucket)
@@ -464,7 +465,7 @@ class Repository:
     def _check_place(self, bucket: str, backup_id: BackupId, after: BackupId | None,
                      committed: list[BackupId]) -> None:  # fmt: skip
         """A new backup's id is newest; a merge's sorts right after the backup it merges
-        through (formats/repository.md §8.6)."""
+        through (formats/repository.md §8.9)."""
         where = self.backup_dir(bucket, backup_id)
         if after is None:
             if committed and backup_id <= committed[-1]:
@@ -623,7 +624,10 @@ class Repository:
         return out
 
     def segment_path(self, bucket: str, backup_id: BackupId, file: str) -> Path:
-        """The path of a segment file named in a manifest (or `cut-K/NAME`, §5.6)."""
+        """The path of a segment file named in a manifest (or `cut-K/NAME`).
+
+        Cut-back segments live in `cut-K/` (formats/repository.md §5.6).
+        """
         d = self.backup_dir(bucket, backup_id)
         if file.startswith("cut-"):
             k, name = parse_cut_path(file)

@@ -1,15 +1,16 @@
 """Backup manifests: what one committed backup holds (formats/repository.md "manifest.json").
 
-Theory of operation: a manifest is the commit point of a backup (DESIGN "Reliability
-principles"). It lists, per partition, where the backup's stream began and ended, on
+Theory of operation: a manifest is the commit point of a backup (docs/design.md
+"Reliability"). It lists, per partition, where the backup's stream began and ended, on
 which branch (uuid and failover log), the last snapshot (the resume point of the next
-backup, dcp-wire §4.4), any rollback the source forced, and the segment files that hold
-the records. The dataclasses validate themselves, so an inconsistent manifest cannot be
-built, written or read: every check of formats/repository.md is in `__post_init__` or in
-`from_json`, and each failure is a `RepositoryError` with a one-line message naming the
-field. 64-bit values travel as decimal strings (STYLE 8). `dumps` adds a BLAKE2b-128
-checksum of the canonical JSON, which `loads` verifies, so a bit flip that still parses
-as JSON is caught (pg_verifybackup's embedded manifest checksum).
+backup, docs/protocol.md §4.4), any rollback the source forced, and the segment files
+that hold the records. The dataclasses validate themselves, so an inconsistent manifest
+cannot be built, written or read: every check of formats/repository.md is in
+`__post_init__` or in `from_json`, and each failure is a `RepositoryError` with a
+one-line message naming the field. 64-bit values travel as decimal strings
+(docs/design.md "Conventions"). `dumps` adds a BLAKE2b-128 checksum of the canonical
+JSON, which `loads` verifies, so a bit flip that still parses as JSON is caught
+(pg_verifybackup's embedded manifest checksum).
 """
 
 from __future__ import annotations
@@ -146,15 +147,17 @@ class RollbackRecord:
             _u64(self.seed_rule_seq, "rollback seed_rule_seq")
         if self.to_seq > self.from_seq:
             raise _fail(f"rollback to {self.to_seq} is above rollback from {self.from_seq}")
+        # where both rules were computed the lower seq wins (docs/design.md "The two
+        # rollback rules")
         if self.to_seq > self.producer_seq:
             raise _fail(
                 f"rollback to {self.to_seq} is above the producer's rollback seq "
-                f"{self.producer_seq} (the lower seq wins, DESIGN)"
+                f"{self.producer_seq} (the lower seq wins)"
             )
         if self.seed_rule_seq is not None and self.to_seq > self.seed_rule_seq:
             raise _fail(
                 f"rollback to {self.to_seq} is above the seed rule's seq {self.seed_rule_seq} "
-                "(the lower seq wins, DESIGN)"
+                "(the lower seq wins)"
             )
 
     @property
@@ -187,8 +190,8 @@ class RollbackRecord:
 class CutBack:
     """Records a run streamed that a ROLLBACK in mid-run then took back (the partition's
     active failed over while it streamed; formats/repository.md §5.6): kept as lost writes
-    (§8.3), never part of a state. Its segment files live in `cut-K/`, K its 1-based
-    place in the partition's list."""
+    (formats/repository.md §8.3), never part of a state. Its segment files live in
+    `cut-K/`, K its 1-based place in the partition's list."""
 
     from_seq: int  # where the stream stood when the rollback came
     to_seq: int  # the rollback seq
@@ -227,14 +230,16 @@ class CutBack:
 def _cut_backs(o: _Obj, where: str) -> tuple[CutBack, ...]:
     items = o.array("cut_back")
     if not items:
-        raise _fail(f"{where}: cut_back is present only when not empty (§5.6)")
+        raise _fail(
+            f"{where}: cut_back is present only when not empty (formats/repository.md §5.6)"
+        )
     return tuple(CutBack.from_json(c, f"{where}: cut_back[{i}]") for i, c in enumerate(items))
 
 
 def _check_segments(
     segments: tuple[SegmentEntry, ...], w: str, start: int, end: int, partition: int | None = None
 ) -> None:
-    """Rules 5 and 6 of §5.3: in `(start, end]`, in seq order, never overlapping."""
+    """Rules 5 and 6 of formats/repository.md §5.3: in `(start, end]`, in order, disjoint."""
     previous: SegmentEntry | None = None
     for s in segments:
         if not isinstance(s, SegmentEntry):
@@ -286,10 +291,10 @@ class PartitionEntry:
             raise _fail(f"{w}: uuid {self.uuid} is not in the partition's failover log")
         if self.start_seq > self.end_seq:
             raise _fail(f"{w}: start_seq {self.start_seq} is above end_seq {self.end_seq}")
-        if not self.snap_start <= self.end_seq <= self.snap_end:
+        if not self.snap_start <= self.end_seq <= self.snap_end:  # docs/protocol.md §4.4
             raise _fail(
                 f"{w}: last snapshot [{self.snap_start}, {self.snap_end}] must contain "
-                f"end_seq {self.end_seq} (dcp-wire §4.4)"
+                f"end_seq {self.end_seq}"
             )
         _check_segments(self.segments, w, self.start_seq, self.end_seq, p)
         object.__setattr__(self, "cut_backs", tuple(self.cut_backs))
@@ -319,7 +324,7 @@ class PartitionEntry:
 
     @property
     def cut_bytes(self) -> int:
-        """Bytes of the segment files of records cut back in mid-run (§5.6)."""
+        """Bytes of the segments of records cut back in mid-run (formats/repository.md §5.6)."""
         return sum(s.bytes for c in self.cut_backs for s in c.segments)
 
     def cut_files(self) -> list[tuple[str, SegmentEntry]]:
@@ -429,7 +434,8 @@ class Manifest:
     parent: BackupId | None
     partitions: tuple[PartitionEntry, ...]
     totals: Totals
-    merged_through: BackupId | None = None  # a merge standing in for that backup (§8.6)
+    # a merge standing in for that backup (formats/repository.md §8.9)
+    merged_through: BackupId | None = None
     _index: dict[int, PartitionEntry] = field(
         init=False, repr=False, compare=False, hash=False, default_factory=dict
     )
@@ -533,7 +539,8 @@ class Manifest:
         """Parse `to_json` output (no checksum key); anything else raises RepositoryError."""
         keys: tuple[str, ...] = ("format", "version", "backup_id", "bucket", "source", "started",
                                  "finished", "full", "parent", "partitions", "totals")  # fmt: skip
-        if isinstance(data, dict) and "merged_through" in data:  # optional (§8.6)
+        # optional (formats/repository.md §8.9)
+        if isinstance(data, dict) and "merged_through" in data:
             keys = (*keys, "merged_through")
         o = _Obj(data, "manifest", keys)
         if o.get("format") != MANIFEST_FORMAT:

@@ -1,4 +1,4 @@
-"""Every name the repository puts on disk, as tested format/parse pairs (STYLE 9).
+"""Every name the repository puts on disk, as tested format/parse pairs.
 
 Theory of operation: a path in the repository is never assembled by hand. Each kind of
 name has one `format` and one strict `parse`, and `parse(format(x)) == x` is a property

@@ -6,10 +6,10 @@ The header carries facts known only at the end of a stream (the range end, which
 pass the pinned end to finish a snapshot, and the markers covered), so `finish()`
 assembles the file then: preamble and header, the body copied by the kernel (compressed
 bytes: about an eighth of the raw size), footer, trailer; fsync, rename to the final
-name, fsync the directory (STYLE 9). Before that nothing is visible under the final
-name. All file-system calls go through `upr_cli.fsio.FileOps`, so tests can fail any of
-them; a caller that finishes many segments without syncing makes them durable together
-with `sync_files` (re-exported here).
+name, fsync the directory (docs/design.md "Reliability"). Before that nothing is visible
+under the final name. All file-system calls go through `upr_cli.fsio.FileOps`, so tests
+can fail any of them; a caller that finishes many segments without syncing makes them
+durable together with `sync_files` (re-exported here).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class SegmentWriter:
         """Drop every record above `seq`, moving them to `into` when given; returns how
         many went.
 
-        For a source that rolled back in the middle of a stream (dcp-wire §4.4): the
+        For a source that rolled back in the middle of a stream (docs/protocol.md §4.4): the
         records above the rollback seq belong to an abandoned branch (a backup keeps them
         as lost writes, `into`). Whole blocks above it are cut off (from memory or the
         body file); the one block it falls inside is decompressed and its records up to

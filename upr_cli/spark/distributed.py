@@ -1,14 +1,14 @@
 """`upr backup … --spark` and `upr restore … --spark`: partitions divided among Spark tasks.
 
-Theory of operation (DESIGN data flow 6). The driver keeps every decision that makes a
-backup or restore what it is: for a backup, the lock, where each partition starts, the
-high seqs pinned once (so the tasks stop where a local run would), and the commit of the
-manifest after every task succeeded; for a restore, the choice of the state. The tasks
-only move data: each streams a contiguous share of the partitions from the source into
-segments in the new backup's directory (on storage every executor shares, fsynced there)
-with the same `stream_to_segments` a local backup uses, or writes its share of the
-state to the target node with the same `restore_to_node`. A failed task fails the job:
-the manifest is never written and the directory is swept by the next run.
+Theory of operation (docs/design.md "Data flows" (6. Spark)). The driver keeps every
+decision that makes a backup or restore what it is: for a backup, the lock, where each
+partition starts, the high seqs pinned once (so the tasks stop where a local run would),
+and the commit of the manifest after every task succeeded; for a restore, the choice of
+the state. The tasks only move data: each streams a contiguous share of the partitions
+from the source into segments in the new backup's directory (on storage every executor
+shares, fsynced there) with the same `stream_to_segments` a local backup uses, or writes
+its share of the state to the target node with the same `restore_to_node`. A failed task
+fails the job: the manifest is never written and the directory is swept by the next run.
 
 The source URI, credentials included, travels to the executors in the task closures
 (they connect to the cluster themselves); run such jobs only on a Spark cluster you

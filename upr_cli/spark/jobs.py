@@ -1,4 +1,4 @@
-"""Spark jobs behind `upr spark …` (DESIGN data flow 6): sessions and `export`.
+"""Spark jobs behind `upr spark …`: sessions and `export` (docs/design.md "Data flows").
 
 `session()` builds a SparkSession for `--master` (default `local[*]`) with `--conf k=v`
 passed through, the `upr` source registered, and the executors' Python set to this

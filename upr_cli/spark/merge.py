@@ -1,20 +1,20 @@
 """`upr spark merge`: one full backup equal to the chain's state through a backup.
 
-Theory of operation (formats/repository.md §8, DESIGN data flow 6). The driver takes
-the bucket's lock, picks a new backup id and directory, and plans the state at B from
-the manifests (`plan.plan`, view `state`: whole partitions per task, balanced by bytes).
-Each Spark task reads its partitions' pieces (checksums verified), keeps the latest
-record of every key, tombstones included (a restore of the merge must delete what the
-chain's state deletes), and writes one ordinary segment per partition into the new
-backup's directory, fsynced, on storage every executor shares; it returns the
-segments' infos. Only after every task succeeded does the driver write the manifest
+Theory of operation (formats/repository.md §8; docs/design.md "Data flows" (6. Spark)).
+The driver takes the bucket's lock, picks a new backup id and directory, and plans the
+state at B from the manifests (`plan.plan`, view `state`: whole partitions per task,
+balanced by bytes). Each Spark task reads its partitions' pieces (checksums verified),
+keeps the latest record of every key, tombstones included (a restore of the merge must
+delete what the chain's state deletes), and writes one ordinary segment per partition
+into the new backup's directory, fsynced, on storage every executor shares; it returns
+the segments' infos. Only after every task succeeded does the driver write the manifest
 (the commit point, repository.md): full, no parent, each partition's uuid, failover log
 and last snapshot taken from the chain's resume point at B. A failed or interrupted
 merge leaves an uncommitted directory that the next backup or merge sweeps.
 
 Through the newest backup, the merge is simply the newest backup. Through an older one
 B it sorts right after B (B's id plus one microsecond) and records `merged_through: B`:
-the backups after B continue from it as they did from B (formats/repository.md §8.6),
+the backups after B continue from it as they did from B (formats/repository.md §8.9),
 so the chain's state at every later backup is unchanged.
 """
 
@@ -132,7 +132,7 @@ def merge(spark: Any, repo_dir: Path, *, through: str = "latest",
         after: BackupId | None = None
         if b_id == newest:
             backup_id = repo.next_backup_id(opts.bucket)
-        else:  # sorts right after B, before the backups that continue from B (§8.6)
+        else:  # right after B, before the backups continuing from B (formats/repository.md §8.9)
             backup_id = BackupId(b_id.time + timedelta(microseconds=1))
             after = b_id
         repo.sweep(opts.bucket, backup_id, lock)

@@ -1,7 +1,7 @@
 """The streaming side of the `upr` data source: offsets, planning, reading (formats/spark.md §5).
 
-Theory of operation (reference/spark-datasource.md §2, §5; dcp-wire §4)
-----------------------------------------------------------------------
+Theory of operation (formats/spark.md §5; docs/protocol.md §4)
+--------------------------------------------------------------
 * **Offsets** are JSON: `{"v": 1, "vbs": {"<p>": {"uuid", "seq", "snap_start",
   "snap_end"}}}` with every 64-bit value a decimal string. `latestOffset` is one cheap
   probe on the driver, STAT `vbucket-seqno` (each partition's high seq and current
@@ -9,7 +9,7 @@ Theory of operation (reference/spark-datasource.md §2, §5; dcp-wire §4)
   query idles instead of failing.
 * **Planning** (`partitions(start, end)`, on the driver): a partition whose seq moved is
   planned as the range (start, end]. When the start is no longer on the source's history
-  (a failover or an unclean restart), the producer rule (dcp-wire §4.2) against the
+  (a failover or an unclean restart), the producer rule (docs/protocol.md §4.2) against the
   source's failover log says roll back: the range becomes (0, end] and its first row is
   a **rollback marker** (`op` = `rollback`, `seq` = 0), telling a consumer to undo what
   it holds in that partition (a rollback lands on a snapshot boundary, and the only one
@@ -167,7 +167,7 @@ class Range:
 
 async def plan_ranges(uri: SourceUri, start: Mapping[int, StreamPosition],
                       end: Mapping[int, StreamPosition]) -> list[Range]:  # fmt: skip
-    """The ranges of a micro-batch, rollbacks decided by the producer rule (§4.2)."""
+    """The ranges of a micro-batch, rollbacks by the producer rule (docs/protocol.md §4.2)."""
     moved = [p for p, e in end.items() if start.get(p, StreamPosition(p)) != e]
     if not moved:
         return []

@@ -6,19 +6,21 @@ Theory of operation (formats/store.md is the normative spec)
   of every partition, tombstones included (`deleted = 1`), so a rollback can put a
   tombstone back and a reader can tell a deletion from absence. `partitions` holds each
   partition's `StreamPosition` and failover log.
-* **A position is saved only with the changes it covers** (DESIGN "Positions, rollback,
-  lineage"). `apply` writes one snapshot's rows, their undo entries and the new position
-  in ONE transaction; `batch()` widens that transaction over several calls (inner calls
-  become savepoints, so a failed inner call undoes only itself). After a crash the store
-  holds exactly the changes up to each saved position, and a resume restarts there.
-* **The mutation log** (seed 000 "Client and Mutation Log") records, for every applied
-  change, the row it replaced (NULLs when the key did not exist), at most `undo_window`
-  entries per partition, oldest dropped first. `rollback(p, r)` undoes the changes above
-  r: for each key, the replaced row of its OLDEST change above r is the key's state at r
-  (which is what undoing the changes one by one, newest first, ends with), so it is put
-  back, or the document is deleted if that entry is all NULLs. `log_floor` is the
-  highest seq whose change can no longer be undone (trimmed, never logged, or written by
-  a restore): a rollback below it is "too far" and the caller resets the partition.
+* **A position is saved only with the changes it covers** (docs/design.md "Positions",
+  "Rollback"). `apply` writes one snapshot's rows, their undo entries and the new
+  position in ONE transaction; `batch()` widens that transaction over several calls
+  (inner calls become savepoints, so a failed inner call undoes only itself). After a
+  crash the store holds exactly the changes up to each saved position, and a resume
+  restarts there.
+* **The mutation log** (the UPR design specification, "Client and Mutation Log")
+  records, for every applied change, the row it replaced (NULLs when the key did not
+  exist), at most `undo_window` entries per partition, oldest dropped first.
+  `rollback(p, r)` undoes the changes above r: for each key, the replaced row of its
+  OLDEST change above r is the key's state at r (which is what undoing the changes one
+  by one, newest first, ends with), so it is put back, or the document is deleted if
+  that entry is all NULLs. `log_floor` is the highest seq whose change can no longer be
+  undone (trimmed, never logged, or written by a restore): a rollback below it is "too
+  far" and the caller resets the partition.
 * **Hot path without per-row Python.** Records are bound exactly as the decoder yields
   them (`DcpRecord`, key and value as memoryviews) with `executemany`; SQL maps the
   opcode to `deleted` and stores JSON values as TEXT. Undo entries are captured in bulk,
@@ -36,8 +38,8 @@ Theory of operation (formats/store.md is the normative spec)
   complement i64, as `upr_cli.node.storage` does; SQL comparisons are signed, exact for
   seqs below 2^63, the range a producer hands out.
 
-One thread at a time may use a Store (it may be a worker thread: DESIGN "Never stall the
-event loop").
+One thread at a time may use a Store (it may be a worker thread: docs/design.md
+"Performance").
 """
 
 from __future__ import annotations
@@ -127,9 +129,9 @@ _PREV_COLUMNS = (
 
 # The rows that `size` changes replace, read before the changes are written: a VALUES
 # list of (partition, seq, key) JOINed with documents. A change that creates its key has
-# no entry: a rollback finds it as a document above the target seq (formats/store.md
-# §3.4), so a first replay writes no log at all. One statement per up to 256 changes: a
-# statement per change measured at half the rate, the per-statement cost dominating.
+# no entry: a rollback finds it as a document above the target seq (formats/store.md §3.4),
+# so a first replay writes no log at all. One statement per up to 256 changes: a statement
+# per change measured at half the rate, the per-statement cost dominating.
 @functools.cache
 def _log_sql(size: int) -> str:
     values = ",".join(["(?,?,?)"] * size)
@@ -176,7 +178,7 @@ FROM {_FIRST_ABOVE} WHERE m.prev_seq IS NOT NULL AND m.prev_seq <= :r
 """
 _UNDO_DELETE = "DELETE FROM documents WHERE partition = :p AND seq > :r"
 # The newest version of every key changed above :r: what a rollback to :r takes away
-# (seed 000 "lost writes"), kept in `lost_writes` for `upr salvage --store`.
+# (lost writes: formats/store.md §3.5), kept in `lost_writes` for `upr salvage --store`.
 _KEEP_LOST = f"""
 INSERT INTO lost_writes ({_DOC_COLUMNS}, uuid, rolled_back_to, recorded)
 SELECT {_DOC_COLUMNS}, :uuid, :r, :now FROM documents WHERE partition = :p AND seq > :r
@@ -646,7 +648,8 @@ class Store:
             if unlogged:
                 floor = max(floor, seqs[unlogged - 1])
         if count > window:
-            # Oldest entries first (seed 000: "the oldest entries are removed").
+            # Oldest entries first (the UPR design specification, "Client and Mutation Log":
+            # "the oldest entries are removed").
             (cut,) = db.execute(
                 "SELECT seq FROM mutation_log WHERE partition = ? ORDER BY seq LIMIT 1 OFFSET ?",
                 (partition, count - window - 1),
