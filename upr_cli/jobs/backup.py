@@ -351,8 +351,9 @@ class _BackupRun:
         """Heal, check the chain and open the backup directory (an interrupted run's)."""
         warnings = []
         # A lost or damaged manifest file whose twin is valid is rewritten from it; then an
-        # incremental backup goes on only from a chain that is whole (§8.8): never on top
-        # of a damaged manifest, a missing parent, a seq gap or a missing segment file.
+        # incremental backup goes on only from a chain that is whole
+        # (formats/repository.md §8.8): never on top of a damaged manifest, a missing
+        # parent, a seq gap or a missing segment file.
         for path, why in repo.heal(bucket, lock):
             note = f"{path}: {why}; rewritten from its twin"
             warnings.append(note)
@@ -407,7 +408,8 @@ class _BackupRun:
     def _reuse(self, wanted: list[int], live_logs: dict[int, FailoverLog]) -> None:
         """Segments an interrupted run finished end at its high seqs: each reused partition
         goes on from there to this run's high seq in a follow-on segment, so that the
-        backup holds every write acknowledged before it started (§4.5)."""
+        backup holds every write acknowledged before it started
+        (formats/repository.md §4.5)."""
         reused = self.reused = _reusable(self.directory, wanted, self.positions)
         for p in _overtaken_reuse(reused, live_logs, self.seqs):
             log.warning("partition %d: the source no longer holds the end of the segments an "
@@ -529,9 +531,10 @@ def _rollbacks_json(p: int, r: PartitionResult, rb: RollbackRecord | None) -> li
 
 
 def _checked_chain(repo: Repository, bucket: str, repo_dir: Path) -> list[Manifest]:
-    """The chain an incremental backup continues, checked whole (formats/repository.md
-    §8.8) and with every segment file its newest state reads present at its size;
-    otherwise `BrokenChain` saying why, and how to repair or start a new chain."""
+    """The chain an incremental backup continues, checked whole
+    (formats/repository.md §8.8) and with every segment file its newest state reads
+    present at its size; otherwise `BrokenChain` saying why, and how to repair or start
+    a new chain."""
     try:
         manifests = repo.chain(bucket)
         bad = repo.missing_files(bucket, manifests, manifests[-1].backup_id) if manifests else []

@@ -848,8 +848,8 @@ def _repo_base(
 ) -> int:
     """The seq above which partition p's records are applied: what the store holds,
     unless the backup's branch no longer holds that (the producer rule): then the store
-    rolls back, as for a live source, onto a snapshot boundary it holds (formats/store.md
-    §5.3), or resets the partition when its log does not reach that far."""
+    rolls back, as for a live source, onto a snapshot boundary it holds
+    (formats/store.md §5.3), or resets the partition when its log does not reach that far."""
     from upr_cli.failover import needs_rollback
 
     held = store.partition_state(p)
