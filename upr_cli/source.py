@@ -11,10 +11,10 @@ nothing heavy, so the CLI can use it before it knows which command runs.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from upr_cli.errors import UsageError
 
@@ -154,7 +154,8 @@ def open_bucket(
     path: Path, bucket: str | None, at: str = "latest"
 ) -> tuple[Repository, str, list[Manifest]]:
     """The repository, the bucket (given, or the only one it holds) and the manifests of
-    its committed backups up to `at` (a backup id, latest or oldest), oldest first, once
+    its committed backups up to `at` (a backup id or a unique prefix of one, latest or
+    oldest: `backup_named`), oldest first, once
     the chain the state at `at` reads is checked whole (`Repository.chain`: a damaged
     manifest, a missing parent or a seq gap is a `BrokenChain` naming it). An ambiguous
     or missing bucket is a usage error; an `at` that names no committed backup is left
@@ -167,8 +168,32 @@ def open_bucket(
     committed = repo.committed(b)
     if not committed:
         return repo, b, []
-    ids = {str(c): c for c in committed}
-    k = {"latest": committed[-1], "oldest": committed[0]}.get(at) or ids.get(at)
+    k = backup_named(committed, at)
     if k is None:  # not a committed backup: select() says so
         return repo, b, repo.readable(b)[0]
     return repo, b, repo.chain(b, k)
+
+
+B = TypeVar("B")
+
+
+def backup_named(backups: Sequence[B], at: str, option: str = "--at") -> B | None:
+    """The backup `at` names among `backups` (oldest first): latest, oldest, an id, or a
+    prefix of exactly one id (`20261121T06` when no other backup starts so). None when
+    none matches; a prefix of several is a UsageError listing them."""
+    if not backups:
+        return None
+    if at == "latest":
+        return backups[-1]
+    if at == "oldest":
+        return backups[0]
+    matches = [b for b in backups if str(b).startswith(at)] if at else []
+    exact = [b for b in matches if str(b) == at]
+    if exact or len(matches) == 1:
+        return (exact or matches)[0]
+    if len(matches) > 1:
+        shown = ", ".join(str(b) for b in matches[:5])
+        more = f" and {len(matches) - 5} more" if len(matches) > 5 else ""
+        raise UsageError(f"{option} {at!r} is the start of {len(matches)} backups: {shown}"
+                         f"{more}; give more of the id")  # fmt: skip
+    return None

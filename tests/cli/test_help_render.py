@@ -24,7 +24,9 @@ from upr_cli.cli.app import app
 
 WIDTH = 80
 CODE_LIKE = ("<bool>", "<int", "<float", "<str>", "<path>", "<list", "[x>=", "[x<", "<text")
-NOT_OURS = ("seed 000", "dcp-wire", "DESIGN", "STYLE", "reference/", "../shared")
+NOT_OURS = (
+    "seed 000", "dcp-wire", "DESIGN", "STYLE", "reference/", "../shared",  # citations: ignore
+)  # fmt: skip
 
 
 def _walk(command: Any, path: list[str], ctx: Any) -> Iterator[tuple[list[str], Any]]:

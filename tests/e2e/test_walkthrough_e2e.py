@@ -1,4 +1,5 @@
-"""examples/failover-walkthrough.sh: seed 000's nine figures, with the seed's numbers."""
+"""examples/failover-walkthrough.sh: the UPR design specification's "UPR in action on a
+Cluster" (its figures 1-9), with the specification's numbers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_walkthrough_matches_the_seed(tmp_path: Path) -> None:
+def test_walkthrough_matches_the_specification(tmp_path: Path) -> None:
     bin_dir = Path(sys.executable).parent
     env = os.environ | {"UPR": str(bin_dir / "upr"), "PY": sys.executable}
     r = subprocess.run(["bash", str(ROOT / "examples" / "failover-walkthrough.sh"),

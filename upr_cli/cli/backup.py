@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Annotated
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
 from upr_cli.cli.options import (
+    AllRows,
     JsonOutput,
     NodeUri,
     NoProgress,
@@ -19,8 +21,19 @@ from upr_cli.cli.options import (
     SparkMaster,
     SparkTasks,
 )
-from upr_cli.cli.output import PartitionProgress, print_json, stderr, stdout
-from upr_cli.jobs.backup import backup
+from upr_cli.cli.output import (
+    Progress,
+    first_rows,
+    hint,
+    human_bytes,
+    keep_whole,
+    more_line,
+    print_json,
+    stderr,
+    stdout,
+    table,
+)
+from upr_cli.jobs.backup import BackupSummary, backup
 from upr_cli.jobs.backup_stream import StreamStats
 from upr_cli.net.uri import SourceUri
 from upr_cli.source import selected
@@ -80,15 +93,20 @@ def backup_cmd(
     spark: SparkMaster = None,
     spark_tasks: SparkTasks = 8,
     conf: SparkConf = None,
+    show_all: AllRows = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Back up a bucket."""
     source = SourceUri.parse(uri)
     show = sys.stderr.isatty() and not no_progress
-    with PartitionProgress("backup", "partitions", show=show) as bar:
+    with Progress("backup", "items", show=show) as bar:
+        bar.note(f"connecting to {source.redacted()}")
 
         def tick(s: StreamStats) -> None:
-            bar.update(s.partitions_done, s.partitions, s.items, "items", s.started)
+            # items_total: the job's estimate of the items to stream, when it gives one
+            total = getattr(s, "items_total", None)
+            bar.update(s.items, total=total or None, parts=(s.partitions_done, s.partitions),
+                       started=s.started)  # fmt: skip
 
         sess = None
         streamer = None
@@ -96,6 +114,7 @@ def backup_cmd(
             from upr_cli.spark.distributed import spark_streamer
             from upr_cli.spark.jobs import parse_conf, session
 
+            bar.note(f"starting Spark ({spark})")
             sess = session(spark, parse_conf(conf or []), app="upr backup")
             streamer = spark_streamer(sess, spark_tasks)
         try:
@@ -106,7 +125,7 @@ def backup_cmd(
                     full=full,
                     partitions=selected(partitions),
                     on_progress=tick,
-                    on_warning=lambda w: stderr.print(f"warning: {w}"),
+                    on_warning=lambda w: stderr.print(f"warning: {w}", markup=False),
                     streamer=streamer,
                 )
             )
@@ -116,33 +135,53 @@ def backup_cmd(
     if json_out:
         print_json(summary.to_json())
         return
+    render(summary, show_all, str(repo))
+
+
+def summary_table(summary: BackupSummary) -> Table:
+    """The backup's one-row summary: items, bytes, ratio, time, rate, rollbacks."""
     d = summary.to_json()
     kind = "full" if summary.full else "incremental"
-    table = Table(title=f"backup {summary.backup_id} of {summary.bucket} ({kind})")
+    t = table(f"backup {summary.backup_id} of {summary.bucket} ({kind})")
     for col in ("items", "read", "written", "ratio", "time", "rate", "rollbacks"):
-        table.add_column(col, justify="right")
-    table.add_row(
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_row(
         f"{summary.items:,}",
-        _mb(summary.bytes_read),
-        _mb(summary.bytes_written),
+        human_bytes(summary.bytes_read),
+        human_bytes(summary.bytes_written),
         f"{d['ratio']}" if d["ratio"] else "-",
         f"{summary.seconds:.2f}s",
         f"{d['items_per_s']:,}/s" if d["items_per_s"] else "-",
         str(len(summary.rollbacks)),
     )
-    stdout.print(table)
-    for rb in summary.rollbacks:
-        when = " during the run" if rb["during_run"] else ""
-        kept = (f"; {rb['cut_records']:,} records it took back kept as lost writes"
-                if rb["cut_records"] else "")  # fmt: skip
-        stdout.print(
-            f"partition {rb['partition']}: rolled back{when} from {rb['from']} to {rb['to']} "
-            f"(seed rule {rb['seed_rule_seq']}, producer {rb['producer_seq']}){kept}"
-        )
+    return keep_whole(t)
+
+
+def rollback_table(rollbacks: Sequence[dict[str, Any]]) -> Table:
+    """One row a rolled-back partition: from, to, and the records kept as lost writes."""
+    t = table()
+    for col in ("partition", "rolled back from", "to", "when", "lost writes kept"):
+        t.add_column(col, justify="left" if col == "when" else "right", no_wrap=True)
+    for rb in rollbacks:
+        t.add_row(str(rb["partition"]), str(rb["from"]), str(rb["to"]),
+                  "during the run" if rb["during_run"] else "at the start",
+                  f"{rb['cut_records']:,}" if rb["cut_records"] else "-")  # fmt: skip
+    return keep_whole(t)
+
+
+def render(summary: BackupSummary, show_all: bool, repo: str) -> None:
+    """The summary; the rollbacks counted, the first few listed; what to do next."""
+    stdout.print(summary_table(summary))
+    rollbacks = summary.rollbacks
+    if rollbacks:
+        during = sum(1 for rb in rollbacks if rb["during_run"])
+        also = f" ({during:,} during the run)" if during else ""
+        stdout.print(f"{len(rollbacks):,} partitions rolled back{also}", markup=False,
+                     highlight=False)  # fmt: skip
+        rows, left_out = first_rows(rollbacks, show_all)
+        stdout.print(rollback_table(rows))
+        more_line(left_out, "rolled-back partitions")
+        hint(f"lost writes may be recoverable: upr salvage --repo {repo} --to URI")
     for fid in summary.follow_ups:
         stdout.print(f"follow-up backup {fid}: the partitions a failover overtook after their "
-                     "streams ended, now as their active holds them")  # fmt: skip
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
+                     "streams ended, now as their active holds them", markup=False)  # fmt: skip

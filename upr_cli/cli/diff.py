@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from upr_cli.cli.options import JsonOutput, Partitions, one_is_an_answer
-from upr_cli.cli.output import print_json, stdout
-from upr_cli.jobs.diff import STATUSES, PartitionDiff, diff_sources
+from upr_cli.cli.output import (
+    first_rows,
+    fits,
+    hint,
+    keep_whole,
+    more_line,
+    print_json,
+    stdout,
+    table,
+)
+from upr_cli.jobs.diff import STATUSES, DiffReport, PartitionDiff, diff_sources
 from upr_cli.source import selected
 
 HELP = """Compare the failover histories of A and B, partition by partition.
@@ -45,7 +55,9 @@ def diff_cmd(
     ],
     b: Annotated[str, typer.Argument(metavar="B", help="The same kinds; compared against A.")],
     partitions: Partitions = None,
-    all_rows: Annotated[bool, typer.Option("--all", help="List identical partitions too.")] = False,
+    show_all: Annotated[
+        bool, typer.Option("--all", help="List every partition, identical ones too.")
+    ] = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Compare failover histories."""
@@ -55,44 +67,63 @@ def diff_cmd(
     if json_out:
         print_json(report.to_json())
         raise typer.Exit(code)
-    table = Table(title=f"A = {report.a}   B = {report.b}")
-    for col in ("partition", "status", "A seq", "B seq", "diverged at", "common ancestor",
-                "only in A", "only in B", "seed rule", "dcp rule"):  # fmt: skip
-        table.add_column(col, justify="right" if col != "status" else "left")
-    shown = 0
-    for d in report.partitions:
-        if d.status == "identical" and not all_rows:
-            continue
-        shown += 1
-        table.add_row(*_row(d))
-    if shown:
-        stdout.print(table)
-    counts = report.counts
-    summary = Table(title="partitions per status")
-    for s in STATUSES:
-        summary.add_column(s, justify="right")
-    summary.add_row(*(str(counts[s]) for s in STATUSES))
-    stdout.print(summary)
+    render(report, show_all)
     raise typer.Exit(code)
+
+
+#: what to do about each kind of difference (the hint after the counts)
+NEXT = {
+    "behind": "B is behind A on the same branch: the next backup or replay of B catches up",
+    "diverged": "B holds writes A's history does not have (lost writes): "
+    "upr salvage lists them and writes back the safe ones",
+    "no-common-history": "B shares no history with A: B must start again from 0 (--full)",
+}
+
+
+def render(report: DiffReport, show_all: bool) -> None:
+    """The partitions that differ (the first few, unless `show_all`), then the counts."""
+    rows = [d for d in report.partitions if show_all or d.status != "identical"]
+    shown, left_out = first_rows(rows, show_all)
+    if shown:
+        stdout.print(diff_table(report, shown, wide=fits(stdout, 120)))
+        more_line(left_out, "partitions")
+    counts = report.counts
+    parts = ", ".join(f"{n:,} {s}" for s in STATUSES if (n := counts[s]))
+    stdout.print(f"{len(report.partitions):,} partitions: {parts or 'none'}",
+                 markup=False, highlight=False)  # fmt: skip
+    for status, text in NEXT.items():
+        if counts.get(status):
+            hint(text)
+
+
+def diff_table(report: DiffReport, rows: Sequence[PartitionDiff], *, wide: bool) -> Table:
+    """One row a partition. Key columns never wrap; the failover entries each side alone
+    holds fold, and only a wide terminal has room for them (--json always has them)."""
+    t = table(f"A = {report.a}   B = {report.b}")
+    t.add_column("partition", justify="right", no_wrap=True)
+    t.add_column("status", no_wrap=True, min_width=len("no-common-history"))
+    for col in ("A seq", "B seq", "diverged at", "restart at"):
+        t.add_column(col, justify="right", no_wrap=True)
+    if wide:
+        t.add_column("dcp rule", justify="right", no_wrap=True)
+        t.add_column("common ancestor", overflow="fold")
+        t.add_column("only in A", overflow="fold")
+        t.add_column("only in B", overflow="fold")
+    for d in rows:
+        row = [str(d.partition), d.status, _opt(d.a_seq), _opt(d.b_seq), _opt(d.diverged_at),
+               _opt(d.seed_rule)]  # fmt: skip
+        if wide:
+            row += [_opt(d.dcp_rule), _opt(d.common_ancestor), _entries(d.only_in_a),
+                    _entries(d.only_in_b)]  # fmt: skip
+        t.add_row(*row)
+    return keep_whole(
+        t, "partition", "status", "A seq", "B seq", "diverged at", "restart at", "dcp rule"
+    )
+
+
+def _opt(v: object) -> str:
+    return "-" if v is None else str(v)
 
 
 def _entries(entries: tuple[object, ...]) -> str:
     return ", ".join(str(e) for e in entries) or "-"
-
-
-def _row(d: PartitionDiff) -> list[str]:
-    def opt(v: object) -> str:
-        return "-" if v is None else str(v)
-
-    return [
-        str(d.partition),
-        d.status,
-        opt(d.a_seq),
-        opt(d.b_seq),
-        opt(d.diverged_at),
-        opt(d.common_ancestor),
-        _entries(d.only_in_a),
-        _entries(d.only_in_b),
-        opt(d.seed_rule),
-        opt(d.dcp_rule),
-    ]

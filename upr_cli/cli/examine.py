@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from upr_cli.cli.options import Bucket, JsonOutput, Partitions, Repo
-from upr_cli.cli.output import print_json, stdout
-from upr_cli.jobs.examine import examine
+from upr_cli.cli.output import hint, keep_whole, print_json, stdout, table
+from upr_cli.jobs.examine import Version, examine
 from upr_cli.source import selected
 
 HELP = """Show every version of a key stored in a repository.
 
-Each version with its backup, seq, op, cas and rev seq, whether it is in the latest
-state, and whether it is a lost write: a version a failover or an unclean restart rolled
+Each version with its backup, seq, rev seq and op, whether it is in the latest state,
+and whether it is a lost write: a version a failover or an unclean restart rolled
 back (above a later backup's rollback point), absent from the latest state but kept.
+A wide terminal also shows each version's cas and the start of its value; --json has
+them all.
 
 The key's partition comes from the bucket's partition count, which the repository's
 backups record. --partitions selects partitions as in every command: one that leaves
@@ -50,14 +53,32 @@ def examine_cmd(
         print_json({"key": key, "versions": [v.to_json() for v in versions]})
         return
     if not versions:
-        stdout.print(f"no version of {key!r} in the repository")
+        stdout.print(f"no version of {key!r} in the repository", markup=False)
         raise typer.Exit(1)
-    table = Table(title=f"{key} (partition {versions[0].partition})")
-    for col in ("backup", "seq", "op", "cas", "rev", "state"):
-        table.add_column(col, no_wrap=True)
-    table.add_column("value", no_wrap=True, overflow="ellipsis", min_width=8)
+    stdout.print(versions_table(key, versions, width=stdout.width))
+    if any(v.lost for v in versions):
+        hint(f"lost writes may be recoverable: upr salvage --repo {repo} --to URI")
+
+
+def versions_table(key: str, versions: Sequence[Version], *, width: int) -> Table:
+    """One row a version. The columns that say which version counts (backup, seq, rev,
+    op, state) never wrap; cas and a value preview come when `width` leaves room for them
+    (--json always has both)."""
+    t = table(f"{key} (partition {versions[0].partition})")
+    for col in ("backup", "seq", "rev", "op", "state"):
+        t.add_column(col, no_wrap=True, justify="right" if col in ("seq", "rev") else "left")
+    with_cas = width >= 100
+    with_value = width >= 112
+    if with_cas:
+        t.add_column("cas", no_wrap=True, justify="right")
+    if with_value:
+        t.add_column("value", no_wrap=True, overflow="ellipsis", min_width=8, max_width=60)
     for v in versions:
         state = "lost write" if v.lost else ("latest" if v.in_latest else "superseded")
-        preview = v.value.decode(errors="replace")[:60] if v.op == "mutation" else ""
-        table.add_row(v.backup_id, str(v.seq), v.op, str(v.cas), str(v.rev_seq), state, preview)
-    stdout.print(table)
+        row = [v.backup_id, str(v.seq), str(v.rev_seq), v.op, state]
+        if with_cas:
+            row.append(str(v.cas))
+        if with_value:
+            row.append(v.value.decode(errors="replace")[:60] if v.op == "mutation" else "")
+        t.add_row(*row)
+    return keep_whole(t, "backup", "seq", "rev", "op", "state", "cas")

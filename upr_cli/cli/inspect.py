@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import sys
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import Bucket, JsonOutput, Partitions, Repo
-from upr_cli.cli.output import print_json, stdout
+from upr_cli.cli.options import AllRows, Bucket, JsonOutput, NoProgress, Partitions, Repo
+from upr_cli.cli.output import (
+    Progress,
+    first_rows,
+    fits,
+    hint,
+    human_bytes,
+    keep_whole,
+    more_line,
+    print_json,
+    stdout,
+    table,
+)
 from upr_cli.jobs.inspect import info, verify
 from upr_cli.source import selected
 
@@ -66,41 +78,50 @@ def info_cmd(
         print_json(data)
         return
     for b, entry in data["buckets"].items():
-        table = Table(title=f"{data['repository']}: bucket {b}")
-        for col in ("backup", "kind", "items", "read", "written", "ratio", "rollbacks"):
-            table.add_column(
-                col,
-                justify="left" if col in ("backup", "kind") else "right",
-                no_wrap=col == "backup",
-            )
-        for bk in entry["backups"]:
-            table.add_row(
-                bk["backup_id"],
-                "full" if bk["full"] else "incremental",
-                f"{bk['items']:,}",
-                f"{int(bk['bytes_read']) / 1e6:,.1f} MB",
-                f"{int(bk['bytes_written']) / 1e6:,.1f} MB",
-                str(bk["ratio"] or "-"),
-                str(bk["rollbacks"]),
-            )
-        stdout.print(table)
+        stdout.print(backups_table(f"{data['repository']}: bucket {b}", entry["backups"],
+                                   wide=fits(stdout, 100)))  # fmt: skip
         if entry["incomplete"]:
-            stdout.print(f"interrupted runs (not backups): {', '.join(entry['incomplete'])}")
+            stdout.print(f"interrupted runs (not backups): {', '.join(entry['incomplete'])}",
+                         markup=False)  # fmt: skip
         for p, chain in entry.get("partitions", {}).items():
-            stdout.print(f"partition {p}:")
-            for link in chain:
-                if "lost" in link:
-                    for x in link["lost"]:
-                        stdout.print(
-                            f"  lost writes: {x['backup_id']} seqs ({x['from']}, {x['to']}]"
-                        )
-                    continue
-                rb = link["rollback"]
-                note = f"  rolled back {rb['from']} -> {rb['to']}" if rb else ""
-                stdout.print(
-                    f"  {link['backup_id']}: ({link['start']}, {link['end']}] "
-                    f"{link['records']} records{note}"
-                )
+            _print_chain(p, chain)
+
+
+def backups_table(title: str, backups: list[dict[str, Any]], *, wide: bool) -> Table:
+    """One row a backup. The id and the kind never wrap; the bytes read (the written
+    bytes times the ratio) come when the terminal is `wide`, and are always in --json."""
+    t = table(title)
+    t.add_column("backup", no_wrap=True)
+    t.add_column("kind", no_wrap=True, min_width=len("incremental"))
+    cols = ("items", "read", "written", "ratio", "rollbacks") if wide else (
+        "items", "written", "ratio", "rollbacks")  # fmt: skip
+    for col in cols:
+        t.add_column(col, justify="right", no_wrap=True)
+    for bk in backups:
+        cells = {
+            "items": f"{bk['items']:,}",
+            "read": human_bytes(bk["bytes_read"]),
+            "written": human_bytes(bk["bytes_written"]),
+            "ratio": str(bk["ratio"] or "-"),
+            "rollbacks": str(bk["rollbacks"]),
+        }
+        t.add_row(bk["backup_id"], "full" if bk["full"] else "incremental",
+                  *(cells[c] for c in cols))  # fmt: skip
+    return keep_whole(t)
+
+
+def _print_chain(p: str, chain: list[dict[str, Any]]) -> None:
+    stdout.print(f"partition {p}:")
+    for link in chain:
+        if "lost" in link:
+            for x in link["lost"]:
+                stdout.print(f"  lost writes: {x['backup_id']} seqs ({x['from']}, {x['to']}]",
+                             markup=False)  # fmt: skip
+            continue
+        rb = link["rollback"]
+        note = f"  rolled back {rb['from']} -> {rb['to']}" if rb else ""
+        stdout.print(f"  {link['backup_id']}: ({link['start']}, {link['end']}] "
+                     f"{link['items']:,} records{note}", markup=False)  # fmt: skip
 
 
 def verify_cmd(
@@ -109,10 +130,18 @@ def verify_cmd(
     repair: Annotated[
         bool, typer.Option("--repair", help="Rewrite a lost or damaged manifest file.")
     ] = False,
+    no_progress: NoProgress = False,
+    show_all: AllRows = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Check a repository."""
-    reports = verify(repo, bucket, repair=repair)
+    show = sys.stderr.isatty() and not no_progress
+    with Progress("verify", "records", show=show) as bar:
+
+        def tick(segments: int, total: int, records: int) -> None:
+            bar.update(records, parts=(segments, total), unit="segments")
+
+        reports = verify(repo, bucket, repair=repair, on_progress=tick)
     problems = [p for r in reports for p in r.unrepaired]
     if json_out:
         print_json({"ok": not problems, "buckets": [r.to_json() for r in reports]})
@@ -124,9 +153,15 @@ def verify_cmd(
                 status += f", {fixed} repaired"
             stdout.print(
                 f"{r.bucket}: {r.backups} backups, {r.segments} segments, "
-                f"{r.records:,} records, {r.bytes / 1e6:,.1f} MB read: {status}"
+                f"{r.records:,} records, {human_bytes(r.bytes)} read: {status}",
+                markup=False,
             )
-            for p in r.problems:
+            shown, left_out = first_rows(r.problems, show_all, 20)
+            for p in shown:
                 stdout.print(f"  {p}", markup=False)
+            more_line(left_out, "problems")
+        if any(p.kind == "manifest" for p in problems):
+            hint(f"a manifest file with a valid twin is rewritten by: upr verify --repo {repo} "
+                 "--repair")  # fmt: skip
     if problems:
         raise typer.Exit(1)

@@ -7,10 +7,9 @@ import sys
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from upr_cli.cli.options import JsonOutput, NodeUri
-from upr_cli.cli.output import print_json, stderr
+from upr_cli.cli.options import JsonOutput, NodeUri, NoProgress
+from upr_cli.cli.output import Progress, print_json, stdout
 from upr_cli.jobs.load import LoadSummary, load
 from upr_cli.net.uri import SourceUri
 
@@ -18,6 +17,8 @@ HELP = """Write a reproducible workload of JSON documents through the KV front e
 
 Each of N operations creates a document, or updates or deletes an existing one by
 the given ratios; the same --seed gives the same operations. Requests are pipelined.
+Keys are PREFIX-000000000 upwards: a key an earlier run left is overwritten, and the
+summary says how many were.
 
 Example (100,000 documents of about 180 bytes):
 
@@ -76,25 +77,17 @@ def load_cmd(
         int, typer.Option("--seed", metavar="N", help="Random seed (same seed, same workload).")
     ] = 1,
     prefix: Annotated[str, typer.Option("--prefix", metavar="TEXT", help="Key prefix.")] = "doc",
+    no_progress: NoProgress = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Write a workload."""
     source = SourceUri.parse(uri)
-    show = sys.stderr.isatty()
-    with Progress(
-        TextColumn("load"),
-        BarColumn(),
-        TextColumn("{task.completed:,}/{task.total:,} ops"),
-        TextColumn("{task.fields[rate]}"),
-        TimeRemainingColumn(),
-        console=stderr,
-        disable=not show,
-        transient=True,
-    ) as progress:
-        task = progress.add_task("load", total=docs, rate="")
+    show = sys.stderr.isatty() and not no_progress
+    with Progress("load", "ops", show=show, total=docs) as bar:
+        bar.note(f"connecting to {source.redacted()}")
 
         def tick(s: LoadSummary) -> None:
-            progress.update(task, completed=s.ops, rate=f"{s.rate:,.0f} ops/s")
+            bar.update(s.ops)
 
         summary = asyncio.run(
             load(
@@ -112,10 +105,14 @@ def load_cmd(
     if json_out:
         print_json(summary.to_json())
     else:
-        stderr.print(
-            f"{summary.ops:,} ops ({summary.sets:,} new, {summary.updates:,} updates, "
-            f"{summary.deletes:,} deletes) in {summary.seconds:.2f}s = {summary.rate:,.0f} ops/s, "
-            f"{summary.errors} errors"
+        stdout.print(
+            f"{summary.ops:,} ops ({summary.sets:,} created, {summary.updates:,} updates, "
+            f"{summary.deletes:,} deletes) in {summary.seconds:.2f}s = {summary.rate:,.0f} "
+            f"ops/s, {summary.errors:,} errors",
+            markup=False,
         )
+        if summary.overwritten:
+            stdout.print(f"overwrote {summary.overwritten:,} existing keys (left by an earlier "
+                         f"run with --prefix {prefix})", markup=False)  # fmt: skip
     if summary.errors:
         raise typer.Exit(1)

@@ -39,6 +39,9 @@ NodeUri = Annotated[
     typer.Argument(metavar="URI", help="The node: upr://[user[:password]@]host[:port]/bucket."),
 ]
 NoProgress = Annotated[bool, typer.Option("--no-progress", help="No progress bar.")]
+AllRows = Annotated[
+    bool, typer.Option("--all", help="List every row (by default: counts and the first few).")
+]
 Keys = Annotated[
     str | None, typer.Option("--keys", metavar="REGEX", help="Only keys matching this regex.")
 ]

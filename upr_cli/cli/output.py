@@ -1,16 +1,35 @@
-"""Where output goes: data to stdout (pipeable), messages and errors to stderr."""
+"""Where output goes and how it looks (docs/output.md).
+
+The command's answer (its table, its summary line, or with --json one JSON object) goes
+to stdout; progress bars, warnings and "what to do next" hints go to stderr, so a pipe
+or a script gets the answer alone. Tables fit 80 columns: key columns never wrap or
+truncate, long ones fold, and what does not fit is in --json. A list that can run to
+hundreds of rows shows its counts and the first few rows, then "… N more (--all)".
+Every long command shows one kind of progress bar (`Progress`): items, items/s and an
+ETA, on a terminal only.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
+from rich import box
+from rich.cells import cell_len
 from rich.console import Console
+from rich.table import Table
+
+T = TypeVar("T")
 
 # Piped output gets room: a table cut at 80 columns is no use to a script or a log.
 stdout = Console(soft_wrap=True, highlight=False, width=None if sys.stdout.isatty() else 200)
 stderr = Console(stderr=True, soft_wrap=True, highlight=False)
+
+#: rows a list shows before "… N more (--all)"
+FIRST_ROWS = 10
 
 
 def print_json(obj: Any) -> None:
@@ -26,40 +45,164 @@ def error_line(message: str) -> None:
     sys.stderr.flush()
 
 
-class PartitionProgress:
-    """A transient progress bar on stderr for jobs over partitions: "done/total <what>",
-    an item count and a rate. Hidden unless stderr is a terminal (nothing when piped)."""
+def hint(message: str) -> None:
+    """A "what to do next" line on stderr (never part of the answer a pipe reads)."""
+    stderr.print(message, markup=False, highlight=False)
 
-    def __init__(self, label: str, what: str, *, show: bool) -> None:
-        import time
 
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+def table(title: str | None = None) -> Table:
+    """A table in the house style: a rule under the header and no vertical borders, so
+    the columns, not the box, get the width of an 80-column terminal."""
+    return Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                 collapse_padding=True, title_justify="left")  # fmt: skip
 
-        self._time = time.monotonic
-        self._what = what
-        self.bar = Progress(
+
+def keep_whole(t: Table, *headers: str) -> Table:
+    """Give the columns `headers` (all when none is named) the width of their widest
+    cell, so that Rich, short of room, folds or cuts the other columns, never these."""
+    for col in t.columns:
+        if not headers or col.header in headers:
+            cells = [col.header, *col.cells]
+            col.min_width = max(cell_len(c) if isinstance(c, str) else 1 for c in cells)
+    return t
+
+
+def first_rows(rows: Sequence[T], show_all: bool, n: int = FIRST_ROWS) -> tuple[Sequence[T], int]:
+    """The rows to show and how many are left out: all of them with --all, else the
+    first `n` (a flood of rows hides the counts that matter)."""
+    if show_all or len(rows) <= n:
+        return rows, 0
+    return rows[:n], len(rows) - n
+
+
+def more_line(left_out: int, what: str = "") -> None:
+    """The line after a shortened list: "… N more (--all)"."""
+    if left_out:
+        noun = f" {what}" if what else ""
+        stdout.print(f"… {left_out:,} more{noun} (--all lists them, --json has every one)",
+                     markup=False, highlight=False)  # fmt: skip
+
+
+def fits(console: Console, width: int) -> bool:
+    """Whether the console has `width` columns (to add the columns that only then fit)."""
+    return console.width >= width
+
+
+def human_bytes(n: int) -> str:
+    """812 B, 4.5 MB, 1.9 GB: a size in at most 8 columns."""
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    raise AssertionError("unreachable")
+
+
+def human_duration(seconds: float) -> str:
+    """12s, 3m05s, 1h02m: an ETA or an elapsed time at a glance."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def compact(n: float) -> str:
+    """950, 12.3k, 4.5M: a rate that keeps its width as it grows."""
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.1f}{suffix}"
+    return f"{n:.0f}"
+
+
+def eta(done: float, total: float | None, elapsed: float) -> str:
+    """The time left at the rate so far, or "" while it cannot be told."""
+    if not total or done <= 0 or elapsed < 0.5 or done >= total:
+        return ""
+    return "ETA " + human_duration(elapsed * (total - done) / done)
+
+
+class Progress:
+    """The one progress bar of every long command, on stderr: what it is doing, how far
+    (partitions or items of a known total), items and items/s, and an ETA once the rate
+    tells it. Shown only when stderr is a terminal and not --no-progress, so nothing
+    reaches a pipe or a log. It starts with "starting…", never blank.
+
+        with Progress("backup", "items", show=show) as bar:
+            bar.update(items, parts=(done, total))
+    """
+
+    def __init__(self, label: str, noun: str, *, show: bool, total: int | None = None) -> None:
+        from rich.progress import BarColumn, TextColumn
+        from rich.progress import Progress as RichProgress
+
+        self.noun = noun
+        self.total = total
+        self.started = time.monotonic()
+        self.bar = RichProgress(
             TextColumn(label),
-            BarColumn(),
-            TextColumn("{task.fields[parts]}"),
-            TextColumn("{task.fields[items]}"),
+            BarColumn(bar_width=10),
+            TextColumn("{task.fields[where]}"),
             TextColumn("{task.fields[rate]}"),
-            TimeElapsedColumn(),
+            _eta_column(),
             console=stderr,
             disable=not show,
             transient=True,
+            refresh_per_second=4,
         )
-        self.task = self.bar.add_task(label, total=None, parts="", items="", rate="")
+        self.task = self.bar.add_task(label, total=None, where="starting…", rate="", eta="")
 
-    def __enter__(self) -> PartitionProgress:
+    def __enter__(self) -> Progress:
         self.bar.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.bar.__exit__(None, None, None)
 
-    def update(self, done: int, total: int, items: int, noun: str, started: float) -> None:
-        """Show `done` of `total` partitions and `items` (a rate since `started`)."""
-        secs = max(self._time() - started, 1e-6)
-        self.bar.update(self.task, total=total or None, completed=done,
-                        parts=f"{done}/{total} {self._what}", items=f"{items:,} {noun}",
-                        rate=f"{items / secs:,.0f}/s")  # fmt: skip
+    def note(self, text: str) -> None:
+        """Say what the command is waiting for (before any item comes)."""
+        self.bar.update(self.task, where=text)
+
+    def update(
+        self,
+        items: int,
+        *,
+        total: int | None = None,
+        parts: tuple[int, int] | None = None,
+        unit: str = "partitions",
+        started: float | None = None,
+    ) -> None:
+        """`items` done (of `total` items, when the job knows it), `parts` = (`unit`s
+        done, `unit`s in all: partitions, segments), the rate since `started` (default:
+        when the bar began). The ETA comes from the items when their total is known,
+        else from the parts."""
+        elapsed = max(time.monotonic() - (self.started if started is None else started), 1e-6)
+        total = total if total is not None else self.total
+        where = f"{items:,}/{total:,} {self.noun}" if total else f"{items:,} {self.noun}"
+        if parts is not None and parts[1]:
+            where += f", {parts[0]:,}/{parts[1]:,} {unit}"
+        done, of = (items, total) if total else (parts if parts is not None else (0, None))
+        self.bar.update(
+            self.task,
+            total=of or None,
+            completed=done,
+            where=where,
+            rate=f"{compact(items / elapsed)}/s" if items else "",
+            eta=eta(done, of, elapsed),
+        )
+
+
+def _eta_column() -> Any:
+    """A Rich column (defined here so that rich.progress loads only with a bar)."""
+    from rich.progress import ProgressColumn, Task
+    from rich.text import Text
+
+    class EtaColumn(ProgressColumn):
+        """The ETA once there is one, else the time elapsed (so a wait still ticks)."""
+
+        def render(self, task: Task) -> Text:
+            text = task.fields.get("eta") or human_duration(task.elapsed or 0)
+            return Text(str(text), style="progress.remaining")
+
+    return EtaColumn()

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from upr_cli.cli.options import Bucket, JsonOutput, NoProgress, Partitions
-from upr_cli.cli.output import PartitionProgress, print_json, stderr, stdout
+from upr_cli.cli.output import Progress, print_json, stderr, stdout
 from upr_cli.errors import check_file_path
 from upr_cli.jobs.replay import ReplayStats, check_options, replay_node, replay_repo
 from upr_cli.net.uri import SourceUri
@@ -107,10 +107,12 @@ def replay_cmd(
     def event(message: str) -> None:
         stderr.print(message, markup=False, highlight=False)
 
-    with PartitionProgress("replay", "caught up", show=show) as bar:
+    with Progress("replay", "applied", show=show) as bar:
+        bar.note(f"connecting to {spec.text if spec.kind == 'repo' else 'the source'}")
 
         def tick(s: ReplayStats) -> None:
-            bar.update(s.partitions_caught_up, s.partitions, s.applied, "applied", s.started)
+            bar.update(s.applied, parts=(s.partitions_caught_up, s.partitions),
+                       unit="caught up", started=s.started)  # fmt: skip
 
         if spec.kind == "repo":
             assert spec.path is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -15,6 +16,7 @@ from upr_cli.cli.options import (
     Bucket,
     JsonOutput,
     Keys,
+    NoProgress,
     Partitions,
     Repo,
     SparkConf,
@@ -23,7 +25,7 @@ from upr_cli.cli.options import (
     key_pattern,
     restore_target,
 )
-from upr_cli.cli.output import print_json, stderr, stdout
+from upr_cli.cli.output import Progress, print_json, stderr, stdout
 from upr_cli.errors import UsageError
 from upr_cli.jobs.restore import RestoreSummary, restore_to_node, restore_to_store
 from upr_cli.net.uri import SourceUri
@@ -31,13 +33,14 @@ from upr_cli.source import selected
 
 HELP = """Restore the state at a backup into a node or a SQLite store.
 
-The state at --at (a backup id, latest or oldest) follows the chain semantics of the
-repository: lost writes (records above a rollback point) are not part of it. Documents
-go as SET_WITH_META and deletions as DEL_WITH_META, keeping cas, rev seq, flags and
-expiry; the target's conflict resolution applies unless --force-updates. A deletion is
-sent only where the target has the key, unless --include-tombstones. --dry-run prints
-the plan and writes nothing. Reading verifies checksums; a corrupt segment stops the
-restore naming the file and block, unless --skip-corrupt, which reports what it skipped.
+The state at --at (a backup id or the start of one, latest or oldest) follows the chain
+semantics of the repository: lost writes (records above a rollback point) are not part
+of it. Documents go as SET_WITH_META and deletions as DEL_WITH_META, keeping cas, rev
+seq, flags and expiry; the target's conflict resolution applies unless --force-updates.
+A deletion is sent only where the target has the key, unless --include-tombstones.
+--dry-run prints the plan and writes nothing. Reading verifies checksums; a corrupt
+segment stops the restore naming the file and block, unless --skip-corrupt, which
+reports what it skipped.
 
 Before anything is written, the chain the state reads is checked: every manifest
 readable (a lost manifest.json is read from its copy), every parent backup present,
@@ -103,35 +106,40 @@ def restore_cmd(
     spark: SparkMaster = None,
     spark_tasks: SparkTasks = 8,
     conf: SparkConf = None,
+    no_progress: NoProgress = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Restore a backup."""
     kind, where = restore_target(target)  # anything else: a usage error, before any work
     plan = Plan(repo, bucket=bucket, at=at, partitions=selected(partitions),
                 keys=key_pattern(keys), dry_run=dry_run, skip_corrupt=skip_corrupt)  # fmt: skip
-    if spark is not None:
-        if kind != "node":
-            raise UsageError(
-                "--spark restores into a node (upr://…); a SQLite store has one writer"
+    if spark is not None and kind != "node":
+        raise UsageError("--spark restores into a node (upr://…); a SQLite store has one writer")
+    if kind == "sqlite" and force_updates:
+        raise UsageError("--force-updates applies to node targets (a store keeps what it is given)")
+    show = sys.stderr.isatty() and not no_progress
+    with Progress("restore", "items", show=show) as bar:
+
+        def tick(s: RestoreSummary) -> None:
+            bar.update(s.items, parts=(s.partitions + len(s.skipped), s.partitions_total))
+
+        if spark is not None:
+            bar.note(f"starting Spark ({spark})")
+            summary = _on_spark(plan, where, spark, spark_tasks, conf, force_updates,
+                                include_tombstones)  # fmt: skip
+        elif kind == "sqlite":
+            summary = restore_to_store(repo, Path(where), on_progress=tick, **plan.options())
+        else:
+            summary = asyncio.run(
+                restore_to_node(
+                    repo,
+                    SourceUri.parse(where),
+                    force_updates=force_updates,
+                    include_tombstones=include_tombstones,
+                    on_progress=tick,
+                    **plan.options(),
+                )
             )
-        summary = _on_spark(plan, where, spark, spark_tasks, conf, force_updates,
-                            include_tombstones)  # fmt: skip
-    elif kind == "sqlite":
-        if force_updates:
-            raise UsageError(
-                "--force-updates applies to node targets (a store keeps what it is given)"
-            )
-        summary = restore_to_store(repo, Path(where), **plan.options())
-    else:
-        summary = asyncio.run(
-            restore_to_node(
-                repo,
-                SourceUri.parse(where),
-                force_updates=force_updates,
-                include_tombstones=include_tombstones,
-                **plan.options(),
-            )
-        )
     _report(summary, dry_run, json_out)
 
 

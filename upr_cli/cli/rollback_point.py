@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
 from upr_cli.cli.options import JsonOutput, Partitions
-from upr_cli.cli.output import print_json, stdout
+from upr_cli.cli.output import first_rows, hint, keep_whole, more_line, print_json, stdout, table
 from upr_cli.errors import UsageError
 from upr_cli.failover import RollbackDecision
 from upr_cli.jobs.rollback_point import DcpArgs, compare_sources, compute, load_log
@@ -123,13 +124,20 @@ def rollback_point_cmd(
     server: Server = None,
     client: Client = None,
     partitions: Partitions = None,
+    show_all: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="With --server and --client: every partition, not only those rolling back.",
+        ),
+    ] = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Compute where a client must roll back to and restart."""
     if server is not None or client is not None:
         if server is None or client is None:
             raise UsageError("--server and --client go together (upr://… or repo:DIR[@BACKUP])")
-        sources(server, client, selected(partitions), json_out)
+        sources(server, client, selected(partitions), json_out, show_all)
         return
     if server_log is None:
         raise UsageError("give --server-log (or --server and --client sources)")
@@ -152,7 +160,9 @@ def rollback_point_cmd(
         render(decision)
 
 
-def sources(server: str, client: str, partitions: list[int] | None, json_out: bool) -> None:
+def sources(
+    server: str, client: str, partitions: list[int] | None, json_out: bool, show_all: bool
+) -> None:
     """Per partition: the seed rule between two sources (exit 3 if any history is impossible)."""
     results = compare_sources(server, client, partitions)
     if json_out:
@@ -167,27 +177,46 @@ def sources(server: str, client: str, partitions: list[int] | None, json_out: bo
             ]
         )
     else:
-        table = Table(title=f"seed rule: server {server} / client {client}")
-        for col in ("partition", "rollback to", "rolls back", "step", "common ancestor"):
-            table.add_column(col, no_wrap=True)
-        for r in results:
-            d = r.decision
-            if d is None:
-                table.add_row(str(r.partition), "-", "-", r.error or "", "")
-                continue
-            ca = d.common_ancestor
-            table.add_row(
-                str(r.partition),
-                str(d.rollback_seq),
-                "yes" if d.rollback else "no",
-                d.step,
-                "none" if ca is None else f"{ca.uuid:x}@{ca.seq}",
-            )
-        stdout.print(table)
-        rolled = sum(1 for r in results if r.decision and r.decision.rollback)
-        stdout.print(f"{len(results)} partitions, {rolled} must roll back")
+        render_sources(server, client, results, show_all)
     if any(r.error for r in results):
         raise typer.Exit(3)
+
+
+def render_sources(server: str, client: str, results: Sequence[Any], show_all: bool) -> None:
+    """The partitions that must roll back or failed (the first few, unless `show_all`:
+    then every one), and the counts."""
+    rolled = [r for r in results if r.decision is not None and r.decision.rollback]
+    failed = [r for r in results if r.decision is None]
+    rows = [r for r in results if show_all or r.decision is None or r.decision.rollback]
+    shown, left_out = first_rows(rows, show_all)
+    if shown:
+        stdout.print(sources_table(f"seed rule: server {server} / client {client}", shown))
+        more_line(left_out, "partitions")
+    bad = f", {len(failed):,} with an impossible history" if failed else ""
+    must = f"{len(rolled):,}" if rolled else "none"
+    stdout.print(f"{len(results):,} partitions, {must} must roll back{bad}",
+                 markup=False, highlight=False)  # fmt: skip
+    if rolled:
+        hint("the client's writes above each rollback seq are lost writes: upr salvage lists "
+             "them (--repo for a repository client)")  # fmt: skip
+
+
+def sources_table(title: str, results: Sequence[Any]) -> Table:
+    """One row a partition: where it restarts, whether it rolls back, which step decided."""
+    t = table(title)
+    for col in ("partition", "rollback to", "rolls back", "step", "common ancestor"):
+        right = col in ("partition", "rollback to")
+        t.add_column(col, no_wrap=col != "common ancestor", overflow="fold",
+                     justify="right" if right else "left")  # fmt: skip
+    for r in results:
+        d = r.decision
+        if d is None:
+            t.add_row(str(r.partition), "-", "-", r.error or "", "")
+            continue
+        ca = d.common_ancestor
+        t.add_row(str(r.partition), str(d.rollback_seq), "yes" if d.rollback else "no", d.step,
+                  "none" if ca is None else f"{ca.uuid:x}@{ca.seq}")  # fmt: skip
+    return keep_whole(t, "partition", "rollback to", "rolls back", "step")
 
 
 def render(d: RollbackDecision) -> None:

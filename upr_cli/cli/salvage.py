@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import Bucket, JsonOutput, Partitions, one_is_an_answer
-from upr_cli.cli.output import print_json, stdout
+from upr_cli.cli.options import AllRows, Bucket, JsonOutput, Partitions, one_is_an_answer
+from upr_cli.cli.output import first_rows, hint, keep_whole, more_line, print_json, stdout, table
 from upr_cli.errors import UsageError
 from upr_cli.jobs.salvage import (
     LostItem,
+    SalvageReport,
     check_target,
     salvage_node_data,
     salvage_repo,
@@ -80,6 +82,7 @@ def salvage_cmd(
         bool, typer.Option("--apply/--dry-run", help="Write the safe ones (default: list only).")
     ] = False,
     partitions: Partitions = None,
+    show_all: AllRows = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Salvage lost writes."""
@@ -102,18 +105,27 @@ def salvage_cmd(
     if json_out:
         print_json(report.to_json())
         raise typer.Exit(code)
-    if report.items:
-        table = Table(
-            title=f"lost writes in {report.source} ({'dry run' if report.dry_run else 'applied'})"
-        )
-        for col in ("partition", "key", "cut", "lost version", "outcome", "master version / why"):
-            table.add_column(col)
-        for it in report.items:
-            table.add_row(*_row(it))
-        stdout.print(table)
-    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no lost writes"
-    stdout.print(f"{len(report.items)} lost writes: {summary}", markup=False, highlight=False)
+    shown, left_out = first_rows(report.items, show_all)
+    if shown:
+        stdout.print(lost_table(report, shown))
+        more_line(left_out, "lost writes")
+    summary = ", ".join(f"{n:,} {k}" for k, n in sorted(counts.items())) or "no lost writes"
+    stdout.print(f"{len(report.items):,} lost writes: {summary}", markup=False, highlight=False)
+    if not apply and counts.get("would-write", 0):
+        hint("run again with --apply to write back the safe ones")
     raise typer.Exit(code)
+
+
+def lost_table(report: SalvageReport, items: Sequence[LostItem]) -> Table:
+    """One row a lost write: partition, cut and outcome never wrap; key and versions fold."""
+    t = table(f"lost writes in {report.source} ({'dry run' if report.dry_run else 'applied'})")
+    for col in ("partition", "key", "cut", "lost version", "outcome", "master version / why"):
+        wrap = col in ("key", "lost version", "master version / why")
+        t.add_column(col, no_wrap=not wrap, overflow="fold",
+                     justify="right" if col in ("partition", "cut") else "left")  # fmt: skip
+    for it in items:
+        t.add_row(*_row(it))
+    return keep_whole(t, "partition", "cut", "outcome")
 
 
 def _short(v: bytes, n: int = 40) -> str:

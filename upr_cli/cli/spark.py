@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 
-from upr_cli.cli.options import At, Bucket, JsonOutput, Repo, SparkConf
-from upr_cli.cli.output import print_json, stdout
+from upr_cli.cli.options import At, Bucket, JsonOutput, NoProgress, Repo, SparkConf
+from upr_cli.cli.output import Progress, print_json, stdout
 from upr_cli.source import open_bucket
 
 HELP = """Run upr's data pipeline on Spark, locally or on a Spark cluster.
@@ -73,6 +74,7 @@ def export_cmd(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DIR.")] = False,
     master: Master = "local[*]",
     conf: SparkConf = None,
+    no_progress: NoProgress = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Export the state at a backup."""
@@ -88,7 +90,7 @@ def export_cmd(
     check_target(to, overwrite)
     summary = _run(master, conf, "upr spark export",
                    lambda spark: export(spark, repo, to, fmt=fmt, at=at, bucket=bucket,
-                                        overwrite=overwrite))  # fmt: skip
+                                        overwrite=overwrite), no_progress)  # fmt: skip
     _report(
         summary,
         json_out,
@@ -132,6 +134,7 @@ def merge_cmd(
     bucket: Bucket = None,
     master: Master = "local[*]",
     conf: SparkConf = None,
+    no_progress: NoProgress = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Merge a chain into one full backup."""
@@ -139,7 +142,8 @@ def merge_cmd(
 
     _checked(repo, through, bucket)
     summary = _run(master, conf, "upr spark merge",
-                   lambda spark: merge(spark, repo, through=through, bucket=bucket))  # fmt: skip
+                   lambda spark: merge(spark, repo, through=through, bucket=bucket),
+                   no_progress)  # fmt: skip
     _report(
         summary,
         json_out,
@@ -158,15 +162,28 @@ def _checked(repo: Path, at: str, bucket: str | None) -> None:
     parse_options({"path": str(repo), "at": at} | ({"bucket": bucket} if bucket else {}))
 
 
-def _run(master: str, conf: list[str] | None, app: str, job: Callable[[Any], T]) -> T:
-    """Run `job(spark)` in a session for `master`, stopped afterwards."""
+def _run(master: str, conf: list[str] | None, app: str, job: Callable[[Any], T],
+         no_progress: bool = False) -> T:  # fmt: skip
+    """Run `job(spark)` in a session for `master`, stopped afterwards. On a terminal a
+    line on stderr says what runs and for how long (Spark's start-up alone takes
+    seconds, and its own log says nothing of upr's work)."""
     from upr_cli.spark.jobs import parse_conf, session
 
-    spark = session(master, parse_conf(conf or []), app=app)
-    try:
-        return job(spark)
-    finally:
-        spark.stop()
+    show = sys.stderr.isatty() and not no_progress
+    with Progress(app, "", show=show) as bar:
+        bar.note(f"starting Spark ({master})")
+        spark = session(master, parse_conf(conf or []), app=app)
+        try:
+            bar.note(f"running on Spark ({master}); {spark_ui(spark)}")
+            return job(spark)
+        finally:
+            spark.stop()
+
+
+def spark_ui(spark: Any) -> str:
+    """Where Spark's web UI shows the tasks' progress, or what to do without one."""
+    url = getattr(getattr(spark, "sparkContext", None), "uiWebUrl", None)
+    return f"tasks at {url}" if url else "tasks in Spark's log"
 
 
 def _report(summary: Any, json_out: bool, line: str) -> None:

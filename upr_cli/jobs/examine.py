@@ -47,7 +47,8 @@ class Version:
     in_latest: bool
 
     def to_json(self) -> dict[str, Any]:
-        """JSON form (the value as JSON when its datatype says so, else text)."""
+        """JSON form (docs/output.md: seq, cas and rev seq as decimal strings; the value
+        as JSON when its datatype says so, else text)."""
         val: Any = None
         if self.op == "mutation":
             try:
@@ -57,10 +58,10 @@ class Version:
         return {
             "backup_id": self.backup_id,
             "partition": self.partition,
-            "seq": self.seq,
+            "seq": str(self.seq),
             "op": self.op,
             "cas": str(self.cas),
-            "rev_seq": self.rev_seq,
+            "rev_seq": str(self.rev_seq),
             "flags": self.flags,
             "expiry": self.expiry,
             "lost": self.lost,

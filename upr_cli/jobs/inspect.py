@@ -16,6 +16,7 @@ here until every reader imports it from `upr_cli.source`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,13 +69,14 @@ class VerifyReport:
         return [p for p in self.problems if not p.repaired]
 
     def to_json(self) -> dict[str, Any]:
-        """JSON form: `ok` when no problem is left (a repaired one is still listed)."""
+        """JSON form (docs/output.md): `ok` when no problem is left (a repaired one is
+        still listed); `items` the records read."""
         return {
             "bucket": self.bucket,
             "backups": self.backups,
             "segments": self.segments,
-            "records": self.records,
-            "bytes": str(self.bytes),
+            "items": self.records,
+            "bytes": self.bytes,
             "ok": not self.unrepaired,
             "problems": [
                 {"kind": p.kind, "where": p.where, "detail": p.detail, "repaired": p.repaired}
@@ -92,14 +94,38 @@ def _buckets(repo: Repository, bucket: str | None) -> list[str]:
     return names
 
 
-def verify(path: Path, bucket: str | None = None, *, repair: bool = False) -> list[VerifyReport]:
+#: `verify`'s progress: (segments checked, segments in all, records read)
+VerifyProgress = Callable[[int, int, int], None]
+
+
+def verify(
+    path: Path,
+    bucket: str | None = None,
+    *,
+    repair: bool = False,
+    on_progress: VerifyProgress | None = None,
+) -> list[VerifyReport]:
     """Check every committed backup of every (or one) bucket; problems are collected.
 
     With `repair`, each bucket's lock is taken and a missing or damaged manifest file is
-    rewritten from its valid twin; those problems are marked repaired."""
+    rewritten from its valid twin; those problems are marked repaired. `on_progress` is
+    told after each segment how many are checked, of how many, and the records read."""
     repo = open_repo(path)
     reports = []
-    for b in _buckets(repo, bucket):
+    names = _buckets(repo, bucket)
+    total = sum(
+        len(e.segments) + len(e.cut_files())
+        for b in names
+        for m in repo.readable(b)[0]
+        for e in m.partitions
+    )
+    done = [0, 0]  # segments checked, records read (before this bucket's report)
+
+    def tick(rep: VerifyReport) -> None:
+        if on_progress is not None:
+            on_progress(done[0] + rep.segments, total, done[1] + rep.records)
+
+    for b in names:
         rep = VerifyReport(b)
         reports.append(rep)
         if repair:
@@ -122,9 +148,11 @@ def verify(path: Path, bucket: str | None = None, *, repair: bool = False) -> li
                 for seg in e.segments:
                     rep.segments += 1
                     _check_segment(repo, b, m.backup_id, e.partition, seg, rep)
+                    tick(rep)
                 for name, seg in e.cut_files():  # lost writes kept from a mid-run rollback
                     rep.segments += 1
                     _check_segment(repo, b, m.backup_id, e.partition, seg, rep, name)
+                    tick(rep)
         for p in sorted({e.partition for m in manifests for e in m.partitions}):
             for gap in coverage_gaps(manifests, p):
                 rep.problems.append(
@@ -134,6 +162,8 @@ def verify(path: Path, bucket: str | None = None, *, repair: bool = False) -> li
                         f"seqs ({gap.from_seq}, {gap.to_seq}] are in no backup",
                     )
                 )
+        done[0] += rep.segments
+        done[1] += rep.records
     return reports
 
 
@@ -230,8 +260,8 @@ def info(
                     "parent": None if m.parent is None else str(m.parent),
                     "started": m.started.isoformat(),
                     "items": t.items,
-                    "bytes_read": str(t.bytes_read),
-                    "bytes_written": str(t.bytes_written),
+                    "bytes_read": t.bytes_read,
+                    "bytes_written": t.bytes_written,
                     "ratio": round(t.bytes_read / t.bytes_written, 2) if t.bytes_written else None,
                     "rollbacks": t.rollbacks,
                     "partitions": len(m.partitions),
@@ -250,7 +280,7 @@ def info(
                         "start": str(e.start_seq),
                         "end": str(e.end_seq),
                         "uuid": str(e.uuid),
-                        "records": sum(s.records for s in e.segments),
+                        "items": sum(s.records for s in e.segments),
                         "rollback": None
                         if e.rollback is None
                         else {"from": str(e.rollback.from_seq), "to": str(e.rollback.to_seq)},

@@ -3,6 +3,11 @@
 Each of `docs` operations creates a new document, or (by the given ratios) updates or
 deletes an existing one; the same seed gives the same operations. Up to `window`
 requests are in flight; each goes to its partition's active node (net/router.py).
+
+A new document is written with ADD, so a key an earlier run left in the bucket is
+noticed (KEY_EEXISTS): it is counted as overwritten and written again with SET, unless
+a later operation of this run already updated or deleted it (that one, sent after the
+ADD on the same connection, is then the key's newest write and must stay so).
 """
 
 from __future__ import annotations
@@ -46,14 +51,19 @@ WORDS = (
 )
 
 
+#: a new document's (key, value), while its ADD is in flight
+Added = tuple[bytes, bytes] | None
+
+
 @dataclass
 class LoadSummary:
     """What a load run did."""
 
     ops: int = 0
-    sets: int = 0
+    sets: int = 0  # new documents of this run
     updates: int = 0
     deletes: int = 0
+    overwritten: int = 0  # new documents whose key an earlier run had left in the bucket
     errors: int = 0
     seconds: float = 0.0
     retries: int = 0  # requests sent again after NOT_MY_VBUCKET or a lost node
@@ -65,15 +75,16 @@ class LoadSummary:
         return self.ops / self.seconds if self.seconds > 0 else 0.0
 
     def to_json(self) -> dict[str, object]:
-        """A JSON object for --json."""
+        """A JSON object for --json (docs/output.md: `items` the operations)."""
         return {
-            "ops": self.ops,
-            "sets": self.sets,
+            "items": self.ops,
+            "created": self.sets,
             "updates": self.updates,
             "deletes": self.deletes,
+            "overwritten": self.overwritten,
             "errors": self.errors,
             "seconds": round(self.seconds, 3),
-            "ops_per_s": round(self.rate),
+            "items_per_s": round(self.rate),
             "retries": self.retries,
             "error_statuses": {f"0x{k:02x}": v for k, v in self.error_statuses.items()},
         }
@@ -117,49 +128,45 @@ async def load(
     if n_parts == 0:
         await router.aclose()
         raise UsageError(f"{uri.redacted()}: the cluster config lists no partitions")
-    rng = random.Random(seed)
-    live: list[str] = []
-    next_id = 0
+    ops = _Operations(random.Random(seed), n_parts, size, update_ratio, delete_ratio, prefix)
     summary = LoadSummary()
-    inflight: deque[tuple[asyncio.Future[Frame], int, Make]] = deque()
+    inflight: deque[tuple[asyncio.Future[Frame], int, Make, Added]] = deque()
+    # keys whose ADD is in flight -> whether a later operation of this run has used them
+    adding: dict[bytes, bool] = {}
     started = time.monotonic()
 
-    def settle(reply: Frame) -> None:
+    def settle(reply: Frame, vb: int, added: Added) -> None:
         status = reply.vbucket_or_status
-        if status != Status.SUCCESS:
+        superseded = adding.pop(added[0], False) if added is not None else False
+        if status == Status.KEY_EEXISTS and added is not None:
+            summary.overwritten += 1
+            if not superseded:  # write it as planned, after the ADD on the same connection
+                again = functools.partial(_set, Opcode.SET, vb, *added)
+                inflight.append((router.submit(vb, again), vb, again, None))
+        elif status != Status.SUCCESS:
             summary.errors += 1
             summary.error_statuses[status] = summary.error_statuses.get(status, 0) + 1
 
+    async def settle_oldest() -> None:
+        fut, vb, make, added = inflight.popleft()
+        settle(await router.settle(fut, vb, make), vb, added)
+
     try:
         for i in range(docs):
-            r = rng.random()
-            if live and r < delete_ratio:
-                key = live.pop(rng.randrange(len(live)))
-                kb = key.encode()
-                vb = partition_of(kb, n_parts)
-                make = functools.partial(_delete, vb, kb)
-                summary.deletes += 1
-            else:
-                if live and r < delete_ratio + update_ratio:
-                    key = live[rng.randrange(len(live))]
-                    summary.updates += 1
-                else:
-                    key = f"{prefix}-{next_id:09d}"
-                    next_id += 1
-                    live.append(key)
-                    summary.sets += 1
-                kb = key.encode()
-                vb = partition_of(kb, n_parts)
-                make = functools.partial(_set, vb, kb, make_doc(rng, i, size))
-            inflight.append((router.submit(vb, make), vb, make))
+            kb, vb, make, added = ops.next(i, summary)
+            if kb in adding:
+                adding[kb] = True
+            if added is not None:
+                adding[kb] = False
+            inflight.append((router.submit(vb, make), vb, make, added))
             summary.ops += 1
             if len(inflight) % 64 == 0:
                 router.flush()
             if len(inflight) >= window:
                 router.flush()
-                settle(await router.settle(*inflight.popleft()))
+                await settle_oldest()
                 while inflight and inflight[0][0].done():
-                    settle(await router.settle(*inflight.popleft()))
+                    await settle_oldest()
             if rate:
                 ahead = summary.ops / rate - (time.monotonic() - started)
                 if ahead > 0.001:
@@ -170,7 +177,8 @@ async def load(
                 on_progress(summary)
         router.flush()
         while inflight:
-            settle(await router.settle(*inflight.popleft()))
+            router.flush()
+            await settle_oldest()
         summary.seconds = time.monotonic() - started
         summary.retries = router.retries
         return summary
@@ -178,8 +186,45 @@ async def load(
         await router.aclose()
 
 
-def _set(vb: int, key: bytes, doc: bytes, opaque: int) -> bytes:
-    return encode_set(Opcode.SET, vb, opaque, key, doc, datatype=1)
+class _Operations:
+    """The workload's operations, one at a time, from the seeded generator: a delete or
+    an update of a key this run created (by the ratios), else a new key."""
+
+    def __init__(self, rng: random.Random, n_parts: int, size: int, update_ratio: float,
+                 delete_ratio: float, prefix: str) -> None:  # fmt: skip
+        self.rng, self.n_parts, self.size, self.prefix = rng, n_parts, size, prefix
+        self.update_ratio, self.delete_ratio = update_ratio, delete_ratio
+        self.live: list[str] = []
+        self.next_id = 0
+
+    def next(self, i: int, summary: LoadSummary) -> tuple[bytes, int, Make, Added]:
+        """Operation `i`: its key, partition, request and (a new document) what it adds."""
+        rng, live = self.rng, self.live
+        r = rng.random()
+        if live and r < self.delete_ratio:
+            kb = live.pop(rng.randrange(len(live))).encode()
+            vb = partition_of(kb, self.n_parts)
+            summary.deletes += 1
+            return kb, vb, functools.partial(_delete, vb, kb), None
+        op = Opcode.SET
+        if live and r < self.delete_ratio + self.update_ratio:
+            key = live[rng.randrange(len(live))]
+            summary.updates += 1
+        else:
+            key = f"{self.prefix}-{self.next_id:09d}"
+            self.next_id += 1
+            live.append(key)
+            summary.sets += 1
+            op = Opcode.ADD
+        kb = key.encode()
+        vb = partition_of(kb, self.n_parts)
+        doc = make_doc(rng, i, self.size)
+        added = (kb, doc) if op == Opcode.ADD else None
+        return kb, vb, functools.partial(_set, op, vb, kb, doc), added
+
+
+def _set(opcode: int, vb: int, key: bytes, doc: bytes, opaque: int) -> bytes:
+    return encode_set(opcode, vb, opaque, key, doc, datatype=1)
 
 
 def _delete(vb: int, key: bytes, opaque: int) -> bytes:

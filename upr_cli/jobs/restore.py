@@ -129,9 +129,15 @@ class RestoreSummary:
     errors: dict[str, int] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    partitions_total: int = 0  # the partitions selected (for progress)
+
+    @property
+    def items(self) -> int:
+        """The records of the state restored: documents and deletions."""
+        return self.documents + self.deletions
 
     def to_json(self) -> dict[str, Any]:
-        """JSON form."""
+        """JSON form (docs/output.md: `items` the documents and deletions)."""
         return {
             k: getattr(self, k)
             for k in (
@@ -139,6 +145,7 @@ class RestoreSummary:
                 "target",
                 "dry_run",
                 "partitions",
+                "items",
                 "documents",
                 "deletions",
                 "written",
@@ -175,7 +182,8 @@ async def restore_to_node(
     sel = select(manifests, at, partitions)
     if not skip_corrupt:  # before anything is written (--skip-corrupt skips them instead)
         check_files(repo, b, manifests, sel)
-    summary = RestoreSummary(str(sel.backup_id), target.redacted(), dry_run)
+    summary = RestoreSummary(str(sel.backup_id), target.redacted(), dry_run,
+                             partitions_total=len(sel.partitions))  # fmt: skip
     t0 = time.monotonic()
     # Writes follow the cluster map: each to its partition's active node, retried with the
     # newer map on NOT_MY_VBUCKET (net/router.py).
@@ -314,7 +322,8 @@ def restore_to_store(
     sel = select(manifests, at, partitions)
     if not skip_corrupt:  # before anything is written (--skip-corrupt skips them instead)
         check_files(repo, b, manifests, sel)
-    summary = RestoreSummary(str(sel.backup_id), f"sqlite:{db_path}", dry_run)
+    summary = RestoreSummary(str(sel.backup_id), f"sqlite:{db_path}", dry_run,
+                             partitions_total=len(sel.partitions))  # fmt: skip
     t0 = time.monotonic()
     chain = [m for m in manifests if m.backup_id <= sel.backup_id]
     store = None if dry_run else Store(db_path, source=f"repo:{repo_dir}@{sel.backup_id}")

@@ -1,5 +1,5 @@
-"""The state of a bucket at a backup, read from the repository (formats/repository.md
-§8, chain semantics).
+"""The state of a bucket at a backup, read from the repository (chain semantics:
+formats/repository.md §8).
 
 For each partition, `plan_state` names the segments (and the seq cut of each) whose
 records make the state at backup K; reading them in order and keeping the latest
@@ -7,8 +7,8 @@ version of every key gives that state, deletions included (as tombstones), so a 
 can tell a deletion from absence. Memory holds one partition's keys at a time.
 
 The manifests come from `source.open_bucket`, which has checked the chain whole
-(§8.8); `check_files` then makes sure, before a restore writes anything, that every
-segment file the state reads is there with its recorded size.
+(formats/repository.md §8.8); `check_files` then makes sure, before a restore writes
+anything, that every segment file the state reads is there with its recorded size.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from upr_cli.errors import UsageError
 from upr_cli.repo import BackupId, BrokenChain, Manifest, Repository, plan_state
 from upr_cli.segments import Record, SegmentReader
+from upr_cli.source import backup_named
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,18 +33,13 @@ class Selection:
 def select(
     manifests: Sequence[Manifest], at: str = "latest", partitions: Sequence[int] | None = None
 ) -> Selection:
-    """Resolve `--at` (a backup id, latest, oldest) and the partitions to read."""
+    """Resolve `--at` (a backup id or a unique prefix of one, latest, oldest) and the
+    partitions to read."""
     if not manifests:
         raise UsageError("the repository holds no committed backup of this bucket")
-    if at == "latest":
-        bid = manifests[-1].backup_id
-    elif at == "oldest":
-        bid = manifests[0].backup_id
-    else:
-        ids = {str(m.backup_id): m.backup_id for m in manifests}
-        if at not in ids:
-            raise UsageError(f"--at: no committed backup {at!r} (see `upr info`)")
-        bid = ids[at]
+    bid = backup_named([m.backup_id for m in manifests], at)
+    if bid is None:
+        raise UsageError(f"--at: no committed backup {at!r} (see `upr info`)")
     held = sorted({e.partition for m in manifests if m.backup_id <= bid for e in m.partitions})
     if partitions is not None:
         held = [p for p in held if p in set(partitions)]
