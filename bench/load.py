@@ -37,7 +37,7 @@ def main() -> None:
             rss = node.peak_rss_mb()
         finally:
             node.stop()
-    rate = summary["ops_per_s"]
+    rate = summary["items_per_s"]
     print(f"upr load: {args.docs:,} new JSON documents (~180 B), {args.partitions} partitions, "
           f"pipelined on one connection")  # fmt: skip
     print(f"  sets/s: {rate:>10,}   target >= {TARGET:,}  {'MET' if rate >= TARGET else 'MISSED'}")

@@ -42,7 +42,7 @@ def main() -> int:
             upr("spark", "export", "--repo", str(repo), "--to", str(out), "--json").stdout
         )
         console.print(
-            f"exported {summary['rows']:,} documents in {summary['partitions']} partitions "
+            f"exported {summary['items']:,} documents in {summary['partitions']} partitions "
             f"in {summary['seconds']:.1f}s"
         )
 
@@ -68,7 +68,7 @@ def main() -> int:
             )
         finally:
             spark.stop()
-    ok = count == live == summary["rows"]
+    ok = count == live == summary["items"]
     console.print("[bold green]match[/]" if ok else "[bold red]MISMATCH[/]")
     return 0 if ok else 1
 

@@ -51,7 +51,7 @@ def test_seed_example_explains_the_elision_and_the_ancestor() -> None:
     assert d.common_ancestor == FailoverEntry(C, 0)
     assert "elided client entries above snapshot 6: ba5eba11@7" in d.explanation[0]
     j = d.to_json()
-    assert j["rollback_seq"] == 6 and j["common_ancestor"]["uuid"] == str(C)
+    assert j["rollback_seq"] == "6" and j["common_ancestor"]["uuid"] == str(C)
 
 
 def test_seed_rule_rejects_snapshot_above_seen() -> None:

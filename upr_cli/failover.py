@@ -300,11 +300,11 @@ class RollbackDecision:
     explanation: tuple[str, ...] = field(default_factory=tuple)
 
     def to_json(self) -> dict[str, Any]:
-        """JSON object: `rollback_seq` an integer (CLI contract), other 64-bit values strings."""
+        """JSON object with 64-bit values as decimal strings (docs/output.md §4)."""
         ca = self.common_ancestor
         return {
             "rule": self.rule,
-            "rollback_seq": self.rollback_seq,
+            "rollback_seq": str(self.rollback_seq),
             "rollback": self.rollback,
             "step": self.step,
             "common_ancestor": None if ca is None else {**ca.to_json(), "uuid_hex": f"{ca.uuid:x}"},

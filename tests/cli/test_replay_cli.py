@@ -52,6 +52,6 @@ def test_diff_json_files_exit_1_when_they_differ(
     a.write_text(json.dumps({"0": {"failover_log": log, "seq": "9"}}))
     b.write_text(json.dumps({"0": {"failover_log": [{"uuid": "1", "seq": "0"}], "seq": "7"}}))
     code, out, _err = run_cli(["diff", str(a), str(b), "--json"], capsys)
-    assert code == 1 and json.loads(out)["partitions"][0]["diverged_at"] == 5
+    assert code == 1 and json.loads(out)["partitions"][0]["diverged_at"] == "5"
     code, out, _err = run_cli(["diff", str(a), str(a)], capsys)
     assert code == 0 and "identical" in out

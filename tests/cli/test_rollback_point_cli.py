@@ -27,11 +27,11 @@ def test_done_when_example_prints_rollback_seq_6(capsys: pytest.CaptureFixture[s
         "--snapshot-seq", "6", "--seen-seq", "9", "--json",
     )  # fmt: skip
     assert code == 0 and err == ""
-    assert '"rollback_seq": 6' in out
+    assert '"rollback_seq": "6"' in out
     obj = json.loads(out)
     assert obj == {
         "rule": "seed",
-        "rollback_seq": 6,
+        "rollback_seq": "6",
         "rollback": True,
         "step": "next-entries-smaller",
         "common_ancestor": {"uuid": "3405691582", "seq": "0", "uuid_hex": "cafebabe"},
@@ -64,7 +64,7 @@ def test_log_from_file(capsys: pytest.CaptureFixture[str], tmp_path: object) -> 
         capsys, "rollback-point", "--server-log", f"@{p}", "--client-log", CLIENT,
         "--snapshot-seq", "7", "--seen-seq", "9", "--json",
     )  # fmt: skip
-    assert code == 0 and json.loads(out)["rollback_seq"] == 7
+    assert code == 0 and json.loads(out)["rollback_seq"] == "7"
 
 
 def test_impossible_case_exits_3_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -120,14 +120,14 @@ def test_dcp_rule(capsys: pytest.CaptureFixture[str]) -> None:
         "--start", "9", "--snap-start", "7", "--snap-end", "10", "--high-seq", "12", "--json",
     )  # fmt: skip
     obj = json.loads(out)
-    assert code == 0 and obj["rollback_seq"] == 7 and obj["rollback"] is True
+    assert code == 0 and obj["rollback_seq"] == "7" and obj["rollback"] is True
     assert obj["step"] == "snap-start" and obj["common_ancestor"]["uuid_hex"] == "cafebabe"
     code, out, _ = run(
         capsys, "rollback-point", "--rule", "dcp", "--server-log", SERVER, "--client-log",
         '[["deadbeef",8],["cafebabe",0]]', "--start", "11", "--high-seq", "12", "--json",
     )  # fmt: skip
     obj = json.loads(out)
-    assert code == 0 and obj["rollback"] is False and obj["rollback_seq"] == 11
+    assert code == 0 and obj["rollback"] is False and obj["rollback_seq"] == "11"
 
 
 def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:

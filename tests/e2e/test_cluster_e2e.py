@@ -58,7 +58,7 @@ def test_init_status_stop_start(tmp_path: Path) -> None:
                 assert code == Status.NOT_MY_VBUCKET and json.loads(body)["rev"] == 1
         # upr load follows the map: bootstrapped from n1, every write reaches its active
         out = json.loads(upr("load", cl.uri(cl.nodes[1]), "--docs", "600", "--json").stdout)
-        assert out["errors"] == 0 and out["ops"] == 600
+        assert out["errors"] == 0 and out["items"] == 600
         # replication: each replica copy reaches its active's high seq, and nothing else
         # holds data (dead copies stay empty)
         deadline = time.monotonic() + 30
@@ -186,7 +186,7 @@ def test_a_restarted_node_serves_nothing_until_the_orchestrator_turns_traffic_on
         # the newer map is found on n1: every write lands on the current actives
         out = json.loads(upr("load", cl.uri("n0"), "--docs", "300", "--seed", "2",
                              "--prefix", "after", "--json").stdout)  # fmt: skip
-        assert out["errors"] == 0 and out["ops"] == 300
+        assert out["errors"] == 0 and out["items"] == 300
         rows = cl.rows()
         assert sum(1 for (_p, k) in rows if k.startswith(b"after-")) == 300
         cl.cli("start")  # the map, dead states, then traffic on

@@ -147,7 +147,7 @@ def test_upr_spark_export_cli(repo: Path, tmp_path: Path) -> None:
     proc = upr("spark", "export", "--repo", str(repo), "--to", str(out), "--format", "json",
                "--master", "local[1]", "--json", timeout=300)  # fmt: skip
     summary = json.loads(proc.stdout)
-    assert summary["format"] == "json" and summary["rows"] > 500
+    assert summary["format"] == "json" and summary["items"] > 500
     assert sorted(p.name for p in out.glob("partition=*")) == [f"partition={i}" for i in range(8)]
     again = upr("spark", "export", "--repo", str(repo), "--to", str(out), check=False)
     assert again.returncode == 2 and "exists; give --overwrite" in again.stderr
@@ -157,6 +157,28 @@ def test_upr_spark_export_cli(repo: Path, tmp_path: Path) -> None:
     assert bad.stderr.strip().splitlines()[-1] == (
         "upr: error: option at: no committed backup 'nope' (see `upr info`)"
     )
+
+
+def test_watch_tasks_counts_the_jobs_of_its_block(spark: Any) -> None:
+    """The `upr spark` progress: tasks done of how many, from Spark's status tracker,
+    only for the jobs the block starts, up to every task of them."""
+    import time
+
+    from upr_cli.spark.jobs import watch_tasks
+
+    spark.sparkContext.parallelize(range(3), 3).count()  # a job before: not counted
+    seen: list[tuple[int, int]] = []
+
+    def slow(x: int) -> int:
+        time.sleep(0.3)
+        return x
+
+    with watch_tasks(spark, lambda done, total: seen.append((done, total)), every=0.05):
+        spark.sparkContext.parallelize(range(6), 6).map(slow).count()
+        time.sleep(0.2)  # one poll after the job ended
+    assert seen and all(0 <= done <= total == 6 for done, total in seen)
+    assert seen[-1] == (6, 6) and seen[0][0] < 6
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
 
 
 def test_merge_equals_the_chain_and_restores_the_same(

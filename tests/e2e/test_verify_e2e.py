@@ -139,14 +139,6 @@ def test_a_damaged_manifest_file_is_named_and_repaired(
 
 # -- the JSON convention of every command (docs/output.md) ----------------------------------
 
-#: commands whose --json still breaks the convention in their job's to_json (not the CLI):
-#: each reason names the change (listed in the issue note); strict, so the fix shows here
-JOB_SIDE = {
-    "backup": "jobs/backup.py BackupSummary.to_json: bytes_read/bytes_written as integers",
-    "diff": "jobs/diff.py PartitionDiff.to_json: a_seq, b_seq, diverged_at as strings",
-    "rollback-point": "failover.py RollbackDecision.to_json: rollback_seq as a string",
-}
-
 
 def test_every_commands_json_follows_the_convention(
     node_factory: type[Node], tmp_path: Path
@@ -177,10 +169,7 @@ def test_every_commands_json_follows_the_convention(
     for name, proc in runs.items():
         doc = json.loads(proc.stdout)  # stdout is the one JSON document, nothing else
         assert not proc.stderr.strip().startswith(("{", "[")), name
-        found = problems(doc)
-        if name in JOB_SIDE:
-            assert found, f"{name} follows the convention now: drop it from JOB_SIDE"
-        elif found:
+        if found := problems(doc):
             broken[name] = found
     assert not broken, broken
     assert json.loads(runs["restore"].stdout)["items"] == 300  # --at by a prefix

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.json_convention import problems
 from upr_cli.dcp.position import StreamPosition
 from upr_cli.failover import FailoverLog
 from upr_cli.jobs.diff import STATUSES, compare, diff_sources
@@ -54,6 +55,11 @@ def test_every_status_and_both_rules(
     assert d.dcp_rule == dcp
     j = d.to_json()
     assert j["status"] in STATUSES and j["partition"] == 3
+    assert not problems(j)  # seqs as decimal strings (docs/output.md §4)
+    assert j["diverged_at"] == (None if at is None else str(at))
+    assert j["lost_seqs"] == (None if lost is None else [str(x) for x in lost])
+    assert j["rollback"]["dcp"] == str(dcp)
+    assert j["rollback"]["seed"] == (d.seed_rule if isinstance(seed, str) else str(seed))
 
 
 def test_entries_only_on_each_side_and_the_common_ancestor() -> None:

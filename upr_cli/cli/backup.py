@@ -103,10 +103,10 @@ def backup_cmd(
         bar.note(f"connecting to {source.redacted()}")
 
         def tick(s: StreamStats) -> None:
-            # items_total: the job's estimate of the items to stream, when it gives one
-            total = getattr(s, "items_total", None)
-            bar.update(s.items, total=total or None, parts=(s.partitions_done, s.partitions),
-                       started=s.started)  # fmt: skip
+            # items_total bounds the items from above (a deduplicated key comes once), so
+            # the bar may end short of it; 0 (nothing to stream, or unknown) gives no total
+            bar.update(s.items, total=s.items_total or None,
+                       parts=(s.partitions_done, s.partitions), started=s.started)  # fmt: skip
 
         sess = None
         streamer = None

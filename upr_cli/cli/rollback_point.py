@@ -27,7 +27,7 @@ A LOG is a JSON array of [uuid, seq] pairs, newest first, the uuid a hex string
 
 Exit status: 0 done, 2 malformed input, 3 an impossible history.
 
-Example (the specification's worked example, prints "rollback_seq": 6):
+Example (the specification's worked example, prints "rollback_seq": "6"):
 
   upr rollback-point --server-log '[["deadbeef",8],["cafebabe",0]]' \\
       --client-log '[["ba5eba11",7],["cafebabe",0]]' \\

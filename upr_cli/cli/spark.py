@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -10,7 +11,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from upr_cli.cli.options import At, Bucket, JsonOutput, NoProgress, Repo, SparkConf
-from upr_cli.cli.output import Progress, print_json, stdout
+from upr_cli.cli.output import Progress, print_json, stderr, stdout
 from upr_cli.source import open_bucket
 
 HELP = """Run upr's data pipeline on Spark, locally or on a Spark cluster.
@@ -108,7 +109,7 @@ only after every task succeeded, so a failed merge leaves nothing visible. The m
 backup is a full backup: `upr info` lists it, and restoring it equals restoring the
 chain at --through. The older backups stay (their records are kept, never deleted).
 Through an older backup B, the merge sorts right after B and the backups after B go on
-from it (formats/repository.md §8.6): every state is unchanged.
+from it (formats/repository.md §8.9): every state is unchanged.
 
 Example:
 
@@ -165,25 +166,36 @@ def _checked(repo: Path, at: str, bucket: str | None) -> None:
 def _run(master: str, conf: list[str] | None, app: str, job: Callable[[Any], T],
          no_progress: bool = False) -> T:  # fmt: skip
     """Run `job(spark)` in a session for `master`, stopped afterwards. On a terminal a
-    line on stderr says what runs and for how long (Spark's start-up alone takes
-    seconds, and its own log says nothing of upr's work)."""
-    from upr_cli.spark.jobs import parse_conf, session
+    bar on stderr says what runs: Spark's start-up (seconds on its own), then the job's
+    tasks done of how many, their rate and an ETA, from Spark's status tracker."""
+    from upr_cli.spark.jobs import parse_conf, session, watch_tasks
 
     show = sys.stderr.isatty() and not no_progress
-    with Progress(app, "", show=show) as bar:
+    with Progress(app, "tasks", show=show) as bar:
         bar.note(f"starting Spark ({master})")
         spark = session(master, parse_conf(conf or []), app=app)
         try:
-            bar.note(f"running on Spark ({master}); {spark_ui(spark)}")
-            return job(spark)
+            bar.note(f"running on Spark ({master})")
+            if not show:
+                return job(spark)
+            url = _ui_url(spark)
+            if url:  # the bar shows the tasks; the UI the stages, executors and logs
+                stderr.print(f"Spark UI: {url}", markup=False, highlight=False)
+            t0 = time.monotonic()  # the rate and ETA of the job, not of Spark's start-up
+
+            def tick(done: int, total: int) -> None:
+                bar.update(done, total=total, started=t0)
+
+            with watch_tasks(spark, tick):
+                return job(spark)
         finally:
             spark.stop()
 
 
-def spark_ui(spark: Any) -> str:
-    """Where Spark's web UI shows the tasks' progress, or what to do without one."""
+def _ui_url(spark: Any) -> str | None:
+    """The session's web UI, if it runs one (a local run does not)."""
     url = getattr(getattr(spark, "sparkContext", None), "uiWebUrl", None)
-    return f"tasks at {url}" if url else "tasks in Spark's log"
+    return str(url) if url else None
 
 
 def _report(summary: Any, json_out: bool, line: str) -> None:

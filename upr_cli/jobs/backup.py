@@ -96,14 +96,14 @@ class BackupSummary:
     follow_ups: list[str] = field(default_factory=list)  # backups committed right after
 
     def to_json(self) -> dict[str, Any]:
-        """JSON with 64-bit values as decimal strings."""
+        """JSON form (docs/output.md §4): counts and bytes as integers."""
         return {
             "backup_id": self.backup_id,
             "bucket": self.bucket,
             "full": self.full,
             "items": self.items,
-            "bytes_read": str(self.bytes_read),
-            "bytes_written": str(self.bytes_written),
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
             "partitions": self.partitions,
             "ratio": round(self.bytes_read / self.bytes_written, 2) if self.bytes_written else None,
             "seconds": round(self.seconds, 3),

@@ -42,6 +42,7 @@ from upr_cli.failover import FailoverLog
 from upr_cli.jobs.worker import Worker
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.decoder import DcpRecord
+from upr_cli.protocol.messages import STREAM_FOREVER
 from upr_cli.segments import SegmentHeader, SegmentInfo, SegmentWriter
 from upr_cli.segments.writer import new_compressor, sync_files
 
@@ -82,6 +83,9 @@ class StreamStats:
     """Running totals for progress displays."""
 
     items: int = 0
+    # the seqs the plan covers (each partition's end seq less its start), for an ETA by
+    # items: an upper bound, as the source sends one version of a deduplicated key
+    items_total: int = 0
     bytes_in: int = 0
     partitions_done: int = 0
     partitions: int = 0
@@ -145,6 +149,9 @@ async def stream_to_segments(
         try:
             await consumer.open()
             stream.stats.partitions = len(consumer.parts)
+            stream.stats.items_total = _planned_items(consumer)
+            if on_progress is not None:
+                on_progress(stream.stats)  # the total shows before the first batch
             await drive(consumer, stream)
             return await stream.finish()
         except BaseException:
@@ -152,6 +159,16 @@ async def stream_to_segments(
             raise
         finally:
             await consumer.aclose()
+
+
+def _planned_items(consumer: DcpConsumer) -> int:
+    """The seqs from each partition's start to its pinned end (a partition waiting for
+    an active node has no end yet and counts none)."""
+    return sum(
+        part.end - part.seq
+        for part in consumer.parts.values()
+        if part.end != STREAM_FOREVER and part.end > part.seq
+    )
 
 
 class BackupStream:

@@ -60,7 +60,7 @@ class PartitionDiff:
     lost_seqs: tuple[int, int] | None = None  # (from, to]: B's seqs not in A's history
 
     def to_json(self) -> dict[str, Any]:
-        """JSON form: seqs as integers (as `rollback-point --json`), uuids as strings."""
+        """JSON form: seqs and uuids as decimal strings (docs/output.md §4)."""
 
         def ent(e: FailoverEntry) -> dict[str, str]:
             return {**e.to_json(), "uuid_hex": f"{e.uuid:x}"}
@@ -68,15 +68,20 @@ class PartitionDiff:
         return {
             "partition": self.partition,
             "status": self.status,
-            "a_seq": self.a_seq,
-            "b_seq": self.b_seq,
-            "diverged_at": self.diverged_at,
+            "a_seq": _dec(self.a_seq),
+            "b_seq": _dec(self.b_seq),
+            "diverged_at": _dec(self.diverged_at),
             "common_ancestor": None if self.common_ancestor is None else ent(self.common_ancestor),
             "only_in_a": [ent(e) for e in self.only_in_a],
             "only_in_b": [ent(e) for e in self.only_in_b],
-            "rollback": {"seed": self.seed_rule, "dcp": self.dcp_rule},
-            "lost_seqs": None if self.lost_seqs is None else list(self.lost_seqs),
+            "rollback": {"seed": _dec(self.seed_rule), "dcp": _dec(self.dcp_rule)},
+            "lost_seqs": None if self.lost_seqs is None else [str(s) for s in self.lost_seqs],
         }
+
+
+def _dec(value: int | str | None) -> str | None:
+    """A seq as a decimal string; a rule's "none: why" and a missing seq pass through."""
+    return str(value) if isinstance(value, int) else value
 
 
 @dataclass

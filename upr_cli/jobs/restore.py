@@ -314,7 +314,6 @@ def restore_to_store(
     """Write the state at `at` into a SQLite store (formats/store.md): documents and
     tombstones as they were, and each partition's position and failover log from the
     chain, so a replay can continue from the backup."""
-    from upr_cli.dcp.position import StreamPosition
     from upr_cli.repo import resume_point
     from upr_cli.store import Store
 
@@ -339,10 +338,7 @@ def restore_to_store(
                 for q in pending_parts:
                     rp = resume_point(chain, q)
                     if rp is not None and keys is None:
-                        store.set_position(
-                            StreamPosition(q, rp.uuid, rp.seq, rp.snap_start, rp.snap_end),
-                            rp.failover_log,
-                        )
+                        store.set_position(rp.position, rp.failover_log)
         pending.clear()
         pending_parts.clear()
         if on_progress is not None:

@@ -66,7 +66,10 @@ def _json_key(kb: memoryview | bytes) -> str:
 
 
 def json_line(rec: DcpRecord) -> str:
-    """One change as a JSON object: the value spliced raw when its datatype says JSON."""
+    """One change as a JSON object: the value spliced raw when its datatype says JSON.
+
+    Formatted by hand, not json.dumps: this is tail's hot path. Seqs and the cas are
+    decimal strings (docs/output.md §4)."""
     jkey = _json_key(rec.key)
     if rec.opcode != OP_MUTATION:
         body = ""
@@ -74,8 +77,8 @@ def json_line(rec: DcpRecord) -> str:
         body = ',"value":' + str(rec.value, "utf-8")  # checked on write
     else:
         body = ',"value_b64":"' + base64.b64encode(rec.value).decode() + '"'
-    return (f'{{"partition":{rec.vbucket},"seq":{rec.by_seqno},"op":"{OPS[rec.opcode]}",'
-            f'"key":{jkey}{body},"cas":"{rec.cas}","rev_seq":{rec.rev_seqno},'
+    return (f'{{"partition":{rec.vbucket},"seq":"{rec.by_seqno}","op":"{OPS[rec.opcode]}",'
+            f'"key":{jkey}{body},"cas":"{rec.cas}","rev_seq":"{rec.rev_seqno}",'
             f'"flags":{rec.flags},"expiry":{rec.expiration}}}')  # fmt: skip
 
 
@@ -92,27 +95,34 @@ def text_line(rec: DcpRecord) -> str:
 
 
 def event_line(ev: object, fmt: str) -> str | None:
-    """Snapshot markers, rollbacks and stream ends (shown with -v)."""
+    """Snapshot markers, rollbacks and stream ends (shown with -v); seqs as decimal strings."""
+    d: dict[str, object]
     if isinstance(ev, Snapshot):
         d = {
             "event": "snapshot",
             "partition": ev.partition,
-            "start": ev.start,
-            "end": ev.end,
+            "start": str(ev.start),
+            "end": str(ev.end),
             "flags": ev.flags,
         }
     elif isinstance(ev, Rollback):
-        d = {"event": "rollback", "partition": ev.partition, "from_seq": ev.previous.seq,
-             "to_seq": ev.to_seq, "asked_seq": ev.asked, "uuid": str(ev.uuid)}  # fmt: skip
+        d = {
+            "event": "rollback",
+            "partition": ev.partition,
+            "from_seq": str(ev.previous.seq),
+            "to_seq": str(ev.to_seq),
+            "asked_seq": str(ev.asked),
+            "uuid": str(ev.uuid),
+        }
     elif isinstance(ev, StreamEnded):
         d = {
             "event": "stream_end",
             "partition": ev.partition,
             "status": ev.status,
-            "seq": ev.position.seq,
+            "seq": str(ev.position.seq),
         }
     elif isinstance(ev, StreamOpened):
-        d = {"event": "stream_open", "partition": ev.partition, "seq": ev.position.seq,
+        d = {"event": "stream_open", "partition": ev.partition, "seq": str(ev.position.seq),
              "failover_log": [[str(u), str(s)] for u, s in ev.failover_log]}  # fmt: skip
     else:
         return None

@@ -9,11 +9,13 @@ Errors raised by the data source come back from the JVM wrapped in a long report
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,54 @@ def session(master: str = "local[*]", conf: dict[str, str] | None = None,
     return spark
 
 
+@contextlib.contextmanager
+def watch_tasks(
+    spark: Any, on_progress: Callable[[int, int], None], every: float = 0.5
+) -> Iterator[None]:
+    """While the block runs, call `on_progress(done, total)` every `every` seconds with
+    the tasks of the Spark jobs the block starts, from Spark's status tracker."""
+    sc = spark.sparkContext
+    group = f"upr-{os.getpid()}-{threading.get_ident()}"
+    sc.setJobGroup(group, "upr")  # this thread's jobs: the ones to count
+    tracker = sc.statusTracker()
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(every):
+            try:
+                done, total = _tasks(tracker, group)
+            except Exception:  # noqa: BLE001 - progress only: never fail the job over it
+                return
+            if total:
+                on_progress(done, total)
+
+    thread = threading.Thread(target=poll, name="upr-spark-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()  # no status call may race the session's stop
+        sc.setLocalProperty("spark.jobGroup.id", None)
+
+
+def _tasks(tracker: Any, group: str) -> tuple[int, int]:
+    """Tasks done and in all over the group's jobs (a stage a finished job skipped,
+    its output reused, counts as done)."""
+    done = total = 0
+    for job_id in tracker.getJobIdsForGroup(group):
+        job = tracker.getJobInfo(job_id)
+        if job is None:
+            continue
+        for stage_id in job.stageIds:
+            stage = tracker.getStageInfo(stage_id)
+            if stage is None:
+                continue
+            total += stage.numTasks
+            done += stage.numTasks if job.status == "SUCCEEDED" else stage.numCompletedTasks
+    return done, total
+
+
 _UPR_MESSAGE = re.compile(r"upr_cli[\w.]*\.(\w+Error): ([^\n]+)")
 
 
@@ -100,9 +150,9 @@ class ExportSummary:
     seconds: float
 
     def to_json(self) -> dict[str, Any]:
-        """JSON form."""
+        """JSON form (docs/output.md §4: the documents written are `items`)."""
         return {"repo": self.repo, "at": self.at, "to": self.target, "format": self.format,
-                "rows": self.rows, "partitions": self.partitions,
+                "items": self.rows, "partitions": self.partitions,
                 "seconds": round(self.seconds, 3)}  # fmt: skip
 
 

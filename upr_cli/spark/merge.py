@@ -66,9 +66,9 @@ class MergeSummary:
     seconds: float
 
     def to_json(self) -> dict[str, Any]:
-        """JSON form."""
+        """JSON form (docs/output.md §4: the records written are `items`)."""
         return {"backup_id": self.backup_id, "through": self.through, "merged": self.merged,
-                "partitions": self.partitions, "records": self.records,
+                "partitions": self.partitions, "items": self.records,
                 "bytes_written": self.bytes_written,
                 "seconds": round(self.seconds, 3)}  # fmt: skip
 
