@@ -1,4 +1,5 @@
-"""A `upr serve` child process for benchmarks (loopback, no auth, free port)."""
+"""What the benchmarks share: a `upr serve` child process (loopback, no auth, free port)
+and the `upr` command line in this interpreter."""
 
 from __future__ import annotations
 
@@ -10,12 +11,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+UPR = [sys.executable, "-m", "upr_cli"]
+
+
+def upr(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run `upr ARGS` to its end (output captured); a failure raises CalledProcessError."""
+    return subprocess.run([*UPR, *args], capture_output=True, text=True, check=True)
+
+
 class BenchNode:
     """Start/stop a node; read its peak RSS."""
 
     def __init__(self, data: Path, partitions: int = 1024, *extra: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "upr_cli", "serve", "--data", str(data), "--port", "0",
+            [*UPR, "serve", "--data", str(data), "--port", "0",
              "--no-auth", "--num-partitions", str(partitions), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip

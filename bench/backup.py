@@ -27,7 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _node import BenchNode, bare_executemany
+from _node import UPR, BenchNode, bare_executemany, upr
+
+from upr_cli.protocol.decoder import OP_MUTATION
 
 TARGET_ITEMS = 100_000
 TARGET_RSS_MB = 300
@@ -50,17 +52,7 @@ def run_measured(cmd: list[str]) -> tuple[float, float, str]:
 
 def backup_cmd(uri: str, repo: Path) -> list[str]:
     """The `upr backup` command line."""
-    return [
-        sys.executable,
-        "-m",
-        "upr_cli",
-        "backup",
-        uri,
-        "--repo",
-        str(repo),
-        "--json",
-        "--no-progress",
-    ]
+    return [*UPR, "backup", uri, "--repo", str(repo), "--json", "--no-progress"]
 
 
 def zstd3_ratio(repo: Path) -> tuple[float, int]:
@@ -102,23 +94,12 @@ def bare_insert_rate(repo: Path, tmp: Path) -> tuple[float, int]:
     manifests = r.manifests("default")
     rows = []
     for p, records in state_at(r, "default", manifests, select(manifests)):
-        for op, seq, rev, cas, fl, exp, dt, dtype, k, v in records:
-            value: bytes | str = v.decode() if dtype & 7 == 1 else v
-            rows.append(
-                (
-                    p,
-                    k,
-                    seq,
-                    rev,
-                    cas - (1 << 64) if cas >= 1 << 63 else cas,
-                    fl,
-                    exp,
-                    dt,
-                    dtype,
-                    0 if op == 0x57 else 1,
-                    value,
-                )
-            )
+        for rec in records:
+            value: bytes | str = rec.value.decode() if rec.datatype & 7 == 1 else rec.value
+            cas = rec.cas - (1 << 64) if rec.cas >= 1 << 63 else rec.cas
+            deleted = 0 if rec.op == OP_MUTATION else 1
+            rows.append((p, rec.key, rec.seq, rec.rev_seq, cas, rec.flags, rec.expiry,
+                         rec.delete_time, rec.datatype, deleted, value))  # fmt: skip
     return bare_executemany(rows, tmp / "bare.db"), len(rows)
 
 
@@ -130,39 +111,11 @@ def main() -> None:
         repo = Path(tmp) / "repo"
         node = BenchNode(Path(tmp) / "node")
         try:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "upr_cli",
-                    "load",
-                    node.uri,
-                    "--docs",
-                    str(args.docs),
-                    "--json",
-                ],
-                check=True,
-                capture_output=True,
-            )
+            upr("load", node.uri, "--docs", str(args.docs), "--json")
             node.wait_persisted()
             secs, rss, out = run_measured(backup_cmd(node.uri, repo))
             full = json.loads(out)
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "upr_cli",
-                    "load",
-                    node.uri,
-                    "--docs",
-                    str(args.docs // 10),
-                    "--seed",
-                    "2",
-                    "--json",
-                ],
-                check=True,
-                capture_output=True,
-            )
+            upr("load", node.uri, "--docs", str(args.docs // 10), "--seed", "2", "--json")
             node.wait_persisted()
             _isecs, irss, iout = run_measured(backup_cmd(node.uri, repo))
             inc = json.loads(iout)
@@ -172,9 +125,7 @@ def main() -> None:
         ratio = int(full["bytes_read"]) / int(full["bytes_written"])
         _rsecs, _rrss, rout = run_measured(
             [
-                sys.executable,
-                "-m",
-                "upr_cli",
+                *UPR,
                 "restore",
                 "--repo",
                 str(repo),

@@ -28,18 +28,16 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _node import UPR, upr
 
 from upr_cli.cluster import spec
 from upr_cli.cluster.control import NodeStatus, node_status
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.decoder import DcpRecord
-
-
-def upr(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "upr_cli", *args], capture_output=True,
-                          text=True, check=True)  # fmt: skip
 
 
 def statuses(data: Path) -> list[NodeStatus]:
@@ -117,7 +115,7 @@ def main() -> None:
             failover_s = time.monotonic() - t0
             promoted = len(out["promoted"])
             # rebalance --add new under load
-            load = subprocess.Popen([sys.executable, "-m", "upr_cli", "load", uri, "--docs",
+            load = subprocess.Popen([*UPR, "load", uri, "--docs",
                                      "40000", "--update-ratio", "0.5", "--rate", "4000",
                                      "--prefix", "during", "--json"],
                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -128,8 +126,8 @@ def main() -> None:
             rebalance_s = time.monotonic() - t0
             lsum = json.loads(load.communicate(timeout=600)[0])
         finally:
-            subprocess.run([sys.executable, "-m", "upr_cli", "cluster", "stop", "--data",
-                            str(data)], capture_output=True, check=False)  # fmt: skip
+            subprocess.run([*UPR, "cluster", "stop", "--data", str(data)], capture_output=True,
+                           check=False)  # fmt: skip
     moved = len(reb["moved"])
     print(f"3 nodes, 1 replica, 1024 partitions; init {init_s:.1f}s")
     print(f"  load {args.docs:,} docs: {load_s:.1f}s; every replica persisted them after "

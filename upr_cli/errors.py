@@ -129,13 +129,16 @@ def free_bytes(path: str | os.PathLike[str]) -> int | None:
     return None
 
 
-def size_text(n: int) -> str:
-    """1536 → '1.5 KiB'."""
+_IEC_UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB")
+
+
+def size_text(n: int, *, step: int = 1024, units: tuple[str, ...] = _IEC_UNITS) -> str:
+    """1536 → '1.5 KiB': whole bytes, else one decimal of the largest unit under `step`."""
     value = float(n)
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{n} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
-        value /= 1024
+    for unit in units:
+        if value < step or unit == units[-1]:
+            return f"{n} {unit}" if unit == units[0] else f"{value:.1f} {unit}"
+        value /= step
     raise AssertionError("unreachable")
 
 

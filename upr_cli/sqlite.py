@@ -15,10 +15,12 @@ cas, uuids) as their two's complement i64 (`i64`, `u64`).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Self
 
 BUSY_TIMEOUT_S = 10.0
 PAGE_SIZE = 16384
@@ -32,6 +34,21 @@ def connect(target: Path | str, *, uri: bool = False) -> sqlite3.Connection:
     return sqlite3.connect(
         target, uri=uri, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
     )
+
+
+class Closing(abc.ABC):
+    """Base of the objects that hold a connection or a read transaction: `with obj:`
+    closes it on the way out, however the block ends."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the object holds (idempotent)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def set_writer_pragmas(

@@ -7,9 +7,11 @@ import contextlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Rollback
@@ -18,6 +20,9 @@ from upr_cli.net.bootstrap import connect
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.store import content_hash_of
+
+if TYPE_CHECKING:
+    from tests.e2e.conftest import Node
 
 
 def run(coro: Any) -> Any:
@@ -56,6 +61,48 @@ def spawn_upr(*args: str, **popen: Any) -> contextlib.AbstractContextManager[
     popen.setdefault("stderr", subprocess.PIPE)
     popen.setdefault("text", True)
     return spawn(sys.executable, "-m", "upr_cli", *args, **popen)
+
+
+@dataclass
+class Watched:
+    """A node whose stderr is drained into `stderr` (a full pipe would block it)."""
+
+    node: Node
+    stderr: list[str] = field(default_factory=list)
+
+
+def _collect(pipe: object, out: list[str]) -> None:
+    with contextlib.suppress(Exception):
+        for line in pipe:  # type: ignore[attr-defined]
+            out.append(line)
+
+
+@contextlib.contextmanager
+def watched_node(node: Node, *, clean_stop: bool = True) -> Iterator[Watched]:
+    """Start `node`, drain its stderr, stop it with SIGTERM at the end (SIGKILL after a
+    minute) and, unless told otherwise, require that stop to be clean (exit 0)."""
+    node.start()
+    assert node.proc is not None and node.proc.stderr is not None
+    w = Watched(node)
+    reader = threading.Thread(target=_collect, args=(node.proc.stderr, w.stderr), daemon=True)
+    reader.start()
+    code = None
+    try:
+        yield w
+    finally:
+        if node.alive():
+            node.proc.send_signal(signal.SIGTERM)
+            try:
+                code = node.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                node.proc.kill()
+                node.proc.wait()
+        reader.join(timeout=10)
+        for pipe in (node.proc.stdout, node.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    if clean_stop:
+        assert code == 0, f"the node did not stop cleanly ({code}): {''.join(w.stderr)[-4000:]}"
 
 
 async def seqnos(uri: str) -> dict[int, tuple[int, int, int]]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import Replica, drain, run, wait_persisted
-from upr_cli.jobs.backup_stream import stream_to_segments
+from upr_cli.jobs.backup_stream import PartitionResult, stream_to_segments
 from upr_cli.net.uri import SourceUri
 from upr_cli.segments import SegmentReader
 
@@ -24,10 +25,31 @@ def replica_from(results: dict, replica: Replica) -> None:  # type: ignore[type-
         if res.segment is None:
             continue
         with SegmentReader(res.segment.path) as r:
-            h += [
-                (seq, k, op, v) for op, seq, _rev, _cas, _fl, _exp, _dt, _dtype, k, v in r.records()
-            ]
+            h += [(rec.seq, rec.key, rec.op, rec.value) for rec in r.records()]
             r.verify()
+
+
+def next_run(
+    uri: SourceUri, where: Path, before: dict[int, PartitionResult], **kw: Any
+) -> dict[int, PartitionResult]:
+    """A `stream_to_segments` run into the new directory `where`, going on from where the
+    run `before` ended (its positions and failover logs)."""
+    where.mkdir()
+    pos = {p: r.position for p, r in before.items()}
+    logs = {p: r.failover_log for p, r in before.items()}
+    results: dict[int, PartitionResult] = run(
+        stream_to_segments(uri, where, bucket="default", positions=pos, failover_logs=logs,
+                           segment_name=name, **kw)
+    )  # fmt: skip
+    return results
+
+
+def assert_same_as_node(mine: Replica, node: Node) -> None:
+    """The client-side copy holds what a fresh drain of the node holds."""
+    rows, _e, _c = run(drain(node.uri))
+    truth = Replica()
+    truth.apply(rows, [])
+    assert mine.state() == truth.state()
 
 
 def test_full_then_incremental_then_after_a_crash(node_factory: type[Node], tmp_path: Path) -> None:
@@ -41,57 +63,32 @@ def test_full_then_incremental_then_after_a_crash(node_factory: type[Node], tmp_
     assert len(r1) == 16 and all(r.rollback is None for r in r1.values())
     mine = Replica()
     replica_from(r1, mine)
-    truth = Replica()
-    rows, _e, _c = run(drain(node.uri))
-    truth.apply(rows, [])
-    assert mine.state() == truth.state()
+    assert_same_as_node(mine, node)
 
     # incremental: only what changed, from where the first run ended
     upr(
         "load", node.uri, "--docs", "500", "--update-ratio", "0.5", "--seed", "4", "--prefix", "inc"
     )
-    d2 = tmp_path / "b2"
-    d2.mkdir()
-    pos = {p: r.position for p, r in r1.items()}
-    logs = {p: r.failover_log for p, r in r1.items()}
-    r2 = run(stream_to_segments(uri, d2, bucket="default", positions=pos, failover_logs=logs,
-                                segment_name=name))  # fmt: skip
+    r2 = next_run(uri, tmp_path / "b2", r1)
     assert sum(r.items for r in r2.values()) < 700
     assert all(r2[p].start_seq == r1[p].end_seq for p in r1)
     replica_from(r2, mine)
-    rows, _e, _c = run(drain(node.uri))
-    truth = Replica()
-    truth.apply(rows, [])
-    assert mine.state() == truth.state()
+    assert_same_as_node(mine, node)
 
     # a crash loses unpersisted writes that a third run... never saw; a run that saw them
     persisted = {p: h for p, (_u, h, _x) in wait_persisted(node.uri).items()}
     node.stop()
     node.start("--flush-interval", "3600")
     upr("load", node.uri, "--docs", "300", "--seed", "5", "--prefix", "lost")
-    d3 = tmp_path / "b3"
-    d3.mkdir()
-    pos = {p: r.position for p, r in r2.items()}
-    logs = {p: r.failover_log for p, r in r2.items()}
-    r3 = run(stream_to_segments(uri, d3, bucket="default", positions=pos, failover_logs=logs,
-                                segment_name=name))  # fmt: skip
+    r3 = next_run(uri, tmp_path / "b3", r2)
     replica_from(r3, mine)
     node.kill()
     node.start()
-    d4 = tmp_path / "b4"
-    d4.mkdir()
-    pos = {p: r.position for p, r in r3.items()}
-    logs = {p: r.failover_log for p, r in r3.items()}
     # where the third run started (the second's end) is a snapshot boundary of the chain
-    bounds = {p: [r3[p].start_seq] for p in r3}
-    r4 = run(stream_to_segments(uri, d4, bucket="default", positions=pos, failover_logs=logs,
-                                segment_name=name, boundaries=bounds))  # fmt: skip
+    r4 = next_run(uri, tmp_path / "b4", r3, boundaries={p: [r3[p].start_seq] for p in r3})
     assert {p: r.rollback for p, r in r4.items()} == {
         p: (r3[p].end_seq, persisted[p], persisted[p]) for p in r3
     }
     assert all(r4[p].start_seq == persisted[p] for p in r4)
     replica_from(r4, mine)
-    rows, _e, _c = run(drain(node.uri))
-    truth = Replica()
-    truth.apply(rows, [])
-    assert mine.state() == truth.state()
+    assert_same_as_node(mine, node)

@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import pytest
 
 from tests.e2e.conftest import PASSWORD, USER, Node, upr
-from tests.e2e.e2e_helpers import drain, run, wait_persisted
+from tests.e2e.e2e_helpers import drain, run, wait_persisted, watched_node
 from upr_cli.dcp.events import StreamEnded
 from upr_cli.net.scram import plain_message
 from upr_cli.protocol import Frame, FrameDecoder, decode_message
+from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.header import RESPONSE_MAGICS, Opcode
 from upr_cli.protocol.messages import (
     STREAM_FOREVER,
@@ -58,42 +57,23 @@ class Loaded:
     value_bytes: int
 
 
+def identities(rows: list[DcpRecord]) -> list[tuple[int, int, bytes]]:
+    """(partition, seq, key) of each item streamed."""
+    return [(r.vbucket, r.by_seqno, r.key) for r in rows]
+
+
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loaded]:
     """A node with ~22 MB of persisted documents; stopped cleanly at the end."""
     node = Node(
         tmp_path_factory.mktemp("flow") / "node", "--flush-interval", "0.02", partitions=PARTITIONS
-    ).start()
-    assert node.proc is not None and node.proc.stderr is not None
-    stderr: list[str] = []
-    reader = threading.Thread(target=_collect, args=(node.proc.stderr, stderr), daemon=True)
-    reader.start()
-    try:
+    )
+    with watched_node(node, clean_stop=False) as w:
         upr("load", node.uri, "--docs", str(DOCS), "--size", str(DOC_SIZE), "--seed", "11")
         wait_persisted(node.uri)
         rows, _events, _c = run(asyncio.wait_for(drain(node.uri), 60))
-        items = {(r[1], r[2], r[9]) for r in rows}
-        yield Loaded(node, items, sum(len(r[10]) for r in rows))
-    finally:
-        if node.alive():
-            node.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(Exception):
-                node.proc.wait(timeout=60)
-            if node.alive():
-                node.proc.kill()
-                node.proc.wait()
-        reader.join(timeout=10)
-        for pipe in (node.proc.stdout, node.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-    assert "Traceback" not in "".join(stderr), "".join(stderr)[-4000:]
-
-
-def _collect(pipe: object, out: list[str]) -> None:
-    """Drain the node's stderr so a full pipe can never block it."""
-    with contextlib.suppress(Exception):
-        for line in pipe:  # type: ignore[attr-defined]
-            out.append(line)
+        yield Loaded(node, set(identities(rows)), sum(len(r.value) for r in rows))
+    assert "Traceback" not in "".join(w.stderr), "".join(w.stderr)[-4000:]
 
 
 class RawDcpClient:
@@ -207,7 +187,7 @@ def test_consumer_with_a_tiny_window_still_delivers_every_item(loaded: Loaded, w
     rows, events, consumer = run(
         asyncio.wait_for(drain(loaded.node.uri, buffer_size=window, until_end=True), 90)
     )
-    got = [(r[1], r[2], r[9]) for r in rows]
+    got = identities(rows)
     assert len(got) == len(set(got)) == DOCS  # nothing doubled, nothing lost
     assert set(got) == loaded.items  # the same items as at the default 4 MiB window
     # GET_ALL_VB_SEQNOS agrees: one seq per document (no updates were loaded)
@@ -215,7 +195,8 @@ def test_consumer_with_a_tiny_window_still_delivers_every_item(loaded: Loaded, w
     ends = [e for e in events if isinstance(e, StreamEnded)]
     assert sorted(e.partition for e in ends) == list(range(PARTITIONS))
     assert all(e.status == 0 for e in ends)
-    assert all(sum(len(bytes(r[10])) for r in rows if r[1] == p) > 0 for p in range(PARTITIONS))
+    assert all(sum(len(bytes(r.value)) for r in rows if r.vbucket == p) > 0
+               for p in range(PARTITIONS))  # fmt: skip
 
 
 def test_a_client_that_never_acks_stalls_at_the_window_and_resumes_on_ack(
@@ -262,20 +243,27 @@ def test_a_client_that_never_acks_stalls_at_the_window_and_resumes_on_ack(
     assert node.alive()
 
 
+@contextlib.asynccontextmanager
+async def stuck_client(port: int, name: str) -> AsyncIterator[RawDcpClient]:
+    """A client that filled its window and never acks; it leaves at the end of the block."""
+    stuck = await RawDcpClient.open(port, WINDOW, name=name)
+    try:
+        await stuck.read_until_quiet(quiet=1.0)
+        yield stuck
+    finally:
+        await stuck.aclose()
+
+
 def test_a_stuck_client_does_not_starve_other_clients(loaded: Loaded) -> None:
     node = loaded.node
 
     async def scenario() -> None:
-        stuck = await RawDcpClient.open(node.port, WINDOW, name="stuck")
-        try:
-            await stuck.read_until_quiet(quiet=1.0)
+        async with stuck_client(node.port, "stuck"):
             try:
                 rows, _events, _c = await asyncio.wait_for(drain(node.uri), 5)
             except TimeoutError:
                 pytest.fail("a second client could not stream for 5 s while a stuck one sat idle")
-            assert {(r[1], r[2], r[9]) for r in rows} == loaded.items
-        finally:
-            await stuck.aclose()
+            assert set(identities(rows)) == loaded.items
 
     run(asyncio.wait_for(scenario(), 60))
 
@@ -284,15 +272,11 @@ def test_when_the_stuck_client_leaves_other_clients_proceed(loaded: Loaded) -> N
     node = loaded.node
 
     async def scenario() -> None:
-        stuck = await RawDcpClient.open(node.port, WINDOW, name="leaving")
-        try:
-            await stuck.read_until_quiet(quiet=1.0)
+        async with stuck_client(node.port, "leaving"):
             other = asyncio.create_task(drain(node.uri))
             await asyncio.sleep(1.0)
-        finally:
-            await stuck.aclose()
         rows, _events, _c = await asyncio.wait_for(other, 30)
-        assert {(r[1], r[2], r[9]) for r in rows} == loaded.items
+        assert set(identities(rows)) == loaded.items
 
     run(asyncio.wait_for(scenario(), 60))
 

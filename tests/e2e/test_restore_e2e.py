@@ -9,29 +9,23 @@ from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import docs, node_content_hash, wait_persisted
 
 
+def load_and_back_up(src: Node, repo: Path, *load: str, persisted: bool = True) -> None:
+    """`upr load` with these options, then a backup of `src` into `repo` (by default once
+    the load is persisted)."""
+    upr("load", src.uri, *load)
+    if persisted:
+        wait_persisted(src.uri)
+    upr("backup", src.uri, "--repo", str(repo))
+
+
 def test_restore_to_a_second_node_keeps_metadata(node_factory: type[Node], tmp_path: Path) -> None:
     src = node_factory("--flush-interval", "0.02", name="src").start()
     dst = node_factory("--flush-interval", "0.02", name="dst").start()
     repo = tmp_path / "repo"
-    upr("load", src.uri, "--docs", "1200", "--update-ratio", "0.3", "--delete-ratio", "0.1")
-    wait_persisted(src.uri)
-    upr("backup", src.uri, "--repo", str(repo))
+    load_and_back_up(src, repo, "--docs", "1200", "--update-ratio", "0.3", "--delete-ratio", "0.1")
     first = docs(src.uri)
-    upr(
-        "load",
-        src.uri,
-        "--docs",
-        "300",
-        "--update-ratio",
-        "0.5",
-        "--delete-ratio",
-        "0.2",
-        "--seed",
-        "9",
-        "--prefix",
-        "doc",
-    )
-    upr("backup", src.uri, "--repo", str(repo))
+    load_and_back_up(src, repo, "--docs", "300", "--update-ratio", "0.5", "--delete-ratio", "0.2",
+                     "--seed", "9", "--prefix", "doc", persisted=False)  # fmt: skip
 
     plan = json.loads(upr("restore", "--repo", str(repo), "--dry-run", "--json", dst.uri).stdout)
     assert plan["dry_run"] and plan["written"] == 0 and plan["documents"] == len(docs(src.uri))
@@ -59,9 +53,7 @@ def test_a_corrupt_segment_stops_the_restore_unless_skipped(
     src = node_factory("--flush-interval", "0.02", name="src").start()
     dst = node_factory("--flush-interval", "0.02", name="dst").start()
     repo = tmp_path / "repo"
-    upr("load", src.uri, "--docs", "500")
-    wait_persisted(src.uri)
-    upr("backup", src.uri, "--repo", str(repo))
+    load_and_back_up(src, repo, "--docs", "500")
     seg = sorted(repo.glob("default/*/p*.seg"))[2]
     data = bytearray(seg.read_bytes())
     data[len(data) // 2] ^= 1
@@ -80,23 +72,10 @@ def test_restore_into_sqlite_matches_the_node(node_factory: type[Node], tmp_path
 
     src = node_factory("--flush-interval", "0.02").start()
     repo = tmp_path / "repo"
-    upr("load", src.uri, "--docs", "1500", "--update-ratio", "0.3", "--delete-ratio", "0.1")
-    wait_persisted(src.uri)
-    upr("backup", src.uri, "--repo", str(repo))
+    load_and_back_up(src, repo, "--docs", "1500", "--update-ratio", "0.3", "--delete-ratio", "0.1")
     first = node_content_hash(src.uri)
-    upr(
-        "load",
-        src.uri,
-        "--docs",
-        "400",
-        "--update-ratio",
-        "0.5",
-        "--delete-ratio",
-        "0.2",
-        "--seed",
-        "4",
-    )
-    upr("backup", src.uri, "--repo", str(repo))
+    load_and_back_up(src, repo, "--docs", "400", "--update-ratio", "0.5", "--delete-ratio", "0.2",
+                     "--seed", "4", persisted=False)  # fmt: skip
     db = tmp_path / "latest.db"
     out = json.loads(upr("restore", "--repo", str(repo), f"sqlite:{db}", "--json").stdout)
     assert out["errors"] == {} and out["written"] == out["documents"] + out["deletions"]

@@ -18,22 +18,18 @@ import asyncio
 import contextlib
 import itertools
 import random
-import signal
 import socket
 import struct
-import subprocess
-import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.e2e.conftest import PASSWORD, USER, Node, upr
-from tests.e2e.e2e_helpers import drain, run, wait_persisted
+from tests.e2e.e2e_helpers import Watched, drain, run, wait_persisted, watched_node
 from upr_cli.net.scram import plain_message
 from upr_cli.protocol import Frame, FrameDecoder, decode_message
 from upr_cli.protocol.header import HEADER, RESPONSE_MAGICS, Magic, Opcode
@@ -144,52 +140,12 @@ def abort(sock: socket.socket) -> None:
 # ---------------------------------------------------------------- the shared node
 
 
-@dataclass
-class Watched:
-    """A node whose stderr is drained into `stderr` (a full pipe would block it)."""
-
-    node: Node
-    stderr: list[str] = field(default_factory=list)
-
-    def assert_healthy(self) -> None:
-        """Alive, no internal error logged, and a fresh client can SET and GET."""
-        assert self.node.alive(), "".join(self.stderr)[-4000:]
-        set_and_get(self.node.port)
-        text = "".join(self.stderr)
-        assert "Traceback" not in text and "Unhandled exception" not in text, text[-4000:]
-
-
-def _collect(pipe: object, out: list[str]) -> None:
-    with contextlib.suppress(Exception):
-        for line in pipe:  # type: ignore[attr-defined]
-            out.append(line)
-
-
-@contextlib.contextmanager
-def watched_node(node: Node, *, clean_stop: bool = True) -> Iterator[Watched]:
-    """Start `node`, drain its stderr, and at the end require a clean SIGTERM stop."""
-    node.start()
-    assert node.proc is not None and node.proc.stderr is not None
-    w = Watched(node)
-    reader = threading.Thread(target=_collect, args=(node.proc.stderr, w.stderr), daemon=True)
-    reader.start()
-    code = None
-    try:
-        yield w
-    finally:
-        if node.alive():
-            node.proc.send_signal(signal.SIGTERM)
-            try:
-                code = node.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                node.proc.kill()
-                node.proc.wait()
-        reader.join(timeout=10)
-        for pipe in (node.proc.stdout, node.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-    if clean_stop:
-        assert code == 0, f"the node did not stop cleanly ({code}): {''.join(w.stderr)[-4000:]}"
+def assert_healthy(w: Watched) -> None:
+    """Alive, no internal error logged, and a fresh client can SET and GET."""
+    assert w.node.alive(), "".join(w.stderr)[-4000:]
+    set_and_get(w.node.port)
+    text = "".join(w.stderr)
+    assert "Traceback" not in text and "Unhandled exception" not in text, text[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -368,7 +324,7 @@ unframeable = st.one_of(
 @example(data=b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 40)  # a TLS hello
 def test_arbitrary_bytes_never_hurt_the_node(shared: Watched, data: bytes) -> None:
     send_then_half_close(shared.node.port, data)
-    shared.assert_healthy()
+    assert_healthy(shared)
 
 
 @FUZZ
@@ -387,7 +343,7 @@ def test_arbitrary_bytes_never_hurt_the_node(shared: Watched, data: bytes) -> No
 @example(data=b"".join(VALID_REQUESTS))  # the whole pipeline, unauthenticated order
 def test_structured_garbage_never_hurts_the_node(shared: Watched, data: bytes) -> None:
     send_then_half_close(shared.node.port, data)
-    shared.assert_healthy()
+    assert_healthy(shared)
 
 
 @settings(FUZZ, max_examples=60)
@@ -398,7 +354,7 @@ def test_structured_garbage_never_hurts_the_node(shared: Watched, data: bytes) -
 def test_bytes_that_do_not_frame_are_disconnected_at_once(shared: Watched, data: bytes) -> None:
     """Bad magic, a body over the limit, lengths that overrun the body: hang up, do not wait."""
     expect_disconnect(shared.node.port, data)
-    shared.assert_healthy()
+    assert_healthy(shared)
 
 
 def well_framed(
@@ -463,7 +419,7 @@ def test_well_framed_nonsense_after_login_gets_statuses_not_a_disconnect(
         # a marker request after the nonsense: answered on the same, still open, connection
         resp = c.request(Get(key=b"no-such-key-\xff", opaque=0xFEEDFACE))
         assert resp.status in (0x00, 0x01, 0x07), hex(resp.status)
-    shared.assert_healthy()
+    assert_healthy(shared)
 
 
 @pytest.mark.parametrize(
@@ -480,7 +436,7 @@ def test_a_dcp_data_message_with_bad_extras_from_a_client_gets_einval(
         c.bootstrap()
         assert c.request(frame, opaque=0x1234).status == Status.EINVAL
         assert c.request(Get(key=b"k", opaque=0xFEEDFACE)).status in (0x00, 0x01)
-    shared.assert_healthy()
+    assert_healthy(shared)
 
 
 # ---------------------------------------------------------------- slow and partial peers
@@ -509,7 +465,7 @@ def test_a_truncated_frame_followed_by_silence_does_not_stall_anyone(shared: Wat
         assert half_body.request(b"", opaque=77).status == 0
         half_header.sock.sendall(Hello(agent="slow", opaque=76).encode()[10:])
         assert half_header.request(b"", opaque=76).status == 0
-    shared.assert_healthy()
+    assert_healthy(shared)
 
 
 def test_requests_sent_one_byte_at_a_time_are_understood(shared: Watched) -> None:
@@ -609,7 +565,7 @@ def test_peers_vanishing_mid_stream_leave_no_stream_work_behind(node_factory: ty
         rows, _events, _c = run(drain(node.uri))
         assert len({bytes(r[9]) for r in rows if r[0] == 0x57}) == 2000
         assert time.monotonic() - t0 < 20
-        w.assert_healthy()
+        assert_healthy(w)
 
 
 def test_peers_vanishing_mid_backfill_do_not_crash_the_node(node_factory: type[Node]) -> None:
@@ -628,7 +584,7 @@ def test_peers_vanishing_mid_backfill_do_not_crash_the_node(node_factory: type[N
                 break
         time.sleep(0.2)
         assert node.alive(), f"the node died ({node.proc.poll() if node.proc else None})"
-        w.assert_healthy()
+        assert_healthy(w)
         _wait_connections(node.port, 1)
         # no backfill slot leaked: a full drain is prompt and complete (the loaded documents
         # plus the probe key assert_healthy wrote)
@@ -654,5 +610,5 @@ def test_a_peer_that_never_reads_its_responses_does_not_grow_the_node(
             peak = max(peak, node.rss_kib())
         abort(c.sock)
         growth_mib = (peak - before) / 1024
-        w.assert_healthy()
+        assert_healthy(w)
     assert growth_mib < 64, f"node RSS grew by {growth_mib:.0f} MiB for one idle reader"

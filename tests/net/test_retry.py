@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -12,6 +13,18 @@ from upr_cli.net.connection import ConnectionClosed, ConnectionError_
 from upr_cli.net.retry import RetryPolicy, is_retriable
 from upr_cli.net.scram import AuthenticationFailed
 from upr_cli.protocol.status import AuthError, NotMyVbucket, TemporaryFailure
+
+
+class Failing:
+    """A step that fails every time: call n raises `error(n)`; `calls` counts them."""
+
+    def __init__(self, error: Callable[[int], Exception]) -> None:
+        self.error = error
+        self.calls = 0
+
+    async def __call__(self) -> None:
+        self.calls += 1
+        raise self.error(self.calls)
 
 
 def test_delays_double_up_to_the_cap_within_the_jitter() -> None:
@@ -70,45 +83,27 @@ def test_call_retries_retriable_errors_until_success() -> None:
 
 
 def test_call_raises_a_non_retriable_error_at_once() -> None:
-    calls = 0
-
-    async def step() -> None:
-        nonlocal calls
-        calls += 1
-        raise AuthError()
-
+    step = Failing(lambda _n: AuthError())
     with pytest.raises(AuthError):
         asyncio.run(RetryPolicy(attempts=5, first=0.01).call(step))
-    assert calls == 1
+    assert step.calls == 1
 
 
 def test_call_raises_the_last_error_once_the_budget_is_spent() -> None:
-    calls = 0
-
-    async def step() -> None:
-        nonlocal calls
-        calls += 1
-        raise ConnectionClosed(f"lost {calls}")
-
+    step = Failing(lambda n: ConnectionClosed(f"lost {n}"))
     t0 = time.monotonic()
     with pytest.raises(ConnectionClosed, match="lost 3"):
         asyncio.run(RetryPolicy(attempts=2, first=0.005, cap=0.01).call(step))
-    assert calls == 3 and time.monotonic() - t0 < 1.0  # two retries after the first try
+    assert step.calls == 3 and time.monotonic() - t0 < 1.0  # two retries after the first try
 
 
 def test_a_time_bound_ends_retries() -> None:
-    calls = 0
-
-    async def step() -> None:
-        nonlocal calls
-        calls += 1
-        raise TemporaryFailure()
-
+    step = Failing(lambda _n: TemporaryFailure())
     t0 = time.monotonic()
     with pytest.raises(TemporaryFailure):
         asyncio.run(RetryPolicy(within=0.1, first=0.01, cap=0.02).call(step))
     took = time.monotonic() - t0
-    assert 0.1 <= took < 1.0 and calls >= 3
+    assert 0.1 <= took < 1.0 and step.calls >= 3
 
 
 def test_a_custom_retriable_decision() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+from typing import NamedTuple
 
 import pytest
 from hypothesis import given, settings
@@ -27,80 +28,73 @@ from upr_cli.net.scram import (
 
 NOBODY: dict[str, StoredCredential] = {}
 
-# (mechanism, user, password, client nonce, server nonce suffix, salt, client-first,
-#  server-first, client-final, server-final)
+
+class Vector(NamedTuple):
+    """One RFC exchange: the inputs both sides are given and the four messages."""
+
+    mech: str
+    user: str
+    password: str
+    cnonce: str
+    snonce: str  # the server's nonce suffix
+    salt: str
+    client_first: bytes
+    server_first: bytes
+    client_final: bytes
+    server_final: bytes
+
+
 RFC_VECTORS = [
     pytest.param(
-        "SCRAM-SHA1",
-        "user",
-        "pencil",
-        "fyko+d2lbbFgONRv9qkxdawL",
-        "3rfcNHYJY1ZVvWVs7j",
-        "QSXCR+Q6sek8bf92",
-        b"n,,n=user,r=fyko+d2lbbFgONRv9qkxdawL",
-        b"r=fyko+d2lbbFgONRv9qkxdawL3rfcNHYJY1ZVvWVs7j,s=QSXCR+Q6sek8bf92,i=4096",
-        b"c=biws,r=fyko+d2lbbFgONRv9qkxdawL3rfcNHYJY1ZVvWVs7j,p=v0X8v3Bz2T0CJGbJQyF0X+HI4Ts=",
-        b"v=rmF9pqV8S7suAoZWja4dJRkFsKQ=",
+        Vector(
+            "SCRAM-SHA1",
+            "user",
+            "pencil",
+            "fyko+d2lbbFgONRv9qkxdawL",
+            "3rfcNHYJY1ZVvWVs7j",
+            "QSXCR+Q6sek8bf92",
+            b"n,,n=user,r=fyko+d2lbbFgONRv9qkxdawL",
+            b"r=fyko+d2lbbFgONRv9qkxdawL3rfcNHYJY1ZVvWVs7j,s=QSXCR+Q6sek8bf92,i=4096",
+            b"c=biws,r=fyko+d2lbbFgONRv9qkxdawL3rfcNHYJY1ZVvWVs7j,p=v0X8v3Bz2T0CJGbJQyF0X+HI4Ts=",
+            b"v=rmF9pqV8S7suAoZWja4dJRkFsKQ=",
+        ),
         id="rfc5802-sha1",
     ),
     pytest.param(
-        "SCRAM-SHA256",
-        "user",
-        "pencil",
-        "rOprNGfwEbeRWgbNEkqO",
-        "%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0",
-        "W22ZaJ0SNY7soEsUEjb6gQ==",
-        b"n,,n=user,r=rOprNGfwEbeRWgbNEkqO",
-        b"r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,s=W22ZaJ0SNY7soEsUEjb6gQ==,i=4096",
-        b"c=biws,r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,"
-        b"p=dHzbZapWIk4jUhN+Ute9ytag9zjfMHgsqmmiz7AndVQ=",
-        b"v=6rriTRBi23WpRR/wtup+mMhUZUn/dB5nLTJRsjl95G4=",
+        Vector(
+            "SCRAM-SHA256",
+            "user",
+            "pencil",
+            "rOprNGfwEbeRWgbNEkqO",
+            "%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0",
+            "W22ZaJ0SNY7soEsUEjb6gQ==",
+            b"n,,n=user,r=rOprNGfwEbeRWgbNEkqO",
+            b"r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,s=W22ZaJ0SNY7soEsUEjb6gQ==,i=4096",
+            b"c=biws,r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,"
+            b"p=dHzbZapWIk4jUhN+Ute9ytag9zjfMHgsqmmiz7AndVQ=",
+            b"v=6rriTRBi23WpRR/wtup+mMhUZUn/dB5nLTJRsjl95G4=",
+        ),
         id="rfc7677-sha256",
     ),
 ]
-VECTOR_ARGS = (
-    "mech,user,password,cnonce,snonce,salt,client_first,server_first,client_final,server_final"
-)
 
 
-@pytest.mark.parametrize(VECTOR_ARGS, RFC_VECTORS)
-def test_client_matches_rfc_vector(
-    mech: str,
-    user: str,
-    password: str,
-    cnonce: str,
-    snonce: str,
-    salt: str,
-    client_first: bytes,
-    server_first: bytes,
-    client_final: bytes,
-    server_final: bytes,
-) -> None:
-    client = ScramClient(mech, user, password, nonce=cnonce)
-    assert client.first_message() == client_first
-    assert client.final_message(server_first) == client_final
-    client.verify(server_final)
+@pytest.mark.parametrize("v", RFC_VECTORS)
+def test_client_matches_rfc_vector(v: Vector) -> None:
+    client = ScramClient(v.mech, v.user, v.password, nonce=v.cnonce)
+    assert client.first_message() == v.client_first
+    assert client.final_message(v.server_first) == v.client_final
+    client.verify(v.server_final)
 
 
-@pytest.mark.parametrize(VECTOR_ARGS, RFC_VECTORS)
-def test_server_matches_rfc_vector(
-    mech: str,
-    user: str,
-    password: str,
-    cnonce: str,
-    snonce: str,
-    salt: str,
-    client_first: bytes,
-    server_first: bytes,
-    client_final: bytes,
-    server_final: bytes,
-) -> None:
-    cred = make_credential(mech, password, salt=base64.b64decode(salt), iterations=4096)
-    server = ScramServer(mech, {user: cred}.get, nonce=snonce)
+@pytest.mark.parametrize("v", RFC_VECTORS)
+def test_server_matches_rfc_vector(v: Vector) -> None:
+    cred = make_credential(v.mech, v.password, salt=base64.b64decode(v.salt), iterations=4096)
+    server = ScramServer(v.mech, {v.user: cred}.get, nonce=v.snonce)
     assert server.username is None
-    assert server.first(client_first) == server_first
-    assert server.username == user
-    assert server.final(client_final) == server_final
+    assert server.first(v.client_first) == v.server_first
+    assert server.username == v.user
+    assert server.final(v.client_final) == v.server_final
 
 
 def converse(mech: str, client_password: str, users: dict[str, StoredCredential]) -> str:

@@ -6,12 +6,12 @@ The exact rules are formats/repository.md §8.1 and §8.3.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.repo.repo_helpers import bid
 from upr_cli.failover import FailoverLog
 from upr_cli.position import StreamPosition
 from upr_cli.repo import (
@@ -38,13 +38,8 @@ from upr_cli.repo import (
     snapshot_boundaries,
 )
 
-T0 = datetime(2026, 11, 21, 6, 15, tzinfo=UTC)
 LOG_A = FailoverLog.of([(0xA, 0)])
 LOG_B = FailoverLog.of([(0xB, 80), (0xA, 0)])
-
-
-def bid(i: int) -> BackupId:
-    return BackupId(T0 + timedelta(hours=i))
 
 
 def seg(p: int, seqs: list[int]) -> SegmentEntry:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.repo.repo_helpers import BUCKET, LOG, bid
 from upr_cli.errors import UprError
-from upr_cli.failover import FailoverLog
 from upr_cli.jobs.inspect import verify
 from upr_cli.jobs.restore import restore_to_store
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
@@ -41,14 +41,7 @@ from upr_cli.repo import (
 from upr_cli.segments import SegmentHeader, SegmentWriter
 from upr_cli.store import Store
 
-BUCKET = "default"
-T0 = datetime(2026, 11, 21, 6, 15, tzinfo=UTC)
-LOG = FailoverLog.of([(0xBEEF, 0)])
 PARTITIONS = (0, 3)
-
-
-def bid(i: int) -> BackupId:
-    return BackupId(T0 + timedelta(hours=i))
 
 
 @dataclass

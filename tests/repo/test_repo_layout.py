@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from upr_cli.failover import FailoverLog
+from tests.repo.repo_helpers import BUCKET, LOG, bid
 from upr_cli.repo import (
     MANIFEST_COPY,
     MANIFEST_FILE,
@@ -26,14 +26,6 @@ from upr_cli.repo import (
     parse_temp_name,
     temp_name,
 )
-
-BUCKET = "default"
-T0 = datetime(2026, 11, 21, 6, 15, tzinfo=UTC)
-LOG = FailoverLog.of([(0xBEEF, 0)])
-
-
-def bid(hours: float) -> BackupId:
-    return BackupId(T0 + timedelta(hours=hours))
 
 
 class Crash(Exception):

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.e2e_helpers import spawn
+from tests.repo.repo_helpers import BUCKET
 from upr_cli.repo import Repository, RepositoryError, RepositoryLock, RepositoryLocked, format_time
 from upr_cli.repo import lock as lock_module
 from upr_cli.repo.lock import FRESH_SECONDS, LockHolder
-
-BUCKET = "default"
 
 HOLDER = """
 import sys

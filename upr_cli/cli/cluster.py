@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from upr_cli.cli.options import JsonOutput, deprecated_alias, either
+from upr_cli.cli.options import (
+    BucketName,
+    JsonOutput,
+    OldNumPartitions,
+    num_partitions_option,
+    partition_count,
+)
 from upr_cli.cli.output import print_json, stderr, stdout
 
 if TYPE_CHECKING:
@@ -89,29 +95,16 @@ def init_cmd(
     replicas: Annotated[
         int, typer.Option("--replicas", min=0, max=3, metavar="R", help="Replicas per partition.")
     ] = 1,
-    num_partitions: Annotated[
-        int | None,
-        typer.Option(
-            "--num-partitions",
-            min=1,
-            max=1024,
-            metavar="N",
-            help="Partitions in the bucket.  [default: 64]",
-        ),
-    ] = None,
-    old_partitions: Annotated[
-        int | None, deprecated_alias("--partitions", "--num-partitions", min=1, max=1024)
-    ] = None,
+    num_partitions: Annotated[int | None, num_partitions_option(64)] = None,
+    old_partitions: OldNumPartitions = None,
     base_port: BasePort = None,
-    bucket: Annotated[str, typer.Option("--bucket", metavar="NAME", help="Bucket name.")] = (
-        "default"
-    ),
+    bucket: BucketName = "default",
     json_out: JsonOutput = False,
 ) -> None:
     """Create a cluster."""
     from upr_cli.cluster import lifecycle
 
-    partitions = either(num_partitions, old_partitions, 64, ("--num-partitions", "--partitions"))
+    partitions = partition_count(num_partitions, old_partitions, 64)
     cl = lifecycle.create(data, nodes=nodes, adopt=adopt or [], replicas=replicas,
                           partitions=partitions, base_port=base_port, bucket=bucket)  # fmt: skip
     _show(cl, json_out, f"cluster of {len(cl.nodes)} nodes, {cl.partitions} partitions, "

@@ -99,6 +99,26 @@ def either(new: T | None, old: T | None, default: T, names: tuple[str, str]) -> 
     return old if old is not None else default
 
 
+# -- a new bucket (serve, cluster init) ----------------------------------------------------
+
+BucketName = Annotated[str, typer.Option("--bucket", metavar="NAME", help="Bucket name.")]
+OldNumPartitions = Annotated[
+    int | None, deprecated_alias("--partitions", "--num-partitions", min=1, max=1024)
+]
+
+
+def num_partitions_option(default: int) -> Any:
+    """`--num-partitions N` (1 to 1024), naming the command's default in its help; declare
+    `OldNumPartitions` next to it and merge the two with `partition_count`."""
+    help_ = f"How many partitions (vbuckets) the bucket has (default {default})."
+    return typer.Option("--num-partitions", min=1, max=1024, metavar="N", help=help_)
+
+
+def partition_count(new: int | None, old: int | None, default: int) -> int:
+    """The partition count given as --num-partitions or the deprecated --partitions."""
+    return either(new, old, default, ("--num-partitions", "--partitions"))
+
+
 # -- sources and targets ------------------------------------------------------------------
 
 

@@ -22,6 +22,8 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
+from upr_cli.errors import size_text
+
 T = TypeVar("T")
 
 # Piped output gets room: a table cut at 80 columns is no use to a script or a log.
@@ -90,12 +92,7 @@ def fits(console: Console, width: int) -> bool:
 
 def human_bytes(n: int) -> str:
     """812 B, 4.5 MB, 1.9 GB: a size in at most 8 columns."""
-    size = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    raise AssertionError("unreachable")
+    return size_text(n, step=1000, units=("B", "kB", "MB", "GB", "TB"))
 
 
 def human_duration(seconds: float) -> str:

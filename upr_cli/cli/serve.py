@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from upr_cli.cli.options import deprecated_alias, either
+from upr_cli.cli.options import BucketName, OldNumPartitions, num_partitions_option, partition_count
 from upr_cli.errors import UsageError
 from upr_cli.node.server import NodeConfig, NodeServer
 
@@ -79,22 +79,9 @@ def serve_cmd(
             "--port", min=0, max=65535, metavar="PORT", help="TCP port (0: any free port)."
         ),
     ] = 11210,
-    bucket: Annotated[
-        str, typer.Option("--bucket", metavar="NAME", help="Bucket name.")
-    ] = "default",
-    num_partitions: Annotated[
-        int | None,
-        typer.Option(
-            "--num-partitions",
-            min=1,
-            max=1024,
-            metavar="N",
-            help="How many partitions (vbuckets) the bucket has (default 1024).",
-        ),
-    ] = None,
-    old_partitions: Annotated[
-        int | None, deprecated_alias("--partitions", "--num-partitions", min=1, max=1024)
-    ] = None,
+    bucket: BucketName = "default",
+    num_partitions: Annotated[int | None, num_partitions_option(NUM_PARTITIONS)] = None,
+    old_partitions: OldNumPartitions = None,
     user: Annotated[str | None, typer.Option("--user", metavar="NAME", help="A user name.")] = None,
     password: Annotated[
         str | None,
@@ -152,8 +139,7 @@ def serve_cmd(
     logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(asctime)s upr-serve %(levelname)s %(message)s")  # fmt: skip
     users = load_users(user, password, users_file)
-    partitions = either(num_partitions, old_partitions, NUM_PARTITIONS,
-                        ("--num-partitions", "--partitions"))  # fmt: skip
+    partitions = partition_count(num_partitions, old_partitions, NUM_PARTITIONS)
     config = NodeConfig(
         data_dir=data, host=host, port=port, bucket=bucket, partitions=partitions, users=users,
         no_auth=no_auth, flush_interval=flush_interval, purge_age=purge_age,

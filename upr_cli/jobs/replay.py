@@ -794,7 +794,7 @@ def replay_repo(
                 if seq > base
             ]
             stats.items += len(rows)
-            if rp.seq < base:  # nothing newer in the backup than the store holds
+            if rp.position.seq < base:  # nothing newer in the backup than the store holds
                 continue
             batch.add(p, rows, rp.position, rp.failover_log)
         batch.flush()
@@ -858,7 +858,7 @@ def _repo_base(
     pos = held.position
     decision = needs_rollback(
         rp.failover_log, start=pos.seq, uuid=pos.uuid, snap_start=pos.snap_start,
-        snap_end=pos.snap_end, high=rp.seq,
+        snap_end=pos.snap_end, high=rp.position.seq,
     )  # fmt: skip
     if not decision.rollback:
         return pos.seq

@@ -156,8 +156,9 @@ def _repo_states(path: str, at: str | None, partitions: list[int] | None) -> dic
     for p in held if partitions is None else [p for p in held if p in set(partitions)]:
         rp = resume_point(manifests, p)
         if rp is not None:
-            snap = rp.snap_end if rp.seq == rp.snap_end else rp.snap_start
-            out[p] = SourceState(rp.failover_log, min(snap, rp.seq), rp.seq, rp.position)
+            pos = rp.position
+            snap = pos.snap_end if pos.seq == pos.snap_end else pos.snap_start
+            out[p] = SourceState(rp.failover_log, min(snap, pos.seq), pos.seq, pos)
     return out
 
 

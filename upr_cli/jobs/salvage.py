@@ -384,7 +384,7 @@ def _repo_items(
             continue
         pos = rp.position
         r = rollback_cut(logs[p], highs.get(p, 0), pos)
-        if r is None or r >= rp.seq:
+        if r is None or r >= pos.seq:
             continue
         latest: dict[bytes, Version] = {}
         at = manifests[-1].backup_id

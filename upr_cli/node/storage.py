@@ -42,8 +42,7 @@ import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any, NamedTuple, Self
+from typing import Any, NamedTuple
 
 from upr_cli import sqlite
 from upr_cli.errors import UprError, UsageError
@@ -301,7 +300,7 @@ def _get_many_sql(size: int) -> str:
             "ON d.vbucket = v.column1 AND d.key = v.column2")  # fmt: skip
 
 
-class NodeStorage:
+class NodeStorage(sqlite.Closing):
     """The database of one bucket, `<data_dir>/<bucket>.sqlite3`, and its writer connection.
 
     One thread at a time may use an instance (the node serialises writes); readers on
@@ -385,14 +384,6 @@ class NodeStorage:
         finally:
             if raise_sync:
                 db.execute(f"PRAGMA synchronous = {self._sync}")
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def close(self) -> None:
         """Close the writer connection (idempotent); readers stay open until closed."""
@@ -718,7 +709,7 @@ def _record_lost(db: sqlite3.Connection, vbucket: int, above: int) -> None:
     )
 
 
-class StorageReader:
+class StorageReader(sqlite.Closing):
     """A read connection; `backfill` gives a consistent snapshot of one partition."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
@@ -737,14 +728,6 @@ class StorageReader:
         self._active = Backfill(self._conn, vbucket, after_seq, batch)
         return self._active
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
     def close(self) -> None:
         """End any open backfill and close the connection (idempotent)."""
         if self._active is not None:
@@ -755,7 +738,7 @@ class StorageReader:
             self._conn = None
 
 
-class Backfill:
+class Backfill(sqlite.Closing):
     """Rows of one partition with seq > after_seq in seq order, from ONE read transaction."""
 
     high_seq: int  # max seq of the partition in this snapshot (0 if empty)
@@ -803,14 +786,6 @@ class Backfill:
                       r[4] + t if r[4] < 0 else r[4], r[5], r[6], r[7], r[8] == 1, r[9], r[10]))
             for r in rows
         ]  # fmt: skip
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def close(self) -> None:
         """End the read transaction early (idempotent)."""

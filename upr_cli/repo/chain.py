@@ -59,26 +59,6 @@ class ResumePoint(NamedTuple):
     position: StreamPosition
     failover_log: FailoverLog
 
-    @property
-    def uuid(self) -> int:
-        """The branch the position is on."""
-        return self.position.uuid
-
-    @property
-    def seq(self) -> int:
-        """The last seq backed up."""
-        return self.position.seq
-
-    @property
-    def snap_start(self) -> int:
-        """Start of the last snapshot backed up."""
-        return self.position.snap_start
-
-    @property
-    def snap_end(self) -> int:
-        """End of the last snapshot backed up."""
-        return self.position.snap_end
-
 
 class Held(NamedTuple):
     """A backup holding a partition, and the partition's entry in its manifest."""

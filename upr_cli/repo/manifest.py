@@ -380,6 +380,10 @@ class PartitionEntry:
         )
 
 
+# The fields of Totals, each a u64, under the same names in manifest.json.
+_TOTALS = ("items", "bytes_read", "bytes_written", "rollbacks")
+
+
 @dataclass(frozen=True, slots=True)
 class Totals:
     """Backup-wide totals; all but `bytes_read` are derived from the partitions."""
@@ -390,7 +394,7 @@ class Totals:
     rollbacks: int
 
     def __post_init__(self) -> None:
-        for name in ("items", "bytes_read", "bytes_written", "rollbacks"):
+        for name in _TOTALS:
             _u64(getattr(self, name), f"totals: {name}")
 
     @classmethod
@@ -407,18 +411,13 @@ class Totals:
 
     def to_json(self) -> dict[str, str]:
         """JSON object with decimal strings."""
-        return {
-            "items": str(self.items),
-            "bytes_read": str(self.bytes_read),
-            "bytes_written": str(self.bytes_written),
-            "rollbacks": str(self.rollbacks),
-        }
+        return {name: str(getattr(self, name)) for name in _TOTALS}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "totals") -> Totals:
         """Parse `to_json` output; anything else raises RepositoryError."""
-        o = _Obj(data, where, ("items", "bytes_read", "bytes_written", "rollbacks"))
-        return cls(o.u64("items"), o.u64("bytes_read"), o.u64("bytes_written"), o.u64("rollbacks"))
+        o = _Obj(data, where, _TOTALS)
+        return cls(*(o.u64(name) for name in _TOTALS))
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,6 @@ from dataclasses import dataclass
 from itertools import chain, islice
 from operator import attrgetter, lt
 from pathlib import Path
-from types import TracebackType
 from typing import Any, NamedTuple, Self, TypeVar, cast
 
 import sqlite_utils
@@ -340,6 +339,13 @@ class _State(NamedTuple):
     updated: str
 
 
+def _log_text(failover_log: FailoverLog | None, state: _State | None) -> str | None:
+    """The failover log to store: the one given (as compact JSON), else the one kept."""
+    if failover_log is not None:
+        return json.dumps(failover_log.to_json(), separators=(",", ":"))
+    return state.failover_log if state else None
+
+
 @dataclass(frozen=True, slots=True)
 class PartitionState:
     """What the store knows of one partition: position, failover log, undo log extent."""
@@ -392,7 +398,7 @@ class LostWrite:
     salvaged: str | None  # when `upr salvage --apply` wrote it back, if it did
 
 
-class Store:
+class Store(sqlite.Closing):
     """A store file (formats/store.md), opened or created; one writer connection."""
 
     def __init__(
@@ -436,14 +442,6 @@ class Store:
         self._conn = conn
 
     # --- lifecycle
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def close(self) -> None:
         """Close the connection (idempotent); an open batch is rolled back."""
@@ -697,13 +695,7 @@ class Store:
                         f" row seq {seqs[-1]}"
                     )
             count, floor = self._write_logged(db, partition, records, seqs, state)
-            log_text = (
-                json.dumps(failover_log.to_json(), separators=(",", ":"))
-                if failover_log is not None
-                else state.failover_log
-                if state
-                else None
-            )
+            log_text = _log_text(failover_log, state)
             self._save_state(db, _State(position, log_text, count, floor, now_iso()))
             self._save_boundary(db, position, floor, state.log_floor if state else 0)
 
@@ -725,13 +717,7 @@ class Store:
         _check_partition(position.partition)
         with self._write() as db:
             state = self._state(db, position.partition)
-            log_text = (
-                json.dumps(failover_log.to_json(), separators=(",", ":"))
-                if failover_log is not None
-                else state.failover_log
-                if state
-                else None
-            )
+            log_text = _log_text(failover_log, state)
             count, floor = (state.log_count, state.log_floor) if state else (0, 0)
             self._save_state(db, _State(position, log_text, count, floor, now_iso()))
             self._save_boundary(db, position, floor, floor)
