@@ -83,14 +83,14 @@ class StreamStats:
     """Running totals for progress displays."""
 
     items: int = 0
-    # the seqs the plan covers (each partition's end seq less its start), for an ETA by
-    # items: an upper bound, as the source sends one version of a deduplicated key
-    items_total: int = 0
     bytes_in: int = 0
     partitions_done: int = 0
     partitions: int = 0
     rollbacks: int = 0
     started: float = field(default_factory=time.monotonic)
+    # the seqs the plan covers (each partition's end seq less its start), for an ETA by
+    # items: an upper bound, as the source sends one version of a deduplicated key
+    items_total: int = 0
 
 
 @dataclass
