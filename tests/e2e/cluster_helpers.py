@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.e2e.conftest import upr
-from tests.e2e.e2e_helpers import run, seqnos
+from tests.e2e.e2e_helpers import background, run, seqnos
 from upr_cli.cluster import spec
 from upr_cli.cluster.control import STATE_CODES
 from upr_cli.net.bootstrap import connect, partition_of
@@ -240,11 +240,12 @@ def on_terminal(*args: str, columns: int = 80) -> str:
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
 
 
-def popen(*args: str) -> subprocess.Popen[str]:
+def popen(*args: str) -> subprocess.Popen[Any]:
     """A background `upr` command."""
     env = os.environ | {"UPR_LOG": "DEBUG"}  # stream moves and reconnects, for failures
-    return subprocess.Popen([sys.executable, "-m", "upr_cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    return background(subprocess.Popen([sys.executable, "-m", "upr_cli", *args],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=env))  # fmt: skip
 
 
 def tail_state(lines: str) -> dict[tuple[int, bytes], tuple[int, bool, Any]]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.e2e_helpers import reap, spawn
+from tests.e2e.e2e_helpers import reap, reap_background, spawn
 
 USER, PASSWORD = "admin", "s3cret-pw"
 START_TIMEOUT = 60.0  # seconds for `upr serve` to say it listens
@@ -127,6 +127,14 @@ def spawned() -> Iterator[Callable[..., subprocess.Popen[Any]]]:
     waited for and its pipes closed at teardown, even when the test timed out."""
     with contextlib.ExitStack() as stack:
         yield lambda *cmd, **popen: stack.enter_context(spawn(*cmd, **popen))
+
+
+@pytest.fixture(autouse=True)
+def _reap_background() -> Iterator[None]:
+    """Processes helpers started in the background (`e2e_helpers.background`) end with
+    the test that started them."""
+    yield
+    reap_background()
 
 
 def upr(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -43,6 +43,22 @@ def reap(proc: subprocess.Popen[Any]) -> None:
             pipe.close()
 
 
+_BACKGROUND: list[subprocess.Popen[Any]] = []
+
+
+def background(proc: subprocess.Popen[Any]) -> subprocess.Popen[Any]:
+    """Hand a process started deep in a helper to the test's teardown: the autouse
+    fixture in conftest.py reaps it after the test, however the test ended."""
+    _BACKGROUND.append(proc)
+    return proc
+
+
+def reap_background() -> None:
+    """Reap every process `background` was given (the autouse fixture's teardown)."""
+    while _BACKGROUND:
+        reap(_BACKGROUND.pop())
+
+
 @contextlib.contextmanager
 def spawn(*cmd: str, **popen: Any) -> Iterator[subprocess.Popen[Any]]:
     """Start a process owned by the block: at its end (or on any failure in it) the

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.errors import UsageError
-from upr_cli.repo.fsio import atomic_write
+from upr_cli.fsio import atomic_write
 
 CLUSTER_FILE = "cluster.json"
 HOST = "127.0.0.1"
