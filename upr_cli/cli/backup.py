@@ -103,9 +103,9 @@ def backup_cmd(
         bar.note(f"connecting to {source.redacted()}")
 
         def tick(s: StreamStats) -> None:
-            # items_total bounds the items from above (a deduplicated key comes once), so
-            # the bar may end short of it; 0 (nothing to stream, or unknown) gives no total
-            bar.update(s.items, total=s.items_total or None,
+            # the bar and the ETA follow the seqs passed (a deduplicated key comes once:
+            # counted items fall short of the seqs); 0 (nothing planned) gives no total
+            bar.update(s.items, total=s.items_total or None, done=s.seqs_done,
                        parts=(s.partitions_done, s.partitions), started=s.started)  # fmt: skip
 
         sess = None

@@ -19,7 +19,7 @@ from upr_cli.cli.options import (
     num_partitions_option,
     partition_count,
 )
-from upr_cli.cli.output import print_json, stderr, stdout
+from upr_cli.cli.output import plural, print_json, stderr, stdout
 
 if TYPE_CHECKING:
     from upr_cli.cluster.health import ClusterHealth
@@ -107,8 +107,9 @@ def init_cmd(
     partitions = partition_count(num_partitions, old_partitions, 64)
     cl = lifecycle.create(data, nodes=nodes, adopt=adopt or [], replicas=replicas,
                           partitions=partitions, base_port=base_port, bucket=bucket)  # fmt: skip
-    _show(cl, json_out, f"cluster of {len(cl.nodes)} nodes, {cl.partitions} partitions, "
-                        f"{cl.replicas} replicas, map revision {cl.rev}")  # fmt: skip
+    _show(cl, json_out, f"cluster of {plural(len(cl.nodes), 'node')}, "
+                        f"{plural(cl.partitions, 'partition')}, "
+                        f"{plural(cl.replicas, 'replica')}, map revision {cl.rev}")  # fmt: skip
 
 
 @app.command(
@@ -131,7 +132,7 @@ def start_cmd(data: Data, json_out: JsonOutput = False) -> None:
     from upr_cli.cluster import lifecycle
 
     cl, started = lifecycle.start(data)
-    _show(cl, json_out, f"started {started} nodes")
+    _show(cl, json_out, f"started {plural(started, 'node')}")
 
 
 @app.command(
@@ -149,7 +150,7 @@ def stop_cmd(data: Data, json_out: JsonOutput = False) -> None:
     from upr_cli.cluster import lifecycle
 
     cl, stopped = lifecycle.stop(data)
-    _show(cl, json_out, f"stopped {stopped} nodes")
+    _show(cl, json_out, f"stopped {plural(stopped, 'node')}")
 
 
 @app.command(
@@ -356,8 +357,8 @@ def rebalance_cmd(
     report = lifecycle.rebalance(data, add=add or [], remove=remove or [], base_port=base_port,
                                  timeout=timeout, progress=_progress(json_out))  # fmt: skip
     line = (
-        f"rebalanced: {len(report.moved)} partitions moved, "
-        f"{len(report.added)} nodes added, {len(report.removed)} removed"
+        f"rebalanced: {plural(len(report.moved), 'partition')} moved, "
+        f"{plural(len(report.added), 'node')} added, {len(report.removed)} removed"
     )
     _report(report, json_out, line)
 

@@ -121,7 +121,7 @@ def _print_chain(p: str, chain: list[dict[str, Any]]) -> None:
         rb = link["rollback"]
         note = f"  rolled back {rb['from']} -> {rb['to']}" if rb else ""
         stdout.print(f"  {link['backup_id']}: ({link['start']}, {link['end']}] "
-                     f"{link['items']:,} records{note}", markup=False)  # fmt: skip
+                     f"{link['items']:,} items{note}", markup=False)  # fmt: skip
 
 
 def verify_cmd(
@@ -136,7 +136,7 @@ def verify_cmd(
 ) -> None:
     """Check a repository."""
     show = sys.stderr.isatty() and not no_progress
-    with Progress("verify", "records", show=show) as bar:
+    with Progress("verify", "items", show=show) as bar:
 
         def tick(segments: int, total: int, records: int) -> None:
             bar.update(records, parts=(segments, total), unit="segments")
@@ -153,7 +153,7 @@ def verify_cmd(
                 status += f", {fixed} repaired"
             stdout.print(
                 f"{r.bucket}: {r.backups} backups, {r.segments} segments, "
-                f"{r.records:,} records, {human_bytes(r.bytes)} read: {status}",
+                f"{r.records:,} items, {human_bytes(r.bytes)} read: {status}",
                 markup=False,
             )
             shown, left_out = first_rows(r.problems, show_all, 20)

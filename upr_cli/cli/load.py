@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from upr_cli.cli.options import JsonOutput, NodeUri, NoProgress
-from upr_cli.cli.output import Progress, print_json, stdout
+from upr_cli.cli.output import Progress, plural, print_json, stdout
 from upr_cli.jobs.load import LoadSummary, load
 from upr_cli.net.uri import SourceUri
 
@@ -106,9 +106,9 @@ def load_cmd(
         print_json(summary.to_json())
     else:
         stdout.print(
-            f"{summary.ops:,} ops ({summary.sets:,} created, {summary.updates:,} updates, "
-            f"{summary.deletes:,} deletes) in {summary.seconds:.2f}s = {summary.rate:,.0f} "
-            f"ops/s, {summary.errors:,} errors",
+            f"{summary.ops:,} items in {summary.seconds:.2f}s ({summary.rate:,.0f} items/s), "
+            f"{plural(summary.errors, 'error')}\n{summary.sets:,} created, "
+            f"{summary.updates:,} updated, {summary.deletes:,} deleted",
             markup=False,
         )
         if summary.overwritten:

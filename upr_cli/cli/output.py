@@ -28,7 +28,8 @@ T = TypeVar("T")
 
 # Piped output gets room: a table cut at 80 columns is no use to a script or a log.
 stdout = Console(soft_wrap=True, highlight=False, width=None if sys.stdout.isatty() else 200)
-stderr = Console(stderr=True, soft_wrap=True, highlight=False)
+# messages wrap at word boundaries on a terminal; piped, a message stays one line
+stderr = Console(stderr=True, soft_wrap=not sys.stderr.isatty(), highlight=False)
 
 #: rows a list shows before "… N more (--all)"
 FIRST_ROWS = 10
@@ -166,6 +167,7 @@ class Progress:
         items: int,
         *,
         total: int | None = None,
+        done: int | None = None,
         parts: tuple[int, int] | None = None,
         unit: str = "partitions",
         started: float | None = None,
@@ -173,20 +175,28 @@ class Progress:
         """`items` done (of `total` items, when the job knows it), `parts` = (`unit`s
         done, `unit`s in all: partitions, segments), the rate since `started` (default:
         when the bar began). The ETA comes from the items when their total is known,
-        else from the parts."""
+        else from the parts. With `done`, the bar follows `done` of `total` (seqs passed,
+        of which the items are a part) and the text shows the items alone."""
         elapsed = max(time.monotonic() - (self.started if started is None else started), 1e-6)
         total = total if total is not None else self.total
-        where = f"{items:,}/{total:,} {self.noun}" if total else f"{items:,} {self.noun}"
+        shown_total = total if done is None else None
+        where = (
+            f"{items:,}/{shown_total:,} {self.noun}" if shown_total else f"{items:,} {self.noun}"
+        )
         if parts is not None and parts[1]:
             where += f", {parts[0]:,}/{parts[1]:,} {unit}"
-        done, of = (items, total) if total else (parts if parts is not None else (0, None))
+        of: int | None
+        if total:
+            passed, of = (items if done is None else min(done, total)), total
+        else:
+            passed, of = parts if parts is not None else (0, None)
         self.bar.update(
             self.task,
             total=of or None,
-            completed=done,
+            completed=passed,
             where=where,
             rate=f"{compact(items / elapsed)}/s" if items else "",
-            eta=eta(done, of, elapsed),
+            eta=eta(passed, of, elapsed),
         )
 
 
@@ -203,3 +213,8 @@ def _eta_column() -> Any:
             return Text(str(text), style="progress.remaining")
 
     return EtaColumn()
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """`1 node`, `3 nodes`, `1,024 partitions` (`nouns` for an irregular plural)."""
+    return f"{n:,} {noun if n == 1 else nouns or noun + 's'}"

@@ -25,7 +25,7 @@ from upr_cli.cli.options import (
     key_pattern,
     restore_target,
 )
-from upr_cli.cli.output import Progress, print_json, stderr, stdout
+from upr_cli.cli.output import Progress, plural, print_json, stderr, stdout
 from upr_cli.errors import UsageError
 from upr_cli.jobs.restore import RestoreSummary, restore_to_node, restore_to_store
 from upr_cli.net.uri import SourceUri
@@ -183,13 +183,15 @@ def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
     else:
         verb = "would restore" if dry_run else "restored"
         stdout.print(
-            f"{verb} backup {summary.backup_id}: {summary.partitions} partitions, "
-            f"{summary.documents:,} documents, {summary.deletions:,} deletions"
+            f"{verb} backup {summary.backup_id}\n{plural(summary.partitions, 'partition')}, "
+            f"{plural(summary.documents, 'document')}, {plural(summary.deletions, 'deletion')}",
+            markup=False,
         )
         if not dry_run:
             stdout.print(
-                f"written {summary.written:,}, kept newer on the target {summary.conflicts:,}, "
-                f"deletions of absent keys {summary.absent_deletes:,}, errors {summary.errors or 0}"
+                f"written {summary.written:,}; kept newer on the target {summary.conflicts:,}; "
+                f"absent keys deleted {summary.absent_deletes:,}; errors {summary.errors or 0}",
+                markup=False,
             )
         for s in summary.skipped:
             stderr.print(f"skipped {s}")

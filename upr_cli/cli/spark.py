@@ -150,7 +150,7 @@ def merge_cmd(
         json_out,
         f"merged {summary.merged} backups through {summary.through} into full backup "
         f"{summary.backup_id}: {summary.partitions} partitions, {summary.records:,} "
-        f"records, {summary.bytes_written / 1e6:,.1f} MB in {summary.seconds:.1f}s",
+        f"items, {summary.bytes_written / 1e6:,.1f} MB in {summary.seconds:.1f}s",
     )
 
 

@@ -88,9 +88,11 @@ class StreamStats:
     partitions: int = 0
     rollbacks: int = 0
     started: float = field(default_factory=time.monotonic)
-    # the seqs the plan covers (each partition's end seq less its start), for an ETA by
-    # items: an upper bound, as the source sends one version of a deduplicated key
+    # the seqs the plan covers (each partition's end seq less its start), and how many of
+    # them the stream has passed: a bar and an ETA by seqs hold under deduplication,
+    # where one version of a key stands for every seq it replaced
     items_total: int = 0
+    seqs_done: int = 0
 
 
 @dataclass
@@ -149,7 +151,7 @@ async def stream_to_segments(
         try:
             await consumer.open()
             stream.stats.partitions = len(consumer.parts)
-            stream.stats.items_total = _planned_items(consumer)
+            stream.plan()
             if on_progress is not None:
                 on_progress(stream.stats)  # the total shows before the first batch
             await drive(consumer, stream)
@@ -161,14 +163,14 @@ async def stream_to_segments(
             await consumer.aclose()
 
 
-def _planned_items(consumer: DcpConsumer) -> int:
-    """The seqs from each partition's start to its pinned end (a partition waiting for
-    an active node has no end yet and counts none)."""
-    return sum(
-        part.end - part.seq
-        for part in consumer.parts.values()
+def _planned(consumer: DcpConsumer) -> dict[int, tuple[int, int]]:
+    """Each partition's (start seq, pinned end seq) (a partition waiting for an active
+    node has no end yet and is left out)."""
+    return {
+        p: (part.seq, part.end)
+        for p, part in consumer.parts.items()
         if part.end != STREAM_FOREVER and part.end > part.seq
-    )
+    }
 
 
 class BackupStream:
@@ -195,6 +197,7 @@ class BackupStream:
         self.block_size = block_size
         self.memory_budget = memory_budget
         self.on_progress = on_progress
+        self._span: dict[int, tuple[int, int]] = {}  # partition: (start, end) planned
         self.stats = StreamStats()
         self._cuts = cuts or {}
         self._zstd = new_compressor()  # shared: every writer runs on the one worker thread
@@ -212,21 +215,29 @@ class BackupStream:
 
     # -- the Sink ---------------------------------------------------------------------
 
+    def plan(self) -> None:
+        """Note each partition's planned seq range once the consumer is open (progress)."""
+        self._span = _planned(self.consumer)
+        self.stats.items_total = sum(end - start for start, end in self._span.values())
+
     async def records(self, records: list[DcpRecord]) -> None:
         """Take each record above the partition's last one (a reconnect or a move sends
         some again), to be sent to the worker at the batch's end."""
-        last, pending = self._last, self._pending
-        n = nbytes = 0
+        last, pending, span = self._last, self._pending, self._span
+        n = nbytes = seqs = 0
         for item in records:
-            vb = item.vbucket
-            if item.by_seqno <= last.get(vb, -1):
+            vb, seq = item.vbucket, item.by_seqno
+            before = last.get(vb, -1)
+            if seq <= before:
                 continue  # sent again after a reconnect or a move: already held
-            last[vb] = item.by_seqno
+            last[vb] = seq
             pending.setdefault(vb, []).append(item)
             n += 1
             nbytes += 55 + len(item.key) + len(item.value)
+            seqs += seq - (before if before >= 0 else span.get(vb, (seq - 1, 0))[0])
         self.stats.items += n
         self.stats.bytes_in += nbytes
+        self.stats.seqs_done += seqs
 
     async def event(self, event: Event) -> None:
         """Follow a stream's life: opened, snapshot markers, rollbacks, its end."""
@@ -298,6 +309,8 @@ class BackupStream:
                                 self.segment_name, self._held)  # fmt: skip
         self._finishing[ev.partition] = await self.worker.submit(job)
         self.stats.partitions_done += 1
+        start, end = self._span.get(ev.partition, (0, 0))
+        self.stats.seqs_done += max(0, end - max(self._last.get(ev.partition, -1), start))
 
     async def _flush(self) -> None:
         """Send the records taken so far to the worker (FIFO: per-partition order holds)."""
