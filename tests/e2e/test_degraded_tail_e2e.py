@@ -43,7 +43,7 @@ def test_a_node_down_holds_back_only_its_partitions(tmp_path: Path) -> None:
         warning, error = out.stderr.strip().splitlines()[-2:]
         assert warning.startswith(f"upr: warning: {len(down)} of 12 partitions have no "
                                   "reachable active node")  # fmt: skip
-        assert ",".join(map(str, down)) in warning
+        assert ",".join(map(str, down[:8])) in warning
         assert error.startswith("upr: error: partitions ") and "for 2s" in error
         seen = {json.loads(line)["partition"] for line in out.stdout.splitlines()}
         assert seen == set(range(12)) - set(down)  # every healthy partition streamed

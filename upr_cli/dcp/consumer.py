@@ -577,7 +577,8 @@ class DcpConsumer:
                         log.info("partition %d: %s:%d unusable: %s", p, *addr, exc)
                 if retry.spent:
                     stuck = sorted(self.waiting) if p in self.waiting else [p]
-                    shown = ", ".join(map(str, stuck[:8])) + (", …" if len(stuck) > 8 else "")
+                    more = f",… {len(stuck) - 8} more" if len(stuck) > 8 else ""
+                    shown = ",".join(map(str, stuck[:8])) + more
                     raise ConsumerError(
                         f"partition{'s' if len(stuck) > 1 else ''} {shown}: no reachable "
                         f"active node for {self.follow_for:g}s"

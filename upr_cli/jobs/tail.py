@@ -280,7 +280,9 @@ async def tail(
 
 def _waiting_note(waiting: list[int], total: int, wait: float) -> str:
     """What a tail over a degraded cluster says at once."""
-    shown = ",".join(map(str, waiting[:16])) + (",…" if len(waiting) > 16 else "")
+    shown = ",".join(map(str, waiting[:8])) + (
+        f",… {len(waiting) - 8} more" if len(waiting) > 8 else ""
+    )
     return (f"{len(waiting)} of {total} partitions have no reachable active node ({shown}): "
             f"streaming the other {total - len(waiting)} now, waiting up to {wait:g}s for "
             f"these (--wait); `upr cluster status` shows which node is down")  # fmt: skip
