@@ -35,7 +35,7 @@ from upr_cli.jobs.state import Selection, check_files, partition_state, select
 from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
-from upr_cli.protocol.decoder import OP_MUTATION
+from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.protocol.messages import DelWithMeta, Get, SetWithMeta
 from upr_cli.protocol.status import Status
 from upr_cli.repo import Manifest, Repository
@@ -326,7 +326,8 @@ def restore_to_store(
     t0 = time.monotonic()
     chain = [m for m in manifests if m.backup_id <= sel.backup_id]
     store = None if dry_run else Store(db_path, source=f"repo:{repo_dir}@{sel.backup_id}")
-    pending: list[tuple[Any, ...]] = []  # rows in ROW_FIELDS order
+    pending: list[DcpRecord] = []
+    new = tuple.__new__  # a DcpRecord without a Python-level __new__ call per record
     pending_parts: list[int] = []
 
     def flush() -> None:
@@ -359,8 +360,9 @@ def restore_to_store(
                     summary.documents += 1
                 else:
                     summary.deletions += 1
-                pending.append((r.op, p, r.seq, r.rev_seq, r.cas, r.flags, r.expiry,
-                                r.delete_time, r.datatype, r.key, r.value, 0))  # fmt: skip
+                pending.append(new(DcpRecord, (r.op, p, r.seq, r.rev_seq, r.cas, r.flags,
+                                               r.expiry, r.delete_time, r.datatype, r.key,
+                                               r.value, 0)))  # fmt: skip
             pending_parts.append(p)
             if len(pending) >= _RESTORE_BATCH_ROWS:
                 flush()
