@@ -54,7 +54,15 @@ from upr_cli.failover import needs_rollback
 from upr_cli.net.aio import cancel_and_wait
 from upr_cli.node.bucket import Bucket
 from upr_cli.node.partition import ACTIVE, DEAD, REPLICA, Partition
-from upr_cli.node.storage import Backfill, DocRow, StorageReader, StoredRow
+from upr_cli.node.storage import (
+    ROW_DELETED,
+    ROW_MUTATION_ARGS,
+    ROW_SEQ,
+    Backfill,
+    DocRow,
+    StorageReader,
+    StoredRow,
+)
 from upr_cli.protocol.fast import encode_mutation
 from upr_cli.protocol.messages import (
     Barrier,
@@ -605,7 +613,7 @@ class DcpProducer:
             except BaseException:
                 reader.close()
                 raise
-            return reader, bf, self._encode_rows(spec, rows), rows[0].seq if rows else 0
+            return reader, bf, self._encode_rows(spec, rows), ROW_SEQ(rows[0]) if rows else 0
 
         def close(reader: StorageReader, bf: Backfill) -> None:
             try:
@@ -667,12 +675,11 @@ class DcpProducer:
     def _encode_rows(self, spec: StreamSpec, rows: list[StoredRow]) -> list[bytes]:
         """Encode storage rows without building DocRows (all live mutations: the hot path)."""
         if self.flags & (OPEN_NO_VALUE | OPEN_NO_VALUE_DT | OPEN_DELETE_TIMES) or any(
-            r.deleted for r in rows
+            map(ROW_DELETED, rows)
         ):
-            return self._encode(spec, [r.as_doc() for r in rows])
-        opaque, vb = spec.opaque, spec.vbucket
-        return [encode_mutation(vb, opaque, r.cas, r.datatype, r.seq, r.rev_seq, r.flags,
-                                r.expiry, r.key, r.value) for r in rows]  # fmt: skip
+            return self._encode(spec, [DocRow(*r) for r in rows])
+        opaque, vb, args = spec.opaque, spec.vbucket, ROW_MUTATION_ARGS
+        return [encode_mutation(vb, opaque, *args(r)) for r in rows]
 
     def _encode(self, spec: StreamSpec, docs: list[DocRow]) -> list[bytes]:
         no_value = self.flags & (OPEN_NO_VALUE | OPEN_NO_VALUE_DT)

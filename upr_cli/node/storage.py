@@ -41,8 +41,9 @@ import sqlite3
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from upr_cli import sqlite
 from upr_cli.errors import UprError, UsageError
@@ -177,27 +178,16 @@ class DocRow:
     value: bytes
 
 
-class StoredRow(NamedTuple):
-    """A version's fields in DocRow order as a plain named tuple: what the backfill hot
-    path reads (`Backfill.fetch_rows`), without a dataclass per row; `deleted` is 0/1."""
-
-    vbucket: int
-    key: bytes
-    seq: int
-    rev_seq: int
-    cas: int
-    flags: int
-    expiry: int
-    datatype: int
-    deleted: int
-    delete_time: int
-    value: bytes
-
-    def as_doc(self) -> DocRow:
-        """The same version as a DocRow."""
-        return DocRow(self.vbucket, self.key, self.seq, self.rev_seq, self.cas, self.flags,
-                      self.expiry, self.datatype, self.deleted == 1, self.delete_time,
-                      self.value)  # fmt: skip
+# Backfill rows (`Backfill.fetch_rows`) are the SQL rows themselves, in _DOC_COLUMNS
+# (DocRow) order, `deleted` as 0/1: the hot path builds no object per row (a NamedTuple
+# a row, read by attribute, measured 1.4 us a row against 0.6 us). The SQL layer reads
+# them by column with these.
+StoredRow = tuple[Any, ...]
+ROW_SEQ = itemgetter(2)
+ROW_DELETED = itemgetter(8)
+#: a live row's `encode_mutation` arguments after (vbucket, opaque): cas, datatype,
+#: seq, rev_seq, flags, expiry, key, value
+ROW_MUTATION_ARGS = itemgetter(4, 7, 2, 3, 5, 6, 1, 10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -776,14 +766,15 @@ class Backfill(sqlite.Closing):
         return rows
 
     def fetch_rows(self) -> list[StoredRow]:
-        """Like `fetch`, as `StoredRow`s (the hot path: no DocRow per row)."""
+        """Like `fetch`, as plain rows in DocRow field order (`ROW_*` read them), `deleted`
+        as 0/1, 64-bit values decoded: the hot path, no object per row."""
         rows = self._fetch_raw()
-        t, new = _TWO64, tuple.__new__  # tuple.__new__: no Python-level __new__ per row
-        # SQL rows in _DOC_COLUMNS order; most need no u64 decoding and are taken whole.
+        t = _TWO64
+        # most rows need no u64 decoding and are taken as SQLite made them
         return [
-            new(StoredRow, r if r[2] >= 0 and r[3] >= 0 and r[4] >= 0 and r[8] in (0, False)
-                else (r[0], r[1], r[2] + t if r[2] < 0 else r[2], r[3] + t if r[3] < 0 else r[3],
-                      r[4] + t if r[4] < 0 else r[4], r[5], r[6], r[7], r[8] == 1, r[9], r[10]))
+            r if r[2] >= 0 and r[3] >= 0 and r[4] >= 0 and r[8] in (0, False)
+            else (r[0], r[1], r[2] + t if r[2] < 0 else r[2], r[3] + t if r[3] < 0 else r[3],
+                  r[4] + t if r[4] < 0 else r[4], r[5], r[6], r[7], r[8] == 1, r[9], r[10])
             for r in rows
         ]  # fmt: skip
 
