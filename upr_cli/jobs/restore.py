@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,7 +36,7 @@ from upr_cli.jobs.state import Selection, check_files, partition_state, select
 from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
-from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
+from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.protocol.messages import DelWithMeta, Get, SetWithMeta
 from upr_cli.protocol.status import Status
 from upr_cli.repo import Manifest, Repository
@@ -88,6 +89,9 @@ def prefetch(
         t.join()
 
 
+_SEQ = attrgetter("seq")  # a C-level sort key
+
+
 def states_ahead(
     repo: Repository, bucket: str, manifests: Sequence[Manifest], sel: Selection
 ) -> Generator[tuple[int, list[Record] | SegmentError], None, None]:
@@ -99,7 +103,7 @@ def states_ahead(
             state = partition_state(repo, bucket, manifests, sel.backup_id, p)
         except SegmentError as exc:
             return exc
-        return sorted(state.values(), key=lambda r: r.seq)
+        return sorted(state.values(), key=_SEQ)
 
     return prefetch(read, sel.partitions)
 
@@ -326,8 +330,8 @@ def restore_to_store(
     t0 = time.monotonic()
     chain = [m for m in manifests if m.backup_id <= sel.backup_id]
     store = None if dry_run else Store(db_path, source=f"repo:{repo_dir}@{sel.backup_id}")
-    pending: list[DcpRecord] = []
-    new = tuple.__new__  # a DcpRecord without a Python-level __new__ call per record
+    # rows in ROW_FIELDS order, plain: the store's restore path binds them as they are
+    pending: list[tuple[Any, ...]] = []
     pending_parts: list[int] = []
 
     def flush() -> None:
@@ -360,9 +364,8 @@ def restore_to_store(
                     summary.documents += 1
                 else:
                     summary.deletions += 1
-                pending.append(new(DcpRecord, (r.op, p, r.seq, r.rev_seq, r.cas, r.flags,
-                                               r.expiry, r.delete_time, r.datatype, r.key,
-                                               r.value, 0)))  # fmt: skip
+                pending.append((r.op, p, r.seq, r.rev_seq, r.cas, r.flags, r.expiry,
+                                r.delete_time, r.datatype, r.key, r.value, 0))  # fmt: skip
             pending_parts.append(p)
             if len(pending) >= _RESTORE_BATCH_ROWS:
                 flush()

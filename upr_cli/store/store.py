@@ -52,7 +52,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
-from operator import attrgetter, lt
+from operator import itemgetter, lt
 from pathlib import Path
 from typing import Any, NamedTuple, Self, TypeVar, cast
 
@@ -87,11 +87,15 @@ _DATA_OPS = frozenset({OP_MUTATION, OP_DELETION, OP_EXPIRATION})
 _CACHE_KIB = 32 * 1024
 _FETCH = 4096
 
-# Column extractors run by `map` in C over a whole batch (see the module header).
-_get_op = attrgetter("opcode")
-_get_partition = attrgetter("vbucket")
-_get_seq = attrgetter("by_seqno")
-_get_key = attrgetter("key")
+# Column extractors run by `map` in C over a whole batch (see the module header). Rows
+# are bound by position in ROW_FIELDS order (the SQL layer); each getter finds its
+# field's position by name once, and reads a DcpRecord and a plain row in that order
+# alike (a restore hands plain rows: no record object a row, its hot path).
+_field = ROW_FIELDS.index
+_get_op = itemgetter(_field("opcode"))
+_get_partition = itemgetter(_field("vbucket"))
+_get_seq = itemgetter(_field("by_seqno"))
+_get_key = itemgetter(_field("key"))
 
 _DOC_COLUMNS = (
     "partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype, deleted, value"
@@ -144,7 +148,7 @@ JOIN documents AS d ON d.partition = v.column1 AND d.key = v.column3
 
 
 _LOG_SIZES = (256, 64, 16, 4, 1)  # a few statement shapes, so the statement cache hits
-_log_key = attrgetter("vbucket", "by_seqno", "key")
+_log_key = itemgetter(_field("vbucket"), _field("by_seqno"), _field("key"))
 
 
 def _log_previous(db: sqlite3.Connection, rows: Sequence[DcpRecord]) -> int:
@@ -189,13 +193,13 @@ _PARTITION_COLUMNS = (
 )
 
 
-def _i64_rows(rows: Sequence[DcpRecord]) -> list[DcpRecord]:
+def _i64_rows(rows: Sequence[Row]) -> list[DcpRecord]:
     """Rows with seq, rev seq and cas converted to i64 where they exceed 2^63-1."""
     m, conv = _I64_MAX, _i64
     return [
         r if r.by_seqno <= m and r.rev_seqno <= m and r.cas <= m
         else r._replace(by_seqno=conv(r.by_seqno), rev_seqno=conv(r.rev_seqno), cas=conv(r.cas))
-        for r in rows
+        for r in _records(rows)
     ]  # fmt: skip
 
 
@@ -249,11 +253,12 @@ def _unique_key_runs(rows: Sequence[DcpRecord]) -> list[Sequence[DcpRecord]]:
     return runs
 
 
-def _bound(records: Iterable[DcpRecord]) -> Iterator[tuple[Any, ...]]:
-    """The records as plain tuples for `executemany`: sqlite3 binds an exact tuple
+def _bound(rows: Sequence[Row]) -> Iterable[Row]:
+    """The rows as plain tuples for `executemany`: sqlite3 binds an exact tuple
     straight from its items but a tuple subclass (a NamedTuple) one `__getitem__` call
-    per column, about 0.6 µs a row more (measured: 1.6 against 2.2 µs a row)."""
-    return map(tuple, records)
+    per column, about 0.6 µs a row more (measured: 1.6 against 2.2 µs a row). The rows
+    of one batch come from one producer: all records or all plain rows."""
+    return map(tuple, rows) if rows and type(rows[0]) is not tuple else rows
 
 
 def _records(rows: Iterable[Row]) -> Sequence[DcpRecord]:
@@ -301,7 +306,7 @@ def _check_rows(partition: int, rows: Sequence[DcpRecord], above: int) -> list[i
     return seqs
 
 
-def _by_partition(rows: Sequence[DcpRecord]) -> tuple[Sequence[DcpRecord], dict[int, int]]:
+def _by_partition(rows: Sequence[Row]) -> tuple[Sequence[Row], dict[int, int]]:
     """The rows grouped by partition, stably, and each partition's highest seq.
 
     Rows already grouped (a restore reads one partition at a time) cost two C-level
@@ -321,9 +326,9 @@ def _by_partition(rows: Sequence[DcpRecord]) -> tuple[Sequence[DcpRecord], dict[
     return rows, tops
 
 
-def _bad_row(rows: Sequence[DcpRecord], exc: Exception) -> str:
+def _bad_row(rows: Sequence[Row], exc: Exception) -> str:
     """Explain why SQLite rejected a batch (called only after a failure)."""
-    for r in rows:
+    for r in _records(rows):
         if r.opcode not in _DATA_OPS:
             return (f"row with seq {r.by_seqno}: opcode {r.opcode!r} is not mutation, deletion"
                     " or expiration")  # fmt: skip
@@ -492,8 +497,8 @@ class Store(sqlite.Closing):
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: {exc}") from exc
 
-    def _i64_retry(self, db: sqlite3.Connection, work: Callable[[Sequence[DcpRecord]], T],
-                   rows: Sequence[DcpRecord]) -> T:  # fmt: skip
+    def _i64_retry(self, db: sqlite3.Connection, work: Callable[[Sequence[Row]], T],
+                   rows: Sequence[Row]) -> T:  # fmt: skip
         """Run `work(rows)`; if SQLite refuses an integer, undo it and re-run it on i64 rows.
 
         See the module header: values above 2^63-1 are converted only when present.
@@ -623,7 +628,8 @@ class Store(sqlite.Closing):
         unlogged = max(0, len(rows) - window)
         if rows:
 
-            def work(rows: Sequence[DcpRecord]) -> int:
+            def work(given: Sequence[Row]) -> int:
+                rows = cast("Sequence[DcpRecord]", given)  # records in, records retried
                 if unlogged:
                     db.executemany(_UPSERT_ROW, _bound(rows[:unlogged]))
                 rest = rows[unlogged:]
@@ -738,12 +744,13 @@ class Store(sqlite.Closing):
         `keep_log=True` records undo entries as `apply` does (and checks the rows as it
         does, per partition) without moving positions. Returns the number of rows.
         """
-        records = _records(rows)
-        if not records:
+        given: Sequence[Row] = rows if isinstance(rows, list | tuple) else list(rows)
+        if not given:
             return 0
         if keep_log:
-            return self._restore_logged(records)
-        records, tops = _by_partition(records)
+            return self._restore_logged(_records(given))
+        # the fast path takes plain rows in ROW_FIELDS order as they are (see `_bound`)
+        records, tops = _by_partition(given)
         for p in tops:
             _check_partition(p)
         with self._write() as db:
