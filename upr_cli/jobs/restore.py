@@ -89,7 +89,7 @@ def prefetch(
         t.join()
 
 
-_SEQ = attrgetter("seq")  # a C-level sort key
+_SEQ, _OP = attrgetter("seq"), attrgetter("op")  # C-level getters
 
 
 def states_ahead(
@@ -357,15 +357,13 @@ def restore_to_store(
                 summary.skipped.append(f"partition {p}: {records}")
                 continue
             summary.partitions += 1
-            for r in records:
-                if keys is not None and not keys.search(r.key):
-                    continue
-                if r.op == OP_MUTATION:
-                    summary.documents += 1
-                else:
-                    summary.deletions += 1
-                pending.append((r.op, p, r.seq, r.rev_seq, r.cas, r.flags, r.expiry,
-                                r.delete_time, r.datatype, r.key, r.value, 0))  # fmt: skip
+            if keys is not None:
+                records = [r for r in records if keys.search(r.key)]
+            mutations = list(map(_OP, records)).count(OP_MUTATION)  # counted in C
+            summary.documents += mutations
+            summary.deletions += len(records) - mutations
+            pending += [(r.op, p, r.seq, r.rev_seq, r.cas, r.flags, r.expiry, r.delete_time,
+                         r.datatype, r.key, r.value, 0) for r in records]  # fmt: skip
             pending_parts.append(p)
             if len(pending) >= _RESTORE_BATCH_ROWS:
                 flush()
