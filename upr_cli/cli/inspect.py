@@ -103,7 +103,7 @@ def backups_table(title: str, backups: list[dict[str, Any]], *, wide: bool) -> T
             "read": human_bytes(bk["bytes_read"]),
             "written": human_bytes(bk["bytes_written"]),
             "ratio": str(bk["ratio"] or "-"),
-            "rollbacks": str(bk["rollbacks"]),
+            "rollbacks": str(bk["rollback_count"]),
         }
         t.add_row(bk["backup_id"], "full" if bk["full"] else "incremental",
                   *(cells[c] for c in cols))  # fmt: skip

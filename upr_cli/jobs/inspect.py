@@ -263,7 +263,7 @@ def info(
                     "bytes_read": t.bytes_read,
                     "bytes_written": t.bytes_written,
                     "ratio": round(t.bytes_read / t.bytes_written, 2) if t.bytes_written else None,
-                    "rollbacks": t.rollbacks,
+                    "rollback_count": t.rollbacks,  # `rollbacks` elsewhere is their list
                     "partitions": len(m.partitions),
                 }
             )

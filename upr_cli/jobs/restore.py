@@ -155,10 +155,11 @@ class RestoreSummary:
                 "written",
                 "conflicts",
                 "absent_deletes",
-                "errors",
                 "skipped",
             )
         } | {
+            "errors": sum(self.errors.values()),  # a count, as in every command
+            "errors_by_status": self.errors,
             "seconds": round(self.seconds, 3),
             "items_per_s": round(self.written / self.seconds)
             if self.seconds and self.written
