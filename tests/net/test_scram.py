@@ -381,3 +381,13 @@ def test_unknown_mechanism_names_raise_auth_failed(name: str) -> None:
     else:
         with pytest.raises(AuthenticationFailed):
             ScramServer(name, NOBODY.get)
+
+
+def test_server_accepts_a_client_nonce_with_spaces() -> None:
+    """The official Couchbase SDK's nonces hold spaces, which RFC 5802 does not allow and
+    Couchbase Server accepts: so does ours (what we send stays strict)."""
+    server = ScramServer("SCRAM-SHA512", {"alice": make_credential("SCRAM-SHA512", "pw")}.get)
+    server_first = server.first(b"n,,n=alice,r=a b+c d")
+    assert server_first.startswith(b"r=a b+c d") and len(server_first.split(b",")[0]) > 11
+    with pytest.raises(LocalProtocolError):
+        ScramClient("SCRAM-SHA512", "alice", "pw", nonce="a b")

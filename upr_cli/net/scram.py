@@ -44,6 +44,10 @@ MAX_ITERATIONS = 10_000_000
 
 # RFC 5802 §7: printable ASCII except ",".
 _NONCE = re.compile(r"[\x21-\x2b\x2d-\x7e]+")
+# What a server accepts from a client: the official Couchbase SDK's nonces hold spaces,
+# which RFC 5802 does not allow and Couchbase Server accepts; so do we (any character but
+# "," and control characters). What we send stays within _NONCE.
+_PEER_NONCE = re.compile(r"[\x20-\x2b\x2d-\x7e]+")
 _ITERATIONS = re.compile(r"[1-9][0-9]{0,9}")
 # Process-wide, so an unknown user gets the same fake salt on every attempt (RFC 5802 §9).
 _DUMMY_SECRET = secrets.token_bytes(32)
@@ -215,7 +219,7 @@ class ScramServer:
             raise AuthenticationFailed(f"{what} is malformed")
         username = _unescape(attrs[0][1])
         client_nonce = attrs[1][1]
-        if not _NONCE.fullmatch(client_nonce):
+        if not _PEER_NONCE.fullmatch(client_nonce):
             raise AuthenticationFailed("client nonce is malformed")
 
         credential = self._lookup(username)
