@@ -28,6 +28,7 @@ from upr_cli.repo import (
     Repository,
     RepositoryError,
     RepositoryLock,
+    altered_twin,
     broken_parents,
     coverage_gaps,
     lost_ranges,
@@ -177,6 +178,17 @@ def _check_manifests(
         if not main.valid and not copy.valid:
             why = f"{MANIFEST_FILE}: {main.error}; {MANIFEST_COPY}: {copy.error}"
             rep.problems.append(Problem("manifest", f"{b}/{bid}", f"damaged: {why}"))
+            continue
+        pair = altered_twin(main, copy)
+        if pair is not None:
+            bad, good = pair
+            fixed = lock is not None and bad.path in repo.repair_manifest(b, bid, lock)
+            rep.problems.append(Problem(
+                "manifest", f"{b}/{bid}/{bad.path.name}",
+                f"altered outside its checksum (its twin {good.path.name} is as written"
+                + ("; rewritten from it)" if fixed else "; `upr verify --repair` rewrites it)"),
+                repaired=fixed,
+            ))  # fmt: skip
             continue
         if main.valid and copy.valid:
             if main.data != copy.data:

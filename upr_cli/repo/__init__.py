@@ -32,6 +32,7 @@ from upr_cli.repo.layout import (
     ManifestFile,
     RepoInfo,
     Repository,
+    altered_twin,
     load_manifest_file,
 )
 from upr_cli.repo.lock import LockHolder, RepositoryLock
@@ -86,6 +87,7 @@ __all__ = [
     "SegmentName",
     "SeqRange",
     "Totals",
+    "altered_twin",
     "atomic_write",
     "broken_parents",
     "check_bucket",

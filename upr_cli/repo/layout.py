@@ -153,6 +153,25 @@ class ManifestFile:
         return self.manifest is not None
 
 
+def altered_twin(
+    main: ManifestFile, copy: ManifestFile
+) -> tuple[ManifestFile, ManifestFile] | None:
+    """(altered, as written) when both files hold the same valid manifest but only one
+    has the bytes upr writes (`Manifest.dumps`): the other was changed outside what its
+    checksum covers (whitespace, a lost final newline), and the twin answers which is
+    right. None otherwise (two files that really differ stay a question)."""
+    if main.manifest is None or main.data is None or copy.data is None:
+        return None
+    if main.data == copy.data or main.manifest != copy.manifest:
+        return None
+    written = main.manifest.dumps()
+    if main.data == written:
+        return copy, main
+    if copy.data == written:
+        return main, copy
+    return None
+
+
 class Repository:
     """A backup repository rooted at `path` (formats/repository.md)."""
 
@@ -600,6 +619,10 @@ class Repository:
         valid files that differ, or two damaged ones, are left as they are."""
         self._check_lock(bucket, lock)
         main, copy = self.manifest_files(bucket, backup_id)
+        pair = altered_twin(main, copy)
+        if pair is not None and pair[1].data is not None:
+            atomic_write(pair[0].path, pair[1].data, self.ops)
+            return [pair[0].path]
         good = main if main.valid else copy if copy.valid else None
         if good is None or good.data is None:
             return []
