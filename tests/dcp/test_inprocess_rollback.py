@@ -15,7 +15,7 @@ from pathlib import Path
 from tests.dcp.inprocess import InProcessNode, Received, consume_until, nodes, run
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Rollback, StreamOpened
-from upr_cli.dcp.position import StreamPosition
+from upr_cli.position import StreamPosition
 
 
 def test_a_crash_that_loses_items_the_consumer_saw_rolls_it_back(tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ from typing import Any, cast
 
 from upr_cli.dcp.consumer import DcpConsumer, Item
 from upr_cli.dcp.events import Event, Snapshot, StreamEnded
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.dcp.sink import SinkBase, drive
+from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
 
 

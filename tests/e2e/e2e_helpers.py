@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Rollback
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.net.bootstrap import connect
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.store import content_hash_of
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import Replica, drain, failover_logs, run, seqnos, wait_persisted
 from upr_cli.dcp.events import Rollback
-from upr_cli.dcp.position import StreamPosition
+from upr_cli.position import StreamPosition
 
 
 def test_sigkill_loses_unpersisted_writes_and_clients_roll_back_exactly(

@@ -56,8 +56,8 @@ def test_a_cut_that_takes_every_record_leaves_no_empty_segment(tmp_path: Path) -
     """A rollback to the run's start, the new active holding nothing more: the records
     move to cut-1/, and the partition's own segment is dropped, not written empty."""
     from upr_cli.dcp.events import StreamEnded
-    from upr_cli.dcp.position import StreamPosition
     from upr_cli.jobs.backup_stream import _cut, _finish
+    from upr_cli.position import StreamPosition
 
     st, held, open_cut = _open_segment(tmp_path)
     _cut(st, 150, 100, 100, held, open_cut, format_segment_name)

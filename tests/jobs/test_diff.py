@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from tests.cli.json_convention import problems
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.failover import FailoverLog
 from upr_cli.jobs.diff import STATUSES, compare, diff_sources
 from upr_cli.jobs.rollback_point import SourceState
+from upr_cli.position import StreamPosition
 
 
 def st(pairs: list[tuple[int, int]], seq: int, snap: int | None = None) -> SourceState:

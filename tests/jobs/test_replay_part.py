@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.jobs.replay import _Part
+from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 
 UUID = 0xABC

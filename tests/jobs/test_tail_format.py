@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from tests.cli.json_convention import problems
 from upr_cli.dcp.events import Rollback, Snapshot, StreamEnded, StreamOpened
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.jobs.tail import event_line, json_line, text_line
+from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
 from upr_cli.source import parse_partitions
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.failover import FailoverLog
 from upr_cli.jobs.backup import _overtaken_reuse, _reusable
+from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.repo import format_segment_name
 from upr_cli.segments import SegmentHeader, SegmentWriter

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from upr_cli.errors import LocalProtocolError
 from upr_cli.failover import FailoverLog
+from upr_cli.fsio import FileOps
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION, DcpRecord
 from upr_cli.segments import (
-    FileOps,
     Record,
     SegmentError,
     SegmentHeader,

@@ -24,8 +24,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from upr_cli.dcp.position import StreamPosition, boundary_at
 from upr_cli.failover import FailoverLog, needs_rollback
+from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
 from upr_cli.store import Store
 

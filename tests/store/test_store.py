@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog
+from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import (
     OP_DELETION,
     OP_EXPIRATION,

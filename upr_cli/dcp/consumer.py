@@ -49,13 +49,13 @@ from upr_cli.dcp.events import (
     StreamEnded,
     StreamOpened,
 )
-from upr_cli.dcp.position import StreamPosition, boundary_at
 from upr_cli.errors import RemoteProtocolError, UprError, UsageError
 from upr_cli.failover import FailoverLog
 from upr_cli.net.bootstrap import Session, connect, map_nodes
 from upr_cli.net.connection import ConnectionClosed, ConnectionError_, ServerItems, aclose_all
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.protocol import Frame, Message, decode_message
 from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.header import Opcode

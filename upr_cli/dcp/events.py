@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from upr_cli.dcp.position import StreamPosition
+from upr_cli.position import StreamPosition
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,10 +28,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from upr_cli.dcp.position import StreamPosition, boundary_at
 from upr_cli.dcp.states import partition_states
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, ImpossibleHistory, needs_rollback, rollback_point
+from upr_cli.fsio import FileOps, sync_files
 from upr_cli.jobs.backup_stream import (
     BackupInterrupted,
     PartitionResult,
@@ -39,6 +39,7 @@ from upr_cli.jobs.backup_stream import (
     stream_to_segments,
 )
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.repo import (
     BackupId,
     BrokenChain,
@@ -59,7 +60,6 @@ from upr_cli.repo import (
     snapshot_boundaries,
 )
 from upr_cli.segments import SegmentError, SegmentHeader, SegmentInfo, SegmentReader
-from upr_cli.segments.writer import FileOps, sync_files
 
 log = logging.getLogger(__name__)
 

@@ -35,16 +35,17 @@ from pathlib import Path
 
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpened
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.dcp.sink import drive
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog
+from upr_cli.fsio import sync_files
 from upr_cli.jobs.worker import Worker
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.messages import STREAM_FOREVER
 from upr_cli.segments import SegmentHeader, SegmentInfo, SegmentWriter
-from upr_cli.segments.writer import new_compressor, sync_files
+from upr_cli.segments.writer import new_compressor
 
 MAX_INFLIGHT = 4  # batches queued on the segment worker before the stream waits
 

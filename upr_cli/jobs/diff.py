@@ -27,10 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverEntry, needs_rollback, rollback_point
 from upr_cli.jobs.rollback_point import SourceState, load_source
+from upr_cli.position import StreamPosition
 
 STATUSES = (
     "identical",

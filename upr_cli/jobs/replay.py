@@ -65,7 +65,6 @@ from upr_cli.dcp.events import (
     StreamEnded,
     StreamOpened,
 )
-from upr_cli.dcp.position import StreamPosition, boundary_at
 from upr_cli.dcp.sink import drive
 from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog
@@ -73,6 +72,7 @@ from upr_cli.jobs.worker import Worker, rare_gc
 from upr_cli.net.aio import cancel_and_wait
 from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.protocol import decode_message
 from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.messages import ObserveSeqno, ObserveSeqnoResponse

@@ -6,7 +6,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import (
     MAX_ENTRIES,
@@ -19,6 +18,7 @@ from upr_cli.failover import (
     rollback_point,
 )
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition
 
 
 def load_log(spec: str, what: str, max_entries: int = MAX_ENTRIES) -> FailoverLog:

@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any
 
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Event, Rollback
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, needs_rollback
 from upr_cli.jobs.rollback_point import node_states
 from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.protocol.messages import (
     Add,

@@ -14,11 +14,11 @@ from typing import NamedTuple, TextIO
 
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpened
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.errors import UprError, UsageError, check_file_path
 from upr_cli.failover import FailoverLog
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION, DcpRecord
 
 OPS = {OP_MUTATION: "mutation", OP_DELETION: "deletion", OP_EXPIRATION: "expiration"}

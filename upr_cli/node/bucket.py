@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from upr_cli.failover import FailoverLog, new_uuid
 from upr_cli.net.aio import cancel_and_wait
@@ -46,6 +46,9 @@ from upr_cli.protocol.status import (
     Status,
     StatusError,
 )
+
+# not in the prefetched map (a prefetched None means the key is known to be absent)
+_ABSENT: Any = object()
 
 
 class StaleCas(StatusError):
@@ -394,9 +397,11 @@ class Bucket:
         part = self.partitions[vb]
         doc = part.get(key)
         if doc is None:
-            # a prefetched None means known to be absent
-            if self._prefetched_gen == self._disk_gen and (vb, key) in self._prefetched:
-                return self._prefetched[(vb, key)]
+            # a prefetched None means known to be absent: one dict probe on the KV path
+            if self._prefetched_gen == self._disk_gen:
+                hit = self._prefetched.get((vb, key), _ABSENT)
+                if hit is not _ABSENT:
+                    return cast("DocRow | None", hit)
             doc = self._lookup.get(vb, key)
         return doc
 

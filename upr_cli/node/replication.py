@@ -42,7 +42,6 @@ from typing import Any
 
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamOpened
-from upr_cli.dcp.position import StreamPosition
 from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.errors import UprError
 from upr_cli.net.aio import cancel_and_wait
@@ -50,6 +49,7 @@ from upr_cli.net.uri import SourceUri
 from upr_cli.node.bucket import FED, Bucket
 from upr_cli.node.partition import Partition
 from upr_cli.node.storage import DocRow
+from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.protocol.status import NotMyVbucket
 

@@ -1,6 +1,5 @@
 """Segment files (formats/segment.md): one partition's records for one seq range of one branch."""
 
-from upr_cli.fsio import FileOps
 from upr_cli.segments.format import (
     RECORD_FIELDS,
     BlockInfo,
@@ -15,7 +14,6 @@ from upr_cli.segments.writer import SegmentWriter
 __all__ = [
     "RECORD_FIELDS",
     "BlockInfo",
-    "FileOps",
     "Record",
     "SegmentError",
     "SegmentHeader",

@@ -9,7 +9,7 @@ bytes: about an eighth of the raw size), footer, trailer; fsync, rename to the f
 name, fsync the directory (docs/design.md "Reliability"). Before that nothing is visible
 under the final name. All file-system calls go through `upr_cli.fsio.FileOps`, so tests
 can fail any of them; a caller that finishes many segments without syncing makes them
-durable together with `sync_files` (re-exported here).
+durable together with `upr_cli.fsio.sync_files`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import zstandard
 
 from upr_cli.errors import LocalProtocolError
 from upr_cli.failover import FailoverLog
-from upr_cli.fsio import FileOps, sync_files, temp_path
+from upr_cli.fsio import FileOps, temp_path
 from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.segments.format import (
     BLOCK_ENTRY,
@@ -48,7 +48,7 @@ from upr_cli.segments.format import (
     parse_block,
 )
 
-__all__ = ["DEFAULT_LEVEL", "FileOps", "SegmentWriter", "new_compressor", "sync_files"]
+__all__ = ["DEFAULT_LEVEL", "SegmentWriter", "new_compressor"]
 
 # Level 7: with one segment per partition, blocks are often ~100 KB; measured there
 # (formats/segment.md, Decisions) level 3 falls 6% short of `zstd -3` on the whole stream,

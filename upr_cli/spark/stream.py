@@ -35,12 +35,12 @@ import pyarrow as pa
 
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Event, Rollback
-from upr_cli.dcp.position import StreamPosition, boundary_at
 from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.dcp.states import partition_states
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, needs_rollback
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.spark.arrow import OPS, Buffer, Columns, ddl_of, i64, schema_of, text
 from upr_cli.spark.plan import SparkOptionError, get_option
