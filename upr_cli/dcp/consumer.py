@@ -713,8 +713,13 @@ class DcpConsumer:
 
     @property
     def finished(self) -> bool:
-        """True once every partition's finite stream has ended."""
-        return not self._moving and all(p.done for p in self.parts.values())
+        """True once every partition's finite stream has ended and been handed over.
+
+        A stream being opened is not finished even when its end already arrived: the
+        data and the end it sent are held until its StreamOpened is handed over
+        (`_accepted`), which may run after `batches()` decoded them."""
+        return (not self._moving and not self._opening and not self._held
+                and all(p.done for p in self.parts.values()))  # fmt: skip
 
     async def batches(self) -> AsyncIterator[list[Item]]:
         """Rows and events in wire order, batch by batch, until every stream ended."""
@@ -833,6 +838,7 @@ class DcpConsumer:
     async def _reopen(self, part: _Part) -> None:
         try:
             await self._open_streams([part])
+            self._queue.put_nowait((part.addr, -1, [], 0))  # wake batches(): held data
         except ConnectionError_:
             if self._follow:
                 await self._move(part)  # its node went away meanwhile: follow the map
