@@ -41,6 +41,11 @@ from upr_cli.protocol.messages import (
     Barrier,
     BufferAck,
     CloseStream,
+    CollectionsGetId,
+    CollectionsGetManifest,
+    CollectionsGetScopeId,
+    CollectionsIdResponse,
+    CollectionsSetManifest,
     Control,
     DcpOpen,
     Delete,
@@ -961,6 +966,46 @@ GOLDEN: list[Row] = [
         """
         80 b4 0000 00 00 0000 00000009 00000005 0000000000000102
         7b 22 72 65 76 22 3a 31 7d  # {"rev":1}
+        """,
+    ),
+    Row(
+        "collections-set-manifest",  # docs/protocol.md "Collections": ns_server's push
+        CollectionsSetManifest(opaque=0x07, value=b'{"uid":"1"}'),
+        """
+        80 b9 0000 00 00 0000 0000000b 00000007 0000000000000000
+        7b 22 75 69 64 22 3a 22 31 22 7d  # {"uid":"1"}
+        """,
+    ),
+    Row(
+        "collections-get-manifest",  # docs/protocol.md "Collections": no body
+        CollectionsGetManifest(opaque=0x08),
+        """
+        80 ba 0000 00 00 0000 00000000 00000008 0000000000000000
+        """,
+    ),
+    Row(
+        "collections-get-id",  # docs/protocol.md "Collections": path in the value
+        CollectionsGetId(opaque=0x09, value=b"app.users"),
+        """
+        80 bb 0000 00 00 0000 00000009 00000009 0000000000000000
+        617070 2e 7573657273  # value: 'app' '.' 'users'
+        """,
+    ),
+    Row(
+        "collections-get-scope-id",  # docs/protocol.md "Collections": path in the value
+        CollectionsGetScopeId(opaque=0x0A, value=b"app"),
+        """
+        80 bc 0000 00 00 0000 00000003 0000000a 0000000000000000
+        617070  # value: 'app'
+        """,
+    ),
+    Row(
+        "collections-get-id-response",  # u64 manifest uid, u32 collection id
+        CollectionsIdResponse(opaque=0x09, manifest_uid=0x1F, id=0x08),
+        """
+        81 bb 0000 0c 00 0000 0000000c 00000009 0000000000000000
+        000000000000001f  # extras: u64 manifest uid
+        00000008          #         u32 collection id
         """,
     ),
     Row(

@@ -95,7 +95,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
 def test_row_fields_order_is_what_the_store_binds() -> None:
     assert ROW_FIELDS == (
         "opcode", "vbucket", "by_seqno", "rev_seqno", "cas", "flags", "expiration",
-        "delete_time", "datatype", "key", "value", "opaque",
+        "delete_time", "datatype", "key", "value", "opaque", "collection",
     )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ import struct
 from typing import NamedTuple
 
 from upr_cli.errors import RemoteProtocolError
+from upr_cli.protocol import leb128
 from upr_cli.protocol.header import ALT_MAGICS, HEADER, HEADER_LEN, VALID_MAGICS, Opcode
 
 # Header + DCP_MUTATION extras in one call (docs/protocol.md §1.1 + §2.8): 24 + 31 = 55 bytes.
@@ -80,6 +81,10 @@ class DcpRecord(NamedTuple):
     key: memoryview | bytes
     value: memoryview | bytes
     opaque: int
+    # The collection id (0: the default collection). On a connection that negotiated
+    # Collections the wire key starts with it as LEB128 (docs/protocol.md "Collections");
+    # the decoder strips it, so `key` is always the document key.
+    collection: int = 0
 
 
 ROW_FIELDS = DcpRecord._fields
@@ -128,10 +133,14 @@ def check_header(hdr: tuple[int, ...], max_body: int) -> tuple[int, int, int, in
 class FrameDecoder:
     """Incremental decoder of memcached binary packets."""
 
-    __slots__ = ("_buf", "_chunks", "_consumed", "_error", "_max_body", "_need", "_off", "_pending")
+    __slots__ = ("_buf", "_chunks", "_consumed", "_error", "_max_body", "_need", "_off", "_pending",
+                 "collections")  # fmt: skip
 
-    def __init__(self, max_body: int = DEFAULT_MAX_BODY) -> None:
+    def __init__(self, max_body: int = DEFAULT_MAX_BODY, *, collections: bool = False) -> None:
         self._max_body = max_body
+        # Keys of data records carry a LEB128 collection id (set once HELLO negotiated
+        # Collections; `read_rows` splits it off into `DcpRecord.collection`).
+        self.collections = collections
         self._buf: bytes = b""
         self._off = 0
         self._chunks: list[bytes] = []
@@ -239,6 +248,8 @@ class FrameDecoder:
         record = DcpRecord
         max_body = self._max_body
         empty = _EMPTY
+        colls = self.collections
+        cid = 0
         while len(out) < limit:
             buf, off = self._buf, self._off
             end_buf = len(buf)
@@ -261,8 +272,10 @@ class FrameDecoder:
                         break
                     k = off + 55
                     key, value = mv[k : k + keylen], mv[k + keylen : end]
+                    if colls:
+                        cid, key = self._split(key, off)
                     append(new(record, (0x57, vb, seq, rev, cas, flags, exp, 0, datatype,
-                                        key, value, opaque)))  # fmt: skip
+                                        key, value, opaque, cid)))  # fmt: skip
                     off = end
                     room -= 1
                 if not room or end_buf - off < 24:
@@ -296,8 +309,10 @@ class FrameDecoder:
                     else:
                         dtime = 0
                     key, value = mv[k : k + keylen], mv[k + keylen : end]
+                    if colls:
+                        cid, key = self._split(key, off)
                     append(new(record, (opcode, vb, seq, rev, cas, flags, exp, dtime, datatype,
-                                        key, value, opaque)))  # fmt: skip
+                                        key, value, opaque, cid)))  # fmt: skip
                     off = end
                     continue
                 p = off + 24
@@ -326,6 +341,21 @@ class FrameDecoder:
                 append(frame)
             # else: the next classic frame is now contiguous; the fast loop takes it
         return out
+
+    def _split(self, key: memoryview, off: int) -> tuple[int, memoryview]:
+        """(collection id, document key) of a record's wire key; a malformed id is a
+        RemoteProtocolError, raised as a malformed frame is (the read stops at it)."""
+        if key and key[0] < 0x80:
+            return key[0], key[1:]
+        try:
+            if not key:
+                raise RemoteProtocolError("a data record without a collection id in its key")
+            cid, n = leb128.decode(key)
+        except RemoteProtocolError as exc:
+            self._off = off
+            self._error = exc
+            raise
+        return cid, key[n:]
 
     def frames(self) -> list[Frame]:
         """Return every complete frame currently buffered (the generic, typed-path reader)."""

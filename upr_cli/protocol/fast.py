@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 
 from upr_cli.errors import LocalProtocolError
+from upr_cli.protocol import leb128
 from upr_cli.protocol.decoder import (
     MUTATION_FRAME,
     OP_DELETION,
@@ -27,10 +28,12 @@ from upr_cli.protocol.header import Magic
 __all__ = ["OP_DELETION", "OP_EXPIRATION", "OP_MUTATION", "DcpRecord", "encode_mutation"]
 
 
-def record_from_frame(frame: Frame) -> DcpRecord | None:
+def record_from_frame(frame: Frame, *, collections: bool = False) -> DcpRecord | None:
     """The data record in `frame`, or None if it is not a mutation/deletion/expiration.
 
     For frames the row fast path hands back (e.g. magic 0x08 with a stream-id).
+    `collections`: the key starts with a LEB128 collection id (the connection
+    negotiated Collections), split off into the record's `collection`.
     """
     op = frame.opcode
     if frame.magic not in (Magic.REQUEST, Magic.ALT_REQUEST) or not (
@@ -38,8 +41,9 @@ def record_from_frame(frame: Frame) -> DcpRecord | None:
     ):
         return None
     seq, rev, flags, exp, dtime = data_fields(op, frame.extras, 0, len(frame.extras))
+    cid, key = leb128.split_key(frame.key) if collections else (0, frame.key)
     return DcpRecord(op, frame.vbucket_or_status, seq, rev, frame.cas, flags, exp, dtime,
-                     frame.datatype, frame.key, frame.value, frame.opaque)  # fmt: skip
+                     frame.datatype, key, frame.value, frame.opaque, cid)  # fmt: skip
 
 
 def encode_mutation(

@@ -77,6 +77,10 @@ class Opcode(IntEnum):
     DEL_WITH_META = 0xA8
     SET_CLUSTER_CONFIG = 0xB4
     GET_CLUSTER_CONFIG = 0xB5
+    COLLECTIONS_SET_MANIFEST = 0xB9  # docs/protocol.md "Collections"
+    COLLECTIONS_GET_MANIFEST = 0xBA
+    COLLECTIONS_GET_ID = 0xBB
+    COLLECTIONS_GET_SCOPE_ID = 0xBC
     GET_ERROR_MAP = 0xFE
     UPR_BARRIER = 0xE1  # upr extension (formats/barrier.md)
 

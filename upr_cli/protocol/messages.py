@@ -929,6 +929,57 @@ class SetClusterConfig(Request):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CollectionsSetManifest(Request):
+    """COLLECTIONS_SET_MANIFEST 0xb9: value = the bucket's collections manifest JSON, as
+    the cluster manager pushes it to each data node (docs/protocol.md "Collections")."""
+
+    SCHEMA = Schema(opcodes=(Opcode.COLLECTIONS_SET_MANIFEST,), value=("value", RAW))
+    value: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectionsGetManifest(Request):
+    """COLLECTIONS_GET_MANIFEST 0xba: no body; the reply's value is the manifest JSON."""
+
+    SCHEMA = Schema(opcodes=(Opcode.COLLECTIONS_GET_MANIFEST,))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectionsGetId(Request):
+    """COLLECTIONS_GET_ID 0xbb: the path "scope.collection" in the value (kv_engine's
+    documented form; a node also takes it in the key, as newer clients send it)."""
+
+    SCHEMA = Schema(opcodes=(Opcode.COLLECTIONS_GET_ID,), key=("key", RAW), value=("value", RAW))
+    key: bytes = b""
+    value: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectionsGetScopeId(Request):
+    """COLLECTIONS_GET_SCOPE_ID 0xbc: the path "scope" in the value (or the key)."""
+
+    SCHEMA = Schema(
+        opcodes=(Opcode.COLLECTIONS_GET_SCOPE_ID,), key=("key", RAW), value=("value", RAW)
+    )
+    key: bytes = b""
+    value: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectionsIdResponse(ResponseMessage):
+    """GET_ID / GET_SCOPE_ID SUCCESS: extras u64 manifest uid, u32 collection (or scope) id."""
+
+    SCHEMA = Schema(
+        opcodes=(Opcode.COLLECTIONS_GET_ID, Opcode.COLLECTIONS_GET_SCOPE_ID),
+        response=True,
+        extras=(layout(("manifest_uid", "Q"), ("id", "I")),),
+        statuses=SUCCESS_ONLY,
+    )
+    manifest_uid: int
+    id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EnableTraffic(Request):
     """ENABLE_TRAFFIC 0x8d: no body. A cluster node starts with front-end traffic off
     (data commands and stream requests answer ETMPFAIL) until its orchestrator has
