@@ -91,6 +91,7 @@ def node_content(uri: str) -> tuple[int, str]:
     """Live documents and their content hash, read from the node over DCP (the library)."""
     from upr_cli.dcp.consumer import DcpConsumer
     from upr_cli.net.uri import SourceUri
+    from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
     from upr_cli.store import content_hash_of
 
     async def drain() -> dict[bytes, tuple[bytes, int, int, int, int]]:
@@ -100,10 +101,11 @@ def node_content(uri: str) -> tuple[int, str]:
         try:
             async for batch in c.batches():
                 for it in batch:
-                    if type(it) is tuple:
-                        k = bytes(it[9])  # type: ignore[call-overload]
-                        if it[0] == 0x57:
-                            live[k] = (bytes(it[10]), it[4], it[3], it[5], it[6])  # type: ignore[call-overload,assignment]
+                    if type(it) is DcpRecord:
+                        k = bytes(it.key)
+                        if it.opcode == OP_MUTATION:
+                            live[k] = (bytes(it.value), it.cas, it.rev_seqno, it.flags,
+                                       it.expiration)  # fmt: skip
                         else:
                             live.pop(k, None)
         finally:
