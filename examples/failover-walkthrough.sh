@@ -52,11 +52,12 @@ async def main(uri: str, figure: str, ops: list[str]) -> None:
         for op in ops:
             key = f"doc-{op[1:]}".encode()
             vb = router.partition(key)
+            wire = router.qualify(key)  # with its collection id where the nodes take one
             if op[0] == "-":
-                make = lambda o, k=key, vb=vb: Delete(vbucket=vb, key=k, opaque=o).encode()
+                make = lambda o, k=wire, vb=vb: Delete(vbucket=vb, key=k, opaque=o).encode()
             else:
                 value = json.dumps({"key": key.decode(), "figure": figure}).encode()
-                make = lambda o, k=key, vb=vb, v=value: Set(
+                make = lambda o, k=wire, vb=vb, v=value: Set(
                     vbucket=vb, key=k, value=v, datatype=1, opaque=o).encode()
             status = (await router.request(vb, make)).vbucket_or_status
             if status:

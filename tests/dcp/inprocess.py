@@ -95,7 +95,7 @@ class InProcessNode:
         """SET `count` keys `<prefix><i>` in partition `vb` (JSON values, `pad` bytes
         longer than the smallest); returns their seqs."""
         return [
-            self.bucket.store("set", vb, f"{prefix}{i}".encode(),
+            self.bucket.store("set", vb, b"\x00" + f"{prefix}{i}".encode(),  # qualified: _default
                               b'{"i":%d,"pad":"%s"}' % (i, b"x" * pad), datatype=1).seq
             for i in range(count)
         ]  # fmt: skip

@@ -30,6 +30,13 @@ from upr_cli.protocol.status import Status
 Rows = dict[tuple[int, bytes], tuple[Any, ...]]
 
 
+def _doc_key(key: bytes) -> bytes:
+    """A node database's key as tests compare it: a default-collection key without its
+    0x00 prefix; other qualified keys (named collections, system rows) as stored."""
+    key = bytes(key)
+    return key[1:] if key[:1] == b"\x00" else key
+
+
 class Cluster:
     """`upr cluster init` in a directory, with helpers to disturb and read it."""
 
@@ -98,8 +105,8 @@ class Cluster:
                     " WHERE vbucket = ?", (part,)
                 ):  # fmt: skip
                     u64 = lambda v: v + (1 << 64) if v < 0 else v  # noqa: E731
-                    out[(part, bytes(key))] = (seq, bool(deleted), bytes(value), u64(cas), rev,
-                                               flags, exp)  # fmt: skip
+                    out[(part, _doc_key(key))] = (seq, bool(deleted), bytes(value), u64(cas),
+                                                  rev, flags, exp)  # fmt: skip
         return out
 
     def node_errors(self) -> dict[str, list[str]]:
@@ -127,8 +134,8 @@ class Cluster:
                 "SELECT vbucket, key, seq, deleted, value, cas, rev_seq, flags, expiry FROM docs"
             ):  # fmt: skip
                 u64 = lambda v: v + (1 << 64) if v < 0 else v  # noqa: E731
-                out[(part, bytes(key))] = (seq, bool(deleted), bytes(value), u64(cas), rev,
-                                           flags, exp)  # fmt: skip
+                out[(part, _doc_key(key))] = (seq, bool(deleted), bytes(value), u64(cas), rev,
+                                              flags, exp)  # fmt: skip
         return out
 
     def lost_writes(self, name: str) -> list[tuple[int, int, bytes, int, bool]]:
@@ -139,7 +146,7 @@ class Cluster:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
             rows = c.execute("SELECT rolled_back_to, vbucket, key, seq, deleted FROM lost_writes"
                              " ORDER BY vbucket, seq").fetchall()  # fmt: skip
-        return [(to, vb, bytes(k), seq, bool(d)) for to, vb, k, seq, d in rows]
+        return [(to, vb, _doc_key(k), seq, bool(d)) for to, vb, k, seq, d in rows]
 
     def seqnos(self, name: str) -> dict[int, tuple[int, int, int]]:
         """{partition: (uuid, high seq, persisted seq)} of one node (STAT vbucket-seqno)."""
@@ -278,10 +285,10 @@ async def write(uri: str, ops: list[tuple[bytes, Any]]) -> None:
         for key, value in ops:
             vb = partition_of(key, s.num_partitions)
             if value is None:
-                msg: Any = Delete(vbucket=vb, key=key, opaque=conn.next_opaque())
+                msg: Any = Delete(vbucket=vb, key=s.qualify(key), opaque=conn.next_opaque())
             else:
-                msg = Set(vbucket=vb, key=key, value=json.dumps(value).encode(), datatype=1,
-                          opaque=conn.next_opaque())  # fmt: skip
+                msg = Set(vbucket=vb, key=s.qualify(key), value=json.dumps(value).encode(),
+                          datatype=1, opaque=conn.next_opaque())  # fmt: skip
             await conn.request(msg)
     finally:
         await conn.aclose()

@@ -265,7 +265,13 @@ async def set_keys(uri: str, values: dict[bytes, bytes]) -> None:
         for key, value in values.items():
             p = partition_of(key, s.num_partitions)
             await s.conn.request(
-                Set(vbucket=p, key=key, value=value, datatype=1, opaque=s.conn.next_opaque())
+                Set(
+                    vbucket=p,
+                    key=s.qualify(key),
+                    value=value,
+                    datatype=1,
+                    opaque=s.conn.next_opaque(),
+                )
             )
     finally:
         await s.conn.aclose()

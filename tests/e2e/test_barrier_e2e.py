@@ -85,13 +85,15 @@ class _Source:
         return partition_of(key, self.s.num_partitions)
 
     async def set(self, key: bytes, value: bytes) -> None:
-        msg = Set(vbucket=self.part(key), key=key, value=value, datatype=1,
+        msg = Set(vbucket=self.part(key), key=self.s.qualify(key), value=value, datatype=1,
                   opaque=self.s.conn.next_opaque())  # fmt: skip
         await self.s.conn.request(msg)
         self.history.setdefault(self.part(key), []).append((key, value))
 
     async def delete(self, key: bytes) -> None:
-        msg = Delete(vbucket=self.part(key), key=key, opaque=self.s.conn.next_opaque())
+        msg = Delete(
+            vbucket=self.part(key), key=self.s.qualify(key), opaque=self.s.conn.next_opaque()
+        )
         await self.s.conn.request(msg)
         self.history.setdefault(self.part(key), []).append((key, None))
 

@@ -74,7 +74,7 @@ async def _scenario(uri: str, port: int) -> dict[str, Any]:
         # writes to a replica partition: NOT_MY_VBUCKET, with the map attached
         key = next(k for k in (b"k%d" % i for i in range(1000))
                    if partition_of(k, s.num_partitions) == 3)  # fmt: skip
-        r = await call(Set(vbucket=3, key=key, value=b"{}", opaque=conn.next_opaque()))
+        r = await call(Set(vbucket=3, key=s.qualify(key), value=b"{}", opaque=conn.next_opaque()))
         out["write_to_replica"] = r.status
         out["nmvb_map_rev"] = json.loads(r.value)["rev"]
         # promotion with a failover entry (the UPR design specification, "How ns_server
@@ -83,7 +83,7 @@ async def _scenario(uri: str, port: int) -> dict[str, Any]:
                                   value=b'{"rev": 2, "failover": true}',
                                   opaque=conn.next_opaque()))  # fmt: skip
         out["promote"] = r.status
-        r = await call(Set(vbucket=3, key=key, value=b"{}", opaque=conn.next_opaque()))
+        r = await call(Set(vbucket=3, key=s.qualify(key), value=b"{}", opaque=conn.next_opaque()))
         out["write_after_promote"] = r.status
     finally:
         await conn.aclose()
@@ -126,7 +126,7 @@ async def _traffic(uri: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def write() -> Set:
-        return Set(vbucket=0, key=b"k", value=b"{}", opaque=conn.next_opaque())
+        return Set(vbucket=0, key=s.qualify(b"k"), value=b"{}", opaque=conn.next_opaque())
 
     try:
         out["stat_before"] = (await conn.stats(""))["ep_traffic_enabled"]

@@ -24,7 +24,7 @@ async def _probe(uri: str, key: bytes, vb: int) -> tuple[dict[str, object], int,
     s = await connect(SourceUri.parse(uri))
     try:
         cfg = await s.conn.request(GetClusterConfig(opaque=s.conn.next_opaque()))
-        r = await s.conn.request(Set(vbucket=vb, key=key, value=b"{}", datatype=1,
+        r = await s.conn.request(Set(vbucket=vb, key=s.qualify(key), value=b"{}", datatype=1,
                                      opaque=s.conn.next_opaque()), check=False)  # fmt: skip
         return json.loads(cfg.value), r.status, getattr(r, "value", b"")
     finally:
@@ -149,7 +149,7 @@ async def _write_to(uri: str, vb: int, n: int) -> int:
     try:
         key = next(k for k in (b"stale-%d" % i for i in range(10_000))
                    if partition_of(k, n) == vb)  # fmt: skip
-        r = await s.conn.request(Set(vbucket=vb, key=key, value=b"{}",
+        r = await s.conn.request(Set(vbucket=vb, key=s.qualify(key), value=b"{}",
                                      opaque=s.conn.next_opaque()), check=False)  # fmt: skip
         return int(r.status)
     finally:

@@ -77,9 +77,11 @@ async def _writer(router: Router, w: int, ledger: Ledger, stop: asyncio.Event,
         writes = ledger.attempted.setdefault(key, [])
         writes.append(value)
         if value is None:
-            make = lambda o, k=key, p=vb: Delete(vbucket=p, key=k, opaque=o).encode()  # noqa: E731
+            wire = router.qualify(key)
+            make = lambda o, k=wire, p=vb: Delete(vbucket=p, key=k, opaque=o).encode()  # noqa: E731
         else:
-            make = lambda o, k=key, v=value, p=vb: encode_set(  # noqa: E731
+            wire = router.qualify(key)
+            make = lambda o, k=wire, v=value, p=vb: encode_set(  # noqa: E731
                 Opcode.SET, p, o, k, v, datatype=1)  # fmt: skip
         try:
             reply = await router.request(vb, make)

@@ -87,12 +87,12 @@ class Writer:
         return out
 
     async def set(self, key: bytes, value: bytes) -> int:
-        msg = Set(vbucket=self.part, key=key, value=value, datatype=1,
+        msg = Set(vbucket=self.part, key=self.s.qualify(key), value=value, datatype=1,
                   opaque=self.s.conn.next_opaque())  # fmt: skip
         return self._logged(await self.s.conn.request(msg), key, value)
 
     async def delete(self, key: bytes) -> int:
-        msg = Delete(vbucket=self.part, key=key, opaque=self.s.conn.next_opaque())
+        msg = Delete(vbucket=self.part, key=self.s.qualify(key), opaque=self.s.conn.next_opaque())
         return self._logged(await self.s.conn.request(msg), key, None)
 
     def _logged(self, resp: Any, key: bytes, value: bytes | None) -> int:

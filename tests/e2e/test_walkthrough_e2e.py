@@ -34,7 +34,8 @@ def test_walkthrough_matches_the_specification(tmp_path: Path) -> None:
     assert "n2 partition 0: would roll back to 5 against its active" in r.stdout
     # the workload's updates and deletes, as B holds them (A's 9-11 are gone)
     with sqlite3.connect(tmp_path / "cluster" / "n1" / "default.sqlite3") as c:
-        docs = {k.decode(): (seq, bool(d)) for k, seq, d in
+        # the node's keys are qualified: 0x00 (the default collection), then the key
+        docs = {k[1:].decode(): (seq, bool(d)) for k, seq, d in
                 c.execute("SELECT key, seq, deleted FROM docs")}  # fmt: skip
     assert docs == {"doc-a": (8, False), "doc-b": (6, False), "doc-c": (7, True),
                     "doc-d": (5, False), "doc-e": (11, False), "doc-g": (12, True),

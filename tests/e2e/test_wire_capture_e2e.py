@@ -13,8 +13,8 @@ log, snapshot markers, mutations, deletions, stream ends, buffer acks), agree wi
 `upr tail` printed for the same run (every change line, snapshot, stream open and stream
 end), cover every byte each side sent, and carry no expert info beyond the dissector's
 known quirks (`EXPECTED_QUIRKS` below; the field-level ones are handled where the field
-is read: the byte-swapped opaque, DCP keys read as collection-prefixed, STREAM_END
-extras left undecoded).
+is read: the byte-swapped opaque, a data record's key split into its LEB128 collection
+id and document key (HELLO negotiated collections), STREAM_END extras left undecoded).
 
 Skipped when tshark is missing or may not capture on `lo` (`make test` installs tshark
 and CI runs as root).
@@ -42,6 +42,7 @@ import pytest
 from tests.e2e.conftest import PASSWORD, USER, Node, upr
 from tests.e2e.e2e_helpers import reap, wait_persisted
 from upr_cli.net.bootstrap import WANTED
+from upr_cli.protocol import leb128
 
 TSHARK = shutil.which("tshark")
 pytestmark = pytest.mark.skipif(TSHARK is None, reason="tshark is not installed")
@@ -74,6 +75,10 @@ EXPECTED_QUIRKS: dict[tuple[int, int], set[tuple[str, str]]] = {
     # through the same code (`proto_tree_add_item(hf_vbucket_states, ..., ENC_ASCII)` in
     # packet-couchbase.c); its {u16 vb, u64 seqno} records are decoded and checked below.
     (0x81, GET_ALL_VB_SEQNOS): {STRAY},
+    # docs/protocol.md §8.1: a DCP mutation's or deletion's key is added as a string,
+    # which the default collection's 0x00 prefix ends at once.
+    (0x80, MUTATION): {STRAY},
+    (0x80, DELETION): {STRAY},
     # test_tshark.py: any non-success status gets a "<opcode>: <status>" warning; SCRAM's
     # first SASL_AUTH reply is AUTH_CONTINUE by design (docs/protocol.md §5.2).
     (0x81, SASL_AUTH): {
@@ -150,14 +155,18 @@ class Pdu:
         return 24 + self.num("couchbase.total_bodylength")
 
     def key(self) -> bytes:
-        """The whole key; checks the collection-prefix quirk on the way."""
-        key = self.raw("couchbase.key")
+        """The whole key, as sent."""
+        return self.raw("couchbase.key")
+
+    def doc_key(self) -> bytes:
+        """A data record's document key: HELLO negotiated collections, so the wire key is
+        the LEB128 collection id, then the key (docs/protocol.md §12.1). The dissector
+        splits a mutation's key itself; a deletion's it shows whole (§8.1)."""
+        cid, doc = leb128.split_key(self.key())
         if "couchbase.key.collection_id" in self.fields:
-            # Quirk (docs/protocol.md §8.1): DCP keys are read as collection-prefixed although
-            # HELLO did not negotiate collections: first byte as a CID, the rest as the key.
-            assert self.num("couchbase.key.collection_id") == key[0]
-            assert self.raw("couchbase.key.logical_key") == key[1:]
-        return key
+            assert self.num("couchbase.key.collection_id") == cid
+            assert self.raw("couchbase.key.logical_key") == doc
+        return bytes(doc)
 
 
 @dataclass
@@ -388,7 +397,7 @@ def _change_from_wire(p: Pdu) -> dict[str, Any]:
         "partition": p.vbucket,
         "seq": str(p.num("couchbase.extras.by_seqno")),
         "op": "mutation" if p.opcode == MUTATION else "deletion",
-        "key": p.key().decode(),
+        "key": p.doc_key().decode(),
         "cas": str(p.num("couchbase.cas")),
         "rev_seq": str(p.num("couchbase.extras.rev_seqno")),
     }

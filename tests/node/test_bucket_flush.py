@@ -35,13 +35,13 @@ def test_a_cancelled_flush_still_finishes_its_bookkeeping(tmp_path: Path) -> Non
         bucket = Bucket(tmp_path, "default", 4, flush_interval=3600)
         await bucket.start()
         try:
-            bucket.store("set", 0, b"k", b"v1")
+            bucket.store("set", 0, b"\x00k", b"v1")
             await _cancel_mid_commit(bucket, bucket.flush())
             part = bucket.partitions[0]
             assert len(part.queue) == 0 and part.persisted_seq == part.high_seq == 1
-            bucket.store("set", 0, b"k", b"v2")
+            bucket.store("set", 0, b"\x00k", b"v2")
             assert await bucket.flush() == 1  # before the fix: seq 1 is not above stored 1
-            assert bucket.storage.get(0, b"k").value == b"v2"  # type: ignore[union-attr]
+            assert bucket.storage.get(0, b"\x00k").value == b"v2"  # type: ignore[union-attr]
         finally:
             await bucket.stop()
 
@@ -56,7 +56,7 @@ def test_a_cancelled_state_change_leaves_a_usable_partition(tmp_path: Path) -> N
         await bucket.start()
         try:
             for i in range(5):
-                bucket.store("set", 1, b"k%d" % i, b"v")
+                bucket.store("set", 1, b"\x00k%d" % i, b"v")
             cas = bucket.state_cas
             await _cancel_mid_commit(
                 bucket, bucket.set_partition_state(1, "replica", cas=cas, rev=0)
@@ -77,7 +77,7 @@ def test_a_cancelled_stop_does_not_cut_the_work_it_waits_for(tmp_path: Path) -> 
     async def main() -> None:
         bucket = Bucket(tmp_path, "default", 4, flush_interval=3600)
         await bucket.start()
-        bucket.store("set", 0, b"k", b"v1")
+        bucket.store("set", 0, b"\x00k", b"v1")
         blocker = sqlite3.connect(bucket.storage.path, isolation_level=None)
         blocker.execute("BEGIN IMMEDIATE")
         flushing = asyncio.ensure_future(bucket.flush())

@@ -39,6 +39,7 @@ Each command's --help has examples; `man upr` and `man upr-COMMAND` have the det
 Example (a node, a workload, its changes, a backup and its restore):
 
   upr serve --data /tmp/node --port 11210 --user admin --password secret
+  upr collections create upr://admin@127.0.0.1:11210/default app.users
   upr load upr://admin@127.0.0.1:11210/default --docs 10000
   upr tail upr://admin@127.0.0.1:11210/default --until-end
   upr backup upr://admin@127.0.0.1:11210/default --repo /backups/cb

@@ -20,6 +20,7 @@ from upr_cli.cli.options import (
     partition_count,
 )
 from upr_cli.cli.output import plural, print_json, stderr, stdout
+from upr_cli.cli.output import table as house_table
 
 if TYPE_CHECKING:
     from upr_cli.cluster.health import ClusterHealth
@@ -74,11 +75,14 @@ Each node gets DIR/nK for its data (its log in DIR/nK/serve.log) and a loopback 
 the next R nodes. --adopt URI (repeatable) takes running `upr serve` nodes instead:
 they must share one user, password and bucket (replicas stream from their actives with
 those credentials); `stop` and `start` leave adopted nodes alone. --partitions N is
-the old name of --num-partitions (deprecated).
+the old name of --num-partitions (deprecated). --collections creates scopes and
+collections on every node once the map is in place (as `upr collections create`
+does; the newest manifest an adopted node holds is kept).
 
 Example:
 
   upr cluster init --nodes 3 --replicas 1 --data /tmp/cl --num-partitions 64
+  upr cluster init --nodes 3 --data /tmp/cl --collections app.users,app.logs:86400
   upr cluster init --adopt upr://admin@127.0.0.1:11210/default \\
       --adopt upr://admin@127.0.0.1:11211/default --replicas 1 --data /tmp/cl
 """,
@@ -99,14 +103,26 @@ def init_cmd(
     old_partitions: OldNumPartitions = None,
     base_port: BasePort = None,
     bucket: BucketName = "default",
+    collections: Annotated[
+        str | None,
+        typer.Option(
+            "--collections",
+            metavar="SPEC",
+            help="Create these on every node: SCOPE, SCOPE.COLLECTION or "
+            "SCOPE.COLLECTION:MAXTTL, comma-separated.",
+        ),
+    ] = None,
     json_out: JsonOutput = False,
 ) -> None:
     """Create a cluster."""
     from upr_cli.cluster import lifecycle
+    from upr_cli.cluster.collections import parse_specs
 
     partitions = partition_count(num_partitions, old_partitions, 64)
+    specs = parse_specs(collections)
     cl = lifecycle.create(data, nodes=nodes, adopt=adopt or [], replicas=replicas,
-                          partitions=partitions, base_port=base_port, bucket=bucket)  # fmt: skip
+                          partitions=partitions, base_port=base_port, bucket=bucket,
+                          collections=specs)  # fmt: skip
     _show(cl, json_out, f"cluster of {plural(len(cl.nodes), 'node')}, "
                         f"{plural(cl.partitions, 'partition')}, "
                         f"{plural(cl.replicas, 'replica')}, map revision {cl.rev}")  # fmt: skip
@@ -119,8 +135,10 @@ def init_cmd(
 
 Each node comes back on its port with its data, partition states and map, its
 front-end traffic off (data requests answer ETMPFAIL; clients retry) until it has been
-given the current map and states; then its traffic is turned on. A member found
-waiting that way (started some other way) is given them too.
+given the current map and states, and the newest collections manifest when it holds
+an older one; then its traffic is turned on. A member found waiting that way (started
+some other way) is given them too, and a running node that missed a collections
+change is given the newest manifest.
 
 Example:
 
@@ -159,7 +177,8 @@ def stop_cmd(data: Data, json_out: JsonOutput = False) -> None:
     help="""Show nodes, partition states, replica lag, failover logs and map revisions.
 
 Per node: its state (up, traffic off, down, or out of the map after a failover or
-removal; a down node with a short reason), the map revision it holds, partitions per
+removal; a down node with a short reason), the map revision and the collections
+manifest uid it holds (nodes that disagree are listed with the repair), partitions per
 state and the worst replica lag (seqs behind the active copy). Below: the partitions
 that are unavailable (no live active copy) or unreplicated (fewer live replicas than
 the cluster's count) and the commands that repair them. With --logs, every copy's
@@ -197,17 +216,16 @@ def status_cmd(
 
 
 def _status_table(h: ClusterHealth) -> None:
-    from rich import box
-    from rich.table import Table
-
     title = f"bucket {h.cl.bucket}, {len(h.nodes)} nodes, map revision {h.cl.rev}"
-    table = Table(title=title, box=box.SIMPLE_HEAD)
-    for col in ("node", "port", "state", "map rev", "active", "replica", "dead", "max lag"):
+    table = house_table(title)  # no edges: nine columns fit 80
+    cols = ("node", "port", "state", "map rev", "manifest", "active", "replica", "dead", "max lag")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("node", "state") else "right",
                          no_wrap=True)  # fmt: skip
     for n, s in zip(h.nodes, h.statuses, strict=True):
         counts = [str(s.states.get(k, 0)) if s.up else "-" for k in ("active", "replica", "dead")]
-        table.add_row(n.name, str(n.port), n.state, str(s.rev) if s.up else "-", *counts,
+        uid = str(s.manifest_uid) if s.up and s.manifest_uid is not None else "-"
+        table.add_row(n.name, str(n.port), n.state, str(s.rev) if s.up else "-", uid, *counts,
                       str(h.worst_lag(n.name)) if s.up else "-")  # fmt: skip
     stdout.print(table)
 
@@ -325,7 +343,8 @@ def failover_cmd(
 --add new starts a fresh node (DIR/nK, on port --base-port+K when given); --add NAME
 brings back a node that was failed over or removed (started if needed; its copies
 that diverged are rolled back or streamed again); --add URI adopts a running
-`upr serve` that accepts the cluster's credentials. Each moving partition streams to a
+`upr serve` that accepts the cluster's credentials. A node added gets the map and the
+newest collections manifest before any partition. Each moving partition streams to a
 pending copy on the new node until caught up, the old active is set dead, the new one
 becomes active once it persisted everything, and the map is republished (clients
 retry NOT_MY_VBUCKET with the map the answer carries). Removed nodes are stopped once

@@ -51,6 +51,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "spark": ("spark", "Run upr's data pipeline on Spark, locally or on a Spark cluster."),
     "cluster": ("cluster", "Run a cluster of upr serve nodes on loopback, under one cluster map."),
+    "collections": (
+        "collections",
+        "Create, drop and list a bucket's scopes and collections, on every node.",
+    ),
 }
 
 #: the widest line of help text an 80-column terminal shows (Rich pads one column a side)

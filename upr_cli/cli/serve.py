@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from upr_cli.cli.options import BucketName, OldNumPartitions, num_partitions_option, partition_count
+from upr_cli.cluster.collections import parse_specs
 from upr_cli.errors import UsageError
 from upr_cli.node.server import NodeConfig, NodeServer
 
@@ -34,6 +35,11 @@ Example (tests and demos on loopback, writes kept unpersisted for 60 s):
 Example (a bucket of 64 partitions; --partitions N, the old spelling, still works):
 
   upr serve --data /tmp/node --no-auth --num-partitions 64
+
+Example (scopes and collections created at start when missing; app.sessions with a
+max TTL of one hour):
+
+  upr serve --data /tmp/node --no-auth --collections app.users,app.sessions:3600
 """
 
 NUM_PARTITIONS = 1024
@@ -131,6 +137,15 @@ def serve_cmd(
         str,
         typer.Option("--log-level", metavar="LEVEL", help="debug, info, warning or error."),
     ] = "warning",
+    collections: Annotated[
+        str | None,
+        typer.Option(
+            "--collections",
+            metavar="SPEC",
+            help="Create these when missing: SCOPE, SCOPE.COLLECTION or "
+            "SCOPE.COLLECTION:MAXTTL, comma-separated.",
+        ),
+    ] = None,
 ) -> None:
     """Run a UPR node."""
     level = getattr(logging, log_level.upper(), None)
@@ -139,11 +154,12 @@ def serve_cmd(
     logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(asctime)s upr-serve %(levelname)s %(message)s")  # fmt: skip
     users = load_users(user, password, users_file)
+    specs = parse_specs(collections)
     partitions = partition_count(num_partitions, old_partitions, NUM_PARTITIONS)
     config = NodeConfig(
         data_dir=data, host=host, port=port, bucket=bucket, partitions=partitions, users=users,
         no_auth=no_auth, flush_interval=flush_interval, purge_age=purge_age,
-        idle_timeout=idle_timeout,
+        idle_timeout=idle_timeout, collections=specs,
     )  # fmt: skip
     asyncio.run(_serve(NodeServer(config)))
 

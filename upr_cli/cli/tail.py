@@ -12,6 +12,7 @@ import typer
 
 from upr_cli.cli.options import Keys, NodeUri, Partitions, key_pattern
 from upr_cli.cli.output import stderr
+from upr_cli.collections import parse_paths
 from upr_cli.errors import UsageError
 from upr_cli.jobs.tail import TailOptions, tail
 from upr_cli.net.uri import SourceUri
@@ -21,9 +22,15 @@ HELP = """Print a bucket's changes as they stream over DCP.
 
 URI is upr://[user[:password]@]host[:port]/bucket (couchbase:// too; the password may
 come from UPR_PASSWORD). --format json prints one object a line with partition, seq,
-op, key, value (the document itself when its datatype says JSON, else value_b64), cas
-(a decimal string), rev_seq, flags and expiry. Exit 0 at the end, 130 on Ctrl-C, 1 on
-a connection or authentication error.
+op, scope and collection (names), key, value (the document itself when its datatype
+says JSON, else value_b64), cas (a decimal string), rev_seq, flags and expiry. Text
+lines show a key outside the default collection as scope.collection:key.
+
+Every collection is streamed unless --collections names some (SCOPE or
+SCOPE.COLLECTION, comma-separated; .C is _default.C): the source then sends only
+those. -v also shows collections and scopes created and dropped. A source without
+collections (an older server) has only _default._default. Exit 0 at the end, 130 on
+Ctrl-C, 1 on a connection or authentication error or an unknown collection.
 
 Example (everything up to now, as JSON lines):
 
@@ -33,6 +40,10 @@ Example (follow new changes of partitions 0-15, keys matching user::):
 
   upr tail upr://admin@127.0.0.1/default --from now --partitions 0-15 \\
       --keys 'user::'
+
+Example (two collections of scope app, with their creations and drops):
+
+  upr tail upr://admin@127.0.0.1/default --collections app.users,app.orders -v
 """
 
 
@@ -57,9 +68,23 @@ def tail_cmd(
     fmt: Annotated[
         str, typer.Option("--format", metavar="text|json", help="One line of text, or of JSON.")
     ] = "text",
+    collections: Annotated[
+        str | None,
+        typer.Option(
+            "--collections",
+            metavar="PATHS",
+            help="Only these scopes or collections, filtered by the source (SCOPE or "
+            "SCOPE.COLLECTION, comma-separated).",
+        ),
+    ] = None,
     verbose: Annotated[
         bool,
-        typer.Option("-v", "--verbose", help="Also show snapshot markers, rollbacks, stream ends."),
+        typer.Option(
+            "-v",
+            "--verbose",
+            help="Also show snapshot markers, rollbacks, stream ends, and collections "
+            "and scopes created or dropped.",
+        ),
     ] = False,
     state: Annotated[
         Path | None,
@@ -84,6 +109,7 @@ def tail_cmd(
     opts = TailOptions(
         start=start, until_end=until_end, count=count, partitions=selected(partitions),
         keys=key_pattern(keys), fmt=fmt, verbose=verbose, state=state, wait=wait,
+        collections=parse_paths(collections) or None,
     )  # fmt: skip
     source = SourceUri.parse(uri)
     try:

@@ -4,5 +4,7 @@
 node processes; `control` pushes the map and the partition states with the bucket CAS
 and map revisions of formats/cluster.md; `orchestrate` runs failover, rebalance and
 replication pauses; `health` reads every node back and judges what is degraded;
-`lifecycle` is the one function per `upr cluster` command that the CLI calls.
+`lifecycle` is the one function per `upr cluster` command that the CLI calls;
+`collections` reads and pushes the collections manifest on every node (`upr
+collections`, and the orchestrator for the nodes it starts or adds).
 """

@@ -16,9 +16,12 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from upr_cli.cluster.collections import get_manifest, give
 from upr_cli.cluster.spec import HOST, ClusterSpec, NodeSpec
+from upr_cli.collections import CollectionsError, Manifest
 from upr_cli.errors import UprError
 from upr_cli.net.bootstrap import connect
+from upr_cli.net.connection import Connection
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.messages import (
     EnableTraffic,
@@ -53,7 +56,7 @@ def map_json(spec: ClusterSpec, vbmap: list[list[int]], rev: int) -> dict[str, A
     servers = [f"{HOST}:{n.port}" for n in spec.nodes]
     return {
         "rev": rev, "revEpoch": 1, "name": spec.bucket, "nodeLocator": "vbucket",
-        "bucketCapabilities": ["dcp", "cbhello", "cccp", "nodesExt"],
+        "bucketCapabilities": ["collections", "dcp", "cbhello", "touch", "cccp", "nodesExt"],
         "vBucketServerMap": {"hashAlgorithm": "CRC", "numReplicas": spec.replicas,
                              "serverList": servers, "vBucketMap": vbmap},
         "nodes": [{"hostname": f"{HOST}:8091", "ports": {"direct": n.port}} for n in spec.nodes],
@@ -82,13 +85,16 @@ def states_for(vbmap: list[list[int]], index: int) -> dict[int, str]:
 
 async def push(spec: ClusterSpec, node: NodeSpec, config: dict[str, Any],
                states: dict[int, str], *, failover: Collection[int] = (),
-               full: dict[int, str] | None = None) -> int:  # fmt: skip
+               full: dict[int, str] | None = None,
+               manifest: Manifest | None = None) -> int:  # fmt: skip
     """Give one node the map and the states (those that differ); returns commands sent.
 
     A partition in `failover` that becomes active gets a new failover entry (a hard
     failover's promotion, formats/cluster.md §3). A node whose front-end traffic is off
     (it restarted) is given every state of `full` (what the map says it holds; `states`
-    override) and then ENABLE_TRAFFIC; without `full` its traffic stays off."""
+    override) and then ENABLE_TRAFFIC; without `full` its traffic stays off. A node
+    holding an older collections manifest than `manifest` is given it after its states
+    and before its traffic is on (formats/cluster.md "Collections")."""
     s = await connect(SourceUri.parse(spec.uri(node)), name="upr-cluster")
     conn = s.conn
     cas = 0
@@ -139,6 +145,8 @@ async def push(spec: ClusterSpec, node: NodeSpec, config: dict[str, Any],
                               vbucket=p, state=code, cas=c, value=value,
                                                                opaque=conn.next_opaque()),
                           f"partition {p} → {state}")  # fmt: skip
+        if manifest is not None:
+            await give(conn, manifest, f"node {node.name}")
         if waiting and full is not None:
             # with the map and every state in place, front-end traffic on (a node that
             # restarted starts with it off): the UPR design specification's state
@@ -171,6 +179,7 @@ class NodeStatus:
     snaps: dict[int, tuple[int, int]] = field(default_factory=dict)  # snapshot persisted
     replication: dict[str, Any] = field(default_factory=dict)
     traffic: bool = True  # front-end traffic on (off: restarted, not yet given the map)
+    manifest_uid: int | None = None  # its collections manifest's uid (None: no collections)
 
 
 async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
@@ -188,12 +197,14 @@ async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
         cfg = await s.conn.request(GetClusterConfig(opaque=s.conn.next_opaque()), check=False)
         repl = await s.conn.stats("replication")
         fails = await s.conn.stats("failovers")
+        manifest = await _manifest_of(s.conn)
     except (UprError, OSError) as exc:
         st.error, st.reason = str(exc), short_reason(exc)
         return st
     finally:
         await s.conn.aclose()
     st.up = True
+    st.manifest_uid = manifest.uid if manifest is not None else None
     st.traffic = general.get("ep_traffic_enabled", "true") == "true"
     st.rev = json.loads(_body(cfg)).get("rev", 0) if _body(cfg) else 0
     for k, v in roles.items():
@@ -216,6 +227,15 @@ async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
         )
     st.replication = {k: json.loads(v) for k, v in repl.items() if not k.startswith("vb_")}
     return st
+
+
+async def _manifest_of(conn: Connection) -> Manifest | None:
+    """The node's collections manifest; None without collections or when it is not valid
+    (the node answers: `upr collections list` says what is wrong)."""
+    try:
+        return await get_manifest(conn)
+    except CollectionsError:
+        return None
 
 
 def short_reason(exc: BaseException) -> str:

@@ -88,6 +88,7 @@ def _node_json(h: NodeHealth, s: NodeStatus, logs: bool) -> dict[str, Any]:
         "name": s.name, "port": s.port, "pid": h.pid, "state": h.state, "member": h.member,
         "up": s.up, "traffic": s.traffic, "reason": h.reason, "error": s.error,
         "rev": s.rev, "states": s.states, "replication": s.replication, "partitions": parts,
+        "manifest_uid": str(s.manifest_uid) if s.manifest_uid is not None else None,
     }  # fmt: skip
 
 
@@ -145,6 +146,12 @@ def _actions(h: ClusterHealth) -> list[tuple[str, str]]:
         lost = ranges(h.unavailable, limit=8)
         why = f"no live node holds partitions {lost}: bring back a node that held them"
         out.append((why, f"upr cluster rebalance --add NODE --data {d}"))
+    uids = {st.name: st.manifest_uid for node, st in zip(cl.nodes, h.statuses, strict=True)
+            if node.member and st.up and st.manifest_uid is not None}  # fmt: skip
+    if len(set(uids.values())) > 1:
+        listed = ", ".join(f"{name} uid {uid}" for name, uid in uids.items())
+        out.append((f"the nodes hold different collections manifests ({listed}): give every "
+                    "node the newest", f"upr cluster start --data {d}"))  # fmt: skip
     if h.unreplicated:
         back = next((n.name for n in h.nodes if not n.member), "new")
         out.append(("add a node to restore the replicas",

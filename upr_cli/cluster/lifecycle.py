@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from upr_cli.cluster import procs, spec
+from upr_cli.cluster.collections import change, spread, with_specs
 from upr_cli.cluster.control import balanced_map, map_json, push, states_for
 from upr_cli.cluster.orchestrate import Orchestrator, Report
 from upr_cli.cluster.spec import ClusterSpec, NodeSpec
@@ -34,8 +35,10 @@ def _loopback(text: str, option: str) -> SourceUri:
 
 
 def create(data: Path, *, nodes: int | None, adopt: list[str], replicas: int, partitions: int,
-           base_port: int | None, bucket: str) -> ClusterSpec:  # fmt: skip
-    """`cluster init`: start (or adopt) the nodes and give them the first map."""
+           base_port: int | None, bucket: str,
+           collections: tuple[str, ...] = ()) -> ClusterSpec:  # fmt: skip
+    """`cluster init`: start (or adopt) the nodes, give them the first map, then one
+    collections manifest (the newest an adopted node holds, with `collections` created)."""
     if (data / spec.CLUSTER_FILE).exists():
         raise UsageError(f"{data}: a cluster exists here (use `upr cluster start`)")
     if (nodes is None) == (not adopt):
@@ -62,12 +65,23 @@ def create(data: Path, *, nodes: int | None, adopt: list[str], replicas: int, pa
             want = states_for(cl.vbmap, i)
             asyncio.run(push(cl, node, config, want, full=want))
         spec.save(data, cl)
+        # after the map: only active copies write the system events, replicas stream them
+        asyncio.run(_first_manifest(cl, collections))
     except BaseException:
         for node in cl.nodes:
             procs.stop_node(node)
         spec.save(data, cl)
         raise
     return cl
+
+
+async def _first_manifest(cl: ClusterSpec, specs: tuple[str, ...]) -> None:
+    """Every node gets the newest manifest any of them holds, then the specs' scopes and
+    collections are created on all of them (formats/cluster.md "Collections")."""
+    uris = [SourceUri.parse(cl.uri(n)) for n in cl.nodes]
+    await spread(uris, range(len(uris)))
+    if specs:
+        await change(uris[0], lambda m: with_specs(m, specs))
 
 
 async def _adopted(uris: list[str], replicas: int) -> ClusterSpec:
@@ -109,10 +123,15 @@ def start(data: Path) -> tuple[ClusterSpec, int]:
         # map and states (a failed-over node holds nothing any more), then traffic on;
         # so too for one started some other way and still waiting
         orch = Orchestrator(data, cl)
-        waiting = [i for i, st in enumerate(asyncio.run(orch.statuses()))
-                   if st.up and not st.traffic and i not in started]  # fmt: skip
+        sts = asyncio.run(orch.statuses())
+        waiting = [i for i, st in enumerate(sts) if st.up and not st.traffic and i not in started]
+        # the newest collections manifest goes with the states, before traffic is on: a
+        # node that missed a change while it was down never serves a stale one; nodes
+        # already serving that missed one get it too (formats/cluster.md "Collections")
+        asyncio.run(orch.load_manifest())
         if started or waiting:
             asyncio.run(orch.publish({i: orch.member_states(i) for i in started + waiting}))
+        asyncio.run(orch.share_manifest(i for i, st in enumerate(sts) if st.up))
     return cl, len(started)
 
 

@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.cluster import procs, spec
+from upr_cli.cluster.collections import newest, read_nodes, spread
 from upr_cli.cluster.control import NodeStatus, map_json, node_status, push, states_for
 from upr_cli.cluster.procs import ClusterError
 from upr_cli.cluster.spec import ClusterSpec, NodeSpec
+from upr_cli.collections import Manifest
 from upr_cli.errors import UprError, UsageError
 from upr_cli.net.bootstrap import connect
 from upr_cli.net.uri import SourceUri
@@ -74,6 +76,7 @@ class Orchestrator:
         self.cl = cl
         self.timeout = timeout
         self.progress = progress or (lambda _line: None)
+        self.manifest: Manifest | None = None  # given to nodes by `publish` (load_manifest)
 
     # -- reading and publishing ---------------------------------------------------------
 
@@ -102,7 +105,7 @@ class Orchestrator:
             want = states.get(i, {})
             try:
                 await push(cl, node, config, want, failover=(failover or {}).get(i, set()),
-                           full=self.member_states(i))  # fmt: skip
+                           full=self.member_states(i), manifest=self.manifest)  # fmt: skip
             except (UprError, OSError) as exc:
                 if want and i in first:
                     raise
@@ -113,6 +116,24 @@ class Orchestrator:
         cl = self.cl
         await push(cl, cl.nodes[index], map_json(cl, cl.vbmap, cl.rev), states,
                    full=self.member_states(index))  # fmt: skip
+
+    def _running(self) -> tuple[list[int], list[SourceUri]]:
+        cl = self.cl
+        running = [i for i, n in enumerate(cl.nodes) if self._reachable(n)]
+        return running, [SourceUri.parse(cl.uri(cl.nodes[i])) for i in running]
+
+    async def load_manifest(self) -> None:
+        """Learn the newest collections manifest a running node holds: `publish` gives
+        it to every node it reaches that holds an older one."""
+        self.manifest = newest(await read_nodes(self._running()[1]))
+
+    async def share_manifest(self, targets: Iterable[int]) -> None:
+        """Give the nodes `targets` the newest collections manifest any running node
+        holds, when theirs is older (formats/cluster.md "Collections")."""
+        running, uris = self._running()
+        want = {running.index(i) for i in targets if i in running}
+        if want:
+            await spread(uris, want)
 
     def member_states(self, index: int) -> dict[int, str]:
         """What a node must hold under the current map (all dead when not a member)."""
@@ -217,6 +238,9 @@ class Orchestrator:
         members = [i for i in cl.members() if i not in gone]
         if not members:
             raise UsageError("a rebalance must leave at least one node")
+        # the collections manifest goes with the first map to the new nodes, before any
+        # partition: a pending copy then streams documents into collections it knows
+        await self.load_manifest()
         # new nodes learn the map (they stream from the actives it names)
         await self.publish({i: self.member_states(i) for i in range(len(cl.nodes))
                             if cl.nodes[i].name in report.added})  # fmt: skip

@@ -27,6 +27,15 @@ newest map it can find (the refusal carries one; else it asks every node it know
 reopen the partition on its new active from where it stood: the producer rule there
 decides any rollback, which reaches the caller as a `Rollback` event like any other.
 Barrier cookies are per connection, so they are offered only while one link serves.
+
+Collections (docs/protocol.md "Collections"). Every link offers them in HELLO; where the
+source grants them, the consumer reads its manifest at open (GET_COLLECTIONS_MANIFEST),
+data records carry their collection id, and each system event that creates or drops a
+collection or scope on a partition is handed over as a `ManifestChange` at its seq. A
+`collections` filter is resolved to ids against that manifest and sent with every
+stream request, so the source streams only those collections (and SEQNO_ADVANCED past
+the rest). Ids dropped meanwhile leave the filter; a stream whose filter lost every
+collection ends with FilterEmpty, which counts as ended.
 """
 
 from __future__ import annotations
@@ -41,6 +50,14 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from upr_cli.collections import (
+    DEFAULT,
+    CollectionsError,
+    Manifest,
+    ManifestChange,
+    Path,
+    decode_event,
+)
 from upr_cli.dcp.events import (
     BarrierReached,
     Event,
@@ -52,7 +69,13 @@ from upr_cli.dcp.events import (
 from upr_cli.errors import RemoteProtocolError, UprError, UsageError
 from upr_cli.failover import FailoverLog
 from upr_cli.net.bootstrap import Session, connect, map_nodes
-from upr_cli.net.connection import ConnectionClosed, ConnectionError_, ServerItems, aclose_all
+from upr_cli.net.connection import (
+    ConnectionClosed,
+    ConnectionError_,
+    ServerItems,
+    aclose_all,
+    raise_for_status,
+)
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition, boundary_at
@@ -63,6 +86,7 @@ from upr_cli.protocol.messages import (
     STREAM_FOREVER,
     Barrier,
     BufferAck,
+    CollectionsGetManifest,
     Control,
     DcpOpen,
     FailoverLogResponse,
@@ -78,6 +102,7 @@ from upr_cli.protocol.messages import (
     StreamRequest,
     StreamRequestOk,
     StreamRequestRollback,
+    SystemEvent,
 )
 from upr_cli.protocol.status import Status, status_error
 
@@ -89,12 +114,81 @@ FLAG_FROM_LATEST = 0x40
 # replica copy (possibly behind, possibly on another branch) is refused with NOT_MY_VBUCKET.
 FLAG_ACTIVE_ONLY = 0x10
 MARKER_ACK = 0x08
-END_OK, END_CLOSED = 0, 1
+END_OK, END_CLOSED, END_FILTER_EMPTY = 0, 1, 7
 Item = DcpRecord | Event
 
 
 class ConsumerError(UprError):
     """The stream cannot continue (a partition refused, retries exhausted)."""
+
+
+@dataclass(slots=True)
+class CollectionFilter:
+    """What a filtered stream asks for (docs/protocol.md "Collections"): one scope's
+    id, or a set of collection ids; a drop seen on any partition removes its id."""
+
+    scope: int | None = None
+    ids: set[int] = field(default_factory=set)
+    gone: bool = False  # the scope was dropped
+
+    @property
+    def empty(self) -> bool:
+        """True once nothing the filter names exists any more."""
+        return self.gone if self.scope is not None else not self.ids
+
+    def value(self) -> bytes:
+        """The STREAM_REQ value, ids as hex strings (kv_engine's form). No `uid`: a
+        producer leaves out the system events whose manifest uid is at or below it, and
+        the events one manifest makes on a partition share its uid on a upr node, so
+        even the uid seen at the start position would hide the rest of them
+        (docs/protocol.md §12.4)."""
+        doc = (
+            {"scope": f"{self.scope:x}"}
+            if self.scope is not None
+            else {"collections": [f"{c:x}" for c in sorted(self.ids)]}
+        )
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    def forget(self, change: ManifestChange) -> None:
+        """Follow a drop: the id (or the scope) is gone for good, never reused."""
+        if change.kind == "collection-dropped" and change.collection_id is not None:
+            self.ids.discard(change.collection_id)
+        elif change.kind == "scope-dropped" and change.scope_id == self.scope:
+            self.gone = True
+
+
+def resolve_filter(paths: list[Path] | None, manifest: Manifest | None) -> CollectionFilter | None:
+    """The filter that streams `paths` from a source with `manifest` (None: a source
+    without collections, where only `_default._default` exists); None streams all.
+    A path the manifest does not know is a CollectionsError naming it."""
+    if not paths:
+        return None
+    if manifest is None:
+        other = [str(p) for p in paths if not p.covers(DEFAULT, DEFAULT)]
+        if other:
+            raise CollectionsError(
+                f"unknown collection {', '.join(other)}: the source does not support "
+                "collections (only _default._default exists there)"
+            )
+        return None
+    missing = [
+        str(p) for p in paths
+        if (manifest.scope(p.scope) if p.collection is None else manifest.lookup(p)) is None
+    ]  # fmt: skip
+    if missing:
+        many = "s" if len(missing) > 1 else ""
+        raise CollectionsError(
+            f"unknown collection{many} {', '.join(missing)} (the source's manifest uid "
+            f"{manifest.uid:x})"
+        )
+    if len(paths) == 1 and paths[0].collection is None:
+        scope = manifest.scope(paths[0].scope)
+        assert scope is not None
+        return CollectionFilter(scope=scope.id)
+    ids = manifest.ids(paths)
+    if not ids:
+        raise CollectionsError(f"{', '.join(map(str, paths))}: no collection to stream")
+    return CollectionFilter(ids=ids)
 
 
 Addr = tuple[str, int]
@@ -171,6 +265,7 @@ class DcpConsumer:
         connect_timeout: float = 10.0,
         follow_for: float = 120.0,
         name: str = "upr",
+        collections: list[Path] | None = None,
     ) -> None:
         self.uri = uri
         self._want = None if partitions is None else sorted(set(partitions))
@@ -213,6 +308,11 @@ class DcpConsumer:
         self._opening: dict[int, Addr] = {}
         self._held: dict[int, list[Item]] = {}
         self.highs: dict[int, int] = {}
+        self._paths = list(collections) if collections else None
+        self.collections_enabled = False  # HELLO granted Collections (set by open())
+        self.manifest: Manifest | None = None  # the source's, at open; None: no collections
+        self.filter: CollectionFilter | None = None
+        self._uid = 0  # the newest manifest uid known: at open, then from system events
 
     # -- life cycle -----------------------------------------------------------------
 
@@ -232,6 +332,7 @@ class DcpConsumer:
         self.uri = self.uri.rebase(*home)  # `$HOST` in the map means this one
         assert self.session is not None
         self._config = self.session.config
+        await self._read_manifest(self.session)
         n = self.session.num_partitions
         if n == 0:
             raise ConsumerError(f"{self.uri.redacted()}: the cluster config lists no partitions")
@@ -273,6 +374,31 @@ class DcpConsumer:
                                   not in waiting])  # fmt: skip
         for part in unpinned:
             self._spawn(self._move(part, delay=0.1))
+
+    async def _read_manifest(self, session: Session) -> None:
+        """The source's manifest, when it granted Collections, and the filter resolved
+        against it. A source that has none set answers NO_COLLECTIONS_MANIFEST: it
+        holds the default collection only."""
+        self.collections_enabled = session.collections
+        if self.collections_enabled:
+            conn = session.conn
+            resp = await conn.request(CollectionsGetManifest(opaque=conn.next_opaque()),
+                                      check=False)  # fmt: skip
+            if resp.status == Status.SUCCESS:
+                self.manifest = self._parse_manifest(resp)
+                self._uid = self.manifest.uid
+            # no manifest set yet, or no collections at all: the default collection only
+            elif resp.status in (Status.NO_COLLECTIONS_MANIFEST, Status.UNKNOWN_COMMAND):
+                self.manifest = Manifest()
+            else:
+                raise_for_status(resp)
+        self.filter = resolve_filter(self._paths, self.manifest)
+
+    def _parse_manifest(self, resp: Message) -> Manifest:
+        try:
+            return Manifest.from_json(getattr(resp, "value", b""))
+        except CollectionsError as exc:
+            raise RemoteProtocolError(f"{self.uri.redacted()}: {exc}") from None
 
     async def _settle_start(self, part: _Part) -> None:
         """A partition whose high seq is pinned: its start (`start_seq`) and end
@@ -419,6 +545,12 @@ class DcpConsumer:
         """Send every STREAM_REQ pipelined; follow ROLLBACKs (docs/protocol.md §4.4) until accepted.
         A NOT_MY_VBUCKET while following a map moves the partition (`_move`)."""
         pending = [p for p in parts if not p.done]
+        if pending and self.filter is not None and self.filter.empty:
+            for part in pending:  # nothing left to ask for: as the source would end it
+                part.done = True
+                self._events.append(StreamEnded(part.partition, END_FILTER_EMPTY,
+                                                part.position()))  # fmt: skip
+            return
         while pending:
             sent = self._request_streams(pending)
             try:
@@ -445,11 +577,23 @@ class DcpConsumer:
                 vbucket=part.partition, opaque=0x1000_0000 + part.partition, flags=flags,
                 start_seqno=part.seq, end_seqno=max(part.end, part.seq), vbucket_uuid=part.uuid,
                 snap_start_seqno=part.snap_start, snap_end_seqno=part.snap_end,
+                value=self._filter_value(part, link.session),
             )  # fmt: skip
             self._opening[part.partition] = part.addr
             self._begin_stream(part)
             sent.append((part, conn.start_request(req), req))
         return sent
+
+    def _filter_value(self, part: _Part, session: Session) -> bytes:
+        """The STREAM_REQ value: the filter, or nothing (every collection)."""
+        if self.filter is None:
+            return b""
+        if not session.collections:  # a value there is EINVAL (docs/protocol.md §2.4)
+            raise ConsumerError(
+                f"{session.uri.redacted()}: does not support collections, cannot filter on "
+                f"{', '.join(map(str, self._paths or []))}"
+            )
+        return self.filter.value()
 
     async def _answered(
         self, part: _Part, fut: asyncio.Future[list[Message]], sent: StreamRequest
@@ -473,20 +617,57 @@ class DcpConsumer:
         assert isinstance(resp, Response)
         if resp.status == Status.NOT_MY_VBUCKET and self._follow:
             self._spawn(self._move(part, resp.value))
-        elif resp.status == Status.ETMPFAIL:
-            # a cluster node that restarted serves nothing until its orchestrator
-            # turns traffic on (formats/cluster.md §3): ask the map again shortly
+            return False
+        unknown = resp.status in (Status.UNKNOWN_COLLECTION, Status.UNKNOWN_SCOPE)
+        verdict = await self._refilter(part) if unknown and self.filter is not None else ""
+        if verdict == "changed":
+            return not part.done  # a collection dropped meanwhile: ask without it
+        if resp.status == Status.ETMPFAIL or verdict == "behind":
+            # a cluster node that restarted serves nothing until its orchestrator turns
+            # traffic on (formats/cluster.md §3), and one the newest manifest has not
+            # reached yet does not know its collections: ask again shortly
             since = self._tmpfail.setdefault(part.partition, time.monotonic())
             if time.monotonic() - since > self.follow_for:
+                why = "ETMPFAIL" if verdict != "behind" else "an older collections manifest"
                 raise ConsumerError(
                     f"partition {part.partition}: {part.addr[0]}:{part.addr[1]} "
-                    f"refused streams (ETMPFAIL) for {self.follow_for:g}s"
+                    f"refused streams ({why}) for {self.follow_for:g}s"
                 )
             self._spawn(self._move(part, delay=0.25))
+            return False
+        err = status_error(resp.status, body=resp.value, opcode=Opcode.DCP_STREAM_REQ)
+        what = f" (collections {','.join(map(str, self._paths or []))})" if unknown else ""
+        raise ConsumerError(f"partition {part.partition}: stream request refused{what}: {err}")
+
+    async def _refilter(self, part: _Part) -> str:
+        """A stream refused for an unknown collection or scope, judged by the node's
+        manifest now: "behind" (it has not received the newest manifest the consumer
+        knows), "changed" (what it no longer has was dropped, and left the filter), or
+        "stands" (the manifest explains nothing)."""
+        assert self.filter is not None
+        link = self._links.get(part.addr)
+        if link is None or link.session.conn.closed:
+            return "stands"
+        conn = link.session.conn
+        now = self._parse_manifest(
+            await conn.request(CollectionsGetManifest(opaque=conn.next_opaque()))
+        )
+        if now.uid < self._uid:
+            return "behind"
+        f = self.filter
+        before = (f.gone, set(f.ids))
+        if f.scope is not None:
+            f.gone = now.scope_by_id(f.scope) is None
         else:
-            err = status_error(resp.status, body=resp.value, opcode=Opcode.DCP_STREAM_REQ)
-            raise ConsumerError(f"partition {part.partition}: stream request refused: {err}")
-        return False
+            f.ids = {c for c in f.ids if now.by_id(c) is not None}
+        if (f.gone, f.ids) == before:
+            return "stands"
+        log.info("partition %d: collections dropped since the stream began; filter now %s",
+                 part.partition, f.value().decode())  # fmt: skip
+        if f.empty:
+            part.done = True
+            self._events.append(StreamEnded(part.partition, END_FILTER_EMPTY, part.position()))
+        return "changed"
 
     def _accepted(self, part: _Part, resp: StreamRequestOk, sent: StreamRequest) -> None:
         """A stream is open: keep its failover log, settle its branch (and, from latest,
@@ -826,14 +1007,38 @@ class DcpConsumer:
                 out.append(Snapshot(vb, msg.start_seqno, msg.end_seqno, msg.flags))
             elif isinstance(msg, SeqnoAdvanced):
                 part.seq = msg.by_seqno
+            elif isinstance(msg, SystemEvent):
+                part.seq = msg.by_seqno
+                change = self._system_event(part, msg)
+                if change is not None:
+                    out.append(change)
             elif isinstance(msg, StreamEnd):
                 out.append(StreamEnded(vb, msg.status, part.position()))
-                if msg.status in (END_OK, END_CLOSED) or (self.until_end and part.seq >= part.end):
+                if msg.status in (END_OK, END_CLOSED, END_FILTER_EMPTY) or (
+                    self.until_end and part.seq >= part.end
+                ):
                     part.done = True
                 else:
                     log.info("partition %d: stream ended with status %d, reopening", vb, msg.status)
                     self._spawn(self._reopen(part))
         return out
+
+    def _system_event(self, part: _Part, msg: SystemEvent) -> ManifestChange | None:
+        """A system event as a `ManifestChange` (docs/protocol.md "Collections"); None
+        for events upr does not use (a collection modified, FlatBuffers values)."""
+        try:
+            change = decode_event(part.partition, msg.by_seqno, msg.event, msg.version,
+                                  bytes(msg.key), bytes(msg.value))  # fmt: skip
+        except CollectionsError as exc:
+            raise RemoteProtocolError(str(exc)) from None
+        if change is None:
+            log.debug("partition %d seq %d: system event %d version %d skipped",
+                      part.partition, msg.by_seqno, msg.event, msg.version)  # fmt: skip
+            return None
+        self._uid = max(self._uid, change.manifest_uid)
+        if self.filter is not None:
+            self.filter.forget(change)
+        return change
 
     async def _reopen(self, part: _Part) -> None:
         try:
@@ -923,4 +1128,4 @@ class DcpConsumer:
         return FailoverLog.sanitised(resp.failover_log)
 
 
-__all__ = ["ConsumerError", "DcpConsumer", "Item", "Status"]
+__all__ = ["CollectionFilter", "ConsumerError", "DcpConsumer", "Item", "Status", "resolve_filter"]

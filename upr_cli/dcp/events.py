@@ -1,9 +1,14 @@
-"""What a DCP consumer hands its caller besides data rows (`DcpRecord`-ordered tuples)."""
+"""What a DCP consumer hands its caller besides data rows (`DcpRecord`-ordered tuples).
+
+A collection or scope created or dropped on a partition reaches the caller as a
+`ManifestChange` (upr_cli/collections.py), at its seq among the records.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from upr_cli.collections import ManifestChange
 from upr_cli.position import StreamPosition
 
 
@@ -42,7 +47,8 @@ class Rollback:
 
 @dataclass(frozen=True, slots=True)
 class StreamEnded:
-    """The stream ended (status per docs/protocol.md §2.6; 0 = end seq reached)."""
+    """The stream ended (status per docs/protocol.md §2.6; 0 = end seq reached, 7 =
+    every collection of the stream's filter was dropped)."""
 
     partition: int
     status: int
@@ -57,4 +63,7 @@ class BarrierReached:
     cut: dict[int, int]
 
 
-Event = StreamOpened | Snapshot | Rollback | StreamEnded | BarrierReached
+Event = StreamOpened | Snapshot | Rollback | StreamEnded | BarrierReached | ManifestChange
+
+__all__ = ["BarrierReached", "Event", "ManifestChange", "Rollback", "Snapshot", "StreamEnded",
+           "StreamOpened"]  # fmt: skip

@@ -5,7 +5,8 @@ order. Every tool that streams (tail, backup, replay, salvage, diff, the Spark s
 the node's replication) is a `Sink`: `drive` hands it each maximal run of consecutive
 data records as one list (the fast path: a sink batches a run into a segment block or
 one `executemany`), each event between runs on its own and in order (a snapshot marker,
-a rollback, a stream's end), and then says the consumer's batch is over. The sink
+a rollback, a stream's end, a collection created or dropped), and then says the
+consumer's batch is over. The sink
 decides there what is durable (and so what `consumer.commit()` may record) and whether
 to stop. Order is the only guarantee that matters: a record is never handed over after
 an event that followed it on the wire.
@@ -49,7 +50,9 @@ class Sink(Protocol):
 
 class SinkBase:
     """A `Sink` that ignores what it is not written for: subclass it and override the
-    methods a tool needs (records are dropped, events ignored, streaming goes on)."""
+    methods a tool needs (records are dropped, events ignored, streaming goes on). An
+    `event` override should let kinds it does not know pass: new ones appear (a
+    `ManifestChange` reaches sinks written before collections)."""
 
     async def records(self, records: list[DcpRecord]) -> None:
         """A run of consecutive data records, in wire order (never empty)."""

@@ -1,4 +1,11 @@
-"""`upr tail`: print a bucket's changes as they stream (kcat-like)."""
+"""`upr tail`: print a bucket's changes as they stream (kcat-like).
+
+Collections (docs/protocol.md "Collections"): each change is shown with its scope and
+collection names, taken from the source's manifest at open and kept current with the
+collections and scopes the streams create. Names are never forgotten: ids are never
+reused, and a partition behind the others still sends changes of a collection another
+one already saw dropped.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, TextIO
 
+from upr_cli.collections import DEFAULT, Manifest, ManifestChange
+from upr_cli.collections import Path as CollectionPath
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpened
 from upr_cli.dcp.sink import SinkBase, drive
@@ -38,6 +47,7 @@ class TailOptions:
     state: Path | None = None
     buffer_size: int = 4 * 1024 * 1024
     wait: float = 120.0  # how long a partition may wait for a reachable active node
+    collections: list[CollectionPath] | None = None  # filtered on the source's side
 
 
 @dataclass
@@ -46,6 +56,45 @@ class TailSummary:
 
     items: int = 0
     rollbacks: int = 0
+
+
+class CollectionNames:
+    """Collection id → (scope, collection) names, as far as the tail has seen them."""
+
+    def __init__(self, manifest: Manifest | None = None) -> None:
+        self.scopes: dict[int, str] = {0: DEFAULT}
+        self.names: dict[int, tuple[str, str]] = {0: (DEFAULT, DEFAULT)}
+        self._json: dict[int, str] = {}  # id → its JSON fields (the hot path)
+        for scope in manifest.scopes if manifest is not None else ():
+            self.scopes[scope.id] = scope.name
+            for c in scope.collections:
+                self.names[c.id] = (scope.name, c.name)
+
+    def follow(self, change: ManifestChange) -> None:
+        """Learn the name a created scope or collection has."""
+        if change.kind == "scope-created" and change.name:
+            self.scopes[change.scope_id] = change.name
+        elif change.kind == "collection-created" and change.name and change.collection_id:
+            scope = self.scopes.get(change.scope_id, f"{change.scope_id:#x}")
+            self.names[change.collection_id] = (scope, change.name)
+            self._json.pop(change.collection_id, None)
+
+    def path(self, cid: int) -> str:
+        """`scope.collection`, or the id in hex when its name never reached the tail."""
+        found = self.names.get(cid)
+        return f"{found[0]}.{found[1]}" if found else f"{cid:#x}"
+
+    def json_fields(self, cid: int) -> str:
+        """`,"scope":…,"collection":…` for a change's JSON line (null when unknown)."""
+        out = self._json.get(cid)
+        if out is None:
+            scope, coll = self.names.get(cid, (None, None))
+            out = f',"scope":{json.dumps(scope)},"collection":{json.dumps(coll)}'
+            self._json[cid] = out
+        return out
+
+
+_DEFAULT_NAMES = CollectionNames()
 
 
 def _json_key(kb: memoryview | bytes) -> str:
@@ -65,11 +114,11 @@ def _json_key(kb: memoryview | bytes) -> str:
     return json.dumps(key)
 
 
-def json_line(rec: DcpRecord) -> str:
+def json_line(rec: DcpRecord, names: CollectionNames = _DEFAULT_NAMES) -> str:
     """One change as a JSON object: the value spliced raw when its datatype says JSON.
 
     Formatted by hand, not json.dumps: this is tail's hot path. Seqs and the cas are
-    decimal strings (docs/output.md §4)."""
+    decimal strings (docs/output.md §4); scope and collection are names."""
     jkey = _json_key(rec.key)
     if rec.opcode != OP_MUTATION:
         body = ""
@@ -77,14 +126,18 @@ def json_line(rec: DcpRecord) -> str:
         body = ',"value":' + str(rec.value, "utf-8")  # checked on write
     else:
         body = ',"value_b64":"' + base64.b64encode(rec.value).decode() + '"'
-    return (f'{{"partition":{rec.vbucket},"seq":"{rec.by_seqno}","op":"{OPS[rec.opcode]}",'
+    return (f'{{"partition":{rec.vbucket},"seq":"{rec.by_seqno}","op":"{OPS[rec.opcode]}"'
+            f'{names.json_fields(rec.collection)},'
             f'"key":{jkey}{body},"cas":"{rec.cas}","rev_seq":"{rec.rev_seqno}",'
             f'"flags":{rec.flags},"expiry":{rec.expiration}}}')  # fmt: skip
 
 
-def text_line(rec: DcpRecord) -> str:
-    """One change as a human-readable line."""
+def text_line(rec: DcpRecord, names: CollectionNames = _DEFAULT_NAMES) -> str:
+    """One change as a human-readable line; a key outside the default collection shows
+    as `scope.collection:key`."""
     k = bytes(rec.key).decode(errors="replace")
+    if rec.collection:
+        k = f"{names.path(rec.collection)}:{k}"
     v = bytes(rec.value)
     shown = v.decode(errors="replace") if rec.datatype & 0x01 else repr(v)
     if len(shown) > 120:
@@ -94,10 +147,13 @@ def text_line(rec: DcpRecord) -> str:
             f"rev={rec.rev_seqno}{tail}")  # fmt: skip
 
 
-def event_line(ev: object, fmt: str) -> str | None:
-    """Snapshot markers, rollbacks and stream ends (shown with -v); seqs as decimal strings."""
+def event_line(ev: object, fmt: str, names: CollectionNames = _DEFAULT_NAMES) -> str | None:
+    """Snapshot markers, rollbacks, stream ends and collection changes (shown with -v);
+    seqs and manifest uids as decimal strings."""
     d: dict[str, object]
-    if isinstance(ev, Snapshot):
+    if isinstance(ev, ManifestChange):
+        d = _change_fields(ev, names)
+    elif isinstance(ev, Snapshot):
         d = {
             "event": "snapshot",
             "partition": ev.partition,
@@ -129,6 +185,20 @@ def event_line(ev: object, fmt: str) -> str | None:
     if fmt == "json":
         return json.dumps(d, separators=(",", ":"))
     return "# " + " ".join(f"{k}={v}" for k, v in d.items() if k != "event") + f"  [{d['event']}]"
+
+
+def _change_fields(ev: ManifestChange, names: CollectionNames) -> dict[str, object]:
+    d: dict[str, object] = {"event": ev.kind, "partition": ev.partition, "seq": str(ev.seq),
+                            "scope": names.scopes.get(ev.scope_id)}  # fmt: skip
+    if ev.collection_id is None:
+        d["scope_id"] = ev.scope_id
+    else:
+        d["collection"] = names.names.get(ev.collection_id, (None, None))[1]
+        d["collection_id"] = ev.collection_id
+    d["manifest_uid"] = str(ev.manifest_uid)
+    if ev.max_ttl:
+        d["max_ttl"] = ev.max_ttl
+    return d
 
 
 #: the newest snapshot boundaries a state file keeps per partition (where a resumed
@@ -199,6 +269,7 @@ class _TailSink(SinkBase):
         self.summary = summary
         self.on_progress = on_progress
         self.fmt_row = json_line if opts.fmt == "json" else text_line
+        self.names = CollectionNames()  # the source's, once the consumer is open
         self.lines: list[str] = []
         self.full = False  # --count reached
 
@@ -206,11 +277,11 @@ class _TailSink(SinkBase):
         if self.full:
             return
         keys, count, summary, lines = self.opts.keys, self.opts.count, self.summary, self.lines
-        fmt_row = self.fmt_row
+        fmt_row, names = self.fmt_row, self.names
         for rec in records:
             if keys is not None and not keys.search(bytes(rec.key)):
                 continue
-            lines.append(fmt_row(rec))
+            lines.append(fmt_row(rec, names))
             summary.items += 1
             if count is not None and summary.items >= count:
                 self.full = True
@@ -221,8 +292,10 @@ class _TailSink(SinkBase):
             return
         if isinstance(event, Rollback):
             self.summary.rollbacks += 1
+        elif isinstance(event, ManifestChange):
+            self.names.follow(event)
         if self.opts.verbose:
-            line = event_line(event, self.opts.fmt)
+            line = event_line(event, self.opts.fmt, self.names)
             if line:
                 self.lines.append(line)
 
@@ -258,16 +331,19 @@ async def tail(
         uri, partitions=opts.partitions, positions=positions, failover_logs=logs,
         boundaries=bounds, until_end=opts.until_end,
         from_latest=opts.start == "now", start_seq=start_seq, buffer_size=opts.buffer_size,
-        follow_for=opts.wait, name="upr-tail",
+        follow_for=opts.wait, name="upr-tail", collections=opts.collections,
     )  # fmt: skip
     summary = TailSummary()
     sink = _TailSink(consumer, opts, out, summary, on_progress)
     try:
         await consumer.open()
+        sink.names = CollectionNames(consumer.manifest)
         if consumer.waiting and on_warning is not None:
             on_warning(_waiting_note(sorted(consumer.waiting), len(consumer.parts), opts.wait))
         await drive(consumer, sink)
         out.flush()
+        if consumer.filter is not None and consumer.filter.empty and on_warning is not None:
+            on_warning("every collection --collections names was dropped: the streams ended")
     finally:
         if opts.state is not None and consumer.parts:
             committed = consumer.committed

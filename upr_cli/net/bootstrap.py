@@ -4,6 +4,12 @@ Each step follows docs/protocol.md §5. SASL picks SCRAM-SHA512 when the server 
 it, else PLAIN (couchbase-cli tools and servers that offer nothing else,
 docs/protocol.md §5.2). The cluster config gives the partition count
 (`vBucketServerMap.vBucketMap`, docs/protocol.md §5.5), which key hashing needs.
+
+HELLO offers Collections (docs/protocol.md "Collections"): a server that grants it
+expects every document key on the connection to start with the collection id, and
+sends DCP keys that way, so the connection's decoder splits the id off data records
+from then on. A server that does not grant it (older Couchbase, an older `upr serve`)
+gives the default collection only; `Session.collections` says which it was.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from upr_cli.net.connection import Connection, ConnectionError_, ServerItems
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.scram import AuthenticationFailed, ScramClient, plain_message
 from upr_cli.net.uri import SourceUri
+from upr_cli.protocol import leb128
 from upr_cli.protocol.header import Feature
 from upr_cli.protocol.messages import (
     GetClusterConfig,
@@ -37,7 +44,7 @@ from upr_cli.protocol.status import AuthContinue, AuthError, KeyNotFound, Status
 AGENT = "upr/0.1"
 _V = TypeVar("_V")
 WANTED = (Feature.TCP_NODELAY, Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON,
-          Feature.MUTATION_SEQNO)  # fmt: skip
+          Feature.MUTATION_SEQNO, Feature.COLLECTIONS)  # fmt: skip
 
 
 class BootstrapError(UprError):
@@ -58,6 +65,23 @@ class Session:
         """Number of partitions (vbuckets) of the bucket."""
         vbmap = self.config.get("vBucketServerMap", {}).get("vBucketMap", [])
         return len(vbmap) if isinstance(vbmap, list) else 0
+
+    @property
+    def collections(self) -> bool:
+        """True if HELLO granted Collections: keys carry a LEB128 collection id."""
+        return Feature.COLLECTIONS in self.features
+
+    def qualify(self, key: bytes, collection: int = 0) -> bytes:
+        """A document key as this connection sends it: prefixed with its collection id
+        when Collections was granted; without it only the default collection exists."""
+        if self.collections:
+            return leb128.join_key(collection, key)
+        if collection:
+            raise BootstrapError(
+                f"{self.uri.redacted()}: the server does not support collections "
+                f"(collection id {collection:#x})"
+            )
+        return key
 
 
 def partition_of(key: bytes, num_partitions: int) -> int:
@@ -104,6 +128,9 @@ async def _connect_one(
         hello = await conn.request(Hello(agent=AGENT, features=features, opaque=conn.next_opaque()),
                                    timeout=timeout)  # fmt: skip
         granted = frozenset(hello.features) if isinstance(hello, HelloResponse) else frozenset()
+        # Nothing else is in flight yet, so no data record can have been decoded the
+        # old way: every later key is split (docs/protocol.md "Collections").
+        conn.collections = Feature.COLLECTIONS in granted
         if uri.username:
             await _authenticate(conn, uri, timeout)
         if Feature.XERROR in granted:

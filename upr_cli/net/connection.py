@@ -110,6 +110,16 @@ class Connection:
                    on_close=on_close)  # fmt: skip
 
     @property
+    def collections(self) -> bool:
+        """True once HELLO granted Collections: data records' keys carry a LEB128
+        collection id, which the decoder splits off into `DcpRecord.collection`."""
+        return self._decoder.collections
+
+    @collections.setter
+    def collections(self, on: bool) -> None:
+        self._decoder.collections = on
+
+    @property
     def closed(self) -> bool:
         """True once the connection has been closed for any reason."""
         return self._closed is not None

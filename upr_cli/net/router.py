@@ -11,6 +11,11 @@ else one fetched from every node it knows) and sends the request again, until
 `retry_for` seconds have passed. Requests stay pipelined: `submit` sends at once and
 returns the node's answer future; `settle` turns it into the final answer, retrying only
 when the answer asks for it.
+
+Every connection offers Collections (net/bootstrap.py). Where the nodes grant it, a
+request's key is the collection id and the document key (`qualify`), and the partition
+is still the hash of the document key alone (docs/protocol.md "Collections"); every node
+must agree, or a key would reach one of them in the wrong form.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from upr_cli.net.bootstrap import Session, connect, map_nodes, partition_of
 from upr_cli.net.connection import Connection, aclose_all
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol import Frame
+from upr_cli.protocol import Frame, leb128
+from upr_cli.protocol.header import Feature
 from upr_cli.protocol.messages import GetClusterConfig
 from upr_cli.protocol.status import Status
 
@@ -90,13 +96,30 @@ class Router:
         return router
 
     @property
+    def collections(self) -> bool:
+        """True if the nodes granted Collections: keys are sent through `qualify`."""
+        return Feature.COLLECTIONS in self.features
+
+    def qualify(self, key: bytes, collection: int = 0) -> bytes:
+        """The key as the nodes take it: with its LEB128 collection id when they
+        negotiated Collections; without, only the default collection (0) exists."""
+        if self.collections:
+            return leb128.join_key(collection, key)
+        if collection:
+            raise RouterError(
+                f"{self.uri.redacted()}: the cluster does not support collections "
+                f"(collection id {collection:#x})"
+            )
+        return key
+
+    @property
     def rev(self) -> int:
         """The revision of the map in use."""
         rev = self.config.get("rev", 0)
         return rev if isinstance(rev, int) else 0
 
     def partition(self, key: bytes) -> int:
-        """The partition of a key."""
+        """The partition of a document key (never the collection-prefixed one)."""
         return partition_of(key, self.num_partitions)
 
     async def _connect_actives(self) -> None:
@@ -110,7 +133,14 @@ class Router:
         if conn is None or conn.closed:
             self._conns.pop(addr, None)
             uri = self.uri.at(*addr)
-            conn = (await connect(uri, name=self.name, timeout=3.0)).conn
+            session = await connect(uri, name=self.name, timeout=3.0)
+            conn = session.conn
+            if session.collections != self.collections:
+                await conn.aclose()
+                raise RouterError(
+                    f"{uri.redacted()}: {'grants' if session.collections else 'refuses'} "
+                    "collections, unlike the node bootstrapped from"
+                )
             self._conns[addr] = conn
         return conn
 

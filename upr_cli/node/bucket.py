@@ -18,6 +18,13 @@ own task under the flush lock (`_unbroken`), and its caller only stops waiting w
 cancelled (a replication link restarted by a map change, a client gone). Before, a flush
 cancelled mid-commit left its committed items queued, and every later flush failed on
 them ("seq 1 is not above stored seq 1").
+
+Collections (formats/collections.md): every key here is qualified (its collection id
+first). The KV methods check the collection against the bucket's manifest and apply
+its max TTL; `set_manifest` weaves one system event row per change into every active
+partition, each with its own seq, and the flush that persists those rows persists the
+manifest in the same transaction. A dropped collection's documents are unreachable at
+once and deleted later by a background purge, without tombstones.
 """
 
 from __future__ import annotations
@@ -34,15 +41,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+from upr_cli.collections import CollectionsError, Manifest, changes_between
 from upr_cli.failover import FailoverLog, new_uuid
 from upr_cli.net.aio import cancel_and_wait
+from upr_cli.node import sysevents
+from upr_cli.node.collections import (
+    DROPPED_KEY,
+    MANIFEST_KEY,
+    NodeCollections,
+    check_successor,
+    expiry_of,
+)
 from upr_cli.node.partition import ACTIVE, PENDING, REPLICA, Marker, Partition
-from upr_cli.node.storage import DocRow, NodeStorage, PartitionRecord
+from upr_cli.node.storage import DocRow, NodeStorage, PartitionRecord, StorageError
+from upr_cli.protocol import leb128
 from upr_cli.protocol.status import (
     InvalidArguments,
     KeyExists,
     KeyNotFound,
     NotMyVbucket,
+    OutOfRange,
     Status,
     StatusError,
 )
@@ -61,6 +79,7 @@ class StaleCas(StatusError):
 log = logging.getLogger(__name__)
 
 FLUSH_CHUNK = 50_000  # docs per transaction at most
+PURGE_CHUNK = 10_000  # rows of a dropped collection deleted per transaction
 UNDO_WINDOW = 200_000  # seqs of undo a replica partition keeps (formats/cluster.md §5)
 FED = (REPLICA, PENDING)  # states fed by a replication stream
 _T = TypeVar("_T")
@@ -125,11 +144,21 @@ class Bucket:
         self.traffic = True
         self.undo_window = UNDO_WINDOW
         self.listeners: list[Callable[[], None]] = []  # told of map and state changes
+        self.collections = NodeCollections()
+        self._manifest_gen = 0  # bumped by every new manifest; the flush persists it
+        self._manifest_saved = 0  # the generation on disk
+        self._purger: asyncio.Task[None] | None = None
 
     # -- life cycle -------------------------------------------------------------
 
     async def start(self) -> None:
         """Load or create partitions, add failover entries after an unclean stop, start flushing."""
+        try:
+            self.collections = NodeCollections.from_meta(
+                self.storage.meta(MANIFEST_KEY), self.storage.meta(DROPPED_KEY)
+            )
+        except (CollectionsError, ValueError) as exc:
+            raise StorageError(f"{self.storage.path}: stored collections manifest: {exc}") from None
         records = self.storage.load_partitions()
         clean = self.storage.clean_shutdown()
         fresh = not records
@@ -170,12 +199,16 @@ class Bucket:
             self.storage.save_partitions(changed)
         self.storage.set_clean_shutdown(False)
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="flusher")
+        self._schedule_purge()
 
     async def stop(self, *, clean: bool = True) -> None:
         """Stop flushing; on a clean stop flush everything and mark the shutdown clean."""
         if self._flusher is not None:
             await cancel_and_wait([self._flusher])
             self._flusher = None
+        if self._purger is not None:
+            await cancel_and_wait([self._purger])
+            self._purger = None
         while self._work:  # storage work whose callers were cancelled ends first
             await asyncio.wait(set(self._work))  # not gather: it would cancel them
         if clean:
@@ -300,6 +333,74 @@ class Bucket:
             log.error("bucket %s: storage work failed after its caller left: %s", self.name,
                       exc, exc_info=exc)  # fmt: skip
 
+    # -- collections (formats/collections.md) -----------------------------------------
+
+    @property
+    def manifest(self) -> Manifest:
+        """The bucket's current collections manifest."""
+        return self.collections.manifest
+
+    async def set_manifest(self, manifest: Manifest) -> None:
+        """COLLECTIONS_SET_MANIFEST: take a manifest whose uid is not below the current
+        one (an equal uid must come with the same manifest: a no-op). Each change gets
+        a system event row in every active partition, with its own seq; the answer
+        waits until the rows and the manifest are on disk, in one transaction."""
+        old = self.collections.manifest
+        if manifest.uid < old.uid:
+            raise OutOfRange(f"manifest uid {manifest.uid:x} is below the current {old.uid:x}")
+        if manifest.uid == old.uid and manifest != old:
+            raise InvalidArguments(f"manifest uid {manifest.uid:x} is current, with other content")
+        try:
+            check_successor(old, manifest)
+        except CollectionsError as exc:
+            raise InvalidArguments(str(exc)) from None
+        changes = changes_between(old, manifest)
+        if changes or manifest != old:
+            now = int(time.time())
+            for vb, part in sorted(self.partitions.items()):
+                if part.state != ACTIVE:
+                    continue  # replicas get the rows through replication
+                for change in changes:
+                    key, flags, expiry, value, deleted = sysevents.system_row(change)
+                    prev = self.lookup(vb, key)
+                    part.append(DocRow(
+                        vb, key, part.high_seq + 1, prev.rev_seq + 1 if prev else 1,
+                        self.next_cas(), flags, expiry, 0, deleted, now if deleted else 0, value,
+                    ))  # fmt: skip
+            self.collections.replace(manifest)
+            self._manifest_gen += 1
+        await self.flush()
+        if self._manifest_saved < self._manifest_gen:  # another flush took the rows first
+            await self.flush()
+        self._schedule_purge()
+
+    def _schedule_purge(self) -> None:
+        """Start the background purge of dropped collections, unless it is running."""
+        if self.collections.dropped and (self._purger is None or self._purger.done()):
+            loop = asyncio.get_running_loop()
+            self._purger = loop.create_task(self._purge_dropped(), name="purge-collections")
+
+    async def _purge_dropped(self) -> None:
+        """Delete the documents of dropped collections, partition by partition, in
+        small transactions between flushes (kv_engine purges them lazily too, and sends
+        no deletions for them: formats/collections.md §3)."""
+        try:
+            while todo := sorted(self.collections.dropped):  # a drop may come meanwhile
+                await self.flush()  # the rows queued before the drop are on disk first
+                for cid in todo:
+                    for vb in sorted(self.partitions):
+                        while await self._in_pool(self.storage.purge_collection, vb, cid,
+                                                  PURGE_CHUNK) == PURGE_CHUNK:  # fmt: skip
+                            pass
+                    self.collections.dropped.discard(cid)
+                    log.info("bucket %s: dropped collection 0x%x purged", self.name, cid)
+                self._manifest_gen += 1  # the shorter list of ids to purge goes to disk
+                await self.flush()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("bucket %s: purging dropped collections failed", self.name)
+
     # -- the replica side ------------------------------------------------------------
     # (the UPR design specification, "How KV mutations flow into Replicas")
 
@@ -321,6 +422,12 @@ class Bucket:
         if old is not None:
             part.replaced(old.seq, doc.seq)  # the queue keeps one version per key
         part.append(doc)
+        if doc.deleted and doc.key[1:2] == b"c" and sysevents.is_system_key(doc.key):
+            # a collection dropped on the active: its rows here are purged too (the
+            # node's own manifest may have dropped it before this copy had them)
+            self.collections.dropped.add(leb128.decode(doc.key, 2)[0])
+            self._manifest_gen += 1
+            self._schedule_purge()
         return True
 
     def replica_marker(self, vb: int, start: int, end: int) -> None:
@@ -419,11 +526,24 @@ class Bucket:
         self._prefetched_gen = self._disk_gen
 
     def get(self, vb: int, key: bytes) -> DocRow:
-        """A live, unexpired document or KEY_ENOENT."""
+        """A live, unexpired document (a qualified key) or KEY_ENOENT."""
         self.partition(vb)
+        self.collections.collection(key)
         doc = self.lookup(vb, key)
         if doc is None or doc.deleted or (doc.expiry and doc.expiry <= time.time()):
             raise KeyNotFound(f"no such key in partition {vb}")
+        return doc
+
+    def get_meta(self, vb: int, key: bytes) -> DocRow:
+        """GET_META: the key's latest version, a tombstone included (an expired document
+        reads as deleted), or KEY_ENOENT if it never existed or was purged."""
+        self.partition(vb)
+        self.collections.collection(key)
+        doc = self.lookup(vb, key)
+        if doc is None:
+            raise KeyNotFound(f"no such key in partition {vb}")
+        if not doc.deleted and doc.expiry and doc.expiry <= time.time():
+            return replace(doc, deleted=True)
         return doc
 
     # -- writes --------------------------------------------------------------------
@@ -445,8 +565,10 @@ class Bucket:
         datatype: int = 0,
         cas: int = 0,
     ) -> DocRow:
-        """SET / ADD / REPLACE with the memcached CAS rules; returns the new version."""
+        """SET / ADD / REPLACE with the memcached CAS rules; returns the new version.
+        A relative expiry is made absolute, and capped by the collection's max TTL."""
         part = self.partition(vb)
+        expiry = expiry_of(self.collections.collection(key), expiry, int(time.time()))
         old = self.lookup(vb, key)
         live = old is not None and not old.deleted
         if op == "add" and live:
@@ -471,6 +593,7 @@ class Bucket:
     def delete(self, vb: int, key: bytes, *, cas: int = 0) -> DocRow:
         """DELETE: a tombstone with a new seq; KEY_ENOENT if absent, KEY_EEXISTS on CAS mismatch."""
         part = self.partition(vb)
+        self.collections.collection(key)
         old = self.lookup(vb, key)
         if old is None or old.deleted:
             raise KeyNotFound("no such key")
@@ -481,6 +604,17 @@ class Bucket:
             cas=self.next_cas(), flags=old.flags, expiry=0, datatype=0, deleted=True,
             delete_time=int(time.time()), value=b"",
         )  # fmt: skip
+        part.append(doc)
+        return doc
+
+    def touch(self, vb: int, key: bytes, expiry: int) -> DocRow:
+        """TOUCH / GAT: a live document's new expiry (relative made absolute, capped by
+        the collection's max TTL), as a new version: new seq, CAS and rev seq."""
+        part = self.partition(vb)
+        expiry = expiry_of(self.collections.collection(key), expiry, int(time.time()))
+        old = self.get(vb, key)
+        doc = replace(old, seq=part.high_seq + 1, rev_seq=old.rev_seq + 1, cas=self.next_cas(),
+                      expiry=expiry)  # fmt: skip
         part.append(doc)
         return doc
 
@@ -499,8 +633,11 @@ class Bucket:
         options: int = 0,
         cas: int = 0,
     ) -> DocRow:
-        """SET/DEL_WITH_META: given metadata, rev-seq conflict resolution (docs/protocol.md §6)."""
+        """SET/DEL_WITH_META: given metadata, rev-seq conflict resolution (docs/protocol.md §6).
+        The expiry is kept as given: absolute, and not capped (a restore or XDCR copies
+        an item's metadata as it was)."""
         part = self.partition(vb)
+        self.collections.collection(key)
         old = self.lookup(vb, key)
         if cas and (old is None or old.cas != cas):
             raise (KeyNotFound if old is None else KeyExists)("CAS guard failed")
@@ -555,7 +692,9 @@ class Bucket:
                         docs = part.queue.snapshot()
                         batches.append((part, docs))
                         size += len(docs)
-                if not batches:
+                gen = self._manifest_gen
+                meta = self.collections.meta() if gen != self._manifest_saved else None
+                if not batches and meta is None:
                     return total
                 records = []
                 bounds: dict[int, list[int]] = {}
@@ -573,10 +712,10 @@ class Bucket:
                             if part.persisted_seq < m.end <= top and m.end not in part.broken
                         })  # fmt: skip
                 docs_all = [d for _, docs in batches for d in docs]
-                await loop.run_in_executor(
-                    self._pool, self.storage.write_batch, docs_all, records, set(bounds), bounds
-                )
+                await loop.run_in_executor(self._pool, self.storage.write_batch, docs_all,
+                                           records, set(bounds), bounds, meta)  # fmt: skip
                 self._disk_gen += 1
+                self._manifest_saved = gen
                 for (part, docs), rec in zip(batches, records, strict=True):
                     part.persisted_seq = rec.high_seq
                     part.snap_start, part.snap_end = rec.snap_start, rec.snap_end

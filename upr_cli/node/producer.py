@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from bisect import bisect_right
 from collections.abc import Awaitable, Callable
@@ -50,9 +51,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from upr_cli.collections import DEFAULT_ID, Manifest, ManifestChange, decode_event
 from upr_cli.failover import needs_rollback
 from upr_cli.net.aio import cancel_and_wait
 from upr_cli.node.bucket import Bucket
+from upr_cli.node.collections import UnknownCollectionError, UnknownScopeError
 from upr_cli.node.partition import ACTIVE, DEAD, REPLICA, Partition
 from upr_cli.node.storage import (
     ROW_DELETED,
@@ -63,6 +66,8 @@ from upr_cli.node.storage import (
     StorageReader,
     StoredRow,
 )
+from upr_cli.node.sysevents import event_of, is_system_key, system_key
+from upr_cli.protocol import leb128
 from upr_cli.protocol.fast import encode_mutation
 from upr_cli.protocol.messages import (
     Barrier,
@@ -70,15 +75,18 @@ from upr_cli.protocol.messages import (
     DeletionV2,
     Noop,
     Response,
+    SeqnoAdvanced,
     SnapshotMarker,
     StreamEnd,
     StreamRequest,
+    SystemEvent,
 )
 from upr_cli.protocol.status import (
     DcpStreamIdInvalid,
     InvalidArguments,
     KeyExists,
     KeyNotFound,
+    ManifestAhead,
     NotMyVbucket,
     NotSupported,
     OutOfRange,
@@ -99,6 +107,7 @@ S_KNOWN = 0x1F7  # every defined bit but the removed 0x08
 # Snapshot marker flags (docs/protocol.md §2.7) and stream-end statuses (§2.6)
 MARKER_MEMORY, MARKER_DISK_CHECKPOINT = 0x01, 0x06
 END_OK, END_CLOSED, END_STATE_CHANGED, END_DISCONNECTED = 0, 1, 2, 3
+END_FILTER_EMPTY = 7  # collections connections only (docs/protocol.md §2.6)
 
 BACKFILLS_PER_CONNECTION = 6  # open disk snapshots per DCP connection
 BATCH_ITEMS = 512
@@ -178,6 +187,161 @@ class PendingBarrier:
     cut: dict[int, int] = field(default_factory=dict)
 
 
+# The system row of the default collection: a stream without collections ends when it
+# is dropped, and looks at no other system row.
+_DEFAULT_EVENT_KEY = system_key(ManifestChange(0, 0, "collection-dropped", 0, 0, DEFAULT_ID))
+_HEX_ID = re.compile(r"[0-9a-fA-F]{1,8}")  # a u32 scope or collection id
+_HEX_UID = re.compile(r"[0-9a-fA-F]{1,16}")  # a u64 manifest uid
+
+
+class StreamView:
+    """What one stream shows of its partition's rows: which collections, with which keys,
+    and which system events (formats/wire.md "Collections on DCP", after kv_engine's
+    DCP filter).
+
+    `ids` None is the whole bucket (a collections connection without a filter); else the
+    collection ids the stream sends, which system events update: a scope filter takes in
+    the collections created in its scope, a drop takes one out. Rows of a collection the
+    bucket's manifest no longer holds are never sent (their purge is lazy). A connection
+    without collections sees the default collection only, keys without their 0x00
+    prefix, and no system event; `ended` once nothing of the filter is left.
+    """
+
+    __slots__ = ("_bucket", "_live", "_manifest", "collections", "ended", "ids", "last_sent",
+                 "scope", "scope_dropped", "uid")  # fmt: skip
+
+    def __init__(self, bucket: Bucket, *, collections: bool, ids: set[int] | None = None,
+                 scope: int | None = None, uid: int | None = None) -> None:  # fmt: skip
+        self._bucket = bucket
+        self.collections = collections
+        self.ids = ids
+        self.scope = scope
+        self.uid = uid  # events up to this manifest uid the client has seen: not sent again
+        self.scope_dropped = False
+        self.ended = False
+        self.last_sent = 0  # the seq of the last item sent (SEQNO_ADVANCED when below an end)
+        self._manifest: Manifest | None = None
+        self._live: frozenset[int] = frozenset()
+
+    def live(self) -> frozenset[int]:
+        """The ids of the collections the bucket's manifest holds now."""
+        manifest = self._bucket.manifest
+        if manifest is not self._manifest:
+            self._live = frozenset(c.id for _, c in manifest.collections())
+            self._manifest = manifest
+        return self._live
+
+    def plain_ids(self) -> frozenset[int]:
+        """The one-byte collection ids (the first key byte) whose rows this stream sends."""
+        live = self.live()
+        return frozenset(i for i in (live if self.ids is None else live & self.ids) if i < 0x80)
+
+    def data_key(self, key: bytes) -> bytes | None:
+        """The key a document row goes out with, or None if this stream does not send it."""
+        cid, rest = leb128.split_key(key)
+        if cid not in self.live() or (self.ids is not None and cid not in self.ids):
+            return None
+        return key if self.collections else bytes(rest)
+
+    def hides_all(self, docs: list[DocRow]) -> bool:
+        """True if a stream without collections has nothing in `docs` to look at."""
+        return not self.collections and not any(
+            d.key[0] == DEFAULT_ID or d.key == _DEFAULT_EVENT_KEY for d in docs
+        )
+
+    def event(self, vb: int, opaque: int, doc: DocRow) -> bytes | None:
+        """The SYSTEM_EVENT of a system row, or None if this stream does not send it."""
+        event, version, name, value = event_of(doc.flags, doc.expiry, doc.value)
+        change = decode_event(vb, doc.seq, event, version, name, value)
+        # an event upr does not model goes to unfiltered collections streams only
+        send = self._admit(change) if change else self.collections and self.ids is None
+        if self.ids is not None and (self.scope_dropped if self.scope is not None
+                                     else not self.ids):  # fmt: skip
+            self.ended = True
+        if not send:
+            return None
+        return SystemEvent(vbucket=vb, opaque=opaque, by_seqno=doc.seq, event=event,
+                           version=version, key=name, value=value).encode()  # fmt: skip
+
+    def _admit(self, change: ManifestChange) -> bool:
+        """Update the filter for a change; True if the stream sends its event."""
+        cid, sid, ids = change.collection_id, change.scope_id, self.ids
+        removed = cid is not None and change.dropped and ids is not None and cid in ids
+        if removed:
+            assert ids is not None and cid is not None
+            ids.discard(cid)
+        if cid is None and change.dropped and sid == self.scope:
+            self.scope_dropped = True
+        if not self.collections or (self.uid is not None and change.manifest_uid <= self.uid):
+            return False
+        if cid is None:  # a scope's own event: to its scope filter and unfiltered streams
+            return ids is None or sid == self.scope
+        if ids is None or removed:
+            return True
+        if sid == self.scope:  # a collection of the filtered scope: created ones join
+            if not change.dropped:
+                ids.add(cid)
+            return True
+        return cid in ids
+
+
+def _hex(value: object, what: str, form: re.Pattern[str]) -> int:
+    if not isinstance(value, str) or not form.fullmatch(value):
+        raise InvalidArguments(f"stream-request value: {what} must be a hex string, got {value!r}")
+    return int(value, 16)
+
+
+def stream_view(bucket: Bucket, collections: bool, value: bytes) -> StreamView:
+    """The view a STREAM_REQ value asks for (kv_engine's stream-request-value.md):
+    EINVAL, UnknownCollection, UnknownScope, ManifestAhead or DCP_STREAMID_INVALID if it
+    cannot be served."""
+    manifest = bucket.manifest
+    if not collections:
+        if value:
+            raise InvalidArguments("a stream-request value needs HELLO Collections")
+        if manifest.by_id(DEFAULT_ID) is None:
+            raise UnknownCollectionError("the _default collection was dropped", manifest.uid)
+        return StreamView(bucket, collections=False, ids={DEFAULT_ID})
+    if not value:
+        return StreamView(bucket, collections=True)
+    try:
+        doc = json.loads(value)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidArguments("the stream-request value is not JSON") from None
+    if not isinstance(doc, dict):
+        raise InvalidArguments("the stream-request value must be a JSON object")
+    if "sid" in doc:
+        raise DcpStreamIdInvalid("stream-ids are not enabled on this connection")
+    uid = _hex(doc["uid"], "uid", _HEX_UID) if "uid" in doc else None
+    if uid is not None and uid > manifest.uid:
+        raise ManifestAhead(f"the stream's manifest uid {uid:x} is ahead of the node's "
+                            f"{manifest.uid:x}")  # fmt: skip
+    purge = doc.get("purge_seqno")  # read and checked, not used: markers are v1
+    if purge is not None and not (isinstance(purge, str) and purge.isdigit()):
+        raise InvalidArguments("stream-request value: purge_seqno must be a decimal string")
+    if "scope" in doc and "collections" in doc:
+        raise InvalidArguments("stream-request value: give scope or collections, not both")
+    if "scope" in doc:
+        sid = _hex(doc["scope"], "scope", _HEX_ID)
+        scope = manifest.scope_by_id(sid)
+        if scope is None:
+            raise UnknownScopeError(f"no scope with id {sid:x}", manifest.uid)
+        ids = {c.id for c in scope.collections}
+        return StreamView(bucket, collections=True, ids=ids, scope=sid, uid=uid)
+    if "collections" in doc:
+        wanted = doc["collections"]
+        if not isinstance(wanted, list) or not wanted:
+            raise InvalidArguments("stream-request value: collections must be a non-empty array")
+        ids = {_hex(c, "a collection id", _HEX_ID) for c in wanted}
+        for cid in sorted(ids):
+            if manifest.by_id(cid) is None:
+                raise UnknownCollectionError(f"no collection with id {cid:x}", manifest.uid)
+        return StreamView(bucket, collections=True, ids=ids, uid=uid)
+    if uid is None and purge is None:
+        raise InvalidArguments("stream-request value: no uid, scope or collections")
+    return StreamView(bucket, collections=True, uid=uid)
+
+
 @dataclass(slots=True)
 class StreamSpec:
     """What a STREAM_REQ asked for, after the docs/protocol.md §4.1 adjustments."""
@@ -190,6 +354,7 @@ class StreamSpec:
     uuid: int
     snap_start: int
     snap_end: int
+    view: StreamView
 
 
 class DcpProducer:
@@ -205,10 +370,16 @@ class DcpProducer:
         backfill_slots: asyncio.Semaphore,
         on_fatal: Callable[[str], None],
         idle_timeout: float,
+        *,
+        collections: bool = False,
     ) -> None:
         self.bucket = bucket
         self.name = name
         self.flags = flags
+        # HELLO Collections was granted: keys go out with their collection id, system
+        # events are sent, and a stream request may carry a filter (formats/wire.md
+        # "Collections on DCP")
+        self.collections = collections
         self.sender = sender
         self.streams: dict[int, asyncio.Task[None]] = {}
         self.specs: dict[int, StreamSpec] = {}
@@ -267,7 +438,10 @@ class DcpProducer:
         elif key == "enable_expiry_opcode":
             if v != "true" or not self.flags & OPEN_DELETE_TIMES:
                 raise InvalidArguments("enable_expiry_opcode needs DCP_OPEN IncludeDeleteTimes")
-        elif key in ("stream_buffer_size", "cache_transfer", "change_streams", "enable_stream_id"):
+        elif key in ("stream_buffer_size", "cache_transfer", "change_streams", "enable_stream_id",
+                     "flatbuffers_system_events"):  # fmt: skip
+            # system events go out as versions 0 and 1 only (formats/wire.md
+            # "Collections on DCP")
             raise NotSupported(f"{key} is not supported by upr serve")
         elif key in ("force_value_compression", "max_marker_version"):
             raise InvalidArguments(f"{key} needs a feature this connection did not negotiate")
@@ -327,19 +501,18 @@ class DcpProducer:
         if flags & S_FROM_LATEST:
             start = snap_start = snap_end = high
             uuid = uuid or part.uuid
-        # 3. noop is mandatory with xattrs (we negotiate no collections)
-        if self.flags & OPEN_XATTRS and not self.noop_enabled:
-            raise NotSupported("IncludeXattrs streams need enable_noop=true")
+        # 3. noop is mandatory with xattrs or collections
+        if (self.flags & OPEN_XATTRS or self.collections) and not self.noop_enabled:
+            raise NotSupported("IncludeXattrs and collections streams need enable_noop=true")
         # 4-5. ranges
         if start > end:
             raise OutOfRange(f"start {start} > end {end}")
         if not snap_start <= start <= snap_end:
             raise OutOfRange(f"snapshot [{snap_start}, {snap_end}] does not contain start {start}")
-        # 6. the value is allowed only with collections, which we never grant
-        if req.value:
-            raise InvalidArguments("a stream-request value needs collections")
+        # 6. the value: a collections filter, only on a collections connection
         if req.stream_id is not None:
             raise DcpStreamIdInvalid("stream-ids are not enabled on this connection")
+        view = stream_view(self.bucket, self.collections, req.value)
         # 7. an active stream for this partition already exists
         task = self.streams.get(vb)
         if task is not None and not task.done():
@@ -361,7 +534,7 @@ class DcpProducer:
             raise OutOfRange(f"start {start} > end {end}")
         if start > high:
             raise OutOfRange(f"start {start} > high seqno {high}")
-        spec = StreamSpec(vb, req.opaque, flags, start, end, uuid, snap_start, snap_end)
+        spec = StreamSpec(vb, req.opaque, flags, start, end, uuid, snap_start, snap_end, view)
         return spec, part.failover.pairs()
 
     def register_barrier(self, cookie: bytes, opaque: int) -> None:
@@ -543,6 +716,8 @@ class DcpProducer:
                     continue
                 cursor, sent = done
                 first = first and not sent
+                if spec.view.ended:
+                    return self._filter_empty()
                 continue
             # From the persisted check to the capture: one synchronous step, so the queue
             # holds exactly the newest version of every key written above `cursor`.
@@ -553,7 +728,9 @@ class DcpProducer:
                 await part.wait_change(timeout=1.0)
                 continue
             items, snap_end = snap
-            if not items:  # a whole received snapshot of purged tombstones only
+            if not items or spec.view.hides_all(items):
+                # a whole received snapshot of purged tombstones only, or one of other
+                # collections than a stream without collections sees
                 cursor = snap_end
                 self._sent_whole(vb, cursor)
                 continue
@@ -568,8 +745,25 @@ class DcpProducer:
             for i in range(0, len(items), BATCH_ITEMS):
                 msgs = self._encode(spec, items[i : i + BATCH_ITEMS])
                 await self._send_batched([marker, *msgs] if i == 0 else msgs)
+                if spec.view.ended:
+                    return self._filter_empty()
+            await self._advance(spec, snap_end)
             cursor = snap_end
             self._sent_whole(vb, cursor)
+
+    def _filter_empty(self) -> int:
+        """The STREAM_END status once a stream's filter has nothing left (the default
+        collection's drop ends a stream without collections too, with OK as kv_engine
+        reports FilterEmpty to such a client)."""
+        return END_FILTER_EMPTY if self.collections else END_OK
+
+    async def _advance(self, spec: StreamSpec, snap_end: int) -> None:
+        """SEQNO_ADVANCED to a snapshot's end when the stream held back its last items
+        (kv_engine's seqno-advanced.md): the client then holds the snapshot whole."""
+        if self.collections and spec.view.last_sent < snap_end:
+            msg = SeqnoAdvanced(vbucket=spec.vbucket, opaque=spec.opaque, by_seqno=snap_end)
+            await self.sender.send([msg.encode()])
+            spec.view.last_sent = snap_end
 
     async def _pool_call(self, fn: Callable[[], _T]) -> _T:
         """Run `fn` on the backfill pool under a server-wide slot.
@@ -640,7 +834,7 @@ class DcpProducer:
                     # a flush (or a rollback) moved the disk under the read: what it saw is
                     # not known to be whole; look again
                     return cursor, False
-                if not msgs:
+                if not first_seq:
                     # only purged tombstones lay between cursor and what was read (not the
                     # persisted seq now: a flush since may have persisted more rows)
                     cursor = max(cursor, bf.high_seq, persisted)
@@ -652,9 +846,14 @@ class DcpProducer:
                     end_seqno=bf.high_seq, flags=MARKER_DISK_CHECKPOINT,
                 )  # fmt: skip
                 await self.sender.send([marker.encode()])
-                while msgs:
+                while True:  # a batch may be empty: the stream's filter held back its rows
                     await self._send_batched(msgs)
+                    if spec.view.ended:
+                        return cursor, True  # the filter has nothing left: the stream ends
+                    if bf.done:
+                        break
                     msgs = await self._pool_call(lambda: self._encode_rows(spec, bf.fetch_rows()))
+                await self._advance(spec, bf.high_seq)
                 self._sent_whole(spec.vbucket, bf.high_seq)  # one read transaction: whole
                 return max(cursor, bf.high_seq), True
             finally:
@@ -673,33 +872,62 @@ class DcpProducer:
             await self.sender.send(batch)
 
     def _encode_rows(self, spec: StreamSpec, rows: list[StoredRow]) -> list[bytes]:
-        """Encode storage rows without building DocRows (all live mutations: the hot path)."""
-        if self.flags & (OPEN_NO_VALUE | OPEN_NO_VALUE_DT | OPEN_DELETE_TIMES) or any(
-            map(ROW_DELETED, rows)
+        """Encode storage rows without building DocRows (all live mutations of collections
+        the stream sends whole: the hot path)."""
+        if not rows:
+            return []
+        view = spec.view
+        plain = view.plain_ids()
+        if (
+            self.flags & (OPEN_NO_VALUE | OPEN_NO_VALUE_DT | OPEN_DELETE_TIMES)
+            or any(map(ROW_DELETED, rows))
+            or not all(r[1][0] in plain for r in rows)
         ):
             return self._encode(spec, [DocRow(*r) for r in rows])
         opaque, vb, args = spec.opaque, spec.vbucket, ROW_MUTATION_ARGS
-        return [encode_mutation(vb, opaque, *args(r)) for r in rows]
+        view.last_sent = ROW_SEQ(rows[-1])
+        if view.collections:  # the stored (qualified) key is the wire key
+            return [encode_mutation(vb, opaque, *args(r)) for r in rows]
+        # without collections every row here is in the default collection: drop its 0x00
+        return [encode_mutation(vb, opaque, r[4], r[7], r[2], r[3], r[5], r[6], r[1][1:], r[10])
+                for r in rows]  # fmt: skip
 
     def _encode(self, spec: StreamSpec, docs: list[DocRow]) -> list[bytes]:
         no_value = self.flags & (OPEN_NO_VALUE | OPEN_NO_VALUE_DT)
         keep_dt = self.flags & OPEN_NO_VALUE_DT
         v2 = self.flags & OPEN_DELETE_TIMES
         out = []
-        opaque, vb = spec.opaque, spec.vbucket
+        opaque, vb, view = spec.opaque, spec.vbucket, spec.view
+        plain, strip = view.plain_ids(), 0 if view.collections else 1
         for d in docs:
+            if d.key[0] in plain:  # the common case: no LEB128 to read
+                key = d.key[strip:]
+            elif is_system_key(d.key):
+                msg = view.event(vb, opaque, d)
+                if msg is not None:
+                    out.append(msg)
+                    view.last_sent = d.seq
+                if view.ended:
+                    break  # nothing after the drop that emptied the filter goes out
+                plain = view.plain_ids()  # the event may have changed the filter
+                continue
+            elif (seen := view.data_key(d.key)) is not None:
+                key = seen
+            else:
+                continue
+            view.last_sent = d.seq
             if not d.deleted:
                 value = b"" if no_value else d.value
                 dt = d.datatype if (not no_value or keep_dt) else 0
                 out.append(encode_mutation(vb, opaque, d.cas, dt, d.seq, d.rev_seq, d.flags,
-                                           d.expiry, d.key, value))  # fmt: skip
+                                           d.expiry, key, value))  # fmt: skip
             elif v2:
                 out.append(DeletionV2(vbucket=vb, opaque=opaque, cas=d.cas, by_seqno=d.seq,
                                       rev_seqno=d.rev_seq, delete_time=d.delete_time,
-                                      key=d.key).encode())  # fmt: skip
+                                      key=key).encode())  # fmt: skip
             else:
                 out.append(Deletion(vbucket=vb, opaque=opaque, cas=d.cas, by_seqno=d.seq,
-                                    rev_seqno=d.rev_seq, key=d.key).encode())  # fmt: skip
+                                    rev_seqno=d.rev_seq, key=key).encode())  # fmt: skip
         return out
 
 
@@ -782,4 +1010,5 @@ def error_response(opcode: int, opaque: int, status: int, message: str) -> bytes
     return Response(opcode=opcode, opaque=opaque, status=status, value=body, datatype=1).encode()
 
 
-__all__ = ["DcpProducer", "DcpSender", "RollbackTo", "Status", "error_response"]
+__all__ = ["DcpProducer", "DcpSender", "ManifestAhead", "RollbackTo", "Status", "StreamView",
+           "error_response", "stream_view"]  # fmt: skip

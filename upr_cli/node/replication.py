@@ -27,6 +27,13 @@ restarts the links whose partition set changed. A link that fails (the active di
 NOT_MY_VBUCKET during a rebalance) is restarted after a short wait, against whatever the
 map then says.
 
+Collections (formats/wire.md "Collections on DCP"): the link negotiates them and asks
+for every collection, so the active sends each document with its collection id and each
+collection or scope change as a system event at its seq. The replica stores a document
+under its qualified key (`join_key(collection, key)`) and a change as the system row
+the active holds for it (`sysevents.system_row`), both at the seqs the active gave them,
+so that both copies end with the same rows.
+
 Pausing (for staging the UPR design specification's walkthrough): `pause(vbs, after)`
 lets partitions apply items up to seq `after` (default: what they have now) and then
 closes their streams; `resume` reopens them from where they stand.
@@ -37,9 +44,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from upr_cli.collections import ManifestChange
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamOpened
 from upr_cli.dcp.sink import SinkBase, drive
@@ -49,8 +58,10 @@ from upr_cli.net.uri import SourceUri
 from upr_cli.node.bucket import FED, Bucket
 from upr_cli.node.partition import Partition
 from upr_cli.node.storage import DocRow
+from upr_cli.node.sysevents import system_row
 from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
+from upr_cli.protocol.leb128 import join_key
 from upr_cli.protocol.status import NotMyVbucket
 
 log = logging.getLogger(__name__)
@@ -243,30 +254,53 @@ class _ReplicaSink(SinkBase):
         self.bucket = replicator.bucket
         self.consumer = consumer
 
-    async def records(self, records: list[DcpRecord]) -> None:
-        bucket, repl = self.bucket, self.replicator
+    def _paused(self, vb: int, seq: int) -> bool:
+        """True if `vb` is paused at a seq below `seq` (the item is not applied); marks a
+        paused partition stopped once it reached its seq."""
+        repl = self.replicator
         pause, stopped = repl.pause_after, repl.stopped
+        if vb not in pause or seq < pause[vb]:
+            return False
+        if vb not in stopped:
+            stopped.add(vb)
+            repl.wake()
+        return seq > pause[vb]
+
+    async def records(self, records: list[DcpRecord]) -> None:
+        apply, paused = self.bucket.apply_replica, self._paused
         for rec in records:
             vb, seq = rec.vbucket, rec.by_seqno
-            if vb in pause and seq > pause[vb]:
-                if vb not in stopped:
-                    stopped.add(vb)
-                    repl.wake()
+            if paused(vb, seq):
                 continue
             deleted = rec.opcode != OP_MUTATION
-            bucket.apply_replica(DocRow(
-                vbucket=vb, key=bytes(rec.key), seq=seq, rev_seq=rec.rev_seqno, cas=rec.cas,
-                flags=rec.flags, expiry=0 if deleted else rec.expiration,
+            apply(DocRow(
+                vbucket=vb, key=join_key(rec.collection, bytes(rec.key)), seq=seq,
+                rev_seq=rec.rev_seqno, cas=rec.cas, flags=rec.flags,
+                expiry=0 if deleted else rec.expiration,
                 datatype=0 if deleted else rec.datatype, deleted=deleted,
                 delete_time=rec.delete_time, value=b"" if deleted else bytes(rec.value),
             ))  # fmt: skip
-            if vb in pause and seq >= pause[vb] and vb not in stopped:
-                stopped.add(vb)
-                repl.wake()
+
+    def _system_event(self, change: ManifestChange) -> None:
+        """Store a collection or scope change as the system row the active holds for it:
+        its key, event, version and value, at the active's seq; a drop is a deletion."""
+        vb, seq = change.partition, change.seq
+        if self._paused(vb, seq):
+            return
+        key, flags, expiry, value, deleted = system_row(change)
+        self.bucket.fed_partition(vb)  # NOT_MY_VBUCKET before the lookup, as for records
+        prev = self.bucket.lookup(vb, key)  # the rev seq as the active computes it
+        self.bucket.apply_replica(DocRow(
+            vbucket=vb, key=key, seq=seq, rev_seq=prev.rev_seq + 1 if prev else 1, cas=0,
+            flags=flags, expiry=expiry, datatype=0, deleted=deleted,
+            delete_time=int(time.time()) if deleted else 0, value=value,
+        ))  # fmt: skip
 
     async def event(self, event: Event) -> None:
         bucket = self.bucket
-        if isinstance(event, Snapshot):
+        if isinstance(event, ManifestChange):
+            self._system_event(event)
+        elif isinstance(event, Snapshot):
             bucket.replica_marker(event.partition, event.start, event.end)
         elif isinstance(event, StreamOpened):
             await bucket.adopt_failover_log(event.partition, event.failover_log)

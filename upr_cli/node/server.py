@@ -7,6 +7,11 @@ documented in the README: wrong password → AUTH_ERROR (0x20); a bucket command
 SELECT_BUCKET → NO_BUCKET (0x08); SELECT_BUCKET or DCP_OPEN before authenticating →
 EACCESS (0x24). A peer sending bytes that do not frame (bad magic, huge lengths) is
 disconnected; the node keeps serving everyone else.
+
+Collections (formats/collections.md §4): a connection that negotiated them (HELLO 0x12)
+names every document by a key that starts with its collection id (LEB128); on any
+other connection a key is in the default collection. The bucket is handed the
+qualified key either way.
 """
 
 from __future__ import annotations
@@ -17,13 +22,15 @@ import ipaddress
 import json
 import logging
 import os
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from upr_cli.errors import ExitCode, RemoteProtocolError, UprError
+from upr_cli.collections import CollectionsError, Manifest
+from upr_cli.errors import ExitCode, RemoteProtocolError, UprError, UsageError
 from upr_cli.net.scram import (
     AuthenticationFailed,
     ScramServer,
@@ -32,6 +39,7 @@ from upr_cli.net.scram import (
     parse_plain,
 )
 from upr_cli.node.bucket import Bucket, StaleCas
+from upr_cli.node.collections import UnknownCollectionError, parse_specs, with_specs
 from upr_cli.node.partition import ACTIVE, DEAD, STATE_CODES
 from upr_cli.node.producer import (
     OPEN_PRODUCER,
@@ -42,7 +50,7 @@ from upr_cli.node.producer import (
     open_flags_problem,
 )
 from upr_cli.node.replication import Replicator
-from upr_cli.protocol import Frame, FrameDecoder, decode_message
+from upr_cli.protocol import Frame, FrameDecoder, decode_message, leb128
 from upr_cli.protocol.fast import encode_store_response, parse_set
 from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, Magic, Opcode
 from upr_cli.protocol.messages import (
@@ -51,6 +59,11 @@ from upr_cli.protocol.messages import (
     Barrier,
     BufferAck,
     CloseStream,
+    CollectionsGetId,
+    CollectionsGetManifest,
+    CollectionsGetScopeId,
+    CollectionsIdResponse,
+    CollectionsSetManifest,
     Control,
     DcpOpen,
     Delete,
@@ -89,6 +102,7 @@ from upr_cli.protocol.messages import (
     StreamRequest,
     StreamRequestOk,
     StreamRequestRollback,
+    UnknownRequest,
 )
 from upr_cli.protocol.status import (
     AccessDenied,
@@ -118,8 +132,27 @@ GRANTABLE = {
     Feature.JSON,
     Feature.MUTATION_SEQNO,
     Feature.ALT_REQUEST_SUPPORT,
+    Feature.COLLECTIONS,
 }
+# KV commands the official SDK sends that upr's message layer does not model: answered
+# from the raw request (formats/collections.md §5)
+TOUCH, GAT, GET_META, SUBDOC_MULTI_LOOKUP = 0x1C, 0x1D, 0xA0, 0xD0
+RAW_KV = frozenset({TOUCH, GAT, GET_META, SUBDOC_MULTI_LOOKUP})
+# lookup specs of SUBDOC_MULTI_LOOKUP: the whole document, an xattr's value or presence
+_SUBDOC_WHOLE, _SUBDOC_GET, _SUBDOC_EXISTS, _SUBDOC_XATTR = 0x00, 0xC5, 0xC6, 0x04
+_U32 = struct.Struct(">I")
+_META_V2 = struct.Struct(">IIIQB")  # deleted, flags, expiry, rev seq, datatype
+_SUBDOC_SPEC = struct.Struct(">BBH")  # opcode, flags, path length
+_SUBDOC_RESULT = struct.Struct(">HI")  # status, value length
+_SUBDOC_PATH_ENOENT, _SUBDOC_MULTI_PATH_FAILURE = 0xC0, 0xCC
+# what a single node's terse config says it can do (docs/protocol.md §5.5); the SDK
+# addresses named collections only on a bucket that lists "collections"
+CAPABILITIES = ["couchapi", "collections", "dcp", "cbhello", "touch", "cccp", "nodesExt"]
 MECHANISMS = "SCRAM-SHA512 PLAIN"
+
+
+COLLECTIONS_COMMANDS = (CollectionsSetManifest, CollectionsGetManifest, CollectionsGetId,
+                        CollectionsGetScopeId)  # fmt: skip
 
 
 class ServeError(UprError):
@@ -158,6 +191,8 @@ class NodeConfig:
     idle_timeout: float = 360.0
     max_body: int = 20 * 1024 * 1024
     backfills: int = 4
+    # scopes and collections created at start when missing: "S", "S.C" or "S.C:MAXTTL"
+    collections: tuple[str, ...] = ()
 
 
 class NodeServer:
@@ -170,6 +205,10 @@ class NodeServer:
             raise ServeUsageError("--no-auth is allowed only on a loopback address")
         if not 1 <= config.partitions <= 1024:
             raise ServeUsageError("--partitions must be between 1 and 1024")
+        try:
+            parse_specs(config.collections)
+        except UsageError as exc:
+            raise ServeUsageError(f"--collections: {exc}") from None
         self.config = config
         self.credentials: dict[str, StoredCredential] = {
             u: make_credential("SCRAM-SHA512", p) for u, p in config.users.items()
@@ -201,6 +240,13 @@ class NodeServer:
         )
         await bucket.start()
         self.buckets[cfg.bucket] = bucket
+        try:
+            wanted = with_specs(bucket.manifest, cfg.collections)
+            if wanted != bucket.manifest:
+                await bucket.set_manifest(wanted)
+        except UprError as exc:  # a spec the stored manifest cannot take
+            await bucket.stop(clean=True)
+            raise ServeUsageError(f"--collections: {exc}") from None
         user = min(cfg.users) if cfg.users else None
         try:
             self._server = await asyncio.start_server(
@@ -260,8 +306,8 @@ class NodeServer:
             "uri": f"/pools/default/buckets/{bucket.name}",
             "streamingUri": f"/pools/default/bucketsStreaming/{bucket.name}",
             "bucketCapabilitiesVer": "",
-            "bucketCapabilities": ["couchapi", "dcp", "cbhello", "touch", "cccp", "nodesExt"],
-            "collectionsManifestUid": "0",
+            "bucketCapabilities": CAPABILITIES,
+            "collectionsManifestUid": f"{bucket.manifest.uid:x}",
             "ddocs": {"uri": f"/pools/default/buckets/{bucket.name}/ddocs"},
             "vBucketServerMap": {
                 "hashAlgorithm": "CRC",
@@ -327,7 +373,7 @@ class ClientSession:
                 frames: list[Frame] = decoder.read_rows(1 << 16, data_rows=False)  # type: ignore[assignment]
                 if self.bucket is not None and len(frames) > 8:
                     self.bucket.prefetch([
-                        (f.vbucket_or_status, bytes(f.key)) for f in frames
+                        (f.vbucket_or_status, self.qualified(f.key, check=False)) for f in frames
                         if f.opcode in FAST_STORE and f.magic == Magic.REQUEST
                     ])  # fmt: skip
                 for frame in frames:
@@ -420,9 +466,36 @@ class ClientSession:
         except StatusError as exc:
             self.error_reply(frame, exc)
 
+    @property
+    def collections(self) -> bool:
+        """Whether this connection negotiated collections (HELLO 0x12)."""
+        return Feature.COLLECTIONS in self.features
+
+    def qualified(self, key: bytes | memoryview, *, check: bool = True) -> bytes:
+        """The node's key for a request's key: as sent on a collections connection (a
+        canonical LEB128 collection id, then at least one byte), else in the default
+        collection (formats/collections.md §4)."""
+        if not self.collections:
+            return b"\x00" + bytes(key)
+        if check:
+            try:
+                _, rest = leb128.split_key(key)
+            except RemoteProtocolError as exc:
+                raise InvalidArguments(str(exc)) from None
+            if not rest:
+                raise InvalidArguments("a key needs a collection id and at least one byte")
+        return bytes(key)
+
     def error_reply(self, frame: Frame, exc: StatusError) -> None:
         """The response to a refused request (formats/cluster.md for the first two)."""
-        if isinstance(exc, StaleCas) and self.bucket is not None:
+        if isinstance(exc, UnknownCollectionError):
+            # kv_engine's error context: the uid of the manifest the node looked in
+            # (formats/collections.md §4), so a client knows whether to refresh its own
+            body = json.dumps({"error": {"context": str(exc)},
+                               "manifest_uid": f"{exc.manifest_uid:x}"}).encode()  # fmt: skip
+            self.send(Response(opcode=frame.opcode, opaque=frame.opaque, status=exc.code,
+                               value=body, datatype=1))  # fmt: skip
+        elif isinstance(exc, StaleCas) and self.bucket is not None:
             # the right bucket CAS in the header: the orchestrator retries with it
             # (formats/cluster.md §1)
             self.send(Response(opcode=frame.opcode, opaque=frame.opaque, status=exc.code,
@@ -441,6 +514,7 @@ class ClientSession:
         if not bucket.traffic:
             self.check_traffic()
         flags, expiration, key, value = parse_set(frame)
+        key = self.qualified(key)
         vb = frame.vbucket_or_status
         doc = bucket.store(FAST_STORE[frame.opcode], vb, key, value, flags=flags,
                            expiry=expiration, datatype=frame.datatype, cas=frame.cas)  # fmt: skip
@@ -590,6 +664,11 @@ class ClientSession:
             if op is not GetAllVbSeqnos:
                 self.check_traffic()
             self.kv(msg)
+        elif op in COLLECTIONS_COMMANDS:
+            await self.collections_request(msg)
+        elif isinstance(msg, UnknownRequest) and msg.opcode in RAW_KV:
+            self.check_traffic()
+            self.kv_raw(msg)
         elif op in (
             DcpOpen,
             Control,
@@ -714,7 +793,7 @@ class ClientSession:
             return
         vb = getattr(msg, "vbucket", 0)
         if isinstance(msg, Get):
-            doc = bucket.get(vb, msg.key)
+            doc = bucket.get(vb, self.qualified(msg.key))
             self.send(
                 GetResponse(
                     opaque=msg.opaque,
@@ -759,7 +838,7 @@ class ClientSession:
         if isinstance(msg, SetWithMeta):  # DelWithMeta is a subclass
             doc = bucket.store_with_meta(
                 vb,
-                msg.key,
+                self.qualified(msg.key),
                 msg.value,
                 deleted=isinstance(msg, DelWithMeta),
                 flags=msg.flags,
@@ -775,7 +854,7 @@ class ClientSession:
             doc = bucket.store(
                 op,
                 vb,
-                msg.key,
+                self.qualified(msg.key),
                 msg.value,
                 flags=msg.flags,
                 expiry=msg.expiration,
@@ -783,7 +862,7 @@ class ClientSession:
                 cas=msg.cas,
             )
         elif isinstance(msg, Delete):
-            doc = bucket.delete(vb, msg.key, cas=msg.cas)
+            doc = bucket.delete(vb, self.qualified(msg.key), cas=msg.cas)
         else:
             raise UnknownCommand("unsupported KV request")
         with_seq = Feature.MUTATION_SEQNO in self.features
@@ -796,6 +875,103 @@ class ClientSession:
                 seqno=doc.seq if with_seq else None,
             )
         )
+
+    def kv_raw(self, msg: UnknownRequest) -> None:
+        """TOUCH and GAT (extras u32 expiry), GET_META (extras: none, or u8 version 1 or
+        2) and SUBDOC_MULTI_LOOKUP, as the official SDK sends them
+        (formats/collections.md §5)."""
+        if msg.opcode == SUBDOC_MULTI_LOOKUP:
+            self.lookup_in(msg)
+            return
+        bucket = self.need_bucket()
+        key = self.qualified(msg.key)
+        if msg.opcode == GET_META:
+            if len(msg.extras) > 1 or (msg.extras and msg.extras[0] not in (1, 2)):
+                raise InvalidArguments("GET_META extras: none, or a u8 version 1 or 2")
+            doc = bucket.get_meta(msg.vbucket, key)
+            extras = _META_V2.pack(int(doc.deleted), doc.flags, doc.expiry, doc.rev_seq,
+                                   doc.datatype)  # fmt: skip
+            if msg.extras != b"\x02":
+                extras = extras[:-1]  # the datatype only for version 2
+            self.send(Response(opcode=msg.opcode, opaque=msg.opaque, cas=doc.cas, extras=extras))
+            return
+        if len(msg.extras) != 4 or msg.value:
+            raise InvalidArguments("TOUCH/GAT: extras are a u32 expiry, and no value")
+        (expiry,) = _U32.unpack(msg.extras)
+        doc = bucket.touch(msg.vbucket, key, expiry)
+        if msg.opcode == TOUCH:
+            self.send(Response(opcode=TOUCH, opaque=msg.opaque, cas=doc.cas))
+        else:  # GAT answers as GET does
+            self.send(Response(opcode=GAT, opaque=msg.opaque, cas=doc.cas,
+                               extras=_U32.pack(doc.flags), value=doc.value,
+                               datatype=doc.datatype))  # fmt: skip
+
+    def lookup_in(self, msg: UnknownRequest) -> None:
+        """SUBDOC_MULTI_LOOKUP, as far as the SDK's `get(with_expiry=True)` needs it:
+        the `$document` virtual extended attributes and the whole document
+        (formats/collections.md §5). Other extended attributes do not exist here
+        (PATH_ENOENT); paths into the JSON body are not supported."""
+        doc = self.need_bucket().get(msg.vbucket, self.qualified(msg.key))
+        virtual = {"flags": doc.flags, "exptime": doc.expiry, "CAS": f"0x{doc.cas:016x}",
+                   "seqno": f"0x{doc.seq:016x}", "revid": str(doc.rev_seq),
+                   "value_bytes": len(doc.value), "deleted": False,
+                   "datatype": ["json"] if doc.datatype & 1 else ["raw"]}  # fmt: skip
+        out, failed, pos, body = bytearray(), False, 0, bytes(msg.value)
+        while pos < len(body):
+            if pos + 4 > len(body):
+                raise InvalidArguments("SUBDOC_MULTI_LOOKUP: a truncated lookup spec")
+            op, flags, n = _SUBDOC_SPEC.unpack_from(body, pos)
+            path = body[pos + 4 : pos + 4 + n].decode(errors="replace")
+            pos += 4 + n
+            if op == _SUBDOC_WHOLE and not path:
+                result: bytes | None = doc.value
+            elif op in (_SUBDOC_GET, _SUBDOC_EXISTS) and flags & _SUBDOC_XATTR:
+                name = path.removeprefix("$document")
+                if name == "":
+                    result = json.dumps(virtual).encode()
+                elif name.startswith(".") and name[1:] in virtual:
+                    result = json.dumps(virtual[name[1:]]).encode()
+                else:
+                    result = None
+                if op == _SUBDOC_EXISTS and result is not None:
+                    result = b""
+            else:
+                raise NotSupported("SUBDOC_MULTI_LOOKUP: only $document and whole documents")
+            failed = failed or result is None
+            status = Status.SUCCESS if result is not None else _SUBDOC_PATH_ENOENT
+            out += _SUBDOC_RESULT.pack(status, len(result or b"")) + (result or b"")
+        status = _SUBDOC_MULTI_PATH_FAILURE if failed else Status.SUCCESS
+        self.send(Response(opcode=SUBDOC_MULTI_LOOKUP, opaque=msg.opaque, status=status,
+                           cas=doc.cas, value=bytes(out)))  # fmt: skip
+
+    async def collections_request(self, msg: Message) -> None:
+        """COLLECTIONS_SET_MANIFEST (authenticated), _GET_MANIFEST, _GET_ID and
+        _GET_SCOPE_ID (kv_engine's docs/Collections.md; formats/collections.md §4)."""
+        bucket = self.need_bucket()
+        if isinstance(msg, CollectionsSetManifest):
+            self.need_admin_bucket()
+            try:
+                manifest = Manifest.from_json(msg.value)
+            except CollectionsError as exc:
+                raise InvalidArguments(str(exc)) from None
+            await bucket.set_manifest(manifest)
+            self.send(Response(opcode=Opcode.COLLECTIONS_SET_MANIFEST, opaque=msg.opaque))
+        elif isinstance(msg, CollectionsGetManifest):
+            self.send(Response(opcode=Opcode.COLLECTIONS_GET_MANIFEST, opaque=msg.opaque,
+                               value=bucket.manifest.dumps(), datatype=1))  # fmt: skip
+        elif isinstance(msg, CollectionsGetId | CollectionsGetScopeId):
+            # the documented form has the path in the value; the SDK sends it as the key
+            raw = msg.value or msg.key
+            try:
+                path = bytes(raw).decode()
+                if isinstance(msg, CollectionsGetId):
+                    uid, ident = bucket.collections.collection_id(path)
+                else:
+                    uid, ident = bucket.collections.scope_id(path)
+            except (UnicodeDecodeError, CollectionsError) as exc:
+                raise InvalidArguments(f"collection path: {exc}") from None
+            self.send(CollectionsIdResponse(opcode=msg.SCHEMA.opcodes[0], opaque=msg.opaque,
+                                            manifest_uid=uid, id=ident))  # fmt: skip
 
     async def dcp_request(self, msg: Message) -> None:
         """DCP_OPEN, CONTROL, STREAM_REQ, CLOSE_STREAM, GET_FAILOVER_LOG, BUFFER_ACK."""
@@ -829,6 +1005,7 @@ class ClientSession:
                 self.server.backfill_slots,
                 self.fatal,
                 self.server.config.idle_timeout,
+                collections=self.collections,
             )
             self.send(Response(opcode=Opcode.DCP_OPEN, opaque=msg.opaque))
             return

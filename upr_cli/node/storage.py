@@ -28,6 +28,13 @@ Theory of operation
   `after_seq`, `high_seq`, purge and rollback are exact only for seqs < 2^63, which is the
   range ep-engine ever hands out. The seq-regression check of `write_batch` compares as
   unsigned.
+* **Qualified keys** (schema version 2, formats/collections.md §1). Every key is the
+  document's collection id as LEB128, then the document key; system event rows use
+  the system namespace (upr_cli/node/sysevents.py). A version 1 directory (plain keys,
+  all in the default collection) is migrated on open, in one transaction: its keys get
+  the prefix 0x00 in `docs`, `undo` and `lost_writes`.
+* **The collections manifest** is a `meta` row (its JSON), written in the transaction
+  of the flush that holds the system rows of its changes.
 """
 
 from __future__ import annotations
@@ -47,12 +54,13 @@ from typing import Any
 
 from upr_cli import sqlite
 from upr_cli.errors import UprError, UsageError
+from upr_cli.protocol import leb128
 from upr_cli.sqlite import TWO64 as _TWO64
 from upr_cli.sqlite import U64_MAX
 from upr_cli.sqlite import i64 as _i64
 from upr_cli.sqlite import u64 as _u64
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: qualified keys (formats/collections.md §1)
 PARTITION_STATES = frozenset({"active", "replica", "pending", "dead"})
 _BUCKET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.%-]{0,99}")
 _DECIMAL = re.compile(r"[0-9]{1,20}")
@@ -350,6 +358,8 @@ class NodeStorage(sqlite.Closing):
                 conn.execute(stmt)
             if "boundaries" not in names and "partitions" in names:
                 conn.execute(_SEED_BOUNDARIES)  # migration: a directory of an older upr
+            if int(version) < 2:
+                _qualify_keys(conn)
             uuid = meta.get("bucket_uuid", "")
             if not re.fullmatch(r"[0-9a-f]{32}", uuid):
                 raise StorageError(f"{self.path}: bad bucket uuid {uuid!r}")
@@ -397,6 +407,16 @@ class NodeStorage(sqlite.Closing):
                 ("1" if clean else "0",),
             )
 
+    def meta(self, key: str) -> str | None:
+        """A `meta` value (the collections manifest: `collections_manifest`), or None."""
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, values: Mapping[str, str]) -> None:
+        """Write `meta` values, durably."""
+        with self._transaction(durable=True) as db:
+            _write_meta(db, values)
+
     def bucket_uuid(self) -> str:
         """The bucket's uuid (32 hex digits), created with the database and never changed."""
         return self._bucket_uuid
@@ -436,8 +456,12 @@ class NodeStorage(sqlite.Closing):
         records: Iterable[PartitionRecord],
         undo: Collection[int] = (),
         boundaries: Mapping[int, Iterable[int]] | None = None,
+        meta: Mapping[str, str] | None = None,
     ) -> None:
         """Upsert docs (newest version per key) and partition records in ONE transaction.
+
+        `meta` values (a new collections manifest) are written in the same transaction,
+        which is then durable (synchronous=FULL).
 
         For docs of the partitions in `undo` (replicas), the version each one replaces is
         kept in the undo table first. `boundaries` are snapshot boundaries this batch
@@ -448,11 +472,13 @@ class NodeStorage(sqlite.Closing):
         doc_params = _doc_params(docs)
         rec_params = [_partition_params(r) for r in records]
         bound_params = [(vb, _i64(b)) for vb, bs in (boundaries or {}).items() for b in bs]
-        if not doc_params and not rec_params and not bound_params:
+        if not doc_params and not rec_params and not bound_params and not meta:
             return
         undo_params = [(_i64(d.seq), d.vbucket, d.key) for d in docs if d.vbucket in undo]
         try:
-            with self._transaction(durable=False) as db:
+            with self._transaction(durable=bool(meta)) as db:
+                if meta:
+                    _write_meta(db, meta)
                 if undo_params:
                     db.executemany(_SAVE_UNDO, undo_params)
                 changed = db.executemany(_UPSERT_DOC, doc_params).rowcount if doc_params else 0
@@ -562,6 +588,17 @@ class NodeStorage(sqlite.Closing):
                     [(_i64(seq), vb) for vb, seq in out.items()],
                 )
         return out
+
+    def purge_collection(self, vbucket: int, cid: int, limit: int = 10_000) -> int:
+        """Delete up to `limit` rows of a dropped collection in one partition, without
+        tombstones (formats/collections.md §3); returns how many (below `limit`: done)."""
+        low, high = _key_range(cid)
+        with self._transaction(durable=False) as db:
+            return int(db.execute(
+                "DELETE FROM docs WHERE vbucket = :vb AND key IN (SELECT key FROM docs"
+                " WHERE vbucket = :vb AND key >= :low AND key < :high LIMIT :n)",
+                {"vb": vbucket, "low": low, "high": high, "n": limit},
+            ).rowcount)  # fmt: skip
 
     def rollback(self, vbucket: int, to_seq: int) -> int:
         """Delete the partition's rows with seq > to_seq, durably; returns how many.
@@ -689,6 +726,14 @@ class NodeStorage(sqlite.Closing):
         return [(_u64(r[0]), d) for r, d in zip(rows, docs, strict=True)]
 
 
+def _write_meta(db: sqlite3.Connection, values: Mapping[str, str]) -> None:
+    db.executemany(
+        "INSERT INTO meta (key, value) VALUES (?, ?)"
+        " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        list(values.items()),
+    )
+
+
 def _record_lost(db: sqlite3.Connection, vbucket: int, above: int) -> None:
     """Copy a partition's versions with seq > `above` to `lost_writes` (rolled back to
     `above`), inside the caller's transaction."""
@@ -697,6 +742,34 @@ def _record_lost(db: sqlite3.Connection, vbucket: int, above: int) -> None:
         f" SELECT :now, :s, {_DOC_COLUMNS} FROM docs WHERE vbucket = :vb AND seq > :s",
         {"vb": vbucket, "s": _i64(above), "now": time.time()},
     )
+
+
+def _qualify_keys(conn: sqlite3.Connection) -> None:
+    """Schema 1 → 2, inside the caller's transaction: every key of a version 1
+    directory is a document of the default collection, so it gets the prefix 0x00
+    (formats/collections.md §1). `docs` is rebuilt, not updated in place: its primary
+    key holds the key, and an in-place UPDATE could meet a key that is some other
+    key's prefixed form before that one moved ("a" and "\\x00a")."""
+    # `||` makes TEXT of two BLOBs; CAST back gives the same bytes (UTF-8 database)
+    qualified = "CAST(X'00' || key AS BLOB)"
+    cols = _DOC_COLUMNS.replace("key", qualified, 1)
+    conn.execute("DROP INDEX docs_by_seq")
+    conn.execute("DROP INDEX docs_tombstones")
+    conn.execute("ALTER TABLE docs RENAME TO docs_v1")
+    for stmt in _SCHEMA[1:4]:  # docs and its two indexes
+        conn.execute(stmt)
+    conn.execute(f"INSERT INTO docs ({_DOC_COLUMNS}) SELECT {cols} FROM docs_v1")
+    conn.execute("DROP TABLE docs_v1")
+    conn.execute(f"UPDATE undo SET key = {qualified}")
+    conn.execute(f"UPDATE lost_writes SET key = {qualified}")
+    conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+
+
+def _key_range(cid: int) -> tuple[bytes, bytes]:
+    """[low, high) of the qualified keys of collection `cid`: its LEB128 id ends with a
+    byte below 0x80, so that byte plus one bounds every key that starts with it."""
+    low = leb128.encode(cid)
+    return low, low[:-1] + bytes((low[-1] + 1,))
 
 
 class StorageReader(sqlite.Closing):

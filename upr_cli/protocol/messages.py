@@ -975,6 +975,7 @@ class CollectionsIdResponse(ResponseMessage):
         extras=(layout(("manifest_uid", "Q"), ("id", "I")),),
         statuses=SUCCESS_ONLY,
     )
+    opcode: int = Opcode.COLLECTIONS_GET_ID
     manifest_uid: int
     id: int
 

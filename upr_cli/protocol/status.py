@@ -38,6 +38,9 @@ class Status(IntEnum):
     EBUSY = 0x85
     ETMPFAIL = 0x86
     UNKNOWN_COLLECTION = 0x88
+    NO_COLLECTIONS_MANIFEST = 0x89
+    CANNOT_APPLY_COLLECTIONS_MANIFEST = 0x8A
+    COLLECTIONS_MANIFEST_IS_AHEAD = 0x8B
     UNKNOWN_SCOPE = 0x8C
     DCP_STREAMID_INVALID = 0x8D
 
@@ -125,6 +128,18 @@ UnknownCollection = _status_error(
     "UnknownCollection", Status.UNKNOWN_COLLECTION, "Unknown collection."
 )
 UnknownScope = _status_error("UnknownScope", Status.UNKNOWN_SCOPE, "Unknown scope.")
+NoCollectionsManifest = _status_error(
+    "NoCollectionsManifest", Status.NO_COLLECTIONS_MANIFEST, "No collections manifest set yet."
+)
+CannotApplyManifest = _status_error(
+    "CannotApplyManifest", Status.CANNOT_APPLY_COLLECTIONS_MANIFEST,
+    "The collections manifest cannot be applied.",
+)  # fmt: skip
+# retriable: the cluster manager brings the node the newer manifest
+ManifestAhead = _status_error(
+    "ManifestAhead", Status.COLLECTIONS_MANIFEST_IS_AHEAD,
+    "The request's manifest uid is ahead of the node's.", True,
+)  # fmt: skip
 DcpStreamIdInvalid = _status_error(
     "DcpStreamIdInvalid",
     Status.DCP_STREAMID_INVALID,
@@ -155,6 +170,9 @@ _REGISTRY: dict[int, type[StatusError]] = {
         Busy,
         TemporaryFailure,
         UnknownCollection,
+        NoCollectionsManifest,
+        CannotApplyManifest,
+        ManifestAhead,
         UnknownScope,
         DcpStreamIdInvalid,
     )
