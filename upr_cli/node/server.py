@@ -136,7 +136,8 @@ GRANTABLE = {
 }
 # KV commands the official SDK sends that upr's message layer does not model: answered
 # from the raw request (formats/collections.md §5)
-TOUCH, GAT, GET_META, SUBDOC_MULTI_LOOKUP = 0x1C, 0x1D, 0xA0, 0xD0
+TOUCH, GAT, GET_META = Opcode.TOUCH, Opcode.GAT, Opcode.GET_META
+SUBDOC_MULTI_LOOKUP = Opcode.SUBDOC_MULTI_LOOKUP
 RAW_KV = frozenset({TOUCH, GAT, GET_META, SUBDOC_MULTI_LOOKUP})
 # lookup specs of SUBDOC_MULTI_LOOKUP: the whole document, an xattr's value or presence
 _SUBDOC_WHOLE, _SUBDOC_GET, _SUBDOC_EXISTS, _SUBDOC_XATTR = 0x00, 0xC5, 0xC6, 0x04

@@ -45,6 +45,8 @@ class Opcode(IntEnum):
     REPLACE = 0x03
     DELETE = 0x04
     STAT = 0x10
+    TOUCH = 0x1C  # what the official SDK sends (formats/collections.md)
+    GAT = 0x1D
     SET_VBUCKET = 0x3D
     SET_PARAM = 0x82  # ep-engine's engine-parameter command (formats/cluster.md §6)
     HELLO = 0x1F
@@ -73,6 +75,7 @@ class Opcode(IntEnum):
     DISABLE_TRAFFIC = 0x8E
     OBSERVE_SEQNO = 0x91
     GET_FAILOVER_LOG = 0x96
+    GET_META = 0xA0
     SET_WITH_META = 0xA2
     DEL_WITH_META = 0xA8
     SET_CLUSTER_CONFIG = 0xB4
@@ -81,6 +84,7 @@ class Opcode(IntEnum):
     COLLECTIONS_GET_MANIFEST = 0xBA
     COLLECTIONS_GET_ID = 0xBB
     COLLECTIONS_GET_SCOPE_ID = 0xBC
+    SUBDOC_MULTI_LOOKUP = 0xD0
     GET_ERROR_MAP = 0xFE
     UPR_BARRIER = 0xE1  # upr extension (formats/barrier.md)
 
