@@ -87,7 +87,8 @@ def bare_executemany(rows: list[tuple[object, ...]], db: Path) -> float:
         conn.execute("BEGIN")
         conn.executemany(
             "INSERT INTO documents (partition, key, seq, rev_seq, cas, flags, expiry,"
-            " delete_time, datatype, deleted, value) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            " delete_time, datatype, deleted, value, collection_id)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             rows,
         )
         conn.execute("COMMIT")

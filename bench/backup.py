@@ -65,7 +65,7 @@ def zstd3_ratio(repo: Path) -> tuple[float, int]:
     with open(raw_path, "wb") as out:
         for seg in sorted(repo.glob("*/*/p*.seg")):
             with SegmentReader(seg) as r:
-                for op, seq, rev, cas, fl, exp, dt, dtype, k, v in r.records():
+                for op, seq, rev, cas, fl, exp, dt, dtype, k, v, _coll in r.records():
                     rec = (
                         head.pack(op, dtype, len(k), len(v), seq, rev, cas, fl, exp, dt, 0) + k + v
                     )
@@ -99,7 +99,8 @@ def bare_insert_rate(repo: Path, tmp: Path) -> tuple[float, int]:
             cas = rec.cas - (1 << 64) if rec.cas >= 1 << 63 else rec.cas
             deleted = 0 if rec.op == OP_MUTATION else 1
             rows.append((p, rec.key, rec.seq, rec.rev_seq, cas, rec.flags, rec.expiry,
-                         rec.delete_time, rec.datatype, deleted, value))  # fmt: skip
+                         rec.delete_time, rec.datatype, deleted, value,
+                         rec.collection))  # fmt: skip
     return bare_executemany(rows, tmp / "bare.db"), len(rows)
 
 

@@ -1,7 +1,12 @@
-"""Regenerate the segment test vectors (run only when the format version changes).
+"""Regenerate the segment test vectors of the current version (run only when the
+format version changes).
 
 Usage: python formats/vectors/make_vectors.py
-Writes NAME.seg and NAME.json (header and records, bytes as hex) for each vector.
+Writes NAME.seg and NAME.json (header and records, bytes as hex) for each vector of
+`VECTORS`. `empty` and `two-blocks` are version 1 files, written by the version 1
+writer and kept byte for byte (`V1_VECTORS`, never regenerated): readers must go on
+reading them, as collection 0. Their records are listed with ten fields, those of
+version 2 vectors with an eleventh, the collection id (system events included).
 """
 
 from __future__ import annotations
@@ -13,11 +18,52 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
+from upr_cli.collections import ManifestChange  # noqa: E402
 from upr_cli.failover import FailoverLog  # noqa: E402
+from upr_cli.protocol.decoder import DcpRecord  # noqa: E402
 from upr_cli.segments import SegmentHeader, SegmentReader, SegmentWriter  # noqa: E402
+from upr_cli.segments.format import event_record  # noqa: E402
 
 LOG = FailoverLog.of([(0xDEADBEEF, 8), (0xCAFEBABE, 0)])
+
+
+def _row(seq: int, op: int, key: bytes, value: bytes, collection: int) -> DcpRecord:
+    return DcpRecord(op, 7, seq, 1, 0x16B8_0000_0000_0000 + seq, 0, 0,
+                     1_763_700_000 if op != 0x57 else 0, 1 if value[:1] == b"{" else 0, key,
+                     value, 0, collection)  # fmt: skip
+
+
+# Version 2: a scope and two collections created (ids 8, 9 and 0x80: a two-byte LEB128
+# on the wire, a u32 here like any other), documents in each and in the default
+# collection, one collection dropped, across two blocks.
+COLLECTIONS = [
+    event_record(ManifestChange(7, 1, "scope-created", 1, 8, None, "app")),
+    event_record(ManifestChange(7, 2, "collection-created", 2, 8, 9, "users")),
+    event_record(ManifestChange(7, 3, "collection-created", 0x79, 8, 0x80, "logs", 3600)),
+    _row(4, 0x57, b"u1", b'{"n":1}', 9),
+    _row(5, 0x57, b"u1", b'{"n":1}', 0),
+    _row(6, 0x57, b"l1", b"line", 0x80),
+    _row(7, 0x58, b"u1", b"", 9),
+    event_record(ManifestChange(7, 8, "collection-dropped", 0x7A, 8, 0x80)),
+    _row(9, 0x57, b"u2", b'{"n":2}', 9),
+]
 VECTORS = {
+    "collections": (
+        SegmentHeader(
+            "travel",
+            7,
+            LOG,
+            0,
+            9,
+            ((1, 9),),
+            "2026-11-26T12:00:00.000000Z",
+            "upr://127.0.0.1:11210/travel",
+            160,
+        ),
+        COLLECTIONS,
+    ),
+}
+V1_VECTORS = {
     "empty": (
         SegmentHeader(
             "default",
@@ -95,7 +141,7 @@ VECTORS = {
 
 
 def main() -> None:
-    for name, (header, rows) in VECTORS.items():
+    for name, (header, rows) in VECTORS.items():  # V1_VECTORS: kept as written
         seg = HERE / f"{name}.seg"
         seg.unlink(missing_ok=True)
         w = SegmentWriter(seg, header)
@@ -103,9 +149,11 @@ def main() -> None:
         info = w.finish()
         with SegmentReader(seg) as r:
             records = [
-                [op, str(seq), str(rev), str(cas), flags, exp, dtime, dt, key.hex(), value.hex()]
-                for op, seq, rev, cas, flags, exp, dtime, dt, key, value in r.records()
-            ]
+                [op, str(seq), str(rev), str(cas), flags, exp, dtime, dt, key.hex(), value.hex(),
+                 coll]
+                for op, seq, rev, cas, flags, exp, dtime, dt, key, value, coll
+                in r.records(events=True)
+            ]  # fmt: skip
             blocks = len(r.blocks)
         expected = {
             "header": json.loads(header.to_bytes()),

@@ -31,9 +31,15 @@ def test_restore_to_a_second_node_keeps_metadata(node_factory: type[Node], tmp_p
     assert plan["dry_run"] and plan["written"] == 0 and plan["documents"] == len(docs(src.uri))
     assert docs(dst.uri) == {}
 
+    assert [(c["source"], c["target"], c["status"]) for c in plan["collections"]] == [
+        ("_default._default", "_default._default", "exists")
+    ]
+
     out = json.loads(upr("restore", "--repo", str(repo), "--json", dst.uri).stdout)
     assert out["errors"] == 0 and out["errors_by_status"] == {}
     assert out["written"] == out["documents"]
+    # the same partition count on both sides: every key where it was
+    assert (out["source_partitions"], out["target_partitions"], out["rehash"]) == (16, 16, False)
     assert docs(dst.uri) == docs(src.uri)  # values, cas, rev seq, flags, expiry
 
     # with the deletions written as tombstones too, restoring the older backup over it
@@ -81,6 +87,8 @@ def test_restore_into_sqlite_matches_the_node(node_factory: type[Node], tmp_path
     out = json.loads(upr("restore", "--repo", str(repo), f"sqlite:{db}", "--json").stdout)
     assert out["errors"] == 0 and out["errors_by_status"] == {}
     assert out["written"] == out["documents"] + out["deletions"]
+    # a store has no partition count of its own: the source's partitions, no rehash
+    assert (out["source_partitions"], out["target_partitions"], out["rehash"]) == (16, None, False)
     with Store(db) as s:
         assert (s.count(), s.content_hash()) == node_content_hash(src.uri)
         assert len(s.positions()) == 16  # a replay could go on from the backup

@@ -161,7 +161,7 @@ class Pdu:
     def doc_key(self) -> bytes:
         """A data record's document key: HELLO negotiated collections, so the wire key is
         the LEB128 collection id, then the key (docs/protocol.md §12.1). The dissector
-        splits a mutation's key itself; a deletion's it shows whole (§8.1)."""
+        splits a mutation's key itself; a deletion's it shows whole (docs/protocol.md §8.1)."""
         cid, doc = leb128.split_key(self.key())
         if "couchbase.key.collection_id" in self.fields:
             assert self.num("couchbase.key.collection_id") == cid

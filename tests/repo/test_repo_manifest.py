@@ -155,7 +155,7 @@ def test_example_fields_and_decimal_strings() -> None:
     m = manifest(parts=(part(3, 80, 150, rollback=RollbackRecord(100, 80, 80, 90)),))
     obj = json.loads(m.dumps())
     assert obj["backup_id"] == "20261121T071500.000000Z" and obj["parent"] == B1.format()
-    assert obj["version"] == 1 and obj["format"] == "upr-backup-manifest"
+    assert obj["version"] == 2 and obj["format"] == "upr-backup-manifest"
     p = obj["partitions"][0]
     assert p["partition"] == 3 and p["uuid"] == str(0xBEEF)
     assert p["rollback"] == {"from": "100", "to": "80", "seed_rule_seq": "80", "producer_seq": "90"}
@@ -248,7 +248,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("missing bucket", deleter(top, "bucket"), "missing key 'bucket'"),
     ("format", setter(top, "format", "other"), "format"),
     ("version string", setter(top, "version", "1"), "version"),
-    ("version 2", setter(top, "version", 2), "version 2 is not supported"),
+    ("version 3", setter(top, "version", 3), "version 3 is not supported"),
     ("version bool", setter(top, "version", True), "version"),
     ("backup id", setter(top, "backup_id", "2026-11-21"), "backup id"),
     ("bucket", setter(top, "bucket", ".x"), "bucket name"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import IO, Any
 
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from upr_cli.collections import ManifestChange
 from upr_cli.errors import LocalProtocolError
 from upr_cli.failover import FailoverLog
 from upr_cli.fsio import FileOps
@@ -21,6 +23,7 @@ from upr_cli.segments import (
     SegmentReader,
     SegmentWriter,
 )
+from upr_cli.segments.format import OP_SYSTEM_EVENT, event_record
 
 VECTORS = Path(__file__).resolve().parents[2] / "formats" / "vectors"
 LOG = FailoverLog.of([(0xDEADBEEF, 8), (0xCAFEBABE, 0)])
@@ -40,10 +43,15 @@ def header(start: int = 0, end: int = 10_000, block: int = 256, part: int = 3) -
     )
 
 
-def rows_for(seqs: list[int], part: int = 3) -> list[DcpRecord]:
+def rows_for(seqs: list[int], part: int = 3, events: bool = False) -> list[DcpRecord]:
+    """Data records in collections 0, 8, 200 and 0xFFFFFFFF (ids of one to five LEB128
+    bytes on the wire); with `events`, every seq divisible by 11 a system event."""
     ops = (OP_MUTATION, OP_DELETION, OP_EXPIRATION)
+    colls = (0, 8, 200, 0xFFFF_FFFF)
     return [
-        DcpRecord(
+        event_record(_change(s, part))
+        if events and s % 11 == 0
+        else DcpRecord(
             ops[s % 3],
             part,
             s,
@@ -56,9 +64,16 @@ def rows_for(seqs: list[int], part: int = 3) -> list[DcpRecord]:
             f"key-{s}".encode(),
             b"v" * (s % 90) if s % 3 == 0 else b"",
             0,
+            colls[s % 4],
         )
         for s in seqs
     ]
+
+
+def _change(s: int, part: int) -> ManifestChange:
+    if s % 2:
+        return ManifestChange(part, s, "collection-dropped", s, 8, 8 + s)
+    return ManifestChange(part, s, "collection-created", s, 8, 8 + s, f"c{s}", s % 3 or None)
 
 
 def as_records(rows: list[DcpRecord]) -> list[Record]:
@@ -74,9 +89,18 @@ def as_records(rows: list[DcpRecord]) -> list[Record]:
             r.datatype,
             bytes(r.key),
             bytes(r.value),
+            r.collection,
         )
         for r in rows
     ]
+
+
+def data(rows: list[DcpRecord]) -> list[DcpRecord]:
+    return [r for r in rows if r.opcode != OP_SYSTEM_EVENT]
+
+
+def changes(rows: list[DcpRecord]) -> list[ManifestChange]:
+    return [_change(r.by_seqno, r.vbucket) for r in rows if r.opcode == OP_SYSTEM_EVENT]
 
 
 def vector_record(x: Record) -> list[Any]:
@@ -98,27 +122,43 @@ def write(path: Path, hdr: SegmentHeader, rows: list[DcpRecord]) -> Any:
     st.lists(st.integers(1, 5000), unique=True, max_size=300),
     st.integers(50, 3000),
     st.integers(0, 5001),
+    st.booleans(),
 )
-def test_round_trip_and_seek(tmp_path: Path, seqs: list[int], block: int, from_seq: int) -> None:
+def test_round_trip_and_seek(
+    tmp_path: Path, seqs: list[int], block: int, from_seq: int, events: bool
+) -> None:
+    """Data records keep their collection; system events come back in seq order among
+    them with `events=True`, and are left out otherwise."""
     seqs.sort()
-    rows = rows_for(seqs)
+    rows = rows_for(seqs, events=events)
     path = tmp_path / f"s{block}-{len(seqs)}.seg"
     path.unlink(missing_ok=True)
     info = write(path, header(block=block), rows)
     with SegmentReader(path) as r:
-        assert list(r.records()) == as_records(rows)
-        assert list(r.records(from_seq)) == [x for x in as_records(rows) if x[1] >= from_seq]
+        assert r.version == 2
+        assert list(r.records()) == as_records(data(rows))
+        assert list(r.records(events=True)) == as_records(rows)
+        assert list(r.records(from_seq)) == [x for x in as_records(data(rows)) if x.seq >= from_seq]
+        assert r.changes() == changes(rows) == list(info.changes)
+        assert r.event_count == len(rows) - len(data(rows))
         assert r.verify() == info
         assert info.records == len(rows) and (info.first_seq, info.last_seq) == (
             (seqs[0], seqs[-1]) if seqs else (0, 0)
         )
         assert r.header == header(block=block)
+    counts: dict[int, list[int]] = {}
+    for x in data(rows):
+        counts.setdefault(x.collection, [0, 0])[x.opcode != OP_MUTATION] += 1
+    assert info.counts == tuple((c, a, b) for c, (a, b) in sorted(counts.items()))
 
 
-@pytest.mark.parametrize("name", ["empty", "two-blocks"])
-def test_vectors_read_back_exactly(name: str) -> None:
+@pytest.mark.parametrize(("name", "version"), [("empty", 1), ("two-blocks", 1), ("collections", 2)])
+def test_vectors_read_back_exactly(name: str, version: int) -> None:
+    """Version 1 files (before collections) read as collection 0; the version 2 vector
+    lists each record's collection id, its system events among the records."""
     expected = json.loads((VECTORS / f"{name}.json").read_text())
     with SegmentReader(VECTORS / f"{name}.seg") as r:
+        assert r.version == version
         assert json.loads(r.header.to_bytes()) == expected["header"]
         assert len(r.blocks) == expected["blocks"]
         got = [
@@ -133,12 +173,41 @@ def test_vectors_read_back_exactly(name: str) -> None:
                 x.datatype,
                 x.key.hex(),
                 x.value.hex(),
+                *([x.collection] if version > 1 else []),
             ]
-            for x in r.records()
+            for x in r.records(events=True)
         ]
         assert got == expected["records"]
+        if version == 1:
+            assert {x.collection for x in r.records()} <= {0} and not r.changes()
         info = r.verify()
         assert (info.checksum, info.bytes) == (expected["checksum"], expected["bytes"])
+
+
+def test_collections_vector_decodes_to_its_changes() -> None:
+    with SegmentReader(VECTORS / "collections.seg") as r:
+        got = [(c.seq, c.kind, c.collection_id, c.name, c.max_ttl) for c in r.changes()]
+        assert got == [
+            (1, "scope-created", None, "app", None),
+            (2, "collection-created", 9, "users", None),
+            (3, "collection-created", 0x80, "logs", 3600),
+            (8, "collection-dropped", 0x80, None, None),
+        ]
+        assert r.verify().counts == ((0, 1, 0), (9, 2, 1), (0x80, 1, 0))
+        assert [x.seq for x in r.records()] == [4, 5, 6, 7, 9]
+
+
+def test_a_version_1_file_cannot_hold_events_or_collections(tmp_path: Path) -> None:
+    """A version 2 file relabelled as version 1 (its header CRC fixed) is refused: a
+    version 1 footer counts no system event."""
+    v2 = bytearray((VECTORS / "collections.seg").read_bytes())
+    v2[8:10] = (1).to_bytes(2, "little")
+    hl = int.from_bytes(v2[12:16], "little")
+    v2[16 + hl : 20 + hl] = zlib.crc32(bytes(v2[: 16 + hl])).to_bytes(4, "little")
+    bad = tmp_path / "relabelled.seg"
+    bad.write_bytes(bytes(v2))
+    with pytest.raises(SegmentError, match="system events"):
+        SegmentReader(bad)
 
 
 def _fully_read(path: Path) -> None:
@@ -315,7 +384,7 @@ def test_truncate_keeps_exactly_the_records_up_to_the_seq(
     """A rollback in mid-stream: whatever was compressed, spilled or still buffered, the
     segment holds exactly the records ≤ cut, then what follows on the new branch."""
     seqs.sort()
-    rows = rows_for(seqs)
+    rows = rows_for(seqs, events=bool(spill_at % 2))  # system events are cut like records
     path = tmp_path / f"t{block}-{len(seqs)}-{cut}.seg"
     path.unlink(missing_ok=True)
     w = SegmentWriter(path, header(block=block))
@@ -335,16 +404,19 @@ def test_truncate_keeps_exactly_the_records_up_to_the_seq(
         if moved.last_seq > cut:
             moved.finish()
             with SegmentReader(tmp_path / "cut.seg") as r:
-                assert list(r.records()) == as_records([x for x in rows if x.by_seqno > cut])
+                above = [x for x in rows if x.by_seqno > cut]
+                assert list(r.records(events=True)) == as_records(above)
+                assert r.changes() == changes(above)
         else:
             assert dropped == 0
             moved.abort()
     assert w.last_seq == (kept[-1][2] if kept else 0)
-    after = rows_for(sorted(cut + m for m in more))
+    after = rows_for(sorted(cut + m for m in more), events=True)
     w.add(after)
+    assert w.changes == changes(kept + after)
     info = w.finish(end_seq=max(10_000, cut + 2000))
     with SegmentReader(path) as r:
-        assert list(r.records()) == as_records(kept + after)
-        assert r.verify() == info
+        assert list(r.records(events=True)) == as_records(kept + after)
+        assert r.verify() == info and list(info.changes) == changes(kept + after)
     assert info.records == len(kept) + len(after)
     assert not list(tmp_path.glob(".*tmp-*"))  # the body file went with the finish

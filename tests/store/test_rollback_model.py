@@ -10,6 +10,11 @@ one. The new active's answer is the real producer rule (`needs_rollback`); the s
 then rolls back to the newest boundary at or below it (`boundary_at` over
 `Store.boundaries`), as `upr replay` does.
 
+Histories hold two named collections besides the default one, and drops of them: a
+drop is a system event at its own seq (never deduplicated) that removes the
+collection's documents; the store logs them, so a rollback below a drop brings them
+back (formats/store.md §5.5). A dropped collection gets no more writes on that branch.
+
 Checked after every rollback: the store equals the source's state at the boundary it
 landed on (a state the source really had). At the end: it equals the source.
 """
@@ -24,6 +29,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from upr_cli.collections import ManifestChange
 from upr_cli.failover import FailoverLog, needs_rollback
 from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
@@ -31,7 +37,11 @@ from upr_cli.store import Store
 
 MUT, DEL = OP_MUTATION, OP_DELETION
 KEYS = [b"k0", b"k1", b"k2", b"k3"]
-Write = tuple[int, bytes, bytes | None]  # seq, key, value (None: a deletion)
+COLLECTIONS = [0, 8, 9]  # the default collection can never be dropped
+DROP = b"\x00drop"  # the value of a drop event (its key is empty)
+# seq, (collection, key), value (None: a deletion; DROP: the collection's drop)
+Write = tuple[int, tuple[int, bytes], bytes | None]
+State = dict[tuple[int, bytes], bytes]
 
 
 @dataclass
@@ -45,12 +55,14 @@ class Branch:
     def high(self) -> int:
         return self.history[-1][0] if self.history else 0
 
-    def state_at(self, seq: int) -> dict[bytes, bytes]:
-        out: dict[bytes, bytes] = {}
+    def state_at(self, seq: int) -> State:
+        out: State = {}
         for s, key, value in self.history:
             if s > seq:
                 break
-            if value is None:
+            if value == DROP:
+                out = {k: v for k, v in out.items() if k[0] != key[0]}
+            elif value is None:
                 out.pop(key, None)
             else:
                 out[key] = value
@@ -64,9 +76,9 @@ class Branch:
         while i < len(rest):
             size = sizes[n % len(sizes)] if sizes else len(rest)
             chunk = rest[i : i + size]
-            newest: dict[bytes, Write] = {}
+            newest: dict[object, Write] = {}
             for w in chunk:
-                newest[w[1]] = w
+                newest[w if w[2] == DROP else w[1]] = w  # an event is never deduplicated
             items = sorted(newest.values())
             start = after if not out else out[-1][1] + 1
             out.append((start, chunk[-1][0], items))
@@ -79,8 +91,8 @@ class Client:
     store: Store
     pos: StreamPosition = field(default_factory=lambda: StreamPosition(0))
 
-    def state(self) -> dict[bytes, bytes]:
-        return {d.key: d.value for d in self.store.documents(include_deleted=False)}
+    def state(self) -> State:
+        return {(d.collection, d.key): d.value for d in self.store.documents(include_deleted=False)}
 
     def apply(self, start: int, end: int, items: list[Write], upto: int | None, uuid: int) -> None:
         """Apply a snapshot's items, all of them or those up to index `upto` (a crash)."""
@@ -89,12 +101,14 @@ class Client:
             return  # crashed before any item of the snapshot: the position stays
         rows = [
             DcpRecord(MUT if v is not None else DEL, 0, s, 1, s * 10, 0, 0, 0, 0,
-                      memoryview(k), memoryview(v or b""), 0)
-            for s, k, v in got
+                      memoryview(k), memoryview(v or b""), 0, c)
+            for s, (c, k), v in got if v != DROP
         ]  # fmt: skip
+        drops = [ManifestChange(0, s, "collection-dropped", s, 0, c)
+                 for s, (c, _k), v in got if v == DROP]  # fmt: skip
         seq = end if upto is None else got[-1][0]
         self.pos = StreamPosition(0, uuid, seq, start, end)
-        self.store.apply(0, rows, self.pos)
+        self.store.apply(0, rows, self.pos, changes=drops)
 
 
 def _stream(
@@ -133,7 +147,10 @@ def _reconnect(client: Client, src: Branch, rule: str) -> None:
 
 
 writes = st.lists(
-    st.tuples(st.sampled_from(KEYS), st.one_of(st.none(), st.binary(min_size=1, max_size=3))),
+    st.tuples(
+        st.tuples(st.sampled_from(COLLECTIONS), st.sampled_from(KEYS)),
+        st.one_of(st.none(), st.binary(min_size=1, max_size=3), st.just(DROP)),
+    ),
     min_size=1,
     max_size=14,
 )
@@ -163,8 +180,22 @@ def scenarios(draw: st.DrawFn) -> dict[str, object]:
     }
 
 
-def _history(pairs: list[tuple[bytes, bytes | None]], after: int) -> list[Write]:
-    return [(after + i + 1, k, v) for i, (k, v) in enumerate(pairs)]
+def _history(
+    pairs: list[tuple[tuple[int, bytes], bytes | None]], after: int, before: list[Write] = ()
+) -> list[Write]:
+    """The writes as a history after seq `after` (following `before`): a collection is
+    dropped once and written no more (its id is never used again); the default
+    collection is never dropped."""
+    dropped = {k[0] for _s, k, v in before if v == DROP}
+    out: list[Write] = []
+    for (c, key), v in pairs:
+        if c in dropped or (v == DROP and c == 0):
+            continue
+        if v == DROP:
+            dropped.add(c)
+            key = b""
+        out.append((after + len(out) + 1, (c, key), v))
+    return out
 
 
 def run_scenario(sc: dict[str, object], rule: str) -> None:
@@ -181,7 +212,7 @@ def run_scenario(sc: dict[str, object], rule: str) -> None:
                 cut = int(rd["keep"] * src.high)
                 kept = [w for w in src.history if w[0] <= cut]
                 log = src.log.add_entry(rng.getrandbits(48) | 1, cut)
-                src = Branch(kept + _history(rd["more"], cut), log)
+                src = Branch(kept + _history(rd["more"], cut, kept), log)
                 _reconnect(client, src, rule)
                 _stream(client, src, rd["sizes"], rd["crash"])
             _reconnect(client, src, rule)
@@ -200,7 +231,7 @@ def test_rolling_back_to_the_asked_seq_inside_a_snapshot_loses_a_document() -> N
     (2), K=v3 (3) in one snapshot; the new active took over at 2. Rolling back to 2 (the
     old rule) leaves the store without K for good; the boundary rule goes to 0."""
     sc: dict[str, object] = {
-        "first": [(b"K", b"v1"), (b"J", b"j"), (b"K", b"v3")],
+        "first": [((0, b"K"), b"v1"), ((0, b"J"), b"j"), ((0, b"K"), b"v3")],
         "rounds": [{"keep": 2 / 3, "more": [], "sizes": [3], "crash": None}],
         "sizes": [3], "crash": None, "window": 100, "seed": 1,
     }  # fmt: skip

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from upr_cli.collections import Manifest
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog
 from upr_cli.position import StreamPosition
@@ -122,7 +123,9 @@ def test_round_trip_of_every_field_including_u64_max(tmp_path: Path) -> None:
         assert s.position(8) is None and s.failover_log(8) is None
         assert s.count() == 2
         meta = s.meta()
-        assert meta["format"] == "upr-store" and meta["schema_version"] == "3"
+        assert meta["format"] == "upr-store" and meta["schema_version"] == str(
+            store_schema.SCHEMA_VERSION
+        )
         assert meta["created"].endswith("Z")
 
 
@@ -706,12 +709,11 @@ def sql_blocks() -> list[str]:
     return re.findall(r"```sql\n(.*?)```", SPEC.read_text(), re.S)
 
 
-def test_spec_view_is_the_view_created(store: Store) -> None:
-    (created,) = store.db.execute(
-        "SELECT sql FROM sqlite_schema WHERE name = 'json_documents'"
-    ).fetchone()
+@pytest.mark.parametrize(("view", "block"), [("json_documents", 0), ("named_documents", 1)])
+def test_spec_view_is_the_view_created(store: Store, view: str, block: int) -> None:
+    (created,) = store.db.execute("SELECT sql FROM sqlite_schema WHERE name = ?", [view]).fetchone()
     body = created.split(" AS ", 1)[1]
-    assert " ".join(body.split()) == " ".join(sql_blocks()[0].split())
+    assert " ".join(body.split()) == " ".join(sql_blocks()[block].split())
 
 
 def test_spec_example_queries_run(store: Store) -> None:
@@ -719,17 +721,22 @@ def test_spec_example_queries_run(store: Store) -> None:
                     row(5, 2, b"bin", b"\x00"), row(5, 3, b"old", b"", op=DEL),
                     row(5, 1001, b"new", b'"n"', datatype=JSON)],
                 pos(5, 1001), FailoverLog.of([(UUID, 0)]))  # fmt: skip
-    queries = [q for q in sql_blocks()[1].split(";") if q.strip().strip("-")]
-    assert len(queries) == 8
+    store.apply(5, [row(5, 1002, b"user::2", b'{"name": "Bo"}', datatype=JSON)._replace(
+        collection=9)], pos(5, 1002))  # fmt: skip
+    store.record_manifest(Manifest().with_scope("app").with_collection("app", "users"))
+    queries = [q for q in sql_blocks()[2].split(";") if q.strip().strip("-")]
+    assert len(queries) == 10
     results = [store.db.execute(q).fetchall() for q in queries]
     assert results[0] == [("Ann",)]
     assert results[1] == [("user::1", "Ann")]
-    assert results[2] == [(5, 3, 1)]
+    assert results[2] == [(5, 4, 1)]
     assert results[3] == [("bin", "00", "2000")]
-    assert results[4] == [(5, str(UUID), 1001, 1001, 1001, str(UUID), 0, 0)]
-    assert results[5] == [(1001, "new", 0)]
-    assert results[6] == [(1001,)]  # the position ends its snapshot: a boundary
+    assert results[4] == [(5, str(UUID), 1002, 1002, 1002, str(UUID), 0, 0)]
+    assert results[5] == [(1002, "user::2", 0), (1001, "new", 0)]
+    assert results[6] == [(1001,), (1002,)]  # the positions end their snapshots: boundaries
     assert results[7] == []
+    assert results[8] == [("_default", "_default", 3), ("app", "users", 1)]
+    assert results[9] == [("user::2", "Bo")]
 
 
 def test_an_open_transaction_commits_or_aborts_as_a_whole(tmp_path: Path) -> None:
@@ -780,21 +787,6 @@ def test_boundaries_below_a_risen_log_floor_are_dropped(tmp_path: Path) -> None:
         floor = s.partition_state(0).log_floor  # type: ignore[union-attr]
         assert floor > 1 and s.boundaries()[0] == [b for b in range(1, 6) if b >= floor]
         assert s.rollback(0, floor - 1).too_far
-
-
-def test_migration_2_to_3_records_complete_positions(tmp_path: Path) -> None:
-    path = tmp_path / "s.db"
-    with Store(path) as s:
-        s.apply(0, [row(0, 1, b"a"), row(0, 2, b"b")], StreamPosition(0, UUID, 2, 0, 2))
-        s.apply(1, [row(1, 1, b"c")], StreamPosition(1, UUID, 1, 0, 4))
-    conn = sqlite3.connect(path)
-    with conn:
-        conn.execute("DROP TABLE boundaries")
-        conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
-    conn.close()
-    with Store(path) as s:
-        assert s.meta()["schema_version"] == "3"
-        assert s.boundaries() == {0: [2]}
 
 
 def test_boundaries_kept_per_partition_are_bounded(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from upr_cli.cli.output import (
     stdout,
     table,
 )
+from upr_cli.collections import parse_paths
 from upr_cli.jobs.backup import BackupSummary, backup
 from upr_cli.jobs.backup_stream import StreamStats
 from upr_cli.net.uri import SourceUri
@@ -59,6 +60,15 @@ manifest, a missing parent backup, a seq gap or a missing segment file stops it,
 the problem, before anything is streamed (`upr verify --repair`, or --full to start a
 new chain). Nothing holding committed data is ever removed.
 
+Every collection is backed up, with the source's collections manifest and the
+collections and scopes created and dropped while it ran. --include-data backs up only
+the scopes and collections it names (SCOPE or SCOPE.COLLECTION, comma-separated or
+repeated; filtered by the source), --exclude-data every other one; the two cannot be
+combined, as in cbbackupmgr. The repository records the filter, so a restore knows a
+collection left out was not backed up rather than empty; an incremental backup keeps
+its chain's filter (--full starts a chain with another one). A source without
+collections (an older server) has only _default._default.
+
 Example:
 
   upr backup upr://admin@127.0.0.1:11210/default --repo /backups/cb
@@ -73,10 +83,33 @@ directory, which every executor must share; the high seqs are pinned once and th
 manifest is committed by this process after every task succeeded, so the result is the
 backup a local run of the same seqs would make.
 
+Example (only scope app, except its collection logs is left out in the second form):
+
+  upr backup upr://admin@127.0.0.1/default --repo /backups/app --include-data app
+  upr backup upr://admin@127.0.0.1/default --repo /backups/nolog --exclude-data app.logs
+
 Example (a new full backup, summary as JSON):
 
   upr backup upr://admin@127.0.0.1/default --repo /backups/cb --full --json
 """
+
+
+IncludeData = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="PATHS",
+        help="Back up only these: SCOPE or SCOPE.COLLECTION, comma-separated or repeated.",
+        show_default=False,
+    ),
+]
+ExcludeData = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="PATHS",
+        help="Back up every collection but these (SCOPE or SCOPE.COLLECTION).",
+        show_default=False,
+    ),
+]
 
 
 def register(app: typer.Typer) -> None:
@@ -95,9 +128,12 @@ def backup_cmd(
     conf: SparkConf = None,
     show_all: AllRows = False,
     json_out: JsonOutput = False,
+    include_data: IncludeData = None,
+    exclude_data: ExcludeData = None,
 ) -> None:
     """Back up a bucket."""
     source = SourceUri.parse(uri)
+    include, exclude = parse_paths(include_data), parse_paths(exclude_data)
     show = sys.stderr.isatty() and not no_progress
     with Progress("backup", "items", show=show) as bar:
         bar.note(f"connecting to {source.redacted()}")
@@ -127,6 +163,8 @@ def backup_cmd(
                     on_progress=tick,
                     on_warning=lambda w: stderr.print(f"warning: {w}", markup=False),
                     streamer=streamer,
+                    include=include,
+                    exclude=exclude,
                 )
             )
         finally:
@@ -172,6 +210,11 @@ def rollback_table(rollbacks: Sequence[dict[str, Any]]) -> Table:
 def render(summary: BackupSummary, show_all: bool, repo: str) -> None:
     """The summary; the rollbacks counted, the first few listed; what to do next."""
     stdout.print(summary_table(summary))
+    if summary.collections > 1 or summary.manifest_changes:
+        changes = f", {summary.manifest_changes:,} collection changes met" if (
+            summary.manifest_changes) else ""  # fmt: skip
+        stdout.print(f"{summary.collections:,} collections backed up{changes}", markup=False,
+                     highlight=False)  # fmt: skip
     rollbacks = summary.rollbacks
     if rollbacks:
         during = sum(1 for rb in rollbacks if rb["during_run"])

@@ -29,8 +29,10 @@ store (sqlite:PATH) or a JSON file of failover logs (PATH.json or json:PATH: an 
 of partition -> log, or partition -> {"failover_log": LOG, "seq": N}). For each
 partition: identical; B behind or ahead on the same branch; diverged at seq S (the
 common ancestor and the entries only in A and only in B; B's seqs above S are writes
-A's history does not have); or no common history. Both rollback rules give where B
-would restart streaming from A.
+A's history does not have); or no common history. When B is a replay store, a
+diverged partition also lists those writes' keys, by collection: scope.collection:key
+outside the default collection (--json: scope, collection and key fields). Both
+rollback rules give where B would restart streaming from A.
 
 Exit status: 0 identical, 1 they differ, 2 error.
 
@@ -87,6 +89,9 @@ def render(report: DiffReport, show_all: bool) -> None:
     if shown:
         stdout.print(diff_table(report, shown, wide=fits(stdout, 120)))
         more_line(left_out, "partitions")
+    for d in shown:
+        if d.lost_keys:
+            stdout.print(_lost_keys(d), markup=False, highlight=False)
     counts = report.counts
     parts = ", ".join(f"{n:,} {s}" for s in STATUSES if (n := counts[s]))
     stdout.print(f"{len(report.partitions):,} partitions: {parts or 'none'}",
@@ -119,6 +124,14 @@ def diff_table(report: DiffReport, rows: Sequence[PartitionDiff], *, wide: bool)
     return keep_whole(
         t, "partition", "status", "A seq", "B seq", "diverged at", "restart at", "dcp rule"
     )
+
+
+def _lost_keys(d: PartitionDiff, show: int = 10) -> str:
+    """One line: the first keys a diverged partition of a store B would lose (--json has
+    all), `scope.collection:key` outside the default collection."""
+    keys = ", ".join(map(str, d.lost_keys[:show]))
+    more = f" and {len(d.lost_keys) - show:,} more" if len(d.lost_keys) > show else ""
+    return f"partition {d.partition}: B's lost keys: {keys}{more}"
 
 
 def _opt(v: object) -> str:

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from upr_cli.cli.options import Bucket, JsonOutput, Partitions, Repo
 from upr_cli.cli.output import hint, keep_whole, print_json, stdout, table
+from upr_cli.collections import Path as CollectionPath
 from upr_cli.jobs.examine import Version, examine
 from upr_cli.source import selected
 
@@ -20,6 +21,10 @@ and whether it is a lost write: a version a failover or an unclean restart rolle
 back (above a later backup's rollback point), absent from the latest state but kept.
 A wide terminal also shows each version's cas and the start of its value; --json has
 them all.
+
+--collection SCOPE.COLLECTION looks the key up in that collection (default
+_default._default), by name: a collection dropped and created again under the same name
+is one name with two ids, and versions of the dropped one say so.
 
 The key's partition comes from the bucket's partition count, which the repository's
 backups record. --partitions selects partitions as in every command: one that leaves
@@ -32,6 +37,10 @@ Example:
 Example (as JSON):
 
   upr examine --repo /backups/cb --json user::1042
+
+Example (in collection users of scope app):
+
+  upr examine --repo /backups/cb --collection app.users user::1042
 """
 
 
@@ -46,14 +55,21 @@ def examine_cmd(
     bucket: Bucket = None,
     partitions: Partitions = None,
     json_out: JsonOutput = False,
+    collection: Annotated[
+        str,
+        typer.Option("--collection", metavar="SCOPE.COLLECTION", help="The key's collection."),
+    ] = "_default._default",
 ) -> None:
     """Show every version of a key."""
-    versions = examine(repo, key.encode(), bucket=bucket, partitions=selected(partitions))
+    path = CollectionPath.parse(collection, need_collection=True)
+    versions = examine(repo, key.encode(), bucket=bucket, partitions=selected(partitions),
+                       collection=path)  # fmt: skip
     if json_out:
-        print_json({"key": key, "versions": [v.to_json() for v in versions]})
+        print_json({"key": key, "scope": path.scope, "collection": path.collection,
+                    "versions": [v.to_json() for v in versions]})  # fmt: skip
         return
     if not versions:
-        stdout.print(f"no version of {key!r} in the repository", markup=False)
+        stdout.print(f"no version of {key!r} in {path} in the repository", markup=False)
         raise typer.Exit(1)
     stdout.print(versions_table(key, versions, width=stdout.width))
     if any(v.lost for v in versions):
@@ -75,6 +91,8 @@ def versions_table(key: str, versions: Sequence[Version], *, width: int) -> Tabl
         t.add_column("value", no_wrap=True, overflow="ellipsis", min_width=8, max_width=60)
     for v in versions:
         state = "lost write" if v.lost else ("latest" if v.in_latest else "superseded")
+        if v.dropped:
+            state = f"dropped ({state})" if v.lost else "dropped collection"
         row = [v.backup_id, str(v.seq), str(v.rev_seq), v.op, state]
         if with_cas:
             row.append(str(v.cas))

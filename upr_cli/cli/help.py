@@ -35,7 +35,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "load": ("load", "Write a reproducible workload of JSON documents through the KV front end."),
     "tail": ("tail", "Print a bucket's changes as they stream over DCP."),
     "backup": ("backup", "Back up a bucket into a repository, incrementally, through failovers."),
-    "restore": ("restore", "Restore the state at a backup into a node or a SQLite store."),
+    "restore": (
+        "restore",
+        "Restore the state at a backup into a node, a cluster or a SQLite store.",
+    ),
     "info": ("inspect", "Show a repository's backups: items, bytes, ratio, rollbacks, the chain."),
     "verify": ("inspect", "Read everything in a repository and check it."),
     "examine": ("examine", "Show every version of a key stored in a repository."),

@@ -29,6 +29,12 @@ INFO_HELP = """Show a repository's backups: items, bytes, ratio, rollbacks, the 
 With --partitions, each partition's range in every backup, its rollbacks and the lost
 writes (records above a rollback point, still readable).
 
+Each collection the backups saw is listed as SCOPE.COLLECTION with its id and its
+records over the chain: items (mutations) and deleted (deletions and expirations); a
+collection dropped since says "dropped", one a filtered backup (--include-data,
+--exclude-data) left out says "not backed up". Repositories written before collections
+list their records under _default._default.
+
 Example:
 
   upr info --repo /backups/cb
@@ -83,6 +89,8 @@ def info_cmd(
         if entry["incomplete"]:
             stdout.print(f"interrupted runs (not backups): {', '.join(entry['incomplete'])}",
                          markup=False)  # fmt: skip
+        if entry["collections"]:
+            stdout.print(collections_table(entry["collections"]))
         for p, chain in entry.get("partitions", {}).items():
             _print_chain(p, chain)
 
@@ -108,6 +116,21 @@ def backups_table(title: str, backups: list[dict[str, Any]], *, wide: bool) -> T
         t.add_row(bk["backup_id"], "full" if bk["full"] else "incremental",
                   *(cells[c] for c in cols))  # fmt: skip
     return keep_whole(t)
+
+
+def collections_table(collections: list[dict[str, Any]]) -> Table:
+    """One row a collection the chain saw: its name, id, records, and whether it was
+    dropped or left out."""
+    t = table()
+    t.add_column("collection", no_wrap=True)
+    for col in ("id", "items", "deleted"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("state", no_wrap=True)
+    for c in collections:
+        state = "dropped" if c["dropped"] else ("" if c["backed_up"] else "not backed up")
+        t.add_row(f"{c['scope']}.{c['collection']}", f"{c['id']:#x}", f"{c['items']:,}",
+                  f"{c['deleted']:,}", state)  # fmt: skip
+    return keep_whole(t, "collection", "id")
 
 
 def _print_chain(p: str, chain: list[dict[str, Any]]) -> None:

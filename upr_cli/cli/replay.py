@@ -11,6 +11,7 @@ import typer
 
 from upr_cli.cli.options import Bucket, JsonOutput, NoProgress, Partitions
 from upr_cli.cli.output import Progress, print_json, stderr, stdout
+from upr_cli.collections import parse_paths
 from upr_cli.errors import check_file_path
 from upr_cli.jobs.replay import ReplayStats, check_options, replay_node, replay_repo
 from upr_cli.net.uri import SourceUri
@@ -36,6 +37,13 @@ transaction); a server without barrier cookies gets per-snapshot commits, said o
 store never holds a write a crash of the source can take back. --follow keeps going
 until Ctrl-C, checkpointing as it goes.
 
+Collections: every collection is replayed unless --collections names some (SCOPE or
+SCOPE.COLLECTION, comma-separated; filtered by the source). Documents are keyed by
+collection id; the scope and collection columns of the views json_documents and
+named_documents give the names. A collection dropped in the stream is removed from the
+store through the mutation log, so a rollback across the drop brings it back. A store
+keeps the filter it was first replayed with: a rerun must give the same.
+
 Example:
 
   upr replay upr://admin@127.0.0.1:11210/default --into /tmp/bucket.db
@@ -44,6 +52,12 @@ Example (follow, consistent cuts only, durable writes only):
 
   upr replay upr://admin@127.0.0.1/default --into /tmp/bucket.db --follow \\
       --consistent --durable-only
+
+Example (one collection, then its documents by name):
+
+  upr replay upr://admin@127.0.0.1/default --into /tmp/users.db --collections app.users
+  sqlite3 /tmp/users.db \\
+      "SELECT scope, collection, id, doc FROM json_documents LIMIT 5"
 
 Example (from a backup repository, then query the JSON):
 
@@ -93,13 +107,23 @@ def replay_cmd(
     undo_window: UndoWindow = DEFAULT_UNDO_WINDOW,
     max_pending: MaxPending = 262_144,
     partitions: Partitions = None,
+    collections: Annotated[
+        str | None,
+        typer.Option(
+            "--collections",
+            metavar="PATHS",
+            help="Only these scopes or collections, filtered by the source (SCOPE or "
+            "SCOPE.COLLECTION, comma-separated; a live source only).",
+        ),
+    ] = None,
     bucket: Bucket = None,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Replay a source into a SQLite store."""
     spec = parse_source(source, ("node", "repo"))
-    check_options(follow, consistent, durable_only, source)
+    paths = parse_paths(collections)
+    check_options(follow, consistent, durable_only, source, collections=bool(paths))
     parts = selected(partitions)
     check_file_path(into, f"--into {into}")  # the store's directory, before streaming
     show = sys.stderr.isatty() and not no_progress
@@ -130,6 +154,7 @@ def replay_cmd(
                     durable_only=durable_only,
                     undo_window=undo_window,
                     max_pending=max_pending,
+                    collections=paths or None,
                     on_progress=tick,
                     on_event=event,
                 )
@@ -145,9 +170,10 @@ def _report(stats: ReplayStats, into: Path, json_out: bool) -> None:
     d = stats.to_json()
     rate = f", {d['items_per_s']:,} items/s" if d["items_per_s"] else ""
     stopped = " (interrupted: positions saved, rerun to resume)" if stats.interrupted else ""
+    changes = f", {stats.changes} collection changes" if stats.changes else ""
     stdout.print(
         f"replayed {stats.applied:,} changes of {stats.partitions} partitions into {into} "
-        f"in {d['seconds']:.2f}s{rate}; {stats.commits} commits, "
+        f"in {d['seconds']:.2f}s{rate}{changes}; {stats.commits} commits, "
         f"{len(stats.rollbacks)} rollbacks, {stats.resets} resets{stopped}",
         markup=False,
         highlight=False,

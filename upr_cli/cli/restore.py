@@ -1,4 +1,4 @@
-"""`upr restore`: write the state at a backup into a node."""
+"""`upr restore`: write the state at a backup into a node, a cluster or a SQLite store."""
 
 from __future__ import annotations
 
@@ -28,28 +28,49 @@ from upr_cli.cli.options import (
 from upr_cli.cli.output import Progress, plural, print_json, stderr, stdout
 from upr_cli.errors import UsageError
 from upr_cli.jobs.restore import RestoreSummary, restore_to_node, restore_to_store
+from upr_cli.jobs.restore_plan import MapRule, parse_map_data
 from upr_cli.net.uri import SourceUri
 from upr_cli.source import selected
 
-HELP = """Restore the state at a backup into a node or a SQLite store.
+HELP = """Restore the state at a backup into a node, a cluster or a SQLite store.
 
 The state at --at (a backup id or the start of one, latest or oldest) follows the chain
 semantics of the repository: lost writes (records above a rollback point) are not part
 of it. Documents go as SET_WITH_META and deletions as DEL_WITH_META, keeping cas, rev
 seq, flags and expiry; the target's conflict resolution applies unless --force-updates.
 A deletion is sent only where the target has the key, unless --include-tombstones.
---dry-run prints the plan and writes nothing. Reading verifies checksums; a corrupt
-segment stops the restore naming the file and block, unless --skip-corrupt, which
-reports what it skipped.
+Reading verifies checksums; a corrupt segment stops the restore naming the file and
+block, unless --skip-corrupt, which reports what it skipped.
 
-Before anything is written, the chain the state reads is checked: every manifest
-readable (a lost manifest.json is read from its copy), every parent backup present,
-every seq covered, every segment file there at its size. A broken chain is an error
-naming the missing piece, never a smaller restore (`upr verify` lists every problem).
+Partitions: every key goes to the partition its document key hashes to (CRC32, as the
+SDKs do) over the TARGET's partition count, so a 1024-partition backup restores into a
+64- or 128-partition bucket; the summary says "rehashed from 1024 to 64 partitions"
+when the counts differ (--partitions selects partitions of the backup). A SQLite store
+has no partition count: it keeps the source's partitions (and its positions and
+failover logs, so a replay can go on from the backup).
 
-A SQLite target (sqlite:PATH, formats/store.md) receives the documents and tombstones
-as they were, and each partition's position and failover log, so a replay can go on
-from the backup.
+Collections are matched by name, never by id: each collection of the backup (its names
+at the end of the chain; a collection dropped by then is not restored) goes to the
+target's collection of the same name, or the one --map-data names: SCOPE=SCOPE moves
+every collection of a scope under the same names, S.C=S.C one collection; repeat it or
+separate rules with commas. A collection the target lacks is created on a upr target
+(one manifest change for all of them) unless --no-create. A target that cannot take a
+collection (--no-create, a server without collections, a refused change) stops the
+restore before anything is written, naming the missing collections; a server without
+collections takes only _default._default.
+
+Before anything is written: the chain the state reads is checked (every manifest
+readable, a lost manifest.json read from its copy, every parent backup present, every
+seq covered, every segment file there at its size: `upr verify` lists every problem);
+the target is reached and authenticated, its partition count and collections read,
+every partition has a reachable active node. Any of these failing is one error naming
+what is wrong, never a smaller or half-written restore.
+
+--dry-run does all of that, writes nothing and prints the plan: the partition counts,
+whether keys are rehashed, and per collection its source and target names, whether the
+target has it (exists), would get it (create) or lacks it (missing), and its documents
+and deletions; --json gives the same as `source_partitions`, `target_partitions`,
+`rehash` and `collections`.
 
 Example:
 
@@ -58,6 +79,16 @@ Example:
 Example (into a SQLite store):
 
   upr restore --repo /backups/cb sqlite:/tmp/bucket.db
+
+Example (scope app restored as scope shop, every key at its partition there):
+
+  upr restore --repo /backups/cb --map-data app=shop \\
+      upr://admin@127.0.0.1:11210/default
+
+Example (what would be restored, and where, without writing):
+
+  upr restore --repo /backups/cb --dry-run --no-create \\
+      upr://admin@127.0.0.1:11210/default
 
 Example (the state at one backup; its chain is checked first):
 
@@ -103,6 +134,19 @@ def restore_cmd(
     skip_corrupt: Annotated[
         bool, typer.Option("--skip-corrupt", help="Skip corrupt partitions, report them.")
     ] = False,
+    map_data: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--map-data",
+            metavar="SRC=DST",
+            help="Restore a scope (a=b) or a collection (a.x=b.y) under another name; "
+            "repeatable or comma-separated.",
+        ),
+    ] = None,
+    no_create: Annotated[
+        bool,
+        typer.Option("--no-create", help="Do not create missing collections: refuse instead."),
+    ] = False,
     spark: SparkMaster = None,
     spark_tasks: SparkTasks = 8,
     conf: SparkConf = None,
@@ -112,7 +156,8 @@ def restore_cmd(
     """Restore a backup."""
     kind, where = restore_target(target)  # anything else: a usage error, before any work
     plan = Plan(repo, bucket=bucket, at=at, partitions=selected(partitions),
-                keys=key_pattern(keys), dry_run=dry_run, skip_corrupt=skip_corrupt)  # fmt: skip
+                keys=key_pattern(keys), dry_run=dry_run, skip_corrupt=skip_corrupt,
+                map_data=parse_map_data(map_data), create=not no_create)  # fmt: skip
     if spark is not None and kind != "node":
         raise UsageError("--spark restores into a node (upr://…); a SQLite store has one writer")
     if kind == "sqlite" and force_updates:
@@ -154,10 +199,13 @@ class Plan:
     keys: re.Pattern[bytes] | None
     dry_run: bool
     skip_corrupt: bool
+    map_data: tuple[MapRule, ...] = ()
+    create: bool = True
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of `restore_to_node` and `restore_to_store`."""
-        names = ("bucket", "at", "partitions", "keys", "dry_run", "skip_corrupt")
+        names = ("bucket", "at", "partitions", "keys", "dry_run", "skip_corrupt", "map_data",
+                 "create")  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
 
@@ -177,16 +225,20 @@ def _on_spark(plan: Plan, uri: str, master: str, tasks: int, conf: list[str] | N
 
 
 def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
-    """The summary (JSON or two lines), what was skipped; exit 1 when anything failed."""
+    """The summary (JSON, or the plan and two lines), what was skipped; exit 1 when
+    anything failed or (dry run) the target lacks a collection it would not get."""
+    plan = summary.plan
     if json_out:
         print_json(summary.to_json())
     else:
         verb = "would restore" if dry_run else "restored"
-        stdout.print(
-            f"{verb} backup {summary.backup_id}\n{plural(summary.partitions, 'partition')}, "
-            f"{plural(summary.documents, 'document')}, {plural(summary.deletions, 'deletion')}",
-            markup=False,
-        )
+        lines = [f"{verb} backup {summary.backup_id}", *(plan.describe() if plan else ())]
+        lines.append(f"{plural(summary.partitions, 'source partition')}, "
+                     f"{plural(summary.documents, 'document')}, "
+                     f"{plural(summary.deletions, 'deletion')}")  # fmt: skip
+        if summary.dropped:
+            lines.append(f"{plural(summary.dropped, 'record')} of dropped collections left out")
+        stdout.print("\n".join(lines), markup=False)
         if not dry_run:
             stdout.print(
                 f"written {summary.written:,}; kept newer on the target {summary.conflicts:,}; "
@@ -195,5 +247,9 @@ def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
             )
         for s in summary.skipped:
             stderr.print(f"skipped {s}")
-    if summary.errors or summary.skipped:
+    missing = plan.missing() if plan else []
+    if missing:
+        names = ", ".join(sorted({str(c.target) for c in missing}))
+        stderr.print(f"upr: the target lacks {names}: a restore would stop", markup=False)
+    if summary.errors or summary.skipped or missing:
         raise typer.Exit(1)

@@ -40,6 +40,10 @@ conflict, shown with both versions and never written. The dry run (default) only
 lists; --apply writes the safe ones with a CAS guard (value, flags and expiry come
 back; the master assigns a new cas and seq).
 
+Collections: a lost write keeps its collection (a key outside the default collection
+shows as scope.collection:key) and goes back to that collection on the master, by id;
+one whose collection the master dropped since is a conflict.
+
 Exit status: 0 nothing lost or everything written, 1 conflicts or writes that failed
 remain, 2 error.
 
@@ -141,4 +145,4 @@ def _row(it: LostItem) -> list[str]:
         mv = "deleted" if it.master.deleted else _short(it.master.value)
         master = f"seq {it.master.seq}: {mv}" if it.master.seq else mv
     why = master or it.reason
-    return [str(it.partition), _short(it.key), str(it.cut), lost, it.outcome, why]
+    return [str(it.partition), _short(it.shown_key), str(it.cut), lost, it.outcome, why]

@@ -14,6 +14,15 @@ disagree the lower seq wins and a warning says so; the manifest records the roll
 (from, to, seed rule seq, producer seq). A ROLLBACK the server still sends (a failover
 between the check and the stream) is followed and recorded too. Records of earlier
 backups above a rollback point stay in place: they are the lost writes.
+
+Collections: every collection is backed up unless `include` or `exclude` (cbbackupmgr's
+--include-data and --exclude-data) narrow it. The source's manifest is read at the
+start and recorded with the backup; an include list goes to the source as a stream
+filter, an exclude list becomes the include list of every other collection of that
+manifest. The manifest records the filter, so a reader knows a collection left out was
+not backed up rather than empty (formats/repository.md §5.9). An incremental backup
+keeps its chain's filter: streams resume where the previous backup ended, so a
+collection that backup left out would miss its changes for good.
 """
 
 from __future__ import annotations
@@ -28,6 +37,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from upr_cli.cluster.collections import fetch_manifest
+from upr_cli.collections import CollectionsError, ManifestChange
+from upr_cli.collections import Manifest as Collections
+from upr_cli.collections import Path as CollectionPath
 from upr_cli.dcp.states import partition_states
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, ImpossibleHistory, needs_rollback, rollback_point
@@ -59,6 +72,7 @@ from upr_cli.repo import (
     resume_point,
     snapshot_boundaries,
 )
+from upr_cli.repo.manifest import CollectionCount, CollectionFilter
 from upr_cli.segments import SegmentError, SegmentHeader, SegmentInfo, SegmentReader
 
 log = logging.getLogger(__name__)
@@ -94,6 +108,8 @@ class BackupSummary:
     seconds: float = 0.0
     reused_segments: int = 0
     follow_ups: list[str] = field(default_factory=list)  # backups committed right after
+    collections: int = 1  # collections backed up (the source's, less those filtered out)
+    manifest_changes: int = 0  # collection and scope changes met (each partition's)
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (docs/output.md §4): counts and bytes as integers."""
@@ -112,6 +128,8 @@ class BackupSummary:
             "warnings": self.warnings,
             "reused_segments": self.reused_segments,
             "follow_ups": self.follow_ups,
+            "collections": self.collections,
+            "manifest_changes": self.manifest_changes,
         }
 
 
@@ -187,8 +205,13 @@ async def backup(
     on_progress: Callable[[StreamStats], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
     streamer: Streamer | None = None,
+    include: Sequence[CollectionPath] = (),
+    exclude: Sequence[CollectionPath] = (),
 ) -> BackupSummary:
     """Run one backup of `uri`'s bucket into the repository; returns its summary.
+
+    `include` backs up only those scopes and collections, `exclude` every other one
+    (at most one of the two: `collection_filter`).
 
     `streamer` replaces `stream_to_segments` (same keywords, plus `end_seqs`: the high
     seqs pinned here, once): `upr backup --spark` divides the partitions among Spark
@@ -202,9 +225,10 @@ async def backup(
     records the rollback (the records above it stay in the first one as lost writes), so
     the newest backup restores to the actives' state. At most `FOLLOW_UPS` rounds.
     """
+    chosen = collection_filter(include, exclude)
     first = await _backup_once(uri, repo_dir, full=full, partitions=partitions,
                                on_progress=on_progress, on_warning=on_warning,
-                               streamer=streamer)  # fmt: skip
+                               streamer=streamer, chosen=chosen)  # fmt: skip
     summary = first
     for _ in range(FOLLOW_UPS):
         try:
@@ -224,7 +248,7 @@ async def backup(
         (on_warning or log.warning)(note)
         summary = await _backup_once(uri, repo_dir, partitions=overtaken,
                                      on_progress=on_progress, on_warning=on_warning,
-                                     streamer=streamer)  # fmt: skip
+                                     streamer=streamer, chosen=chosen)  # fmt: skip
         first.follow_ups.append(summary.backup_id)
         first.rollbacks += summary.rollbacks
         first.warnings += summary.warnings
@@ -267,6 +291,7 @@ async def _backup_once(
     on_progress: Callable[[StreamStats], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
     streamer: Streamer | None = None,
+    chosen: CollectionFilter | None = None,
 ) -> BackupSummary:
     """One backup, committed (see `backup`)."""
     if uri.bucket is None:
@@ -279,6 +304,7 @@ async def _backup_once(
     with RepositoryLock(repo, bucket, on_stale=warn) as lock:
         run = _BackupRun.open(uri, bucket, repo_dir, repo, lock, full=full, warn=warn,
                               started=started)  # fmt: skip
+        await run.read_collections(chosen)
         await run.plan(partitions)
         results = await run.stream(streamer, on_progress)
         manifest, rollbacks, bytes_read = run.commit(results)
@@ -294,6 +320,8 @@ async def _backup_once(
         run.warnings,
         time.monotonic() - run.t0,
         sum(len(ru.segments) for ru in run.reused.values()),
+        collections=run.collection_count,
+        manifest_changes=len(manifest.manifest_changes),
     )
 
 
@@ -334,6 +362,9 @@ class _BackupRun:
         self.cuts: dict[int, list[tuple[int, int, SegmentInfo]]] = {}  # left, streamed on
         self.kept_cuts: dict[int, list[tuple[int, int, SegmentInfo]]] = {}  # left, reused
         self.to_stream: list[int] = []
+        self.collections: Collections | None = None  # the source's, at the start
+        self.filter: CollectionFilter | None = None
+        self.stream_paths: list[CollectionPath] | None = None  # None: every collection
 
     @classmethod
     def open(
@@ -368,6 +399,32 @@ class _BackupRun:
         repo.sweep(bucket, backup_id, lock)
         return cls(uri, bucket, repo_dir, repo, manifests=manifests, backup_id=backup_id, warn=warn,
                    warnings=warnings, started=started)  # fmt: skip
+
+    async def read_collections(self, chosen: CollectionFilter | None) -> None:
+        """Read the source's manifest and turn the filter into the paths to stream,
+        before anything is streamed: an unknown collection, or a filter other than the
+        chain's for an incremental backup, is an error here."""
+        self.collections = await fetch_manifest(self.uri)
+        parent = self.parent.collection_filter if self.parent is not None else None
+        if self.parent is not None and _key(parent) != _key(chosen):
+
+            def say(f: CollectionFilter | None) -> str:
+                return "every collection" if f is None else f"--{f.mode}-data {','.join(f.paths)}"
+
+            raise UsageError(
+                f"the chain of {self.bucket} was backed up with {say(parent)}; an incremental "
+                f"backup keeps it (this one asked for {say(chosen)}): use that, or --full to "
+                "start a new chain"
+            )
+        self.filter = chosen
+        self.stream_paths = stream_paths(chosen, self.collections)
+
+    @property
+    def collection_count(self) -> int:
+        """How many collections this backup streams (at its start)."""
+        m = self.collections or Collections()
+        f = self.filter
+        return sum(1 for s, c in m.collections() if f is None or f.covers(s.name, c.name))
 
     def note(self, warning: str) -> None:
         """A warning for the summary, shown now too."""
@@ -443,6 +500,7 @@ class _BackupRun:
                     end_seqs=None if streamer is None
                     else {p: seqs.get(p, (0, 0))[0] for p in to_stream},
                     cuts=self.cuts,
+                    collections=self.stream_paths,
                 )
             )  # fmt: skip
         for p, ru in self.reused.items():
@@ -473,12 +531,14 @@ class _BackupRun:
             sync_files(cut_paths)  # the files, then their cut-K directories
             FileOps().fsync_dir(self.directory)  # the cut-K directories' entries
         entries, rollbacks, bytes_read = [], [], 0
+        segments: list[SegmentInfo] = []  # every segment the manifest lists
         for p, r in sorted(results.items()):
             decision = self.decisions.get(p)
             rb = decision.rollback if decision is not None else None
             if r.rollback is not None:  # the server still rolled us back while streaming
                 rb = RollbackRecord(*r.rollback[:2], None, r.rollback[2])
             prefix = self.reused[p].segments if p in self.reused else []
+            segments += [*prefix, *([r.segment] if r.segment is not None else [])]
             entries.append(_entry(r, rb, prefix))
             rollbacks += _rollbacks_json(p, r, rb)
             bytes_read += sum(s.raw_bytes for s in prefix)
@@ -495,11 +555,76 @@ class _BackupRun:
             parent=None if parent is None else parent.backup_id,
             partitions=tuple(entries),
             totals=Totals.derive(entries, bytes_read),
+            collections=self.collections,
+            manifest_changes=tuple(_changes(segments)),
+            collection_filter=self.filter,
+            collection_items=tuple(_counts(segments)),
         )
         if parent is not None:  # still whole at the commit (cached: no manifest read again)
             _checked_chain(self.repo, self.bucket, self.repo_dir)
         self.repo.write_manifest(manifest)
         return manifest, rollbacks, bytes_read
+
+
+def collection_filter(
+    include: Sequence[CollectionPath], exclude: Sequence[CollectionPath]
+) -> CollectionFilter | None:
+    """The filter of --include-data or --exclude-data (both: a usage error, as in
+    cbbackupmgr); None backs up every collection."""
+    if include and exclude:
+        raise UsageError("--include-data and --exclude-data cannot be used together")
+    if include:
+        return CollectionFilter("include", tuple(sorted({str(p) for p in include})))
+    if exclude:
+        return CollectionFilter("exclude", tuple(sorted({str(p) for p in exclude})))
+    return None
+
+
+def _key(f: CollectionFilter | None) -> tuple[str, tuple[str, ...]] | None:
+    return None if f is None else (f.mode, f.paths)
+
+
+def stream_paths(f: CollectionFilter | None, m: Collections | None) -> list[CollectionPath] | None:
+    """What the stream filter asks for: the include list, or every collection of the
+    source's manifest an exclude list leaves (None: every collection). A path the
+    manifest does not know is a CollectionsError naming it; so is leaving nothing."""
+    if f is None:
+        return None
+    paths = [CollectionPath.parse(t) for t in f.paths]
+    have = m or Collections()
+    unknown = [str(p) for p in paths if not _known(have, p)]
+    if unknown:
+        src = "the source has no collections" if m is None else f"manifest uid {have.uid:x}"
+        raise CollectionsError(f"--{f.mode}-data: unknown collection {', '.join(unknown)} ({src})")
+    if f.mode == "include":
+        return paths
+    left = [CollectionPath(s.name, c.name) for s, c in have.collections()
+            if f.covers(s.name, c.name)]  # fmt: skip
+    if not left:
+        raise CollectionsError(f"--exclude-data {','.join(f.paths)} leaves no collection")
+    if m is None or len(left) == len(list(have.collections())):
+        return None  # nothing left out: no stream filter
+    return left
+
+
+def _known(m: Collections, p: CollectionPath) -> bool:
+    return (m.scope(p.scope) if p.collection is None else m.lookup(p)) is not None
+
+
+def _changes(segments: Sequence[SegmentInfo]) -> list[ManifestChange]:
+    """The manifest changes the segments hold, by partition and seq."""
+    return sorted((c for s in segments for c in s.changes), key=lambda c: (c.partition, c.seq))
+
+
+def _counts(segments: Sequence[SegmentInfo]) -> list[CollectionCount]:
+    """Data records per collection id over the segments, by id."""
+    total: dict[int, list[int]] = {}
+    for s in segments:
+        for cid, items, deleted in s.counts:
+            t = total.setdefault(cid, [0, 0])
+            t[0] += items
+            t[1] += deleted
+    return [CollectionCount(cid, a, b) for cid, (a, b) in sorted(total.items())]
 
 
 def _rollbacks_json(p: int, r: PartitionResult, rb: RollbackRecord | None) -> list[dict[str, Any]]:

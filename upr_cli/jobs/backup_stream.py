@@ -22,6 +22,13 @@ it like a first open. Either way the run completes with each partition as its cu
 active holds it, and the rollback is reported (`cut_back` and `cuts`, or the manifest's
 rollback record). Positions the caller passes in say where each partition's previous
 backup ended.
+
+Collections: records keep their collection id into the segments, and a collection or
+scope created or dropped (a `ManifestChange`, a DCP system event) is stored in its
+partition's segment at its seq, among the records (formats/segment.md "System
+events"); each segment then says which changes it holds and how many records of each
+collection, which is what the manifest records (formats/repository.md §5.9). A
+`collections` filter streams only those collections, on the server side.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from upr_cli.collections import ManifestChange
+from upr_cli.collections import Path as CollectionPath
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpened
 from upr_cli.dcp.sink import drive
@@ -45,6 +54,7 @@ from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.messages import STREAM_FOREVER
 from upr_cli.segments import SegmentHeader, SegmentInfo, SegmentWriter
+from upr_cli.segments.format import event_record
 from upr_cli.segments.writer import new_compressor
 
 MAX_INFLIGHT = 4  # batches queued on the segment worker before the stream waits
@@ -125,8 +135,12 @@ async def stream_to_segments(
     end_seqs: dict[int, int] | None = None,
     cuts: dict[int, list[tuple[int, int, SegmentInfo]]] | None = None,
     boundaries: dict[int, list[int]] | None = None,
+    collections: list[CollectionPath] | None = None,
 ) -> dict[int, PartitionResult]:
     """Stream each partition from its position to the pinned high seqno into a segment.
+
+    `collections` streams only those scopes and collections (a server-side filter);
+    None streams every collection.
 
     `end_seqs` pins the ends instead (a distributed backup pins them once, on the driver,
     so every task stops at the seqs a local run would).
@@ -142,7 +156,8 @@ async def stream_to_segments(
     consumer = DcpConsumer(uri, partitions=partitions, positions=positions,
                            failover_logs=failover_logs, boundaries=boundaries,
                            until_end=True, end_seqs=end_seqs,
-                           buffer_size=buffer_size, name="upr-backup")  # fmt: skip
+                           buffer_size=buffer_size, name="upr-backup",
+                           collections=collections or None)  # fmt: skip
     async with Worker("segments", max_queued=MAX_INFLIGHT) as worker:
         stream = BackupStream(
             consumer, worker, directory, bucket=bucket, segment_name=segment_name,
@@ -241,8 +256,11 @@ class BackupStream:
         self.stats.seqs_done += seqs
 
     async def event(self, event: Event) -> None:
-        """Follow a stream's life: opened, snapshot markers, rollbacks, its end."""
-        if isinstance(event, Snapshot):
+        """Follow a stream's life: opened, snapshot markers, rollbacks, collection
+        changes, its end."""
+        if isinstance(event, ManifestChange):
+            await self.records([event_record(event)])  # its seq among the records
+        elif isinstance(event, Snapshot):
             st = self._opened.get(event.partition)
             if st is not None:
                 st.snapshots.append((event.start, event.end))

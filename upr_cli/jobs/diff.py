@@ -20,11 +20,17 @@ B up to `b_end`; both hold the same history up to S = min(a_end, b_end), so:
 For each partition both rollback rules give where B would restart streaming from A: the
 seed rule (B's log, last complete snapshot, seen seq) and the producer rule
 (docs/protocol.md §4.2: B's position against A's log, A's high seq).
+
+When B is a replay store (sqlite:PATH), a diverged partition also names its lost keys:
+the store's documents above the divergence, tombstones included, each a (collection,
+key) pair, since the same key may be in several collections (formats/store.md §3.2).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import base64
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from upr_cli.errors import UprError
@@ -58,6 +64,7 @@ class PartitionDiff:
     seed_rule: int | str | None = None  # rollback seq, or why there is none
     dcp_rule: int | str | None = None
     lost_seqs: tuple[int, int] | None = None  # (from, to]: B's seqs not in A's history
+    lost_keys: tuple[LostKey, ...] = ()  # B's documents in lost_seqs (B a store only)
 
     def to_json(self) -> dict[str, Any]:
         """JSON form: seqs and uuids as decimal strings (docs/output.md §4)."""
@@ -76,7 +83,39 @@ class PartitionDiff:
             "only_in_b": [ent(e) for e in self.only_in_b],
             "rollback": {"seed": _dec(self.seed_rule), "dcp": _dec(self.dcp_rule)},
             "lost_seqs": None if self.lost_seqs is None else [str(s) for s in self.lost_seqs],
+            "lost_keys": [k.to_json() for k in self.lost_keys],
         }
+
+
+@dataclass(frozen=True, slots=True)
+class LostKey:
+    """A key B holds above the divergence, in its collection (names where B has them)."""
+
+    collection_id: int
+    scope: str | None
+    collection: str | None
+    key: bytes
+    seq: int
+    deleted: bool
+
+    def __str__(self) -> str:
+        """`scope.collection:key` outside the default collection, else the key."""
+        key = self.key.decode(errors="backslashreplace")
+        if not self.collection_id:
+            return key
+        if self.collection is None:
+            return f"#{self.collection_id:x}:{key}"
+        return f"{self.scope}.{self.collection}:{key}"
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form: names and id, the key as text (or base64), the seq as a string."""
+        try:
+            key: dict[str, str] = {"key": self.key.decode()}
+        except UnicodeDecodeError:
+            key = {"key_b64": base64.b64encode(self.key).decode()}
+        return {"scope": self.scope, "collection": self.collection,
+                "collection_id": self.collection_id, **key, "seq": str(self.seq),
+                "deleted": self.deleted}  # fmt: skip
 
 
 def _dec(value: int | str | None) -> str | None:
@@ -193,7 +232,29 @@ def diff_sources(a: str, b: str, partitions: list[int] | None = None) -> DiffRep
             report.partitions.append(PartitionDiff(p, "only-in-b", b_seq=sb[p].seen_seq))
         else:
             report.partitions.append(compare(p, sa[p], sb[p]))
+    if b.startswith("sqlite:") and any(d.lost_seqs for d in report.partitions):
+        report.partitions = _with_lost_keys(Path(b.removeprefix("sqlite:")), report.partitions)
     return report
+
+
+def _with_lost_keys(path: Path, diffs: list[PartitionDiff]) -> list[PartitionDiff]:
+    """The diffs, each diverged one with the store's documents above its divergence."""
+    from upr_cli.store import Store
+
+    with Store(path, create=False) as store:
+        names = store.collections()
+        out = []
+        for d in diffs:
+            if d.lost_seqs is not None:
+                keys = []
+                for doc in store.documents_above(d.partition, d.lost_seqs[0]):
+                    c = names.get(doc.collection)
+                    keys.append(LostKey(doc.collection, c.scope if c else None,
+                                        c.name if c else None, bytes(doc.key), doc.seq,
+                                        doc.deleted))  # fmt: skip
+                d = replace(d, lost_keys=tuple(sorted(keys, key=lambda k: k.seq)))
+            out.append(d)
+    return out
 
 
 def _redact(spec: str) -> str:

@@ -9,6 +9,13 @@ in a segment is listed with its backup, seq, op, cas and rev seq, and whether it
 lost write: above the cut a later backup's rollback made (formats/repository.md §8,
 chain semantics), so absent from the latest state, or taken back by a rollback in the
 middle of its backup (a cut-back segment, formats/repository.md §5.6).
+
+A key is looked up in one collection, by name (`_default._default` unless told): every
+collection id the chain gave that name (a collection dropped and created again has a
+new id, formats/repository.md §5.9), each version saying which id it is in and whether
+that collection was dropped since. The partition is the key's alone: the SDKs hash the
+document key, not its collection. Repositories written before collections hold only
+`_default._default`.
 """
 
 from __future__ import annotations
@@ -19,10 +26,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from upr_cli.collections import DEFAULT
+from upr_cli.collections import Path as CollectionPath
 from upr_cli.errors import UsageError
 from upr_cli.net.bootstrap import partition_of
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION
 from upr_cli.repo import Manifest, lost_cut
+from upr_cli.repo.manifest import collection_history
 from upr_cli.segments import SegmentReader
 from upr_cli.source import MAX_PARTITIONS, open_bucket
 
@@ -45,6 +55,8 @@ class Version:
     datatype: int
     lost: bool
     in_latest: bool
+    collection: int = 0  # the collection id
+    dropped: bool = False  # that collection was dropped since (its records are no state)
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (docs/output.md: seq, cas and rev seq as decimal strings; the value
@@ -66,6 +78,8 @@ class Version:
             "expiry": self.expiry,
             "lost": self.lost,
             "in_latest": self.in_latest,
+            "collection_id": self.collection,
+            "dropped": self.dropped,
             "value": val,
         }
 
@@ -121,13 +135,16 @@ def examine(
     *,
     bucket: str | None = None,
     partitions: Sequence[int] | None = None,
+    collection: CollectionPath | None = None,
 ) -> list[Version]:
-    """Every version of `key`, oldest first. `partitions` selects partitions (default:
-    the key's, from the bucket's partition count: `key_partitions`)."""
+    """Every version of `key` in `collection` (default `_default._default`), oldest
+    first. `partitions` selects partitions (default: the key's, from the bucket's
+    partition count: `key_partitions`)."""
     repo, b, manifests = open_bucket(repo_dir, bucket)
     if not manifests:
         raise UsageError(f"{repo_dir}: no committed backup of bucket {b!r}")
     where = f"bucket {b!r} in {repo_dir}"
+    ids = collection_ids(manifests, collection or CollectionPath(DEFAULT, DEFAULT), where)
     latest = manifests[-1].backup_id
     out: list[Version] = []
     for p in key_partitions(key, manifests, partitions, where):
@@ -141,20 +158,38 @@ def examine(
             files += [(name, 0) for name, _seg in entry.cut_files()]
             for name, cut in files:
                 path = repo.segment_path(b, m.backup_id, name)
-                out += _versions(path, key, str(m.backup_id), p, cut)
-    kept = [v for v in out if not v.lost]
+                out += _versions(path, key, str(m.backup_id), p, cut, ids)
+    kept = [v for v in out if not v.lost and not v.dropped]
     if kept:
         newest = max(kept, key=lambda v: v.seq)
         out = [replace(v, in_latest=v is newest) for v in out]
     return out
 
 
-def _versions(path: Path, key: bytes, backup_id: str, p: int, cut: int) -> list[Version]:
-    """The versions of `key` in one segment file (lost: above `cut`)."""
+def collection_ids(
+    manifests: Sequence[Manifest], path: CollectionPath, where: str
+) -> dict[int, bool]:
+    """Every id the chain gave the collection `path` names, with whether it was dropped
+    since; a name the chain never saw is a UsageError naming what it holds."""
+    if path.collection is None:
+        raise UsageError(f"--collection {path}: give SCOPE.COLLECTION")
+    history = collection_history(manifests)
+    ids = {cid: dropped for cid, (p, dropped) in history.items() if p == path}
+    if not ids:
+        known = ", ".join(sorted({str(p) for p, _d in history.values()}))
+        raise UsageError(f"--collection {path}: no such collection in {where} (it has {known})")
+    return ids
+
+
+def _versions(path: Path, key: bytes, backup_id: str, p: int, cut: int,
+              ids: dict[int, bool]) -> list[Version]:  # fmt: skip
+    """The versions of `key` in the collections `ids` in one segment file (lost: above
+    `cut`)."""
     out = []
     with SegmentReader(path) as reader:
         for r in reader.records():
-            if r.key == key:
+            if r.key == key and r.collection in ids:
                 out.append(Version(backup_id, p, r.seq, OPS[r.op], r.cas, r.rev_seq, r.flags,
-                                   r.expiry, r.value, r.datatype, r.seq > cut, False))  # fmt: skip
+                                   r.expiry, r.value, r.datatype, r.seq > cut, False,
+                                   r.collection, ids[r.collection]))  # fmt: skip
     return out

@@ -9,6 +9,12 @@ in order). Every problem is named; none stops the walk. With `repair`, under the
 bucket's lock, a missing or damaged manifest file is rewritten from its valid twin
 (borg's `check --repair`, pgBackRest's `.copy`); nothing else is changed.
 
+`info` also lists every collection the chain saw, by name (the chain's final names,
+formats/repository.md §5.9), with its data records: mutations as `items`, deletions
+and expirations as `deleted`, over the chain's backups; a collection dropped since, or
+left out by a filtered backup, says so. Backups written before collections count as
+the default collection's, from their segments.
+
 `source.open_bucket` is how every reader gets its manifests: the chain it reads is checked
 whole first (`Repository.chain`, formats/repository.md §8.8). It is also importable from
 here until every reader imports it from `upr_cli.source`.
@@ -22,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.errors import UsageError
+from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.repo import (
     MANIFEST_COPY,
     MANIFEST_FILE,
@@ -33,6 +40,7 @@ from upr_cli.repo import (
     coverage_gaps,
     lost_ranges,
 )
+from upr_cli.repo.manifest import Manifest, collection_history
 from upr_cli.segments import SegmentError, SegmentReader
 from upr_cli.source import open_bucket, open_repo
 
@@ -282,6 +290,7 @@ def info(
         entry: dict[str, Any] = {
             "backups": backups,
             "incomplete": [str(x) for x in repo.incomplete(b)],
+            "collections": collection_counts(repo, b, manifests),
         }
         if partitions is not None:
             ranges: dict[str, Any] = {}
@@ -317,3 +326,45 @@ def info(
             entry["partitions"] = ranges
         out["buckets"][b] = entry
     return out
+
+
+def collection_counts(
+    repo: Repository, bucket: str, manifests: list[Manifest]
+) -> list[dict[str, Any]]:
+    """Every collection the chain saw, with its data records over the chain's backups
+    (`items` mutations, `deleted` deletions and expirations), in id order; `dropped`
+    when it no longer exists at the chain's end, `backed_up` false when the newest
+    backup's filter leaves it out."""
+    totals: dict[int, list[int]] = {}
+    for m in manifests:
+        counts = m.collection_items if m.collection_items or not m.totals.items else None
+        pairs = ((c.id, c.items, c.deleted) for c in counts) if counts is not None else (
+            _segment_counts(repo, bucket, m))  # fmt: skip
+        for cid, items, deleted in pairs:
+            t = totals.setdefault(cid, [0, 0])
+            t[0] += items
+            t[1] += deleted
+    newest = manifests[-1] if manifests else None
+    out = []
+    for cid, (path, dropped) in collection_history(manifests).items():
+        items, deleted = totals.get(cid, (0, 0))
+        coll = path.collection or "_default"
+        out.append({
+            "scope": path.scope, "collection": coll, "id": cid, "items": items,
+            "deleted": deleted, "dropped": dropped,
+            "backed_up": newest is None or newest.backed_up(path.scope, coll),
+        })  # fmt: skip
+    return out
+
+
+def _segment_counts(repo: Repository, bucket: str, m: Manifest) -> list[tuple[int, int, int]]:
+    """A backup written before collections: its records counted from its segments (all
+    in collection 0)."""
+    totals: dict[int, list[int]] = {}
+    for e in m.partitions:
+        for seg in e.segments:
+            with SegmentReader(repo.segment_path(bucket, m.backup_id, seg.file)) as r:
+                for rec in r.records():
+                    t = totals.setdefault(rec.collection, [0, 0])
+                    t[rec.op != OP_MUTATION] += 1
+    return [(cid, a, b) for cid, (a, b) in sorted(totals.items())]

@@ -28,6 +28,13 @@ contract)
   a disk backfill of a big partition) commits inside the snapshot, at its last row
   (a valid resume position, docs/protocol.md "4.4 What a client keeps per partition, and
   how it resumes"), so memory is bounded by configuration.
+* **Collections.** A collection or scope created or dropped reaches replay as a
+  `ManifestChange` at its seq among the records; it waits with them and commits in the
+  same transaction, applied between them in seq order. A drop removes the
+  collection's documents of that partition through the mutation log, so a rollback
+  below it brings them back (formats/store.md §5.5). The source's manifest at the
+  start names the ids. `collections` filters on the server side; a store remembers its
+  filter, since its positions say nothing of the collections it left out.
 * **Rollbacks.** The consumer turns ROLLBACK(r) into a `Rollback` event, at the newest
   snapshot boundary at or below r (docs/design.md "Rollback");
   the store undoes its changes above r from its mutation log, keeping the versions it
@@ -56,6 +63,8 @@ from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from upr_cli.collections import ManifestChange
+from upr_cli.collections import Path as CollectionPath
 from upr_cli.dcp.consumer import DcpConsumer, Item
 from upr_cli.dcp.events import (
     BarrierReached,
@@ -79,16 +88,19 @@ from upr_cli.protocol.messages import ObserveSeqno, ObserveSeqnoResponse
 from upr_cli.store import DEFAULT_UNDO_WINDOW, Row, Store
 
 if TYPE_CHECKING:
+    from upr_cli.repo import Manifest as BackupManifest
     from upr_cli.repo import ResumePoint
 
 _seq_of = attrgetter("by_seqno")
+_change_seq = attrgetter("seq")
 _COMMIT_ROWS = 32_768  # committable rows gathered before a transaction (amortises commits)
 _COMMIT_SECONDS = 0.5  # ... or this long since the last one
 _MAX_QUEUED = 1  # applies left on the worker when one is queued (two at most meanwhile)
 _REPO_BATCH_ROWS = 131_072  # rows per transaction from a repository (best of 32k..1M)
 
-#: (partition, rows, the position after them, a failover log to save): one store apply
-Work = list[tuple[int, list[DcpRecord], StreamPosition, FailoverLog | None]]
+#: (partition, rows, the position after them, a failover log to save, the manifest
+#: changes among the rows): one store apply
+Work = list[tuple[int, list[DcpRecord], StreamPosition, FailoverLog | None, list[ManifestChange]]]
 
 
 @dataclass
@@ -100,6 +112,7 @@ class ReplayStats:
     mode: str = "snapshot"
     items: int = 0  # rows received
     applied: int = 0  # rows committed to the store
+    changes: int = 0  # collections and scopes created or dropped, committed
     commits: int = 0
     partitions: int = 0
     partitions_caught_up: int = 0
@@ -119,6 +132,7 @@ class ReplayStats:
             "mode": self.mode,
             "items": self.items,
             "applied": self.applied,
+            "changes": self.changes,
             "commits": self.commits,
             "partitions": self.partitions,
             "rollbacks": self.rollbacks,
@@ -139,6 +153,7 @@ class _Part:
     applied: StreamPosition  # written to the store, maybe in the open transaction
     uuid: int = 0
     rows: list[DcpRecord] = field(default_factory=list)  # received, uncommitted, by seq
+    changes: list[ManifestChange] = field(default_factory=list)  # the same, of collections
     marks: list[tuple[int, int]] = field(default_factory=list)  # markers not yet passed
     complete: int = 0  # every snapshot up to this seq was received whole
     received: int = 0
@@ -149,7 +164,7 @@ class _Part:
     def reset_to(self, pos: StreamPosition) -> None:
         """The stream (re)starts at `pos`: drop what it will send again. A new stream
         begins with a new snapshot marker, so older markers no longer describe it."""
-        del self.rows[bisect_right(self.rows, pos.seq, key=_seq_of) :]
+        self.drop_above(pos.seq)
         self.uuid = pos.uuid
         # A reconnect restarts from the consumer's committed position, which may trail a
         # store write still in flight: rows up to what the store has are dropped again.
@@ -160,13 +175,23 @@ class _Part:
         self.marks = [(pos.snap_start, pos.snap_end)] if pos.seq < pos.snap_end else []
         self.ended = False
 
-    def take(self, upto: int) -> tuple[list[DcpRecord], StreamPosition] | None:
-        """Rows ≤ `upto` and the position there; None when nothing would change."""
+    def drop_above(self, seq: int) -> None:
+        """Forget what was received above `seq` (the stream sends it again)."""
+        del self.rows[bisect_right(self.rows, seq, key=_seq_of) :]
+        del self.changes[bisect_right(self.changes, seq, key=_change_seq) :]
+
+    def take(
+        self, upto: int
+    ) -> tuple[list[DcpRecord], list[ManifestChange], StreamPosition] | None:
+        """Rows and changes ≤ `upto` and the position there; None when nothing would
+        change."""
         upto = min(upto, max(self.complete, self.received))
         if upto < self.applied.seq or (upto == self.applied.seq and self.log is None):
             return None
         n = bisect_right(self.rows, upto, key=_seq_of)
         rows, self.rows = self.rows[:n], self.rows[n:]
+        n = bisect_right(self.changes, upto, key=_change_seq)
+        changes, self.changes = self.changes[:n], self.changes[n:]
         start, end = upto, upto
         for ms, me in self.marks:
             if ms <= upto:
@@ -179,7 +204,7 @@ class _Part:
         # entry, and a position must name it, or a resume would be rolled back again.
         entry = self.branches.entry_at(upto) if self.branches is not None else None
         uuid = entry.uuid if entry is not None else self.uuid
-        return rows, StreamPosition(self.p, uuid, upto, start, end)
+        return rows, changes, StreamPosition(self.p, uuid, upto, start, end)
 
 
 class _Durability:
@@ -245,24 +270,34 @@ async def replay_node(
     max_pending: int = 262_144,
     barrier_interval: float = 0.2,
     buffer_size: int = 4 * 1024 * 1024,
+    collections: list[CollectionPath] | None = None,
     on_progress: Callable[[ReplayStats], None] | None = None,
     on_event: Callable[[str], None] | None = None,
 ) -> ReplayStats:
     """Replay a live source into the store at `db_path` until caught up (or, with
-    `follow`, until cancelled: SIGINT/SIGTERM end the run after a last checkpoint)."""
+    `follow`, until cancelled: SIGINT/SIGTERM end the run after a last checkpoint).
+    `collections` streams only those (scopes or collections) and every run into the
+    store must give the same."""
     mode = "consistent" if consistent else "snapshot"
     mode += " durable-only" if durable_only else ""
     stats = ReplayStats(uri.redacted(), str(db_path), mode)
     options = _Options(
         partitions=partitions, follow=follow, consistent=consistent, max_pending=max_pending,
         barrier_interval=barrier_interval, buffer_size=buffer_size, on_progress=on_progress,
-        say=on_event or (lambda _m: None),
+        say=on_event or (lambda _m: None), collections=collections or None,
     )  # fmt: skip
     # the worker keeps young collections rare: rows wait in memory until their commit point
     async with Worker("upr-store", max_queued=_MAX_QUEUED) as worker:
         store = await worker.run(
             lambda: Store(db_path, undo_window=undo_window, source=uri.redacted())
         )
+        try:
+            await worker.run(
+                lambda: store.claim_filter(",".join(sorted(map(str, collections or []))))
+            )
+        except BaseException:
+            await worker.run(store.close)
+            raise
         durability = _Durability(uri) if durable_only else None
         try:
             with _cancel_on_signals() as stopping:
@@ -327,6 +362,7 @@ class _Options:
     buffer_size: int
     on_progress: Callable[[ReplayStats], None] | None
     say: Callable[[str], None]
+    collections: list[CollectionPath] | None = None  # streamed on the server side
     durable_wait: float = 5.0  # at the end, how long to wait for the source to persist
 
 
@@ -422,7 +458,7 @@ class ReplaySession:
             uri, partitions=options.partitions, positions=saved, boundaries=bounds,
             failover_logs={p: lg for p, lg in logs.items() if lg is not None},
             until_end=not options.follow, barriers=options.consistent,
-            buffer_size=options.buffer_size, name="upr-replay",
+            buffer_size=options.buffer_size, name="upr-replay", collections=options.collections,
         )  # fmt: skip
         return cls(consumer, store, worker, stats, options, durability)
 
@@ -454,7 +490,11 @@ class ReplaySession:
             await consumer.aclose()
 
     async def _start(self, consumer: DcpConsumer) -> None:
-        """The streams are open: pick the commit mode, set each partition's state."""
+        """The streams are open: record the source's names, pick the commit mode, set
+        each partition's state."""
+        manifest, store = consumer.manifest, self.store
+        if manifest is not None:
+            await self.worker.run(lambda: store.record_manifest(manifest))
         if self.opt.consistent:
             if consumer.barriers_supported:
                 self.consistent_on = self.catching_up = True
@@ -541,6 +581,20 @@ class ReplaySession:
         elif isinstance(event, BarrierReached) and event.cookie == self._barrier_out:
             self._barrier_out = None
             self.cuts.append(event.cut)
+        elif isinstance(event, ManifestChange):
+            self._change(event)
+
+    def _change(self, change: ManifestChange) -> None:
+        """Hold a collection's creation or drop with the rows, at its seq (a system
+        event may be the last item of its snapshot, as a record may)."""
+        st = self.parts[change.partition]
+        if change.seq <= st.received:
+            return  # already held (at-least-once after a reconnect)
+        st.changes.append(change)
+        st.received = change.seq
+        if st.marks and change.seq >= st.marks[-1][1]:
+            st.complete = change.seq
+        self._arrived += 1
 
     async def batch_done(self) -> bool:
         """Commit what reached its commit point (by mode), ask for the next barrier, and
@@ -579,7 +633,7 @@ class ReplaySession:
         st = self.parts.get(ev.partition)
         if st is not None:
             # rows up to the boundary stay (they may not be in the store yet)
-            del st.rows[bisect_right(st.rows, ev.to_seq, key=_seq_of) :]
+            st.drop_above(ev.to_seq)
             st.marks.clear()
             st.complete = min(st.complete, ev.to_seq)
             st.received = ev.to_seq
@@ -615,22 +669,24 @@ class ReplaySession:
     # -- commits --------------------------------------------------------------------------
 
     async def _apply(self, work: Work, *, in_open: bool = False) -> None:
-        """Apply (partition, rows, position, log) in one transaction (or the open one);
-        a position reaches the consumer only once the store committed it."""
+        """Apply (partition, rows, position, log, changes) in one transaction (or the open
+        one); a position reaches the consumer only once the store committed it."""
         if not work:
             return
-        positions = {p: pos for p, _r, pos, _l in work}
-        n = sum(len(r) for _p, r, _pos, _l in work)
+        positions = {p: pos for p, _r, pos, _l, _c in work}
+        n = sum(len(r) for _p, r, _pos, _l, _c in work)
+        changes = sum(len(c) for _p, _r, _pos, _l, c in work)
         stats, consumer = self.stats, self.consumer
 
         def done(_result: None) -> None:
             stats.applied += n
+            stats.changes += changes
             if not in_open:
                 stats.commits += 1
                 consumer.commit(positions)
 
         job = functools.partial(self.store.apply_many, work)
-        for p, _r, pos, _l in work:
+        for p, _r, pos, _l, _c in work:
             st = self.parts[p]
             st.applied = pos
             st.log = None
@@ -639,7 +695,7 @@ class ReplaySession:
         await self.worker.submit(job, done)
 
     def _take_all(self, targets: dict[int, int]) -> Work:
-        """Each partition's rows up to its target, and the position there."""
+        """Each partition's rows and changes up to its target, and the position there."""
         out: Work = []
         for p, upto in targets.items():
             st = self.parts.get(p)
@@ -648,7 +704,7 @@ class ReplaySession:
             log = st.log
             got = st.take(upto)
             if got is not None:
-                out.append((p, got[0], got[1], log))
+                out.append((p, got[0], got[2], log, got[1]))
         return out
 
     def _snapshot_targets(self, force: bool, whole: bool = False) -> dict[int, int]:
@@ -736,11 +792,13 @@ class ReplaySession:
         self.catching_up = False
 
 
-def check_options(follow: bool, consistent: bool, durable_only: bool, source: str) -> None:
+def check_options(follow: bool, consistent: bool, durable_only: bool, source: str, *,
+                  collections: bool = False) -> None:  # fmt: skip
     """Refuse combinations that mean nothing for the source."""
-    if source.startswith("repo:") and (follow or consistent or durable_only):
+    if source.startswith("repo:") and (follow or consistent or durable_only or collections):
         raise UsageError(
-            "--follow, --consistent and --durable-only apply to a live source, not a repository"
+            "--follow, --consistent, --durable-only and --collections apply to a live source,"
+            " not a repository"
         )
 
 
@@ -768,7 +826,9 @@ def replay_repo(
     from upr_cli.jobs.restore import states_ahead
     from upr_cli.jobs.state import select
     from upr_cli.repo import resume_point
+    from upr_cli.repo.manifest import chain_manifest
     from upr_cli.segments import SegmentError
+    from upr_cli.segments.format import OP_SYSTEM_EVENT
     from upr_cli.source import open_bucket
 
     say = on_event or (lambda _m: None)
@@ -778,6 +838,8 @@ def replay_repo(
     stats = ReplayStats(f"repo:{repo_dir}@{sel.backup_id}", str(db_path), "snapshot")
     stats.partitions = len(sel.partitions)
     with Store(db_path, undo_window=undo_window, source=stats.source) as store, rare_gc():
+        store.claim_filter("")
+        store.record_manifest(chain_manifest(chain))
         batch = _RepoBatch(store, stats, on_progress)
         for p, records in states_ahead(repo, b, manifests, sel):
             if isinstance(records, SegmentError):
@@ -787,19 +849,40 @@ def replay_repo(
                 continue
             base = _repo_base(store, p, rp, stats, say, before_rollback=batch.flush)
             # a segment record is (op, seq, rev, cas, flags, exp, delete_time, datatype,
-            # key, value) (formats/segment.md); a store row has DcpRecord's fields in order
+            # key, value, collection) (formats/segment.md); a store row has DcpRecord's
+            # fields in order. System events come from the manifests' changes instead.
             rows: list[Row] = [
-                (op, p, seq, rev, cas, flags, exp, dtime, datatype, key, value, 0)
-                for op, seq, rev, cas, flags, exp, dtime, datatype, key, value in records
-                if seq > base
+                (op, p, seq, rev, cas, flags, exp, dtime, datatype, key, value, 0, cid)
+                for op, seq, rev, cas, flags, exp, dtime, datatype, key, value, cid in records
+                if seq > base and op != OP_SYSTEM_EVENT
             ]
             stats.items += len(rows)
             if rp.position.seq < base:  # nothing newer in the backup than the store holds
                 continue
-            batch.add(p, rows, rp.position, rp.failover_log)
+            data = {r.seq for r in records if r.op != OP_SYSTEM_EVENT}
+            mine = _chain_changes(chain, p, base, rp.position.seq, data)
+            batch.add(p, rows, rp.position, rp.failover_log, mine)
         batch.flush()
     stats.seconds = time.monotonic() - stats.started
     return stats
+
+
+def _chain_changes(
+    chain: list[BackupManifest], p: int, base: int, top: int, row_seqs: set[int]
+) -> list[ManifestChange]:
+    """Partition p's collection changes in (base, top] that the chain's history kept, in
+    seq order: those a later branch took back (formats/repository.md §8.3, the lost
+    ranges) are left out, as their records are."""
+    from upr_cli.repo import lost_ranges
+
+    lost = lost_ranges(chain, p)
+    found: dict[int, ManifestChange] = {}
+    for m in chain:
+        cut = [(r.from_seq, r.to_seq) for r in lost if r.backup_id == m.backup_id]
+        for c in m.manifest_changes:
+            if c.partition == p and not any(lo < c.seq <= hi for lo, hi in cut):
+                found[c.seq] = c
+    return [found[s] for s in sorted(found) if base < s <= top and s not in row_seqs]
 
 
 class _RepoBatch:
@@ -812,12 +895,16 @@ class _RepoBatch:
         self.store = store
         self.stats = stats
         self.on_progress = on_progress
-        self.work: list[tuple[int, list[Row], StreamPosition, FailoverLog | None]] = []
+        self.work: list[tuple[int, list[Row], StreamPosition, FailoverLog | None,
+                              list[ManifestChange]]] = []  # fmt: skip
         self.rows = 0
 
-    def add(self, p: int, rows: list[Row], position: StreamPosition, log: FailoverLog) -> None:
-        """Take partition p's rows up to `position`; apply the batch once it is full."""
-        self.work.append((p, rows, position, log))
+    def add(self, p: int, rows: list[Row], position: StreamPosition, log: FailoverLog,
+            changes: list[ManifestChange]) -> None:  # fmt: skip
+        """Take partition p's rows and changes up to `position`; apply the batch once it
+        is full."""
+        self.work.append((p, rows, position, log, changes))
+        self.stats.changes += len(changes)
         self.rows += len(rows)
         if self.rows >= _REPO_BATCH_ROWS:
             self.flush()

@@ -1,46 +1,74 @@
-"""`upr restore`: the state at a backup, written to a node (or, later, a SQLite store).
+"""`upr restore`: the state at a backup, written to a node, a cluster or a SQLite store.
 
-The state comes from the chain (`jobs.state`). To a node, live documents go as
-SET_WITH_META and deletions as DEL_WITH_META (docs/protocol.md "SET_WITH_META and
-DEL_WITH_META"), keeping cas, rev seq,
-flags and expiry; the target's conflict resolution decides unless `--force-updates`
-(option FORCE_WITH_META_OP). A deletion is sent only where the target has the key,
-unless `--include-tombstones`. Requests are pipelined, each to its partition's active node
-(net/router.py: a cluster map is followed, NOT_MY_VBUCKET retried). Reading
-verifies checksums: corruption stops the restore with the file and block named, or,
-with `skip_corrupt`, the partition is skipped and reported.
+The state comes from the chain (`jobs.state`), one partition at a time, each key's
+latest version within its collection. To a node, live documents go as SET_WITH_META
+and deletions as DEL_WITH_META (docs/protocol.md "SET_WITH_META and DEL_WITH_META"),
+keeping cas, rev seq, flags and expiry; the target's conflict resolution decides unless
+`--force-updates` (option FORCE_WITH_META_OP). A deletion is sent only where the target
+has the key, unless `--include-tombstones`. Requests are pipelined, each to its
+partition's active node (net/router.py: a cluster map is followed, NOT_MY_VBUCKET
+retried). Reading verifies checksums: corruption stops the restore with the file and
+block named, or, with `skip_corrupt`, the partition is skipped and reported.
 
-Before anything is written, the chain the state reads is checked whole (`open_bucket`,
-formats/repository.md §8.8: no damaged manifest, no missing parent, no seq gap) and
-every segment file it reads is there with its size (`check_files`, unless
-`skip_corrupt`): a broken chain is an error naming the missing piece, never a smaller
-restore.
+Where each key goes (jobs/restore_plan.py): to the partition its document key hashes to
+over the TARGET's partition count, in the target's collection of the same name (or the
+one `--map-data` names), with the collection id in front of the key on a connection
+that negotiated Collections. A SQLite store keeps the source's partitions and ids, and
+records the names.
+
+Nothing is written until everything that can refuse the restore was checked: the chain
+whole (`open_bucket`, formats/repository.md §8.8: no damaged manifest, no missing
+parent, no seq gap) and every segment file it reads there with its size (`check_files`,
+unless `skip_corrupt`); the target reached and authenticated, its partition count and
+collections read, every partition with a reachable active node, every collection the
+restore needs there or created. A broken chain or a target that cannot take the restore
+is one error naming what is wrong, never a smaller restore or a half-written bucket.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import queue
 import re
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
-from upr_cli.jobs.state import Selection, check_files, partition_state, select
+from upr_cli.cluster.collections import change_manifest, fetch_manifest
+from upr_cli.collections import DEFAULT, Collection, Scope
+from upr_cli.collections import Manifest as Collections
+from upr_cli.errors import UprError
+from upr_cli.jobs.restore_plan import (
+    EXISTS,
+    MISSING,
+    CollectionPlan,
+    MapRule,
+    RestorePlan,
+    RestorePlanError,
+    creation,
+    plan_collections,
+    refuse_missing,
+    resolve,
+    source_partition_count,
+)
+from upr_cli.jobs.state import Selection, check_files, select
+from upr_cli.net.bootstrap import partition_of
 from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol import Frame
+from upr_cli.protocol import Frame, leb128
 from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.protocol.messages import DelWithMeta, Get, SetWithMeta
 from upr_cli.protocol.status import Status
-from upr_cli.repo import Manifest, Repository
-from upr_cli.segments import Record, SegmentError
+from upr_cli.repo import BackupId, Manifest, Repository, plan_state
+from upr_cli.repo.manifest import chain_manifest
+from upr_cli.segments import Record, SegmentError, SegmentReader
 from upr_cli.source import open_bucket
 
 T = TypeVar("T")
@@ -89,7 +117,24 @@ def prefetch(
         t.join()
 
 
-_SEQ, _OP = attrgetter("seq"), attrgetter("op")  # C-level getters
+_SEQ, _OP, _COLL = attrgetter("seq"), attrgetter("op"), attrgetter("collection")  # C-level
+
+
+def partition_state(
+    repo: Repository, bucket: str, manifests: Sequence[Manifest], at: BackupId, partition: int
+) -> dict[tuple[int, bytes], Record]:
+    """Latest data record per (collection id, key) of one partition at backup `at`,
+    tombstones included: the same key in two collections is two documents. System event
+    records are not data (`SegmentReader.records` leaves them out)."""
+    latest: dict[tuple[int, bytes], Record] = {}
+    for step in plan_state(manifests, at=at, partition=partition):
+        path = repo.segment_path(bucket, step.backup_id, step.segment.file)
+        with SegmentReader(path) as reader:
+            for rec in reader.records():
+                if rec.seq > step.max_seq:
+                    break
+                latest[rec.collection, rec.key] = rec
+    return latest
 
 
 def states_ahead(
@@ -134,6 +179,8 @@ class RestoreSummary:
     skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
     partitions_total: int = 0  # the partitions selected (for progress)
+    plan: RestorePlan | None = None  # partition counts and collections
+    dropped: int = 0  # records of collections dropped by the end of the chain: not restored
 
     @property
     def items(self) -> int:
@@ -142,29 +189,111 @@ class RestoreSummary:
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (docs/output.md: `items` the documents and deletions)."""
-        return {
-            k: getattr(self, k)
-            for k in (
-                "backup_id",
-                "target",
-                "dry_run",
-                "partitions",
-                "items",
-                "documents",
-                "deletions",
-                "written",
-                "conflicts",
-                "absent_deletes",
-                "skipped",
-            )
-        } | {
-            "errors": sum(self.errors.values()),  # a count, as in every command
-            "errors_by_status": self.errors,
-            "seconds": round(self.seconds, 3),
-            "items_per_s": round(self.written / self.seconds)
-            if self.seconds and self.written
-            else None,
-        }
+        return (
+            {
+                k: getattr(self, k)
+                for k in (
+                    "backup_id",
+                    "target",
+                    "dry_run",
+                    "partitions",
+                    "items",
+                    "documents",
+                    "deletions",
+                    "written",
+                    "conflicts",
+                    "absent_deletes",
+                    "skipped",
+                    "dropped",
+                )
+            }
+            | {
+                "errors": sum(self.errors.values()),  # a count, as in every command
+                "errors_by_status": self.errors,
+                "seconds": round(self.seconds, 3),
+                "items_per_s": round(self.written / self.seconds)
+                if self.seconds and self.written
+                else None,
+            }
+            | (self.plan.to_json() if self.plan is not None else {})
+        )
+
+    def count(self, records: list[Record], plans: dict[int, CollectionPlan]) -> None:
+        """Add a partition's records to the totals and to their collections' counts."""
+        mutations = list(map(_OP, records)).count(OP_MUTATION)  # counted in C
+        self.documents += mutations
+        self.deletions += len(records) - mutations
+        colls = set(map(_COLL, records))
+        if len(colls) == 1:
+            (c,) = colls
+            plans[c].documents += mutations
+            plans[c].deletions += len(records) - mutations
+            return
+        for (c, op), n in Counter(zip(map(_COLL, records), map(_OP, records), strict=True)).items():
+            if op == OP_MUTATION:
+                plans[c].documents += n
+            else:
+                plans[c].deletions += n
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The backup side of a restore, checked: the chain up to the selected backup, the
+    partitions to read, and the collections (by name) at the chain's end."""
+
+    repo: Repository
+    bucket: str
+    manifests: list[Manifest]  # the chain, up to the selected backup
+    sel: Selection
+    partitions: int  # the source bucket's partition count
+    names: Collections  # the collections live at the chain's end
+
+    @classmethod
+    def open(cls, repo_dir: Path, bucket: str | None, at: str, partitions: list[int] | None,
+             skip_corrupt: bool) -> _Source:  # fmt: skip
+        """The checked source (a broken chain or a missing file is an error naming it)."""
+        repo, b, manifests = open_bucket(repo_dir, bucket, at)
+        sel = select(manifests, at, partitions)
+        if not skip_corrupt:  # before anything is written (--skip-corrupt skips them instead)
+            check_files(repo, b, manifests, sel)
+        chain = [m for m in manifests if m.backup_id <= sel.backup_id]
+        count = source_partition_count(e.partition for m in chain for e in m.partitions)
+        return cls(repo, b, chain, sel, count, chain_manifest(chain))
+
+    def covers(self, scope: str, collection: str) -> bool:
+        """True if the selected backup holds that collection (a filtered backup holds
+        only some: formats/repository.md §5.9)."""
+        f = self.manifests[-1].collection_filter
+        return f is None or f.covers(scope, collection)
+
+    def plan(self, target: Collections | None, rules: Sequence[MapRule], target_partitions:
+             int | None, can_create: bool) -> RestorePlan:  # fmt: skip
+        """The restore plan against a target with these collections and partitions."""
+        plans = plan_collections(self.names, target, rules, can_create=can_create,
+                                 covers=self.covers)  # fmt: skip
+        return RestorePlan(self.partitions, target_partitions, plans)
+
+    def summary(self, target: str, dry_run: bool) -> RestoreSummary:
+        """An empty summary of this restore."""
+        return RestoreSummary(str(self.sel.backup_id), target, dry_run,
+                              partitions_total=len(self.sel.partitions))  # fmt: skip
+
+    def states(self) -> Generator[tuple[int, list[Record] | SegmentError], None, None]:
+        """Each selected partition's state (records by seq), read ahead on a thread."""
+        return states_ahead(self.repo, self.bucket, self.manifests, self.sel)
+
+
+def _restorable(records: list[Record], keys: re.Pattern[bytes] | None, wanted: dict[int, Any],
+                summary: RestoreSummary) -> list[Record]:  # fmt: skip
+    """The records a restore writes: those of `keys` (None: all) in a collection of the
+    plan; a record of a dropped collection is counted as `dropped`."""
+    if keys is not None:
+        records = [r for r in records if keys.search(r.key)]
+    if not set(map(_COLL, records)) <= wanted.keys():  # a set built in C: rarely true
+        kept = [r for r in records if r.collection in wanted]
+        summary.dropped += len(records) - len(kept)
+        records = kept
+    return records
 
 
 async def restore_to_node(
@@ -180,79 +309,144 @@ async def restore_to_node(
     include_tombstones: bool = False,
     skip_corrupt: bool = False,
     window: int = 512,
+    map_data: Sequence[MapRule] = (),
+    create: bool = True,
     on_progress: Callable[[RestoreSummary], None] | None = None,
 ) -> RestoreSummary:
-    """Write the state at `at` into a node; returns counts."""
-    repo, b, manifests = open_bucket(repo_dir, bucket, at)
-    sel = select(manifests, at, partitions)
-    if not skip_corrupt:  # before anything is written (--skip-corrupt skips them instead)
-        check_files(repo, b, manifests, sel)
-    summary = RestoreSummary(str(sel.backup_id), target.redacted(), dry_run,
-                             partitions_total=len(sel.partitions))  # fmt: skip
+    """Write the state at `at` into a node or cluster; returns counts. Everything that
+    can refuse the restore is checked before the first write (the module's doc)."""
+    src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt)
+    summary = src.summary(target.redacted(), dry_run)
     t0 = time.monotonic()
-    # Writes follow the cluster map: each to its partition's active node, retried with the
-    # newer map on NOT_MY_VBUCKET (net/router.py).
-    router = None if dry_run else await Router.open(target, name="upr-restore")
-    options = FORCE if force_updates else 0
-    writer = None if router is None else _NodeWriter(router, summary, window, options)
+    router = await Router.open(target, name="upr-restore")
+    writer: _NodeWriter | None = None
     try:
-        for p in sel.partitions:
-            try:
-                state = partition_state(repo, b, manifests, sel.backup_id, p)
-            except SegmentError as exc:
-                if not skip_corrupt:
-                    raise
-                summary.skipped.append(f"partition {p}: {exc}")
-                continue
-            summary.partitions += 1
-            records = [r for r in sorted(state.values(), key=lambda r: r.seq)
-                       if keys is None or keys.search(r.key)]  # fmt: skip
-            deletes = [r for r in records if r.op != OP_MUTATION]
-            summary.deletions += len(deletes)
-            summary.documents += len(records) - len(deletes)
-            if writer is not None:
-                await writer.partition(p, records, deletes, include_tombstones)
-            if on_progress is not None:
-                on_progress(summary)
+        _check_actives(router)  # before the plan, which may change the target's manifest
+        summary.plan = plan = await _plan_node(router, target, src, map_data, create, dry_run)
+        if not dry_run:
+            writer = _NodeWriter(router, summary, window, FORCE if force_updates else 0, plan)
+        plans = plan.by_source()
+        with contextlib.closing(src.states()) as states:
+            for p, records in states:
+                if isinstance(records, SegmentError):
+                    if not skip_corrupt:
+                        raise records
+                    summary.skipped.append(f"partition {p}: {records}")
+                    continue
+                summary.partitions += 1
+                todo = _restorable(records, keys, plans, summary)
+                summary.count(todo, plans)
+                if writer is not None:
+                    await writer.partition(todo, include_tombstones)
+                if on_progress is not None:
+                    on_progress(summary)
         if writer is not None:
             await writer.drain()
     finally:
-        if router is not None:
-            await router.aclose()
+        if writer is not None:
+            writer.abandon()
+        await router.aclose()
     summary.seconds = time.monotonic() - t0
     return summary
 
 
+async def _plan_node(router: Router, target: SourceUri, src: _Source, rules: Sequence[MapRule],
+                     create: bool, dry_run: bool) -> RestorePlan:  # fmt: skip
+    """The plan against the target the router reaches: its partition count and
+    collections; the missing collections created (one manifest change) unless
+    `create` is off or this is a dry run. A collection the target lacks and will not
+    get is an error before anything is written (in a dry run the plan shows it)."""
+    count = router.num_partitions
+    if count <= 0:
+        raise RestorePlanError(f"{target.redacted()}: the target has no partition map "
+                               "(GET_CLUSTER_CONFIG): nothing written")  # fmt: skip
+    theirs = await fetch_manifest(target) if router.collections else None
+    plan = src.plan(theirs, rules, count, create and theirs is not None)
+    if theirs is None:
+        why = ("the target does not support collections; --map-data S.C=_default._default "
+               "restores one into the default collection")  # fmt: skip
+    else:
+        why = "--no-create"
+    if dry_run:
+        return plan
+    refuse_missing(plan, why)
+    todo = plan.to_create()
+    if todo:
+        try:
+            made = await change_manifest(target, creation(todo))
+        except UprError as exc:
+            for c in todo:
+                c.status = MISSING
+            refuse_missing(plan, f"creating them failed: {exc}")
+            raise
+        resolve(plan.collections, made)
+        refuse_missing(plan, "the target's manifest lacks them after the change")
+    return plan
+
+
+def _check_actives(router: Router) -> None:
+    """Every partition of the target has a reachable active node, before the first
+    write: otherwise the writes to it would retry for a minute each and leave the
+    bucket half-restored."""
+    lost = [vb for vb in range(router.num_partitions) if router.conn_for(vb) is None]
+    if lost:
+        shown = ", ".join(map(str, lost[:8])) + (f" and {len(lost) - 8} more" if len(lost) > 8
+                                                 else "")  # fmt: skip
+        raise RestorePlanError(f"nothing written: partition {shown} of the target has no "
+                               "reachable active node")  # fmt: skip
+
+
+class RestoreTargetError(UprError):
+    """The target kept refusing writes after the router's retries: the restore stops."""
+
+
+# Answers the router retries with the newest map until `retry_for` is spent: one that
+# still comes back means the cluster is not taking writes for that partition, and every
+# later write to it would wait as long.
+_GAVE_UP = frozenset({Status.NOT_MY_VBUCKET, Status.ETMPFAIL})
+
+
 class _NodeWriter:
     """Pipelined writes of a restore to a node: up to `window` requests in flight, each
-    answer counted into the summary (written, kept newer on the target, absent, errors)."""
+    answer counted into the summary (written, kept newer on the target, absent, errors).
+    Each key goes to its hash over the target's partition count, in the target's
+    collection (the plan's ids, in front of the key where Collections was negotiated)."""
 
-    def __init__(self, router: Router, summary: RestoreSummary, window: int, options: int):
+    def __init__(self, router: Router, summary: RestoreSummary, window: int, options: int,
+                 plan: RestorePlan) -> None:  # fmt: skip
         self.router, self.summary, self.window, self.options = router, summary, window, options
+        self.count = router.num_partitions
         self.inflight: deque[tuple[asyncio.Future[Frame], int, Make, str, bytes]] = deque()
         self.present: set[bytes] = set()  # keys the target has (GETs before deletions)
+        # source collection id → the bytes in front of each key on the wire
+        self.prefix = {s: leb128.encode(t) if router.collections else b""
+                       for s, t in plan.target_ids().items()}  # fmt: skip
 
-    async def partition(self, p: int, records: list[Record], deletes: list[Record],
-                        include_tombstones: bool) -> None:  # fmt: skip
-        """Write one partition's documents, then its deletions: all of them with
+    async def partition(self, records: list[Record], include_tombstones: bool) -> None:
+        """Write one source partition's documents, then its deletions: all of them with
         `include_tombstones`, else only those of keys the target has."""
+        deletes: list[tuple[int, bytes, Record]] = []
         for r in records:
-            if r.op == OP_MUTATION:
-                make = functools.partial(_set_with_meta, p, r.key, r.value, r.datatype, r.flags,
-                                         r.expiry, r.rev_seq, r.cas, self.options)  # fmt: skip
-                await self.send(p, make, "set", r.key)
+            vb = partition_of(r.key, self.count)  # the document key, not its prefix
+            key = self.prefix[r.collection] + r.key
+            if r.op != OP_MUTATION:
+                deletes.append((vb, key, r))
+                continue
+            make = functools.partial(_set_with_meta, vb, key, r.value, r.datatype, r.flags,
+                                     r.expiry, r.rev_seq, r.cas, self.options)  # fmt: skip
+            await self.send(vb, make, "set", key)
         if deletes and not include_tombstones:  # only where the target has the key
             await self.drain()
             self.present.clear()
-            for r in deletes:
-                await self.send(p, functools.partial(_get, p, r.key), "get", r.key)
+            for vb, key, _r in deletes:
+                await self.send(vb, functools.partial(_get, vb, key), "get", key)
             await self.drain()
             self.summary.absent_deletes += len(deletes) - len(self.present)
-            deletes = [r for r in deletes if r.key in self.present]
-        for r in deletes:
-            make = functools.partial(_del_with_meta, p, r.key, r.flags, r.rev_seq, r.cas,
+            deletes = [d for d in deletes if d[1] in self.present]
+        for vb, key, r in deletes:
+            make = functools.partial(_del_with_meta, vb, key, r.flags, r.rev_seq, r.cas,
                                      self.options)  # fmt: skip
-            await self.send(p, make, "delete", r.key)
+            await self.send(vb, make, "delete", key)
 
     async def send(self, vb: int, make: Make, kind: str, key: bytes) -> None:
         """Queue one request; with `window` in flight, wait for the oldest answer first."""
@@ -269,9 +463,21 @@ class _NodeWriter:
         while self.inflight:
             await self._settle_oldest()
 
+    def abandon(self) -> None:
+        """Forget the requests still in flight (the restore stopped on an error): a
+        pending answer is cancelled and a failed one's error taken, so that asyncio
+        reports none of them as never retrieved."""
+        while self.inflight:
+            fut = self.inflight.popleft()[0]
+            if not fut.done():
+                fut.cancel()
+            elif not fut.cancelled():
+                fut.exception()
+
     async def _settle_oldest(self) -> None:
-        fut, vb, make, kind, key = self.inflight.popleft()
+        fut, vb, make, kind, key = self.inflight[0]
         reply = await self.router.settle(fut, vb, make)
+        self.inflight.popleft()
         status, summary = reply.vbucket_or_status, self.summary
         if kind == "get":
             if status == Status.SUCCESS:
@@ -282,6 +488,11 @@ class _NodeWriter:
             summary.conflicts += 1
         elif status == Status.KEY_ENOENT and kind == "delete":
             summary.absent_deletes += 1
+        elif status in _GAVE_UP:
+            raise RestoreTargetError(
+                f"partition {vb}: {Status(status).name} for {self.router.retry_for:g}s after "
+                f"{summary.written:,} writes; run the restore again once the cluster is stable"
+            )
         else:
             name = f"0x{status:02x}"
             summary.errors[name] = summary.errors.get(name, 0) + 1
@@ -314,23 +525,28 @@ def restore_to_store(
     keys: re.Pattern[bytes] | None = None,
     dry_run: bool = False,
     skip_corrupt: bool = False,
+    map_data: Sequence[MapRule] = (),
+    create: bool = True,
     on_progress: Callable[[RestoreSummary], None] | None = None,
 ) -> RestoreSummary:
     """Write the state at `at` into a SQLite store (formats/store.md): documents and
-    tombstones as they were, and each partition's position and failover log from the
-    chain, so a replay can continue from the backup."""
+    tombstones as they were, in the source's partitions and collection ids, the names of
+    the collections (`--map-data` applied), and each partition's position and failover
+    log from the chain, so a replay can continue from the backup. (`create` is for a
+    node: a store takes any collection.)"""
     from upr_cli.repo import resume_point
     from upr_cli.store import Store
 
-    repo, b, manifests = open_bucket(repo_dir, bucket, at)
-    sel = select(manifests, at, partitions)
-    if not skip_corrupt:  # before anything is written (--skip-corrupt skips them instead)
-        check_files(repo, b, manifests, sel)
-    summary = RestoreSummary(str(sel.backup_id), f"sqlite:{db_path}", dry_run,
-                             partitions_total=len(sel.partitions))  # fmt: skip
+    del create
+    src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt)
+    summary = src.summary(f"sqlite:{db_path}", dry_run)
+    summary.plan = plan = src.plan(Collections(), map_data, None, can_create=True)
+    for c in plan.collections:  # a store has every collection it is given
+        c.target_id, c.status = c.source_id, EXISTS
+    plans = plan.by_source()
     t0 = time.monotonic()
-    chain = [m for m in manifests if m.backup_id <= sel.backup_id]
-    store = None if dry_run else Store(db_path, source=f"repo:{repo_dir}@{sel.backup_id}")
+    chain = src.manifests
+    store = None if dry_run else Store(db_path, source=f"repo:{repo_dir}@{src.sel.backup_id}")
     # rows in ROW_FIELDS order, plain: the store's restore path binds them as they are
     pending: list[tuple[Any, ...]] = []
     pending_parts: list[int] = []
@@ -351,20 +567,20 @@ def restore_to_store(
             on_progress(summary)
 
     try:
-        for p, records in states_ahead(repo, b, manifests, sel):
+        if store is not None:
+            store.record_manifest(store_names(plan, src.names))
+        for p, records in src.states():
             if isinstance(records, SegmentError):
                 if not skip_corrupt:
                     raise records
                 summary.skipped.append(f"partition {p}: {records}")
                 continue
             summary.partitions += 1
-            if keys is not None:
-                records = [r for r in records if keys.search(r.key)]
-            mutations = list(map(_OP, records)).count(OP_MUTATION)  # counted in C
-            summary.documents += mutations
-            summary.deletions += len(records) - mutations
+            records = _restorable(records, keys, plans, summary)
+            summary.count(records, plans)
             pending += [(r.op, p, r.seq, r.rev_seq, r.cas, r.flags, r.expiry, r.delete_time,
-                         r.datatype, r.key, r.value, 0) for r in records]  # fmt: skip
+                         r.datatype, r.key, r.value, 0, r.collection)
+                        for r in records]  # fmt: skip
             pending_parts.append(p)
             if len(pending) >= _RESTORE_BATCH_ROWS:
                 flush()
@@ -374,3 +590,26 @@ def restore_to_store(
             store.close()
     summary.seconds = time.monotonic() - t0
     return summary
+
+
+def store_names(plan: RestorePlan, source: Collections) -> Collections:
+    """The names a store records for the source's ids: each collection under its target
+    name (`--map-data`), a target scope with the id of the source scope of that name,
+    else of the first scope mapped into it."""
+    scope_ids: dict[str, int] = {}
+    colls: dict[str, list[Collection]] = {}
+    for c in plan.collections:
+        found = source.by_id(c.source_id)
+        assert found is not None  # the plan was made from `source`
+        if c.target.scope not in scope_ids:
+            named = source.scope(c.target.scope)
+            sid = named.id if named else found[0].id
+            taken = set(scope_ids.values()) | {s.id for s in source.scopes if s is not named}
+            if named is None and sid in taken:  # its own scope keeps that id
+                sid = max(taken | {source.max_id}) + 1
+            scope_ids[c.target.scope] = sid
+        colls.setdefault(c.target.scope, []).append(
+            Collection(c.target.collection or DEFAULT, c.source_id, c.max_ttl)
+        )
+    scopes = tuple(Scope(name, scope_ids[name], tuple(cs)) for name, cs in colls.items())
+    return Collections(source.uid, scopes)

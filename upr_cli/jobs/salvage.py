@@ -22,9 +22,12 @@ current history does not have it.
   tombstones were purged above r) makes all its lost writes conflicts.
 * **Writing.** `--apply` writes each safe one with a CAS guard, so a change made between
   the check and the write turns it into a conflict instead of being overwritten: a GET
-  gives the key's cas, then SET (or DELETE) with that cas, or ADD when the key is
   absent. The value, flags and expiry come back; the master assigns a new cas and seq.
   The dry run (default) only lists.
+* **Collections.** A key is (collection id, key): the same key in two collections is
+  two lost writes. Ids are the bucket's own (salvage writes back to the bucket the
+  versions came from), so a version goes back to its collection by id; a collection
+  the master dropped since makes its lost writes conflicts, never written elsewhere.
 """
 
 from __future__ import annotations
@@ -36,15 +39,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from upr_cli.collections import DEFAULT
+from upr_cli.collections import Path as CollectionPath
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Event, Rollback
 from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, needs_rollback
 from upr_cli.jobs.rollback_point import node_states
-from upr_cli.net.router import Router
+from upr_cli.net.router import Router, RouterError
 from upr_cli.net.uri import SourceUri
+from upr_cli.node.sysevents import is_system_key
 from upr_cli.position import StreamPosition
+from upr_cli.protocol import leb128
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.protocol.messages import (
     Add,
@@ -53,9 +60,12 @@ from upr_cli.protocol.messages import (
     Set,
 )
 from upr_cli.protocol.status import Status
+from upr_cli.segments.format import OP_SYSTEM_EVENT
 from upr_cli.store import Document
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
+
     from upr_cli.segments import Record
 
 
@@ -113,12 +123,27 @@ class LostItem:
     master: Version | None = None  # the master's version, for a conflict
     reason: str = ""
     store_ids: list[int] = field(default_factory=list)  # lost_writes rows, for --store
+    collection: int = 0  # the collection id (0: `_default._default`)
+    path: CollectionPath | None = None  # its scope and name, where the holder records them
+
+    @property
+    def shown_key(self) -> bytes:
+        """The key as salvage prints it: `scope.collection:key` outside the default
+        collection (`#id:key` when the holder has no name for it)."""
+        if not self.collection:
+            return self.key
+        where = str(self.path) if self.path is not None else f"#{self.collection:x}"
+        return where.encode() + b":" + self.key
 
     def to_json(self) -> dict[str, Any]:
         """JSON form."""
         key = _text_or_b64("key", self.key)
+        path = self.path or (CollectionPath(DEFAULT, DEFAULT) if not self.collection else None)
         return {
             "partition": self.partition,
+            "collection_id": self.collection,
+            "scope": path.scope if path is not None else None,
+            "collection": path.collection if path is not None else None,
             **key,
             "cut": str(self.cut),
             "origin": self.origin,
@@ -158,11 +183,13 @@ class SalvageReport:
         }
 
 
-def _seg_version(rec: Record) -> tuple[bytes, Version]:
-    """A segment record's key and version (fields in `segments.format.RECORD_FIELDS` order)."""
-    op, seq, rev, cas, flags, exp, _dt, datatype, key, value = rec
-    return bytes(key), Version(seq, op != OP_MUTATION, bytes(value), cas, rev, flags, exp,
-                               datatype)  # fmt: skip
+def _seg_versions(records: Iterable[Record]) -> Iterator[tuple[int, bytes, Version]]:
+    """The collection id, key and version of each data record of a segment (fields in
+    `segments.format.RECORD_FIELDS` order); system events are no writes."""
+    for op, seq, rev, cas, flags, exp, _dt, datatype, key, value, cid in records:
+        if op != OP_SYSTEM_EVENT:
+            yield cid, bytes(key), Version(seq, op != OP_MUTATION, bytes(value), cas, rev,
+                                           flags, exp, datatype)  # fmt: skip
 
 
 def _same(a: Version, b: Version) -> bool:
@@ -204,8 +231,9 @@ def rollback_cut(master_log: FailoverLog, high: int, pos: StreamPosition) -> int
 
 async def _changed_since(
     uri: SourceUri, cuts: dict[int, int], logs: dict[int, FailoverLog]
-) -> tuple[dict[int, dict[bytes, Version]], set[int]]:
-    """Per partition, the keys the master changed after the cut (newest version each);
+) -> tuple[dict[int, dict[tuple[int, bytes], Version]], set[int]]:
+    """Per partition, the (collection, key)s the master changed after the cut (newest
+    version each);
     and the partitions it cannot stream from the cut (everything there conflicts)."""
     positions = {}
     for p, r in cuts.items():
@@ -229,13 +257,13 @@ class _ChangedSink(SinkBase):
 
     def __init__(self, consumer: DcpConsumer, cuts: dict[int, int]) -> None:
         self.consumer = consumer
-        self.changed: dict[int, dict[bytes, Version]] = {p: {} for p in cuts}
+        self.changed: dict[int, dict[tuple[int, bytes], Version]] = {p: {} for p in cuts}
         self.unknown: set[int] = set()
 
     async def records(self, records: list[DcpRecord]) -> None:
         for rec in records:
             if rec.vbucket not in self.unknown:
-                self.changed[rec.vbucket][bytes(rec.key)] = _record_version(rec)
+                self.changed[rec.vbucket][rec.collection, bytes(rec.key)] = _record_version(rec)
 
     async def event(self, event: Event) -> None:
         if isinstance(event, Rollback):
@@ -253,20 +281,29 @@ async def _write_back(uri: SourceUri, items: list[LostItem], num_partitions: int
     try:
         for it in items:
             vb = it.partition
-            got = await router.request(vb, functools.partial(_get, vb, it.key))
+            try:
+                key = router.qualify(it.key, it.collection)
+            except RouterError as exc:  # a collection on a master without collections
+                it.outcome, it.reason = "conflict", str(exc)
+                continue
+            got = await router.request(vb, functools.partial(_get, vb, key))
+            if got.vbucket_or_status == Status.UNKNOWN_COLLECTION:
+                it.outcome = "conflict"
+                it.reason = f"collection {it.collection:#x} no longer exists on the master"
+                continue
             present = got.vbucket_or_status == Status.SUCCESS
             cas = got.cas if present else 0
             if it.lost.deleted:
                 if not present:
                     it.outcome, it.reason = "already-gone", "the master does not have the key"
                     continue
-                make: Any = lambda o, vb=vb, it=it, cas=cas: Delete(  # noqa: E731
-                    vbucket=vb, key=it.key, cas=cas, opaque=o
+                make: Any = lambda o, vb=vb, key=key, cas=cas: Delete(  # noqa: E731
+                    vbucket=vb, key=key, cas=cas, opaque=o
                 ).encode()
             else:  # SET guarded by the cas just read, or ADD when the key is absent
                 kind = Set if present else Add
-                make = lambda o, vb=vb, it=it, cas=cas, kind=kind: kind(  # noqa: E731
-                    vbucket=vb, key=it.key, value=it.lost.value, flags=it.lost.flags,
+                make = lambda o, vb=vb, key=key, it=it, cas=cas, kind=kind: kind(  # noqa: E731
+                    vbucket=vb, key=key, value=it.lost.value, flags=it.lost.flags,
                     expiration=it.lost.expiry, cas=cas, datatype=it.lost.datatype, opaque=o,
                 ).encode()  # fmt: skip
             resp = await router.request(vb, make)
@@ -305,7 +342,7 @@ async def _resolve(
     changed, unknown = await _changed_since(uri, cuts, logs) if cuts else ({}, set())
     safe = []
     for it in items:
-        newer = changed.get(it.partition, {}).get(it.key)
+        newer = changed.get(it.partition, {}).get((it.collection, it.key))
         if it.partition in unknown:
             it.outcome = "conflict"
             it.reason = f"the master cannot stream partition {it.partition} from seq {it.cut}"
@@ -322,12 +359,20 @@ async def _resolve(
         await _write_back(uri, safe, num_partitions)
 
 
-def _newest(items: list[LostItem]) -> list[LostItem]:
-    """One item per (partition, key): the newest lost version, checked from the lowest cut
-    any of its findings had (every store row merged into it is marked together)."""
-    best: dict[tuple[int, bytes], LostItem] = {}
+def _named(items: list[LostItem], names: dict[int, CollectionPath]) -> list[LostItem]:
+    """The items with their collections' names, where the holder recorded them."""
     for it in items:
-        k = (it.partition, it.key)
+        it.path = names.get(it.collection)
+    return items
+
+
+def _newest(items: list[LostItem]) -> list[LostItem]:
+    """One item per (partition, collection, key): the newest lost version, checked from
+    the lowest cut any of its findings had (every store row merged into it is marked
+    together)."""
+    best: dict[tuple[int, int, bytes], LostItem] = {}
+    for it in items:
+        k = (it.partition, it.collection, it.key)
         cur = best.get(k)
         if cur is None:
             best[k] = it
@@ -348,11 +393,13 @@ def _repo_items(
     """Lost writes a repository holds: above recorded cuts, and above the head's rollback
     point against the master (`logs`/`highs`)."""
     from upr_cli.repo import format_cut_path, lost_ranges, plan_state, resume_point
+    from upr_cli.repo.manifest import collection_history
     from upr_cli.segments import SegmentReader
     from upr_cli.source import open_bucket
 
     repo, b, manifests = open_bucket(repo_dir, bucket)
     held = sorted({e.partition for m in manifests for e in m.partitions})
+    names = {cid: path for cid, (path, _dropped) in collection_history(manifests).items()}
     items: list[LostItem] = []
     for p in held:
         for rng in lost_ranges(manifests, p):
@@ -363,11 +410,10 @@ def _repo_items(
                 if seg.last_seq <= rng.from_seq:
                     continue
                 with SegmentReader(repo.segment_path(b, rng.backup_id, seg.file)) as reader:
-                    for key, v in map(_seg_version, reader.records()):
+                    for cid, key, v in _seg_versions(reader.records()):
                         if rng.from_seq < v.seq <= rng.to_seq:
-                            items.append(
-                                LostItem(p, key, rng.from_seq, v, f"backup {rng.backup_id}")
-                            )
+                            origin = f"backup {rng.backup_id}"
+                            items.append(LostItem(p, key, rng.from_seq, v, origin, collection=cid))
         for m in manifests:  # records a mid-run rollback took back (repository.md §5.6)
             entry = m.partition(p)
             for k, c in enumerate(entry.cut_backs if entry is not None else (), 1):
@@ -375,8 +421,9 @@ def _repo_items(
                     path = repo.segment_path(b, m.backup_id, format_cut_path(k, seg.file))
                     with SegmentReader(path) as reader:
                         items += [LostItem(p, key, c.to_seq, v,
-                                           f"backup {m.backup_id} (cut back mid-run)")
-                                  for key, v in map(_seg_version, reader.records())]  # fmt: skip
+                                           f"backup {m.backup_id} (cut back mid-run)",
+                                           collection=cid)
+                                  for cid, key, v in _seg_versions(reader.records())]  # fmt: skip
         if logs is None or p not in logs:
             continue
         rp = resume_point(manifests, p)
@@ -386,17 +433,18 @@ def _repo_items(
         r = rollback_cut(logs[p], highs.get(p, 0), pos)
         if r is None or r >= pos.seq:
             continue
-        latest: dict[bytes, Version] = {}
+        latest: dict[tuple[int, bytes], Version] = {}
         at = manifests[-1].backup_id
         for step in plan_state(manifests, at=at, partition=p):
             with SegmentReader(repo.segment_path(b, step.backup_id, step.segment.file)) as reader:
-                for key, v in map(_seg_version, reader.records()):
+                for cid, key, v in _seg_versions(reader.records()):
                     if v.seq > step.max_seq:
                         break
                     if v.seq > r:
-                        latest[key] = v
-        items += [LostItem(p, k, r, v, "head vs master") for k, v in latest.items()]
-    return _newest(items), held
+                        latest[cid, key] = v
+        items += [LostItem(p, k, r, v, "head vs master", collection=cid)
+                  for (cid, k), v in latest.items()]  # fmt: skip
+    return _named(_newest(items), names), held
 
 
 def salvage_repo(
@@ -448,7 +496,8 @@ def salvage_store(
             for w in store.lost_writes(wanted):
                 d = w.document
                 item = LostItem(d.partition, bytes(d.key), w.rolled_back_to, Version.of(d),
-                                "store rollback", store_ids=[w.id])  # fmt: skip
+                                "store rollback", store_ids=[w.id],
+                                collection=d.collection)  # fmt: skip
                 items.append(item)
             for p in wanted:
                 if p not in logs:
@@ -457,8 +506,11 @@ def salvage_store(
                 if r is None:
                     continue
                 for d in store.documents_above(p, r):
-                    items.append(LostItem(p, bytes(d.key), r, Version.of(d), "store vs master"))
-            report.items = _newest(items)
+                    items.append(LostItem(p, bytes(d.key), r, Version.of(d), "store vs master",
+                                          collection=d.collection))  # fmt: skip
+            names = {cid: CollectionPath(c.scope or "?", c.name)
+                     for cid, c in store.collections().items()}  # fmt: skip
+            report.items = _named(_newest(items), names)
             await _resolve(target, report, logs, n, apply)
 
         asyncio.run(go())
@@ -490,12 +542,16 @@ def salvage_node_data(
     with NodeStorage(data_dir, bucket) as storage:
         lost = storage.lost_writes()
     want = None if partitions is None else set(partitions)
-    items = [
-        LostItem(d.vbucket, d.key, cut, Version(d.seq, d.deleted, d.value, d.cas, d.rev_seq,
-                                                 d.flags, d.expiry, d.datatype),
-                 "replica rollback")
-        for cut, d in lost if want is None or d.vbucket in want
-    ]  # fmt: skip
+    items = []
+    for cut, d in lost:
+        # node keys are qualified (upr_cli/node/sysevents.py); system event rows are no
+        # document's write
+        if (want is not None and d.vbucket not in want) or is_system_key(d.key):
+            continue
+        cid, key = leb128.split_key(d.key)
+        items.append(LostItem(d.vbucket, bytes(key), cut, Version(d.seq, d.deleted, d.value,
+                              d.cas, d.rev_seq, d.flags, d.expiry, d.datatype),
+                              "replica rollback", collection=cid))  # fmt: skip
 
     async def go() -> None:
         logs, _highs, n = await _master_logs(target, sorted({it.partition for it in items}))

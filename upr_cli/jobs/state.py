@@ -60,16 +60,17 @@ def check_files(
 
 def partition_state(
     repo: Repository, bucket: str, manifests: Sequence[Manifest], at: BackupId, partition: int
-) -> dict[bytes, Record]:
-    """Latest record per key of one partition at backup `at` (tombstones included)."""
-    latest: dict[bytes, Record] = {}
+) -> dict[tuple[int, bytes], Record]:
+    """Latest record per (collection, key) of one partition at backup `at` (tombstones
+    included); the same key in two collections is two documents."""
+    latest: dict[tuple[int, bytes], Record] = {}
     for step in plan_state(manifests, at=at, partition=partition):
         path = repo.segment_path(bucket, step.backup_id, step.segment.file)
         with SegmentReader(path) as reader:
             for rec in reader.records():
                 if rec.seq > step.max_seq:
                     break
-                latest[rec.key] = rec
+                latest[rec.collection, rec.key] = rec
     return latest
 
 

@@ -11,6 +11,14 @@ one-line message naming the field. 64-bit values travel as decimal strings
 (docs/design.md "Conventions"). `dumps` adds a BLAKE2b-128 checksum of the canonical
 JSON, which `loads` verifies, so a bit flip that still parses as JSON is caught
 (pg_verifybackup's embedded manifest checksum).
+
+Collections (version 2): a manifest also records the source's collections manifest at
+the backup's start, the manifest changes (DCP system events) its streams met, which
+collections a filtered backup left out, and the records per collection id. Version 1
+manifests (written before collections) read as backups of the default collection only.
+`chain_manifest` gives the collections as they stand at the end of a chain, and
+`collection_history` every collection id a chain ever saw, with its name and whether it
+was dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +31,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from upr_cli.collections import (
+    CollectionsError,
+    ManifestChange,
+    Path,
+    apply_change,
+)
+from upr_cli.collections import Manifest as Collections
+from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog, InvalidFailoverLog
 from upr_cli.repo.errors import RepositoryError
 from upr_cli.repo.names import (
@@ -38,8 +54,11 @@ from upr_cli.repo.names import (
 
 MANIFEST_FORMAT = "upr-backup-manifest"
 """The `format` value of every manifest."""
-MANIFEST_VERSION = 1
-"""The manifest version this code writes and reads."""
+MANIFEST_VERSION = 2
+"""The manifest version this code writes; it reads every version of `MANIFEST_VERSIONS`."""
+MANIFEST_VERSIONS = (1, 2)
+"""1: before collections (every record in the default collection); 2: collections."""
+CHANGE_KINDS = ("collection-created", "collection-dropped", "scope-created", "scope-dropped")
 MAX_MANIFEST_BYTES = 64 << 20
 """Readers refuse larger manifests instead of allocating for them."""
 
@@ -421,6 +440,114 @@ class Totals:
 
 
 @dataclass(frozen=True, slots=True)
+class CollectionFilter:
+    """Which collections a filtered backup streamed (formats/repository.md §5.9):
+    `include` the paths given (scopes or collections), or every collection but the
+    `exclude` ones."""
+
+    mode: str  # "include" | "exclude"
+    paths: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("include", "exclude"):
+            raise _fail(f"collection_filter: {self.mode!r} is not include or exclude")
+        object.__setattr__(self, "paths", tuple(self.paths))
+        if not self.paths:
+            raise _fail(f"collection_filter: {self.mode} lists no path")
+        for text in self.paths:
+            try:
+                Path.parse(text)
+            except UprError as exc:
+                raise _fail(f"collection_filter: {exc}") from None
+
+    def covers(self, scope: str, collection: str) -> bool:
+        """True if the backup streamed that collection."""
+        named = any(Path.parse(t).covers(scope, collection) for t in self.paths)
+        return named if self.mode == "include" else not named
+
+    def to_json(self) -> dict[str, list[str]]:
+        """`{"include": [...]}` or `{"exclude": [...]}`."""
+        return {self.mode: list(self.paths)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> CollectionFilter | None:
+        """Parse `to_json` output or null."""
+        if data is None:
+            return None
+        if not isinstance(data, dict) or len(data) != 1:
+            raise _fail("collection_filter: expected null or one of include, exclude")
+        ((mode, paths),) = data.items()
+        if not isinstance(paths, list) or not all(isinstance(t, str) for t in paths):
+            raise _fail(f"collection_filter: {mode} must be an array of strings")
+        return cls(mode, tuple(paths))
+
+
+@dataclass(frozen=True, slots=True)
+class CollectionCount:
+    """The data records one backup holds for one collection id: mutations (`items`) and
+    deletions with expirations (`deleted`)."""
+
+    id: int
+    items: int
+    deleted: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.id, bool) or not isinstance(self.id, int) or not 0 <= self.id < 1 << 32:
+            raise _fail(f"collection_items: id {self.id!r} is not a u32")
+        _u64(self.items, f"collection_items {self.id}: items")
+        _u64(self.deleted, f"collection_items {self.id}: deleted")
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON object: the id as an integer (a u32), the counts as decimal strings."""
+        return {"id": self.id, "items": str(self.items), "deleted": str(self.deleted)}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> CollectionCount:
+        """Parse `to_json` output."""
+        o = _Obj(data, where, ("id", "items", "deleted"))
+        return cls(o.small_int("id", (1 << 32) - 1), o.u64("items"), o.u64("deleted"))
+
+
+def change_to_json(c: ManifestChange) -> dict[str, Any]:
+    """A manifest change as JSON (formats/repository.md §5.9): seqs and the manifest uid
+    as decimal strings, ids (u32) and the max TTL as integers, names or null."""
+    return {
+        "partition": c.partition, "seq": str(c.seq), "kind": c.kind,
+        "manifest_uid": str(c.manifest_uid), "scope_id": c.scope_id,
+        "collection_id": c.collection_id, "name": c.name, "max_ttl": c.max_ttl,
+    }  # fmt: skip
+
+
+def change_from_json(data: Any, where: str) -> ManifestChange:
+    """Parse `change_to_json` output; anything else raises RepositoryError."""
+    o = _Obj(data, where, ("partition", "seq", "kind", "manifest_uid", "scope_id",
+                           "collection_id", "name", "max_ttl"))  # fmt: skip
+    kind = o.get("kind")
+    if kind not in CHANGE_KINDS:
+        raise _fail(f"{where}: kind {kind!r} is not one of {', '.join(CHANGE_KINDS)}")
+    u32 = (1 << 32) - 1
+    cid = None if o.get("collection_id") is None else o.small_int("collection_id", u32)
+    if (cid is None) != kind.startswith("scope"):
+        raise _fail(f"{where}: a collection event has a collection_id, a scope event none")
+    name = o.get("name")
+    if name is not None and not isinstance(name, str):
+        raise _fail(f"{where}: name {name!r} is not a string or null")
+    ttl = None if o.get("max_ttl") is None else o.small_int("max_ttl", u32)
+    return ManifestChange(o.small_int("partition", PARTITION_MAX), o.u64("seq"), kind,
+                          o.u64("manifest_uid"), o.small_int("scope_id", u32), cid, name,
+                          ttl)  # fmt: skip
+
+
+def _collections(data: Any) -> Collections | None:
+    if data is None:
+        return None
+    try:
+        return Collections.from_json(data)
+    except CollectionsError as exc:
+        raise _fail(f"collections: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
     """One committed backup of one bucket (formats/repository.md "manifest.json")."""
 
@@ -435,6 +562,12 @@ class Manifest:
     totals: Totals
     # a merge standing in for that backup (formats/repository.md §8.9)
     merged_through: BackupId | None = None
+    # the source's collections at the start (None: written before collections, or a
+    # source without them: everything is in the default collection), formats/repository.md §5.9
+    collections: Collections | None = None
+    manifest_changes: tuple[ManifestChange, ...] = ()  # the system events met
+    collection_filter: CollectionFilter | None = None  # None: every collection
+    collection_items: tuple[CollectionCount, ...] = ()  # data records per collection id
     _index: dict[int, PartitionEntry] = field(
         init=False, repr=False, compare=False, hash=False, default_factory=dict
     )
@@ -492,6 +625,7 @@ class Manifest:
                     f"partition {e.partition}: a full backup starts at seq 0, not {e.start_seq}"
                 )
             self._index[e.partition] = e
+        self._check_collections()
         if not isinstance(self.totals, Totals):
             raise _fail("totals must be a Totals")
         derived = Totals.derive(self.partitions, self.totals.bytes_read)
@@ -499,6 +633,40 @@ class Manifest:
             raise _fail(
                 f"totals {self.totals.to_json()} disagree with the partitions {derived.to_json()}"
             )
+
+    def _check_collections(self) -> None:
+        if self.collections is not None and not isinstance(self.collections, Collections):
+            raise _fail("collections must be a collections Manifest or None")
+        if self.collection_filter is not None and not isinstance(
+            self.collection_filter, CollectionFilter
+        ):
+            raise _fail("collection_filter must be a CollectionFilter or None")
+        object.__setattr__(self, "manifest_changes", tuple(self.manifest_changes))
+        object.__setattr__(self, "collection_items", tuple(self.collection_items))
+        held = {e.partition: e for e in self.partitions}
+        for c in self.manifest_changes:
+            if not isinstance(c, ManifestChange):
+                raise _fail("manifest_changes must hold ManifestChange values")
+            e = held.get(c.partition)
+            if e is None or not e.start_seq < c.seq <= e.end_seq:
+                raise _fail(
+                    f"manifest change at partition {c.partition} seq {c.seq} lies outside "
+                    "that partition's range in this backup"
+                )
+        ids = [c.id for c in self.collection_items]
+        if ids != sorted(set(ids)):
+            raise _fail("collection_items: ids must be ascending, each once")
+
+    @property
+    def filtered(self) -> bool:
+        """True when the backup left some collections out (formats/repository.md §5.9)."""
+        return self.collection_filter is not None
+
+    def backed_up(self, scope: str, collection: str) -> bool:
+        """True if this backup streamed that collection (a filtered backup says no for
+        the collections it left out: they were not backed up, not empty)."""
+        f = self.collection_filter
+        return f is None or f.covers(scope, collection)
 
     def partition(self, p: int) -> PartitionEntry | None:
         """The entry for partition `p`, or None when this backup does not hold it."""
@@ -529,6 +697,12 @@ class Manifest:
             "parent": None if self.parent is None else self.parent.format(),
             "partitions": [e.to_json() for e in self.partitions],
             "totals": self.totals.to_json(),
+            "collections": None if self.collections is None else self.collections.to_json(),
+            "manifest_changes": [change_to_json(c) for c in self.manifest_changes],
+            "collection_filter": None
+            if self.collection_filter is None
+            else self.collection_filter.to_json(),
+            "collection_items": [c.to_json() for c in self.collection_items],
         } | (
             {} if self.merged_through is None else {"merged_through": self.merged_through.format()}
         )
@@ -541,15 +715,22 @@ class Manifest:
         # optional (formats/repository.md §8.9)
         if isinstance(data, dict) and "merged_through" in data:
             keys = (*keys, "merged_through")
-        o = _Obj(data, "manifest", keys)
-        if o.get("format") != MANIFEST_FORMAT:
-            raise _fail(f"format {o.get('format')!r} is not {MANIFEST_FORMAT!r}")
-        version = o.small_int("version", 1 << 31)
-        if version != MANIFEST_VERSION:
+        obj = data if isinstance(data, dict) else {}
+        version = obj.get("version")
+        known = isinstance(version, int) and not isinstance(version, bool)
+        if not (known and version == 1):  # collections (formats/repository.md §5.9)
+            keys = (*keys, "collections", "manifest_changes", "collection_filter",
+                    "collection_items")  # fmt: skip
+        # format and version first: a newer manifest's keys are not unknown, it is newer
+        if "format" in obj and obj["format"] != MANIFEST_FORMAT:
+            raise _fail(f"format {obj['format']!r} is not {MANIFEST_FORMAT!r}")
+        if known and version not in MANIFEST_VERSIONS:
             raise _fail(
-                f"manifest version {version} is not supported (this upr reads version "
-                f"{MANIFEST_VERSION})"
+                f"manifest version {version} is not supported (this upr reads versions "
+                f"{', '.join(map(str, MANIFEST_VERSIONS))})"
             )
+        o = _Obj(data, "manifest", keys)
+        o.small_int("version", 1 << 31)
         parent = o.get("parent")
         partitions = tuple(
             PartitionEntry.from_json(e, f"partitions[{i}]")
@@ -566,6 +747,7 @@ class Manifest:
             partitions,
             Totals.from_json(o.get("totals")),
             BackupId.parse(o.string("merged_through")) if "merged_through" in keys else None,
+            *(_collection_fields(o) if version != 1 else ()),
         )
 
     def dumps(self) -> bytes:
@@ -586,6 +768,65 @@ class Manifest:
         if checksum_hex(canonical_json(obj)) != recorded:
             raise _fail("manifest checksum mismatch: the file was changed or damaged")
         return cls.from_json(obj)
+
+
+BackupManifest = Manifest  # the name the collections contract uses
+
+
+def _collection_fields(o: _Obj) -> tuple[Any, ...]:
+    """The version 2 fields, in `Manifest` order after `merged_through`."""
+    changes = tuple(change_from_json(c, f"manifest_changes[{i}]")
+                    for i, c in enumerate(o.array("manifest_changes")))  # fmt: skip
+    items = tuple(CollectionCount.from_json(c, f"collection_items[{i}]")
+                  for i, c in enumerate(o.array("collection_items")))  # fmt: skip
+    return (_collections(o.get("collections")), changes,
+            CollectionFilter.from_json(o.get("collection_filter")), items)  # fmt: skip
+
+
+# -- collections over a chain ---------------------------------------------------------
+
+
+def _after(m: Manifest, start: Collections) -> Collections:
+    """The collections at the end of backup `m`, from those at its start: the changes
+    its streams met, newer than the start manifest, in uid order (each partition reports
+    every change: the first application counts, the repeats change nothing)."""
+    changes = sorted((c for c in m.manifest_changes if c.manifest_uid > start.uid),
+                     key=lambda c: (c.manifest_uid, c.partition, c.seq))  # fmt: skip
+    for c in changes:
+        start = apply_change(start, c)
+    return start
+
+
+def chain_manifest(backups: Sequence[Manifest]) -> Collections:
+    """The collections as they stand at the end of the chain `backups` (in chain order):
+    the newest backup's start manifest with the changes its streams met applied. A
+    chain written before collections gives the default collection alone, which holds
+    every record."""
+    m = Collections()
+    for b in backups:
+        m = _after(b, b.collections if b.collections is not None else m)
+    return m
+
+
+def collection_history(backups: Sequence[Manifest]) -> dict[int, tuple[Path, bool]]:
+    """Every collection id the chain saw (in a start manifest, a change or its records),
+    with its last known name and whether it is dropped at the chain's end. A collection
+    dropped and created again under the same name has a new id: two entries."""
+    names: dict[int, Path] = {0: Path("_default", "_default")}
+    m = Collections()
+    for b in backups:
+        m = b.collections if b.collections is not None else m
+        steps = [m]
+        for c in sorted(b.manifest_changes, key=lambda c: (c.manifest_uid, c.partition, c.seq)):
+            if c.manifest_uid > m.uid or c.kind.endswith("created"):
+                steps.append(apply_change(steps[-1], c))
+        for step in steps:
+            names.update({c.id: Path(s.name, c.name) for s, c in step.collections()})
+        m = _after(b, m)
+        for n in b.collection_items:
+            names.setdefault(n.id, Path("_unknown", f"collection-{n.id:x}"))
+    live = {c.id for _s, c in m.collections()}
+    return {cid: (path, cid not in live) for cid, path in sorted(names.items())}
 
 
 # -- JSON helpers --------------------------------------------------------------------

@@ -6,25 +6,36 @@ import json
 import operator
 import re
 import struct
+import sys
+from array import array
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from upr_cli.collections import ManifestChange, decode_event, encode_event
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog, InvalidFailoverLog
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION, DcpRecord
+from upr_cli.protocol.header import Opcode
 
 MAGIC = b"\x89USEG\r\n\x1a"
 END_MAGIC = b"USEGEND\n"
-VERSION = 1
+VERSION = 2  # 2: a collection id per record, system events as records (formats/segment.md)
+VERSIONS = frozenset({1, 2})  # what a reader accepts: version 1 holds collection 0 only
 PREAMBLE = struct.Struct("<8sHHI")  # magic, version, flags, header_len
 CRC = struct.Struct("<I")
 RECORD_HEAD = struct.Struct("<BBHIQQQIIII")  # op, datatype, key_len, value_len, seq, rev, cas,
-# flags, expiry, delete_time, reserved
-FOOTER_FIXED = struct.Struct("<IIQQQQ")  # block_count, reserved, records, raw_bytes, first, last
+# flags, expiry, delete_time, collection (version 1: reserved, 0)
+FOOTER_FIXED = struct.Struct("<IIQQQQ")  # block_count, events (v1: reserved), records,
+# raw_bytes, first, last
 BLOCK_ENTRY = struct.Struct("<QQQIIII")  # offset, first, last, clen, rlen, count, crc
 TRAILER = struct.Struct("<QII8s")  # footer_offset, footer_len, footer_crc, end magic
 MAX_HEADER = 1 << 20
-OPS = frozenset({OP_MUTATION, OP_DELETION, OP_EXPIRATION})
+OP_SYSTEM_EVENT = int(Opcode.DCP_SYSTEM_EVENT)  # 0x5f: a collection or scope created or dropped
+DATA_OPS = frozenset({OP_MUTATION, OP_DELETION, OP_EXPIRATION})
+OPS = DATA_OPS | {OP_SYSTEM_EVENT}  # what version 2 holds
+OPS_BY_VERSION = {1: DATA_OPS, 2: OPS}
 _TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")  # ASCII
 U64 = (1 << 64) - 1
 
@@ -43,12 +54,38 @@ class Record(NamedTuple):
     datatype: int
     key: bytes
     value: bytes
+    # the collection id (0: `_default._default`, and every record of a version 1 file)
+    collection: int = 0
 
     def as_dcp(self, vbucket: int) -> DcpRecord:
         """The same record as the DCP record a stream of `vbucket` delivers (opaque 0)."""
         return DcpRecord(self.op, vbucket, self.seq, self.rev_seq, self.cas, self.flags,
                          self.expiry, self.delete_time, self.datatype, self.key, self.value,
-                         0)  # fmt: skip
+                         0, self.collection)  # fmt: skip
+
+    @property
+    def is_event(self) -> bool:
+        """True for a system event record (formats/segment.md "System events")."""
+        return self.op == OP_SYSTEM_EVENT
+
+    def change(self, partition: int) -> ManifestChange | None:
+        """The manifest change a system event record holds (None: not an event, or an
+        event upr does not use); a malformed one raises CollectionsError."""
+        if self.op != OP_SYSTEM_EVENT:
+            return None
+        return decode_event(partition, self.seq, self.flags, self.expiry, self.key, self.value)
+
+
+SegmentRecord = Record  # the name the collections contract uses
+
+
+def event_record(change: ManifestChange) -> DcpRecord:
+    """A system event as the record a segment stores (formats/segment.md "System
+    events"): key the name, flags the event id, expiry its version, value the event's
+    value, collection the collection id (0 for a scope event)."""
+    event, version, key, value = encode_event(change)
+    return DcpRecord(OP_SYSTEM_EVENT, change.partition, change.seq, 0, 0, event, version, 0, 0,
+                     key, value, 0, change.collection_id or 0)  # fmt: skip
 
 
 RECORD_FIELDS = Record._fields
@@ -154,13 +191,54 @@ class SegmentInfo:
     raw_bytes: int
     bytes: int
     checksum: str  # BLAKE2b-128 of the whole file, hex
+    # (collection id, mutations, deletions and expirations) of the data records, by id
+    counts: tuple[tuple[int, int, int], ...] = ()
+    changes: tuple[ManifestChange, ...] = ()  # the system events held, in seq order
+
+
+Tally = dict[tuple[int, int], int]  # records per (collection id, op)
+
+
+def tally_counts(tallies: Iterable[Tally]) -> tuple[tuple[int, int, int], ...]:
+    """`SegmentInfo.counts` from blocks' tallies (system events left out)."""
+    out: dict[int, list[int]] = {}
+    for tally in tallies:
+        for (cid, op), n in tally.items():
+            if op in DATA_OPS:
+                out.setdefault(cid, [0, 0])[op != OP_MUTATION] += n
+    return tuple((cid, a, b) for cid, (a, b) in sorted(out.items()))
+
+
+def block_stats(raw: bytes, count: int, partition: int) -> tuple[Tally, list[ManifestChange]]:
+    """The records per (collection, op) of one raw block, and the manifest changes of
+    its system events. Read off the head column at C speed: every head's op is at a
+    multiple of 48 and its collection id in the head's last u32."""
+    k = 48 * count
+    ops = raw[0:k:48]
+    heads = array("I", raw[:k])
+    if sys.byteorder == "big":
+        heads.byteswap()  # the file is little-endian
+    ids = heads[11::12]
+    if not count:
+        return {}, []
+    if ids.count(ids[0]) == count:  # one collection: the common case
+        tally = {(ids[0], op): n for op, n in Counter(ops).items()}
+    else:
+        tally = dict(Counter(zip(ids, ops, strict=True)))
+    if OP_SYSTEM_EVENT not in ops:
+        return tally, []
+    changes = []
+    for rec in parse_block(raw, count):
+        if rec.op == OP_SYSTEM_EVENT and (change := rec.change(partition)) is not None:
+            changes.append(change)
+    return tally, changes
 
 
 # a record head's key and value lengths (formats/segment.md, Blocks)
 _KEY_LEN, _VALUE_LEN = operator.itemgetter(2), operator.itemgetter(3)
 
 
-def parse_block(raw: bytes, count: int) -> list[Record]:
+def parse_block(raw: bytes, count: int, version: int = VERSION) -> list[Record]:
     """The records of one decompressed block (formats/segment.md, Blocks: `count` heads,
     then the keys, then the values). Raises ValueError saying what does not fit."""
     n = len(raw)
@@ -176,11 +254,12 @@ def parse_block(raw: bytes, count: int) -> list[Record]:
     out: list[Record] = []
     new = tuple.__new__  # builds the named record without a Python-level __new__ call
     prev = 0
-    for op, dt, klen, vlen, seq, rev, cas, flags, exp, dtime, _r in heads:
-        if op not in OPS or seq <= prev:
+    ops = OPS_BY_VERSION[version]
+    for op, dt, klen, vlen, seq, rev, cas, flags, exp, dtime, coll in heads:
+        if op not in ops or seq <= prev:
             raise ValueError(f"bad record head (seq {seq}, op 0x{op:02x})")
         key, value = raw[k : k + klen], raw[v : v + vlen]
-        out.append(new(Record, (op, seq, rev, cas, flags, exp, dtime, dt, key, value)))
+        out.append(new(Record, (op, seq, rev, cas, flags, exp, dtime, dt, key, value, coll)))
         k += klen
         v += vlen
         prev = seq

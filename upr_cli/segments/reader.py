@@ -4,6 +4,12 @@ Opening reads only the preamble, header, trailer and footer (checks 1-3 of
 formats/segment.md); blocks are read, CRC-checked, decompressed and parsed one at a time
 (checks 4-5), so a reader streams files of any size in bounded memory and can start at
 any seq through the block index.
+
+Version 1 files (before collections) read as version 2 files whose records are all in
+collection 0 and that hold no system event. `records()` hands out data records only,
+so a reader that predates collections never meets a system event; `records(events=True)`
+interleaves them in seq order and `changes()` decodes them (formats/segment.md
+"System events").
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from typing import IO, Any
 
 import zstandard
 
+from upr_cli.collections import ManifestChange
+from upr_cli.errors import UprError
 from upr_cli.segments.format import (
     BLOCK_ENTRY,
     CRC,
@@ -24,15 +32,18 @@ from upr_cli.segments.format import (
     FOOTER_FIXED,
     MAGIC,
     MAX_HEADER,
+    OP_SYSTEM_EVENT,
     PREAMBLE,
     TRAILER,
-    VERSION,
+    VERSIONS,
     BlockInfo,
     Record,
     SegmentError,
     SegmentHeader,
     SegmentInfo,
+    block_stats,
     parse_block,
+    tally_counts,
 )
 
 
@@ -69,8 +80,9 @@ class SegmentReader:
         magic, version, _flags, header_len = PREAMBLE.unpack(self._read_at(0, PREAMBLE.size))
         if magic != MAGIC:
             raise SegmentError(p, "not a segment file (bad magic)")
-        if version != VERSION:
+        if version not in VERSIONS:
             raise SegmentError(p, f"unsupported segment version {version}")
+        self.version = version
         if not 2 <= header_len <= min(MAX_HEADER, size - minimum):
             raise SegmentError(p, f"bad header length {header_len}")
         pre = self._read_at(0, PREAMBLE.size + header_len)
@@ -89,7 +101,9 @@ class SegmentReader:
         footer = self._read_at(footer_offset, footer_len)
         if zlib.crc32(footer) != footer_crc:
             raise SegmentError(p, "footer checksum mismatch")
-        count, _res, records, raw_bytes, first, last = FOOTER_FIXED.unpack_from(footer)
+        count, events, records, raw_bytes, first, last = FOOTER_FIXED.unpack_from(footer)
+        if events > records or (version == 1 and events):
+            raise SegmentError(p, f"footer counts {events} system events in {records} records")
         if footer_len != FOOTER_FIXED.size + BLOCK_ENTRY.size * count:
             raise SegmentError(p, f"footer length {footer_len} does not hold {count} blocks")
         fixed, entry = FOOTER_FIXED.size, BLOCK_ENTRY.size
@@ -117,12 +131,16 @@ class SegmentReader:
             raise SegmentError(p, "footer first/last seq do not match its block entries")
         self.blocks = blocks
         self.record_count = records
+        self.event_count = events  # system event records (0 in every version 1 file)
         self.raw_bytes = raw_bytes
         self.first_seq, self.last_seq = first, last
         self._last_seqs = [b.last_seq for b in blocks]
 
     def block_records(self, i: int) -> list[Record]:
         """Read, verify and parse block `i`."""
+        return self._block(i)[1]
+
+    def _block(self, i: int) -> tuple[bytes, list[Record]]:
         b, p = self.blocks[i], self.path
         frame = self._read_at(b.offset, b.compressed_len)
         if zlib.crc32(frame) != b.crc:
@@ -134,25 +152,59 @@ class SegmentReader:
         if len(raw) != b.raw_len:
             raise SegmentError(p, f"block holds {len(raw)} bytes, expected {b.raw_len}", i)
         try:
-            out = parse_block(raw, b.record_count)
+            out = parse_block(raw, b.record_count, self.version)
         except ValueError as exc:
             raise SegmentError(p, str(exc), i) from None
         if len(out) != b.record_count or out[0].seq != b.first_seq or out[-1].seq != b.last_seq:
             raise SegmentError(p, "records do not match the block index", i)
-        return out
+        return raw, out
 
-    def records(self, from_seq: int = 0) -> Iterator[Record]:
-        """Every record with seq ≥ from_seq, verified block by block."""
+    def records(self, from_seq: int = 0, *, events: bool = False) -> Iterator[Record]:
+        """Every data record with seq ≥ from_seq, verified block by block; with `events`
+        the system event records too, in seq order among them."""
         start = bisect_left(self._last_seqs, from_seq)
+        skip = not events and self.event_count > 0  # files without events: no test a record
         for i in range(start, len(self.blocks)):
             for rec in self.block_records(i):
-                if rec.seq >= from_seq:
+                if rec.seq >= from_seq and not (skip and rec.op == OP_SYSTEM_EVENT):
                     yield rec
 
+    def changes(self) -> list[ManifestChange]:
+        """The manifest changes of the file's system events, in seq order (events upr
+        does not use are left out; a malformed one raises SegmentError)."""
+        if not self.event_count:
+            return []
+        p = self.header.partition
+        out = []
+        for rec in self.records(events=True):
+            if rec.op == OP_SYSTEM_EVENT:
+                change = self._change(rec, p)
+                if change is not None:
+                    out.append(change)
+        return out
+
+    def _change(self, rec: Record, partition: int) -> ManifestChange | None:
+        try:
+            return rec.change(partition)
+        except UprError as exc:  # CollectionsError: the event's value does not fit
+            raise SegmentError(self.path, f"seq {rec.seq}: {exc}") from None
+
     def verify(self) -> SegmentInfo:
-        """Read everything (every check of formats/segment.md); returns the file's info."""
-        for i in range(len(self.blocks)):
-            self.block_records(i)
+        """Read everything (every check of formats/segment.md); returns the file's info,
+        with its per-collection counts and manifest changes."""
+        tallies, changes = [], []
+        for i, b in enumerate(self.blocks):
+            raw, _records = self._block(i)
+            try:
+                tally, more = block_stats(raw, b.record_count, self.header.partition)
+            except UprError as exc:  # CollectionsError: an event's value does not fit
+                raise SegmentError(self.path, str(exc), i) from None
+            tallies.append(tally)
+            changes += more
+        events = sum(n for t in tallies for (_c, op), n in t.items() if op == OP_SYSTEM_EVENT)
+        if events != self.event_count:
+            raise SegmentError(self.path, f"{events} system events, the footer says "
+                               f"{self.event_count}")  # fmt: skip
         digest = hashlib.blake2b(digest_size=16)
         self._f.seek(0)
         while chunk := self._f.read(1 << 20):
@@ -160,7 +212,7 @@ class SegmentReader:
         h = self.header
         return SegmentInfo(str(self.path), h.partition, h.start_seq, h.end_seq, self.first_seq,
                            self.last_seq, self.record_count, self.raw_bytes, self.size,
-                           digest.hexdigest())  # fmt: skip
+                           digest.hexdigest(), tally_counts(tallies), tuple(changes))  # fmt: skip
 
     def close(self) -> None:
         """Close the file."""

@@ -26,6 +26,7 @@ from typing import IO
 
 import zstandard
 
+from upr_cli.collections import ManifestChange
 from upr_cli.errors import LocalProtocolError
 from upr_cli.failover import FailoverLog
 from upr_cli.fsio import FileOps, temp_path
@@ -36,6 +37,7 @@ from upr_cli.segments.format import (
     END_MAGIC,
     FOOTER_FIXED,
     MAGIC,
+    OP_SYSTEM_EVENT,
     OPS,
     PREAMBLE,
     RECORD_HEAD,
@@ -45,7 +47,10 @@ from upr_cli.segments.format import (
     Record,
     SegmentHeader,
     SegmentInfo,
+    Tally,
+    block_stats,
     parse_block,
+    tally_counts,
 )
 
 __all__ = ["DEFAULT_LEVEL", "SegmentWriter", "new_compressor"]
@@ -104,6 +109,10 @@ class SegmentWriter:
         self._blocks: list[BlockInfo] = []  # offsets relative to the body
         self._records = 0
         self._raw_total = 0
+        # per block, records per (collection, op) and the manifest changes of its system
+        # events, read off each block as it is compressed (a truncation drops whole
+        # blocks' and recounts the records it keeps)
+        self._stats: list[tuple[Tally, list[ManifestChange]]] = []
         self._done = False
 
     def add(self, rows: Iterable[DcpRecord]) -> None:
@@ -117,7 +126,7 @@ class SegmentWriter:
         heads, keys, values, last = self._heads, self._keys, self._values, self._last_seq
         try:
             for r in rows:
-                seq, op = r.by_seqno, r.opcode
+                seq, op, cid = r.by_seqno, r.opcode, r.collection
                 if seq <= last or op not in OPS:
                     raise LocalProtocolError(
                         f"record seq {seq} (op 0x{op:02x}) does not follow {last}"
@@ -128,7 +137,7 @@ class SegmentWriter:
                         self._first_seq = seq
                 k, v = bytes(r.key), bytes(r.value)
                 heads.append(pack(op, r.datatype, len(k), len(v), seq, r.rev_seqno, r.cas,
-                                  r.flags, r.expiration, r.delete_time, 0))  # fmt: skip
+                                  r.flags, r.expiration, r.delete_time, cid))  # fmt: skip
                 keys.append(k)
                 values.append(v)
                 self._raw_len += 48 + len(k) + len(v)
@@ -147,6 +156,7 @@ class SegmentWriter:
         if not self._raw_count:
             return
         data = b"".join(self._heads) + b"".join(self._keys) + b"".join(self._values)
+        self._stats.append(block_stats(data, self._raw_count, self.header.partition))
         frame = self._zstd.compress(data)
         offset = self._spilled + self._frames_len
         self._blocks.append(BlockInfo(offset, self._raw_first, self._last_seq, len(frame),
@@ -204,7 +214,7 @@ class SegmentWriter:
                 if i and into is None:
                     break
                 raw = dctx.decompress(self._frame(b), max_output_size=b.raw_len)
-                records = parse_block(raw, b.record_count)
+                records = parse_block(raw, b.record_count, VERSION)
                 if not i:
                     kept = [r for r in records if r.seq <= seq]
                 if into is not None:
@@ -221,6 +231,7 @@ class SegmentWriter:
                 self._spilled, self._frames = cut.offset, []
             self._frames_len = sum(len(f) for f in self._frames)
             self._blocks = self._blocks[:keep]
+            self._stats = self._stats[:keep]
             self._records -= sum(b.record_count for b in gone)
             self._raw_total -= sum(b.raw_len for b in gone)
             self._last_seq = self._blocks[-1].last_seq if self._blocks else self.header.start_seq
@@ -246,6 +257,29 @@ class SegmentWriter:
         frame = self._body.read(b.compressed_len)
         self._body.seek(0, os.SEEK_END)
         return frame
+
+    def _all_stats(self) -> list[tuple[Tally, list[ManifestChange]]]:
+        """Every block's, and the records not yet in a block."""
+        if not self._raw_count:
+            return self._stats
+        raw = b"".join(self._heads) + b"".join(self._keys) + b"".join(self._values)
+        return [*self._stats, block_stats(raw, self._raw_count, self.header.partition)]
+
+    @property
+    def counts(self) -> tuple[tuple[int, int, int], ...]:
+        """(collection id, mutations, deletions and expirations) of the records added."""
+        return tally_counts(t for t, _c in self._all_stats())
+
+    @property
+    def event_count(self) -> int:
+        """System event records added (the footer's `events`)."""
+        return sum(n for t, _c in self._all_stats() for (_i, op), n in t.items()
+                   if op == OP_SYSTEM_EVENT)  # fmt: skip
+
+    @property
+    def changes(self) -> list[ManifestChange]:
+        """The manifest changes of the system events added, in seq order."""
+        return [c for _t, cs in self._all_stats() for c in cs]
 
     @property
     def first_seq(self) -> int:
@@ -294,7 +328,8 @@ class SegmentWriter:
             base = len(pre)
             body_len = self._spilled + self._frames_len
             last = self._blocks[-1].last_seq if self._blocks else 0
-            footer = FOOTER_FIXED.pack(len(self._blocks), 0, self._records, self._raw_total,
+            footer = FOOTER_FIXED.pack(len(self._blocks), self.event_count, self._records,
+                                       self._raw_total,
                                        self._first_seq, last) + b"".join(
                 BLOCK_ENTRY.pack(base + b.offset, b.first_seq, b.last_seq, b.compressed_len,
                                  b.raw_len, b.record_count, b.crc) for b in self._blocks
@@ -330,7 +365,8 @@ class SegmentWriter:
         size = base + body_len + len(tail)
         return SegmentInfo(
             str(self.path), h.partition, h.start_seq, h.end_seq, self._first_seq, last,
-            self._records, self._raw_total, size, digest.hexdigest(),
+            self._records, self._raw_total, size, digest.hexdigest(), self.counts,
+            tuple(self.changes),
         )  # fmt: skip
 
     def abort(self) -> None:

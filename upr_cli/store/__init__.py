@@ -1,7 +1,8 @@
 """SQLite store (formats/store.md): the target of `upr restore … sqlite:PATH` and `upr replay`.
 
 `Store` holds documents (tombstones included), per-partition positions and failover
-logs, and a bounded mutation log that undoes changes on a rollback. `content_hash_of`
+logs, and a bounded mutation log that undoes changes on a rollback; documents are keyed
+by collection id, and the `collections` and `scopes` tables name the ids. `content_hash_of`
 computes, from any holder's documents, the hash `Store.content_hash` returns.
 """
 
@@ -14,6 +15,7 @@ from upr_cli.store.store import (
     RollbackResult,
     Row,
     Store,
+    StoredCollection,
 )
 
 __all__ = [
@@ -29,5 +31,6 @@ __all__ = [
     "Row",
     "Store",
     "StoreError",
+    "StoredCollection",
     "content_hash_of",
 ]

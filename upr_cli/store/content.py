@@ -39,6 +39,7 @@ class Document:
     datatype: int
     deleted: bool
     value: bytes
+    collection: int = 0  # the collection id (0: `_default._default`)
 
 
 class ContentHasher:

@@ -27,7 +27,7 @@ import sqlite_utils
 from upr_cli import sqlite
 from upr_cli.errors import UprError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 FORMAT = "upr-store"
 
 _DOCUMENT_COLUMNS: dict[str, type] = {
@@ -45,14 +45,40 @@ _DOCUMENT_COLUMNS: dict[str, type] = {
 }
 
 _PREV = ("seq", "rev_seq", "cas", "flags", "expiry", "delete_time", "datatype", "deleted")
+_LOG_COLUMNS: dict[str, type] = (
+    {"partition": int, "seq": int, "key": bytes}
+    | {f"prev_{name}": int for name in _PREV}
+    | {"prev_value": bytes}
+)
 
 # A convenience view: live JSON documents only, with `doc` NULL unless it is valid JSON,
-# so a json_extract over the whole view can never fail on one bad row.
-_JSON_VIEW = """
+# so a json_extract over the whole view can never fail on one bad row. Version 1's
+# columns; version 4 replaces it with `_JSON_VIEW` (the collection's names added).
+_JSON_VIEW_V1 = """
 SELECT partition, key, CAST(key AS TEXT) AS id, seq, rev_seq, cas, flags, expiry, datatype,
        CASE WHEN json_valid(value) THEN value END AS doc
 FROM documents
 WHERE deleted = 0 AND typeof(value) = 'text'
+"""
+
+# Names join in (LEFT: a collection whose creation the store never saw keeps its
+# documents, with NULL names) from `collections` and `scopes` (formats/store.md §3.7).
+_NAMED = """
+FROM documents AS d
+LEFT JOIN collections AS c ON c.id = d.collection_id
+LEFT JOIN scopes AS s ON s.id = c.scope_id
+"""
+_NAMED_VIEW = f"""
+SELECT d.partition, d.key, d.seq, d.rev_seq, d.cas, d.flags, d.expiry, d.delete_time,
+       d.datatype, d.deleted, d.value, d.collection_id, s.name AS scope, c.name AS collection
+{_NAMED}
+"""
+_JSON_VIEW = f"""
+SELECT d.partition, d.key, CAST(d.key AS TEXT) AS id, d.seq, d.rev_seq, d.cas, d.flags,
+       d.expiry, d.datatype, CASE WHEN json_valid(d.value) THEN d.value END AS doc,
+       d.collection_id, s.name AS scope, c.name AS collection
+{_NAMED}
+WHERE d.deleted = 0 AND typeof(d.value) = 'text'
 """
 
 
@@ -80,12 +106,58 @@ _BOUNDARIES_SQL = (
     " PRIMARY KEY (partition, seq)) WITHOUT ROWID"
 )
 
+# Version 4 (formats/store.md §8): a key is (partition, collection id, key). The id is
+# the LAST column of `documents` and `mutation_log`, so a reader's positional
+# `SELECT *` of version 3 still finds every column where it was.
+_COLLECTIONS_SQL = (
+    "CREATE TABLE collections (id INTEGER PRIMARY KEY, scope_id INTEGER NOT NULL,"
+    " name TEXT NOT NULL, max_ttl INTEGER, dropped INTEGER NOT NULL DEFAULT 0)",
+    "CREATE TABLE scopes (id INTEGER PRIMARY KEY, name TEXT NOT NULL,"
+    " dropped INTEGER NOT NULL DEFAULT 0)",
+    "INSERT INTO scopes (id, name) VALUES (0, '_default')",
+    "INSERT INTO collections (id, scope_id, name) VALUES (0, 0, '_default')",
+)
+
+
+def _rebuild(db: sqlite_utils.Database, table: str, columns: dict[str, type],
+             not_null: list[str], pk: tuple[str, ...]) -> None:  # fmt: skip
+    """Give `table` a `collection_id` column (0 for every row: before version 4 every
+    document was in the default collection) and a new primary key: SQLite changes a
+    primary key only by copying the table."""
+    names = ", ".join(columns)
+    sql = db.create_table_sql(
+        f"{table}_v4", columns | {"collection_id": int}, pk=pk,
+        not_null=[*not_null, "collection_id"], defaults={"collection_id": 0},
+    )  # fmt: skip
+    db.execute(_without_rowid(sql))
+    db.execute(f"INSERT INTO [{table}_v4] ({names}) SELECT {names} FROM [{table}]")
+    db.execute(f"DROP TABLE [{table}]")
+    db.execute(f"ALTER TABLE [{table}_v4] RENAME TO [{table}]")
+
+
+def _add_collections(db: sqlite_utils.Database) -> None:
+    """v3 → v4: collections (formats/store.md §3.2, §3.8): the `collection_id` column in
+    `documents`, `mutation_log` and `lost_writes`, the `collections` and `scopes`
+    tables, and the views with names. Every existing row is in `_default._default`."""
+    db.execute("DROP VIEW json_documents")  # it reads `documents`, which is rebuilt
+    _rebuild(db, "documents", _DOCUMENT_COLUMNS, list(_DOCUMENT_COLUMNS),
+             ("partition", "collection_id", "key"))  # fmt: skip
+    _rebuild(db, "mutation_log", _LOG_COLUMNS, ["partition", "seq", "key"],
+             ("partition", "seq", "collection_id", "key"))  # fmt: skip
+    db.execute("ALTER TABLE lost_writes ADD COLUMN collection_id INTEGER NOT NULL DEFAULT 0")
+    for sql in _COLLECTIONS_SQL:
+        db.execute(sql)
+    db.execute(f"CREATE VIEW json_documents AS {_JSON_VIEW}")
+    db.execute(f"CREATE VIEW named_documents AS {_NAMED_VIEW}")
+
+
 #: version v → the function that turns a version-v store into version v + 1, inside the
 #: open transaction (run DDL with `db.execute`; never commit). A new store is created at
 #: version 1 and brought up by these, so every step runs on every new store.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     1: _add_lost_writes,
     2: _add_boundaries,
+    3: _add_collections,
 }
 
 
@@ -103,7 +175,8 @@ def _without_rowid(create_sql: str) -> str:
     return create_sql.strip().removesuffix(";") + " WITHOUT ROWID"
 
 
-def _set_meta(conn: sqlite3.Connection, key: str, value: str) -> None:
+def set_meta(conn: sqlite3.Connection, key: str, value: str) -> None:
+    """Write one `meta` row (inside the caller's transaction)."""
     conn.execute(
         "INSERT INTO meta (key, value) VALUES (?, ?)"
         " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
@@ -118,9 +191,6 @@ def _create(db: sqlite_utils.Database, conn: sqlite3.Connection, source: str) ->
     sqlite-utils writes the DDL; it is run with `execute`, which joins the open
     transaction (some sqlite-utils versions commit inside `Table.create`).
     """
-    log_columns: dict[str, type] = {"partition": int, "seq": int, "key": bytes}
-    log_columns |= {f"prev_{name}": int for name in _PREV}
-    log_columns["prev_value"] = bytes
     partition_columns: dict[str, type] = {
         "partition": int, "uuid": int, "seq": int, "snap_start": int, "snap_end": int,
         "failover_log": str, "log_count": int, "log_floor": int, "updated": str,
@@ -128,21 +198,21 @@ def _create(db: sqlite_utils.Database, conn: sqlite3.Connection, source: str) ->
     tables: list[tuple[str, dict[str, type], str | tuple[str, ...], list[str], bool]] = [
         ("meta", {"key": str, "value": str}, "key", ["value"], False),
         ("documents", _DOCUMENT_COLUMNS, ("partition", "key"), list(_DOCUMENT_COLUMNS), True),
-        ("mutation_log", log_columns, ("partition", "seq"), ["partition", "seq", "key"], True),
+        ("mutation_log", _LOG_COLUMNS, ("partition", "seq"), ["partition", "seq", "key"], True),
         ("partitions", partition_columns, "partition",
          [c for c in partition_columns if c not in ("partition", "failover_log")], False),
     ]  # fmt: skip
     for name, columns, pk, not_null, without_rowid in tables:
         sql = db.create_table_sql(name, columns, pk=pk, not_null=not_null)
         db.execute(_without_rowid(sql) if without_rowid else sql)
-    db.execute(f"CREATE VIEW json_documents AS {_JSON_VIEW}")
+    db.execute(f"CREATE VIEW json_documents AS {_JSON_VIEW_V1}")
     for key, value in (
         ("format", FORMAT),
         ("schema_version", "1"),
         ("created", now_iso()),
         ("source", source),
     ):
-        _set_meta(conn, key, value)
+        set_meta(conn, key, value)
 
 
 def _current(conn: sqlite3.Connection, source: str | None) -> bool:
@@ -195,6 +265,6 @@ def init_schema(conn: sqlite3.Connection, path: Path, *, create: bool, source: s
         if int(version) != SCHEMA_VERSION:
             if not conn.in_transaction:
                 raise StoreError(f"{path}: a schema migration committed on its own")
-            _set_meta(conn, "schema_version", str(SCHEMA_VERSION))
+            set_meta(conn, "schema_version", str(SCHEMA_VERSION))
         if source is not None and meta.get("source") != source:
-            _set_meta(conn, "source", source)
+            set_meta(conn, "source", source)

@@ -34,6 +34,11 @@ Theory of operation (formats/store.md is the normative spec)
   a saved position that ended (or had not begun) its snapshot. `apply` and
   `set_position` record such positions, a rollback keeps those at or below its target,
   and those below `log_floor`, out of the log's reach, are dropped as the floor rises.
+* **Collections** (formats/store.md §3.8, §5.5). A document is (partition, collection
+  id, key); names live apart, by id, since an id never changes its meaning. `apply`
+  takes a partition's manifest changes with its rows and applies them in seq order: a
+  drop logs each document of the collection as a change at the drop's seq, then
+  deletes it, so the ordinary rollback (oldest entry above the target) puts it back.
 * **64-bit values** (seq, rev_seq, cas, uuid, snapshot bounds) are stored as their two's
   complement i64, as `upr_cli.node.storage` does; SQL comparisons are signed, exact for
   seqs below 2^63, the range a producer hands out.
@@ -60,6 +65,7 @@ from typing import Any, NamedTuple, Self, TypeVar, cast
 import sqlite_utils
 
 from upr_cli import sqlite
+from upr_cli.collections import Manifest, ManifestChange
 from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog
 from upr_cli.position import StreamPosition
@@ -76,15 +82,24 @@ from upr_cli.sqlite import i64 as _i64
 from upr_cli.sqlite import u64 as _u64
 from upr_cli.store.content import ContentHasher, Document
 from upr_cli.store.schema import StoreError, init_schema, now_iso
+from upr_cli.store.schema import set_meta as _set_meta
 
 # What `apply` and `restore_rows` take: DcpRecords, or plain tuples in ROW_FIELDS order
 # (converted once on entry, by `_records`); everything inside works on DcpRecords.
 Row = tuple[Any, ...]
 T = TypeVar("T")
+#: What `apply_many` takes: `apply`'s arguments, (partition, rows, position,
+#: failover_log), optionally followed by the manifest changes among the rows.
+Work = (
+    tuple[int, Iterable[Row], StreamPosition, FailoverLog | None]
+    | tuple[int, Iterable[Row], StreamPosition, FailoverLog | None, Sequence[ManifestChange]]
+)
 
 DEFAULT_UNDO_WINDOW = 10_000
 KEEP_BOUNDARIES = 256  # snapshot boundaries kept per partition (formats/store.md §3.6)
 _DATA_OPS = frozenset({OP_MUTATION, OP_DELETION, OP_EXPIRATION})
+_CHANGE_KINDS = frozenset({"collection-created", "collection-dropped", "scope-created",
+                           "scope-dropped"})  # fmt: skip
 _CACHE_KIB = 32 * 1024
 _FETCH = 4096
 
@@ -96,34 +111,45 @@ _field = ROW_FIELDS.index
 _get_op = itemgetter(_field("opcode"))
 _get_partition = itemgetter(_field("vbucket"))
 _get_seq = itemgetter(_field("by_seqno"))
-_get_key = itemgetter(_field("key"))
+# a document's identity inside its partition: (collection id, key)
+_get_ckey = itemgetter(_field("collection"), _field("key"))
 
 _DOC_COLUMNS = (
-    "partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype, deleted, value"
+    "partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype, deleted, value,"
+    " collection_id"
 )
 _DOC_SELECT = (
     "partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype, deleted,"
-    " CAST(value AS BLOB)"
+    " CAST(value AS BLOB), collection_id"
 )
 
-# The SQL layer: a record (a tuple) is bound positionally, as ?1..?12 in ROW_FIELDS order
+# The SQL layer: a record (a tuple) is bound positionally, as ?1..?13 in ROW_FIELDS order
 # (opcode, vbucket, by_seqno, rev_seqno, cas, flags, expiration, delete_time, datatype,
-# key, value, opaque), so no per-row Python runs to bind it. An unknown opcode gives
-# deleted = NULL, which the NOT NULL constraint rejects. ?12 (opaque) is unused: the
-# `0 * (?12 IS NULL)` term, always 0, only makes the statement take the 12 parameters a
-# row carries. (A VALUES list, not INSERT … SELECT: measured twice as fast.)
+# key, value, opaque, collection), so no per-row Python runs to bind it. An unknown
+# opcode gives deleted = NULL, which the NOT NULL constraint rejects. ?12 (opaque) is
+# unused: the `0 * (?12 IS NULL)` term, always 0, only makes the statement take the
+# parameters a row carries. (A VALUES list, not INSERT … SELECT: measured twice as fast.)
 _UPSERT_ROW = f"""
 INSERT OR REPLACE INTO documents ({_DOC_COLUMNS}) VALUES (
     ?2, ?10, ?3, ?4, ?5, ?6, ?7, ?8, ?9,
     CASE ?1 WHEN {OP_MUTATION} THEN 0 WHEN {OP_DELETION} THEN 1 WHEN {OP_EXPIRATION} THEN 1 END
         + 0 * (?12 IS NULL),
-    CASE WHEN ?9 & 7 = 1 THEN CAST(?11 AS TEXT) ELSE ?11 END
+    CASE WHEN ?9 & 7 = 1 THEN CAST(?11 AS TEXT) ELSE ?11 END,
+    ?13
 )
 """
+# Plain rows of 12 fields (written before records carried a collection) are in the
+# default collection: the same statement with the id a constant, picked once a batch.
+_UPSERT_ROW_12 = _UPSERT_ROW.replace("?13", "0", 1)
 
-# A row whose key has no document yet: inserted; any other: ignored (then logged and
-# written by `_UPSERT_ROW`).
-_INSERT_NEW = _UPSERT_ROW.replace("INSERT OR REPLACE", "INSERT OR IGNORE", 1)
+
+def _upsert(rows: Sequence[Row], *, new_only: bool = False) -> str:
+    """The statement that writes `rows` (all of one width): replacing, or inserting
+    only keys that have no document yet (`new_only`; the others are then logged and
+    written by the replacing one)."""
+    sql = _UPSERT_ROW_12 if rows and len(rows[0]) == len(ROW_FIELDS) - 1 else _UPSERT_ROW
+    return sql.replace("INSERT OR REPLACE", "INSERT OR IGNORE", 1) if new_only else sql
+
 
 _PREV_COLUMNS = (
     "prev_seq, prev_rev_seq, prev_cas, prev_flags, prev_expiry, prev_delete_time,"
@@ -132,24 +158,25 @@ _PREV_COLUMNS = (
 
 
 # The rows that `size` changes replace, read before the changes are written: a VALUES
-# list of (partition, seq, key) JOINed with documents. A change that creates its key has
+# list of (partition, seq, collection, key) JOINed with documents. A change that creates its key has
 # no entry: a rollback finds it as a document above the target seq (formats/store.md §3.4),
 # so a first replay writes no log at all. One statement per up to 256 changes: a statement
 # per change measured at half the rate, the per-statement cost dominating.
 @functools.cache
 def _log_sql(size: int) -> str:
-    values = ",".join(["(?,?,?)"] * size)
+    values = ",".join(["(?,?,?,?)"] * size)
     return f"""
-INSERT INTO mutation_log (partition, seq, key, {_PREV_COLUMNS})
-SELECT v.column1, v.column2, v.column3, d.seq, d.rev_seq, d.cas, d.flags, d.expiry,
-       d.delete_time, d.datatype, d.deleted, d.value
+INSERT INTO mutation_log (partition, seq, collection_id, key, {_PREV_COLUMNS})
+SELECT v.column1, v.column2, v.column3, v.column4, d.seq, d.rev_seq, d.cas, d.flags,
+       d.expiry, d.delete_time, d.datatype, d.deleted, d.value
 FROM (VALUES {values}) AS v
-JOIN documents AS d ON d.partition = v.column1 AND d.key = v.column3
+JOIN documents AS d
+  ON d.partition = v.column1 AND d.collection_id = v.column3 AND d.key = v.column4
 """
 
 
 _LOG_SIZES = (256, 64, 16, 4, 1)  # a few statement shapes, so the statement cache hits
-_log_key = itemgetter(_field("vbucket"), _field("by_seqno"), _field("key"))
+_log_key = itemgetter(_field("vbucket"), _field("by_seqno"), _field("collection"), _field("key"))
 
 
 def _log_previous(db: sqlite3.Connection, rows: Sequence[DcpRecord]) -> int:
@@ -172,12 +199,14 @@ def _log_previous(db: sqlite3.Connection, rows: Sequence[DcpRecord]) -> int:
 # clause: sqlite3 reports no rowcount for a statement that does not start with INSERT,
 # UPDATE, DELETE or REPLACE.)
 _FIRST_ABOVE = """
-(SELECT key, min(seq) AS seq FROM mutation_log WHERE partition = :p AND seq > :r GROUP BY key)
-AS first JOIN mutation_log AS m ON m.partition = :p AND m.seq = first.seq
+(SELECT collection_id, key, min(seq) AS seq FROM mutation_log WHERE partition = :p AND seq > :r
+ GROUP BY collection_id, key) AS first
+JOIN mutation_log AS m ON m.partition = :p AND m.seq = first.seq
+ AND m.collection_id = first.collection_id AND m.key = first.key
 """
 _UNDO_RESTORE = f"""
 INSERT OR REPLACE INTO documents ({_DOC_COLUMNS})
-SELECT m.partition, m.key, {_PREV_COLUMNS.replace("prev_", "m.prev_")}
+SELECT m.partition, m.key, {_PREV_COLUMNS.replace("prev_", "m.prev_")}, m.collection_id
 FROM {_FIRST_ABOVE} WHERE m.prev_seq IS NOT NULL AND m.prev_seq <= :r
 """
 _UNDO_DELETE = "DELETE FROM documents WHERE partition = :p AND seq > :r"
@@ -207,18 +236,20 @@ def _i64_rows(rows: Sequence[Row]) -> list[DcpRecord]:
 def _not_inserted(
     db: sqlite3.Connection, partition: int, rows: Sequence[DcpRecord]
 ) -> list[DcpRecord]:
-    """The rows `_INSERT_NEW` ignored: their key's stored seq is not theirs (a stored row
-    is always below every row being applied, so an inserted row is one whose seq is)."""
-    stored: dict[bytes, int] = {}
-    keys = [bytes(r.key) for r in rows]
+    """The rows the inserting statement ignored: their key's stored seq is not theirs (a
+    stored row is always below every row being applied, so an inserted row is one whose
+    seq is)."""
+    stored: dict[tuple[int, bytes], int] = {}
+    keys = [(r.collection, bytes(r.key)) for r in rows]
     for i in range(0, len(keys), 500):
-        chunk = keys[i : i + 500]
+        chunk = sorted({k for _c, k in keys[i : i + 500]})
         stored.update(
-            db.execute(
-                "SELECT key, seq FROM documents WHERE partition = ? AND key IN"
+            ((c, k), seq)
+            for c, k, seq in db.execute(
+                "SELECT collection_id, key, seq FROM documents WHERE partition = ? AND key IN"
                 f" ({','.join('?' * len(chunk))})",
                 [partition, *chunk],
-            ).fetchall()
+            )
         )
     m = _I64_MAX  # rows may come already converted to i64 (`_i64_retry`)
     return [
@@ -229,16 +260,17 @@ def _not_inserted(
 
 
 def _unique_key_runs(rows: Sequence[DcpRecord]) -> list[Sequence[DcpRecord]]:
-    """Split rows into consecutive runs in which no key repeats (usually one run).
+    """Split rows into consecutive runs in which no (collection, key) repeats (usually
+    one run).
 
     A run's undo entries are read before its rows are written, so a key changed twice
     in one call must have its second change in a later run.
     """
-    keys: list[Any] = list(map(_get_key, rows))
+    keys: list[Any] = list(map(_get_ckey, rows))
     try:
         distinct = len(set(keys))
     except (TypeError, ValueError):  # memoryviews of writable buffers are not hashable
-        keys = [bytes(k) for k in keys]
+        keys = [(c, bytes(k)) for c, k in keys]
         distinct = len(set(keys))
     if distinct == len(keys):
         return [rows]
@@ -258,11 +290,12 @@ def _bound(rows: Sequence[Row]) -> Iterable[Row]:
     """The rows as plain tuples for `executemany`: sqlite3 binds an exact tuple
     straight from its items but a tuple subclass (a NamedTuple) one `__getitem__` call
     per column, about 0.6 µs a row more (measured: 1.6 against 2.2 µs a row). The rows
-    of one batch come from one producer: all records or all plain rows."""
+    of one batch come from one producer: all records or all plain rows (of one width:
+    `_upsert` picks the statement by the first)."""
     return map(_STORED, rows) if rows and type(rows[0]) is not tuple else rows
 
 
-_STORED = operator.itemgetter(*range(12))  # the record's fields the store keeps, as a tuple
+_STORED = operator.itemgetter(*range(len(ROW_FIELDS)))  # a record's fields, as a tuple
 
 
 def _records(rows: Iterable[Row]) -> Sequence[DcpRecord]:
@@ -275,6 +308,34 @@ def _records(rows: Iterable[Row]) -> Sequence[DcpRecord]:
     except TypeError:
         bad = next(r for r in given if not len(ROW_FIELDS) - 1 <= len(r) <= len(ROW_FIELDS))
         raise ValueError(f"a row has {len(bad)} fields, expected {len(ROW_FIELDS)}") from None
+
+
+def _check_changes(
+    partition: int, changes: Sequence[ManifestChange], seqs: list[int], above: int
+) -> int:
+    """The highest seq of a partition's rows and changes, once checked (ValueError
+    otherwise): changes of `partition`, of a kind the store knows, and every seq
+    distinct, above `above`, and the changes in increasing order."""
+    for c in changes:
+        if c.partition != partition:
+            raise ValueError(f"partition {partition}: a change of partition {c.partition} given")
+        if c.kind not in _CHANGE_KINDS or (c.kind.startswith("collection") and c.collection_id
+                                           is None):  # fmt: skip
+            raise ValueError(f"partition {partition}: seq {c.seq}: not a manifest change")
+    cs = [c.seq for c in changes]
+    every = sorted([*seqs, *cs])
+    if every[0] <= above:
+        raise ValueError(
+            f"partition {partition}: seq {every[0]} is not above {above}, the seq the store"
+            " already holds (a stream must resume from the store's position)"
+        )
+    if cs != sorted(cs) or len(set(every)) != len(every):
+        raise ValueError(f"partition {partition}: changes out of order or at a row's seq")
+    return every[-1]
+
+
+def _marks(values: Sequence[object]) -> str:
+    return ", ".join("?" * len(values))
 
 
 def _check_partition(partition: int) -> None:
@@ -400,6 +461,20 @@ class RollbackResult:
             f"{self.lost} newer versions taken back (kept for salvage), "
             f"{self.restored} documents restored, {self.deleted} removed"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCollection:
+    """A collection's names as the store recorded them (`collections`, `scopes`)."""
+
+    id: int
+    scope: str | None  # None: the store never saw its scope's name
+    name: str
+    max_ttl: int | None
+    dropped: bool
+
+    def __str__(self) -> str:
+        return f"{self.scope}.{self.name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -618,62 +693,113 @@ class Store(sqlite.Closing):
 
     def _write_logged(
         self, db: sqlite3.Connection, partition: int, rows: Sequence[DcpRecord], seqs: list[int],
-        state: _State | None,
+        count: int, floor: int,
     ) -> tuple[int, int]:  # fmt: skip
-        """Write one partition's checked rows with their undo entries; trim the log.
+        """Write one partition's checked rows with their undo entries.
 
         Rows beyond the window's reach (all but the last `undo_window`) are written
         without entries, since trimming would drop those at once. Returns the new
-        (log_count, log_floor).
+        (log_count, log_floor), before trimming (`_trim`).
         """
-        window = self.undo_window
-        count = state.log_count if state else 0
-        floor = state.log_floor if state else 0
-        unlogged = max(0, len(rows) - window)
-        if rows:
+        if not rows:
+            return count, floor
+        unlogged = max(0, len(rows) - self.undo_window)
 
-            def work(given: Sequence[Row]) -> int:
-                rows = cast("Sequence[DcpRecord]", given)  # records in, records retried
-                if unlogged:
-                    db.executemany(_UPSERT_ROW, _bound(rows[:unlogged]))
-                rest = rows[unlogged:]
-                if not rest:
-                    return 0
-                # Keys new to the store need no entry: insert those first, in C. If every
-                # row was inserted, that is all (a first replay, a backfill of new keys).
-                before = db.total_changes
-                db.executemany(_INSERT_NEW, _bound(rest))
-                if db.total_changes - before == len(rest):
-                    return 0
-                # The others replace a row: log it, then write (in order, so a key changed
-                # twice in the batch logs its first change's row for the second).
-                replacing = _not_inserted(db, partition, rest)
-                logged = 0
-                for run in _unique_key_runs(replacing):
-                    logged += _log_previous(db, run)
-                    db.executemany(_UPSERT_ROW, _bound(run))
-                return logged
-
-            try:
-                count += self._i64_retry(db, work, rows)
-            except sqlite3.IntegrityError as exc:
-                raise ValueError(
-                    f"{self.path}: partition {partition}: {_bad_row(rows, exc)}"
-                ) from exc
+        def work(given: Sequence[Row]) -> int:
+            rows = cast("Sequence[DcpRecord]", given)  # records in, records retried
             if unlogged:
-                floor = max(floor, seqs[unlogged - 1])
-        if count > window:
-            # Oldest entries first (the UPR design specification, "Client and Mutation Log":
-            # "the oldest entries are removed").
-            (cut,) = db.execute(
-                "SELECT seq FROM mutation_log WHERE partition = ? ORDER BY seq LIMIT 1 OFFSET ?",
-                (partition, count - window - 1),
-            ).fetchone()
-            db.execute(
-                "DELETE FROM mutation_log WHERE partition = ? AND seq <= ?", (partition, cut)
-            )
-            count, floor = window, max(floor, _u64(cut))
+                db.executemany(_upsert(rows), _bound(rows[:unlogged]))
+            rest = rows[unlogged:]
+            if not rest:
+                return 0
+            # Keys new to the store need no entry: insert those first, in C. If every
+            # row was inserted, that is all (a first replay, a backfill of new keys).
+            before = db.total_changes
+            db.executemany(_upsert(rest, new_only=True), _bound(rest))
+            if db.total_changes - before == len(rest):
+                return 0
+            # The others replace a row: log it, then write (in order, so a key changed
+            # twice in the batch logs its first change's row for the second).
+            replacing = _not_inserted(db, partition, rest)
+            logged = 0
+            for run in _unique_key_runs(replacing):
+                logged += _log_previous(db, run)
+                db.executemany(_upsert(run), _bound(run))
+            return logged
+
+        try:
+            count += self._i64_retry(db, work, rows)
+        except sqlite3.IntegrityError as exc:
+            raise ValueError(f"{self.path}: partition {partition}: {_bad_row(rows, exc)}") from exc
+        if unlogged:
+            floor = max(floor, seqs[unlogged - 1])
         return count, floor
+
+    def _trim(self, db: sqlite3.Connection, partition: int, count: int, floor: int
+              ) -> tuple[int, int]:  # fmt: skip
+        """Drop the oldest undo entries beyond the window; the new (log_count, log_floor)."""
+        window = self.undo_window
+        if count <= window:
+            return count, floor
+        # Oldest entries first (the UPR design specification, "Client and Mutation Log":
+        # "the oldest entries are removed"). A collection drop logs many entries at one
+        # seq, and they go together: a rollback reaches above that seq or not at all.
+        (cut,) = db.execute(
+            "SELECT seq FROM mutation_log WHERE partition = ? ORDER BY seq LIMIT 1 OFFSET ?",
+            (partition, count - window - 1),
+        ).fetchone()
+        gone = db.execute(
+            "DELETE FROM mutation_log WHERE partition = ? AND seq <= ?", (partition, cut)
+        ).rowcount
+        return count - gone, max(floor, _u64(cut))
+
+    def _apply_change(
+        self, db: sqlite3.Connection, change: ManifestChange, count: int, floor: int
+    ) -> tuple[int, int]:
+        """Record a change's names; a drop removes the documents of the collection (or of
+        the scope's collections) in the change's partition, each logged as a change at
+        the drop's seq, so a rollback below it puts them back (formats/store.md §5.5)."""
+        p, seq = change.partition, _i64(change.seq)
+        if change.kind == "collection-created":
+            self._name_collection(db, change.collection_id, change.scope_id, change.name,
+                                  change.max_ttl)  # fmt: skip
+            return count, floor
+        if change.kind == "scope-created":
+            db.execute(
+                "INSERT INTO scopes (id, name) VALUES (?, ?) ON CONFLICT (id)"
+                " DO UPDATE SET name = excluded.name, dropped = 0",
+                (change.scope_id, change.name or ""),
+            )
+            return count, floor
+        if change.kind == "collection-dropped":
+            where, args = "collection_id = ?", [change.collection_id]
+            db.execute("UPDATE collections SET dropped = 1 WHERE id = ?", args)
+        else:  # a scope's collections go with it (each has its own drop event as well)
+            where = "collection_id IN (SELECT id FROM collections WHERE scope_id = ?)"
+            args = [change.scope_id]
+            db.execute("UPDATE scopes SET dropped = 1 WHERE id = ?", args)
+            db.execute("UPDATE collections SET dropped = 1 WHERE scope_id = ?", args)
+        if self.undo_window:
+            count += db.execute(
+                f"INSERT INTO mutation_log (partition, seq, collection_id, key, {_PREV_COLUMNS})"
+                " SELECT partition, ?, collection_id, key, seq, rev_seq, cas, flags, expiry,"
+                f" delete_time, datatype, deleted, value FROM documents WHERE partition = ?"
+                f" AND {where}",
+                [seq, p, *args],
+            ).rowcount
+        else:
+            floor = max(floor, change.seq)  # nothing is logged: the drop cannot be undone
+        db.execute(f"DELETE FROM documents WHERE partition = ? AND {where}", [p, *args])
+        return count, floor
+
+    def _name_collection(self, db: sqlite3.Connection, cid: int | None, scope_id: int,
+                         name: str | None, max_ttl: int | None) -> None:  # fmt: skip
+        db.execute(
+            "INSERT INTO collections (id, scope_id, name, max_ttl) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (id) DO UPDATE SET scope_id = excluded.scope_id,"
+            " name = excluded.name, max_ttl = excluded.max_ttl, dropped = 0",
+            (cid, scope_id, name or "", max_ttl),
+        )
 
     def apply(
         self,
@@ -681,12 +807,14 @@ class Store(sqlite.Closing):
         rows: Iterable[Row],
         position: StreamPosition,
         failover_log: FailoverLog | None = None,
+        changes: Sequence[ManifestChange] = (),
     ) -> None:
         """Apply a partition's rows, log what they replace, save the position: ONE transaction.
 
         `rows` are data records of `partition` with strictly increasing seqs above
-        the stored position; `position` must cover them. ValueError, committing nothing,
-        when they are not.
+        the stored position; `position` must cover them. `changes` (collections created
+        and dropped, `apply_change`) are applied between the rows, in seq order.
+        ValueError, committing nothing, when they are not.
         """
         _check_partition(partition)
         if position.partition != partition:
@@ -703,26 +831,94 @@ class Store(sqlite.Closing):
                     f" {held} (use rollback to go back)"
                 )
             seqs: list[int] = []
-            if records:
+            if records or changes:
                 above = max(held, self._newest_logged(db, partition))
-                seqs = _check_rows(partition, records, above)
-                if seqs[-1] > position.seq:
+                seqs = _check_rows(partition, records, above) if records else []
+                top = _check_changes(partition, changes, seqs, above) if changes else seqs[-1]
+                if top > position.seq:
                     raise ValueError(
                         f"partition {partition}: position seq {position.seq} does not cover"
-                        f" row seq {seqs[-1]}"
+                        f" seq {top}"
                     )
-            count, floor = self._write_logged(db, partition, records, seqs, state)
+            count, floor = (state.log_count, state.log_floor) if state else (0, 0)
+            done = 0
+            for change in changes:  # the rows below each change first
+                n = bisect_right(seqs, change.seq, lo=done)
+                count, floor = self._write_logged(
+                    db, partition, records[done:n], seqs[done:n], count, floor
+                )
+                count, floor = self._apply_change(db, change, count, floor)
+                done = n
+            rest = records[done:] if done else records
+            count, floor = self._write_logged(db, partition, rest, seqs[done:], count, floor)
+            count, floor = self._trim(db, partition, count, floor)
             log_text = _log_text(failover_log, state)
             self._save_state(db, _State(position, log_text, count, floor, now_iso()))
             self._save_boundary(db, position, floor, state.log_floor if state else 0)
 
-    def apply_many(
-        self, batches: Iterable[tuple[int, Iterable[Row], StreamPosition, FailoverLog | None]]
+    def apply_change(
+        self, partition: int, change: ManifestChange, position: StreamPosition
     ) -> None:
-        """`apply` each (partition, rows, position, failover_log) in ONE transaction."""
+        """Apply one collection or scope change at its seq and save `position` (covering
+        it): a drop removes the collection's documents in `partition` through the
+        mutation log, so a rollback below the drop brings them back."""
+        self.apply(partition, (), position, changes=(change,))
+
+    def apply_many(self, batches: Iterable[Work]) -> None:
+        """`apply` each (partition, rows, position, failover_log[, changes]) in ONE
+        transaction."""
         with self.batch():
-            for partition, rows, position, failover_log in batches:
-                self.apply(partition, rows, position, failover_log)
+            for work in batches:
+                if len(work) == 5:
+                    self.apply(*work)
+                else:
+                    self.apply(*work[:4])
+
+    def claim_filter(self, collections: str) -> None:
+        """Follow only `collections` (comma-separated paths; "" for all): recorded on a
+        store without positions; refused (UsageError) by a store that holds positions
+        under another filter, since a resume would miss what one left out and the other
+        takes in (formats/store.md §3.1)."""
+        with self._write() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = 'collections'").fetchone()
+            held = db.execute("SELECT count(*) FROM partitions").fetchone()[0]
+            had = row[0] if row is not None else ""
+            if held and had != collections:
+                raise UsageError(
+                    f"{self.path}: the store follows "
+                    f"{'--collections ' + had if had else 'every collection'}, not "
+                    f"{'--collections ' + collections if collections else 'every collection'};"
+                    " give the same or use another store"
+                )
+            if row is None or had != collections:
+                _set_meta(db, "collections", collections)
+
+    def record_manifest(self, manifest: Manifest) -> None:
+        """Record the names of a source's scopes and collections (by id), for the `scope`
+        and `collection` columns of the views. Idempotent; a manifest older (lower uid)
+        than one recorded only adds names of ids the store does not know."""
+        with self._write() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = 'manifest_uid'").fetchone()
+            newer = row is None or manifest.uid >= int(row[0])
+            verb = "OR REPLACE" if newer else "OR IGNORE"
+            db.executemany(
+                f"INSERT {verb} INTO scopes (id, name, dropped) VALUES (?, ?, 0)",
+                [(sc.id, sc.name) for sc in manifest.scopes],
+            )
+            db.executemany(
+                f"INSERT {verb} INTO collections (id, scope_id, name, max_ttl, dropped)"
+                " VALUES (?, ?, ?, ?, 0)",
+                [(c.id, sc.id, c.name, c.max_ttl) for sc, c in manifest.collections()],
+            )
+            if newer:
+                # ids are never used again: one the newest manifest lacks was dropped
+                sids = [sc.id for sc in manifest.scopes]
+                cids = [c.id for _sc, c in manifest.collections()]
+                db.execute(f"UPDATE scopes SET dropped = 1 WHERE id NOT IN ({_marks(sids)})", sids)
+                db.execute(
+                    f"UPDATE collections SET dropped = 1 WHERE id NOT IN ({_marks(cids)})", cids
+                )
+                _set_meta(db, "manifest_uid", str(manifest.uid))
 
     def set_position(
         self, position: StreamPosition, failover_log: FailoverLog | None = None
@@ -759,7 +955,7 @@ class Store(sqlite.Closing):
             _check_partition(p)
         with self._write() as db:
             try:
-                self._i64_retry(db, lambda r: db.executemany(_UPSERT_ROW, _bound(r)), records)
+                self._i64_retry(db, lambda r: db.executemany(_upsert(r), _bound(r)), records)
             except sqlite3.IntegrityError as exc:
                 raise ValueError(f"{self.path}: restore: {_bad_row(records, exc)}") from exc
             db.executemany("DELETE FROM mutation_log WHERE partition = ?", [(p,) for p in tops])
@@ -784,7 +980,9 @@ class Store(sqlite.Closing):
                 state = self._state(db, p)
                 held = state.position.seq if state else 0
                 seqs = _check_rows(p, part_rows, max(held, self._newest_logged(db, p)))
-                count, floor = self._write_logged(db, p, part_rows, seqs, state)
+                count, floor = (state.log_count, state.log_floor) if state else (0, 0)
+                count, floor = self._write_logged(db, p, part_rows, seqs, count, floor)
+                count, floor = self._trim(db, p, count, floor)
                 position = state.position if state else StreamPosition(p)
                 log_text = state.failover_log if state else None
                 self._save_state(db, _State(position, log_text, count, floor, updated))
@@ -911,25 +1109,39 @@ class Store(sqlite.Closing):
         state = self._state(self._db, partition)
         return self._parse_log(partition, state.failover_log) if state else None
 
+    def collections(self) -> dict[int, StoredCollection]:
+        """Every collection the store knows a name of, by id (formats/store.md §3.8)."""
+        rows = self._db.execute(
+            "SELECT c.id, s.name, c.name, c.max_ttl, c.dropped FROM collections AS c"
+            " LEFT JOIN scopes AS s ON s.id = c.scope_id ORDER BY c.id"
+        )
+        return {cid: StoredCollection(cid, scope, name, ttl, dropped == 1)
+                for cid, scope, name, ttl, dropped in rows}  # fmt: skip
+
     def meta(self) -> dict[str, str]:
         """The `meta` table: format, schema_version, created, source."""
         return {str(k): str(v) for k, v in self._db.execute("SELECT key, value FROM meta")}
 
-    def get(self, partition: int, key: bytes | str) -> Document | None:
-        """The stored version of a key, tombstones included (`deleted=True`), or None."""
+    def get(self, partition: int, key: bytes | str, collection: int = 0) -> Document | None:
+        """The stored version of a key of a collection (by id), tombstones included
+        (`deleted=True`), or None."""
         k = key.encode() if isinstance(key, str) else bytes(key)
         row = self._db.execute(
-            f"SELECT {_DOC_SELECT} FROM documents WHERE partition = ? AND key = ?", (partition, k)
+            f"SELECT {_DOC_SELECT} FROM documents"
+            " WHERE partition = ? AND collection_id = ? AND key = ?",
+            (partition, collection, k),
         ).fetchone()
         return None if row is None else _document(row)
 
     def documents(
         self, partitions: Iterable[int] | None = None, *, include_deleted: bool = True
     ) -> Iterator[Document]:
-        """Stored documents ordered by (partition, key); tombstones unless excluded."""
+        """Stored documents ordered by (partition, collection id, key); tombstones unless
+        excluded."""
         where, params = _where(partitions, include_deleted)
         cursor = self._db.execute(
-            f"SELECT {_DOC_SELECT} FROM documents{where} ORDER BY partition, key", params
+            f"SELECT {_DOC_SELECT} FROM documents{where} ORDER BY partition, collection_id, key",
+            params,
         )
         while chunk := cursor.fetchmany(_FETCH):
             yield from map(_document, chunk)
@@ -947,7 +1159,7 @@ class Store(sqlite.Closing):
             params,
         ).fetchall()
         return [
-            LostWrite(r[0], _document(r[1:12]), _u64(r[12]), _u64(r[13]), r[14], r[15])
+            LostWrite(r[0], _document(r[1:13]), _u64(r[13]), _u64(r[14]), r[15], r[16])
             for r in rows
         ]
 
@@ -1001,5 +1213,5 @@ def _where(partitions: Iterable[int] | None, include_deleted: bool) -> tuple[str
 
 
 def _document(row: Sequence[Any]) -> Document:
-    p, k, s, r, c, f, e, dt_, dtype, deleted, v = row
-    return Document(p, k, _u64(s), _u64(r), _u64(c), f, e, dt_, dtype, deleted == 1, v)
+    p, k, s, r, c, f, e, dt_, dtype, deleted, v, cid = row
+    return Document(p, k, _u64(s), _u64(r), _u64(c), f, e, dt_, dtype, deleted == 1, v, cid)
