@@ -1,5 +1,6 @@
 """The `upr` Spark data source and `upr spark export` in Spark local mode, on a real
-repository holding a failover's lost writes (formats/spark.md)."""
+repository holding a failover's lost writes, and on one holding several collections, one
+of them dropped between two backups (formats/spark.md)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import pyarrow.dataset as ds
 import pytest
 
+from tests.e2e.collections_helpers import create, drop
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import wait_persisted
 from upr_cli.repo import Repository, lost_ranges
@@ -88,6 +90,10 @@ def test_export_of_the_state_equals_restore_to_sqlite(
         want = _store_rows(db)
         assert got == want and summary.rows == len(want) > 500
         assert not table.column("deleted").to_pylist().count(True)
+        # no collection was ever created: everything is the default collection
+        cols = ("scope", "collection", "collection_id")
+        names = zip(*(table.column(n).to_pylist() for n in cols), strict=True)
+        assert set(names) == {("_default", "_default", 0)} and summary.collections == 1
 
 
 def test_history_counts_equal_the_repository_and_flag_lost_writes(spark: Any, repo: Path) -> None:
@@ -127,6 +133,8 @@ def test_history_counts_equal_the_repository_and_flag_lost_writes(spark: Any, re
         ({"at": "20990101T000000.000000Z"}, "option at: no committed backup"),
         ({"path": "/no/such/repo"}, "option path: /no/such/repo: not a upr repository"),
         ({"partitions": "9-1"}, "option partitions:"),
+        ({"collections": "app.users"}, "option collections: app.users: no such collection"),
+        ({"collections": "app."}, "option collections: 'app.': a collection name must"),
     ],
 )
 def test_bad_options_fail_with_one_clear_message(
@@ -402,3 +410,165 @@ def test_streaming_into_a_memory_sink_under_load_converges(
             latest[k] = (r["seq"], r["op"], bytes(r["value"]))
     state = {k[1]: v[2] for k, v in latest.items() if v[1] == "mutation"}
     assert state == {k: v[0] for k, v in docs(node.uri).items()}
+
+
+# -- collections --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def coll_repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, int]]]:
+    """Two backups of a node with app.users, app.orders, tmp.x and the default
+    collection; tmp.x dropped between them. Yields the repository and the number of
+    documents each collection holds at the end (from `upr load`'s summaries)."""
+    base = tmp_path_factory.mktemp("spark-coll")
+    node = Node(base / "node", "--flush-interval", "0.02", partitions=8)
+    node.start()
+    try:
+        r = base / "repo"
+        create(node.uri, "app.users", "app.orders", "tmp.x")
+        first = json.loads(upr("load", node.uri, "--docs", "600", "--update-ratio", "0.3",
+                               "--delete-ratio", "0.1", "--collections",
+                               "app.users,app.orders,tmp.x", "--json").stdout)  # fmt: skip
+        upr("load", node.uri, "--docs", "100", "--prefix", "plain")
+        wait_persisted(node.uri)
+        upr("backup", node.uri, "--repo", str(r))
+        drop(node.uri, "tmp.x")
+        upr("load", node.uri, "--docs", "100", "--prefix", "late", "--collections", "app.users")
+        wait_persisted(node.uri)
+        upr("backup", node.uri, "--repo", str(r))
+        live = {f"{c['scope']}.{c['collection']}": c["created"] - c["deletes"]
+                for c in first["collections"]}  # fmt: skip
+        live["app.users"] += 100
+        live["_default._default"] = 100
+        del live["tmp.x"]
+        yield r, live
+    finally:
+        node.close()
+
+
+def _counts(df: Any) -> dict[str, int]:
+    return {f"{r['scope']}.{r['collection']}": r["count"]
+            for r in df.groupBy("scope", "collection").count().collect()}  # fmt: skip
+
+
+def test_a_read_names_collections_filters_them_and_leaves_a_dropped_one_out_of_the_state(
+    spark: Any, coll_repo: tuple[Path, dict[str, int]]
+) -> None:
+    repo, live = coll_repo
+    assert _counts(spark.read.format("upr").load(str(repo))) == live  # tmp.x was dropped
+    some = spark.read.format("upr").option("collections", "app").load(str(repo))
+    assert _counts(some) == {k: v for k, v in live.items() if k.startswith("app.")}
+    # the history keeps the dropped collection's records, under its name
+    hist = spark.read.format("upr").option("view", "history").option("collections", "tmp.x")
+    rows = hist.load(str(repo)).select("collection_id", "backup_id").distinct().collect()
+    assert len({r["collection_id"] for r in rows}) == 1 and len(rows) == 1  # backup 1 only
+
+
+def test_export_partitioned_by_collection(
+    coll_repo: tuple[Path, dict[str, int]], tmp_path: Path
+) -> None:
+    repo, live = coll_repo
+    out = tmp_path / "by-collection"
+    summary = json.loads(upr("spark", "export", "--repo", str(repo), "--to", str(out),
+                             "--partition-by", "collection", "--master", "local[1]",
+                             "--json", timeout=300).stdout)  # fmt: skip
+    assert summary["partition_by"] == "collection" and summary["items"] == sum(live.values())
+    assert summary["collections"] == len(live) == 3
+    dirs = sorted(f"{d.parent.name}/{d.name}" for d in out.glob("scope=*/collection=*"))
+    assert dirs == ["scope=_default/collection=_default", "scope=app/collection=orders",
+                    "scope=app/collection=users"]  # fmt: skip
+    table = ds.dataset(out, format="parquet", partitioning="hive").to_table()
+    got: dict[str, int] = {}
+    for scope, coll in zip(table.column("scope").to_pylist(),
+                           table.column("collection").to_pylist(), strict=True):  # fmt: skip
+        got[f"{scope}.{coll}"] = got.get(f"{scope}.{coll}", 0) + 1
+    assert got == live
+    bad = upr("spark", "export", "--repo", str(repo), "--to", str(tmp_path / "x"),
+              "--partition-by", "scope", check=False)  # fmt: skip
+    assert bad.returncode == 2 and "--partition-by: 'scope' is not one of" in bad.stderr
+    bad = upr("spark", "export", "--repo", str(repo), "--to", str(tmp_path / "x"),
+              "--collections", "app.nope", check=False)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
+        "upr: error: option collections: app.nope: no such collection in the backups up to"
+    )
+
+
+def test_streaming_filters_collections_on_the_source(
+    spark: Any, node_factory: type[Node], tmp_path: Path
+) -> None:
+    from upr_cli.spark.jobs import spark_error
+
+    node = node_factory("--flush-interval", "0.02", partitions=8).start()
+    create(node.uri, "app.users", "app.orders")
+    summary = json.loads(upr("load", node.uri, "--docs", "400", "--update-ratio", "0.3",
+                             "--delete-ratio", "0.1", "--collections", "app.users,app.orders",
+                             "--json").stdout)  # fmt: skip
+    users = next(c for c in summary["collections"] if c["collection"] == "users")
+    upr("load", node.uri, "--docs", "50", "--prefix", "plain")
+    df = spark.readStream.format("upr").option("source", node.uri)
+    sink = df.option("collections", "app.users").load().writeStream.format("memory")
+    q = sink.queryName("upr_users").option("checkpointLocation", str(tmp_path / "ck")).start()
+    try:
+        q.processAllAvailable()
+        rows = spark.sql("SELECT * FROM upr_users").collect()
+    finally:
+        q.stop()
+    assert {(r["scope"], r["collection"], r["collection_id"]) for r in rows} == {
+        ("app", "users", users["collection_id"])
+    }
+    latest: dict[tuple[int, bytes], tuple[int, str]] = {}
+    for r in rows:
+        k = (r["partition"], bytes(r["key"]))
+        if k not in latest or r["seq"] > latest[k][0]:
+            latest[k] = (r["seq"], r["op"])
+    assert (
+        sum(op == "mutation" for _s, op in latest.values()) == users["created"] - users["deletes"]
+    )
+    bad = df.option("collections", "app.nope").load().writeStream.format("memory")
+    with pytest.raises(Exception) as info:  # the driver checks it when the query starts
+        q = bad.queryName("upr_nope").option("checkpointLocation", str(tmp_path / "ck2")).start()
+        try:
+            q.processAllAvailable()
+        finally:
+            q.stop()
+    assert "option collections: unknown collection app.nope" in str(spark_error(info.value))
+
+
+def test_merge_keeps_collections_apart_and_leaves_a_dropped_one_out(
+    spark: Any, coll_repo: tuple[Path, dict[str, int]], tmp_path: Path
+) -> None:
+    import shutil
+
+    import pyarrow as pa
+
+    from upr_cli.repo.manifest import chain_manifest, collection_history
+    from upr_cli.spark.batch import arrow_schema, read_group
+    from upr_cli.spark.merge import merge
+    from upr_cli.spark.plan import plan
+
+    def state(repo: Path, at: str) -> dict[tuple[str, str, bytes], tuple[int, bytes]]:
+        opts, ms = parse_options({"path": str(repo), "at": at})
+        batches = [b for g in plan(opts, ms) for b in read_group(g)]
+        rows = pa.Table.from_batches(batches, schema=arrow_schema("state")).to_pylist()
+        return {(r["scope"], r["collection"], r["key"]): (r["collection_id"], r["value"])
+                for r in rows}  # fmt: skip
+
+    repo, live = coll_repo
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy)
+    chain = state(copy, "latest")
+    summary = merge(spark, copy)
+    manifests = Repository(copy).manifests("default")
+    merged = manifests[-1]
+    assert str(merged.backup_id) == summary.backup_id
+    assert merged.collections == chain_manifest(manifests[:-1])  # tmp.x is gone
+    assert state(copy, summary.backup_id) == chain
+    per = {f"{s}.{c}": 0 for s, c, _k in chain}
+    for s, c, _k in chain:
+        per[f"{s}.{c}"] += 1
+    assert per == live
+    # every record the merge wrote is counted under its collection; none is tmp.x's
+    assert sum(c.items + c.deleted for c in merged.collection_items) == summary.records
+    gone = [cid for cid, (p, dropped) in collection_history(manifests).items() if dropped]
+    assert [str(collection_history(manifests)[cid][0]) for cid in gone] == ["tmp.x"]
+    assert gone[0] not in {c.id for c in merged.collection_items}

@@ -10,6 +10,7 @@ import typer
 
 from upr_cli.cli.options import JsonOutput, NodeUri, NoProgress
 from upr_cli.cli.output import Progress, plural, print_json, stdout
+from upr_cli.collections import parse_paths
 from upr_cli.jobs.load import LoadSummary, load
 from upr_cli.net.uri import SourceUri
 
@@ -20,6 +21,11 @@ the given ratios; the same --seed gives the same operations. Requests are pipeli
 Keys are PREFIX-000000000 upwards: a key an earlier run left is overwritten, and the
 summary says how many were.
 
+With --collections S.C,... (or a scope S: each of its collections) new documents go to
+the collections round robin, updates and deletes to their document's collection; the
+collections must exist (nothing is written otherwise) and the summary counts each one.
+Without it, everything goes to the default collection.
+
 Example (100,000 documents of about 180 bytes):
 
   upr load upr://admin@127.0.0.1:11210/default --docs 100000
@@ -28,6 +34,10 @@ Example (mixed workload at 2,000 ops/s, summary as JSON):
 
   upr load upr://admin@127.0.0.1/default --docs 20000 --update-ratio 0.3 \\
       --delete-ratio 0.1 --rate 2000 --json
+
+Example (spread over two collections of scope app):
+
+  upr load upr://admin@127.0.0.1/default --docs 10000 --collections app.users,app.orders
 """
 
 
@@ -77,11 +87,24 @@ def load_cmd(
         int, typer.Option("--seed", metavar="N", help="Random seed (same seed, same workload).")
     ] = 1,
     prefix: Annotated[str, typer.Option("--prefix", metavar="TEXT", help="Key prefix.")] = "doc",
+    collections: Annotated[
+        str | None,
+        typer.Option(
+            "--collections",
+            metavar="PATHS",
+            help="Spread the workload over these collections: S.C or S, comma-separated.",
+        ),
+    ] = None,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Write a workload."""
     source = SourceUri.parse(uri)
+    paths = parse_paths(collections)
+    if collections is not None and not paths:
+        from upr_cli.errors import UsageError
+
+        raise UsageError("--collections: give SCOPE.COLLECTION or SCOPE, comma-separated")
     show = sys.stderr.isatty() and not no_progress
     with Progress("load", "ops", show=show, total=docs) as bar:
         bar.note(f"connecting to {source.redacted()}")
@@ -99,6 +122,7 @@ def load_cmd(
                 rate=rate,
                 seed=seed,
                 prefix=prefix,
+                collections=paths or None,
                 on_progress=tick,
             )
         )
@@ -111,6 +135,10 @@ def load_cmd(
             f"{summary.updates:,} updated, {summary.deletes:,} deleted",
             markup=False,
         )
+        if len(summary.collections) > 1 or summary.collections[0].id != 0:
+            for c in summary.collections:
+                stdout.print(f"  {c.path}: {c.created:,} created, {c.updates:,} updated, "
+                             f"{c.deletes:,} deleted", markup=False)  # fmt: skip
         if summary.overwritten:
             stdout.print(f"overwrote {summary.overwritten:,} existing keys (left by an earlier "
                          f"run with --prefix {prefix})", markup=False)  # fmt: skip

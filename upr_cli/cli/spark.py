@@ -29,12 +29,17 @@ Example (merge the chain into one full backup):
   upr spark merge --repo /backups/cb
 """
 
-EXPORT_HELP = """Export the state of a repository at a backup, partitioned by partition id.
+EXPORT_HELP = """Export the state of a repository at a backup, partitioned by partition id
+or by collection.
 
 The state at --at (a backup id, latest or oldest) follows the chain semantics: the
-latest version of every key, tombstones and lost writes left out; columns as in
-formats/spark.md. Writes DIR/partition=N/… as Parquet (default) or JSON lines; an
-existing directory is refused unless --overwrite.
+latest version of every document, tombstones, lost writes and collections dropped by
+then left out; every row names its scope and collection (columns as in
+formats/spark.md; a backup from before collections is _default._default). Writes
+DIR/partition=N/… (--partition-by partition, the default) or
+DIR/scope=S/collection=C/… (--partition-by collection) as Parquet (default) or JSON
+lines; --collections S.C,... (or a scope S) exports those only. An existing directory
+is refused unless --overwrite.
 
 Example:
 
@@ -45,6 +50,11 @@ Example (an older backup as JSON, on a cluster):
   upr spark export --repo /shared/cb --at 20261121T071033.959105Z \\
       --to /shared/cb-json --format json --master spark://10.0.0.5:7077 \\
       --conf spark.executor.memory=4g
+
+Example (one directory per collection, the app scope only):
+
+  upr spark export --repo /backups/cb --to /data/cb-app --partition-by collection \\
+      --collections app
 """
 
 T = TypeVar("T")
@@ -73,30 +83,49 @@ def export_cmd(
     at: At = "latest",
     bucket: Bucket = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DIR.")] = False,
+    partition_by: Annotated[
+        str,
+        typer.Option(
+            "--partition-by",
+            metavar="partition|collection",
+            help="Directory levels: partition=N, or scope=S/collection=C.",
+        ),
+    ] = "partition",
+    collections: Annotated[
+        str | None,
+        typer.Option(
+            "--collections",
+            metavar="PATHS",
+            help="Only these collections: S.C or S (all of its own), comma-separated.",
+        ),
+    ] = None,
     master: Master = "local[*]",
     conf: SparkConf = None,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Export the state at a backup."""
-    from upr_cli.errors import check_parent_dir
-    from upr_cli.spark.jobs import FORMATS, check_target, export
+    from upr_cli.errors import UsageError, check_parent_dir
+    from upr_cli.spark.jobs import FORMATS, PARTITION_BY, check_target, export
 
     if fmt not in FORMATS:
-        from upr_cli.errors import UsageError
-
         raise UsageError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
-    _checked(repo, at, bucket)
+    if partition_by not in PARTITION_BY:
+        raise UsageError(f"--partition-by: {partition_by!r} is not one of "
+                         f"{', '.join(PARTITION_BY)}")  # fmt: skip
+    _checked(repo, at, bucket, collections)
     check_parent_dir(to, f"--to {to}")  # before Spark starts, which would fail late
     check_target(to, overwrite)
     summary = _run(master, conf, "upr spark export",
                    lambda spark: export(spark, repo, to, fmt=fmt, at=at, bucket=bucket,
-                                        overwrite=overwrite), no_progress)  # fmt: skip
+                                        overwrite=overwrite, partition_by=partition_by,
+                                        collections=collections), no_progress)  # fmt: skip
     _report(
         summary,
         json_out,
         f"exported backup {summary.at}: {summary.rows:,} documents in {summary.partitions} "
-        f"partitions to {summary.target} ({summary.format}) in {summary.seconds:.1f}s",
+        f"partitions and {summary.collections} collections to {summary.target} "
+        f"({summary.format}, by {summary.partition_by}) in {summary.seconds:.1f}s",
     )
 
 
@@ -154,13 +183,14 @@ def merge_cmd(
     )
 
 
-def _checked(repo: Path, at: str, bucket: str | None) -> None:
+def _checked(repo: Path, at: str, bucket: str | None, collections: str | None = None) -> None:
     """The repository options, checked before Spark starts (its start-up takes seconds).
     The repository is opened as every command opens it (same errors, same exit codes)."""
     from upr_cli.spark.plan import parse_options
 
     open_bucket(repo, bucket)
-    parse_options({"path": str(repo), "at": at} | ({"bucket": bucket} if bucket else {}))
+    opts = {"path": str(repo), "at": at} | ({"bucket": bucket} if bucket else {})
+    parse_options(opts | ({"collections": collections} if collections else {}))
 
 
 def _run(master: str, conf: list[str] | None, app: str, job: Callable[[Any], T],

@@ -8,6 +8,16 @@ A new document is written with ADD, so a key an earlier run left in the bucket i
 noticed (KEY_EEXISTS): it is counted as overwritten and written again with SET, unless
 a later operation of this run already updated or deleted it (that one, sent after the
 ADD on the same connection, is then the key's newest write and must stay so).
+
+Collections (docs/protocol.md "Collections"). The connections offer Collections in
+HELLO; where the server grants it, every key goes out as LEB128(collection id) + key
+(`leb128.join_key`), the default collection's being 0. With `collections`, the paths
+are resolved to ids from the manifest (GET_COLLECTIONS_MANIFEST) before anything is
+written, so an unknown one fails the run with nothing written. New documents go to the
+collections round robin (new key n to collection n mod k, in the order given), and an
+update or delete goes to the collection of the document it picks: the spread is exact
+and the same seed gives the same workload. The partition is the CRC32 of the document
+key alone, without the id, as the SDKs hash it.
 """
 
 from __future__ import annotations
@@ -21,15 +31,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from upr_cli.collections import DEFAULT, CollectionsError, Manifest, Path
 from upr_cli.errors import UsageError
 from upr_cli.net.bootstrap import partition_of
 from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol import Frame
+from upr_cli.protocol import Frame, leb128
 from upr_cli.protocol.fast import encode_set
-from upr_cli.protocol.header import Opcode
-from upr_cli.protocol.messages import Delete
-from upr_cli.protocol.status import Status
+from upr_cli.protocol.header import Feature, Opcode
+from upr_cli.protocol.messages import CollectionsGetManifest, Delete
+from upr_cli.protocol.status import Status, status_error
 
 WORDS = (
     "alpha",
@@ -51,8 +62,34 @@ WORDS = (
 )
 
 
-#: a new document's (key, value), while its ADD is in flight
+# kv_engine's NoCollectionsManifest (0x89): the cluster manager has not set a manifest
+# yet (kv_engine docs/Collections.md, 0xba), so only the default collection exists
+_NO_MANIFEST = 0x89
+
+#: a new document's (wire key, value), while its ADD is in flight
 Added = tuple[bytes, bytes] | None
+
+
+@dataclass
+class CollectionCounts:
+    """What a load run did in one collection."""
+
+    path: Path
+    id: int
+    created: int = 0
+    updates: int = 0
+    deletes: int = 0
+
+    def to_json(self) -> dict[str, object]:
+        """One entry of the summary's `collections`."""
+        return {"scope": self.path.scope, "collection": self.path.collection,
+                "collection_id": self.id, "items": self.created + self.updates + self.deletes,
+                "created": self.created, "updates": self.updates,
+                "deletes": self.deletes}  # fmt: skip
+
+
+def _default_counts() -> list[CollectionCounts]:
+    return [CollectionCounts(Path(DEFAULT, DEFAULT), 0)]
 
 
 @dataclass
@@ -68,6 +105,7 @@ class LoadSummary:
     seconds: float = 0.0
     retries: int = 0  # requests sent again after NOT_MY_VBUCKET or a lost node
     error_statuses: dict[int, int] = field(default_factory=dict)
+    collections: list[CollectionCounts] = field(default_factory=_default_counts)
 
     @property
     def rate(self) -> float:
@@ -87,6 +125,7 @@ class LoadSummary:
             "items_per_s": round(self.rate),
             "retries": self.retries,
             "error_statuses": {f"0x{k:02x}": v for k, v in self.error_statuses.items()},
+            "collections": [c.to_json() for c in self.collections],
         }
 
 
@@ -116,6 +155,7 @@ async def load(
     seed: int = 1,
     window: int = 512,
     prefix: str = "doc",
+    collections: list[Path] | None = None,
     on_progress: Callable[[LoadSummary], None] | None = None,
 ) -> LoadSummary:
     """Run the workload; returns its summary (errors are counted, not raised)."""
@@ -124,14 +164,29 @@ async def load(
     # Follow the cluster map: each write goes to its partition's active node, one
     # connection per node, retried with the newer map on NOT_MY_VBUCKET (net/router.py).
     router = await Router.open(uri, name="upr-load")
-    n_parts = router.num_partitions
-    if n_parts == 0:
+    try:
+        n_parts = router.num_partitions
+        if n_parts == 0:
+            raise UsageError(f"{uri.redacted()}: the cluster config lists no partitions")
+        summary = LoadSummary(collections=await _targets(router, collections))
+        # Where Collections was granted every key carries its id, the default's too.
+        ids = Feature.COLLECTIONS in router.features
+        prefixes = [leb128.encode(c.id) if ids else b"" for c in summary.collections]
+        ops = _Operations(random.Random(seed), n_parts, size, update_ratio, delete_ratio,
+                          prefix, prefixes)  # fmt: skip
+        await _run(router, ops, summary, docs, window, rate, on_progress)
+        summary.retries = router.retries
+        return summary
+    finally:
         await router.aclose()
-        raise UsageError(f"{uri.redacted()}: the cluster config lists no partitions")
-    ops = _Operations(random.Random(seed), n_parts, size, update_ratio, delete_ratio, prefix)
-    summary = LoadSummary()
+
+
+async def _run(router: Router, ops: _Operations, summary: LoadSummary, docs: int, window: int,
+               rate: float | None,
+               on_progress: Callable[[LoadSummary], None] | None) -> None:  # fmt: skip
+    """Send the `docs` operations, at most `window` in flight, and settle every answer."""
     inflight: deque[tuple[asyncio.Future[Frame], int, Make, Added]] = deque()
-    # keys whose ADD is in flight -> whether a later operation of this run has used them
+    # wire keys whose ADD is in flight -> whether a later operation of this run used them
     adding: dict[bytes, bool] = {}
     started = time.monotonic()
 
@@ -151,76 +206,123 @@ async def load(
         fut, vb, make, added = inflight.popleft()
         settle(await router.settle(fut, vb, make), vb, added)
 
-    try:
-        for i in range(docs):
-            kb, vb, make, added = ops.next(i, summary)
-            if kb in adding:
-                adding[kb] = True
-            if added is not None:
-                adding[kb] = False
-            inflight.append((router.submit(vb, make), vb, make, added))
-            summary.ops += 1
-            if len(inflight) % 64 == 0:
-                router.flush()
-            if len(inflight) >= window:
-                router.flush()
-                await settle_oldest()
-                while inflight and inflight[0][0].done():
-                    await settle_oldest()
-            if rate:
-                ahead = summary.ops / rate - (time.monotonic() - started)
-                if ahead > 0.001:
-                    router.flush()
-                    await asyncio.sleep(ahead)
-            if on_progress is not None and i % 2048 == 0:
-                summary.seconds = time.monotonic() - started
-                on_progress(summary)
-        router.flush()
-        while inflight:
+    for i in range(docs):
+        kb, vb, make, added = ops.next(i, summary)
+        if kb in adding:
+            adding[kb] = True
+        if added is not None:
+            adding[kb] = False
+        inflight.append((router.submit(vb, make), vb, make, added))
+        summary.ops += 1
+        if len(inflight) % 64 == 0:
+            router.flush()
+        if len(inflight) >= window:
             router.flush()
             await settle_oldest()
-        summary.seconds = time.monotonic() - started
-        summary.retries = router.retries
-        return summary
-    finally:
-        await router.aclose()
+            while inflight and inflight[0][0].done():
+                await settle_oldest()
+        if rate:
+            ahead = summary.ops / rate - (time.monotonic() - started)
+            if ahead > 0.001:
+                router.flush()
+                await asyncio.sleep(ahead)
+        if on_progress is not None and i % 2048 == 0:
+            summary.seconds = time.monotonic() - started
+            on_progress(summary)
+    router.flush()
+    while inflight:
+        router.flush()
+        await settle_oldest()
+    summary.seconds = time.monotonic() - started
+
+
+async def _targets(router: Router, paths: list[Path] | None) -> list[CollectionCounts]:
+    """The collections to write to, resolved to ids before anything is written (a scope
+    path: each of its collections, in manifest order)."""
+    if not paths:
+        return _default_counts()
+    where = router.uri.redacted()
+    if Feature.COLLECTIONS not in router.features:
+        raise CollectionsError(
+            f"{where}: the server does not support collections (HELLO did not grant them); "
+            "run without --collections"
+        )
+    manifest = await fetch_manifest(router)
+    out: dict[int, CollectionCounts] = {}
+    for path in paths:
+        scope = manifest.scope(path.scope)
+        found = [c for c in scope.collections if path.covers(scope.name, c.name)] if scope else []
+        if not found:
+            why = (f"scope {path.scope} does not exist" if scope is None
+                   else f"collection {path} does not exist" if path.collection
+                   else f"scope {path.scope} has no collections")  # fmt: skip
+            raise CollectionsError(f"--collections: {why} in {where} (manifest uid "
+                                   f"{manifest.uid:x}); nothing was written")  # fmt: skip
+        for c in found:
+            out.setdefault(c.id, CollectionCounts(Path(path.scope, c.name), c.id))
+    return list(out.values())
+
+
+async def fetch_manifest(router: Router) -> Manifest:
+    """The bucket's collections manifest (GET_COLLECTIONS_MANIFEST on a node of the map;
+    every node holds the same one)."""
+    reply = await router.request(0, lambda opaque: CollectionsGetManifest(opaque=opaque).encode())
+    status = reply.vbucket_or_status
+    if status == _NO_MANIFEST:  # none set yet: the default collection only
+        return Manifest()
+    if status != Status.SUCCESS:
+        err = status_error(status, body=bytes(reply.value))
+        raise CollectionsError(
+            f"{router.uri.redacted()}: cannot read the collections manifest: {err}"
+        )
+    return Manifest.from_json(bytes(reply.value))
 
 
 class _Operations:
     """The workload's operations, one at a time, from the seeded generator: a delete or
-    an update of a key this run created (by the ratios), else a new key."""
+    an update of a key this run created (by the ratios), else a new key, in the next
+    collection round robin. The generator draws the same numbers whatever the
+    collections, so a seed gives the same operations with or without them."""
 
     def __init__(self, rng: random.Random, n_parts: int, size: int, update_ratio: float,
-                 delete_ratio: float, prefix: str) -> None:  # fmt: skip
+                 delete_ratio: float, prefix: str, ids: list[bytes]) -> None:  # fmt: skip
         self.rng, self.n_parts, self.size, self.prefix = rng, n_parts, size, prefix
         self.update_ratio, self.delete_ratio = update_ratio, delete_ratio
-        self.live: list[str] = []
+        self.ids = ids  # each collection's LEB128 id, or b"" without Collections
+        self.live: list[tuple[str, int]] = []  # (key, collection index)
         self.next_id = 0
 
     def next(self, i: int, summary: LoadSummary) -> tuple[bytes, int, Make, Added]:
-        """Operation `i`: its key, partition, request and (a new document) what it adds."""
+        """Operation `i`: its wire key, partition, request and (a new document) what it adds."""
         rng, live = self.rng, self.live
         r = rng.random()
         if live and r < self.delete_ratio:
-            kb = live.pop(rng.randrange(len(live))).encode()
+            key, c = live.pop(rng.randrange(len(live)))
+            kb = key.encode()
             vb = partition_of(kb, self.n_parts)
             summary.deletes += 1
-            return kb, vb, functools.partial(_delete, vb, kb), None
+            summary.collections[c].deletes += 1
+            wire = self.ids[c] + kb
+            return wire, vb, functools.partial(_delete, vb, wire), None
         op = Opcode.SET
         if live and r < self.delete_ratio + self.update_ratio:
-            key = live[rng.randrange(len(live))]
+            key, c = live[rng.randrange(len(live))]
             summary.updates += 1
+            summary.collections[c].updates += 1
         else:
             key = f"{self.prefix}-{self.next_id:09d}"
+            c = self.next_id % len(self.ids)
             self.next_id += 1
-            live.append(key)
+            live.append((key, c))
             summary.sets += 1
+            summary.collections[c].created += 1
             op = Opcode.ADD
         kb = key.encode()
-        vb = partition_of(kb, self.n_parts)
+        vb = partition_of(kb, self.n_parts)  # the document key's partition, without the id
+        wire = self.ids[c] + kb
         doc = make_doc(rng, i, self.size)
-        added = (kb, doc) if op == Opcode.ADD else None
-        return kb, vb, functools.partial(_set, op, vb, kb, doc), added
+        added = (wire, doc) if op == Opcode.ADD else None
+        return wire, vb, functools.partial(_set, op, vb, wire, doc), added
 
 
 def _set(opcode: int, vb: int, key: bytes, doc: bytes, opaque: int) -> bytes:

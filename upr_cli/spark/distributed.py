@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from upr_cli.collections import Path as CollectionPath
 from upr_cli.failover import FailoverLog
 from upr_cli.jobs.backup_stream import PartitionResult, stream_to_segments
 from upr_cli.jobs.restore import RestoreSummary, restore_to_node
@@ -47,6 +48,7 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                      end_seqs: dict[int, int] | None = None,
                      cuts: dict[int, list[Any]] | None = None,
                      boundaries: dict[int, list[int]] | None = None,
+                     collections: list[CollectionPath] | None = None,
                      **_ignored: Any) -> dict[int, PartitionResult]:  # fmt: skip
         logs = failover_logs or {}
         ends = end_seqs or {}
@@ -61,6 +63,7 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                 segment_name=segment_name, end_seqs={p: ends[p] for p in share if p in ends},
                 cuts={p: left[p] for p in share if p in left},
                 boundaries={p: bounds[p] for p in share if p in bounds},
+                collections=collections,  # each task's streams filter the same way
             ))  # fmt: skip
             return sorted(got.items())
 
@@ -85,13 +88,23 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
     _repo, _b, manifests = open_bucket(repo_dir, kw.get("bucket"), kw.get("at", "latest"))
     sel = select(manifests, kw.get("at", "latest"), partitions)
     groups = shares(list(sel.partitions), tasks)
+    # The driver checks the target and creates the missing collections once, reading no
+    # partition (only the plan), so the tasks never race to change the manifest.
+    first = asyncio.run(restore_to_node(repo_dir, target, partitions=[], **kw))
 
     def run(share: list[int]) -> list[RestoreSummary]:
         return [asyncio.run(restore_to_node(repo_dir, target, partitions=share, **kw))]
 
     parts = spark.sparkContext.parallelize(groups, max(1, len(groups))).flatMap(run).collect()
     total = RestoreSummary(str(sel.backup_id), target.redacted(), kw.get("dry_run", False))
+    total.plan = first.plan
+    by = total.plan.by_source() if total.plan else {}
     for s in parts:
+        total.dropped += s.dropped
+        for c in s.plan.collections if s.plan else ():
+            if c.source_id in by:
+                by[c.source_id].documents += c.documents
+                by[c.source_id].deletions += c.deletions
         for name in ("partitions", "documents", "deletions", "written", "conflicts",
                      "absent_deletes"):  # fmt: skip
             setattr(total, name, getattr(total, name) + getattr(s, name))

@@ -23,6 +23,8 @@ from typing import Any
 from upr_cli.errors import UprError, UsageError
 
 FORMATS = ("parquet", "json")
+# `--partition-by`: the output's directory levels (Hive style, name=value)
+PARTITION_BY = {"partition": ("partition",), "collection": ("scope", "collection")}
 LOG4J = Path(__file__).with_name("log4j2.properties")
 
 
@@ -148,37 +150,49 @@ class ExportSummary:
     rows: int
     partitions: int
     seconds: float
+    collections: int = 1  # distinct (scope, collection) written
+    partition_by: str = "partition"
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (docs/output.md §4: the documents written are `items`)."""
         return {"repo": self.repo, "at": self.at, "to": self.target, "format": self.format,
-                "items": self.rows, "partitions": self.partitions,
+                "partition_by": self.partition_by, "items": self.rows,
+                "partitions": self.partitions, "collections": self.collections,
                 "seconds": round(self.seconds, 3)}  # fmt: skip
 
 
 def export(spark: Any, repo: Path, to: Path, *, fmt: str = "parquet", at: str = "latest",
-           bucket: str | None = None, overwrite: bool = False) -> ExportSummary:  # fmt: skip
-    """The state at `at`, written to `to` as Parquet or JSON lines, partitioned by
-    partition id (`to/partition=N/…`)."""
+           bucket: str | None = None, overwrite: bool = False, partition_by: str = "partition",
+           collections: str | None = None) -> ExportSummary:  # fmt: skip
+    """The state at `at` (of the `collections` only, when given: `S.C,S2`), written to
+    `to` as Parquet or JSON lines, partitioned by partition id (`to/partition=N/…`) or
+    by collection (`to/scope=S/collection=C/…`)."""
     from upr_cli.spark.plan import parse_options
 
     if fmt not in FORMATS:
         raise UsageError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    if partition_by not in PARTITION_BY:
+        raise UsageError(f"--partition-by: {partition_by!r} is not one of "
+                         f"{', '.join(PARTITION_BY)}")  # fmt: skip
     check_target(to, overwrite)
     opts = {"path": str(repo), "at": at} | ({"bucket": bucket} if bucket else {})
+    opts |= {"collections": collections} if collections else {}
     resolved, _ = parse_options(opts)  # fail fast, with upr's message, before Spark starts
     t0 = time.monotonic()
     try:
+        from pyspark.sql import functions as F
+
         df = spark.read.format("upr").options(**opts).load()
         df.write.mode("overwrite" if overwrite else "errorifexists").partitionBy(
-            "partition"
+            *PARTITION_BY[partition_by]
         ).format(fmt).save(str(to))
         back = spark.read.format(fmt).load(str(to))
-        rows = back.count()
-        parts = back.select("partition").distinct().count()
+        got = back.agg(F.count(F.lit(1)), F.countDistinct("partition"),
+                       F.countDistinct("scope", "collection")).first()  # fmt: skip
+        rows, parts, colls = (int(v) for v in got) if got is not None else (0, 0, 0)
     except UprError:
         raise
     except Exception as exc:  # noqa: BLE001 - Spark wraps everything; report one line
         raise spark_error(exc) from None
     return ExportSummary(str(repo), resolved.at, str(to), fmt, rows, parts,
-                         time.monotonic() - t0)  # fmt: skip
+                         time.monotonic() - t0, colls, partition_by)  # fmt: skip

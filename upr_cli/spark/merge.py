@@ -4,9 +4,12 @@ Theory of operation (formats/repository.md §8; docs/design.md "Data flows" (6. 
 The driver takes the bucket's lock, picks a new backup id and directory, and plans the
 state at B from the manifests (`plan.plan`, view `state`: whole partitions per task,
 balanced by bytes). Each Spark task reads its partitions' pieces (checksums verified),
-keeps the latest record of every key, tombstones included (a restore of the merge must
-delete what the chain's state deletes), and writes one ordinary segment per partition
-into the new backup's directory, fsynced, on storage every executor shares; it returns
+keeps the latest record of every document, (collection, key) being its identity,
+tombstones included (a restore of the merge must delete what the chain's state
+deletes), leaves out the collections dropped by B and the system events (the merge
+starts from the collections at B, which its manifest records), and writes one ordinary
+segment per partition into the new backup's directory, fsynced, on storage every
+executor shares; it returns
 the segments' infos. Only after every task succeeded does the driver write the manifest
 (the commit point, repository.md): full, no parent, each partition's uuid, failover log
 and last snapshot taken from the chain's resume point at B. A failed or interrupted
@@ -28,6 +31,7 @@ from typing import Any
 
 from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog
+from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.repo import (
     BackupId,
     Manifest,
@@ -39,7 +43,9 @@ from upr_cli.repo import (
     format_segment_name,
     resume_point,
 )
+from upr_cli.repo.manifest import CollectionCount, chain_manifest
 from upr_cli.segments import Record, SegmentHeader, SegmentReader, SegmentWriter
+from upr_cli.spark.batch import wanted
 from upr_cli.spark.plan import Group, parse_options, plan
 
 
@@ -74,8 +80,8 @@ class MergeSummary:
 
 
 def _state_records(group: Group, partition: int) -> list[Record]:
-    """The latest record of every key of one partition (tombstones kept), by seq."""
-    latest: dict[bytes, Record] = {}
+    """The latest record of every document of one partition (tombstones kept), by seq."""
+    latest: dict[tuple[int, bytes], Record] = {}
     for piece in group.pieces:
         if piece.partition != partition:
             continue
@@ -83,7 +89,8 @@ def _state_records(group: Group, partition: int) -> list[Record]:
             for rec in reader.records():
                 if rec.seq > piece.max_seq:
                     break
-                latest[bytes(rec.key)] = rec
+                if wanted(rec, group.keep):
+                    latest[rec.collection, bytes(rec.key)] = rec
     return sorted(latest.values(), key=lambda r: r.seq)
 
 
@@ -107,9 +114,13 @@ def write_group(group: Group, specs: dict[int, PartitionSpec], bucket: str, dire
         except BaseException:
             writer.abort()
             raise
+        per: dict[int, list[int]] = {}  # collection id -> [mutations, deletions]
+        for rec in records:
+            per.setdefault(rec.collection, [0, 0])[rec.op != OP_MUTATION] += 1
         out.append({"partition": p, "file": name, "first_seq": info.first_seq,
                     "last_seq": info.last_seq, "records": info.records, "bytes": info.bytes,
-                    "checksum": info.checksum, "raw_bytes": info.raw_bytes})  # fmt: skip
+                    "checksum": info.checksum, "raw_bytes": info.raw_bytes,
+                    "collections": per})  # fmt: skip
     return out
 
 
@@ -163,12 +174,19 @@ def merge(spark: Any, repo_dir: Path, *, through: str = "latest",
             log = FailoverLog.from_json(spec.failover_log)
             entries.append(PartitionEntry(p, log.latest.uuid if log.entries else 0, log, 0,
                                           spec.end_seq, *spec.snapshot, segs))  # fmt: skip
+        per: dict[int, list[int]] = {}
+        for i in infos:
+            for cid, (items, deleted) in i["collections"].items():
+                got = per.setdefault(cid, [0, 0])
+                got[0], got[1] = got[0] + items, got[1] + deleted
+        counts = tuple(CollectionCount(cid, *n) for cid, n in sorted(per.items()))
         now = datetime.now(UTC)
         manifest = Manifest(
             backup_id=backup_id, bucket=opts.bucket, source=source, started=now, finished=now,
             full=True, parent=None, partitions=tuple(entries),
             totals=Totals.derive(entries, sum(i["raw_bytes"] for i in infos)),
-            merged_through=after,
+            merged_through=after, collections=chain_manifest(manifests),
+            collection_items=counts,
         )  # fmt: skip
         repo.write_manifest(manifest)
     return MergeSummary(str(backup_id), opts.at, len(manifests), len(entries),

@@ -2,17 +2,29 @@
 
 Pure functions of the options and the manifests (no segment is opened, no pyspark
 import), so the driver plans cheaply and the plan is tested without a JVM. A `Group`
-is what one Spark task reads; it is small and picklable (paths, ids, seq cuts).
+is what one Spark task reads; it is small and picklable (paths, ids, seq cuts, and the
+names of the collections it may meet).
+
+Collections (formats/spark.md §4). Records carry a collection id; the names come from
+the backups' manifests: each backup records the source's collections at its start and
+the changes its streams saw, so replaying those changes over the chain names every id
+the chain met, a dropped one too (`collection_history`), and gives the collections that
+exist at `at` (`chain_manifest`). The state drops the documents of a collection dropped
+by then, as the source did; the `collections` option keeps only the ids its paths name.
+A backup written before collections holds `_default._default` only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from upr_cli.collections import DEFAULT, DEFAULT_ID, parse_paths
+from upr_cli.collections import Path as CollectionPath
 from upr_cli.errors import UprError, UsageError
 from upr_cli.repo import NO_CUT, BackupId, Manifest, Repository, lost_cut, plan_state
+from upr_cli.repo.manifest import chain_manifest, collection_history
 
 VIEWS = ("state", "history")
 DEFAULT_PARTITIONS = 16
@@ -32,6 +44,7 @@ class ReadOptions:
     view: str
     partitions: tuple[int, ...]  # vbuckets to read
     num_partitions: int
+    collections: tuple[CollectionPath, ...] = ()  # only these (none: every collection)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +66,10 @@ class Group:
 
     view: str
     pieces: tuple[Piece, ...]
+    # (collection id, scope, collection) of every id the chain met; an id not here
+    # has no name (NULL)
+    names: tuple[tuple[int, str, str], ...] = ((DEFAULT_ID, DEFAULT, DEFAULT),)
+    keep: frozenset[int] | None = None  # the collection ids to read (None: all)
 
     @property
     def bytes(self) -> int:
@@ -101,8 +118,31 @@ def parse_options(options: Mapping[str, str]) -> tuple[ReadOptions, list[Manifes
     n = get_option(options, "numPartitions") or str(DEFAULT_PARTITIONS)
     if not n.isdigit() or int(n) < 1:
         raise SparkOptionError(f"option numPartitions: {n!r} is not a positive integer")
-    opts = ReadOptions(repo.path, bucket, str(sel.backup_id), view, sel.partitions, int(n))
+    paths = _paths(get_option(options, "collections"))
+    opts = ReadOptions(repo.path, bucket, str(sel.backup_id), view, sel.partitions, int(n),
+                       paths)  # fmt: skip
+    if paths:  # a path no backup up to `at` ever met is a typo, not an empty collection
+        names = collection_names([m for m in manifests if str(m.backup_id) <= opts.at])
+        missing = [str(p) for p in paths if not any(p.covers(*n) for n in names.values())]
+        if missing:
+            raise SparkOptionError(
+                f"option collections: {', '.join(missing)}: no such collection in the "
+                f"backups up to {opts.at}"
+            )
     return opts, list(manifests)
+
+
+def _paths(spec: str | None) -> tuple[CollectionPath, ...]:
+    try:
+        return tuple(parse_paths(spec))
+    except UprError as exc:
+        raise SparkOptionError(f"option collections: {exc}") from None
+
+
+def collection_names(manifests: Sequence[Manifest]) -> dict[int, tuple[str, str]]:
+    """(scope, collection) of every collection id a chain of backups met."""
+    return {cid: (p.scope, p.collection or DEFAULT)
+            for cid, (p, _dropped) in collection_history(manifests).items()}  # fmt: skip
 
 
 def plan(opts: ReadOptions, manifests: list[Manifest]) -> list[Group]:
@@ -132,7 +172,17 @@ def plan(opts: ReadOptions, manifests: list[Manifest]) -> list[Group]:
             c = lost_cut(ms, p, m.backup_id, at)
             units += [(Piece(p, str(m.backup_id), path(m.backup_id, seg.file), NO_CUT, c,
                              seg.bytes),) for seg in entry.segments]  # fmt: skip
-    return balance(units, opts.num_partitions, opts.view)
+    names = collection_names(ms)
+    keep = None
+    if opts.collections:  # by name: in history, a dropped collection's records too
+        keep = {cid for cid, n in names.items() if any(w.covers(*n) for w in opts.collections)}
+    if opts.view == "state":  # a dropped collection's documents are gone from the state
+        alive = {coll.id for _scope, coll in chain_manifest(ms).collections()}
+        keep = alive if keep is None else keep & alive
+    groups = balance(units, opts.num_partitions, opts.view)
+    named = tuple((cid, *n) for cid, n in sorted(names.items()))
+    frozen = frozenset(keep) if keep is not None else None
+    return [replace(g, names=named, keep=frozen) for g in groups]
 
 
 def balance(units: list[tuple[Piece, ...]], n: int, view: str) -> list[Group]:

@@ -26,6 +26,7 @@ from upr_cli.spark.batch import ddl, read_group
 from upr_cli.spark.plan import Group, get_option, parse_options, plan
 from upr_cli.spark.stream import (
     Range,
+    check_collections,
     from_offset,
     parse_stream_options,
     plan_ranges,
@@ -77,6 +78,8 @@ class UprStreamReader(DataSourceStreamReader):
     def __init__(self, options: dict[str, str]) -> None:
         self.opts = parse_stream_options(options)
         self.last: dict[str, Any] | None = None
+        if self.opts.collections:
+            asyncio.run(check_collections(self.opts.uri, self.opts.collections))
 
     def _probe(self) -> dict[int, tuple[int, int]]:
         return asyncio.run(probe(self.opts.uri, self.opts.partitions))
@@ -108,7 +111,7 @@ class UprStreamReader(DataSourceStreamReader):
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, UprStreamPartition)
-        yield from read_ranges(self.opts.source, partition.ranges)
+        yield from read_ranges(self.opts.source, partition.ranges, self.opts.collections)
 
     def commit(self, end: dict[str, Any]) -> None:
         """Nothing to clean up: offsets live in Spark's checkpoint."""

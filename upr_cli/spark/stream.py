@@ -18,6 +18,12 @@ Theory of operation (formats/spark.md §5; docs/protocol.md §4)
   the planned ranges, ending each at its planned seq (capped at what the source holds).
   A ROLLBACK met while reading (the source failed over after planning) fails the task
   with `StreamRolledBack`; the next plan resumes from the rollback point with a marker.
+* **Collections**: every row names its scope and collection. Each task's consumer reads
+  the source's manifest when it opens and follows the collections created on the
+  stream, so a collection created inside the range is named too. The `collections`
+  option filters on the source (the stream request's filter): the other collections'
+  items never cross the wire, SEQNO_ADVANCED moves the stream past them. Offsets stay
+  the partitions' seqs: a filter does not change what a position means.
 * **Delivery**: at-least-once per row; a row can repeat after a rollback or a retried
   batch, and DCP deduplication can replace a version superseded after planning by its
   newer one (in a later batch). Applying rows in order per partition, honouring
@@ -33,7 +39,15 @@ from typing import Any
 
 import pyarrow as pa
 
-from upr_cli.dcp.consumer import DcpConsumer
+from upr_cli.collections import (
+    CollectionsError,
+    Manifest,
+    ManifestChange,
+    Path,
+    apply_change,
+    parse_paths,
+)
+from upr_cli.dcp.consumer import DcpConsumer, resolve_filter
 from upr_cli.dcp.events import Event, Rollback
 from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.dcp.states import partition_states
@@ -49,6 +63,9 @@ BATCH_ROWS = 65_536
 
 STREAM_COLUMNS: Columns = [
     ("partition", pa.int32(), False),
+    ("scope", pa.string(), True),
+    ("collection", pa.string(), True),
+    ("collection_id", pa.int64(), True),
     ("op", pa.string(), False),
     ("key", pa.binary(), True),
     ("id", pa.string(), True),
@@ -86,6 +103,7 @@ class StreamOptions:
     source: str  # upr://… with credentials (never printed: `redacted`)
     partitions: tuple[int, ...] | None
     starting: str  # earliest | latest
+    collections: tuple[Path, ...] = ()  # filtered on the source (none: every collection)
 
     @property
     def uri(self) -> SourceUri:
@@ -116,7 +134,22 @@ def parse_stream_options(options: Mapping[str, str]) -> StreamOptions:
     starting = (get_option(options, "startingOffsets") or "earliest").lower()
     if starting not in ("earliest", "latest"):
         raise SparkOptionError(f"option startingOffsets: {starting!r} is not earliest or latest")
-    return StreamOptions(src, parts, starting)
+    try:
+        paths = tuple(parse_paths(get_option(options, "collections")))
+    except UprError as exc:
+        raise SparkOptionError(f"option collections: {exc}") from None
+    return StreamOptions(src, parts, starting, paths)
+
+
+async def check_collections(uri: SourceUri, paths: tuple[Path, ...]) -> None:
+    """On the driver, before any task: every path names something the source has (the
+    tasks' consumers would refuse it too, later and once per task)."""
+    from upr_cli.cluster.collections import fetch_manifest
+
+    try:
+        resolve_filter(list(paths), await fetch_manifest(uri))
+    except CollectionsError as exc:
+        raise SparkOptionError(f"option collections: {exc}") from None
 
 
 # -- offsets ------------------------------------------------------------------------------
@@ -204,45 +237,64 @@ async def plan_ranges(uri: SourceUri, start: Mapping[int, StreamPosition],
 # -- reading ----------------------------------------------------------------------------------
 
 
-def read_ranges(source: str, ranges: list[Range]) -> Iterator[pa.RecordBatch]:
+def read_ranges(source: str, ranges: list[Range],
+                collections: tuple[Path, ...] = ()) -> Iterator[pa.RecordBatch]:  # fmt: skip
     """In a task: stream the ranges and yield Arrow batches (markers first)."""
     buf = Buffer(stream_schema())
     for r in ranges:
         if r.rollback_to is not None:
-            buf.add([r.partition, "rollback", None, None, r.rollback_to, None, None, None, None,
-                     None, False, None, None, str(r.start.uuid)])  # fmt: skip
-    rows = asyncio.run(_stream(SourceUri.parse(source), ranges))
-    for rec, uuid in rows:
+            buf.add([r.partition, None, None, None, "rollback", None, None, r.rollback_to, None,
+                     None, None, None, None, False, None, None, str(r.start.uuid)])  # fmt: skip
+    rows = asyncio.run(_stream(SourceUri.parse(source), ranges, collections))
+    for rec, uuid, (scope, coll) in rows:
         op, dtype = rec.opcode, rec.datatype
         key, value = bytes(rec.key), bytes(rec.value)  # already bytes: no copy
         js = text(value) if dtype & 7 == 1 else None
-        buf.add([rec.vbucket, OPS.get(op, f"0x{op:02x}"), key, text(key), rec.by_seqno,
-                 i64(rec.rev_seqno), i64(rec.cas), rec.flags, rec.expiration, dtype,
-                 op != OP_MUTATION, value, js, uuid])  # fmt: skip
+        buf.add([rec.vbucket, scope, coll, rec.collection, OPS.get(op, f"0x{op:02x}"), key,
+                 text(key), rec.by_seqno, i64(rec.rev_seqno), i64(rec.cas), rec.flags,
+                 rec.expiration, dtype, op != OP_MUTATION, value, js, uuid])  # fmt: skip
         if len(buf) >= BATCH_ROWS:
             yield buf.take()
     if len(buf):
         yield buf.take()
 
 
+Name = tuple[str | None, str | None]  # (scope, collection); None: an id without a name
+Row = tuple[DcpRecord, str, Name]  # a record, the uuid of its seq's branch, its names
+
+
 class _RangeSink(SinkBase):
-    """Keeps every record of the planned ranges with the branch uuid of its seq; a
-    rollback met while reading fails the task (module docstring, "Reading")."""
+    """Keeps every record of the planned ranges with the branch uuid of its seq and its
+    collection's names; a rollback met while reading fails the task (module docstring,
+    "Reading")."""
 
     def __init__(self, consumer: DcpConsumer) -> None:
         self.consumer = consumer
-        self.rows: list[tuple[DcpRecord, str]] = []
+        self.rows: list[Row] = []
+        self.manifest: Manifest | None = None  # the source's at open, then as changed
+        self.names: dict[int, Name] = {}
+
+    def _follow(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        for scope, coll in manifest.collections():  # a dropped id keeps its name
+            self.names.setdefault(coll.id, (scope.name, coll.name))
 
     async def records(self, records: list[DcpRecord]) -> None:
-        parts = self.consumer.parts
+        if self.manifest is None:  # None at open: a source without collections
+            self._follow(self.consumer.manifest or Manifest())
+        parts, names = self.consumer.parts, self.names
         for rec in records:
             part = parts[rec.vbucket]
             entry = part.log.entry_at(rec.by_seqno)  # the seq's branch
             uuid = str(entry.uuid if entry else part.uuid)
             # key and value copied: the Arrow batch outlives the received buffer
-            self.rows.append((rec._replace(key=bytes(rec.key), value=bytes(rec.value)), uuid))
+            self.rows.append((rec._replace(key=bytes(rec.key), value=bytes(rec.value)), uuid,
+                              names.get(rec.collection, (None, None))))  # fmt: skip
 
     async def event(self, event: Event) -> None:
+        if isinstance(event, ManifestChange):  # a collection created in the range is named
+            self._follow(apply_change(self.manifest or self.consumer.manifest or Manifest(),
+                                      event))  # fmt: skip
         if isinstance(event, Rollback):
             raise StreamRolledBack(
                 f"partition {event.partition}: the source rolled back to seq {event.to_seq} "
@@ -254,12 +306,14 @@ class _RangeSink(SinkBase):
         return False
 
 
-async def _stream(uri: SourceUri, ranges: list[Range]) -> list[tuple[DcpRecord, str]]:
-    """Every record of the ranges (key and value as bytes) with its branch uuid."""
+async def _stream(uri: SourceUri, ranges: list[Range],
+                  collections: tuple[Path, ...] = ()) -> list[Row]:  # fmt: skip
+    """Every record of the ranges (key and value as bytes) with its branch uuid and names."""
     positions = {r.partition: r.start for r in ranges}
     consumer = DcpConsumer(uri, partitions=sorted(positions), positions=positions,
                            end_seqs={r.partition: r.end for r in ranges},
-                           name="upr-spark-read")  # fmt: skip
+                           name="upr-spark-read",
+                           collections=list(collections) or None)  # fmt: skip
     sink = _RangeSink(consumer)
     try:
         await consumer.open()
