@@ -76,7 +76,9 @@ def test_replay_keeps_collections_apart_and_a_drop_removes_one(node: Node, tmp_p
     ])  # fmt: skip
     db = tmp_path / "r.db"
     first = replay(node, db)
-    assert first["changes"] == 3 * 16  # app, app.users, app.orders created in each partition
+    assert (
+        first["manifest_changes"] == 3 * 16
+    )  # app, app.users, app.orders created in each partition
     assert stored(db) == model
     with Store(db, create=False) as s:
         names = {str(c): c.dropped for c in s.collections().values()}
@@ -89,7 +91,7 @@ def test_replay_keeps_collections_apart_and_a_drop_removes_one(node: Node, tmp_p
                                                                   b'{"d":9}')])  # fmt: skip
     model = {k: v for k, v in model.items() if k[0] != "app.orders"}
     second = replay(node, db)
-    assert second["changes"] == 16 and second["rollbacks"] == []
+    assert second["manifest_changes"] == 16 and second["rollbacks"] == []
     assert stored(db) == model
     with Store(db, create=False) as s:
         assert [str(c) for c in s.collections().values() if c.dropped] == ["app.orders"]
@@ -155,7 +157,7 @@ def test_a_drop_and_a_recreate_inside_one_stream(node: Node, tmp_path: Path) -> 
         assert new.id > old_id and not new.dropped
         assert {d.collection for d in s.documents()} == {new.id}
     # per partition: app created, the old app.users dropped, the new one created
-    assert stats["changes"] == 3 * 16
+    assert stats["manifest_changes"] == 3 * 16
 
 
 async def _get(uri: str, keys: list[tuple[int, bytes]]) -> dict[tuple[int, bytes], bytes | None]:
@@ -236,7 +238,7 @@ def test_replay_from_a_repository_applies_the_chain_s_drop(node: Node, tmp_path:
     model = {k: v for k, v in model.items() if k[0] != "app.orders"}
     upr("backup", node.uri, "--repo", str(repo))
     second = json.loads(upr("replay", f"repo:{repo}", "--into", str(stepwise), "--json").stdout)
-    assert second["changes"] > 0 and second["rollbacks"] == []
+    assert second["manifest_changes"] > 0 and second["rollbacks"] == []
     assert stored(stepwise) == model
     upr("replay", f"repo:{repo}", "--into", str(direct))
     assert stored(direct) == model

@@ -132,7 +132,7 @@ class ReplayStats:
             "mode": self.mode,
             "items": self.items,
             "applied": self.applied,
-            "changes": self.changes,
+            "manifest_changes": self.changes,  # the same name as in backup's summary
             "commits": self.commits,
             "partitions": self.partitions,
             "rollbacks": self.rollbacks,
