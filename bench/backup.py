@@ -5,10 +5,14 @@ until they are persisted, then: a full `upr backup` (items/s, MB/s of raw record
 RSS of the backup process), an incremental backup after updating 10% of the documents,
 and the compression ratio beside `zstd -3` on the same raw records as one stream (the
 zstd CLI when installed, else the library at level 3), and `upr restore` into a SQLite
-store beside a bare `executemany` of the same rows into the same schema.
+store beside a bare `executemany` of the same rows into the same schema. Then the same
+documents spread over --collections collections on a second node, fully backed up in
+the same run: items/s and bytes written beside the default collection's (the cost of
+collections in the segment files: the id per record, the system events).
 
-Usage: python bench/backup.py [--docs 1000000]
+Usage: python bench/backup.py [--docs 1000000] [--collections 8]
 Last line: full_items_per_s=… target=… ratio=… zstd3_ratio=… backup_rss_mb=… …
+coll_full_items_per_s=… coll_ratio=… coll_bytes_per_doc=… bytes_per_doc=…
 """
 
 from __future__ import annotations
@@ -104,9 +108,25 @@ def bare_insert_rate(repo: Path, tmp: Path) -> tuple[float, int]:
     return bare_executemany(rows, tmp / "bare.db"), len(rows)
 
 
+def collections_pass(docs: int, n: int, tmp: Path) -> dict[str, float]:
+    """A full backup of `docs` documents spread over `n` collections (1024 partitions)."""
+    names = ",".join(f"bench.c{i}" for i in range(n))
+    node = BenchNode(tmp / "coll-node", 1024, "--collections", names)
+    try:
+        upr("load", node.uri, "--docs", str(docs), "--collections", names, "--json")
+        node.wait_persisted()
+        _secs, rss, out = run_measured(backup_cmd(node.uri, tmp / "coll-repo"))
+    finally:
+        node.stop()
+    full = json.loads(out)
+    return {"rate": full["items"] / full["seconds"], "items": full["items"], "rss": rss,
+            "read": int(full["bytes_read"]), "written": int(full["bytes_written"])}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=1_000_000)
+    ap.add_argument("--collections", type=int, default=8)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="upr-bench-backup-") as tmp:
         repo = Path(tmp) / "repo"
@@ -138,6 +158,7 @@ def main() -> None:
         restore_rate = restored["written"] / restored["seconds"]
         bare_rate, bare_rows = bare_insert_rate(repo, Path(tmp))
         z3, raw = zstd3_ratio(repo)
+        coll = collections_pass(args.docs, args.collections, Path(tmp))
     items = full["items"]
     rate = items / full["seconds"]
     mbs = int(full["bytes_read"]) / 1e6 / full["seconds"]
@@ -165,12 +186,24 @@ def main() -> None:
         f"vs bare executemany {bare_rate:,.0f} rows/s ({bare_rows:,} rows) = {share:.0%}  "
         f"target >= {RESTORE_SHARE:.0%} {'MET' if share >= RESTORE_SHARE else 'MISSED'}"
     )
+    per_item = int(full["bytes_written"]) / args.docs  # bytes written per document
+    coll_per_item = coll["written"] / args.docs
+    coll_ratio = coll["read"] / coll["written"]
+    print(
+        f"  over {args.collections} collections: full backup {coll['items']:,.0f} items at "
+        f"{coll['rate']:,.0f} items/s ({coll['rate'] / rate:.2f} of the default collection's); "
+        f"ratio {coll_ratio:.2f}; {coll_per_item:.1f} bytes written per document vs {per_item:.1f} "
+        f"({coll['items'] - items:+,.0f} items: the system events)"
+    )
     print(
         f"full_items_per_s={rate:.0f} target={TARGET_ITEMS} full_mb_per_s={mbs:.1f} "
         f"incremental_items_per_s={inc['items'] / inc['seconds']:.0f} ratio={ratio:.2f} "
         f"zstd3_ratio={z3:.2f} backup_rss_mb={max(rss, irss):.0f} rss_target_mb={TARGET_RSS_MB} "
         f"restore_items_per_s={restore_rate:.0f} bare_insert_items_per_s={bare_rate:.0f} "
-        f"restore_share={share:.2f} restore_share_target={RESTORE_SHARE}"
+        f"restore_share={share:.2f} restore_share_target={RESTORE_SHARE} "
+        f"collections={args.collections} coll_full_items_per_s={coll['rate']:.0f} "
+        f"coll_rate_ratio={coll['rate'] / rate:.3f} coll_ratio={coll_ratio:.2f} "
+        f"bytes_per_doc={per_item:.2f} coll_bytes_per_doc={coll_per_item:.2f}"
     )
 
 

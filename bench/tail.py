@@ -2,10 +2,13 @@
 
 A node holding --docs documents (~150-200 B JSON, 1024 partitions, all persisted) is
 drained end to end by the CLI (JSON formatting included) and by `DcpConsumer` alone;
-each figure is printed beside its target, with node and client peak RSS.
+each figure is printed beside its target, with node and client peak RSS. The same is
+measured in the same run with the documents spread over --collections collections (the
+reference is the default collection alone): the cost of collections on the wire (one
+LEB128 byte a key, the system events) and in the client (split ids, names per line).
 
-Usage: python bench/tail.py [--docs 1000000]
-Last line: tail_items_per_s=… library_items_per_s=… target=… client_rss_mb=… …
+Usage: python bench/tail.py [--docs 1000000] [--collections 8]
+Last line: tail_items_per_s=… library_items_per_s=… … coll_tail_items_per_s=… ratio=…
 """
 
 from __future__ import annotations
@@ -63,24 +66,19 @@ def run_measured(cmd: list[str], stdout: int | None = None) -> float:
     return usage.ru_maxrss / 1024
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--docs", type=int, default=1_000_000)
-    ap.add_argument("--drain", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.drain:
-        drain(args.drain)
-        return
+def measure(docs: int, collections: int) -> dict[str, float]:
+    """Load `docs` documents (spread over `collections` named collections, or the default
+    one when 0), then drain them with the CLI and the library; rates and peak RSS."""
+    names = [f"bench.c{i}" for i in range(collections)]
     with tempfile.TemporaryDirectory(prefix="upr-bench-tail-") as tmp:
-        node = BenchNode(Path(tmp))
+        extra = ("--collections", ",".join(names)) if names else ()
+        node = BenchNode(Path(tmp), 1024, *extra)
         try:
             t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "upr_cli", "load", node.uri, "--docs",
-                            str(args.docs), "--json"], check=True, capture_output=True)  # fmt: skip
-            print(
-                f"loaded {args.docs:,} docs in {time.perf_counter() - t:.1f}s; "
-                "waiting for persistence"
-            )
+            load = [sys.executable, "-m", "upr_cli", "load", node.uri, "--docs", str(docs)]
+            subprocess.run([*load, "--json", *extra], check=True, capture_output=True)
+            print(f"loaded {docs:,} docs into {collections or 'the default'} collection"
+                  f"{'s' if collections else ''} in {time.perf_counter() - t:.1f}s")  # fmt: skip
             node.wait_persisted()
             with open(os.devnull, "w") as devnull:
                 t = time.perf_counter()
@@ -94,9 +92,22 @@ def main() -> None:
             node_rss = node.peak_rss_mb()
         finally:
             node.stop()
-    cli_rate = args.docs / cli_secs
-    lib_rate = lib["items"] / lib["seconds"]
-    client_rss = max(cli_rss, lib["rss_mb"])
+    return {"cli": docs / cli_secs, "lib": lib["items"] / lib["seconds"], "items": lib["items"],
+            "client_rss": max(cli_rss, lib["rss_mb"]), "node_rss": node_rss}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--docs", type=int, default=1_000_000)
+    ap.add_argument("--collections", type=int, default=8, help="0: the default one only")
+    ap.add_argument("--drain", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.drain:
+        drain(args.drain)
+        return
+    base = measure(args.docs, 0)
+    coll = measure(args.docs, args.collections) if args.collections else base
+    cli_rate, lib_rate, client_rss = base["cli"], base["lib"], base["client_rss"]
     print(f"node with {args.docs:,} documents (1024 partitions), drained to the end:")
     print(
         f"  upr tail --format json > /dev/null: {cli_rate:>10,.0f} items/s  "
@@ -104,15 +115,25 @@ def main() -> None:
     )
     print(
         f"  DcpConsumer (library only):          {lib_rate:>10,.0f} items/s  "
-        f"({lib['items']:,} items)"
+        f"({base['items']:,.0f} items)"
+    )
+    print(
+        f"  over {args.collections} collections: tail {coll['cli']:>10,.0f} items/s "
+        f"({coll['cli'] / cli_rate:.2f} of the default collection's), library "
+        f"{coll['lib']:,.0f} ({coll['lib'] / lib_rate:.2f})"
     )
     print(
         f"  client peak RSS: {client_rss:.0f} MB (target < {TARGET_RSS_MB} MB "
-        f"{'MET' if client_rss < TARGET_RSS_MB else 'MISSED'}); node peak RSS {node_rss:.0f} MB"
+        f"{'MET' if client_rss < TARGET_RSS_MB else 'MISSED'}); node peak RSS "
+        f"{base['node_rss']:.0f} MB"
     )
     print(
         f"tail_items_per_s={cli_rate:.0f} library_items_per_s={lib_rate:.0f} target={TARGET_ITEMS} "
-        f"client_rss_mb={client_rss:.0f} rss_target_mb={TARGET_RSS_MB} node_rss_mb={node_rss:.0f}"
+        f"client_rss_mb={client_rss:.0f} rss_target_mb={TARGET_RSS_MB} "
+        f"node_rss_mb={base['node_rss']:.0f} collections={args.collections} "
+        f"coll_tail_items_per_s={coll['cli']:.0f} coll_library_items_per_s={coll['lib']:.0f} "
+        f"coll_tail_ratio={coll['cli'] / cli_rate:.3f} "
+        f"coll_library_ratio={coll['lib'] / lib_rate:.3f}"
     )
 
 
