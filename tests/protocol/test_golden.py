@@ -849,6 +849,32 @@ GOLDEN: list[Row] = [
         """,
     ),
     Row(
+        "mutation-collection-key",  # docs/protocol.md §12.1: LEB128 id 0x88 before the key
+        Mutation(
+            opaque=0xDEADBEEF,
+            vbucket=0x0203,
+            cas=0x1122334455667788,
+            datatype=0x01,
+            by_seqno=0x1002,
+            rev_seqno=1,
+            key=b"\x88\x01doc1",
+            value=b"{}",
+        ),
+        """
+        80 57 0006 1f 01 0203 00000027 deadbeef 1122334455667788
+        0000000000001002  # extras: u64 by_seqno
+        0000000000000001  #         u64 rev_seqno
+        00000000          #         4 B flags
+        00000000          #         u32 expiration
+        00000000          #         u32 lock_time
+        0000              #         u16 nmeta
+        00                #         u8 nru
+        8801              # key: collection id 0x88 as LEB128 (two bytes)
+        646f6331          #      'doc1'
+        7b7d              # value: '{}'
+        """,
+    ),
+    Row(
         "mutation-stream-id",  # docs/protocol.md §2.8 with §1.3 stream-id frame, magic 0x08
         Mutation(
             opaque=0xDEADBEEF,
