@@ -48,9 +48,11 @@ VERIFY_HELP = """Read everything in a repository and check it.
 
 Checks every segment's blocks, footer and checksums against its manifest, both files
 of every manifest (manifest.json and manifest.json.copy, each against its own checksum),
-that every incremental backup's parent is there, and that each partition's chain covers
-its seqs without gaps. Every problem is named (missing, truncated, checksum, corrupt,
-mismatch, gap, manifest, chain); the exit status is 1 when there is one.
+that every incremental backup's parent is there, that each partition's chain covers
+its seqs without gaps, that each backup's records per collection agree with its
+manifest, and that every collection id they hold is one the chain names. Every problem
+is named (missing, truncated, checksum, corrupt, mismatch, gap, manifest, chain,
+collection); the exit status is 1 when there is one.
 
 --repair takes each bucket's lock and rewrites a missing or damaged manifest.json or
 manifest.json.copy from its valid twin. Nothing else is changed: a problem it cannot

@@ -40,8 +40,8 @@ from upr_cli.repo import (
     coverage_gaps,
     lost_ranges,
 )
-from upr_cli.repo.manifest import Manifest, collection_history
-from upr_cli.segments import SegmentError, SegmentReader
+from upr_cli.repo.manifest import UNNAMED_SCOPE, Manifest, collection_history
+from upr_cli.segments import SegmentError, SegmentInfo, SegmentReader
 from upr_cli.source import open_bucket, open_repo
 
 __all__ = ["Problem", "VerifyReport", "info", "open_bucket", "open_repo", "verify"]
@@ -152,16 +152,22 @@ def verify(
                     repo.describe_parent(b, mm.backup_id, mm.recorded, mm.expected, damaged),
                 )
             )
+        named = collection_history(manifests)
         for m in manifests:
+            counts: dict[int, list[int]] = {}
             for e in m.partitions:
                 for seg in e.segments:
                     rep.segments += 1
-                    _check_segment(repo, b, m.backup_id, e.partition, seg, rep)
+                    got = _check_segment(repo, b, m.backup_id, e.partition, seg, rep)
+                    for cid, items, deleted in got.counts if got is not None else ():
+                        t = counts.setdefault(cid, [0, 0])
+                        t[0], t[1] = t[0] + items, t[1] + deleted
                     tick(rep)
                 for name, seg in e.cut_files():  # lost writes kept from a mid-run rollback
                     rep.segments += 1
                     _check_segment(repo, b, m.backup_id, e.partition, seg, rep, name)
                     tick(rep)
+            _check_collections(f"{b}/{m.backup_id}", m, counts, named, rep)
         for p in sorted({e.partition for m in manifests for e in m.partitions}):
             for gap in coverage_gaps(manifests, p):
                 rep.problems.append(
@@ -218,6 +224,33 @@ def _check_manifests(
         )
 
 
+def _check_collections(
+    where: str,
+    m: Manifest,
+    counts: dict[int, list[int]],
+    named: dict[int, Any],
+    rep: VerifyReport,
+) -> None:
+    """A backup's records per collection agree with its manifest (`collection_items`,
+    formats/repository.md §5.9), and every collection id its segments hold is one the
+    chain names (a record of an id no manifest or system event names cannot be restored
+    by name)."""
+    if m.collections is not None or m.collection_items:  # a backup that counted them
+        recorded = {c.id: [c.items, c.deleted] for c in m.collection_items}
+        if recorded != counts:
+            rep.problems.append(Problem(
+                "mismatch", where,
+                "records per collection differ from the manifest's collection_items",
+            ))  # fmt: skip
+    unknown = sorted(cid for cid in counts if cid and (cid not in named or named[cid][0].scope
+                                                       == UNNAMED_SCOPE))  # fmt: skip
+    if unknown:
+        ids = ", ".join(f"0x{cid:x}" for cid in unknown[:8])
+        rep.problems.append(
+            Problem("collection", where, f"records of collection ids no manifest names: {ids}")
+        )
+
+
 def _check_segment(
     repo: Repository,
     bucket: str,
@@ -226,18 +259,19 @@ def _check_segment(
     seg: Any,
     rep: VerifyReport,
     name: str | None = None,
-) -> None:
+) -> SegmentInfo | None:
+    """Check one segment file against its manifest entry; its info when readable."""
     name = name or seg.file
     path = repo.segment_path(bucket, bid, name)
     where = f"{bucket}/{bid}/{name}"
     if not path.exists():
         rep.problems.append(Problem("missing", where, "segment file is missing"))
-        return
+        return None
     size = path.stat().st_size
     if size != seg.bytes:
         kind = "truncated" if size < seg.bytes else "mismatch"
         rep.problems.append(Problem(kind, where, f"{size} bytes, the manifest says {seg.bytes}"))
-        return
+        return None
     try:
         with SegmentReader(path) as r:
             info = r.verify()
@@ -245,7 +279,7 @@ def _check_segment(
         kind = "checksum" if "checksum" in exc.reason else "corrupt"
         block = f" block {exc.block}" if exc.block is not None else ""
         rep.problems.append(Problem(kind, where + block, exc.reason))
-        return
+        return None
     if info.checksum != seg.checksum:
         rep.problems.append(Problem("checksum", where, "file digest differs from the manifest"))
     if (info.records, info.first_seq, info.last_seq) != (seg.records, seg.first_seq, seg.last_seq):
@@ -256,6 +290,7 @@ def _check_segment(
         rep.problems.append(Problem("mismatch", where, f"holds partition {info.partition}"))
     rep.records += info.records
     rep.bytes += info.bytes
+    return info
 
 
 def info(

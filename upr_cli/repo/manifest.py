@@ -808,6 +808,9 @@ def chain_manifest(backups: Sequence[Manifest]) -> Collections:
     return m
 
 
+UNNAMED_SCOPE = "_unknown"  # the scope shown for an id that records hold but nothing names
+
+
 def collection_history(backups: Sequence[Manifest]) -> dict[int, tuple[Path, bool]]:
     """Every collection id the chain saw (in a start manifest, a change or its records),
     with its last known name and whether it is dropped at the chain's end. A collection
@@ -824,7 +827,7 @@ def collection_history(backups: Sequence[Manifest]) -> dict[int, tuple[Path, boo
             names.update({c.id: Path(s.name, c.name) for s, c in step.collections()})
         m = _after(b, m)
         for n in b.collection_items:
-            names.setdefault(n.id, Path("_unknown", f"collection-{n.id:x}"))
+            names.setdefault(n.id, Path(UNNAMED_SCOPE, f"collection-{n.id:x}"))
     live = {c.id for _s, c in m.collections()}
     return {cid: (path, cid not in live) for cid, path in sorted(names.items())}
 
