@@ -91,14 +91,17 @@ def zstd3_ratio(repo: Path) -> tuple[float, int]:
 
 def bare_insert_rate(repo: Path, tmp: Path) -> tuple[float, int]:
     """items/s of one bare executemany of the restored rows into the store's schema."""
-    from upr_cli.jobs.state import select, state_at
+    from upr_cli.jobs.restore import partition_state
+    from upr_cli.jobs.state import select
     from upr_cli.repo import Repository
 
     r = Repository(repo)
     manifests = r.manifests("default")
+    sel = select(manifests)
     rows = []
-    for p, records in state_at(r, "default", manifests, select(manifests)):
-        for rec in records:
+    for p in sel.partitions:
+        state = partition_state(r, "default", manifests, sel.backup_id, p)
+        for rec in sorted(state.values(), key=lambda r: r.seq):
             value: bytes | str = rec.value.decode() if rec.datatype & 7 == 1 else rec.value
             cas = rec.cas - (1 << 64) if rec.cas >= 1 << 63 else rec.cas
             deleted = 0 if rec.op == OP_MUTATION else 1

@@ -1,10 +1,10 @@
-"""The state of a bucket at a backup, read from the repository (chain semantics:
-formats/repository.md §8).
+"""Which state of a bucket a restore or replay reads from the repository (chain
+semantics: formats/repository.md §8): the backup `--at` names and its partitions.
 
 For each partition, `plan_state` names the segments (and the seq cut of each) whose
 records make the state at backup K; reading them in order and keeping the latest
-version of every key gives that state, deletions included (as tombstones), so a restore
-can tell a deletion from absence. Memory holds one partition's keys at a time.
+version of every (collection, key) gives that state, deletions included (as
+tombstones), so a restore can tell a deletion from absence (`jobs.restore.partition_state`).
 
 The manifests come from `source.open_bucket`, which has checked the chain whole
 (formats/repository.md §8.8); `check_files` then makes sure, before a restore writes
@@ -13,12 +13,11 @@ anything, that every segment file the state reads is there with its recorded siz
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from upr_cli.errors import UsageError
-from upr_cli.repo import BackupId, BrokenChain, Manifest, Repository, plan_state
-from upr_cli.segments import Record, SegmentReader
+from upr_cli.repo import BackupId, BrokenChain, Manifest, Repository
 from upr_cli.source import backup_named
 
 
@@ -56,31 +55,3 @@ def check_files(
     if bad:
         also = f" (and {len(bad) - 1} more: `upr verify` names them)" if len(bad) > 1 else ""
         raise BrokenChain(f"{bad[0]}{also}")
-
-
-def partition_state(
-    repo: Repository, bucket: str, manifests: Sequence[Manifest], at: BackupId, partition: int
-) -> dict[tuple[int, bytes], Record]:
-    """Latest record per (collection, key) of one partition at backup `at` (tombstones
-    included); the same key in two collections is two documents."""
-    latest: dict[tuple[int, bytes], Record] = {}
-    for step in plan_state(manifests, at=at, partition=partition):
-        path = repo.segment_path(bucket, step.backup_id, step.segment.file)
-        with SegmentReader(path) as reader:
-            for rec in reader.records():
-                if rec.seq > step.max_seq:
-                    break
-                latest[rec.collection, rec.key] = rec
-    return latest
-
-
-def state_at(
-    repo: Repository, bucket: str, manifests: Sequence[Manifest], selection: Selection
-) -> Iterator[tuple[int, list[Record]]]:
-    """(partition, records sorted by seq) for every selected partition at the backup."""
-    for p in selection.partitions:
-        records = sorted(
-            partition_state(repo, bucket, manifests, selection.backup_id, p).values(),
-            key=lambda r: r.seq,
-        )
-        yield p, records
