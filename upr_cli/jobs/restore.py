@@ -326,16 +326,8 @@ async def restore_to_node(
         if not dry_run:
             writer = _NodeWriter(router, summary, window, FORCE if force_updates else 0, plan)
         plans = plan.by_source()
-        with contextlib.closing(src.states()) as states:
-            for p, records in states:
-                if isinstance(records, SegmentError):
-                    if not skip_corrupt:
-                        raise records
-                    summary.skipped.append(f"partition {p}: {records}")
-                    continue
-                summary.partitions += 1
-                todo = _restorable(records, keys, plans, summary)
-                summary.count(todo, plans)
+        with contextlib.closing(_partitions(src, keys, plans, summary, skip_corrupt)) as parts:
+            for _p, todo in parts:
                 if writer is not None:
                     await writer.partition(todo, include_tombstones)
                 if on_progress is not None:
@@ -569,15 +561,7 @@ def restore_to_store(
     try:
         if store is not None:
             store.record_manifest(store_names(plan, src.names))
-        for p, records in src.states():
-            if isinstance(records, SegmentError):
-                if not skip_corrupt:
-                    raise records
-                summary.skipped.append(f"partition {p}: {records}")
-                continue
-            summary.partitions += 1
-            records = _restorable(records, keys, plans, summary)
-            summary.count(records, plans)
+        for p, records in _partitions(src, keys, plans, summary, skip_corrupt):
             pending += [(r.op, p, r.seq, r.rev_seq, r.cas, r.flags, r.expiry, r.delete_time,
                          r.datatype, r.key, r.value, 0, r.collection)
                         for r in records]  # fmt: skip
@@ -590,6 +574,31 @@ def restore_to_store(
             store.close()
     summary.seconds = time.monotonic() - t0
     return summary
+
+
+def _partitions(
+    src: _Source,
+    keys: re.Pattern[bytes] | None,
+    plans: dict[int, Any],
+    summary: RestoreSummary,
+    skip_corrupt: bool,
+) -> Generator[tuple[int, list[Record]], None, None]:
+    """Each partition's records to restore (selected by --keys and the plan), counted
+    in the summary; a corrupt partition raises, or is skipped and noted."""
+    states = src.states()
+    try:
+        for p, records in states:
+            if isinstance(records, SegmentError):
+                if not skip_corrupt:
+                    raise records
+                summary.skipped.append(f"partition {p}: {records}")
+                continue
+            summary.partitions += 1
+            todo = _restorable(records, keys, plans, summary)
+            summary.count(todo, plans)
+            yield p, todo
+    finally:
+        states.close()
 
 
 def store_names(plan: RestorePlan, source: Collections) -> Collections:
