@@ -14,6 +14,8 @@ never a disconnect, so every test goes on using the same connection. The last te
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import select
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -22,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import PASSWORD, USER, Node
+from tests.e2e.conftest import PASSWORD, USER, Node, upr
+from tests.e2e.e2e_helpers import spawn_upr
 from upr_cli.net.connection import Connection
 from upr_cli.net.scram import ScramClient, plain_message
 from upr_cli.protocol import Frame
@@ -423,3 +426,68 @@ def test_no_auth_on_loopback_serves_without_sasl(node_factory: type[Node]) -> No
         assert await p.dcp_open() == SUCCESS
 
     scenario(node, body)
+
+
+@contextlib.contextmanager
+def _no_auth_node(data: Path) -> Iterator[tuple[int, subprocess.Popen[str]]]:
+    """`upr serve --no-auth` with no users (the README's "tests and demos" example):
+    (its port, the process), killed at the end of the block."""
+    with spawn_upr("serve", "--data", str(data), "--port", "0", "--no-auth",
+                   "--num-partitions", "4", "--flush-interval", "0.02") as proc:  # fmt: skip
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("listening "), line
+        yield int(line.rsplit(":", 1)[1].split("/")[0]), proc
+
+
+def test_no_auth_takes_any_plain_login_and_offers_plain_alone(tmp_path: Path) -> None:
+    """SCRAM cannot accept a password the node does not know (its final message proves
+    the node knows it), so a --no-auth node without users offers PLAIN, which takes any."""
+    with _no_auth_node(tmp_path / "data") as (port, _proc):
+
+        async def main() -> None:
+            p = await Peer.open(port)
+            try:
+                mechs = await p.call(lambda o: SaslListMechs(opaque=o))
+                assert isinstance(mechs, SaslListMechsResponse) and mechs.names == ("PLAIN",)
+                failed = await p.scram(user="anyone", password="anything")
+                assert failed == (AUTH_CONTINUE, AUTH_ERROR)
+                assert await p.plain(user="anyone", password="anything") == SUCCESS
+                assert await p.select() == SUCCESS
+                await p.kv_round_trip(b"any-login")
+            finally:
+                await p.aclose()
+
+        asyncio.run(asyncio.wait_for(main(), 30))
+        # upr's own client takes what the node offers: PLAIN, with any credentials
+        out = upr("tail", f"upr://anyone:anything@127.0.0.1:{port}/default", "--until-end",
+                  "--format", "json").stdout  # fmt: skip
+        assert '"any-login"' in out
+
+
+def test_the_official_sdk_uses_a_no_auth_node_with_any_credentials(tmp_path: Path) -> None:
+    from couchbase.auth import PasswordAuthenticator
+    from couchbase.cluster import Cluster
+    from couchbase.exceptions import AuthenticationException
+    from couchbase.options import ClusterOptions
+
+    with _no_auth_node(tmp_path / "data") as (port, proc):
+        where = f"couchbase://127.0.0.1:{port}=kv"
+        # the SDK uses PLAIN on a plain connection only when allowed to
+        auth = PasswordAuthenticator("anyone", "anything", allowed_sasl_mechanisms=["PLAIN"])
+        cluster = Cluster(where, ClusterOptions(auth))
+        try:
+            docs = cluster.bucket("default").default_collection()
+            docs.upsert("k", {"any": "login"})
+            assert docs.get("k").content_as[dict] == {"any": "login"}
+        finally:
+            cluster.close()
+        # with its defaults it insists on SCRAM, which no node can pass for a password
+        # it does not know: refused, and the node says once what works instead
+        with pytest.raises(AuthenticationException):
+            Cluster(where, ClusterOptions(PasswordAuthenticator("anyone", "anything")))
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert err.count("allowed_sasl_mechanisms=PLAIN") == 1, err
+    assert "Traceback" not in err

@@ -1,21 +1,40 @@
 """Collections on DCP from a real `upr serve` (formats/wire.md "Collections on DCP"): the
 client library streams every collection with its id and the system events in seq
 order, a filtered stream gets its collection only, a dropped collection's documents
-never come out, and all of it holds after a SIGKILL."""
+never come out, and all of it holds after a SIGKILL. Documents a collection's max TTL
+ended reach DCP as expirations, through a read or the expiry pager."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from collections import defaultdict
 from typing import Any
 
+from tests.dcp.collections_helpers import FEATURES, RawDcp
 from tests.e2e import collections_helpers as coll
-from tests.e2e.conftest import Node
-from tests.e2e.e2e_helpers import drain, run, wait_persisted
+from tests.e2e.conftest import PASSWORD, USER, Node, upr
+from tests.e2e.e2e_helpers import drain, run, seqnos, wait_persisted
 from upr_cli.collections import ManifestChange, Path
 from upr_cli.net.bootstrap import connect, partition_of
+from upr_cli.net.scram import plain_message
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
-from upr_cli.protocol.messages import Set
+from upr_cli.protocol.header import Feature
+from upr_cli.protocol.messages import (
+    Control,
+    DcpOpen,
+    Expiration,
+    Get,
+    Hello,
+    Message,
+    Mutation,
+    SaslAuth,
+    SelectBucket,
+    Set,
+)
+from upr_cli.protocol.status import Status
 
 
 async def _write(uri: str, docs: list[tuple[int, bytes, bytes]]) -> None:
@@ -100,3 +119,69 @@ def test_collections_stream_from_a_node_across_a_drop_and_a_kill(node: Node) -> 
     node.kill()  # the system events and the manifest are on disk: the same after a restart
     node.start()
     check()
+
+
+async def _get_status(uri: str, cid: int, key: bytes) -> int:
+    """The status of a GET of `key` in collection `cid`."""
+    s = await connect(SourceUri.parse(uri))
+    try:
+        vb = partition_of(key, s.num_partitions)
+        msg = Get(vbucket=vb, key=s.qualify(key, cid), opaque=s.conn.next_opaque())
+        return (await s.conn.request(msg, check=False)).status
+    finally:
+        await s.conn.aclose()
+
+
+async def _expiry_stream(port: int, high: int) -> list[Message]:
+    """Partition 0 up to `high`, on a collections connection that asked for
+    expirations (IncludeDeleteTimes and enable_expiry_opcode, docs/protocol.md §2.10)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    c = RawDcp(reader, writer)
+    try:
+        for msg in (
+            Hello(agent="expiry-e2e", features=(*FEATURES, Feature.COLLECTIONS), opaque=1),
+            SaslAuth(mechanism="PLAIN", payload=plain_message(USER, PASSWORD), opaque=2),
+            SelectBucket(bucket="default", opaque=3),
+            DcpOpen(name="expiry-e2e", flags=0x21, opaque=4),
+            Control(name="enable_noop", value="true", opaque=5),
+            Control(name="enable_expiry_opcode", value="true", opaque=6),
+        ):
+            assert (await c.request(msg)).status == 0, msg
+        opaque, answer = await c.stream(0)
+        assert answer.status == 0
+        await c.read_until(lambda: any(getattr(m, "by_seqno", 0) >= high
+                                       for m in c.of(opaque)), 10.0)  # fmt: skip
+        return [m for m in c.of(opaque) if isinstance(m, Mutation | Expiration)]
+    finally:
+        await c.aclose()
+
+
+def test_documents_a_max_ttl_ended_reach_dcp_as_expirations(node_factory: type[Node]) -> None:
+    """The reviewer's case: a collection with a max TTL of 2 s. After the TTL, a read
+    of one document expires it at once, and the expiry pager the others (within its
+    10 s): `upr tail` no longer shows them as documents, and a client that asked for
+    expirations gets one per document."""
+    node = node_factory("--flush-interval", "0.02", partitions=1).start()
+    made = coll.create(node.uri, "app.short", max_ttl=2)
+    short = made.lookup(Path("app", "short"))
+    assert short is not None
+    keys = [b"s%d" % i for i in range(5)]
+    run(_write(node.uri, [(short.id, k, b'{"v":1}') for k in keys]))
+    time.sleep(3.5)
+    assert run(_get_status(node.uri, short.id, keys[0])) == Status.KEY_ENOENT
+    deadline = time.monotonic() + 30
+    while True:
+        out = upr("tail", node.uri, "--until-end", "--format", "json",
+                  "--collections", "app.short").stdout  # fmt: skip
+        rows = [json.loads(line) for line in out.splitlines()]
+        last = {r["key"]: r["op"] for r in rows if "key" in r}  # records, not other lines
+        if set(last) == {k.decode() for k in keys} and "mutation" not in last.values():
+            break
+        assert time.monotonic() < deadline, f"still documents after the TTL: {last}"
+        time.sleep(1)
+    # upr's consumer does not ask for expirations: it sees them as deletions
+    assert set(last.values()) == {"deletion"}, last
+    high = run(seqnos(node.uri))[0][1]
+    seen = run(_expiry_stream(node.port, high))
+    assert sorted(bytes(m.key) for m in seen) == sorted(bytes([short.id]) + k for k in keys)
+    assert all(isinstance(m, Expiration) for m in seen), seen

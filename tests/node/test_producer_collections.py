@@ -34,6 +34,7 @@ from upr_cli.protocol.messages import (
     Mutation,
     SeqnoAdvanced,
     SnapshotMarker,
+    StreamRequest,
     SystemEvent,
 )
 
@@ -74,6 +75,11 @@ def _sent(msgs: list[Message]) -> list[tuple[str, int, object]]:
     """The items without SEQNO_ADVANCED (which comes where a snapshot ended, whether
     the write path persisted it or not)."""
     return [i for i in _items(msgs) if i[0] != "advanced"]
+
+
+def _uid(event: SystemEvent) -> int:
+    """The manifest uid a system event carries (its value's first u64)."""
+    return int.from_bytes(bytes(event.value[:8]), "big")
 
 
 def _high(node: InProcessNode) -> int:
@@ -128,6 +134,9 @@ def test_a_collections_stream_sends_ids_and_system_events_in_seq_order(
     events = [m for m in msgs if isinstance(m, SystemEvent)]
     assert [(e.key, e.version) for e in events] == [(b"app", 0), (b"users", 0), (b"orders", 0)]
     assert events[1].value[8:] == (8).to_bytes(4, "big") + users.to_bytes(4, "big")
+    # one manifest (uid 3) made the three changes: as on kv_engine, only its last event
+    # carries the new uid, the others the uid the partition had (0)
+    assert [_uid(e) for e in events] == [0, 0, 3]
 
 
 def test_a_stream_without_collections_sees_the_default_collection_only(tmp_path: Path) -> None:
@@ -162,7 +171,7 @@ def test_a_collection_filter_gets_its_collection_and_seqno_advanced(tmp_path: Pa
                 opaque, answer = await c.stream(VB, {"collections": [f"{users:x}"]})
                 assert answer.status == 0
                 await _till(c, opaque, 7)
-            # a client that saw the manifest's uid is not told of its events again
+            # a uid hides nothing: kv_engine's filter no longer uses it
             uid = f"{node.bucket.manifest.uid:x}"
             async with raw_dcp(node.config.port, collections=True) as c2:
                 again, answer = await c2.stream(VB, {"collections": [f"{users:x}"], "uid": uid})
@@ -170,7 +179,7 @@ def test_a_collection_filter_gets_its_collection_and_seqno_advanced(tmp_path: Pa
                 await _till(c2, again, 7)
                 return c.of(opaque), c2.of(again)
 
-    msgs, resumed = run(scenario(), SCENARIO_S)
+    msgs, with_uid = run(scenario(), SCENARIO_S)
     users = 9
     assert _sent(msgs) == [
         ("event", 3, EVENT_COLLECTION_CREATED),
@@ -178,8 +187,43 @@ def test_a_collection_filter_gets_its_collection_and_seqno_advanced(tmp_path: Pa
     ]
     assert _items(msgs)[-1] == ("advanced", 7, None)  # the end, d2, was held back
     _check_markers(msgs)
-    assert _sent(resumed) == [("doc", 5, join_key(users, b"u1"))]
-    assert _items(resumed)[-1] == ("advanced", 7, None)
+    assert _items(with_uid) == _items(msgs)
+
+
+def test_a_client_resuming_inside_a_manifest_gets_the_rest_of_its_events(
+    tmp_path: Path,
+) -> None:
+    """One manifest creates scope app and collection users (seqs 1, 2). A third-party
+    client that read seq 1 resumes there with the uid it saw last, as kv_engine's
+    stream-request-value.md tells it to: it must still get the collection's creation."""
+    node = InProcessNode(tmp_path, partitions=1)
+
+    async def scenario() -> tuple[list[Message], list[Message]]:
+        async with nodes(node):
+            await create(node.bucket, "app.users")
+            async with raw_dcp(node.config.port, collections=True) as c:
+                first, _ = await c.stream(VB)
+                await _till(c, first, 2)
+            seen = next(m for m in c.of(first) if isinstance(m, SystemEvent))
+            resume = json.dumps({"uid": f"{_uid(seen):x}"}).encode()
+            uuid = node.bucket.partitions[VB].uuid
+            async with raw_dcp(node.config.port, collections=True) as c2:
+                opaque = 0x700
+                answer = await c2.request(StreamRequest(
+                    vbucket=VB, opaque=opaque, start_seqno=1, end_seqno=2**64 - 1,
+                    vbucket_uuid=uuid, snap_start_seqno=1, snap_end_seqno=1, value=resume,
+                ))  # fmt: skip
+                assert answer.status == 0
+                await _till(c2, opaque, 2)
+                return c.of(first), c2.of(opaque)
+
+    before, resumed = run(scenario(), SCENARIO_S)
+    events = [m for m in before if isinstance(m, SystemEvent)]
+    assert [(e.by_seqno, e.event, _uid(e)) for e in events] == [
+        (1, EVENT_SCOPE_CREATED, 0),  # the partition's uid until the manifest is whole
+        (2, EVENT_COLLECTION_CREATED, 2),
+    ]
+    assert _sent(resumed) == [("event", 2, EVENT_COLLECTION_CREATED)]
 
 
 def test_a_scope_filter_takes_in_collections_created_in_it(tmp_path: Path) -> None:
@@ -282,7 +326,9 @@ def test_dropping_the_default_collection_ends_a_stream_without_collections(
         ({"purge_seqno": 12}, 0x04),
         ({"collections": ["77"]}, 0x88),
         ({"scope": "77"}, 0x8C),
-        ({"uid": "ff"}, 0x8B),
+        ({"uid": 3}, 0x04),
+        ({"uid": "0x3"}, 0x04),
+        ({"uid": "ff"}, 0x00),  # ahead of the node's: kv_engine no longer refuses it
         ({"sid": 3}, 0x8D),
         ({"collections": ["9"], "uid": "2", "purge_seqno": "0"}, 0x00),
     ],

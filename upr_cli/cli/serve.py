@@ -28,7 +28,10 @@ Example:
 
   upr serve --data /tmp/node --port 11210 --user admin --password secret
 
-Example (tests and demos on loopback, writes kept unpersisted for 60 s):
+Example (tests and demos on loopback, writes kept unpersisted for 60 s; with --no-auth
+any user and password log in with SASL PLAIN, which the Couchbase SDKs use on a plain
+connection only when told: PasswordAuthenticator(user, password,
+allowed_sasl_mechanisms=["PLAIN"])):
 
   upr serve --data /tmp/node --port 0 --no-auth --flush-interval 60
 
@@ -104,7 +107,11 @@ def serve_cmd(
         typer.Option("--users-file", metavar="PATH", help='JSON object {"user": "password", …}.'),
     ] = None,
     no_auth: Annotated[
-        bool, typer.Option("--no-auth", help="Serve without authentication (loopback only).")
+        bool,
+        typer.Option(
+            "--no-auth",
+            help="Serve without authentication (loopback only; any SASL PLAIN login is accepted).",
+        ),
     ] = False,
     flush_interval: Annotated[
         float,
@@ -133,6 +140,16 @@ def serve_cmd(
             help="Disconnect a DCP peer silent this long (with noop on).",
         ),
     ] = 360.0,
+    expiry_pager_interval: Annotated[
+        float,
+        typer.Option(
+            "--expiry-pager-interval",
+            min=0.0,
+            metavar="SECONDS",
+            help="Seconds between expiry pager rounds, which turn expired documents into "
+            "expirations (0: only reads that find them do).",
+        ),
+    ] = 10.0,
     log_level: Annotated[
         str,
         typer.Option("--log-level", metavar="LEVEL", help="debug, info, warning or error."),
@@ -160,6 +177,7 @@ def serve_cmd(
         data_dir=data, host=host, port=port, bucket=bucket, partitions=partitions, users=users,
         no_auth=no_auth, flush_interval=flush_interval, purge_age=purge_age,
         idle_timeout=idle_timeout, collections=specs,
+        expiry_pager_interval=expiry_pager_interval or None,
     )  # fmt: skip
     asyncio.run(_serve(NodeServer(config)))
 

@@ -25,6 +25,15 @@ its max TTL; `set_manifest` weaves one system event row per change into every ac
 partition, each with its own seq, and the flush that persists those rows persists the
 manifest in the same transaction. A dropped collection's documents are unreachable at
 once and deleted later by a background purge, without tombstones.
+
+Expiry (formats/wire.md "Collections on DCP", point 9): a live document whose expiry has
+passed is expired, on an active partition only, by the first read that finds it (GET,
+GAT, TOUCH, GET_META, subdoc lookup; DELETE too) and by the expiry pager, which looks
+for such documents every `expiry_pager_interval` seconds: the expiration is a tombstone
+with a new seq, CAS and rev seq whose expiry is its delete time (an explicit deletion's
+is 0), so DCP sends it as an EXPIRATION to a client that asked for them. A write over
+an expired document (SET, ADD, REPLACE) treats it as absent and replaces it, as
+kv_engine's write path does, without an expiration of its own.
 """
 
 from __future__ import annotations
@@ -80,6 +89,8 @@ log = logging.getLogger(__name__)
 
 FLUSH_CHUNK = 50_000  # docs per transaction at most
 PURGE_CHUNK = 10_000  # rows of a dropped collection deleted per transaction
+EXPIRY_CHUNK = 10_000  # expired documents the pager looks at per storage query
+EXPIRY_PAGER_INTERVAL = 10.0  # seconds (kv_engine's pager waits longer: a test node should not)
 UNDO_WINDOW = 200_000  # seqs of undo a replica partition keeps (formats/cluster.md §5)
 FED = (REPLICA, PENDING)  # states fed by a replication stream
 _T = TypeVar("_T")
@@ -112,6 +123,7 @@ class Bucket:
         flush_interval: float = 0.05,
         purge_age: float | None = None,
         sync_full: bool = False,
+        expiry_pager_interval: float | None = EXPIRY_PAGER_INTERVAL,
     ) -> None:
         self.data_dir = data_dir
         self.storage = NodeStorage(data_dir, name, sync_full=sync_full)
@@ -119,6 +131,7 @@ class Bucket:
         self.num_partitions = num_partitions
         self.flush_interval = flush_interval
         self.purge_age = purge_age
+        self.expiry_pager_interval = expiry_pager_interval  # None: only reads expire
         self.partitions: dict[int, Partition] = {}
         self._lookup = NodeStorage(data_dir, name)  # loop-thread point reads
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flush-{name}")
@@ -148,6 +161,7 @@ class Bucket:
         self._manifest_gen = 0  # bumped by every new manifest; the flush persists it
         self._manifest_saved = 0  # the generation on disk
         self._purger: asyncio.Task[None] | None = None
+        self._pager: asyncio.Task[None] | None = None
 
     # -- life cycle -------------------------------------------------------------
 
@@ -198,7 +212,10 @@ class Bucket:
         if changed:
             self.storage.save_partitions(changed)
         self.storage.set_clean_shutdown(False)
-        self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="flusher")
+        loop = asyncio.get_running_loop()
+        self._flusher = loop.create_task(self._flush_loop(), name="flusher")
+        if self.expiry_pager_interval:
+            self._pager = loop.create_task(self._expiry_pager(), name="expiry-pager")
         self._schedule_purge()
 
     async def stop(self, *, clean: bool = True) -> None:
@@ -209,6 +226,9 @@ class Bucket:
         if self._purger is not None:
             await cancel_and_wait([self._purger])
             self._purger = None
+        if self._pager is not None:
+            await cancel_and_wait([self._pager])
+            self._pager = None
         while self._work:  # storage work whose callers were cancelled ends first
             await asyncio.wait(set(self._work))  # not gather: it would cancel them
         if clean:
@@ -344,7 +364,11 @@ class Bucket:
         """COLLECTIONS_SET_MANIFEST: take a manifest whose uid is not below the current
         one (an equal uid must come with the same manifest: a no-op). Each change gets
         a system event row in every active partition, with its own seq; the answer
-        waits until the rows and the manifest are on disk, in one transaction."""
+        waits until the rows and the manifest are on disk, in one transaction.
+
+        As kv_engine does, only the last event of the change carries the new uid; the
+        ones before it carry the uid the partition had, since until the last one is
+        applied the partition has not taken the new manifest whole."""
         old = self.collections.manifest
         if manifest.uid < old.uid:
             raise OutOfRange(f"manifest uid {manifest.uid:x} is below the current {old.uid:x}")
@@ -355,6 +379,7 @@ class Bucket:
         except CollectionsError as exc:
             raise InvalidArguments(str(exc)) from None
         changes = changes_between(old, manifest)
+        changes[:-1] = [replace(c, manifest_uid=old.uid) for c in changes[:-1]]
         if changes or manifest != old:
             now = int(time.time())
             for vb, part in sorted(self.partitions.items()):
@@ -525,26 +550,88 @@ class Bucket:
         self._prefetched = {pair: found.get(pair) for pair in want}
         self._prefetched_gen = self._disk_gen
 
+    def current(self, vb: int, key: bytes) -> DocRow | None:
+        """The latest version of a key of an active partition, after expiring it if it
+        is a live document whose expiry has passed (the read that finds it expires it)."""
+        doc = self.lookup(vb, key)
+        if doc is not None and _expired(doc, time.time()):
+            doc = self._expire(self.partitions[vb], doc)
+        return doc
+
     def get(self, vb: int, key: bytes) -> DocRow:
         """A live, unexpired document (a qualified key) or KEY_ENOENT."""
         self.partition(vb)
         self.collections.collection(key)
-        doc = self.lookup(vb, key)
-        if doc is None or doc.deleted or (doc.expiry and doc.expiry <= time.time()):
+        doc = self.current(vb, key)
+        if doc is None or doc.deleted:
             raise KeyNotFound(f"no such key in partition {vb}")
         return doc
 
     def get_meta(self, vb: int, key: bytes) -> DocRow:
         """GET_META: the key's latest version, a tombstone included (an expired document
-        reads as deleted), or KEY_ENOENT if it never existed or was purged."""
+        is expired first, and answers as one), or KEY_ENOENT if it never existed or was
+        purged."""
         self.partition(vb)
         self.collections.collection(key)
-        doc = self.lookup(vb, key)
+        doc = self.current(vb, key)
         if doc is None:
             raise KeyNotFound(f"no such key in partition {vb}")
-        if not doc.deleted and doc.expiry and doc.expiry <= time.time():
-            return replace(doc, deleted=True)
         return doc
+
+    # -- expiry ----------------------------------------------------------------------
+
+    def _expire(self, part: Partition, old: DocRow) -> DocRow:
+        """The expiration of a live document: a tombstone with a new seq, CAS and rev
+        seq whose expiry is its delete time, as kv_engine's tombstones have (a deletion's
+        is 0 here: DCP tells the two apart by it, and a replica can store the same from
+        the DCP_EXPIRATION, which carries the delete time)."""
+        now = int(time.time())
+        doc = DocRow(
+            vbucket=old.vbucket, key=old.key, seq=part.high_seq + 1, rev_seq=old.rev_seq + 1,
+            cas=self.next_cas(), flags=old.flags, expiry=now, datatype=0, deleted=True,
+            delete_time=now, value=b"",
+        )  # fmt: skip
+        part.append(doc)
+        return doc
+
+    async def _expiry_pager(self) -> None:
+        assert self.expiry_pager_interval
+        while True:
+            await asyncio.sleep(self.expiry_pager_interval)
+            try:
+                await self.expire_due()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("bucket %s: the expiry pager failed; will retry", self.name)
+
+    async def expire_due(self) -> int:
+        """The expiry pager's round: expire every live document of an active partition
+        whose expiry has passed, in the write queue or on disk; returns how many."""
+        now = time.time()
+        count = 0
+        for part in self.partitions.values():  # unflushed versions first
+            if part.state == ACTIVE:
+                for queued in part.queue.snapshot():
+                    if _expired(queued, now) and part.get(queued.key) is queued:
+                        self._expire(part, queued)
+                        count += 1
+        while True:
+            active = [vb for vb, p in self.partitions.items() if p.state == ACTIVE]
+            if not active:
+                return count
+            found = await self._in_pool(self.storage.expired, active, int(now), EXPIRY_CHUNK)
+            done = 0
+            for row in found:
+                part = self.partitions[row.vbucket]
+                latest = self.lookup(row.vbucket, row.key)  # a newer version may have come
+                if part.state == ACTIVE and latest is not None and _expired(latest, now):
+                    self._expire(part, latest)
+                    done += 1
+            count += done
+            if len(found) < EXPIRY_CHUNK or not done:
+                return count
+            await self.flush()  # the next query must not find these again
 
     # -- writes --------------------------------------------------------------------
 
@@ -568,9 +655,10 @@ class Bucket:
         """SET / ADD / REPLACE with the memcached CAS rules; returns the new version.
         A relative expiry is made absolute, and capped by the collection's max TTL."""
         part = self.partition(vb)
-        expiry = expiry_of(self.collections.collection(key), expiry, int(time.time()))
+        now = time.time()
+        expiry = expiry_of(self.collections.collection(key), expiry, int(now))
         old = self.lookup(vb, key)
-        live = old is not None and not old.deleted
+        live = old is not None and not old.deleted and not _expired(old, now)
         if op == "add" and live:
             raise KeyExists("key exists")
         if op == "replace" and not live:
@@ -594,7 +682,7 @@ class Bucket:
         """DELETE: a tombstone with a new seq; KEY_ENOENT if absent, KEY_EEXISTS on CAS mismatch."""
         part = self.partition(vb)
         self.collections.collection(key)
-        old = self.lookup(vb, key)
+        old = self.current(vb, key)
         if old is None or old.deleted:
             raise KeyNotFound("no such key")
         if cas and old.cas != cas:
@@ -761,6 +849,13 @@ class Bucket:
             return purged
 
         return await self._unbroken(run())
+
+
+def _expired(doc: DocRow, now: float) -> bool:
+    """True for a live document whose expiry has passed (a system row's `expiry` is its
+    event version, never an expiry)."""
+    return (not doc.deleted and 0 < doc.expiry <= now
+            and not sysevents.is_system_key(doc.key))  # fmt: skip
 
 
 def _replica_snapshot(part: Partition, top: int) -> tuple[int, int]:

@@ -73,6 +73,7 @@ from upr_cli.protocol.messages import (
     Barrier,
     Deletion,
     DeletionV2,
+    Expiration,
     Noop,
     Response,
     SeqnoAdvanced,
@@ -86,7 +87,6 @@ from upr_cli.protocol.status import (
     InvalidArguments,
     KeyExists,
     KeyNotFound,
-    ManifestAhead,
     NotMyVbucket,
     NotSupported,
     OutOfRange,
@@ -208,15 +208,14 @@ class StreamView:
     """
 
     __slots__ = ("_bucket", "_live", "_manifest", "collections", "ended", "ids", "last_sent",
-                 "scope", "scope_dropped", "uid")  # fmt: skip
+                 "scope", "scope_dropped")  # fmt: skip
 
     def __init__(self, bucket: Bucket, *, collections: bool, ids: set[int] | None = None,
-                 scope: int | None = None, uid: int | None = None) -> None:  # fmt: skip
+                 scope: int | None = None) -> None:  # fmt: skip
         self._bucket = bucket
         self.collections = collections
         self.ids = ids
         self.scope = scope
-        self.uid = uid  # events up to this manifest uid the client has seen: not sent again
         self.scope_dropped = False
         self.ended = False
         self.last_sent = 0  # the seq of the last item sent (SEQNO_ADVANCED when below an end)
@@ -272,7 +271,7 @@ class StreamView:
             ids.discard(cid)
         if cid is None and change.dropped and sid == self.scope:
             self.scope_dropped = True
-        if not self.collections or (self.uid is not None and change.manifest_uid <= self.uid):
+        if not self.collections:
             return False
         if cid is None:  # a scope's own event: to its scope filter and unfiltered streams
             return ids is None or sid == self.scope
@@ -293,8 +292,8 @@ def _hex(value: object, what: str, form: re.Pattern[str]) -> int:
 
 def stream_view(bucket: Bucket, collections: bool, value: bytes) -> StreamView:
     """The view a STREAM_REQ value asks for (kv_engine's stream-request-value.md):
-    EINVAL, UnknownCollection, UnknownScope, ManifestAhead or DCP_STREAMID_INVALID if it
-    cannot be served."""
+    EINVAL, UnknownCollection, UnknownScope or DCP_STREAMID_INVALID if it cannot be
+    served."""
     manifest = bucket.manifest
     if not collections:
         if value:
@@ -312,10 +311,13 @@ def stream_view(bucket: Bucket, collections: bool, value: bytes) -> StreamView:
         raise InvalidArguments("the stream-request value must be a JSON object")
     if "sid" in doc:
         raise DcpStreamIdInvalid("stream-ids are not enabled on this connection")
+    # Checked, then only logged: kv_engine's filter no longer uses the uid (neither to
+    # leave out events at or below it nor to refuse one ahead of the node's), since a
+    # resumed stream sends nothing at or below its start anyway (formats/wire.md
+    # "Collections on DCP", point 4).
     uid = _hex(doc["uid"], "uid", _HEX_UID) if "uid" in doc else None
-    if uid is not None and uid > manifest.uid:
-        raise ManifestAhead(f"the stream's manifest uid {uid:x} is ahead of the node's "
-                            f"{manifest.uid:x}")  # fmt: skip
+    if uid is not None:
+        log.debug("stream request with manifest uid %x (the node's: %x)", uid, manifest.uid)
     purge = doc.get("purge_seqno")  # read and checked, not used: markers are v1
     if purge is not None and not (isinstance(purge, str) and purge.isdigit()):
         raise InvalidArguments("stream-request value: purge_seqno must be a decimal string")
@@ -327,7 +329,7 @@ def stream_view(bucket: Bucket, collections: bool, value: bytes) -> StreamView:
         if scope is None:
             raise UnknownScopeError(f"no scope with id {sid:x}", manifest.uid)
         ids = {c.id for c in scope.collections}
-        return StreamView(bucket, collections=True, ids=ids, scope=sid, uid=uid)
+        return StreamView(bucket, collections=True, ids=ids, scope=sid)
     if "collections" in doc:
         wanted = doc["collections"]
         if not isinstance(wanted, list) or not wanted:
@@ -336,10 +338,10 @@ def stream_view(bucket: Bucket, collections: bool, value: bytes) -> StreamView:
         for cid in sorted(ids):
             if manifest.by_id(cid) is None:
                 raise UnknownCollectionError(f"no collection with id {cid:x}", manifest.uid)
-        return StreamView(bucket, collections=True, ids=ids, uid=uid)
+        return StreamView(bucket, collections=True, ids=ids)
     if uid is None and purge is None:
         raise InvalidArguments("stream-request value: no uid, scope or collections")
-    return StreamView(bucket, collections=True, uid=uid)
+    return StreamView(bucket, collections=True)
 
 
 @dataclass(slots=True)
@@ -896,6 +898,9 @@ class DcpProducer:
         no_value = self.flags & (OPEN_NO_VALUE | OPEN_NO_VALUE_DT)
         keep_dt = self.flags & OPEN_NO_VALUE_DT
         v2 = self.flags & OPEN_DELETE_TIMES
+        # an expiration (a tombstone that keeps its expiry) goes out as one only to a
+        # client that asked (docs/protocol.md §2.10), as a deletion to the others
+        expirations = self.controls.get("enable_expiry_opcode") == "true"
         out = []
         opaque, vb, view = spec.opaque, spec.vbucket, spec.view
         plain, strip = view.plain_ids(), 0 if view.collections else 1
@@ -921,6 +926,10 @@ class DcpProducer:
                 dt = d.datatype if (not no_value or keep_dt) else 0
                 out.append(encode_mutation(vb, opaque, d.cas, dt, d.seq, d.rev_seq, d.flags,
                                            d.expiry, key, value))  # fmt: skip
+            elif d.expiry and expirations:
+                out.append(Expiration(vbucket=vb, opaque=opaque, cas=d.cas, by_seqno=d.seq,
+                                      rev_seqno=d.rev_seq, delete_time=d.delete_time,
+                                      key=key).encode())  # fmt: skip
             elif v2:
                 out.append(DeletionV2(vbucket=vb, opaque=opaque, cas=d.cas, by_seqno=d.seq,
                                       rev_seqno=d.rev_seq, delete_time=d.delete_time,
@@ -1010,5 +1019,5 @@ def error_response(opcode: int, opaque: int, status: int, message: str) -> bytes
     return Response(opcode=opcode, opaque=opaque, status=status, value=body, datatype=1).encode()
 
 
-__all__ = ["DcpProducer", "DcpSender", "ManifestAhead", "RollbackTo", "Status", "StreamView",
+__all__ = ["DcpProducer", "DcpSender", "RollbackTo", "Status", "StreamView",
            "error_response", "stream_view"]  # fmt: skip

@@ -38,7 +38,7 @@ from upr_cli.net.scram import (
     make_credential,
     parse_plain,
 )
-from upr_cli.node.bucket import Bucket, StaleCas
+from upr_cli.node.bucket import EXPIRY_PAGER_INTERVAL, Bucket, StaleCas
 from upr_cli.node.collections import UnknownCollectionError, parse_specs, with_specs
 from upr_cli.node.partition import ACTIVE, DEAD, STATE_CODES
 from upr_cli.node.producer import (
@@ -150,6 +150,10 @@ _SUBDOC_PATH_ENOENT, _SUBDOC_MULTI_PATH_FAILURE = 0xC0, 0xCC
 # addresses named collections only on a bucket that lists "collections"
 CAPABILITIES = ["couchapi", "collections", "dcp", "cbhello", "touch", "cccp", "nodesExt"]
 MECHANISMS = "SCRAM-SHA512 PLAIN"
+# --no-auth takes any login over PLAIN, which carries the password. SCRAM cannot succeed
+# for a password the node does not know (its final message proves that the node knows
+# it), so a --no-auth node without users offers PLAIN alone.
+NO_AUTH_MECHANISMS = "PLAIN"
 
 
 COLLECTIONS_COMMANDS = (CollectionsSetManifest, CollectionsGetManifest, CollectionsGetId,
@@ -194,6 +198,8 @@ class NodeConfig:
     backfills: int = 4
     # scopes and collections created at start when missing: "S", "S.C" or "S.C:MAXTTL"
     collections: tuple[str, ...] = ()
+    # seconds between the expiry pager's rounds (None: only reads expire documents)
+    expiry_pager_interval: float | None = EXPIRY_PAGER_INTERVAL
 
 
 class NodeServer:
@@ -224,6 +230,13 @@ class NodeServer:
         self.port = config.port
         self.rev = 1
         self.replicator: Replicator | None = None
+        self.warned_no_auth_scram = False  # logged once: SCRAM cannot take any password
+
+    @property
+    def mechanisms(self) -> str:
+        """What SASL_LIST_MECHS offers: PLAIN alone on a --no-auth node without users."""
+        cfg = self.config
+        return NO_AUTH_MECHANISMS if cfg.no_auth and not cfg.users else MECHANISMS
 
     async def start(self) -> None:
         """Open the buckets (recovery included) and start listening."""
@@ -238,6 +251,7 @@ class NodeServer:
             cfg.partitions,
             flush_interval=cfg.flush_interval,
             purge_age=cfg.purge_age,
+            expiry_pager_interval=cfg.expiry_pager_interval,
         )
         await bucket.start()
         self.buckets[cfg.bucket] = bucket
@@ -594,7 +608,7 @@ class ClientSession:
             self.features = set(granted)
             self.send(HelloResponse(opaque=msg.opaque, features=granted))
         elif op is SaslListMechs:
-            self.send(SaslListMechsResponse(opaque=msg.opaque, mechanisms=MECHANISMS))
+            self.send(SaslListMechsResponse(opaque=msg.opaque, mechanisms=self.server.mechanisms))
         elif op in (SaslAuth, SaslStep):
             self.sasl(msg)  # type: ignore[arg-type]
         elif op is GetErrorMap:
@@ -686,7 +700,8 @@ class ClientSession:
             raise UnknownCommand(f"opcode 0x{getattr(msg, 'opcode', 0):02x} is not supported")
 
     def sasl(self, msg: SaslAuth | SaslStep) -> None:
-        """SASL PLAIN and SCRAM-SHA512 (docs/protocol.md §5.2); refused after DCP_OPEN (§2.1)."""
+        """SASL PLAIN and SCRAM-SHA512 (docs/protocol.md §5.2); refused after DCP_OPEN (§2.1).
+        With --no-auth, PLAIN takes any user and password (SCRAM only the node's users)."""
         if self.dcp is not None:
             raise InvalidArguments("SASL is not accepted after DCP_OPEN")
         creds = self.server.credentials
@@ -694,7 +709,7 @@ class ClientSession:
             if isinstance(msg, SaslAuth) and msg.mechanism == "PLAIN":
                 user, password = parse_plain(msg.payload)
                 stored = creds.get(user)
-                if (
+                if not self.server.config.no_auth and (
                     stored is None
                     or make_credential(
                         "SCRAM-SHA512", password, salt=stored.salt, iterations=stored.iterations
@@ -722,6 +737,20 @@ class ClientSession:
                 raise AuthenticationFailed(f"unsupported mechanism {msg.mechanism!r}")
         except AuthenticationFailed:
             self.scram = None
+            if self.server.config.no_auth and msg.mechanism != "PLAIN":
+                # the official SDK uses SCRAM on a plain connection unless told
+                # otherwise: say once what works instead
+                if not self.server.warned_no_auth_scram:
+                    self.server.warned_no_auth_scram = True
+                    log.warning(
+                        "a client failed SCRAM on this --no-auth node: it takes any user and "
+                        "password with SASL PLAIN (the Couchbase SDKs: "
+                        "allowed_sasl_mechanisms=PLAIN), SCRAM only for --user"
+                    )
+                raise AuthError(
+                    "authentication failed: a --no-auth node takes any user and password "
+                    "with PLAIN, SCRAM only for its own users"
+                ) from None
             raise AuthError("authentication failed") from None
 
     def _authenticated(self, user: str, msg: SaslAuth | SaslStep, payload: bytes) -> None:

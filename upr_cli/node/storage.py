@@ -35,6 +35,12 @@ Theory of operation
   the prefix 0x00 in `docs`, `undo` and `lost_writes`.
 * **The collections manifest** is a `meta` row (its JSON), written in the transaction
   of the flush that holds the system rows of its changes.
+* **Expirations.** A tombstone's `expiry` is 0 for a deletion and its delete time
+  (never 0) for an expiration (formats/wire.md "Collections on DCP", point 9): older
+  databases hold deletions only, and read the same. The partial index `docs_expiry`
+  (live rows with an expiry) lets the expiry pager find expired documents without a
+  scan; like the undo tables it is created on open when missing, without a schema
+  version of its own.
 """
 
 from __future__ import annotations
@@ -130,6 +136,11 @@ _UNDO_SCHEMA = (
         rolled_back_at REAL NOT NULL, rolled_back_to INTEGER NOT NULL, {_DOC_COLUMNS_DDL},
         PRIMARY KEY (vbucket, seq)
     ) WITHOUT ROWID""",
+)
+# Live rows with an expiry, for the expiry pager (`NodeStorage.expired`); created on
+# every open when missing, after a migration that rebuilds `docs`.
+_EXPIRY_INDEX = (
+    "CREATE INDEX IF NOT EXISTS docs_expiry ON docs (expiry) WHERE deleted = 0 AND expiry != 0"
 )
 # A data directory written before `boundaries` existed: each replica partition's
 # persisted state is a boundary if it ends a snapshot (the only one known to be whole).
@@ -360,6 +371,7 @@ class NodeStorage(sqlite.Closing):
                 conn.execute(_SEED_BOUNDARIES)  # migration: a directory of an older upr
             if int(version) < 2:
                 _qualify_keys(conn)
+            conn.execute(_EXPIRY_INDEX)
             uuid = meta.get("bucket_uuid", "")
             if not re.fullmatch(r"[0-9a-f]{32}", uuid):
                 raise StorageError(f"{self.path}: bad bucket uuid {uuid!r}")
@@ -562,6 +574,18 @@ class NodeStorage(sqlite.Closing):
         return int(self._db.execute(sql, params).fetchone()[0])
 
     # --- maintenance
+
+    def expired(self, vbuckets: Collection[int], now: int, limit: int) -> list[DocRow]:
+        """Up to `limit` live documents of `vbuckets` whose expiry is at or before `now`,
+        soonest first (the expiry pager's candidates; system rows, whose `expiry` is an
+        event version, are not documents)."""
+        rows = self._db.execute(
+            f"SELECT {_DOC_COLUMNS} FROM docs INDEXED BY docs_expiry"
+            " WHERE deleted = 0 AND expiry != 0 AND expiry <= ? AND substr(key, 1, 1) != x'01'"
+            " AND vbucket IN (SELECT value FROM json_each(?)) ORDER BY expiry LIMIT ?",
+            (now, json.dumps(sorted(vbuckets)), limit),
+        ).fetchall()
+        return _rows_to_docs(rows)
 
     def purge_tombstones(self, older_than: float, now: float | None = None) -> dict[int, int]:
         """Delete tombstones deleted before `now - older_than` and raise purge_seq.
