@@ -49,26 +49,46 @@ class CollectionsError(UprError):
     """A manifest or a collection path that is not valid."""
 
 
+_NAME_RULE = "letters, digits and _ - % only, not starting with _ or %"
+
+
 def check_name(name: str, what: str = "collection") -> str:
     """`name` if it is a valid scope or collection name (kv_engine's rules), else a
     CollectionsError naming what is wrong."""
     if not name or len(name.encode()) > MAX_NAME:
         raise CollectionsError(f"{what} name {name!r}: 1 to {MAX_NAME} bytes")
     if not _NAME.fullmatch(name):
-        raise CollectionsError(
-            f"{what} name {name!r}: letters, digits and _ - % only, not starting with _ or %"
-        )
+        raise CollectionsError(f"{what} name {name!r}: {_NAME_RULE}")
     return name
 
 
 def check_user_name(name: str, what: str = "collection") -> str:
-    """A name a user may create (no leading `_` or `%`)."""
+    """A name a user may create (no leading `_` or `%`, no `$`)."""
     check_name(name, what)
     if not _USER_NAME.fullmatch(name):
-        raise CollectionsError(
-            f"{what} name {name!r}: letters, digits and _ - % only, not starting with _ or %"
-        )
+        raise CollectionsError(f"{what} name {name!r}: {_NAME_RULE}")
     return name
+
+
+def creatable(text: str) -> Path:
+    """The path `upr collections create` takes: a scope, or a collection in its scope,
+    with names a user may create. Anything else is a UsageError (exit 2) before any
+    network call: the default scope and collection exist from the start, and once the
+    default collection is dropped it does not come back (formats/collections.md §1)."""
+    path = Path.parse(text)
+    if path.collection == DEFAULT:
+        raise UsageError(f"{text!r}: the _default collection cannot be created (it exists "
+                         "from the start, and once dropped it does not come back)")  # fmt: skip
+    if path.scope == DEFAULT and path.collection is None:
+        raise UsageError(f"{text!r}: the _default scope always exists")
+    try:
+        if path.scope != DEFAULT:
+            check_user_name(path.scope, "scope")
+        if path.collection is not None:
+            check_user_name(path.collection)
+    except CollectionsError as exc:
+        raise UsageError(str(exc)) from None
+    return path
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,3 +443,76 @@ def apply_change(manifest: Manifest, change: ManifestChange) -> Manifest:
                                                if c.id != change.collection_id))
                   for s in scopes]  # fmt: skip
     return Manifest(uid, tuple(scopes))
+
+
+# -- specs: `upr serve --collections` and `upr cluster init --collections` ------------
+
+
+def parse_specs(text: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Comma-separated (or repeated) `SCOPE`, `SCOPE.COLLECTION` or
+    `SCOPE.COLLECTION:MAXTTL` specs, checked and normalised; a UsageError says what is
+    wrong, a scope or collection named twice included (which max TTL would win?)."""
+    if text is None:
+        return ()
+    items = text.split(",") if isinstance(text, str) else [p for t in text for p in t.split(",")]
+    out: dict[Path, str] = {}
+    for raw in (t.strip() for t in items):
+        if not raw:
+            continue
+        path, ttl = spec_item(raw)
+        if path in out:
+            raise UsageError(f"{raw!r}: {path} is named twice (give each scope and "
+                             "collection once)")  # fmt: skip
+        out[path] = str(path) + (f":{ttl}" if ttl is not None else "")
+    return tuple(out.values())
+
+
+def spec_item(text: str) -> tuple[Path, int | None]:
+    """One spec: its path and max TTL (None: none given); a UsageError if malformed."""
+    where, colon, ttl_text = text.partition(":")
+    path = Path.parse(where)
+    if path.scope == DEFAULT and path.collection in (None, DEFAULT):
+        raise UsageError(f"{text!r}: the _default scope and collection always exist")
+    ttl = None
+    if colon:
+        if path.collection is None:
+            raise UsageError(f"{text!r}: a max TTL belongs to a collection (SCOPE.COLLECTION:S)")
+        if not ttl_text.isdigit() or int(ttl_text) > 0x7FFF_FFFF:
+            raise UsageError(f"{text!r}: the max TTL is 0 to 2147483647 seconds")
+        ttl = int(ttl_text)
+    try:
+        creatable(str(path))
+    except UsageError as exc:
+        raise UsageError(f"{text!r}: {exc}") from None
+    return path, ttl
+
+
+def with_specs(manifest: Manifest, specs: Iterable[str]) -> Manifest:
+    """`manifest` with every scope and collection the specs name that it lacks (a
+    collection's scope too), created in spec order; those it has are left as they are
+    (`spec_differences` says where a spec and the manifest disagree)."""
+    for text in parse_specs(specs):
+        path, ttl = spec_item(text)
+        if manifest.scope(path.scope) is None:
+            manifest = manifest.with_scope(path.scope)
+        if path.collection is not None and manifest.lookup(path) is None:
+            manifest = manifest.with_collection(path.scope, path.collection, ttl)
+    return manifest
+
+
+def spec_differences(manifest: Manifest, specs: Iterable[str]) -> list[str]:
+    """The collections `manifest` has with another max TTL than the specs give: a spec
+    only creates, so these keep theirs (one message each)."""
+    out = []
+    for text in parse_specs(specs):
+        path, ttl = spec_item(text)
+        held = manifest.lookup(path) if path.collection is not None else None
+        if held is not None and (held.max_ttl or None) != (ttl or None):
+            out.append(f"collection {path} exists with max TTL {_ttl_text(held.max_ttl)}, "
+                       f"not {_ttl_text(ttl)}: it keeps its own (a spec only creates; drop "
+                       "and create it to change it)")  # fmt: skip
+    return out
+
+
+def _ttl_text(ttl: int | None) -> str:
+    return f"{ttl}s" if ttl else "none"

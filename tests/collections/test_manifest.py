@@ -3,6 +3,8 @@ system events (upr_cli/collections.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from upr_cli.collections import (
@@ -12,6 +14,7 @@ from upr_cli.collections import (
     Path,
     apply_change,
     changes_between,
+    creatable,
     decode_event,
     encode_event,
     parse_paths,
@@ -85,3 +88,21 @@ def test_changes_become_system_events_and_back() -> None:
             c.kind, c.collection_id, c.name, c.max_ttl)  # fmt: skip
         seen = apply_change(seen, back)
     assert {str(seen.path_of(c.id)) for _, c in seen.collections()} == {"app.users", "app.orders"}
+
+
+def test_a_name_that_cannot_be_created_is_a_usage_error_with_one_message() -> None:
+    # exit 2 for every one of them, found before any network call (some were 1, found
+    # by the manifest after connecting)
+    rule = "letters, digits and _ - % only, not starting with _ or %"
+    for text, name in [("bad name.x", "'bad name'"), ("app.é", "'é'"), ("_system.x", "'_system'"),
+                       ("app._x", "'_x'"), ("app.%x", "'%x'"), ("app.a$b", "'a$b'")]:  # fmt: skip
+        with pytest.raises(UsageError, match=re.escape(f"name {name}: {rule}")) as err:
+            creatable(text)
+        assert not isinstance(err.value, CollectionsError)
+    for text in (".", "_default._default", "app._default"):
+        with pytest.raises(UsageError, match="the _default collection cannot be created"):
+            creatable(text)
+    with pytest.raises(UsageError, match="the _default scope always exists"):
+        creatable("_default")
+    assert creatable(".orders") == Path(DEFAULT, "orders")
+    assert creatable("app") == Path("app") and creatable("a-1.b%2") == Path("a-1", "b%2")

@@ -5,6 +5,7 @@ dropped collections (unreachable at once, purged later without tombstones)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from upr_cli.collections import Manifest, changes_between, decode_event
+from upr_cli.collections import CollectionsError, Manifest, changes_between, decode_event
 from upr_cli.collections import Path as CPath
 from upr_cli.errors import UsageError
 from upr_cli.node import sysevents
@@ -36,6 +37,7 @@ from upr_cli.protocol.status import InvalidArguments, KeyNotFound, OutOfRange
 
 USERS = Manifest().with_scope("app").with_collection("app", "users")  # uid 2: scope 8, users 9
 USERS_ID = 9
+APP_ONLY = Manifest().with_scope("app").dumps().decode()  # uid 1: scope 8
 
 
 def _run(tmp: Path, body: Callable[[Bucket], Awaitable[None]], partitions: int = 4) -> None:
@@ -136,7 +138,9 @@ def test_set_manifest_writes_one_system_row_per_change_per_active_partition(
                                                                        doc.value))  # fmt: skip
                 assert change is not None
                 kinds.append((change.kind, change.name, change.manifest_uid))
-            assert kinds == [("scope-created", "app", 2), ("collection-created", "users", 2)]
+            # only the change's last event carries the new uid, the others the old one, as
+            # kv_engine stamps them (formats/wire.md "Collections on DCP")
+            assert kinds == [("scope-created", "app", 0), ("collection-created", "users", 2)]
             assert bucket.partitions[vb].persisted_seq == first + 1  # flushed before the answer
         assert not [k for (v, k) in rows if v == 3]  # a replica gets them by replication
         assert bucket.storage.meta("collections_manifest") == USERS.dumps().decode()
@@ -280,9 +284,71 @@ def test_a_dropped_collection_is_unreachable_at_once_and_purged_without_tombston
         drops = [(vb, d) for (vb, k), (_s, d) in rows.items() if k == b"\x01c\x09"]
         assert sorted(drops) == [(vb, True) for vb in range(4)]  # the drop replaced the create
         assert bucket.collections.dropped == set()
-        assert bucket.storage.meta("collections_dropped") == "[]"
+        # nothing left to purge; the highest ids held stay (formats/collections.md §2)
+        assert bucket.storage.meta("collections_dropped") == (
+            '{"purge":[],"high_collection":10,"high_scope":8}')  # fmt: skip
 
     _run(tmp_path, body)
+
+
+def test_a_dropped_id_never_comes_back() -> None:
+    # the reviewer's finding: a raw COLLECTIONS_SET_MANIFEST dropping id 9, then one with
+    # id 9 again, were both taken, and the lazy purge deleted the new collection's
+    # documents
+    state = NodeCollections(USERS)
+    dropped = USERS.without(CPath("app", "users"))  # uid 3
+    state.check(dropped)
+    state.replace(dropped)
+    back = Manifest.from_json(USERS.dumps().replace(b'"uid":"2"', b'"uid":"4"', 1))
+    assert back.uid == 4 and back.lookup(CPath("app", "users")) is not None
+    with pytest.raises(CollectionsError, match=r"collection id 0x9 \(app.users\) was used"):
+        state.check(back)
+    renamed = Manifest.from_json(back.dumps().replace(b'"users"', b'"people"'))
+    with pytest.raises(CollectionsError, match="0x9"):
+        state.check(renamed)  # under another name too
+    # a scope id too, once its scope is dropped
+    state.replace(dropped.without(CPath("app")))
+    with pytest.raises(CollectionsError, match=r"scope id 0x8 \(app\) was used"):
+        state.check(Manifest.from_json(APP_ONLY.replace('"uid":"1"', '"uid":"9"')))
+    # new ids above the highest are taken
+    state.check(dropped.without(CPath("app")).with_scope("app").with_collection("app", "u"))
+    # the default collection, once dropped, does not come back either
+    nodefault = NodeCollections(USERS)
+    gone = USERS.without(CPath("_default", "_default"))
+    nodefault.replace(gone)
+    with pytest.raises(CollectionsError, match="0x0"):
+        nodefault.check(Manifest(gone.uid + 1, USERS.scopes))
+
+
+def test_the_highest_ids_survive_a_restart_and_are_derived_for_older_nodes(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        bucket = Bucket(tmp_path, "default", 1, flush_interval=3600)
+        await bucket.start()
+        await bucket.set_manifest(USERS)
+        await bucket.set_manifest(USERS.without(CPath("app")))
+        assert bucket._purger is not None
+        await bucket._purger  # the purge done: no dropped id is left to remember it by
+        await bucket.stop()
+        again = Bucket(tmp_path, "default", 1, flush_interval=3600)
+        await again.start()
+        try:
+            held = again.collections
+            assert (held.high_collection, held.high_scope, held.dropped) == (9, 8, set())
+            with pytest.raises(CollectionsError, match="0x9"):
+                held.check(Manifest(9, USERS.scopes))
+        finally:
+            await again.stop()
+
+    asyncio.run(main())
+    # a node before the high-water marks stored a bare list of the ids to purge: the
+    # marks are derived from it and the manifest
+    old = NodeCollections.from_meta(USERS.dumps().decode(), "[12]")
+    assert (old.high_collection, old.high_scope, old.dropped) == (12, 8, {12})
+    for bad in ('{"purge": [], "high_collection": "9"}', '{"purge": 3}', "[1, 2", '"x"'):
+        with pytest.raises(CollectionsError, match="stored dropped"):
+            NodeCollections.from_meta(None, bad)
 
 
 def test_a_purge_cut_short_resumes_at_the_next_start(tmp_path: Path) -> None:
@@ -352,7 +418,7 @@ def test_collection_and_scope_ids_by_path() -> None:
             state.collection_id(bad)
 
 
-def test_serve_collection_specs() -> None:
+def test_serve_collection_specs(caplog: pytest.LogCaptureFixture) -> None:
     m = with_specs(Manifest(), ["app.users,app.orders:60", "logs", " "])
     assert [(s.name, [(c.name, c.max_ttl) for c in s.collections]) for s in m.scopes] == [
         ("_default", [("_default", None)]),
@@ -361,10 +427,16 @@ def test_serve_collection_specs() -> None:
     ]
     assert with_specs(m, ["app.users", "logs"]) == m  # present: kept as they are
     assert with_specs(Manifest(), ["app.users"]) == with_specs(Manifest(), ["app.users"])
-    assert parse_specs(["_default.c:5"])[0][1] == 5
-    for bad in ("app:60", "app.users:x", "a.b.c", "app.users:99999999999", "$x"):
+    assert parse_specs(["_default.c:5"]) == ("_default.c:5",)
+    for bad in ("app:60", "app.users:x", "a.b.c", "app.users:99999999999", "$x",
+                "app.users:3600,app.users:60"):  # fmt: skip
         with pytest.raises(UsageError):
             with_specs(Manifest(), [bad])
+    # a restart with another max TTL: the spec only creates, and says so (it was silent)
+    with caplog.at_level(logging.WARNING):
+        assert with_specs(m, ["app.orders:3600", "app.users"]) == m
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert "app.orders exists with max TTL 60s, not 3600s" in warned
 
 
 def test_the_key_vectors_of_the_format() -> None:
@@ -403,5 +475,24 @@ def test_a_corrupt_stored_manifest_is_a_storage_error(tmp_path: Path) -> None:
             bucket.storage.close()
             bucket._lookup.close()
             bucket._pool.shutdown()
+
+    asyncio.run(main())
+
+
+def test_the_bucket_refuses_a_dropped_id(tmp_path: Path) -> None:
+    """A manifest bringing back a dropped collection id is refused: the lazy purge
+    would delete the returning collection's new documents."""
+
+    async def main() -> None:
+        bucket = Bucket(tmp_path, "default", 2, flush_interval=3600)
+        await bucket.start()
+        try:
+            await bucket.set_manifest(USERS)
+            await bucket.set_manifest(USERS.without(CPath("app", "users")))
+            with pytest.raises(InvalidArguments, match=r"collection id 0x9 \(app.users\) was used"):
+                await bucket.set_manifest(Manifest(4, USERS.scopes))
+            assert bucket.manifest.lookup(CPath("app", "users")) is None
+        finally:
+            await bucket.stop()
 
     asyncio.run(main())

@@ -7,7 +7,11 @@ pushes the manifest on every node of the cluster the URI reaches) and render the
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Annotated, Any
+import os
+import shutil
+import sys
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -19,14 +23,18 @@ if TYPE_CHECKING:
     from upr_cli.cluster.collections import Change, NodeManifest
     from upr_cli.collections import Manifest, ManifestChange
 
+_T = TypeVar("_T")
+
 HELP = """Create, drop and list a bucket's scopes and collections, on every node.
 
 A bucket's documents live in collections, grouped in scopes; `_default._default` always
 exists (id 0) and holds what clients without collections write. Each change makes a new
 manifest with a higher uid, as Couchbase's cluster manager does, and pushes it with
-COLLECTIONS_SET_MANIFEST to every node of the cluster map that URI reaches
-(formats/cluster.md "Collections"). A change refuses to start while a node that holds
-partitions does not answer, and names the nodes that did not take it.
+COLLECTIONS_SET_MANIFEST to every node of the cluster map that URI reaches: first to
+the arbiter (the first node of the map that holds partitions), which serialises
+concurrent changes, then to the others (formats/cluster.md "Collections"). A change
+refuses to start while a node that holds partitions does not answer, or while nodes
+diverge from the arbiter; `repair` gives them the arbiter's manifest.
 
 Example:
 
@@ -34,6 +42,7 @@ Example:
   upr collections create upr://admin@127.0.0.1:11210/default app.logs --max-ttl 86400
   upr collections list upr://admin@127.0.0.1:11210/default
   upr collections drop upr://admin@127.0.0.1:11210/default app.logs
+  upr collections repair upr://admin@127.0.0.1:11210/default
 """
 
 app = typer.Typer(name="collections", help=HELP, no_args_is_help=True)
@@ -51,13 +60,15 @@ def register(root: typer.Typer) -> None:
 
 @app.command(
     "create",
-    no_args_is_help=True,
     help="""Create a scope, or a collection (and its scope when it does not exist).
 
 The new scope or collection gets the next id (from 8; an id is never used twice, so a
 collection dropped and created again under its name is a new collection). --max-ttl
 caps the expiry of the collection's documents, in seconds: a write with no expiry or a
-longer one gets this one. It is an error if the scope or collection exists.
+longer one gets this one. It is an error if the scope or collection exists. A name not
+allowed (letters, digits and _ - % only, not starting with _ or %; the _default scope
+and collection exist from the start, and a dropped _default collection never comes
+back) is a usage error (exit 2), found before any node is asked.
 
 Example:
 
@@ -81,9 +92,9 @@ def create_cmd(
     json_out: JsonOutput = False,
 ) -> None:
     """Create a scope or a collection."""
-    from upr_cli.collections import Path
+    from upr_cli.collections import creatable
 
-    path = Path.parse(target)
+    path = creatable(target)
     if max_ttl is not None and path.collection is None:
         raise UsageError("--max-ttl belongs to a collection: give SCOPE.COLLECTION")
 
@@ -94,18 +105,24 @@ def create_cmd(
             m = m.with_scope(path.scope)  # a collection's new scope is created with it
         return m.with_collection(path.scope, path.collection, max_ttl)
 
-    _render(_change(uri, edit), json_out)
+    def done(m: Manifest) -> bool:
+        if path.collection is None:
+            return m.scope(path.scope) is not None
+        held = m.lookup(path)
+        return held is not None and (held.max_ttl or None) == (max_ttl or None)
+
+    _render(_change(uri, edit, done), json_out)
 
 
 @app.command(
     "drop",
-    no_args_is_help=True,
     help="""Drop a scope (with its collections) or a collection.
 
 Its documents become unreachable at once and are purged in the background, as in
 Couchbase; DCP streams carry a system event for the drop, so backups and replays remove
-them too. The _default scope cannot be dropped; the _default collection can (as in
-Couchbase, it does not come back).
+them too. The _default scope cannot be dropped. The _default collection can, with
+--force only: as in Couchbase it never comes back, and clients without collections
+(which see only it) then see nothing.
 
 Example:
 
@@ -113,21 +130,38 @@ Example:
   upr collections drop upr://admin@127.0.0.1:11210/default app
 """,
 )
-def drop_cmd(uri: NodeUri, target: Target, json_out: JsonOutput = False) -> None:
+def drop_cmd(
+    uri: NodeUri,
+    target: Target,
+    force: Annotated[
+        bool, typer.Option("--force", help="Allow dropping _default._default (for good).")
+    ] = False,
+    json_out: JsonOutput = False,
+) -> None:
     """Drop a scope or a collection."""
-    from upr_cli.collections import Path
+    from upr_cli.collections import DEFAULT, Path
 
     path = Path.parse(target)
-    _render(_change(uri, lambda m: m.without(path)), json_out)
+    if (path.scope, path.collection) == (DEFAULT, DEFAULT) and not force:
+        raise UsageError("_default._default: dropping it purges its documents, it never comes "
+                         "back, and clients without collections then see nothing; add --force "
+                         "to drop it")  # fmt: skip
+
+    def gone(m: Manifest) -> bool:
+        return m.scope(path.scope) is None or (
+            path.collection is not None and m.lookup(path) is None
+        )
+
+    _render(_change(uri, lambda m: m.without(path), gone), json_out)
 
 
 @app.command(
     "list",
-    no_args_is_help=True,
-    help="""List the scopes and collections: name, id (hex, as in the manifest), max TTL.
+    help="""List the scopes and collections: name, id (0x hex), max TTL.
 
 Every node of the cluster is read and the newest manifest (the highest uid) is shown; a
-warning on stderr names the nodes that hold another one or do not answer. A server
+warning on stderr names the nodes that hold another one or do not answer. Long names
+fold within the terminal's width (COLUMNS). A server
 without collections (before Couchbase Server 7.0) has only _default._default. --json
 gives {"uid": "<decimal>", "uid_hex", "scopes": [...], "nodes": [...]}.
 
@@ -143,7 +177,7 @@ def list_cmd(uri: NodeUri, json_out: JsonOutput = False) -> None:
     from upr_cli.collections import Manifest
     from upr_cli.net.uri import SourceUri
 
-    nodes = asyncio.run(cluster_manifests(SourceUri.parse(uri)))
+    nodes = _run(uri, cluster_manifests(SourceUri.parse(uri)))
     answered = [n for n in nodes if not n.error]
     if not answered:
         from upr_cli.cluster.collections import ManifestPushError
@@ -156,19 +190,88 @@ def list_cmd(uri: NodeUri, json_out: JsonOutput = False) -> None:
     if json_out:
         print_json(manifest_json(manifest) | {"nodes": [_node_json(n) for n in nodes]})
         return
-    _table(manifest, f"manifest uid {manifest.uid} (hex {manifest.uid:x}), "
-                     f"{plural(len(answered), 'node')}")  # fmt: skip
+    _table(manifest, f"manifest uid 0x{manifest.uid:x}, {plural(len(answered), 'node')}")
     _disagreement(nodes, manifest)
+
+
+@app.command(
+    "repair",
+    help="""Give every node the arbiter's manifest when the nodes' manifests differ.
+
+The arbiter is the first node of the cluster map that holds partitions: every change
+goes to it first. Nodes behind it (they missed a change) get its manifest. Nodes that
+diverge (their own changes, by hand or by an older upr) get it too, unless they
+hold a scope or collection id that the arbiter has under another name, or one the
+arbiter does not have: documents may sit under either, so repair refuses, naming the
+nodes and ids. --force then drops every such scope and collection on every node, the
+arbiter included (create them again afterwards: they get new ids). `upr cluster start`
+gives nodes that are behind the newest manifest, but does not repair a divergence.
+
+Example:
+
+  upr collections repair upr://admin@127.0.0.1:11210/default
+  upr collections repair upr://admin@127.0.0.1:11210/default --force
+""",
+)
+def repair_cmd(
+    uri: NodeUri,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Drop conflicting scopes and collections everywhere."),
+    ] = False,
+    json_out: JsonOutput = False,
+) -> None:
+    """Give every node the arbiter's manifest."""
+    from upr_cli.cluster.collections import repair
+    from upr_cli.net.uri import SourceUri
+
+    done = _run(uri, repair(SourceUri.parse(uri), force=force))
+    if json_out:
+        print_json(manifest_json(done.manifest) | {"arbiter": done.arbiter, "gave": done.gave,
+                                                   "dropped": done.dropped})  # fmt: skip
+    else:
+        for text in done.dropped:
+            _line(f"dropped collection {text}" if not text.startswith("scope") else
+                  f"dropped {text}")  # fmt: skip
+        given = f"given to {', '.join(done.gave)}" if done.gave else "every node holds it"
+        _line(f"manifest uid 0x{done.manifest.uid:x} of the arbiter {done.arbiter}: {given}")
+    for warning in done.warnings:
+        hint(f"upr: warning: not delivered to {warning}")
 
 
 # -- rendering ------------------------------------------------------------------------
 
 
-def _change(uri: str, edit: Any) -> Change:
+def _change(uri: str, edit: Any, done: Any) -> Change:
     from upr_cli.cluster.collections import change
     from upr_cli.net.uri import SourceUri
 
-    return asyncio.run(change(SourceUri.parse(uri), edit))
+    return _run(uri, change(SourceUri.parse(uri), edit, done=done))
+
+
+def _run(uri: str, work: Coroutine[Any, Any, _T]) -> _T:
+    """Run `work`; a failure to reach `uri` says which URI (credentials left out)."""
+    from upr_cli.errors import UprError
+    from upr_cli.net.uri import SourceUri
+
+    try:
+        return asyncio.run(work)
+    except UprError as exc:
+        text = _readable(str(exc))
+        shown = SourceUri.parse(uri).redacted()
+        if text.startswith(("cannot connect", "connecting to")) and shown not in text:
+            text = f"{shown}: {text}"
+        exc.args = (text,)
+        raise
+
+
+def _readable(text: str) -> str:
+    """`text` with a JSON error body in it (`{"error": {"context": ...}}`, from a status
+    error) replaced by its context."""
+    from upr_cli.protocol.status import error_context
+
+    at = text.find("{")
+    return text if at < 0 else text[:at] + error_context(text[at:].encode())
 
 
 def manifest_json(m: Manifest) -> dict[str, Any]:
@@ -202,8 +305,8 @@ def _render(done: Change, json_out: bool) -> None:
         for kind, path, cid, ttl in described:
             what, verb = kind.split("-")
             extra = f", max TTL {ttl}s" if ttl else ""
-            _line(f"{verb} {what} {path} (id {cid:x}{extra})")
-        _line(f"manifest uid {m.uid} on {plural(len(done.took), 'node')}")
+            _line(f"{verb} {what} {path} (id 0x{cid:x}{extra})")
+        _line(f"manifest uid 0x{m.uid:x} on {plural(len(done.took), 'node')}")
     for warning in done.warnings:
         hint(f"upr: warning: not delivered to {warning}")
 
@@ -220,23 +323,33 @@ def _describe(c: ManifestChange, new: Manifest, old: Manifest) -> tuple[str, str
 
 def _table(m: Manifest, title: str) -> None:
     t = table(title)
-    for col in ("scope", "collection", "id (hex)", "max TTL"):
-        t.add_column(col, justify="left" if col in ("scope", "collection") else "right")
+    for col in ("scope", "collection"):
+        t.add_column(col, overflow="fold")  # a 251-byte name folds, never widens the rows
+    for col in ("id", "max TTL"):
+        t.add_column(col, justify="right", no_wrap=True)
     for s, c in m.collections():
-        t.add_row(s.name, c.name, f"{c.id:x}", f"{c.max_ttl}s" if c.max_ttl else "-")
+        t.add_row(s.name, c.name, f"0x{c.id:x}", f"{c.max_ttl}s" if c.max_ttl else "-")
     for s in m.scopes:
         if not s.collections:
             t.add_row(s.name, "(none)", "", "")
-    stdout.print(keep_whole(t, "id (hex)", "max TTL"))
+    stdout.print(keep_whole(t, "id", "max TTL"), width=_width())
+
+
+def _width() -> int:
+    """The table's width: COLUMNS or the terminal's when there is one (piped: 200, as
+    every table, upr_cli/cli/output.py)."""
+    if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+        return shutil.get_terminal_size((200, 24)).columns
+    return 200
 
 
 def _disagreement(nodes: list[NodeManifest], shown: Manifest) -> None:
     """Warn about nodes that hold another manifest or do not answer."""
-    other = [f"{n.node} uid {n.manifest.uid}" for n in nodes
+    other = [f"{n.node} uid 0x{n.manifest.uid:x}" for n in nodes
              if n.manifest is not None and n.manifest != shown]  # fmt: skip
     if other:
-        hint(f"upr: warning: {', '.join(other)} hold another manifest (the next change, or "
-             "`upr cluster start`, gives every node the newest)")  # fmt: skip
+        hint(f"upr: warning: {', '.join(other)} hold another manifest (`upr collections "
+             "repair` gives every node the arbiter's)")  # fmt: skip
     for n in nodes:
         if n.error:
             hint(f"upr: warning: {n.node} does not answer: {n.error}")

@@ -1,19 +1,25 @@
-"""A bucket's collections manifest across a cluster: read it from every node, change it,
-push it to every node (formats/cluster.md "Collections").
+"""A bucket's collections manifest across a cluster: read it from every node, change it
+through one arbiter node, push it to every node (formats/cluster.md "Collections").
 
 In Couchbase the cluster manager owns the manifest and pushes each new one to every data
 node with COLLECTIONS_SET_MANIFEST (0xb9); a node refuses a manifest whose uid is lower
-than its own (ERANGE), so the uid orders every change. upr has no cluster manager:
-`upr collections` plays its part for one change, and `upr cluster` for the nodes it
-restarts or adds, so that every node holds the same manifest.
+than its own (ERANGE), or the same uid with other content (EINVAL). upr has no cluster
+manager: `upr collections` plays its part for one change, and `upr cluster` for the
+nodes it restarts or adds, so that every node holds the same manifest.
 
-A change reads every node of the cluster map, edits the newest manifest (the highest
-uid: a node that missed a change is behind, not right), and pushes the result to every
-node. It refuses before pushing anything when a node that holds partitions does not
-answer. A node that comes to hold a uid at or above ours with other content took a
-concurrent change: the change is made again on that manifest, a bounded number of
-times. A node that refuses for any other reason is named in a `ManifestPushError`,
-with the nodes that took the manifest.
+Changes are serialised by one node, the arbiter: the first node of the cluster map's
+server list that holds partitions (a change refuses to start while such a node does not
+answer, so every client picks the same one). A change reads every node, then the
+arbiter last, edits the arbiter's manifest and pushes the result to the arbiter first.
+Two clients that start from the same manifest make the same uid: the arbiter takes one
+and refuses the other, which reads the arbiter again and makes its change on the
+winner's manifest. Only a manifest the arbiter took is pushed to the other nodes, so no
+two nodes ever hold one id under two names. A node that refuses ours because it holds
+a later uid, one the arbiter holds too, has a later change that includes ours.
+
+Nodes whose manifests diverge from the arbiter's (made by hand, or by an older upr,
+which pushed to every node at once) stop every change until
+`upr collections repair` gives them the arbiter's manifest (`repair`).
 """
 
 from __future__ import annotations
@@ -24,15 +30,32 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from upr_cli.collections import DEFAULT, CollectionsError, Manifest, Path, check_user_name
-from upr_cli.errors import UprError, UsageError
+from upr_cli.collections import (
+    Collection,
+    Manifest,
+    Scope,
+)
+from upr_cli.collections import (
+    parse_specs as parse_specs,  # `upr cluster init --collections` checks them here
+)
+from upr_cli.collections import (
+    with_specs as with_specs,
+)
+from upr_cli.errors import UprError
 from upr_cli.net.bootstrap import Session, connect, node_uris
 from upr_cli.net.connection import Connection
+from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.messages import CollectionsGetManifest, CollectionsSetManifest
-from upr_cli.protocol.status import Status, error_for_status
+from upr_cli.protocol.status import Status, error_context, error_for_status
 
-ATTEMPTS = 5  # changes made again after a concurrent change, before giving up
+REPAIR = "`upr collections repair URI` gives every node the arbiter's manifest"
+FORCE = (
+    "documents may sit under either; `upr collections repair --force URI` drops these on every node"
+)
+ATTEMPTS = 12  # tries of a change that concurrent ones beat at the arbiter, before giving up
+# a change that lost at the arbiter waits a little, jittered, so that a crowd thins out
+BACKOFF = RetryPolicy(attempts=ATTEMPTS, first=0.05, cap=1.0)
 NODE_TIMEOUT = 5.0  # seconds for a node other than the bootstrap one to answer
 # kv_engine answers GET_COLLECTIONS_MANIFEST with NoCollectionsManifest (0x89) before the
 # cluster manager set one: the node then has the default collection only
@@ -75,6 +98,7 @@ class Change:
     took: list[str] = field(default_factory=list)  # nodes that hold the new manifest
     warnings: list[str] = field(default_factory=list)  # nodes outside the map that did not
     attempts: int = 1
+    arbiter: str = ""  # the node that took it first
 
 
 # -- one node -------------------------------------------------------------------------
@@ -102,7 +126,7 @@ async def set_manifest(conn: Connection, manifest: Manifest) -> str:
     resp = await conn.request(msg, check=False)
     if resp.status == Status.SUCCESS:
         return ""
-    text = bytes(getattr(resp, "value", b"")).decode(errors="replace").strip()
+    text = error_context(bytes(getattr(resp, "value", b"")))
     name = error_for_status(resp.status).__name__
     return f"{name} (status 0x{resp.status:02x}){': ' + text if text else ''}"
 
@@ -182,15 +206,21 @@ def newest(nodes: Iterable[NodeManifest]) -> Manifest | None:
     return max(tied, key=lambda m: count[m.dumps()])  # max keeps the first of equals
 
 
-def next_manifest(base: Manifest, edit: Callable[[Manifest], Manifest], top: int,
-                  previous: Manifest | None) -> Manifest:  # fmt: skip
-    """The manifest to push: `edit(base)` with a uid above every node's (`top`). When
-    `base` is our own previous attempt (it won a tie on some nodes), that manifest again
-    with a higher uid: the edit is in it already."""
-    new = previous if previous is not None and base == previous else edit(base)
+def next_manifest(base: Manifest, edit: Callable[[Manifest], Manifest], top: int) -> Manifest:
+    """The manifest to push: `edit(base)` with a uid above every node's (`top`); `base`
+    itself when the edit changes nothing."""
+    new = edit(base)
+    if new == base:
+        return base
     if new.uid <= top:
         new = replace(new, uid=top + 1)  # the ids stay below uid + 8 (Manifest.next_id)
     return new
+
+
+def arbiter(nodes: Sequence[NodeManifest]) -> int:
+    """The index of the arbiter: the first node of the map's server list that holds
+    partitions (the first node when none does)."""
+    return next((i for i, n in enumerate(nodes) if n.member), 0)
 
 
 def _check_ready(nodes: list[NodeManifest]) -> None:
@@ -210,9 +240,79 @@ def _check_ready(nodes: list[NodeManifest]) -> None:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Conflict:
+    """A scope or collection id a node holds otherwise than the arbiter (or cannot take)."""
+
+    kind: str  # "scope" or "collection"
+    id: int
+    text: str  # the id, the node's path and the arbiter's
+
+
+def conflicts(held: Manifest, target: Manifest) -> list[Conflict]:
+    """What giving a node that holds `held` the arbiter's manifest `target` would lose,
+    rename or be refused: an id `target` has under another name, scope or max TTL; an
+    id `target` lacks when the node is not behind the arbiter (nothing says the arbiter
+    dropped it); and an id of `target` the node lacks but is at or below its highest
+    (the node refuses it, formats/collections.md §2). Documents may sit under either
+    name, so none is given up silently."""
+    out = []
+    for s, c in held.collections():
+        t = target.by_id(c.id)
+        if t is None and held.uid < target.uid:
+            continue  # dropped by a later change the node missed
+        if t is None or _identity(*t) != _identity(s, c):
+            there = f"{t[0].name}.{t[1].name}" if t is not None else "none"
+            text = f"0x{c.id:x} {s.name}.{c.name} (the arbiter's: {there})"
+            out.append(Conflict("collection", c.id, text))
+    top = held.max_id
+    for s, c in target.collections():
+        if held.by_id(c.id) is None and c.id <= top and not any(x.id == c.id for x in out):
+            text = f"0x{c.id:x} none (the arbiter's: {s.name}.{c.name})"
+            out.append(Conflict("collection", c.id, text))
+    for sc in held.scopes:
+        ts = target.scope_by_id(sc.id)
+        if ts is not None and ts.name != sc.name:
+            text = f"scope 0x{sc.id:x} {sc.name} (the arbiter's: {ts.name})"
+            out.append(Conflict("scope", sc.id, text))
+    return out
+
+
+def _identity(scope: Scope, coll: Collection) -> tuple[int, str, int | None]:
+    return scope.id, coll.name, coll.max_ttl or None
+
+
+def _diverged(nodes: Sequence[NodeManifest], judge: int) -> dict[str, list[Conflict]]:
+    """The members whose manifests diverge from the arbiter's (index `judge`): a uid at
+    or above it with other content, or conflicts; each with its conflicts."""
+    target = nodes[judge].manifest
+    assert target is not None
+    out: dict[str, list[Conflict]] = {}
+    for i, n in enumerate(nodes):
+        if i == judge or not n.member or n.manifest is None or n.manifest == target:
+            continue
+        found = conflicts(n.manifest, target)
+        if found or n.manifest.uid >= target.uid:
+            out[n.node] = found
+    return out
+
+
+async def _read_arbiter(session: Session, uris: list[SourceUri],
+                        nodes: list[NodeManifest]) -> int:  # fmt: skip
+    """Read the arbiter again, after every other node: a manifest another node holds was
+    taken by the arbiter before, so a node ahead of it has diverged, not raced."""
+    judge = arbiter(nodes)
+    nodes[judge] = again = await _read(session, uris[judge], nodes[judge].member)
+    if again.error or again.manifest is None:
+        raise ManifestPushError(f"no node changed: the arbiter {again.node} does not answer "
+                                f"({again.error or 'no manifest'})")  # fmt: skip
+    return judge
+
+
 async def _push(session: Session | None, uris: list[SourceUri], nodes: list[NodeManifest],
-                new: Manifest) -> dict[str, str]:  # fmt: skip
-    """Push `new` to every node that answered and holds something else; failures by node."""
+                new: Manifest, *, skip: int | None = None) -> dict[str, str]:  # fmt: skip
+    """Push `new` to every node that answered and holds something else (all but the
+    node `skip`); failures by node."""
 
     async def one(target: SourceUri, held: NodeManifest) -> tuple[str, str]:
         if held.manifest == new:
@@ -223,36 +323,96 @@ async def _push(session: Session | None, uris: list[SourceUri], nodes: list[Node
             why = _why(exc)
         return held.node, why
 
-    todo = [(u, n) for u, n in zip(uris, nodes, strict=True) if not n.error and n.supported]
+    todo = [(u, n) for i, (u, n) in enumerate(zip(uris, nodes, strict=True))
+            if i != skip and not n.error and n.supported]  # fmt: skip
     answers = await asyncio.gather(*(one(u, n) for u, n in todo))
     return {node: why for node, why in answers if why}
 
 
 async def change(uri: SourceUri, edit: Callable[[Manifest], Manifest], *,
+                 done: Callable[[Manifest], bool] | None = None,
                  attempts: int = ATTEMPTS) -> Change:  # fmt: skip
-    """Apply `edit` to the cluster's newest manifest and push the result to every node
-    (the module's doc says how concurrent changes and failures are handled)."""
+    """Apply `edit` to the arbiter's manifest, push the result to the arbiter, then to
+    every other node (the module's doc says why). `done(manifest)` tells a retry that
+    the change is there already (an earlier attempt of ours, or the same change by
+    another client): it is then complete, not an error."""
     session = await connect(uri, name="upr-collections")
-    previous: Manifest | None = None
     try:
         for attempt in range(1, attempts + 1):
             uris, nodes = await read_all(session)
             _check_ready(nodes)
-            base = newest(nodes)
-            assert base is not None  # _check_ready: some node answered with one
-            top = max(n.manifest.uid for n in nodes if n.manifest is not None)
-            new = next_manifest(base, edit, top, previous)
-            failed = await _push(session, uris, nodes, new)
-            if failed and _raced(await read_all(session), new):
-                previous = new
+            judge = await _read_arbiter(session, uris, nodes)
+            base = nodes[judge].manifest
+            assert base is not None
+            diverged = _diverged(nodes, judge)
+            if diverged:
+                raise _divergence(nodes[judge], diverged, "no node changed")
+            if attempt > 1 and done is not None and done(base):
+                new = base
+            else:
+                new = next_manifest(base, edit, max(n.manifest.uid for n in nodes
+                                                    if n.manifest is not None))  # fmt: skip
+            if new != base and not await _arbiter_takes(session, uris[judge], base, new):
+                await asyncio.sleep(BACKOFF.delay(attempt))
                 continue
-            return _outcome(Change(new, base, attempts=attempt), nodes, failed)
+            failed = await _push(session, uris, nodes, new, skip=judge)
+            failed = await _excused(session, uris, nodes, failed, new, judge)
+            out = Change(new, base, attempts=attempt, arbiter=nodes[judge].node)
+            return _outcome(out, nodes, failed)
     finally:
         await session.conn.aclose()
     raise ManifestPushError(
-        f"the manifest kept changing during {attempts} attempts (another change at the same "
-        "time?): run the command again"
+        f"the manifest kept changing during {attempts} attempts (other changes at the same "
+        "time): run the command again"
     )
+
+
+async def _arbiter_takes(session: Session, target: SourceUri, base: Manifest,
+                         new: Manifest) -> bool:  # fmt: skip
+    """Push `new` to the arbiter: True when it took it, False when a concurrent change
+    took it first (the arbiter no longer holds `base`); a ManifestPushError otherwise."""
+    try:
+        why = await _on_node(session, target, lambda c: set_manifest(c, new))
+    except (UprError, OSError) as exc:  # the answer may be lost, not the manifest
+        why = _why(exc)
+    if not why:
+        return True
+    now = await _read(session, target, True)
+    if now.manifest == new:
+        return True
+    if now.manifest is not None and now.manifest != base:
+        return False
+    raise ManifestPushError(f"no node changed: the arbiter {now.node} refused manifest uid "
+                            f"0x{new.uid:x}: {why}", failed={now.node: why})  # fmt: skip
+
+
+async def _excused(session: Session, uris: list[SourceUri], nodes: list[NodeManifest],
+                   failed: dict[str, str], new: Manifest,
+                   judge: int) -> dict[str, str]:  # fmt: skip
+    """The failures left once the nodes that refused ours for a later manifest the
+    arbiter holds too are excused: that manifest was made on ours."""
+    if not failed:
+        return failed
+    top = await _read(session, uris[judge], True)
+    if top.manifest is None:
+        return failed
+    index = {n.node: i for i, n in enumerate(nodes)}
+    later = await asyncio.gather(*(_read(session, uris[index[k]], True) for k in failed))
+    return {k: why for (k, why), n in zip(failed.items(), later, strict=True)
+            if n.manifest is None or not new.uid < n.manifest.uid <= top.manifest.uid}  # fmt: skip
+
+
+def _divergence(judge: NodeManifest, diverged: dict[str, list[Conflict]], what: str,
+                next_step: str = REPAIR) -> UprError:  # fmt: skip
+    """The one-line error for nodes whose manifests diverge from the arbiter's."""
+    assert judge.manifest is not None
+    parts = [f"{node}: {', '.join(c.text for c in found) or 'other content, uid not below'}"
+             for node, found in diverged.items()]  # fmt: skip
+    return ManifestPushError(
+        f"{what}: the collections manifests diverge from the arbiter {judge.node} (uid "
+        f"0x{judge.manifest.uid:x}) on {'; '.join(parts)}; {next_step}",
+        failed=dict.fromkeys(diverged, "diverged"),
+    )  # fmt: skip
 
 
 def _outcome(out: Change, nodes: list[NodeManifest], failed: dict[str, str]) -> Change:
@@ -265,24 +425,73 @@ def _outcome(out: Change, nodes: list[NodeManifest], failed: dict[str, str]) -> 
     if missed:
         listed = "; ".join(f"{k}: {v}" for k, v in missed.items())
         raise ManifestPushError(
-            f"manifest uid {out.manifest.uid} not taken by {listed} (taken by "
-            f"{', '.join(out.took) or 'no node'}): run the command again",
+            f"manifest uid 0x{out.manifest.uid:x} not taken by {listed} (taken by "
+            f"{', '.join(out.took) or 'no node'}): {REPAIR} once they answer",
             took=out.took, failed=missed,
         )  # fmt: skip
     return out
-
-
-def _raced(read: tuple[list[SourceUri], list[NodeManifest]], new: Manifest) -> bool:
-    """True when a node holds a uid at or above ours with other content: a concurrent
-    change reached it."""
-    return any(n.manifest is not None and n.manifest.uid >= new.uid and n.manifest != new
-               for n in read[1])  # fmt: skip
 
 
 async def change_manifest(uri: SourceUri, edit: Callable[[Manifest], Manifest]) -> Manifest:
     """Apply `edit` to the manifest of the cluster `uri` reaches and push the result to
     every node of its map; returns the new manifest."""
     return (await change(uri, edit)).manifest
+
+
+@dataclass
+class Repair:
+    """What `repair` did: the manifest every node holds now, and where it went."""
+
+    manifest: Manifest
+    arbiter: str
+    gave: list[str] = field(default_factory=list)  # nodes given it (the arbiter first)
+    dropped: list[str] = field(default_factory=list)  # conflicts dropped (--force)
+    warnings: list[str] = field(default_factory=list)
+
+
+async def repair(uri: SourceUri, *, force: bool = False) -> Repair:
+    """Give every node the arbiter's manifest. Conflicts (`conflicts`) stop it, naming
+    the nodes and ids, unless `force`: then the conflicting scopes and collections are
+    dropped on every node, the arbiter included, and may be created again."""
+    session = await connect(uri, name="upr-collections")
+    try:
+        uris, nodes = await read_all(session)
+        _check_ready(nodes)
+        judge = await _read_arbiter(session, uris, nodes)
+        target = nodes[judge].manifest
+        assert target is not None
+        diverged = _diverged(nodes, judge)
+        found = {node: c for node, c in diverged.items() if c}
+        if found and not force:
+            raise _divergence(nodes[judge], found, "no node changed", FORCE)
+        gone = {(c.kind, c.id) for cs in found.values() for c in cs}
+        new = _without(target, gone)
+        if new != target or diverged:  # a node at or above the arbiter's uid: go above it
+            top = max(n.manifest.uid for n in nodes if n.manifest is not None)
+            new = replace(new, uid=max(new.uid, top + 1))
+        out = Repair(new, nodes[judge].node, dropped=sorted({c.text for cs in found.values()
+                                                             for c in cs}))  # fmt: skip
+        if new != target:
+            if not await _arbiter_takes(session, uris[judge], target, new):
+                raise ManifestPushError("no node changed: the arbiter's manifest changed "
+                                        "meanwhile; run the command again")  # fmt: skip
+            out.gave.append(out.arbiter)
+        failed = await _push(session, uris, nodes, new, skip=judge)
+        out.gave += [n.node for i, n in enumerate(nodes) if i != judge and not n.error
+                     and n.supported and n.manifest != new and n.node not in failed]  # fmt: skip
+        change = _outcome(Change(new, target), nodes, failed)
+        out.warnings = change.warnings
+        return out
+    finally:
+        await session.conn.aclose()
+
+
+def _without(m: Manifest, gone: set[tuple[str, int]]) -> Manifest:
+    """`m` without the scopes and collections `gone` names, by (kind, id)."""
+    scopes = tuple(replace(s, collections=tuple(c for c in s.collections
+                                                if ("collection", c.id) not in gone))
+                   for s in m.scopes if ("scope", s.id) not in gone)  # fmt: skip
+    return m if scopes == m.scopes else replace(m, uid=m.uid + 1, scopes=scopes)
 
 
 async def read_nodes(uris: Sequence[SourceUri]) -> list[NodeManifest]:
@@ -321,55 +530,3 @@ async def spread(uris: Sequence[SourceUri], targets: Iterable[int]) -> Manifest 
         raise ManifestPushError(f"collections manifest uid {best.uid} not delivered to "
                                 f"{listed}", failed=failed)  # fmt: skip
     return best
-
-
-# -- specs: `upr serve --collections` and `upr cluster init --collections` ------------
-
-
-def parse_specs(text: str | Iterable[str] | None) -> tuple[str, ...]:
-    """Comma-separated `SCOPE`, `SCOPE.COLLECTION` or `SCOPE.COLLECTION:MAXTTL` specs,
-    checked (a UsageError says what is wrong) and without repeats."""
-    if text is None:
-        return ()
-    items = text.split(",") if isinstance(text, str) else [p for t in text for p in t.split(",")]
-    out: list[str] = []
-    for raw in (t.strip() for t in items):
-        if not raw:
-            continue
-        path, ttl = _spec(raw)
-        out.append(str(path) + (f":{ttl}" if ttl is not None else ""))
-    return tuple(dict.fromkeys(out))
-
-
-def _spec(text: str) -> tuple[Path, int | None]:
-    where, colon, ttl_text = text.partition(":")
-    path = Path.parse(where)
-    if path.scope == DEFAULT and path.collection in (None, DEFAULT):
-        raise UsageError(f"{text!r}: the _default scope and collection always exist")
-    ttl = None
-    if colon:
-        if path.collection is None:
-            raise UsageError(f"{text!r}: a max TTL belongs to a collection (SCOPE.COLLECTION:S)")
-        if not ttl_text.isdigit() or int(ttl_text) > 0x7FFF_FFFF:
-            raise UsageError(f"{text!r}: the max TTL is 0 to 2147483647 seconds")
-        ttl = int(ttl_text)
-    try:
-        if path.scope != DEFAULT:
-            check_user_name(path.scope, "scope")
-        if path.collection is not None:
-            check_user_name(path.collection)
-    except CollectionsError as exc:
-        raise UsageError(f"{text!r}: {exc}") from None
-    return path, ttl
-
-
-def with_specs(manifest: Manifest, specs: Iterable[str]) -> Manifest:
-    """`manifest` with every scope and collection the specs name that it lacks (a
-    collection's scope too); those it has are left as they are."""
-    for text in specs:
-        path, ttl = _spec(text)
-        if manifest.scope(path.scope) is None:
-            manifest = manifest.with_scope(path.scope)
-        if path.collection is not None and manifest.lookup(path) is None:
-            manifest = manifest.with_collection(path.scope, path.collection, ttl)
-    return manifest

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from upr_cli.protocol import (
 )
 from upr_cli.protocol.header import RESPONSE_MAGICS
 from upr_cli.protocol.messages import Request, StatResponse
-from upr_cli.protocol.status import Status, status_error
+from upr_cli.protocol.status import Status, error_context, status_error
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,9 @@ class Connection:
                 f"connecting to {host}:{port} timed out after {timeout:g}s"
             ) from None
         except OSError as exc:
-            raise ConnectionError_(
-                f"cannot connect to {host}:{port}: {exc.strerror or exc}"
-            ) from None
+            # asyncio's strerror repeats the address ("Connect call failed ('h', p)")
+            why = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise ConnectionError_(f"cannot connect to {host}:{port}: {why}") from None
         return cls(reader, writer, name=name or f"{host}:{port}", on_server=on_server,
                    on_close=on_close)  # fmt: skip
 
@@ -340,7 +341,7 @@ def raise_for_status(resp: ResponseMessage) -> None:
     """Raise the status's error class for a non-success response."""
     if resp.status != Status.SUCCESS:
         body = getattr(resp, "value", b"")
-        detail = body.decode(errors="replace")[:200] if isinstance(body, bytes) else ""
+        detail = error_context(body)[:200] if isinstance(body, bytes) else ""
         err = status_error(resp.status, body=body if isinstance(body, bytes) else b"",
                            opcode=getattr(resp, "opcode", None))  # fmt: skip
         if detail:

@@ -58,7 +58,6 @@ from upr_cli.node.collections import (
     DROPPED_KEY,
     MANIFEST_KEY,
     NodeCollections,
-    check_successor,
     expiry_of,
 )
 from upr_cli.node.partition import ACTIVE, PENDING, REPLICA, Marker, Partition
@@ -375,7 +374,7 @@ class Bucket:
         if manifest.uid == old.uid and manifest != old:
             raise InvalidArguments(f"manifest uid {manifest.uid:x} is current, with other content")
         try:
-            check_successor(old, manifest)
+            self.collections.check(manifest)
         except CollectionsError as exc:
             raise InvalidArguments(str(exc)) from None
         changes = changes_between(old, manifest)

@@ -7,12 +7,13 @@ answers UnknownCollection (0x88) with the manifest uid, as kv_engine does
 (formats/collections.md §4). The manifest and the ids of dropped collections whose
 documents are not yet purged are `meta` rows of the bucket's database
 (formats/collections.md §2); the bucket purges those documents in the background
-(formats/collections.md §3). `upr serve --collections` specs are parsed here.
+(formats/collections.md §3). `upr serve --collections` specs are applied here.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 
 from upr_cli.collections import (
@@ -22,7 +23,11 @@ from upr_cli.collections import (
     Manifest,
     ManifestChange,
     Path,
+    Scope,
+    spec_differences,
 )
+from upr_cli.collections import parse_specs as parse_specs  # `upr serve` checks specs here
+from upr_cli.collections import with_specs as common_with_specs
 from upr_cli.errors import UsageError
 from upr_cli.protocol import leb128
 from upr_cli.protocol.status import Status, StatusError
@@ -31,6 +36,7 @@ MANIFEST_KEY = "collections_manifest"
 DROPPED_KEY = "collections_dropped"  # ids whose documents the purge has still to delete
 MAX_RELATIVE = 30 * 24 * 3600  # an expiry up to 30 days is relative (formats/collections.md §4)
 MAX_TTL = 0x7FFF_FFFF
+log = logging.getLogger(__name__)
 
 
 class UnknownCollectionError(StatusError):
@@ -50,27 +56,66 @@ class UnknownScopeError(UnknownCollectionError):
 
 
 class NodeCollections:
-    """The bucket's current manifest, indexed by collection id, and the dropped ids
-    whose documents are still on disk."""
+    """The bucket's current manifest, indexed by collection id, the dropped ids whose
+    documents are still on disk, and the highest collection and scope ids the node
+    ever held (an id at or below them that the manifest lacks was dropped: it never
+    comes back, formats/collections.md §2)."""
 
-    def __init__(self, manifest: Manifest | None = None, dropped: Iterable[int] = ()) -> None:
+    def __init__(self, manifest: Manifest | None = None, dropped: Iterable[int] = (), *,
+                 high: tuple[int, int] = (0, 0)) -> None:  # fmt: skip
         self.manifest = Manifest()
         self._by_id: dict[int, Collection] = {}
         self.dropped: set[int] = set(dropped)
+        self.high_collection, self.high_scope = high
+        self.high_collection = max(self.high_collection, *self.dropped, 0)
         self.replace(manifest or Manifest())
 
     @classmethod
     def from_meta(cls, manifest: str | None, dropped: str | None) -> NodeCollections:
-        """The state stored in the `meta` rows (CollectionsError if they are corrupt)."""
-        ids = json.loads(dropped) if dropped else []
+        """The state stored in the `meta` rows (CollectionsError if they are corrupt).
+        The dropped row is a JSON object (version 2); version 1 was a bare list of the
+        ids to purge, and the high-water marks are derived from the manifest and that list."""
+        try:
+            doc = json.loads(dropped) if dropped else []
+        except ValueError:
+            raise CollectionsError(f"stored dropped collections: {dropped!r}") from None
+        high = (0, 0)
+        if isinstance(doc, dict):
+            ids, highs = doc.get("purge"), (doc.get("high_collection"), doc.get("high_scope"))
+            if not all(isinstance(h, int) and h >= 0 for h in highs):
+                raise CollectionsError(f"stored dropped collections: {dropped!r}")
+            high = (int(highs[0] or 0), int(highs[1] or 0))
+        else:
+            ids = doc
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise CollectionsError(f"stored dropped collections: {dropped!r}")
-        return cls(Manifest.from_json(manifest) if manifest else None, ids)
+        return cls(Manifest.from_json(manifest) if manifest else None, ids, high=high)
 
     def meta(self) -> dict[str, str]:
         """The `meta` rows that persist this state."""
+        dropped = {"purge": sorted(self.dropped), "high_collection": self.high_collection,
+                   "high_scope": self.high_scope}  # fmt: skip
         return {MANIFEST_KEY: self.manifest.dumps().decode(),
-                DROPPED_KEY: json.dumps(sorted(self.dropped))}  # fmt: skip
+                DROPPED_KEY: json.dumps(dropped, separators=(",", ":"))}  # fmt: skip
+
+    def check(self, new: Manifest) -> None:
+        """What COLLECTIONS_SET_MANIFEST refuses beyond the JSON checks (CollectionsError):
+        `check_successor`, and an id the current manifest lacks at or below the highest
+        the node held. That id was dropped, and its documents may still wait for the
+        lazy purge, which would delete the new collection's."""
+        check_successor(self.manifest, new)
+        for s, c in new.collections():
+            if c.id not in self._by_id and c.id <= self.high_collection:
+                raise CollectionsError(
+                    f"collection id 0x{c.id:x} ({s.name}.{c.name}) was used before and "
+                    f"dropped: a new collection takes an id above 0x{self.high_collection:x}"
+                )
+        for s in new.scopes:
+            if self.manifest.scope_by_id(s.id) is None and s.id <= self.high_scope:
+                raise CollectionsError(
+                    f"scope id 0x{s.id:x} ({s.name}) was used before and dropped: a new "
+                    f"scope takes an id above 0x{self.high_scope:x}"
+                )
 
     def replace(self, manifest: Manifest) -> list[int]:
         """Take a new manifest; returns the collection ids it drops (now to purge)."""
@@ -78,6 +123,8 @@ class NodeCollections:
         self.manifest = manifest
         self._by_id = {c.id: c for _, c in manifest.collections()}
         self.dropped.update(gone)
+        self.high_collection = max(self.high_collection, *self._by_id, 0)
+        self.high_scope = max(self.high_scope, *(s.id for s in manifest.scopes), 0)
         return gone
 
     def collection(self, key: bytes) -> Collection:
@@ -148,12 +195,20 @@ def check_successor(old: Manifest, new: Manifest) -> None:
             continue
         if (had[0].id, had[1].name, had[1].max_ttl or None) != (s.id, c.name, c.max_ttl or None):
             raise CollectionsError(
-                f"collection id {c.id:x} cannot change its name, scope or max TTL"
+                f"collection id 0x{c.id:x} is {_held(had[0], had[1])} here, not "
+                f"{_held(s, c)}: an id cannot change its name, scope or max TTL"
             )
     for s in new.scopes:
         was = old.scope_by_id(s.id)
         if was is not None and was.name != s.name:
-            raise CollectionsError(f"scope id {s.id:x} cannot change its name")
+            raise CollectionsError(
+                f"scope id 0x{s.id:x} is {was.name} here, not {s.name}: an id cannot change "
+                "its name"
+            )
+
+
+def _held(scope: Scope, coll: Collection) -> str:
+    return f"{scope.name}.{coll.name}" + (f" (max TTL {coll.max_ttl}s)" if coll.max_ttl else "")
 
 
 def dropped_id(change: ManifestChange) -> int | None:
@@ -161,30 +216,13 @@ def dropped_id(change: ManifestChange) -> int | None:
     return change.collection_id if change.kind == "collection-dropped" else None
 
 
-def parse_specs(specs: Iterable[str]) -> list[tuple[Path, int | None]]:
-    """`upr serve --collections` specs: `SCOPE`, `SCOPE.COLLECTION` or
-    `SCOPE.COLLECTION:MAXTTL`, comma-separated or repeated (UsageError if malformed)."""
-    out: list[tuple[Path, int | None]] = []
-    for spec in (s.strip() for text in specs for s in text.split(",")):
-        if not spec:
-            continue
-        text, colon, ttl = spec.partition(":")
-        path = Path.parse(text)
-        if colon and (path.collection is None or not ttl.isdigit() or int(ttl) > MAX_TTL):
-            raise UsageError(f"{spec!r}: SCOPE.COLLECTION:MAXTTL takes 0 to {MAX_TTL} seconds")
-        out.append((path, int(ttl) if colon else None))
-    return out
-
-
 def with_specs(manifest: Manifest, specs: Iterable[str]) -> Manifest:
     """The manifest with every scope and collection the specs name (the missing ones
-    created, in order; existing ones kept as they are)."""
-    for path, ttl in parse_specs(specs):
-        try:
-            if manifest.scope(path.scope) is None:
-                manifest = manifest.with_scope(path.scope)
-            if path.collection is not None and manifest.lookup(path) is None:
-                manifest = manifest.with_collection(path.scope, path.collection, ttl)
-        except CollectionsError as exc:
-            raise UsageError(f"--collections {path}: {exc}") from None
-    return manifest
+    created, in order; existing ones kept as they are, with a warning in the log when
+    the spec gives another max TTL: `upr serve` logs to stderr)."""
+    for text in spec_differences(manifest, specs):
+        log.warning("--collections: %s", text)
+    try:
+        return common_with_specs(manifest, specs)
+    except CollectionsError as exc:
+        raise UsageError(str(exc)) from None

@@ -7,6 +7,7 @@ without the caller changing anything but waiting (or refreshing the cluster map)
 
 from __future__ import annotations
 
+import json
 from enum import IntEnum
 from typing import ClassVar
 
@@ -194,6 +195,22 @@ def status_error(
     if cls is None:
         return UnknownStatus(code, message, body=body, opcode=opcode)
     return cls(message, body=body, opcode=opcode)
+
+
+def error_context(body: bytes) -> str:
+    """The text of an error body, on one line: the `error.context` of kv_engine's JSON
+    error body (docs/protocol.md §3), else the body as text."""
+    text = body.decode(errors="replace").strip()
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return " ".join(text.split())
+    found = doc.get("error", {}).get("context") if isinstance(doc, dict) else None
+    if not isinstance(found, str) and isinstance(doc, dict) and "manifest_uid" in doc:
+        found = (
+            f"manifest uid 0x{doc['manifest_uid']}"  # UnknownCollection (docs/protocol.md §12.2)
+        )
+    return " ".join(found.split()) if isinstance(found, str) else " ".join(text.split())
 
 
 def registered_statuses() -> dict[int, type[StatusError]]:
