@@ -29,9 +29,10 @@ from upr_cli.collections import (
     parse_paths,
 )
 from upr_cli.dcp.consumer import DcpConsumer, resolve_filter
-from upr_cli.dcp.events import StreamEnded
+from upr_cli.dcp.events import Rollback, StreamEnded
 from upr_cli.errors import UprError
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition
 from upr_cli.protocol import FrameDecoder, Message, decode_message, leb128
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
 from upr_cli.protocol.header import Feature, Opcode
@@ -53,6 +54,7 @@ from upr_cli.protocol.messages import (
     StreamEnd,
     StreamRequest,
     StreamRequestOk,
+    StreamRequestRollback,
     SystemEvent,
 )
 from upr_cli.protocol.status import Status
@@ -74,15 +76,17 @@ class RawNode:
     """A scripted server: one bucket of `partitions`, no authentication.
 
     `script[vb]` is what a stream of `vb` sends after its SUCCESS answer (messages
-    whose opaque and partition the node fills in); `on_stream` may answer a stream
-    request with a status instead (and change the node's manifest meanwhile)."""
+    whose opaque and partition the node fills in), or `scripts(node, request)` when
+    given (a script per request); `on_stream` may answer a stream request with a
+    status or a message instead (and change the node's manifest meanwhile)."""
 
     collections: bool = True
     manifest: Manifest | None = MANIFEST  # None: GET_COLLECTIONS_MANIFEST fails (0x89)
     partitions: int = 1
     highs: dict[int, int] = field(default_factory=dict)
     script: dict[int, list[Message]] = field(default_factory=dict)
-    on_stream: Callable[[RawNode, StreamRequest], int | None] | None = None
+    on_stream: Callable[[RawNode, StreamRequest], int | Message | None] | None = None
+    scripts: Callable[[RawNode, StreamRequest], list[Message]] | None = None
     offered: list[int] = field(default_factory=list)  # HELLO features the client asked for
     streams: list[StreamRequest] = field(default_factory=list)
     port: int = 0
@@ -156,10 +160,14 @@ class RawNode:
         if isinstance(msg, StreamRequest):
             self.streams.append(msg)
             status = self.on_stream(self, msg) if self.on_stream is not None else None
+            if status is not None and not isinstance(status, int):
+                return [replace(status, opaque=op).encode()]
             if status is not None:
                 return [Response(opcode=Opcode.DCP_STREAM_REQ, opaque=op, status=status).encode()]
             out = [StreamRequestOk(opaque=op, failover_log=((UUID, 0),)).encode()]
-            for item in self.script.get(msg.vbucket, []):
+            script = (self.scripts(self, msg) if self.scripts is not None
+                      else self.script.get(msg.vbucket, []))  # fmt: skip
+            for item in script:
                 out.append(replace(item, opaque=op, vbucket=msg.vbucket).encode())
             return out
         raise AssertionError(f"RawNode: unexpected {msg!r}")
@@ -337,7 +345,9 @@ def test_filter_empty_ends_the_stream_and_a_reopen_asks_without_dropped_ids() ->
             consumer = DcpConsumer(node.uri, collections=parse_paths("app.users,app.orders"))
             async with consumer:
                 items = await drain(consumer)  # returns: both streams ended
-                assert consumer.filter is not None and consumer.filter.ids == set()
+                # each partition forgets what it saw dropped (or never held)
+                assert consumer.followed(0) == set() and consumer.followed(1) == {9}
+                assert consumer.filter is not None and consumer.filter.ids == {9, 0x90}
         ends = {it.partition: it.status for it in items if isinstance(it, StreamEnded)}
         assert ends == {0: 7, 1: 0}
         asked = [(r.vbucket, json.loads(r.value)["collections"]) for r in node.streams]
@@ -384,7 +394,7 @@ def test_a_node_behind_the_manifest_is_asked_again_with_the_same_filter() -> Non
             consumer = DcpConsumer(node.uri, collections=parse_paths("app.users,app.orders"))
             async with consumer:
                 items = await drain(consumer)
-                assert consumer.filter is not None and consumer.filter.ids == {9, 0x90}
+                assert consumer.followed(0) == {9, 0x90}
         assert [json.loads(r.value) for r in node.streams] == [{"collections": ["9", "90"]}] * 2
         assert [it.status for it in items if isinstance(it, StreamEnded)] == [0]
 
@@ -448,3 +458,186 @@ def test_resolve_filter_keeps_a_scope_open_to_collections_created_later() -> Non
     assert f.empty
     assert resolve_filter(None, MANIFEST) is None and resolve_filter([], None) is None
     assert resolve_filter([Path.parse("."), Path("_default")], None) is None
+
+
+# -- per partition, and resumes across drops (docs/protocol.md §12.4) -------------------
+
+
+def test_a_partition_forgets_an_id_only_once_it_handed_over_its_own_drop() -> None:
+    # partition 0 sees app.users dropped and ends (FilterEmpty); partition 1's stream
+    # ends before its own drop and is reopened: it must still ask for users and hand
+    # over the drop, not end at once because another partition's filter is empty
+    def scripts(node: RawNode, req: StreamRequest) -> list[Message]:
+        if req.vbucket == 0:
+            return [
+                SnapshotMarker(start_seqno=0, end_seqno=2, flags=0x06),
+                mutation(1, 9, b"a"),
+                event(dropped(2, 9)),
+                StreamEnd(status=7),
+            ]
+        if req.start_seqno == 0:
+            return [
+                SnapshotMarker(start_seqno=0, end_seqno=1, flags=0x06),
+                mutation(1, 9, b"b"),
+                StreamEnd(status=4),
+            ]  # the state changed
+        return [
+            SnapshotMarker(start_seqno=1, end_seqno=2, flags=0x06),
+            event(replace(dropped(2, 9), partition=1)),
+            StreamEnd(status=7),
+        ]
+
+    async def scenario() -> None:
+        node = RawNode(partitions=2, scripts=scripts)
+        async with serving(node):
+            consumer = DcpConsumer(node.uri, collections=parse_paths("app.users"))
+            async with consumer:
+                items = await drain(consumer)
+                drops = [(it.partition, it.seq) for it in items if isinstance(it, ManifestChange)]
+                assert drops == [(0, 2), (1, 2)]
+                assert consumer.filter_emptied
+        asked = [(r.vbucket, r.start_seqno, json.loads(r.value)) for r in node.streams]
+        assert asked == [(0, 0, {"collections": ["9"]}), (1, 0, {"collections": ["9"]}),
+                         (1, 1, {"collections": ["9"]})]  # fmt: skip
+
+    run(scenario())
+
+
+OLD, NEW = 0x1C, 0x1E  # crash.c1 before and after a drop and a re-create
+RECREATED = Manifest.from_json({"uid": "16", "scopes": [
+    {"name": "_default", "uid": "0", "collections": [{"name": "_default", "uid": "0"}]},
+    {"name": "crash", "uid": "8", "collections": [{"name": "c1", "uid": "1e"}]},
+]})  # fmt: skip
+GONE = Manifest.from_json({"uid": "16", "scopes": [
+    {"name": "_default", "uid": "0", "collections": [{"name": "_default", "uid": "0"}]},
+    {"name": "crash", "uid": "8", "collections": []},
+]})  # fmt: skip
+
+
+def _after_drop(node: RawNode, req: StreamRequest) -> list[Message]:
+    """Partition 0 above seq 5: a write to the old crash.c1 and one to the default
+    collection, the old one's drop, the new one's creation, then a write to it."""
+    history: list[Message] = [
+        mutation(6, OLD, b"old"), mutation(7, 0, b"other"), event(dropped(8, OLD)),
+        event(created(9, NEW, "c1")), mutation(10, NEW, b"new"),
+    ]  # fmt: skip
+    if req.value:  # filtered: the new collection only (the node refuses the old id)
+        wanted = set(json.loads(req.value)["collections"])
+        history = [m for m in history if isinstance(m, Mutation)
+                   and f"{leb128.split_key(m.key)[0]:x}" in wanted]  # fmt: skip
+    sent = [m for m in history if req.start_seqno < m.by_seqno <= req.end_seqno]
+    return [SnapshotMarker(start_seqno=req.start_seqno, end_seqno=req.end_seqno, flags=0x06),
+            *sent, StreamEnd(status=0)]  # fmt: skip
+
+
+def _resuming(node: RawNode, **kw: Any) -> DcpConsumer:
+    return DcpConsumer(node.uri, positions={0: StreamPosition(0, UUID, 5, 5, 5)},
+                       collections=parse_paths("crash.c1"), **kw)  # fmt: skip
+
+
+def test_a_resume_hands_over_the_drop_of_a_followed_collection_re_created_since() -> None:
+    async def scenario() -> None:
+        node = RawNode(manifest=RECREATED, highs={0: 9}, scripts=_after_drop)
+        async with serving(node):
+            async with _resuming(node, followed_ids={0: [OLD]}) as consumer:
+                items = await drain(consumer)
+                assert consumer.followed(0) == {NEW} and not consumer.filter_emptied
+            # without the ids it followed, the resume cannot know of the old collection
+            async with _resuming(node) as blind:
+                missed = await drain(blind)
+        got = [(it.key, it.collection) if isinstance(it, DcpRecord) else
+               (it.kind, it.collection_id) for it in items
+               if isinstance(it, DcpRecord | ManifestChange)]  # fmt: skip
+        assert got == [(b"old", OLD), ("collection-dropped", OLD),
+                       ("collection-created", NEW), (b"new", NEW)]  # fmt: skip
+        # unfiltered up to the high read after the manifest, then filtered from there
+        asked = [(r.start_seqno, r.end_seqno, r.value) for r in node.streams[:2]]
+        assert asked[0] == (5, 9, b"") and asked[1][:1] == (9,)
+        assert json.loads(asked[1][2]) == {"collections": ["1e"]}
+        assert not any(isinstance(it, ManifestChange) and it.dropped for it in missed)
+
+    run(scenario())
+
+
+def test_a_resume_whose_collection_is_gone_hands_over_the_drop_then_ends() -> None:
+    async def scenario() -> None:
+        node = RawNode(manifest=GONE, highs={0: 10}, scripts=_after_drop)
+        async with serving(node):
+            async with _resuming(node, followed_ids=[OLD], until_end=True) as consumer:
+                items = await drain(consumer)
+                assert consumer.followed(0) == set()
+            with pytest.raises(CollectionsError, match=r"crash\.c1"):
+                async with _resuming(node):  # nothing says it was followed: unknown
+                    pass
+        kinds = [it.kind for it in items if isinstance(it, ManifestChange)]
+        assert kinds == ["collection-dropped"]  # crash.c1's new id is not followed
+        assert [it.key for it in items if isinstance(it, DcpRecord)] == [b"old"]
+
+    run(scenario())
+
+
+def test_a_drop_at_or_below_the_resume_position_was_seen_already() -> None:
+    # the catch-up meets no drop of the followed id: it is forgotten at the high
+    async def scenario() -> None:
+        node = RawNode(manifest=RECREATED, highs={0: 9}, scripts=_after_drop)
+        async with serving(node):
+            positions = {0: StreamPosition(0, UUID, 8, 8, 8)}
+            consumer = DcpConsumer(node.uri, positions=positions, followed_ids={0: [OLD]},
+                                   collections=parse_paths("crash.c1"))  # fmt: skip
+            async with consumer:
+                items = await drain(consumer)
+                assert consumer.followed(0) == {NEW}
+        got = [it.kind if isinstance(it, ManifestChange) else it.key for it in items
+               if isinstance(it, DcpRecord | ManifestChange)]  # fmt: skip
+        assert got == ["collection-created", b"new"]
+        assert node.streams[0].value == b""
+
+    run(scenario())
+
+
+def test_a_rollback_below_a_forgotten_drop_hands_it_over_again() -> None:
+    # app.orders is dropped at seq 2 and forgotten once committed; a rollback to 1 takes
+    # the drop back from the caller, and the source no longer knows the id: the
+    # partition catches up unfiltered to its high and hands the drop over again
+    def scripts(node: RawNode, req: StreamRequest) -> list[Message]:
+        if req.start_seqno == 0:
+            return [
+                SnapshotMarker(start_seqno=0, end_seqno=1, flags=0x06),
+                mutation(1, 0x90, b"o"),
+                SnapshotMarker(start_seqno=2, end_seqno=3, flags=0x06),
+                event(dropped(2, 0x90)),
+                mutation(3, 9, b"u"),
+                StreamEnd(status=4),
+            ]
+        if not req.value:  # the catch-up, from the rollback point
+            return [
+                SnapshotMarker(start_seqno=2, end_seqno=3, flags=0x06),
+                mutation(2, 0, b"not-followed"),
+                event(dropped(2, 0x90)),
+                mutation(3, 9, b"u"),
+                StreamEnd(status=0),
+            ]
+        return [StreamEnd(status=0)]
+
+    def rollback_once(node: RawNode, req: StreamRequest) -> Message | None:
+        if req.start_seqno == 3 and len(node.streams) == 2:
+            node.manifest = Manifest.from_json(MANIFEST.without(Path("app", "orders")).dumps())
+            return StreamRequestRollback(rollback_seqno=1)
+        return None
+
+    async def scenario() -> None:
+        node = RawNode(highs={0: 3}, scripts=scripts, on_stream=rollback_once)
+        async with serving(node):
+            consumer = DcpConsumer(node.uri, collections=parse_paths("app.users,app.orders"))
+            async with consumer:
+                items = await drain(consumer)
+                assert consumer.followed(0) == {9}
+        asked = [(r.start_seqno, r.end_seqno, r.value) for r in node.streams]
+        assert asked[2][:3] == (1, 3, b"")  # unfiltered from the rollback point to the high
+        assert json.loads(asked[3][2]) == {"collections": ["9"]}
+        after = items[next(i for i, it in enumerate(items) if isinstance(it, Rollback)) :]
+        got = [it.kind if isinstance(it, ManifestChange) else it.key for it in after
+               if isinstance(it, DcpRecord | ManifestChange)]  # fmt: skip
+        assert got == ["collection-dropped", b"u"]
+
+    run(scenario())

@@ -110,13 +110,22 @@ def _expiries(cluster: Any, docs: dict[Doc, Any]) -> dict[Doc, Any]:
 
 
 def _tail_state(node: Node) -> dict[Doc, Any]:
+    """The bucket as a reader of `upr tail --format json` mirrors it: a change line sets
+    or removes its document; a collection's drop (a line with "event") removes that
+    collection's documents of its partition."""
     out = upr("tail", node.uri, "--until-end", "--format", "json").stdout
-    seen: dict[Doc, Any] = {}
+    seen: dict[tuple[int, str | None, str | None, str], Any] = {}
     for line in out.splitlines():
         row = json.loads(line)
-        doc = (row["scope"], row["collection"], row["key"])
-        seen[doc] = row if row["op"] == "mutation" else None
-    return {d: r for d, r in seen.items() if r is not None}
+        p = row["partition"]
+        if row.get("event") == "collection-dropped":
+            gone = (p, row.get("scope"), row.get("collection"))
+            seen = {d: r for d, r in seen.items() if d[:3] != gone}
+        elif "op" in row:
+            seen[p, row["scope"], row["collection"], row["key"]] = (
+                row if row["op"] == "mutation" else None
+            )
+    return {(d[1], d[2], d[3]): r for d, r in seen.items() if r is not None}
 
 
 def test_sdk_collections_backup_and_restore_across_partition_counts(

@@ -244,3 +244,31 @@ def test_replay_from_a_repository_applies_the_chain_s_drop(node: Node, tmp_path:
     assert stored(direct) == model
     with Store(stepwise, create=False) as s:
         assert [str(c) for c in s.collections().values() if c.dropped] == ["app.orders"]
+
+
+def test_a_filtered_replay_applies_the_drop_of_a_collection_re_created_since(
+    node: Node, tmp_path: Path
+) -> None:
+    """A store following crash.c1; crash.c1 dropped and created again (a new id): the
+    next run must apply the old one's drop in every partition, though the filter by
+    name now names only the new id. Then crash.c1 is dropped for good: the run after
+    applies that drop too, instead of failing on an unknown collection."""
+    create(node.uri, "crash.c1")
+    model: Model = {}
+    write(node.uri, model, [("crash.c1", b"k%d" % i, b'{"old":%d}' % i) for i in range(12)])
+    db = tmp_path / "c1.db"
+    assert replay(node, db, "--collections", "crash.c1")["applied"] == 12
+    drop(node.uri, "crash.c1")
+    create(node.uri, "crash.c1")
+    model.clear()
+    write(node.uri, model, [("crash.c1", b"k1", b'{"new":1}'), ("crash.c1", b"n2", b"{}"),
+                            ("_default._default", b"other", b"{}")])  # fmt: skip
+    second = replay(node, db, "--collections", "crash.c1")
+    assert stored(db) == {k: v for k, v in model.items() if k[0] == "crash.c1"}
+    assert second["manifest_changes"] == 2 * 16  # the old one dropped, the new one created
+    with Store(db, create=False) as s:
+        assert len({d.collection for d in s.documents()}) == 1
+    drop(node.uri, "crash.c1")
+    third = replay(node, db, "--collections", "crash.c1")
+    assert third["manifest_changes"] == 16 and stored(db) == {}
+    assert replay(node, db, "--collections", "crash.c1")["manifest_changes"] == 0

@@ -8,6 +8,8 @@ calls (COLLECTIONS_SET_MANIFEST), and documents written with collection-prefixed
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,9 +19,19 @@ from tests.e2e import collections_helpers as coll
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import run, spawn_upr, wait_persisted
 from upr_cli.collections import Manifest, ManifestChange
-from upr_cli.jobs.tail import CollectionNames, event_line, json_line, text_line
+from upr_cli.jobs.tail import (
+    CollectionNames,
+    Followed,
+    event_line,
+    filter_text,
+    json_line,
+    load_state,
+    save_state,
+    text_line,
+)
 from upr_cli.net.bootstrap import connect, partition_of
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.protocol.messages import Set
 
@@ -75,7 +87,44 @@ def test_verbose_lines_show_manifest_changes() -> None:
                      "scope_id": 8, "manifest_uid": "7"}  # fmt: skip
     text = event_line(created, "text", names) or ""
     assert text.startswith("# partition=3 ") and text.endswith("[collection-created]")
-    assert "collection=users" in text
+    assert "collection=users collection_id=0x9 " in text
+
+
+def test_a_drop_names_what_it_can_and_never_prints_none() -> None:
+    names = CollectionNames(APP, {0x1C: ("crash", "c1")})  # the state file's names
+    old = json.loads(event_line(ManifestChange(0, 9, "collection-dropped", 22, 0x0A, 0x1C),
+                                "json", names) or "")  # fmt: skip
+    assert (old["scope"], old["collection"], old["collection_id"]) == ("crash", "c1", 0x1C)
+    # a collection gone before the tail started, in a scope gone too: the id alone
+    gone = ManifestChange(0, 9, "collection-dropped", 22, 0x0A, 0x0B)
+    obj = json.loads(event_line(gone, "json", names) or "")
+    assert "scope" not in obj and "collection" not in obj and obj["collection_id"] == 0x0B
+    text = event_line(gone, "text", names) or ""
+    assert "None" not in text and " collection_id=0xb " in text
+    assert " scope=app " in (event_line(replace(gone, scope_id=8), "text", names) or "")
+    scope = event_line(ManifestChange(0, 9, "scope-dropped", 22, 0x0A), "text", names) or ""
+    assert "None" not in scope and " scope_id=0xa " in scope
+
+
+def test_the_state_file_keeps_what_a_filter_followed_and_reads_version_2(
+    tmp_path: Path,
+) -> None:
+    pos = {0: StreamPosition(0, 7, 12, 10, 12), 1: StreamPosition(1, 7, 3, 3, 3)}
+    followed = Followed("crash.c1", {0: {0x1C}, 1: {0x1C, 0x1E}}, {0x1C: ("crash", "c1")})
+    path = tmp_path / "st.json"
+    save_state(path, pos, {}, {0: [10, 12]}, followed)
+    data = json.loads(path.read_text())
+    assert data["version"] == 3 and data["collections"] == {
+        "filter": "crash.c1", "followed": {"0": [28], "1": [28, 30]},
+        "names": {"28": ["crash", "c1"]}}  # fmt: skip
+    assert load_state(path) == (pos, {}, {0: [10, 12]}, followed)
+    save_state(path, pos, {})  # no filter: no collections
+    assert "collections" not in json.loads(path.read_text())
+    # a version 2 file (before collections) resumes without followed ids
+    path.write_text(json.dumps({"version": 2, "positions": [pos[0].to_json()],
+                                "failover_logs": {}, "boundaries": {"0": ["12"]}}))  # fmt: skip
+    assert load_state(path) == ({0: pos[0]}, {}, {0: [12]}, None)
+    assert filter_text([coll.Path("b"), coll.Path("a", "x")]) == "a.x,b"
 
 
 # -- against upr serve ----------------------------------------------------------------
@@ -100,6 +149,11 @@ def _lines(*args: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.stdout.splitlines()]
 
 
+def _rows(*args: str) -> list[dict[str, Any]]:
+    """The change lines (not the collection events, which have "event", not "op")."""
+    return [r for r in _lines(*args) if "op" in r]
+
+
 @pytest.fixture
 def bucket(node: Node) -> Node:
     """A node with documents in the default collection, app.users and app.carts, and
@@ -119,23 +173,32 @@ def bucket(node: Node) -> Node:
 
 def test_tail_names_every_collection_and_skips_a_dropped_one(bucket: Node) -> None:
     lines = _lines(bucket.uri)
-    got = {(r["scope"], r["collection"], r["key"]) for r in lines if r["op"] == "mutation"}
+    got = {(r["scope"], r["collection"], r["key"]) for r in lines if r.get("op") == "mutation"}
     assert got == (
         {("_default", "_default", f"d{i}") for i in range(5)}
         | {("app", "users", f"u{i}") for i in range(5)}
         | {("app", "carts", "c0"), ("app", "carts", "c1")}
     )
     assert all(not problems(r) for r in lines)
+    # without -v too: every partition says app.orders was dropped (by id: it was gone
+    # before the tail started, and its creation was replaced by the drop)
+    drops = [r for r in lines if r.get("event") == "collection-dropped"]
+    assert len(drops) == bucket.partitions and all("op" not in r for r in drops)
+    assert {(r.get("scope"), r.get("collection")) for r in drops} == {("app", None)}
+    assert all(isinstance(r["collection_id"], int) for r in drops)
     text = upr("tail", bucket.uri, "--until-end").stdout
     assert "key=app.users:u1 " in text and "key=d1 " in text and "app.orders" not in text
+    shown = [line for line in text.splitlines() if line.endswith("[collection-dropped]")]
+    assert len(shown) == bucket.partitions and "None" not in text
+    assert f"collection_id={drops[0]['collection_id']:#x} " in shown[0]
 
 
 def test_tail_filters_on_the_server_and_keys_still_match(bucket: Node) -> None:
-    users = _lines(bucket.uri, "--collections", "app.users")
+    users = _rows(bucket.uri, "--collections", "app.users")
     assert sorted(r["key"] for r in users) == [f"u{i}" for i in range(5)]
-    scope = _lines(bucket.uri, "--collections", "app")
+    scope = _rows(bucket.uri, "--collections", "app")
     assert {r["collection"] for r in scope} == {"users", "carts"}
-    default = _lines(bucket.uri, "--collections", ".", "--keys", "^d[12]$")
+    default = _rows(bucket.uri, "--collections", ".", "--keys", "^d[12]$")
     assert sorted(r["key"] for r in default) == ["d1", "d2"]
 
 
@@ -180,10 +243,14 @@ def test_a_filtered_tail_shows_the_events_of_its_collections(bucket: Node) -> No
     assert kinds == [("collection-created", "users")]
 
 
-def test_a_following_tail_ends_when_its_collection_is_dropped(bucket: Node) -> None:
-    # FilterEmpty (docs/protocol.md §12.4): every partition's stream ends after the drop
+def test_a_following_tail_fails_when_its_collection_is_dropped(
+    bucket: Node, tmp_path: Path
+) -> None:
+    # FilterEmpty (docs/protocol.md §12.4): every partition's stream ends after the drop,
+    # and a follow that has nothing left to follow is an error (exit 1, one line)
+    state = str(tmp_path / "st.json")
     with spawn_upr("tail", bucket.uri, "--format", "json", "-v", "--collections",
-                   "app.users") as proc:  # fmt: skip
+                   "app.users", "--state", state) as proc:  # fmt: skip
         assert proc.stdout is not None and proc.stderr is not None
         seen = 0
         while seen < 5:  # the five documents: the streams are open
@@ -191,7 +258,7 @@ def test_a_following_tail_ends_when_its_collection_is_dropped(bucket: Node) -> N
             assert line, proc.stderr.read()
             seen += "event" not in json.loads(line)
         coll.drop(bucket.uri, "app.users")
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=30) == 1
         lines = [json.loads(line) for line in proc.stdout.read().splitlines()]
         stderr = proc.stderr.read()
     ends = [e for e in lines if e.get("event") == "stream_end"]
@@ -200,6 +267,13 @@ def test_a_following_tail_ends_when_its_collection_is_dropped(bucket: Node) -> N
     drops = [e for e in lines if e.get("event") == "collection-dropped"]
     assert len(drops) == bucket.partitions and {e["collection"] for e in drops} == {"users"}
     assert "every collection --collections names was dropped" in stderr
+    assert stderr.startswith("upr: error: ") and stderr.count("\n") == 1, stderr
+    # a resume knows it followed app.users (no "unknown collection"); --until-end got
+    # everything up to its end: a warning, exit 0
+    done = upr("tail", bucket.uri, "--until-end", "--collections", "app.users", "--state",
+               state, check=False)  # fmt: skip
+    assert done.returncode == 0 and "upr: warning: every collection" in done.stderr
+    assert done.stdout == ""  # the drops were shown by the follow already
 
 
 def test_an_unknown_collection_is_one_line_and_exit_1(bucket: Node) -> None:
@@ -209,3 +283,39 @@ def test_an_unknown_collection_is_one_line_and_exit_1(bucket: Node) -> None:
         assert path in bad.stderr and "Traceback" not in bad.stderr
     usage = upr("tail", bucket.uri, "--collections", "a.b.c", check=False)
     assert usage.returncode == 2 and "at most one dot" in usage.stderr
+
+
+def test_a_resumed_tail_shows_the_drop_of_a_collection_re_created_meanwhile(
+    node: Node, tmp_path: Path
+) -> None:
+    """`tail --state` of crash.c1; crash.c1 dropped and created again (a new id); the
+    same command again prints the old one's drop in every partition, by its names, then
+    the new one's creation and documents."""
+    old = coll.create(node.uri, "crash.c1").lookup(coll.Path("crash", "c1"))
+    assert old is not None
+    run(_write(node.uri, [(old.id, f"a{i}") for i in range(8)]))
+    state = tmp_path / "st.json"
+    args = ("--until-end", "--format", "json", "--state", str(state), "--collections", "crash.c1")
+    first = [json.loads(x) for x in upr("tail", node.uri, *args).stdout.splitlines()]
+    assert sorted(r["key"] for r in first if "op" in r) == [f"a{i}" for i in range(8)]
+    assert json.loads(state.read_text())["collections"]["filter"] == "crash.c1"
+    coll.drop(node.uri, "crash.c1")
+    new = coll.create(node.uri, "crash.c1").lookup(coll.Path("crash", "c1"))
+    assert new is not None and new.id != old.id
+    run(_write(node.uri, [(new.id, "b0"), (0, "other")]))
+    again = [json.loads(x) for x in upr("tail", node.uri, *args).stdout.splitlines()]
+    drops = [r for r in again if r.get("event") == "collection-dropped"]
+    assert {r["partition"] for r in drops} == set(range(node.partitions))
+    assert {(r["collection_id"], r["scope"], r["collection"]) for r in drops} == {
+        (old.id, "crash", "c1")}  # fmt: skip
+    created = [r for r in again if r.get("event") == "collection-created"]
+    assert {r["collection_id"] for r in created} == {new.id}
+    rows = [r for r in again if "op" in r]
+    assert [(r["collection"], r["key"]) for r in rows] == [("c1", "b0")]  # not "other"
+    for p in range(node.partitions):  # per partition: the drop before the creation
+        mine = [r["event"] for r in again if r.get("partition") == p and "event" in r]
+        assert mine == ["collection-dropped", "collection-created"]
+    saved = json.loads(state.read_text())["collections"]["followed"]
+    assert set(map(tuple, saved.values())) == {(new.id,)}
+    # and once more: nothing new
+    assert upr("tail", node.uri, *args).stdout == ""

@@ -42,7 +42,9 @@ SCOPE.COLLECTION, comma-separated; filtered by the source). Documents are keyed 
 collection id; the scope and collection columns of the views json_documents and
 named_documents give the names. A collection dropped in the stream is removed from the
 store through the mutation log, so a rollback across the drop brings it back. A store
-keeps the filter it was first replayed with: a rerun must give the same.
+keeps the filter it was first replayed with: a rerun must give the same, and still
+applies the drop of a collection it followed that was dropped (or dropped and created
+again under its name) since the last run.
 
 Example:
 

@@ -75,6 +75,19 @@ def load_users(user: str | None, password: str | None, users_file: Path | None) 
     return users
 
 
+# Declared here, not in the signature, to keep `serve_cmd` short.
+ExpiryPager = Annotated[
+    float,
+    typer.Option(
+        "--expiry-pager-interval",
+        min=0.0,
+        metavar="SECONDS",
+        help="Seconds between expiry pager rounds, which turn expired documents into "
+        "expirations (0: only reads that find them do).",
+    ),
+]
+
+
 def serve_cmd(
     data: Annotated[
         Path, typer.Option("--data", metavar="DIR", help="Directory for the bucket's SQLite file.")
@@ -140,16 +153,7 @@ def serve_cmd(
             help="Disconnect a DCP peer silent this long (with noop on).",
         ),
     ] = 360.0,
-    expiry_pager_interval: Annotated[
-        float,
-        typer.Option(
-            "--expiry-pager-interval",
-            min=0.0,
-            metavar="SECONDS",
-            help="Seconds between expiry pager rounds, which turn expired documents into "
-            "expirations (0: only reads that find them do).",
-        ),
-    ] = 10.0,
+    expiry_pager_interval: ExpiryPager = 10.0,
     log_level: Annotated[
         str,
         typer.Option("--log-level", metavar="LEVEL", help="debug, info, warning or error."),

@@ -28,9 +28,15 @@ lines show a key outside the default collection as scope.collection:key.
 
 Every collection is streamed unless --collections names some (SCOPE or
 SCOPE.COLLECTION, comma-separated; .C is _default.C): the source then sends only
-those. -v also shows collections and scopes created and dropped. A source without
-collections (an older server) has only _default._default. Exit 0 at the end, 130 on
-Ctrl-C, 1 on a connection or authentication error or an unknown collection.
+those. Collections and scopes created and dropped are always shown, in seq order: as
+JSON, objects with an "event" field ("collection-created", "collection-dropped",
+"scope-created", "scope-dropped"; change lines have "op" instead); as text, lines
+starting with "#", ids in hex. -v also shows snapshot markers, rollbacks and stream
+opens and ends. --state keeps the collections followed, so a resume still shows the
+drop of one dropped meanwhile. A source without collections (an older server) has
+only _default._default. Exit 0 at the end, 130 on Ctrl-C, 1 on a connection or
+authentication error, an unknown collection, or a follow whose collections were all
+dropped.
 
 Example (everything up to now, as JSON lines):
 
@@ -82,8 +88,8 @@ def tail_cmd(
         typer.Option(
             "-v",
             "--verbose",
-            help="Also show snapshot markers, rollbacks, stream ends, and collections "
-            "and scopes created or dropped.",
+            help="Also show snapshot markers, rollbacks and stream opens and ends "
+            "(collection changes are always shown).",
         ),
     ] = False,
     state: Annotated[

@@ -34,8 +34,12 @@ data records carry their collection id, and each system event that creates or dr
 collection or scope on a partition is handed over as a `ManifestChange` at its seq. A
 `collections` filter is resolved to ids against that manifest and sent with every
 stream request, so the source streams only those collections (and SEQNO_ADVANCED past
-the rest). Ids dropped meanwhile leave the filter; a stream whose filter lost every
-collection ends with FilterEmpty, which counts as ended.
+the rest). Each partition forgets a dropped id once the caller committed past that
+partition's drop; a stream whose filter lost every collection ends with FilterEmpty,
+which counts as ended. A caller resuming a filter passes the ids it followed
+(`followed_ids`): a partition whose followed ids the source no longer has streams
+unfiltered up to its high seq at open, keeping what it follows, so that their drops
+reach the caller (docs/protocol.md §12.4, "Resuming a filter across drops").
 """
 
 from __future__ import annotations
@@ -125,16 +129,22 @@ class ConsumerError(UprError):
 @dataclass(slots=True)
 class CollectionFilter:
     """What a filtered stream asks for (docs/protocol.md "Collections"): one scope's
-    id, or a set of collection ids; a drop seen on any partition removes its id."""
+    id, or a set of collection ids. Each partition holds its own copy and forgets a
+    dropped id once the caller committed past that partition's drop
+    (docs/protocol.md §12.4)."""
 
     scope: int | None = None
-    ids: set[int] = field(default_factory=set)
+    ids: set[int] = field(default_factory=set)  # for a scope: its collections known
     gone: bool = False  # the scope was dropped
 
     @property
     def empty(self) -> bool:
         """True once nothing the filter names exists any more."""
         return self.gone if self.scope is not None else not self.ids
+
+    def copy(self) -> CollectionFilter:
+        """A partition's own copy."""
+        return CollectionFilter(self.scope, set(self.ids), self.gone)
 
     def value(self) -> bytes:
         """The STREAM_REQ value, ids as hex strings (kv_engine's form). No `uid`: a
@@ -149,6 +159,12 @@ class CollectionFilter:
         )
         return json.dumps(doc, separators=(",", ":")).encode()
 
+    def admit(self, change: ManifestChange) -> None:
+        """A collection created in the filter's scope streams from now on."""
+        if (change.kind == "collection-created" and change.scope_id == self.scope
+                and change.collection_id is not None):  # fmt: skip
+            self.ids.add(change.collection_id)
+
     def forget(self, change: ManifestChange) -> None:
         """Follow a drop: the id (or the scope) is gone for good, never reused."""
         if change.kind == "collection-dropped" and change.collection_id is not None:
@@ -157,10 +173,13 @@ class CollectionFilter:
             self.gone = True
 
 
-def resolve_filter(paths: list[Path] | None, manifest: Manifest | None) -> CollectionFilter | None:
+def resolve_filter(
+    paths: list[Path] | None, manifest: Manifest | None, *, lenient: bool = False
+) -> CollectionFilter | None:
     """The filter that streams `paths` from a source with `manifest` (None: a source
     without collections, where only `_default._default` exists); None streams all.
-    A path the manifest does not know is a CollectionsError naming it."""
+    A path the manifest does not know is a CollectionsError naming it, unless
+    `lenient` (a resume whose followed collections were dropped): it is left out."""
     if not paths:
         return None
     if manifest is None:
@@ -175,18 +194,18 @@ def resolve_filter(paths: list[Path] | None, manifest: Manifest | None) -> Colle
         str(p) for p in paths
         if (manifest.scope(p.scope) if p.collection is None else manifest.lookup(p)) is None
     ]  # fmt: skip
-    if missing:
+    if missing and not lenient:
         many = "s" if len(missing) > 1 else ""
         raise CollectionsError(
             f"unknown collection{many} {', '.join(missing)} (the source's manifest uid "
             f"{manifest.uid:x})"
         )
-    if len(paths) == 1 and paths[0].collection is None:
+    if len(paths) == 1 and paths[0].collection is None and not missing:
         scope = manifest.scope(paths[0].scope)
         assert scope is not None
-        return CollectionFilter(scope=scope.id)
+        return CollectionFilter(scope=scope.id, ids={c.id for c in scope.collections})
     ids = manifest.ids(paths)
-    if not ids:
+    if not ids and not lenient:
         raise CollectionsError(f"{', '.join(map(str, paths))}: no collection to stream")
     return CollectionFilter(ids=ids)
 
@@ -237,6 +256,17 @@ class _Part:
     # only then does a new marker complete the snapshot before it.
     bounds: list[int] = field(default_factory=list)
     marked: bool = False
+    # Collections (docs/protocol.md §12.4): this partition's filter; the ids the caller
+    # followed here that the source no longer has, until the caller committed past
+    # their drops or the catch-up seq; the seq up to which it streams unfiltered to find
+    # those drops (None: to be pinned); what a catch-up stream hands over (None: all);
+    # the drops handed over and not yet committed; the drops committed (id → seq).
+    filter: CollectionFilter | None = None
+    pending: set[int] = field(default_factory=set)
+    catchup: int | None = None
+    keep: set[int] | None = None
+    delivered: list[ManifestChange] = field(default_factory=list)
+    forgotten: dict[int, int] = field(default_factory=dict)
 
     def position(self) -> StreamPosition:
         return StreamPosition(self.partition, self.uuid, self.seq, self.snap_start, self.snap_end)
@@ -266,6 +296,7 @@ class DcpConsumer:
         follow_for: float = 120.0,
         name: str = "upr",
         collections: list[Path] | None = None,
+        followed_ids: Mapping[int, Iterable[int]] | Iterable[int] | None = None,
     ) -> None:
         self.uri = uri
         self._want = None if partitions is None else sorted(set(partitions))
@@ -309,6 +340,17 @@ class DcpConsumer:
         self._held: dict[int, list[Item]] = {}
         self.highs: dict[int, int] = {}
         self._paths = list(collections) if collections else None
+        # the collection ids the caller followed at its positions, per partition (an
+        # iterable: the same for every partition); see `_vanished`
+        self._followed: dict[int, set[int]] = {}
+        self._followed_all: set[int] = set()
+        self._resuming = followed_ids is not None  # the caller followed this filter before
+        if isinstance(followed_ids, Mapping):
+            self._followed = {int(p): set(ids) for p, ids in followed_ids.items()}
+        elif followed_ids is not None:
+            self._followed_all = set(followed_ids)
+        # partitions with drops handed over and not committed, or vanished ids pending
+        self._settling: set[int] = set()
         self.collections_enabled = False  # HELLO granted Collections (set by open())
         self.manifest: Manifest | None = None  # the source's, at open; None: no collections
         self.filter: CollectionFilter | None = None
@@ -349,6 +391,7 @@ class DcpConsumer:
             part.addr = (actives[p] if p < len(actives) else None) or home
             if p in self._logs:
                 part.log = self._logs[p]
+            self._filter_part(part)
             self.parts[p] = part
         for addr in sorted({part.addr for part in self.parts.values()}):
             with contextlib.suppress(ConnectionError_, OSError, UprError):
@@ -364,6 +407,10 @@ class DcpConsumer:
                 await self._settle_start(part)
             elif self.until_end:  # its high is unknown until an active node answers
                 part.end = self._end_seqs.get(p, part.end)
+            if part.pending and p not in waiting:
+                # pinned after the manifest was read: every drop it lacks is at or
+                # below this seq (docs/protocol.md §12.4)
+                part.catchup = self.highs.get(p, 0)
             self._committed[p] = (part.uuid, part.seq, part.snap_start, part.snap_end)
         # A degraded cluster (a node down, not yet failed over) must not hold back the
         # partitions that can be streamed: they start now, and the others wait for an
@@ -392,7 +439,28 @@ class DcpConsumer:
                 self.manifest = Manifest()
             else:
                 raise_for_status(resp)
-        self.filter = resolve_filter(self._paths, self.manifest)
+        manifest = self.manifest
+        # A resume of a filter the caller followed before may find paths missing: they
+        # were dropped since (their drops may still be to hand over, `_filter_part`).
+        lenient = (manifest is not None and self._resuming
+                   and any(pos.seq > 0 for pos in self._start.values()))  # fmt: skip
+        self.filter = resolve_filter(self._paths, manifest, lenient=lenient)
+
+    def _vanished(self, p: int, manifest: Manifest) -> set[int]:
+        """The ids the caller followed on partition p that the source no longer has."""
+        known = {c.id for _s, c in manifest.collections()}
+        return {c for c in self._followed.get(p, self._followed_all) if c not in known}
+
+    def _filter_part(self, part: _Part) -> None:
+        """A partition's own filter, and the followed ids whose drops it must still hand
+        over (none when it starts from 0: the caller holds nothing of them)."""
+        if self.filter is None:
+            return
+        part.filter = self.filter.copy()
+        if part.seq > 0 and self.manifest is not None:
+            part.pending = self._vanished(part.partition, self.manifest)
+            if part.pending:
+                self._settling.add(part.partition)
 
     def _parse_manifest(self, resp: Message) -> Manifest:
         try:
@@ -545,13 +613,11 @@ class DcpConsumer:
         """Send every STREAM_REQ pipelined; follow ROLLBACKs (docs/protocol.md §4.4) until accepted.
         A NOT_MY_VBUCKET while following a map moves the partition (`_move`)."""
         pending = [p for p in parts if not p.done]
-        if pending and self.filter is not None and self.filter.empty:
-            for part in pending:  # nothing left to ask for: as the source would end it
-                part.done = True
-                self._events.append(StreamEnded(part.partition, END_FILTER_EMPTY,
-                                                part.position()))  # fmt: skip
-            return
         while pending:
+            await self._pin_catchups(pending)
+            pending = [part for part in pending if not self._filter_ended(part)]
+            if not pending:
+                return
             sent = self._request_streams(pending)
             try:
                 pending = [part for part, fut, req in sent if await self._answered(part, fut, req)]
@@ -560,10 +626,48 @@ class DcpConsumer:
                     self._opening.pop(part.partition, None)
                 raise
 
+    def _filter_ended(self, part: _Part) -> bool:
+        """A partition whose filter lost every collection, with no drop left to hand
+        over, ends as the source would end it (FilterEmpty)."""
+        f = part.filter
+        if f is None or not f.empty or part.pending:
+            return False
+        part.done = True
+        self._events.append(StreamEnded(part.partition, END_FILTER_EMPTY, part.position()))
+        return True
+
+    async def _pin_catchups(self, parts: list[_Part]) -> None:
+        """The seq up to which each partition with vanished ids streams unfiltered: its
+        high seq now, read after the manifest that lacks them (docs/protocol.md §12.4)."""
+        need = []
+        for part in parts:
+            if part.pending and part.catchup is None:
+                if part.seq == 0:  # the caller holds nothing of them
+                    part.pending.clear()
+                else:
+                    need.append(part)
+        for addr in sorted({part.addr for part in need}):
+            link = self._links.get(addr)
+            if link is None or link.session.conn.closed:
+                raise ConnectionError_(f"no open link to {addr[0]}:{addr[1]}")
+            conn = link.session.conn
+            req = (GetAllVbSeqnos(opaque=conn.next_opaque(), state=1) if self._follow
+                   else GetAllVbSeqnos(opaque=conn.next_opaque()))  # fmt: skip
+            resp = await conn.request(req)
+            assert isinstance(resp, GetAllVbSeqnosResponse)
+            got = dict(resp.seqnos)
+            for part in need:
+                if part.addr == addr:
+                    # None (not active there): unfiltered to the end, until a move to
+                    # its active node pins it (safe, if costly)
+                    part.catchup = got.get(part.partition)
+
     def _request_streams(
         self, pending: list[_Part]
     ) -> list[tuple[_Part, asyncio.Future[list[Message]], StreamRequest]]:
-        """Send a STREAM_REQ for each partition from where it stands, on its node's link."""
+        """Send a STREAM_REQ for each partition from where it stands, on its node's link.
+        A partition catching up on vanished ids streams unfiltered up to its catch-up
+        seq and keeps only what it follows (docs/protocol.md §12.4)."""
         sent = []
         for part in pending:
             link = self._links.get(part.addr)
@@ -573,27 +677,34 @@ class DcpConsumer:
             flags = FLAG_ACTIVE_ONLY | (
                 FLAG_FROM_LATEST if self.from_latest and part.seq == 0 and not part.uuid else 0
             )
+            top = part.catchup
+            catching = bool(part.pending) and (top is None or part.seq < top)
+            end = min(part.end, top) if catching and top is not None else part.end
+            part.keep = None
+            if catching and part.filter is not None:
+                part.keep = part.filter.ids | part.pending
             req = StreamRequest(
                 vbucket=part.partition, opaque=0x1000_0000 + part.partition, flags=flags,
-                start_seqno=part.seq, end_seqno=max(part.end, part.seq), vbucket_uuid=part.uuid,
+                start_seqno=part.seq, end_seqno=max(end, part.seq), vbucket_uuid=part.uuid,
                 snap_start_seqno=part.snap_start, snap_end_seqno=part.snap_end,
-                value=self._filter_value(part, link.session),
+                value=self._filter_value(part, link.session, catching),
             )  # fmt: skip
             self._opening[part.partition] = part.addr
             self._begin_stream(part)
             sent.append((part, conn.start_request(req), req))
         return sent
 
-    def _filter_value(self, part: _Part, session: Session) -> bytes:
-        """The STREAM_REQ value: the filter, or nothing (every collection)."""
-        if self.filter is None:
+    def _filter_value(self, part: _Part, session: Session, catching: bool) -> bytes:
+        """The STREAM_REQ value: the partition's filter, or nothing (every collection;
+        also while catching up)."""
+        if part.filter is None:
             return b""
         if not session.collections:  # a value there is EINVAL (docs/protocol.md §2.4)
             raise ConsumerError(
                 f"{session.uri.redacted()}: does not support collections, cannot filter on "
                 f"{', '.join(map(str, self._paths or []))}"
             )
-        return self.filter.value()
+        return b"" if catching else part.filter.value()
 
     async def _answered(
         self, part: _Part, fut: asyncio.Future[list[Message]], sent: StreamRequest
@@ -619,7 +730,7 @@ class DcpConsumer:
             self._spawn(self._move(part, resp.value))
             return False
         unknown = resp.status in (Status.UNKNOWN_COLLECTION, Status.UNKNOWN_SCOPE)
-        verdict = await self._refilter(part) if unknown and self.filter is not None else ""
+        verdict = await self._refilter(part) if unknown and part.filter is not None else ""
         if verdict == "changed":
             return not part.done  # a collection dropped meanwhile: ask without it
         if resp.status == Status.ETMPFAIL or verdict == "behind":
@@ -642,9 +753,11 @@ class DcpConsumer:
     async def _refilter(self, part: _Part) -> str:
         """A stream refused for an unknown collection or scope, judged by the node's
         manifest now: "behind" (it has not received the newest manifest the consumer
-        knows), "changed" (what it no longer has was dropped, and left the filter), or
+        knows), "changed" (what it no longer has was dropped: it leaves the partition's
+        filter, and its drop is still to be handed over, docs/protocol.md §12.4), or
         "stands" (the manifest explains nothing)."""
-        assert self.filter is not None
+        f = part.filter
+        assert f is not None
         link = self._links.get(part.addr)
         if link is None or link.session.conn.closed:
             return "stands"
@@ -654,19 +767,18 @@ class DcpConsumer:
         )
         if now.uid < self._uid:
             return "behind"
-        f = self.filter
-        before = (f.gone, set(f.ids))
-        if f.scope is not None:
-            f.gone = now.scope_by_id(f.scope) is None
-        else:
-            f.ids = {c for c in f.ids if now.by_id(c) is not None}
-        if (f.gone, f.ids) == before:
+        gone = {c for c in f.ids if now.by_id(c) is None}
+        scope_gone = f.scope is not None and now.scope_by_id(f.scope) is None
+        if not gone and scope_gone == f.gone:
             return "stands"
-        log.info("partition %d: collections dropped since the stream began; filter now %s",
-                 part.partition, f.value().decode())  # fmt: skip
-        if f.empty:
-            part.done = True
-            self._events.append(StreamEnded(part.partition, END_FILTER_EMPTY, part.position()))
+        f.ids -= gone
+        f.gone = scope_gone
+        part.pending |= gone
+        part.catchup = None  # pinned anew: the drops are below the node's high now
+        self._settling.add(part.partition)
+        log.info("partition %d: collections dropped since the stream began; filter now %s,"
+                 " catching up on %s", part.partition, f.value().decode(),
+                 sorted(part.pending))  # fmt: skip
         return "changed"
 
     def _accepted(self, part: _Part, resp: StreamRequestOk, sent: StreamRequest) -> None:
@@ -824,6 +936,7 @@ class DcpConsumer:
         uuid = entry.uuid if entry is not None else previous.uuid
         part.uuid, part.seq, part.snap_start, part.snap_end = uuid, b, b, b
         part.bounds = [x for x in part.bounds if x < b] + [b]
+        self._unforget(part, b)
         if part.partition in self._bounds:  # the caller's: those above b are gone with it
             self._bounds[part.partition] = [x for x in self._bounds[part.partition] if x <= b]
         self._committed[part.partition] = (part.uuid, part.seq, part.snap_start, part.snap_end)
@@ -833,6 +946,19 @@ class DcpConsumer:
                      part.partition, previous.seq, b, r)  # fmt: skip
         else:
             log.info("partition %d: rollback from %d to %d", part.partition, previous.seq, b)
+
+    def _unforget(self, part: _Part, b: int) -> None:
+        """A rollback to b takes back the drops above it: they come again, and those
+        already forgotten can no longer be asked for by id, so the partition catches up
+        unfiltered on them (docs/protocol.md §12.4)."""
+        part.delivered = [c for c in part.delivered if c.seq <= b]
+        back = {cid for cid, seq in part.forgotten.items() if seq > b}
+        if back:
+            for cid in back:
+                del part.forgotten[cid]
+            part.pending |= back
+            part.catchup = None
+            self._settling.add(part.partition)
 
     def _boundaries(self, part: _Part) -> list[int]:
         """The boundaries a partition standing where it stands can go back to: the
@@ -886,6 +1012,54 @@ class DcpConsumer:
             self._committed.update(
                 {p: (t.uuid, t.seq, t.snap_start, t.snap_end) for p, t in self.parts.items()}
             )
+        if self._settling:
+            self._settle_filters()
+
+    def _settle_filters(self) -> None:
+        """Forget the drops the caller committed past, per partition; a catch-up the
+        caller committed past is over (its vanished ids' drops were at or below it)."""
+        for p in list(self._settling):
+            part = self.parts.get(p)
+            if part is None or part.filter is None or p not in self._committed:
+                self._settling.discard(p)
+                continue
+            seq = self._committed[p][1]
+            left = []
+            for change in part.delivered:
+                if change.seq > seq:
+                    left.append(change)
+                    continue
+                part.filter.forget(change)
+                if change.collection_id is not None:
+                    part.pending.discard(change.collection_id)
+                    part.forgotten[change.collection_id] = change.seq
+            part.delivered = left
+            if part.catchup is not None and seq >= part.catchup:
+                part.pending.clear()
+                part.catchup = None
+            if not left and not part.pending:
+                self._settling.discard(p)
+
+    def followed(self, partition: int) -> set[int]:
+        """The collection ids the caller follows on a partition at its committed
+        position: what a later resume passes as `followed_ids` (docs/protocol.md §12.4)."""
+        part = self.parts.get(partition)
+        if part is None or part.filter is None:
+            return set()
+        return part.filter.ids | part.pending
+
+    @property
+    def filter_emptied(self) -> bool:
+        """True when a filter was given and every partition's stream ended because all
+        it followed was dropped (FilterEmpty)."""
+        return (
+            self.filter is not None
+            and bool(self.parts)
+            and all(
+                part.done and part.filter is not None and part.filter.empty and not part.pending
+                for part in self.parts.values()
+            )
+        )
 
     @property
     def committed(self) -> dict[int, StreamPosition]:
@@ -974,6 +1148,8 @@ class DcpConsumer:
                 part = parts.get(it.vbucket)
                 if part is not None:
                     part.seq = it.by_seqno
+                    if part.keep is not None and it.collection not in part.keep:
+                        continue  # catching up unfiltered: not a collection it follows
                 out.append(it)
                 continue
             msg = decode_message(cast(Frame, it))
@@ -1010,9 +1186,12 @@ class DcpConsumer:
             elif isinstance(msg, SystemEvent):
                 part.seq = msg.by_seqno
                 change = self._system_event(part, msg)
-                if change is not None:
+                if change is not None and self._hand_over(part, change):
                     out.append(change)
             elif isinstance(msg, StreamEnd):
+                if self._caught_up(part, msg.status):
+                    self._spawn(self._reopen(part))
+                    continue
                 out.append(StreamEnded(vb, msg.status, part.position()))
                 if msg.status in (END_OK, END_CLOSED, END_FILTER_EMPTY) or (
                     self.until_end and part.seq >= part.end
@@ -1036,9 +1215,42 @@ class DcpConsumer:
                       part.partition, msg.by_seqno, msg.event, msg.version)  # fmt: skip
             return None
         self._uid = max(self._uid, change.manifest_uid)
-        if self.filter is not None:
-            self.filter.forget(change)
         return change
+
+    def _hand_over(self, part: _Part, change: ManifestChange) -> bool:
+        """Whether a change goes to the caller (a catch-up stream keeps the changes of
+        what the partition follows); a drop handed over is forgotten once committed."""
+        f = part.filter
+        if f is None:
+            return True
+        keep = part.keep
+        if keep is not None:
+            cid = change.collection_id
+            if cid is not None:
+                wanted = cid in keep or (change.kind == "collection-created"
+                                         and change.scope_id == f.scope)  # fmt: skip
+            else:  # a scope's own events: for a scope filter, its scope or a dropped one's
+                wanted = f.scope is not None and (change.scope_id == f.scope or any(
+                    d.scope_id == change.scope_id for d in part.delivered))  # fmt: skip
+            if not wanted:
+                return False
+            if cid is not None and change.kind == "collection-created":
+                keep.add(cid)
+        f.admit(change)
+        if change.dropped:
+            part.delivered.append(change)
+            self._settling.add(part.partition)
+        return True
+
+    def _caught_up(self, part: _Part, status: int) -> bool:
+        """A catch-up stream reached its catch-up seq before the partition's end: it is
+        reopened with its filter, without telling the caller (docs/protocol.md §12.4)."""
+        top = part.catchup
+        if part.keep is None or status != END_OK or top is None or top >= part.end:
+            return False
+        part.catchup = min(top, part.seq)  # the end reached: nothing above it was left
+        part.keep = None
+        return True
 
     async def _reopen(self, part: _Part) -> None:
         try:
@@ -1053,6 +1265,7 @@ class DcpConsumer:
 
     def _reset(self, part: _Part) -> None:
         part.uuid, part.seq, part.snap_start, part.snap_end = self._committed[part.partition]
+        part.delivered = [c for c in part.delivered if c.seq <= part.seq]  # they come again
 
     async def _reconnect(self, addr: Addr, attempts: int, reason: str) -> int:
         """Reconnect a link with capped exponential backoff and jitter; its partitions

@@ -34,7 +34,11 @@ contract)
   collection's documents of that partition through the mutation log, so a rollback
   below it brings them back (formats/store.md §5.5). The source's manifest at the
   start names the ids. `collections` filters on the server side; a store remembers its
-  filter, since its positions say nothing of the collections it left out.
+  filter, since its positions say nothing of the collections it left out. A resume
+  passes the consumer the ids the store followed in each partition (`_followed`), so
+  that a collection dropped since (and perhaps created again under its name, with a
+  new id) still has its drop applied: by name alone the filter would name only the new
+  id, and the old one's documents would stay (docs/protocol.md §12.4).
 * **Rollbacks.** The consumer turns ROLLBACK(r) into a `Rollback` event, at the newest
   snapshot boundary at or below r (docs/design.md "Rollback");
   the store undoes its changes above r from its mutation log, keeping the versions it
@@ -406,6 +410,28 @@ class _ReadAhead:
         await cancel_and_wait([self._task])
 
 
+def _followed(
+    store: Store, paths: list[CollectionPath], saved: dict[int, StreamPosition]
+) -> dict[int, set[int]]:
+    """The collection ids the store follows in each partition it holds: those its
+    filter covers by name that it does not know dropped, and a dropped one where the
+    store still holds its documents (its drop has not reached that partition). Where
+    the store holds none, applying the drop would change nothing."""
+    mine = [c for c in store.collections().values()
+            if c.scope is not None and any(p.covers(c.scope, c.name) for p in paths)]  # fmt: skip
+    live = {c.id for c in mine if not c.dropped}
+    out = {p: set(live) for p in saved}
+    for c in (c for c in mine if c.dropped):
+        for p in saved:
+            held = store.db.execute(
+                "SELECT 1 FROM documents WHERE partition = ? AND collection_id = ? LIMIT 1",
+                [p, c.id],
+            ).fetchone()
+            if held is not None:
+                out[p].add(c.id)
+    return out
+
+
 class ReplaySession:
     """One consumer session of `replay_node`: a `Sink` that streams every partition from
     the store's positions, holds rows per partition until a commit point and applies them
@@ -454,11 +480,14 @@ class ReplaySession:
         saved = await worker.run(store.positions)
         logs = await worker.run(lambda: {p: store.failover_log(p) for p in saved})
         bounds = await worker.run(store.boundaries)
+        paths = options.collections
+        followed = await worker.run(lambda: _followed(store, paths, saved)) if paths else None
         consumer = DcpConsumer(
             uri, partitions=options.partitions, positions=saved, boundaries=bounds,
             failover_logs={p: lg for p, lg in logs.items() if lg is not None},
             until_end=not options.follow, barriers=options.consistent,
-            buffer_size=options.buffer_size, name="upr-replay", collections=options.collections,
+            buffer_size=options.buffer_size, name="upr-replay", collections=paths,
+            followed_ids=followed,
         )  # fmt: skip
         return cls(consumer, store, worker, stats, options, durability)
 

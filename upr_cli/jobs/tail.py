@@ -1,10 +1,16 @@
 """`upr tail`: print a bucket's changes as they stream (kcat-like).
 
 Collections (docs/protocol.md "Collections"): each change is shown with its scope and
-collection names, taken from the source's manifest at open and kept current with the
+collection names, taken from the source's manifest at open (and, on a resume, the names
+the state file kept of the collections it followed) and kept current with the
 collections and scopes the streams create. Names are never forgotten: ids are never
 reused, and a partition behind the others still sends changes of a collection another
-one already saw dropped.
+one already saw dropped. Collections and scopes created and dropped are printed always:
+a reader mirroring the bucket must see documents go with a dropped collection.
+
+A `--state` file keeps, with a filter, the collection ids each partition followed, so
+that a resume still hands over the drop of a collection dropped (and perhaps created
+again under its name) meanwhile (docs/protocol.md §12.4).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, TextIO
 
-from upr_cli.collections import DEFAULT, Manifest, ManifestChange
+from upr_cli.collections import DEFAULT, CollectionsError, Manifest, ManifestChange
 from upr_cli.collections import Path as CollectionPath
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpened
@@ -61,9 +67,12 @@ class TailSummary:
 class CollectionNames:
     """Collection id → (scope, collection) names, as far as the tail has seen them."""
 
-    def __init__(self, manifest: Manifest | None = None) -> None:
+    def __init__(
+        self, manifest: Manifest | None = None, known: dict[int, tuple[str, str]] | None = None
+    ) -> None:
         self.scopes: dict[int, str] = {0: DEFAULT}
-        self.names: dict[int, tuple[str, str]] = {0: (DEFAULT, DEFAULT)}
+        # `known`: names kept from an earlier run (collections dropped since)
+        self.names: dict[int, tuple[str, str]] = {0: (DEFAULT, DEFAULT), **(known or {})}
         self._json: dict[int, str] = {}  # id → its JSON fields (the hot path)
         for scope in manifest.scopes if manifest is not None else ():
             self.scopes[scope.id] = scope.name
@@ -153,6 +162,9 @@ def event_line(ev: object, fmt: str, names: CollectionNames = _DEFAULT_NAMES) ->
     d: dict[str, object]
     if isinstance(ev, ManifestChange):
         d = _change_fields(ev, names)
+        if fmt != "json":  # ids in hex for people; JSON keeps them numbers (u32)
+            d = {k: f"{v:#x}" if k.endswith("_id") and isinstance(v, int) else v
+                 for k, v in d.items()}  # fmt: skip
     elif isinstance(ev, Snapshot):
         d = {
             "event": "snapshot",
@@ -188,12 +200,19 @@ def event_line(ev: object, fmt: str, names: CollectionNames = _DEFAULT_NAMES) ->
 
 
 def _change_fields(ev: ManifestChange, names: CollectionNames) -> dict[str, object]:
-    d: dict[str, object] = {"event": ev.kind, "partition": ev.partition, "seq": str(ev.seq),
-                            "scope": names.scopes.get(ev.scope_id)}  # fmt: skip
+    """A change's fields; a name never learned (a drop whose creation the stream
+    replaced, of a collection the manifest at open no longer had) is left out, and the
+    id alone says which."""
+    known = names.names.get(ev.collection_id) if ev.collection_id is not None else None
+    scope = known[0] if known else names.scopes.get(ev.scope_id)
+    d: dict[str, object] = {"event": ev.kind, "partition": ev.partition, "seq": str(ev.seq)}
+    if scope is not None:
+        d["scope"] = scope
     if ev.collection_id is None:
         d["scope_id"] = ev.scope_id
     else:
-        d["collection"] = names.names.get(ev.collection_id, (None, None))[1]
+        if known:
+            d["collection"] = known[1]
         d["collection_id"] = ev.collection_id
     d["manifest_uid"] = str(ev.manifest_uid)
     if ev.max_ttl:
@@ -206,28 +225,51 @@ def _change_fields(ev: ManifestChange, names: CollectionNames) -> dict[str, obje
 STATE_BOUNDARIES = 16
 
 
+class Followed(NamedTuple):
+    """What a filtered tail followed (state file version 3): its `--collections` (as
+    `filter_text` gives it), the collection ids per partition at the saved positions,
+    and their names."""
+
+    filter: str
+    ids: dict[int, set[int]]
+    names: dict[int, tuple[str, str]]
+
+
 class TailState(NamedTuple):
     """What a `--state` file holds."""
 
     positions: dict[int, StreamPosition]
     logs: dict[int, FailoverLog]
     boundaries: dict[int, list[int]]
+    followed: Followed | None = None
+
+
+def filter_text(paths: list[CollectionPath] | None) -> str:
+    """A `--collections` list as a state file keeps it ("" for none)."""
+    return ",".join(sorted(map(str, paths or [])))
 
 
 def load_state(path: Path) -> TailState:
-    """Positions, failover logs and snapshot boundaries saved by an earlier `--state`
-    run (empty if no file). Version 1 files have no boundaries."""
+    """Positions, failover logs, snapshot boundaries and followed collections saved by
+    an earlier `--state` run (empty if no file). Version 1 files have no boundaries,
+    versions 1 and 2 no collections."""
     if not path.exists():
         return TailState({}, {}, {})
     try:
         data = json.loads(path.read_text())
-        if data.get("version", 1) not in (1, 2):
+        if data.get("version", 1) not in (1, 2, 3):
             raise ValueError(f"unknown version {data.get('version')!r}")
         positions = {int(p["partition"]): StreamPosition.from_json(p) for p in data["positions"]}
         logs = {int(p): FailoverLog.from_json(v) for p, v in data.get("failover_logs", {}).items()}
         bounds = {int(p): [int(b) for b in v] for p, v in data.get("boundaries", {}).items()}
-        return TailState(positions, logs, bounds)
-    except (OSError, ValueError, KeyError, TypeError, UprError) as exc:
+        coll = data.get("collections")
+        followed = None
+        if coll is not None:
+            ids = {int(p): {int(c) for c in v} for p, v in coll["followed"].items()}
+            names = {int(c): (str(n[0]), str(n[1])) for c, n in coll.get("names", {}).items()}
+            followed = Followed(str(coll["filter"]), ids, names)
+        return TailState(positions, logs, bounds, followed)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, UprError) as exc:
         raise UsageError(f"--state: {path} is not a tail state file: {exc}") from None
 
 
@@ -236,11 +278,13 @@ def save_state(
     positions: dict[int, StreamPosition],
     logs: dict[int, FailoverLog],
     boundaries: dict[int, list[int]] | None = None,
+    followed: Followed | None = None,
 ) -> None:
-    """Write positions, failover logs and boundaries atomically (temp, fsync, rename)."""
+    """Write positions, failover logs, boundaries and the followed collections
+    atomically (temp, fsync, rename)."""
     tmp = path.with_name(path.name + ".tmp")
-    state = {
-        "version": 2,
+    state: dict[str, object] = {
+        "version": 3,
         "positions": [p.to_json() for _, p in sorted(positions.items())],
         "failover_logs": {str(p): log.to_json() for p, log in sorted(logs.items())},
         "boundaries": {
@@ -248,6 +292,12 @@ def save_state(
             for p, bs in sorted((boundaries or {}).items())
         },
     }
+    if followed is not None:
+        state["collections"] = {
+            "filter": followed.filter,
+            "followed": {str(p): sorted(ids) for p, ids in sorted(followed.ids.items())},
+            "names": {str(c): list(n) for c, n in sorted(followed.names.items())},
+        }
     with open(tmp, "w") as f:
         json.dump(state, f)
         f.flush()
@@ -294,6 +344,9 @@ class _TailSink(SinkBase):
             self.summary.rollbacks += 1
         elif isinstance(event, ManifestChange):
             self.names.follow(event)
+            # always shown: documents come and go with collections (upr-tail(1))
+            self.lines.append(event_line(event, self.opts.fmt, self.names) or "")
+            return
         if self.opts.verbose:
             line = event_line(event, self.opts.fmt, self.names)
             if line:
@@ -321,7 +374,10 @@ async def tail(
     for up to `opts.wait` seconds, and then the tail fails naming them."""
     if opts.state is not None:  # where the positions go at the end: checked before streaming
         check_file_path(opts.state, f"--state {opts.state}")
-    positions, logs, bounds = load_state(opts.state) if opts.state else TailState({}, {}, {})
+    positions, logs, bounds, saved = load_state(opts.state) if opts.state else TailState({}, {}, {})
+    wanted = filter_text(opts.collections)
+    # the ids followed under another --collections (or none) say nothing of this one
+    followed = saved if saved is not None and wanted and saved.filter == wanted else None
     start_seq = None
     if opts.start not in ("beginning", "now"):
         if not opts.start.isdigit():
@@ -332,26 +388,47 @@ async def tail(
         boundaries=bounds, until_end=opts.until_end,
         from_latest=opts.start == "now", start_seq=start_seq, buffer_size=opts.buffer_size,
         follow_for=opts.wait, name="upr-tail", collections=opts.collections,
+        followed_ids=followed.ids if followed is not None else None,
     )  # fmt: skip
     summary = TailSummary()
     sink = _TailSink(consumer, opts, out, summary, on_progress)
     try:
         await consumer.open()
-        sink.names = CollectionNames(consumer.manifest)
+        sink.names = CollectionNames(consumer.manifest, followed.names if followed else None)
         if consumer.waiting and on_warning is not None:
             on_warning(_waiting_note(sorted(consumer.waiting), len(consumer.parts), opts.wait))
         await drive(consumer, sink)
         out.flush()
-        if consumer.filter is not None and consumer.filter.empty and on_warning is not None:
-            on_warning("every collection --collections names was dropped: the streams ended")
+        if consumer.filter_emptied:
+            _filter_emptied(opts, on_warning)
     finally:
         if opts.state is not None and consumer.parts:
-            committed = consumer.committed
-            bounds = {p: [b for b in consumer.boundaries(p) if b <= pos.seq]
-                      for p, pos in committed.items()}  # fmt: skip
-            save_state(opts.state, committed, consumer.failover_logs, bounds)
+            _save(opts.state, consumer, wanted, sink.names)
         await consumer.aclose()
     return summary
+
+
+def _filter_emptied(opts: TailOptions, on_warning: Callable[[str], None] | None) -> None:
+    """Every collection the filter named was dropped: a follow failed (exit 1), while
+    --until-end got all there was (a warning)."""
+    what = "every collection --collections names was dropped: the streams ended"
+    if not opts.until_end:
+        raise CollectionsError(what)
+    if on_warning is not None:
+        on_warning(what)
+
+
+def _save(path: Path, consumer: DcpConsumer, wanted: str, names: CollectionNames) -> None:
+    """The state at the committed positions, with the followed collections."""
+    committed = consumer.committed
+    bounds = {p: [b for b in consumer.boundaries(p) if b <= pos.seq]
+              for p, pos in committed.items()}  # fmt: skip
+    followed = None
+    if consumer.filter is not None:
+        ids = {p: consumer.followed(p) for p in committed}
+        every = set().union(*ids.values())
+        followed = Followed(wanted, ids, {c: names.names[c] for c in every if c in names.names})
+    save_state(path, committed, consumer.failover_logs, bounds, followed)
 
 
 def _waiting_note(waiting: list[int], total: int, wait: float) -> str:
