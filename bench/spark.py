@@ -35,15 +35,19 @@ def upr(*args: str) -> str:
 
 def local_state(repo: Path, at: str) -> tuple[int, float]:
     """Live documents of the state at `at`, materialised partition by partition."""
-    from upr_cli.jobs.state import select, state_at
+    from upr_cli.jobs.restore import partition_state
+    from upr_cli.jobs.state import select
+    from upr_cli.protocol.decoder import OP_MUTATION
     from upr_cli.repo import Repository
 
     t = time.perf_counter()
     r = Repository(repo)
     manifests = r.manifests("default")
+    sel = select(manifests, at)
     live = 0
-    for _p, records in state_at(r, "default", manifests, select(manifests, at)):
-        live += sum(1 for rec in records if rec[0] == 0x57)
+    for p in sel.partitions:
+        state = partition_state(r, "default", manifests, sel.backup_id, p)
+        live += sum(1 for rec in state.values() if rec.op == OP_MUTATION)
     return live, time.perf_counter() - t
 
 

@@ -20,7 +20,8 @@ from tests.e2e.e2e_helpers import (
     spawn_upr,
     wait_persisted,
 )
-from upr_cli.jobs.state import select, state_at
+from upr_cli.jobs.restore import partition_state
+from upr_cli.jobs.state import select
 from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.repo import Repository, lost_ranges
 from upr_cli.store import Store
@@ -37,8 +38,9 @@ def repo_state(repo: Path, at: str = "latest") -> dict[bytes, bytes]:
     r = Repository(repo)
     manifests = r.manifests("default")
     out = {}
-    for _p, records in state_at(r, "default", manifests, select(manifests, at)):
-        for rec in records:
+    sel = select(manifests, at)
+    for p in sel.partitions:
+        for rec in partition_state(r, "default", manifests, sel.backup_id, p).values():
             if rec.op == OP_MUTATION:
                 out[bytes(rec.key)] = bytes(rec.value)
     return out
