@@ -66,7 +66,9 @@ the scopes and collections it names (SCOPE or SCOPE.COLLECTION, comma-separated 
 repeated; filtered by the source), --exclude-data every other one; the two cannot be
 combined, as in cbbackupmgr. The repository records the filter, so a restore knows a
 collection left out was not backed up rather than empty; an incremental backup keeps
-its chain's filter (--full starts a chain with another one). A source without
+its chain's filter (--full starts a chain with another one), and still records the drop
+of a collection the chain followed that was dropped (or dropped and created again)
+since; a name the chain had that is gone for good is no error. A source without
 collections (an older server) has only _default._default.
 
 Example:

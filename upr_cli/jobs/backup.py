@@ -22,7 +22,11 @@ filter, an exclude list becomes the include list of every other collection of th
 manifest. The manifest records the filter, so a reader knows a collection left out was
 not backed up rather than empty (formats/repository.md §5.9). An incremental backup
 keeps its chain's filter: streams resume where the previous backup ended, so a
-collection that backup left out would miss its changes for good.
+collection that backup left out would miss its changes for good. It also passes the
+collection ids the chain followed (`followed_ids`): the filter is resolved by name at
+every run, so a collection dropped (or dropped and created again) since would otherwise
+never have its drop recorded, and a path of the filter that is gone for good is no
+error for a chain that had it.
 """
 
 from __future__ import annotations
@@ -365,6 +369,7 @@ class _BackupRun:
         self.collections: Collections | None = None  # the source's, at the start
         self.filter: CollectionFilter | None = None
         self.stream_paths: list[CollectionPath] | None = None  # None: every collection
+        self.followed: dict[int, set[int]] | None = None  # per partition (`followed_ids`)
 
     @classmethod
     def open(
@@ -417,7 +422,8 @@ class _BackupRun:
                 "start a new chain"
             )
         self.filter = chosen
-        self.stream_paths = stream_paths(chosen, self.collections)
+        chain = [m.collections for m in self.manifests if m.collections is not None]
+        self.stream_paths = stream_paths(chosen, self.collections, chain)
 
     @property
     def collection_count(self) -> int:
@@ -440,6 +446,9 @@ class _BackupRun:
         self.positions = {p: d.position for p, d in self.decisions.items()}
         self.logs = {p: d.log for p, d in self.decisions.items()}
         self._reuse(wanted, live_logs)
+        if self.parent is not None and self.stream_paths is not None:
+            extra = {p: ru.segments for p, ru in self.reused.items()}
+            self.followed = followed_ids(self.manifests, self.filter, self.positions, extra)
 
     def _decide_starts(self, live_logs: dict[int, FailoverLog]) -> None:
         repo, bucket, manifests = self.repo, self.bucket, self.manifests
@@ -501,6 +510,7 @@ class _BackupRun:
                     else {p: seqs.get(p, (0, 0))[0] for p in to_stream},
                     cuts=self.cuts,
                     collections=self.stream_paths,
+                    followed_ids=self.followed,
                 )
             )  # fmt: skip
         for p, ru in self.reused.items():
@@ -584,15 +594,22 @@ def _key(f: CollectionFilter | None) -> tuple[str, tuple[str, ...]] | None:
     return None if f is None else (f.mode, f.paths)
 
 
-def stream_paths(f: CollectionFilter | None, m: Collections | None) -> list[CollectionPath] | None:
+def stream_paths(
+    f: CollectionFilter | None, m: Collections | None, chain: Sequence[Collections] = ()
+) -> list[CollectionPath] | None:
     """What the stream filter asks for: the include list, or every collection of the
     source's manifest an exclude list leaves (None: every collection). A path the
-    manifest does not know is a CollectionsError naming it; so is leaving nothing."""
+    manifest does not know is a CollectionsError naming it; so is leaving nothing.
+
+    `chain` are the manifests the backups of the chain started from (an incremental
+    backup): a path one of them had was dropped since, which is no error; the consumer
+    resolves it leniently and hands over its drop (`followed_ids`)."""
     if f is None:
         return None
     paths = [CollectionPath.parse(t) for t in f.paths]
     have = m or Collections()
     unknown = [str(p) for p in paths if not _known(have, p)]
+    unknown = [t for t in unknown if not any(_known(c, CollectionPath.parse(t)) for c in chain)]
     if unknown:
         src = "the source has no collections" if m is None else f"manifest uid {have.uid:x}"
         raise CollectionsError(f"--{f.mode}-data: unknown collection {', '.join(unknown)} ({src})")
@@ -600,6 +617,12 @@ def stream_paths(f: CollectionFilter | None, m: Collections | None) -> list[Coll
         return paths
     left = [CollectionPath(s.name, c.name) for s, c in have.collections()
             if f.covers(s.name, c.name)]  # fmt: skip
+    # all the chain followed is gone: the consumer resolves those paths to nothing
+    # (their drops may still be owed) rather than streaming every collection
+    gone = {CollectionPath(s.name, c.name) for old in chain for s, c in old.collections()
+            if f.covers(s.name, c.name)}  # fmt: skip
+    if not left and gone:
+        return sorted(gone, key=str)
     if not left:
         raise CollectionsError(f"--exclude-data {','.join(f.paths)} leaves no collection")
     if m is None or len(left) == len(list(have.collections())):
@@ -609,6 +632,46 @@ def stream_paths(f: CollectionFilter | None, m: Collections | None) -> list[Coll
 
 def _known(m: Collections, p: CollectionPath) -> bool:
     return (m.scope(p.scope) if p.collection is None else m.lookup(p)) is not None
+
+
+def followed_ids(
+    chain: Sequence[Manifest],
+    f: CollectionFilter | None,
+    positions: dict[int, StreamPosition],
+    reused: dict[int, list[SegmentInfo]] | None = None,
+) -> dict[int, set[int]]:
+    """Per partition, the collection ids the chain's filter followed up to the position
+    this run resumes it from (docs/protocol.md §12.4): those of the last backup's start
+    manifest the filter covers and those created since (its streams, or `reused`
+    segments of an interrupted run, met the events), less those whose drop on that
+    partition the chain recorded at or below the position. A drop above it (a rollback
+    took the position below it) must come again, so its id stays."""
+    if not chain:
+        return {}
+    start = chain[-1].collections or Collections()
+    later = [c for segs in (reused or {}).values() for s in segs for c in s.changes]
+    since = [*chain[-1].manifest_changes, *later]  # after the start manifest was read
+    scopes = {
+        s.id: s.name for m in chain if m.collections is not None for s in m.collections.scopes
+    }
+    scopes.update({c.scope_id: c.name for c in since if c.kind == "scope-created" and c.name})
+
+    def covers(scope: str | None, name: str) -> bool:
+        # a scope nothing names: followed; at worst a catch-up that finds no drop
+        return f is None or scope is None or f.covers(scope, name)
+
+    covered = {c.id for s, c in start.collections() if covers(s.name, c.name)}
+    created: dict[int, set[int]] = {}
+    for c in since:
+        cid = c.collection_id if c.kind == "collection-created" else None
+        if cid is not None and covers(scopes.get(c.scope_id), c.name or ""):
+            created.setdefault(c.partition, set()).add(cid)
+    dropped: dict[int, set[int]] = {}
+    for c in (*(c for m in chain for c in m.manifest_changes), *later):
+        pos = positions.get(c.partition)
+        if c.kind == "collection-dropped" and pos is not None and c.seq <= pos.seq:
+            dropped.setdefault(c.partition, set()).add(c.collection_id or 0)
+    return {p: (covered | created.get(p, set())) - dropped.get(p, set()) for p in positions}
 
 
 def _changes(segments: Sequence[SegmentInfo]) -> list[ManifestChange]:

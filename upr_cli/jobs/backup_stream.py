@@ -28,7 +28,9 @@ scope created or dropped (a `ManifestChange`, a DCP system event) is stored in i
 partition's segment at its seq, among the records (formats/segment.md "System
 events"); each segment then says which changes it holds and how many records of each
 collection, which is what the manifest records (formats/repository.md §5.9). A
-`collections` filter streams only those collections, on the server side.
+`collections` filter streams only those collections, on the server side; an incremental
+backup also says which ids its chain followed, so that the drop of one that is gone
+still reaches its segments.
 """
 
 from __future__ import annotations
@@ -136,11 +138,15 @@ async def stream_to_segments(
     cuts: dict[int, list[tuple[int, int, SegmentInfo]]] | None = None,
     boundaries: dict[int, list[int]] | None = None,
     collections: list[CollectionPath] | None = None,
+    followed_ids: dict[int, set[int]] | None = None,
 ) -> dict[int, PartitionResult]:
     """Stream each partition from its position to the pinned high seqno into a segment.
 
     `collections` streams only those scopes and collections (a server-side filter);
-    None streams every collection.
+    None streams every collection. `followed_ids` are, per partition, the collection ids
+    the chain's filter followed up to its position: the drops of those the source no
+    longer has are streamed too (docs/protocol.md §12.4, "Resuming a filter across
+    drops"), where a path of the filter may be gone for good.
 
     `end_seqs` pins the ends instead (a distributed backup pins them once, on the driver,
     so every task stops at the seqs a local run would).
@@ -157,7 +163,8 @@ async def stream_to_segments(
                            failover_logs=failover_logs, boundaries=boundaries,
                            until_end=True, end_seqs=end_seqs,
                            buffer_size=buffer_size, name="upr-backup",
-                           collections=collections or None)  # fmt: skip
+                           collections=collections or None,
+                           followed_ids=followed_ids)  # fmt: skip
     async with Worker("segments", max_queued=MAX_INFLIGHT) as worker:
         stream = BackupStream(
             consumer, worker, directory, bucket=bucket, segment_name=segment_name,
@@ -324,8 +331,15 @@ class BackupStream:
         if not self.consumer.parts[ev.partition].done:
             return  # the consumer reopens it (state changed, moved)
         await self._flush()
-        job = functools.partial(_finish, self._opened[ev.partition], ev, self.directory,
-                                self.segment_name, self._held)  # fmt: skip
+        st = self._opened.get(ev.partition)
+        if st is None:  # ended unopened: its filter follows nothing, no drop is owed
+            st = self._opened[ev.partition] = _Open(
+                ev.partition, None, self.consumer.parts[ev.partition].log, ev.position.seq,
+                rollback=self._rolled.pop(ev.partition, None),
+                cuts=list(self._cuts.get(ev.partition, [])),
+            )  # fmt: skip
+        job = functools.partial(_finish, st, ev, self.directory, self.segment_name,
+                                self._held)  # fmt: skip
         self._finishing[ev.partition] = await self.worker.submit(job)
         self.stats.partitions_done += 1
         start, end = self._span.get(ev.partition, (0, 0))

@@ -49,6 +49,7 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                      cuts: dict[int, list[Any]] | None = None,
                      boundaries: dict[int, list[int]] | None = None,
                      collections: list[CollectionPath] | None = None,
+                     followed_ids: dict[int, set[int]] | None = None,
                      **_ignored: Any) -> dict[int, PartitionResult]:  # fmt: skip
         logs = failover_logs or {}
         ends = end_seqs or {}
@@ -64,6 +65,8 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                 cuts={p: left[p] for p in share if p in left},
                 boundaries={p: bounds[p] for p in share if p in bounds},
                 collections=collections,  # each task's streams filter the same way
+                followed_ids=None if followed_ids is None else
+                {p: followed_ids[p] for p in share if p in followed_ids},
             ))  # fmt: skip
             return sorted(got.items())
 
