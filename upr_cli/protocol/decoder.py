@@ -272,8 +272,11 @@ class FrameDecoder:
                         break
                     k = off + 55
                     key, value = mv[k : k + keylen], mv[k + keylen : end]
-                    if colls:
-                        cid, key = self._split(key, off)
+                    if colls:  # a one-byte id (below 128) inline: the common case
+                        if keylen and buf[k] < 0x80:
+                            cid, key = buf[k], mv[k + 1 : k + keylen]
+                        else:
+                            cid, key = self._split(key, off)
                     append(new(record, (0x57, vb, seq, rev, cas, flags, exp, 0, datatype,
                                         key, value, opaque, cid)))  # fmt: skip
                     off = end
@@ -310,7 +313,10 @@ class FrameDecoder:
                         dtime = 0
                     key, value = mv[k : k + keylen], mv[k + keylen : end]
                     if colls:
-                        cid, key = self._split(key, off)
+                        if keylen and buf[k] < 0x80:
+                            cid, key = buf[k], mv[k + 1 : k + keylen]
+                        else:
+                            cid, key = self._split(key, off)
                     append(new(record, (opcode, vb, seq, rev, cas, flags, exp, dtime, datatype,
                                         key, value, opaque, cid)))  # fmt: skip
                     off = end
