@@ -49,6 +49,7 @@ import contextlib
 import json
 import logging
 import random
+import struct
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -85,7 +86,7 @@ from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.protocol import Frame, Message, decode_message
 from upr_cli.protocol.decoder import DcpRecord
-from upr_cli.protocol.header import Opcode
+from upr_cli.protocol.header import Magic, Opcode
 from upr_cli.protocol.messages import (
     STREAM_FOREVER,
     Barrier,
@@ -119,6 +120,7 @@ FLAG_FROM_LATEST = 0x40
 FLAG_ACTIVE_ONLY = 0x10
 MARKER_ACK = 0x08
 END_OK, END_CLOSED, END_FILTER_EMPTY = 0, 1, 7
+_SYSTEM_EXTRAS = struct.Struct(">QIB")  # DCP_SYSTEM_EVENT: seq, event, version
 Item = DcpRecord | Event
 
 
@@ -1152,7 +1154,11 @@ class DcpConsumer:
                         continue  # catching up unfiltered: not a collection it follows
                 out.append(it)
                 continue
-            msg = decode_message(cast(Frame, it))
+            frame = cast(Frame, it)
+            if frame.opcode == Opcode.DCP_SYSTEM_EVENT and frame.magic == Magic.REQUEST:
+                self._system_frame(frame, out)  # many (one per collection and partition):
+                continue  # struct, not the typed message path
+            msg = decode_message(frame)
             if isinstance(msg, Barrier):
                 try:
                     cut = json.loads(msg.value)["cut"]
@@ -1183,9 +1189,10 @@ class DcpConsumer:
                 out.append(Snapshot(vb, msg.start_seqno, msg.end_seqno, msg.flags))
             elif isinstance(msg, SeqnoAdvanced):
                 part.seq = msg.by_seqno
-            elif isinstance(msg, SystemEvent):
+            elif isinstance(msg, SystemEvent):  # with a stream id (flexible framing)
                 part.seq = msg.by_seqno
-                change = self._system_event(part, msg)
+                change = self._system_event(part, msg.by_seqno, msg.event, msg.version,
+                                            bytes(msg.key), bytes(msg.value))  # fmt: skip
                 if change is not None and self._hand_over(part, change):
                     out.append(change)
             elif isinstance(msg, StreamEnd):
@@ -1202,17 +1209,34 @@ class DcpConsumer:
                     self._spawn(self._reopen(part))
         return out
 
-    def _system_event(self, part: _Part, msg: SystemEvent) -> ManifestChange | None:
+    def _system_frame(self, frame: Frame, out: list[Item]) -> None:
+        """A classic DCP_SYSTEM_EVENT frame: extras u64 seq, u32 event, u8 version
+        (docs/protocol.md §2.15)."""
+        if len(frame.extras) != _SYSTEM_EXTRAS.size:
+            raise RemoteProtocolError(
+                f"opcode 0x5f: extras length {len(frame.extras)}, expected {_SYSTEM_EXTRAS.size}"
+            )
+        part = self.parts.get(frame.vbucket_or_status)
+        if part is None:
+            return
+        seq, event, version = _SYSTEM_EXTRAS.unpack(frame.extras)
+        part.seq = seq
+        change = self._system_event(part, seq, event, version, bytes(frame.key),
+                                    bytes(frame.value))  # fmt: skip
+        if change is not None and self._hand_over(part, change):
+            out.append(change)
+
+    def _system_event(self, part: _Part, seq: int, event: int, version: int, key: bytes,
+                      value: bytes) -> ManifestChange | None:  # fmt: skip
         """A system event as a `ManifestChange` (docs/protocol.md "Collections"); None
         for events upr does not use (a collection modified, FlatBuffers values)."""
         try:
-            change = decode_event(part.partition, msg.by_seqno, msg.event, msg.version,
-                                  bytes(msg.key), bytes(msg.value))  # fmt: skip
+            change = decode_event(part.partition, seq, event, version, key, value)
         except CollectionsError as exc:
             raise RemoteProtocolError(str(exc)) from None
         if change is None:
             log.debug("partition %d seq %d: system event %d version %d skipped",
-                      part.partition, msg.by_seqno, msg.event, msg.version)  # fmt: skip
+                      part.partition, seq, event, version)  # fmt: skip
             return None
         self._uid = max(self._uid, change.manifest_uid)
         return change
