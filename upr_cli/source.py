@@ -1,9 +1,9 @@
 """Where the commands' data comes from: partition lists, repositories, source specifications.
 
 Every command names its sources and targets the same way: `upr://…` or `couchbase://…`
-(a live node or cluster), `repo:DIR[@BACKUP]` (a backup repository), `sqlite:PATH` (a
-replay store) and `json:PATH` (a JSON file of failover logs; a bare path ending in .json
-too). `parse_source` is the one parser of those forms; each command says which kinds it
+(a live node or cluster; `uprs://…` and `couchbases://…` over TLS), `repo:DIR[@BACKUP]`
+(a backup repository), `sqlite:PATH` (a replay store) and `json:PATH` (a JSON file of
+failover logs; a bare path ending in .json too). `parse_source` is the one parser of those forms; each command says which kinds it
 takes, and anything else is a usage error naming what it does take. The module imports
 nothing heavy, so the CLI can use it before it knows which command runs.
 """
@@ -97,7 +97,7 @@ def parse_source(
 
 def _parse(text: str, *, json_paths: bool) -> Source | None:
     """The source `text` names, by its prefix (or a bare PATH.json when `json_paths`)."""
-    if text.startswith(("upr://", "couchbase://")):
+    if text.startswith(("upr://", "couchbase://", "uprs://", "couchbases://")):
         return Source("node", text)
     if text.startswith("repo:"):
         rest = text[len("repo:") :]

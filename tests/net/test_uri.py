@@ -105,7 +105,7 @@ def test_repr_is_redacted() -> None:
     [
         ("127.0.0.1/b", "must look like"),
         ("http://127.0.0.1/b", "unknown source URI scheme 'http'"),
-        ("couchbases://127.0.0.1/b", "unknown source URI scheme 'couchbases'"),
+        ("https://127.0.0.1/b", "unknown source URI scheme 'https'"),
         ("upr://127.0.0.1", "needs a bucket"),
         ("upr://127.0.0.1/", "needs a bucket"),
         ("upr:///b", "empty host"),

@@ -9,12 +9,15 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import typer
 
 from upr_cli.errors import ExitCode, UprError, UsageError, check_file_path, is_network_error
 from upr_cli.source import parse_source
+
+if TYPE_CHECKING:
+    from upr_cli.net.uri import SourceUri
 
 T = TypeVar("T")
 
@@ -67,6 +70,58 @@ def key_pattern(keys: str | None) -> re.Pattern[bytes] | None:
         return re.compile(keys.encode()) if keys is not None else None
     except re.error as exc:
         raise UsageError(f"--keys: not a valid regex: {exc}") from None
+
+
+# -- TLS for uprs:// and couchbases:// sources (docs/protocol.md §13) --------------------
+
+CaCert = Annotated[
+    Path | None,
+    typer.Option("--cacert", metavar="FILE", envvar="UPR_CACERT", show_envvar=False,
+                 help="PEM CA file that signs the server certificate (or set UPR_CACERT; "
+                 "default: the system trust store)."),
+]  # fmt: skip
+NoVerify = Annotated[
+    bool,
+    typer.Option("--no-verify",
+                 help="Do not check the server certificate (warns on every run)."),
+]  # fmt: skip
+ClientCert = Annotated[
+    Path | None,
+    typer.Option("--cert", metavar="FILE", envvar="UPR_CERT", show_envvar=False,
+                 help="PEM client certificate, for nodes that ask for one (with --key)."),
+]  # fmt: skip
+ClientKey = Annotated[
+    Path | None,
+    typer.Option("--key", metavar="FILE", envvar="UPR_KEY", show_envvar=False,
+                 help="PEM private key of --cert."),
+]  # fmt: skip
+
+
+def tls_source(
+    uri: SourceUri,
+    cacert: Path | None,
+    no_verify: bool,
+    cert: Path | None = None,
+    key: Path | None = None,
+) -> SourceUri:
+    """`uri` with the TLS options given; --no-verify prints its warning (every run, as
+    long as it is given, whatever the scheme: it is a choice worth repeating)."""
+    from upr_cli.net.tls import NO_VERIFY_WARNING, ClientTls  # not for --help (lazy CLI)
+
+    if no_verify:
+        sys.stderr.write(f"upr: warning: {NO_VERIFY_WARNING}\n")
+        sys.stderr.flush()
+    if (cert is None) != (key is None):
+        raise UsageError("--cert and --key go together")
+    tls = ClientTls(
+        cafile=None if cacert is None else str(cacert),
+        certfile=None if cert is None else str(cert),
+        keyfile=None if key is None else str(key),
+        verify=not no_verify,
+    )
+    if uri.secure:
+        tls.context()  # a CA or key file that cannot be used is a usage error now
+    return uri.with_tls(tls)
 
 
 # -- deprecated spellings ---------------------------------------------------------------

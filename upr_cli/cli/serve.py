@@ -16,11 +16,16 @@ import typer
 from upr_cli.cli.options import BucketName, OldNumPartitions, num_partitions_option, partition_count
 from upr_cli.cluster.collections import parse_specs
 from upr_cli.errors import UsageError
+from upr_cli.net.tls import DEFAULT_TLS_PORT
 from upr_cli.node.server import NodeConfig, NodeServer
 
 HELP = """Run a UPR node: KV front end, DCP producer, SQLite storage in --data DIR.
 
-The node prints "listening upr://HOST:PORT/BUCKET" on stdout once it serves. SIGTERM or
+The node prints "listening upr://HOST:PORT/BUCKET" on stdout once it serves, and with
+--tls-cert and --tls-key a second line "listening-tls uprs://HOST:PORT/BUCKET" for its
+TLS data port (default 11207, as Couchbase's; its cluster map advertises that port as
+kvSSL, so TLS clients stay on TLS; PLAIN and SCRAM-SHA512 are offered on both ports,
+and TLS clients use PLAIN, as the Couchbase SDKs do). SIGTERM or
 SIGINT stop it cleanly (everything flushed, failover uuids kept); after a SIGKILL the
 next start adds a failover entry at the last persisted seq of every partition.
 
@@ -35,6 +40,12 @@ allowed_sasl_mechanisms=["PLAIN"])):
 
   upr serve --data /tmp/node --port 0 --no-auth --flush-interval 60
 
+Example (TLS on port 11207 beside the plain port; clients use uprs:// with
+--cacert ca.pem or UPR_CACERT=ca.pem):
+
+  upr serve --data /tmp/node --user admin --password secret --tls-cert node.pem \
+      --tls-key node.key
+
 Example (a bucket of 64 partitions; --partitions N, the old spelling, still works):
 
   upr serve --data /tmp/node --no-auth --num-partitions 64
@@ -46,6 +57,26 @@ max TTL of one hour):
 """
 
 NUM_PARTITIONS = 1024
+
+Host = Annotated[str, typer.Option("--host", metavar="ADDRESS", help="Address to listen on.")]
+Port = Annotated[
+    int,
+    typer.Option("--port", min=0, max=65535, metavar="PORT", help="TCP port (0: any free port)."),
+]
+TlsCert = Annotated[
+    Path | None,
+    typer.Option("--tls-cert", metavar="FILE",
+                 help="PEM certificate chain for the TLS data port (with --tls-key)."),
+]  # fmt: skip
+TlsKey = Annotated[
+    Path | None,
+    typer.Option("--tls-key", metavar="FILE", help="PEM private key of --tls-cert."),
+]
+TlsPort = Annotated[
+    int | None,
+    typer.Option("--tls-port", min=0, max=65535, metavar="PORT",
+                 help="TLS data port (default 11207; 0: any free port)."),
+]  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:
@@ -92,15 +123,8 @@ def serve_cmd(
     data: Annotated[
         Path, typer.Option("--data", metavar="DIR", help="Directory for the bucket's SQLite file.")
     ],
-    host: Annotated[
-        str, typer.Option("--host", metavar="ADDRESS", help="Address to listen on.")
-    ] = "127.0.0.1",
-    port: Annotated[
-        int,
-        typer.Option(
-            "--port", min=0, max=65535, metavar="PORT", help="TCP port (0: any free port)."
-        ),
-    ] = 11210,
+    host: Host = "127.0.0.1",
+    port: Port = 11210,
     bucket: BucketName = "default",
     num_partitions: Annotated[int | None, num_partitions_option(NUM_PARTITIONS)] = None,
     old_partitions: OldNumPartitions = None,
@@ -167,6 +191,9 @@ def serve_cmd(
             "SCOPE.COLLECTION:MAXTTL, comma-separated.",
         ),
     ] = None,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
+    tls_port: TlsPort = None,
 ) -> None:
     """Run a UPR node."""
     level = getattr(logging, log_level.upper(), None)
@@ -181,8 +208,11 @@ def serve_cmd(
         data_dir=data, host=host, port=port, bucket=bucket, partitions=partitions, users=users,
         no_auth=no_auth, flush_interval=flush_interval, purge_age=purge_age,
         idle_timeout=idle_timeout, collections=specs,
-        expiry_pager_interval=expiry_pager_interval or None,
+        expiry_pager_interval=expiry_pager_interval or None, tls_cert=tls_cert,
+        tls_key=tls_key, tls_port=DEFAULT_TLS_PORT if tls_port is None else tls_port,
     )  # fmt: skip
+    if tls_port is not None and tls_cert is None:
+        raise UsageError("--tls-port needs --tls-cert and --tls-key")
     asyncio.run(_serve(NodeServer(config)))
 
 
@@ -195,6 +225,8 @@ async def _serve(server: NodeServer) -> None:
     cfg = server.config
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     sys.stdout.write(f"listening upr://{host}:{server.port}/{cfg.bucket}\n")
+    if server.tls_port is not None:
+        sys.stdout.write(f"listening-tls uprs://{host}:{server.tls_port}/{cfg.bucket}\n")
     sys.stdout.flush()
     try:
         await stop.wait()

@@ -10,7 +10,17 @@ from typing import Annotated
 
 import typer
 
-from upr_cli.cli.options import Keys, NodeUri, Partitions, key_pattern
+from upr_cli.cli.options import (
+    CaCert,
+    ClientCert,
+    ClientKey,
+    Keys,
+    NodeUri,
+    NoVerify,
+    Partitions,
+    key_pattern,
+    tls_source,
+)
 from upr_cli.cli.output import stderr
 from upr_cli.collections import parse_paths
 from upr_cli.errors import UsageError
@@ -21,10 +31,13 @@ from upr_cli.source import selected
 HELP = """Print a bucket's changes as they stream over DCP.
 
 URI is upr://[user[:password]@]host[:port]/bucket (couchbase:// too; the password may
-come from UPR_PASSWORD). --format json prints one object a line with partition, seq,
-op, scope and collection (names), key, value (the document itself when its datatype
-says JSON, else value_b64), cas (a decimal string), rev_seq, flags and expiry. Text
-lines show a key outside the default collection as scope.collection:key.
+come from UPR_PASSWORD); uprs:// and couchbases:// connect with TLS (port 11207 by
+default) and check the server certificate against the system's CAs or --cacert FILE
+(UPR_CACERT); --no-verify checks nothing and says so on every run. --format json
+prints one object a line with partition, seq, op, scope and collection (names), key,
+value (the document itself when its datatype says JSON, else value_b64), cas (a
+decimal string), rev_seq, flags and expiry. Text lines show a key outside the default
+collection as scope.collection:key.
 
 Every collection is streamed unless --collections names some (SCOPE or
 SCOPE.COLLECTION, comma-separated; .C is _default.C): the source then sends only
@@ -46,6 +59,11 @@ Example (follow new changes of partitions 0-15, keys matching user::):
 
   upr tail upr://admin@127.0.0.1/default --from now --partitions 0-15 \\
       --keys 'user::'
+
+Example (over TLS, the server certificate checked against ca.pem; UPR_CACERT=ca.pem
+does the same for every command):
+
+  upr tail uprs://admin@db.example.com/default --cacert ca.pem --until-end
 
 Example (two collections of scope app, with their creations and drops):
 
@@ -108,6 +126,10 @@ def tail_cmd(
             "are waited for; the others stream meanwhile.",
         ),
     ] = 120.0,
+    cacert: CaCert = None,
+    no_verify: NoVerify = False,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Print a bucket's changes."""
     if fmt not in ("text", "json"):
@@ -117,7 +139,7 @@ def tail_cmd(
         keys=key_pattern(keys), fmt=fmt, verbose=verbose, state=state, wait=wait,
         collections=parse_paths(collections) or None,
     )  # fmt: skip
-    source = SourceUri.parse(uri)
+    source = tls_source(SourceUri.parse(uri), cacert, no_verify, cert, key)
     try:
         summary = asyncio.run(
             tail(source, opts, on_warning=lambda text: stderr.print(f"upr: warning: {text}"))

@@ -1,9 +1,11 @@
 """Connection bootstrap before DCP or KV: HELLO → SASL → SELECT_BUCKET → config.
 
-Each step follows docs/protocol.md §5. SASL picks SCRAM-SHA512 when the server offers
-it, else PLAIN (couchbase-cli tools and servers that offer nothing else,
-docs/protocol.md §5.2). The cluster config gives the partition count
-(`vBucketServerMap.vBucketMap`, docs/protocol.md §5.5), which key hashing needs.
+Each step follows docs/protocol.md §5. On a plain connection SASL picks SCRAM-SHA512
+when the server offers it, else PLAIN (couchbase-cli tools and servers that offer
+nothing else, docs/protocol.md §5.2). Over TLS it picks PLAIN when offered, as the
+Couchbase SDKs do: the channel already hides the password (docs/protocol.md §13.4).
+The cluster config gives the partition count (`vBucketServerMap.vBucketMap`,
+docs/protocol.md §5.5), which key hashing needs.
 
 HELLO offers Collections (docs/protocol.md "Collections"): a server that grants it
 expects every document key on the connection to start with the collection id, and
@@ -22,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from upr_cli.errors import UprError
-from upr_cli.net.connection import Connection, ConnectionError_, ServerItems
+from upr_cli.net.connection import Connection, ConnectionClosed, ConnectionError_, ServerItems
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.scram import AuthenticationFailed, ScramClient, plain_message
+from upr_cli.net.tls import ClientTls
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import leb128
 from upr_cli.protocol.header import Feature
@@ -122,11 +125,11 @@ async def _connect_one(
     name: str,
     features: tuple[int, ...],
 ) -> Session:
+    tls = (uri.tls or ClientTls.from_env()).context() if uri.secure else None
     conn = await Connection.open(uri.host, uri.port, timeout=timeout, name=name or uri.redacted(),
-                                 on_server=on_server, on_close=on_close)  # fmt: skip
+                                 on_server=on_server, on_close=on_close, tls=tls)  # fmt: skip
     try:
-        hello = await conn.request(Hello(agent=AGENT, features=features, opaque=conn.next_opaque()),
-                                   timeout=timeout)  # fmt: skip
+        hello = await _hello(conn, uri, features, timeout)
         granted = frozenset(hello.features) if isinstance(hello, HelloResponse) else frozenset()
         # Nothing else is in flight yet, so no data record can have been decoded the
         # old way: every later key is split (docs/protocol.md "Collections").
@@ -160,13 +163,36 @@ async def _connect_one(
         raise
 
 
+async def _hello(
+    conn: Connection, uri: SourceUri, features: tuple[int, ...], timeout: float
+) -> Any:
+    """HELLO; a TLS port closes a plain client's connection at its first bytes, so that
+    close gets a hint (docs/protocol.md §13.3)."""
+    try:
+        return await conn.request(Hello(agent=AGENT, features=features, opaque=conn.next_opaque()),
+                                  timeout=timeout)  # fmt: skip
+    except ConnectionClosed:
+        if uri.secure:
+            raise
+        # still retriable: a node that restarts closes the same way
+        raise ConnectionClosed(
+            f"{uri.host}:{uri.port}: the peer closed the connection during HELLO (a TLS "
+            "port? it takes uprs:// or couchbases://)"
+        ) from None
+
+
 async def _authenticate(conn: Connection, uri: SourceUri, timeout: float) -> None:
     assert uri.username is not None
     password = uri.password or ""
     resp = await conn.request(SaslListMechs(opaque=conn.next_opaque()), timeout=timeout)
     offered = resp.names if isinstance(resp, SaslListMechsResponse) else ()
     try:
-        if "SCRAM-SHA512" in offered:
+        if uri.secure and "PLAIN" in offered:
+            await conn.request(
+                SaslAuth(mechanism="PLAIN", payload=plain_message(uri.username, password),
+                         opaque=conn.next_opaque()), timeout=timeout,
+            )  # fmt: skip
+        elif "SCRAM-SHA512" in offered:
             scram = ScramClient("SCRAM-SHA512", uri.username, password)
             first = await conn.request(
                 SaslAuth(mechanism="SCRAM-SHA512", payload=scram.first_message(),
@@ -210,7 +236,9 @@ __all__ = [
 
 def map_nodes(uri: SourceUri, config: dict[str, Any]) -> tuple[list[tuple[str, int]], list[int]]:
     """The cluster map's servers as (host, port) (`$HOST` is `uri`'s host) and, per
-    partition, the index of its active server (-1: none). The one parser of the map."""
+    partition, the index of its active server (-1: none). The one parser of the map.
+    For a TLS URI the ports are the servers' TLS data ports (`kvSSL` in `nodesExt`), so
+    that a TLS client stays on TLS (docs/protocol.md §13.2)."""
     smap = config.get("vBucketServerMap", {}) if isinstance(config, dict) else {}
     smap = smap if isinstance(smap, dict) else {}
     servers: list[tuple[str, int]] = []
@@ -219,12 +247,38 @@ def map_nodes(uri: SourceUri, config: dict[str, Any]) -> tuple[list[tuple[str, i
         host, _, port = str(entry).rpartition(":")
         if port.isdigit():
             servers.append((uri.host if host in ("$HOST", "") else host, int(port)))
+    if uri.secure and servers:
+        servers = _tls_ports(uri, config, servers)
     rows = smap.get("vBucketMap", [])
     actives = [
         row[0] if isinstance(row, list) and row and isinstance(row[0], int) else -1
         for row in (rows if isinstance(rows, list) else [])
     ]
     return servers, actives
+
+
+def _tls_ports(
+    uri: SourceUri, config: dict[str, Any], servers: list[tuple[str, int]]
+) -> list[tuple[str, int]]:
+    """Each server's TLS data port from `nodesExt` (matched by host and plain data port;
+    a node without a hostname there is the one we asked)."""
+    tls: dict[tuple[str, int], int] = {}
+    nodes = config.get("nodesExt", [])
+    for node in nodes if isinstance(nodes, list) else []:
+        services = node.get("services", {}) if isinstance(node, dict) else {}
+        kv, kv_ssl = services.get("kv"), services.get("kvSSL")
+        if isinstance(kv, int) and isinstance(kv_ssl, int):
+            host = node.get("hostname") or "$HOST"
+            tls[(uri.host if host == "$HOST" else str(host), kv)] = kv_ssl
+    out = []
+    for host, port in servers:
+        if (host, port) not in tls:
+            raise BootstrapError(
+                f"{uri.redacted()}: the cluster map gives node {host}:{port} no TLS data "
+                "port (kvSSL in nodesExt)"
+            )
+        out.append((host, tls[host, port]))
+    return out
 
 
 def node_uris(session: Session) -> list[SourceUri]:

@@ -16,11 +16,13 @@ import contextlib
 import itertools
 import logging
 import os
+import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from upr_cli.errors import RemoteProtocolError, UprError
 from upr_cli.net.aio import cancel_and_wait
+from upr_cli.net.tls import handshake_error
 from upr_cli.protocol import (
     DcpRecord,
     Frame,
@@ -37,6 +39,8 @@ log = logging.getLogger(__name__)
 
 READ_SIZE = 256 * 1024
 ServerItems = list[DcpRecord | Frame]  # data records and `Frame`s, in wire order
+# A peer that is not TLS resets or closes during the handshake (docs/protocol.md §13.3).
+_HANDSHAKE_ERRORS = (ssl.SSLError, ConnectionResetError, BrokenPipeError)
 
 
 class ConnectionError_(UprError):
@@ -94,16 +98,26 @@ class Connection:
         name: str = "",
         on_server: Callable[[ServerItems, int], None] | None = None,
         on_close: Callable[[ConnectionClosed], None] | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> Connection:
-        """Connect to host:port within `timeout` seconds."""
+        """Connect to host:port within `timeout` seconds (the TLS handshake included, and
+        the certificate checked for `host`, when `tls` is given)."""
+        extra: dict[str, Any] = {}
+        if tls is not None:
+            extra = {"ssl": tls, "server_hostname": host, "ssl_handshake_timeout": timeout}
         try:
             async with asyncio.timeout(timeout):  # not wait_for: it can lose a cancel (net/aio.py)
-                reader, writer = await asyncio.open_connection(host, port, limit=READ_SIZE)
+                reader, writer = await asyncio.open_connection(host, port, limit=READ_SIZE,
+                                                               **extra)  # fmt: skip
         except TimeoutError:
+            what = "with TLS " if tls is not None else ""
+            hint = " (a plain port? it takes upr://)" if tls is not None else ""
             raise ConnectionError_(
-                f"connecting to {host}:{port} timed out after {timeout:g}s"
+                f"connecting {what}to {host}:{port} timed out after {timeout:g}s{hint}"
             ) from None
         except OSError as exc:
+            if tls is not None and isinstance(exc, _HANDSHAKE_ERRORS):
+                raise handshake_error(exc, f"{host}:{port}") from None
             # asyncio's strerror repeats the address ("Connect call failed ('h', p)")
             why = os.strerror(exc.errno) if exc.errno else str(exc)
             raise ConnectionError_(f"cannot connect to {host}:{port}: {why}") from None

@@ -1,5 +1,6 @@
 """Source URIs: upr://[user[:password]@]host[:port][,host[:port]...]/bucket, with
-couchbase:// as a synonym.
+couchbase:// as a synonym; uprs:// and couchbases:// are the same over TLS
+(docs/protocol.md §13).
 
 More hosts after the first are further bootstrap nodes of the same cluster, tried in
 order when the ones before cannot be reached (a node removed or down); the cluster map
@@ -12,7 +13,7 @@ except a well-formed scheme, because a mistyped URI can put the password anywher
 User name, password and bucket are percent-decoded. The userinfo ends at the last "@", so
 a password with a raw "@", "/" or "?" still parses. A user given without a password takes
 it from $UPR_PASSWORD; "user:@" means an explicitly empty password. The port defaults to
-11210, the memcached data port (docs/protocol.md §5).
+11210, the memcached data port (docs/protocol.md §5), or 11207, the TLS data port.
 """
 
 from __future__ import annotations
@@ -25,14 +26,17 @@ from dataclasses import dataclass, replace
 from urllib.parse import quote, unquote
 
 from upr_cli.errors import UsageError
+from upr_cli.net.tls import DEFAULT_TLS_PORT, ClientTls
 
-SCHEMES = ("upr", "couchbase")
-"""Accepted URI schemes; they mean the same."""
+SCHEMES = ("upr", "couchbase", "uprs", "couchbases")
+"""Accepted URI schemes: upr and couchbase mean the same, uprs and couchbases too (TLS)."""
+TLS_SCHEMES = ("uprs", "couchbases")
+"""The schemes that connect with TLS."""
 DEFAULT_PORT = 11210
 """The memcached data port, used when the URI gives none."""
 PASSWORD_ENV = "UPR_PASSWORD"
 """Environment variable holding the password for a URI that names a user but no password."""
-FORM = "upr://[user[:password]@]host[:port][,host[:port]...]/bucket"
+FORM = "upr[s]://[user[:password]@]host[:port][,host[:port]...]/bucket"
 """The URI syntax, as shown in error messages."""
 
 _SCHEME_TOKEN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,19}")
@@ -54,6 +58,7 @@ class SourceUri:
     username: str | None = None
     password: str | None = None
     seeds: tuple[tuple[str, int], ...] = ()  # more bootstrap nodes, tried in order
+    tls: ClientTls | None = None  # TLS settings; None: from the environment
 
     @classmethod
     def parse(
@@ -65,7 +70,12 @@ class SourceUri:
             raise UsageError(f"source URI must look like {FORM}")
         if scheme.lower() not in SCHEMES:
             shown = f" {scheme!r}" if _SCHEME_TOKEN.fullmatch(scheme) else ""
-            raise UsageError(f"unknown source URI scheme{shown}: use upr:// or couchbase://")
+            raise UsageError(
+                f"unknown source URI scheme{shown}: use upr://, couchbase:// or, over TLS, "
+                "uprs://, couchbases://"
+            )
+        scheme = scheme.lower()
+        default_port = DEFAULT_TLS_PORT if scheme in TLS_SCHEMES else DEFAULT_PORT
 
         userinfo, at, location = rest.rpartition("@")
         username = password = None
@@ -79,12 +89,21 @@ class SourceUri:
         if "?" in location or "#" in location:
             raise UsageError("source URI cannot have a query or a fragment")
         hostport, _, path = location.partition("/")
-        hosts = [_host_port(h) for h in hostport.split(",")]
+        hosts = [_host_port(h, default_port) for h in hostport.split(",")]
         if len(hosts) > 16:
             raise UsageError("source URI lists more than 16 hosts")
         (host, port), seeds = hosts[0], tuple(h for h in dict.fromkeys(hosts[1:]) if h != hosts[0])
         bucket = _bucket(path, bucket_optional)
-        return cls(scheme.lower(), host, port, bucket, username, password, seeds)
+        return cls(scheme, host, port, bucket, username, password, seeds)
+
+    @property
+    def secure(self) -> bool:
+        """True for uprs:// and couchbases://: the connection is TLS."""
+        return self.scheme in TLS_SCHEMES
+
+    def with_tls(self, tls: ClientTls) -> SourceUri:
+        """The same URI with these TLS settings (used by TLS schemes only)."""
+        return replace(self, tls=tls)
 
     def rebase(self, host: str, port: int) -> SourceUri:
         """The same URI with (host, port) first, the other bootstrap hosts kept after it."""
@@ -146,7 +165,7 @@ def _decode(text: str, what: str) -> str:
     return value
 
 
-def _host_port(text: str) -> tuple[str, int]:
+def _host_port(text: str, default_port: int) -> tuple[str, int]:
     if text.startswith("["):
         end = text.find("]")
         if end < 0:
@@ -169,12 +188,12 @@ def _host_port(text: str) -> tuple[str, int]:
         if not _HOST.fullmatch(host):
             raise UsageError("source URI has an invalid host name")
         port_text = port_text_or_empty if colon else None
-    return host, _port(port_text)
+    return host, _port(port_text, default_port)
 
 
-def _port(text: str | None) -> int:
+def _port(text: str | None, default: int) -> int:
     if text is None:
-        return DEFAULT_PORT
+        return default
     if not _PORT.fullmatch(text) or not 1 <= int(text) <= 65535:
         raise UsageError("source URI port must be a number from 1 to 65535")
     return int(text)

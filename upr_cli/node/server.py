@@ -22,6 +22,7 @@ import ipaddress
 import json
 import logging
 import os
+import ssl
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,7 @@ from upr_cli.net.scram import (
     make_credential,
     parse_plain,
 )
+from upr_cli.net.tls import DEFAULT_TLS_PORT, server_context
 from upr_cli.node.bucket import EXPIRY_PAGER_INTERVAL, Bucket, StaleCas
 from upr_cli.node.collections import UnknownCollectionError, parse_specs, with_specs
 from upr_cli.node.partition import ACTIVE, DEAD, STATE_CODES
@@ -122,6 +124,8 @@ from upr_cli.protocol.status import (
 log = logging.getLogger(__name__)
 
 FAST_STORE: dict[int, str] = {Opcode.SET: "set", Opcode.ADD: "add", Opcode.REPLACE: "replace"}
+# a TLS peer that does not finish its handshake (a plain client, a stalled one) is dropped
+TLS_HANDSHAKE_TIMEOUT = 10.0
 UNAUTH_MAX_BODY = 16 * 1024  # bytes a peer may send in one frame before authenticating
 OUT_HIGH_WATER = 1 << 20  # queued response bytes that make the session wait for the socket
 OUT_CORK = 1 << 18  # queued DCP output written at once, without waiting for the loop turn
@@ -148,6 +152,9 @@ _SUBDOC_RESULT = struct.Struct(">HI")  # status, value length
 _SUBDOC_PATH_ENOENT, _SUBDOC_MULTI_PATH_FAILURE = 0xC0, 0xCC
 # what a single node's terse config says it can do (docs/protocol.md §5.5); the SDK
 # addresses named collections only on a bucket that lists "collections"
+# the parts of a bucket config that describe the cluster rather than the bucket
+GLOBAL_CONFIG_KEYS = ("rev", "revEpoch", "nodesExt", "clusterCapabilitiesVer",
+                      "clusterCapabilities")  # fmt: skip
 CAPABILITIES = ["couchapi", "collections", "dcp", "cbhello", "touch", "cccp", "nodesExt"]
 MECHANISMS = "SCRAM-SHA512 PLAIN"
 # --no-auth takes any login over PLAIN, which carries the password. SCRAM cannot succeed
@@ -198,6 +205,10 @@ class NodeConfig:
     backfills: int = 4
     # scopes and collections created at start when missing: "S", "S.C" or "S.C:MAXTTL"
     collections: tuple[str, ...] = ()
+    # a TLS data port beside the plain one (docs/protocol.md §13): PEM chain, key, port
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_port: int = DEFAULT_TLS_PORT
     # seconds between the expiry pager's rounds (None: only reads expire documents)
     expiry_pager_interval: float | None = EXPIRY_PAGER_INTERVAL
 
@@ -212,6 +223,14 @@ class NodeServer:
             raise ServeUsageError("--no-auth is allowed only on a loopback address")
         if not 1 <= config.partitions <= 1024:
             raise ServeUsageError("--partitions must be between 1 and 1024")
+        if (config.tls_cert is None) != (config.tls_key is None):
+            raise ServeUsageError("--tls-cert and --tls-key go together")
+        self.tls: ssl.SSLContext | None = None
+        if config.tls_cert is not None and config.tls_key is not None:
+            try:
+                self.tls = server_context(str(config.tls_cert), str(config.tls_key))
+            except UsageError as exc:
+                raise ServeUsageError(str(exc)) from None
         try:
             parse_specs(config.collections)
         except UsageError as exc:
@@ -223,6 +242,8 @@ class NodeServer:
         self.buckets: dict[str, Bucket] = {}
         self.sessions: set[ClientSession] = set()
         self._server: asyncio.Server | None = None
+        self._tls_server: asyncio.Server | None = None
+        self.tls_port: int | None = None  # once listening with TLS
         self.backfill_pool = ThreadPoolExecutor(
             max_workers=config.backfills, thread_name_prefix="backfill"
         )
@@ -273,22 +294,44 @@ class NodeServer:
                 f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}"
             ) from None
         self.port = self._server.sockets[0].getsockname()[1]
+        if self.tls is not None:
+            await self._listen_tls(bucket)
         # replicas are fed with the node's own credentials (formats/cluster.md §5)
         self.replicator = Replicator(bucket, port=self.port, user=user,
                                      password=cfg.users.get(user) if user else None)  # fmt: skip
         self.replicator.start()
 
+    async def _listen_tls(self, bucket: Bucket) -> None:
+        """The TLS data port: the same sessions as the plain port, behind a handshake."""
+        cfg = self.config
+        try:
+            self._tls_server = await asyncio.start_server(
+                self._accept, cfg.host, cfg.tls_port, limit=1 << 18, ssl=self.tls,
+                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT,
+            )  # fmt: skip
+        except OSError as exc:
+            assert self._server is not None
+            self._server.close()
+            await bucket.stop(clean=True)
+            raise ServeError(
+                f"cannot listen on {cfg.host}:{cfg.tls_port} (TLS): {exc.strerror or exc}"
+            ) from None
+        self.tls_port = self._tls_server.sockets[0].getsockname()[1]
+
     async def stop(self, *, clean: bool = True) -> None:
         """Stop listening, drop sessions, flush (if clean) and close the buckets."""
+        if self._tls_server is not None:
+            self._tls_server.close()
         if self._server is not None:
             self._server.close()
         if self.replicator is not None:
             await self.replicator.stop()
         for s in list(self.sessions):
             await s.aclose()
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
+        for server in (self._server, self._tls_server):
+            if server is not None:
+                with contextlib.suppress(Exception):
+                    await server.wait_closed()
         for b in self.buckets.values():
             await b.stop(clean=clean)
         self.backfill_pool.shutdown(wait=True)
@@ -339,10 +382,18 @@ class NodeServer:
                     "couchApiBase": f"http://$HOST:8092/{bucket.name}",
                 }
             ],
-            "nodesExt": [{"thisNode": True, "services": {"kv": port}}],
+            "nodesExt": [{"thisNode": True, "services": self.services()}],
             "clusterCapabilitiesVer": [1, 0],
             "clusterCapabilities": {},
         }
+
+    def services(self) -> dict[str, int]:
+        """This node's ports as `nodesExt` names them: `kvSSL` is the TLS data port, which
+        keeps TLS clients on TLS (docs/protocol.md §13.2)."""
+        out = {"kv": self.port}
+        if self.tls_port is not None:
+            out["kvSSL"] = self.tls_port
+        return out
 
 
 class ClientSession:
@@ -593,6 +644,16 @@ class ClientSession:
                 "traffic is off until the cluster's orchestrator turns it on (upr cluster start)"
             )
 
+    def cluster_config(self) -> dict[str, Any]:
+        """The selected bucket's config; without one, once authenticated, the global
+        config (GCCCP): without it the SDK takes the plain port for the TLS one and
+        cannot open a bucket over TLS (docs/protocol.md §13.2)."""
+        if self.bucket is not None or not self.authenticated:
+            return self.server.cluster_config(self.need_bucket())
+        bucket = next(iter(self.server.buckets.values()))
+        full = self.server.cluster_config(bucket)
+        return {k: full[k] for k in GLOBAL_CONFIG_KEYS if k in full}
+
     def need_bucket(self) -> Bucket:
         """The selected bucket, or NO_BUCKET."""
         if self.bucket is None:
@@ -634,7 +695,7 @@ class ClientSession:
             self.bucket = bucket
             self.send(Response(opcode=Opcode.SELECT_BUCKET, opaque=msg.opaque))
         elif op is GetClusterConfig:
-            body = json.dumps(self.server.cluster_config(self.need_bucket())).encode()
+            body = json.dumps(self.cluster_config()).encode()
             self.send(
                 Response(
                     opcode=Opcode.GET_CLUSTER_CONFIG, opaque=msg.opaque, value=body, datatype=1
