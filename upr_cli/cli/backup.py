@@ -12,14 +12,19 @@ from rich.table import Table
 
 from upr_cli.cli.options import (
     AllRows,
+    CaCert,
+    ClientCert,
+    ClientKey,
     JsonOutput,
     NodeUri,
     NoProgress,
+    NoVerify,
     Partitions,
     Repo,
     SparkConf,
     SparkMaster,
     SparkTasks,
+    tls_source,
 )
 from upr_cli.cli.output import (
     Progress,
@@ -132,9 +137,13 @@ def backup_cmd(
     json_out: JsonOutput = False,
     include_data: IncludeData = None,
     exclude_data: ExcludeData = None,
+    cacert: CaCert = None,
+    no_verify: NoVerify = False,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Back up a bucket."""
-    source = SourceUri.parse(uri)
+    source = tls_source(SourceUri.parse(uri), cacert, no_verify, cert, key)
     include, exclude = parse_paths(include_data), parse_paths(exclude_data)
     show = sys.stderr.isatty() and not no_progress
     with Progress("backup", "items", show=show) as bar:

@@ -8,7 +8,16 @@ from typing import Annotated
 
 import typer
 
-from upr_cli.cli.options import JsonOutput, NodeUri, NoProgress
+from upr_cli.cli.options import (
+    CaCert,
+    ClientCert,
+    ClientKey,
+    JsonOutput,
+    NodeUri,
+    NoProgress,
+    NoVerify,
+    tls_source,
+)
 from upr_cli.cli.output import Progress, plural, print_json, stdout
 from upr_cli.collections import parse_paths
 from upr_cli.jobs.load import LoadSummary, load
@@ -44,6 +53,17 @@ Example (spread over two collections of scope app):
 def register(app: typer.Typer) -> None:
     """Add the command to the app."""
     app.command("load", help=HELP, no_args_is_help=True)(load_cmd)
+
+
+# Declared here, not in the signature, to keep `load_cmd` short.
+Spread = Annotated[
+    str | None,
+    typer.Option(
+        "--collections",
+        metavar="PATHS",
+        help="Spread the workload over these collections: S.C or S, comma-separated.",
+    ),
+]
 
 
 def load_cmd(
@@ -87,19 +107,16 @@ def load_cmd(
         int, typer.Option("--seed", metavar="N", help="Random seed (same seed, same workload).")
     ] = 1,
     prefix: Annotated[str, typer.Option("--prefix", metavar="TEXT", help="Key prefix.")] = "doc",
-    collections: Annotated[
-        str | None,
-        typer.Option(
-            "--collections",
-            metavar="PATHS",
-            help="Spread the workload over these collections: S.C or S, comma-separated.",
-        ),
-    ] = None,
+    collections: Spread = None,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
+    cacert: CaCert = None,
+    no_verify: NoVerify = False,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Write a workload."""
-    source = SourceUri.parse(uri)
+    source = tls_source(SourceUri.parse(uri), cacert, no_verify, cert, key)
     paths = parse_paths(collections)
     if collections is not None and not paths:
         from upr_cli.errors import UsageError
