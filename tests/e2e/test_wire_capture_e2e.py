@@ -42,17 +42,18 @@ import pytest
 from tests.e2e.conftest import PASSWORD, USER, Node, upr
 from tests.e2e.e2e_helpers import reap, wait_persisted
 from upr_cli.net.bootstrap import WANTED
-from upr_cli.protocol import leb128
+from upr_cli.protocol import Feature, leb128, snappy
 
 TSHARK = shutil.which("tshark")
 pytestmark = pytest.mark.skipif(TSHARK is None, reason="tshark is not installed")
 
 PARTITIONS = 16
 BUFFER_SIZE = 4 * 1024 * 1024  # upr tail's default connection_buffer_size
-# About 2 MB of documents: more than two fifths of the 4 MiB window, so the client must
-# send BUFFER_ACKs (it acks every fifth of the window) during the finite session.
-LOAD = ("--docs", "400", "--size", "10000", "--update-ratio", "0.3", "--delete-ratio", "0.1",
-        "--seed", "11")  # fmt: skip
+# About 25 MB of documents, which Snappy (negotiated, with force_value_compression)
+# shrinks about twentyfold on the wire: still more than a fifth of the 4 MiB window, so
+# the client must send BUFFER_ACKs (it acks every fifth of the window) in the session.
+LOAD = ("--docs", "3600", "--size", "10000", "--update-ratio", "0.3", "--delete-ratio",
+        "0.1", "--seed", "11")  # fmt: skip
 
 # Opcodes (docs/protocol.md §2, §5).
 HELLO, SASL_LIST, SASL_AUTH, SASL_STEP = 0x1F, 0x20, 0x21, 0x22
@@ -403,7 +404,10 @@ def _change_from_wire(p: Pdu) -> dict[str, Any]:
     }
     if p.opcode == MUTATION:
         assert p.num("couchbase.datatype.json") == 1  # upr load writes JSON documents
-        row["value"] = json.loads(p.raw("couchbase.value"))
+        value = p.raw("couchbase.value")
+        if p.num("couchbase.datatype.snappy"):  # force_value_compression (formats/wire.md)
+            value = snappy.inflate(value)
+        row["value"] = json.loads(value)
         row["flags"] = p.num("couchbase.extras.flags")
         row["expiry"] = p.num("couchbase.extras.expiration")
         assert p.num("couchbase.extras.lock_time") == 0 and p.num("couchbase.extras.nmeta") == 0
@@ -461,9 +465,11 @@ def test_bootstrap_messages_with_their_fields(capture: Capture, index: int) -> N
 
     hello = _one(pdus, HELLO, to_server=True)
     assert hello.text("couchbase.key").startswith("upr/")
-    assert hello.nums("couchbase.hello.features.feature") == [int(f) for f in WANTED]
+    offered = [*map(int, WANTED), int(Feature.SNAPPY)]  # DcpConsumer adds Snappy
+    assert hello.nums("couchbase.hello.features.feature") == offered
     granted = _reply(pdus, hello).nums("couchbase.hello.features.feature")
-    assert set(granted) <= set(WANTED) and 0x07 in granted  # XERROR: the error map follows
+    assert set(granted) <= set(offered) and 0x07 in granted  # XERROR: the error map follows
+    assert Feature.SNAPPY in granted
 
     mechs = _reply(pdus, _one(pdus, SASL_LIST, to_server=True)).text("couchbase.value")
     assert "SCRAM-SHA512" in mechs.split()
@@ -511,7 +517,7 @@ def test_dcp_open_and_controls(capture: Capture, index: int) -> None:
     controls = _requests(pdus, CONTROL)
     shown = [(c.key().decode(), c.text("couchbase.value")) for c in controls]
     assert shown == [("connection_buffer_size", str(BUFFER_SIZE)), ("enable_noop", "true"),
-                     ("set_noop_interval", "2")]  # fmt: skip
+                     ("set_noop_interval", "2"), ("force_value_compression", "true")]  # fmt: skip
     assert all(_reply(pdus, c).status == 0 for c in controls)
     assert all(c.num("couchbase.extras.length") == 0 for c in controls)
 

@@ -40,6 +40,13 @@ which counts as ended. A caller resuming a filter passes the ids it followed
 (`followed_ids`): a partition whose followed ids the source no longer has streams
 unfiltered up to its high seq at open, keeping what it follows, so that their drops
 reach the caller (docs/protocol.md §12.4, "Resuming a filter across drops").
+
+Snappy (formats/wire.md "Snappy"). Every link offers it in HELLO (unless `snappy` is
+False) and, where it is granted, asks for `force_value_compression`; a server that
+refuses that control still sends what it holds compressed as it is. A compressed value
+is inflated here, once, as its record is decoded, so every caller (backup, tail, replay,
+a replica) sees plain values with the Snappy bit clear; a value that does not inflate
+raises `CorruptValueError` naming its key.
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ from upr_cli.dcp.events import (
 )
 from upr_cli.errors import RemoteProtocolError, UprError, UsageError
 from upr_cli.failover import FailoverLog
-from upr_cli.net.bootstrap import Session, connect, map_nodes
+from upr_cli.net.bootstrap import WANTED, Session, connect, map_nodes
 from upr_cli.net.connection import (
     ConnectionClosed,
     ConnectionError_,
@@ -84,9 +91,9 @@ from upr_cli.net.connection import (
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition, boundary_at
-from upr_cli.protocol import Frame, Message, decode_message
+from upr_cli.protocol import Frame, Message, decode_message, snappy
 from upr_cli.protocol.decoder import DcpRecord
-from upr_cli.protocol.header import Magic, Opcode
+from upr_cli.protocol.header import Feature, Magic, Opcode
 from upr_cli.protocol.messages import (
     STREAM_FOREVER,
     Barrier,
@@ -299,8 +306,11 @@ class DcpConsumer:
         name: str = "upr",
         collections: list[Path] | None = None,
         followed_ids: Mapping[int, Iterable[int]] | Iterable[int] | None = None,
+        snappy: bool = True,
     ) -> None:
         self.uri = uri
+        # offer HELLO Snappy: values travel compressed and are inflated here
+        self._features = (*WANTED, Feature.SNAPPY) if snappy else WANTED
         self._want = None if partitions is None else sorted(set(partitions))
         self._start = dict(positions or {})
         self._logs = dict(failover_logs or {})
@@ -557,7 +567,7 @@ class DcpConsumer:
 
         uri = self.uri.at(*addr)
         session = await connect(uri, timeout=self.connect_timeout, on_server=on_server,
-                                on_close=lost, name=self.name)  # fmt: skip
+                                on_close=lost, name=self.name, features=self._features)  # fmt: skip
         conn = session.conn
         try:
             await conn.request(
@@ -567,6 +577,14 @@ class DcpConsumer:
                         ("set_noop_interval", f"{self.noop_interval:g}")]  # fmt: skip
             for key, value in controls:
                 await conn.request(Control(name=key, value=value, opaque=conn.next_opaque()))
+            if Feature.SNAPPY in session.features:
+                # every value compressed on the wire; where refused (EINVAL), values
+                # the server stores compressed still come compressed, the rest plain
+                await conn.request(
+                    Control(name="force_value_compression", value="true",
+                            opaque=conn.next_opaque()),
+                    check=False,
+                )  # fmt: skip
             if self.want_barriers:
                 # a real server answers EINVAL: no barriers, callers fall back (formats/barrier.md);
                 # asked on every connection: a reconnected link is a new DCP connection
@@ -1152,6 +1170,9 @@ class DcpConsumer:
                     part.seq = it.by_seqno
                     if part.keep is not None and it.collection not in part.keep:
                         continue  # catching up unfiltered: not a collection it follows
+                if it.datatype & snappy.SNAPPY and it.value:
+                    it = it._replace(datatype=it.datatype & ~snappy.SNAPPY,
+                                     value=snappy.inflate(it.value, it.key))  # fmt: skip
                 out.append(it)
                 continue
             frame = cast(Frame, it)

@@ -139,6 +139,7 @@ async def stream_to_segments(
     boundaries: dict[int, list[int]] | None = None,
     collections: list[CollectionPath] | None = None,
     followed_ids: dict[int, set[int]] | None = None,
+    snappy: bool = True,
 ) -> dict[int, PartitionResult]:
     """Stream each partition from its position to the pinned high seqno into a segment.
 
@@ -147,6 +148,9 @@ async def stream_to_segments(
     the chain's filter followed up to its position: the drops of those the source no
     longer has are streamed too (docs/protocol.md §12.4, "Resuming a filter across
     drops"), where a path of the filter may be gone for good.
+
+    `snappy` offers HELLO Snappy: values travel compressed and are stored inflated, so
+    the segments' ratio is zstd's (formats/wire.md "Snappy"); False is for comparisons.
 
     `end_seqs` pins the ends instead (a distributed backup pins them once, on the driver,
     so every task stops at the seqs a local run would).
@@ -164,7 +168,7 @@ async def stream_to_segments(
                            until_end=True, end_seqs=end_seqs,
                            buffer_size=buffer_size, name="upr-backup",
                            collections=collections or None,
-                           followed_ids=followed_ids)  # fmt: skip
+                           followed_ids=followed_ids, snappy=snappy)  # fmt: skip
     async with Worker("segments", max_queued=MAX_INFLIGHT) as worker:
         stream = BackupStream(
             consumer, worker, directory, bucket=bucket, segment_name=segment_name,

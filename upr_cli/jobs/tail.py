@@ -54,6 +54,7 @@ class TailOptions:
     buffer_size: int = 4 * 1024 * 1024
     wait: float = 120.0  # how long a partition may wait for a reachable active node
     collections: list[CollectionPath] | None = None  # filtered on the source's side
+    snappy: bool = True  # offer HELLO Snappy (values travel compressed, formats/wire.md)
 
 
 @dataclass
@@ -388,7 +389,7 @@ async def tail(
         boundaries=bounds, until_end=opts.until_end,
         from_latest=opts.start == "now", start_seq=start_seq, buffer_size=opts.buffer_size,
         follow_for=opts.wait, name="upr-tail", collections=opts.collections,
-        followed_ids=followed.ids if followed is not None else None,
+        followed_ids=followed.ids if followed is not None else None, snappy=opts.snappy,
     )  # fmt: skip
     summary = TailSummary()
     sink = _TailSink(consumer, opts, out, summary, on_progress)

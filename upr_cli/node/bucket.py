@@ -34,6 +34,13 @@ with a new seq, CAS and rev seq whose expiry is its delete time (an explicit del
 is 0), so DCP sends it as an EXPIRATION to a client that asked for them. A write over
 an expired document (SET, ADD, REPLACE) treats it as absent and replaces it, as
 kv_engine's write path does, without an expiration of its own.
+
+Snappy (formats/wire.md "Snappy"): a value that arrives compressed (datatype 0x02) is
+checked to inflate and stored as it came, compressed, as Couchbase keeps it; the JSON
+bit is checked on the inflated body. The producer sends stored bytes as they are to a
+DCP connection that negotiated Snappy and inflates them for the others. The KV reads
+(`get`, `get_meta`, `touch`) hand out the inflated document, which every client can
+take whatever it negotiated.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ from upr_cli.node.collections import (
 )
 from upr_cli.node.partition import ACTIVE, PENDING, REPLICA, Marker, Partition
 from upr_cli.node.storage import DocRow, NodeStorage, PartitionRecord, StorageError
-from upr_cli.protocol import leb128
+from upr_cli.protocol import leb128, snappy
 from upr_cli.protocol.status import (
     InvalidArguments,
     KeyExists,
@@ -100,14 +107,29 @@ def _new_cas() -> int:
     return random.getrandbits(63) or 1
 
 
-def checked_datatype(datatype: int, value: bytes) -> int:
-    """Clear the JSON bit of a value that is not JSON, as a server must (docs/protocol.md §1.4)."""
-    if datatype & 0x01 and not datatype & 0x02:
+def checked_datatype(datatype: int, value: bytes, key: bytes = b"") -> int:
+    """Clear the JSON bit of a value that is not JSON, as a server must (see
+    docs/protocol.md §1.4); a compressed value must inflate (EINVAL naming the key)."""
+    body = value
+    if datatype & snappy.SNAPPY and value:
         try:
-            json.loads(value)
+            body = snappy.inflate(value, key)
+        except snappy.CorruptValueError as exc:
+            raise InvalidArguments(str(exc)) from None
+    if datatype & 0x01:
+        try:
+            json.loads(body)
         except (ValueError, UnicodeDecodeError):
-            return datatype & ~0x01
+            return datatype & 0x06
     return datatype & 0x07
+
+
+def plain_doc(doc: DocRow) -> DocRow:
+    """The document as a client that did not negotiate Snappy sees it: inflated."""
+    if not doc.datatype & snappy.SNAPPY or not doc.value:
+        return doc
+    datatype, value = snappy.plain(doc.datatype, doc.value, doc.key)
+    return replace(doc, datatype=datatype, value=value)
 
 
 class Bucket:
@@ -558,7 +580,11 @@ class Bucket:
         return doc
 
     def get(self, vb: int, key: bytes) -> DocRow:
-        """A live, unexpired document (a qualified key) or KEY_ENOENT."""
+        """A live, unexpired document (a qualified key), inflated, or KEY_ENOENT."""
+        return plain_doc(self._live(vb, key))
+
+    def _live(self, vb: int, key: bytes) -> DocRow:
+        """A live, unexpired document as stored, or KEY_ENOENT."""
         self.partition(vb)
         self.collections.collection(key)
         doc = self.current(vb, key)
@@ -575,7 +601,7 @@ class Bucket:
         doc = self.current(vb, key)
         if doc is None:
             raise KeyNotFound(f"no such key in partition {vb}")
-        return doc
+        return plain_doc(doc)
 
     # -- expiry ----------------------------------------------------------------------
 
@@ -670,7 +696,7 @@ class Bucket:
                 raise KeyExists("CAS mismatch")
         doc = DocRow(
             vbucket=vb, key=key, seq=part.high_seq + 1, rev_seq=(old.rev_seq + 1) if old else 1,
-            datatype=checked_datatype(datatype, value),
+            datatype=checked_datatype(datatype, value, key),
             cas=self.next_cas(), flags=flags, expiry=expiry, deleted=False, delete_time=0,
             value=value,
         )  # fmt: skip
@@ -699,11 +725,11 @@ class Bucket:
         the collection's max TTL), as a new version: new seq, CAS and rev seq."""
         part = self.partition(vb)
         expiry = expiry_of(self.collections.collection(key), expiry, int(time.time()))
-        old = self.get(vb, key)
+        old = self._live(vb, key)  # kept as stored: compressed stays compressed
         doc = replace(old, seq=part.high_seq + 1, rev_seq=old.rev_seq + 1, cas=self.next_cas(),
                       expiry=expiry)  # fmt: skip
         part.append(doc)
-        return doc
+        return plain_doc(doc)
 
     def store_with_meta(
         self,
@@ -741,7 +767,7 @@ class Bucket:
         doc = DocRow(
             vbucket=vb, key=key, seq=part.high_seq + 1, rev_seq=rev_seq, cas=item_cas,
             flags=flags, expiry=0 if deleted else expiry,
-            datatype=0 if deleted else checked_datatype(datatype, value), deleted=deleted,
+            datatype=0 if deleted else checked_datatype(datatype, value, key), deleted=deleted,
             delete_time=int(time.time()) if deleted else 0, value=value,
         )  # fmt: skip
         self._last_cas = max(self._last_cas, item_cas)

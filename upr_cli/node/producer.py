@@ -36,6 +36,12 @@ Streams hand the sender bounded batches, so a client that never acks stalls its
 streams without the node's memory growing. Whatever the connection's read loop causes
 to be sent and counted (barrier cookies, STREAM_END on CLOSE_STREAM) is sent by a task of
 its own: the read loop must never wait for credit, since it alone reads the BUFFER_ACK.
+
+Snappy (formats/wire.md "Snappy"): the node keeps a value as it arrived, compressed or
+not. A connection whose HELLO granted Snappy gets the stored bytes and datatype as they
+are (with `force_value_compression`, plain values compressed when that makes them
+smaller); any other gets every value inflated and the Snappy bit cleared, as kv_engine's
+producer does.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ from upr_cli.node.storage import (
     StoredRow,
 )
 from upr_cli.node.sysevents import event_of, is_system_key, system_key
-from upr_cli.protocol import leb128
+from upr_cli.protocol import leb128, snappy
 from upr_cli.protocol.fast import encode_mutation
 from upr_cli.protocol.messages import (
     Barrier,
@@ -374,6 +380,7 @@ class DcpProducer:
         idle_timeout: float,
         *,
         collections: bool = False,
+        snappy: bool = False,
     ) -> None:
         self.bucket = bucket
         self.name = name
@@ -382,6 +389,9 @@ class DcpProducer:
         # events are sent, and a stream request may carry a filter (formats/wire.md
         # "Collections on DCP")
         self.collections = collections
+        # HELLO Snappy was granted: values may go out compressed (formats/wire.md "Snappy")
+        self.snappy = snappy
+        self.force_compression = False
         self.sender = sender
         self.streams: dict[int, asyncio.Task[None]] = {}
         self.specs: dict[int, StreamSpec] = {}
@@ -445,7 +455,13 @@ class DcpProducer:
             # system events go out as versions 0 and 1 only (formats/wire.md
             # "Collections on DCP")
             raise NotSupported(f"{key} is not supported by upr serve")
-        elif key in ("force_value_compression", "max_marker_version"):
+        elif key == "force_value_compression":
+            if not self.snappy:
+                raise InvalidArguments(f"{key} needs HELLO Snappy on this connection")
+            if v not in ("true", "false"):
+                raise InvalidArguments(f"{key} takes true or false")
+            self.force_compression = v == "true"
+        elif key == "max_marker_version":
             raise InvalidArguments(f"{key} needs a feature this connection did not negotiate")
         elif key == "backfill_order":
             if v not in ("round-robin", "sequential"):
@@ -882,7 +898,9 @@ class DcpProducer:
         plain = view.plain_ids()
         if (
             self.flags & (OPEN_NO_VALUE | OPEN_NO_VALUE_DT | OPEN_DELETE_TIMES)
+            or self.force_compression
             or any(map(ROW_DELETED, rows))
+            or (not self.snappy and any(r[7] & snappy.SNAPPY for r in rows))
             or not all(r[1][0] in plain for r in rows)
         ):
             return self._encode(spec, [DocRow(*r) for r in rows])
@@ -924,6 +942,12 @@ class DcpProducer:
             if not d.deleted:
                 value = b"" if no_value else d.value
                 dt = d.datatype if (not no_value or keep_dt) else 0
+                if dt & snappy.SNAPPY and not self.snappy:
+                    # stored compressed, and this client cannot take it so
+                    dt, value = snappy.plain(dt, value, d.key)
+                    dt &= ~snappy.SNAPPY  # also with no value (NoValueWithUnderlyingDatatype)
+                elif self.force_compression:
+                    dt, value = snappy.compressed(dt, value)
                 out.append(encode_mutation(vb, opaque, d.cas, dt, d.seq, d.rev_seq, d.flags,
                                            d.expiry, key, value))  # fmt: skip
             elif d.expiry and expirations:

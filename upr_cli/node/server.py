@@ -52,7 +52,7 @@ from upr_cli.node.producer import (
     open_flags_problem,
 )
 from upr_cli.node.replication import Replicator
-from upr_cli.protocol import Frame, FrameDecoder, decode_message, leb128
+from upr_cli.protocol import Frame, FrameDecoder, decode_message, leb128, snappy
 from upr_cli.protocol.fast import encode_store_response, parse_set
 from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, Magic, Opcode
 from upr_cli.protocol.messages import (
@@ -137,6 +137,7 @@ GRANTABLE = {
     Feature.MUTATION_SEQNO,
     Feature.ALT_REQUEST_SUPPORT,
     Feature.COLLECTIONS,
+    Feature.SNAPPY,  # values kept as they come, compressed or not (formats/wire.md "Snappy")
 }
 # KV commands the official SDK sends that upr's message layer does not model: answered
 # from the raw request (formats/collections.md §5)
@@ -580,6 +581,7 @@ class ClientSession:
         if not bucket.traffic:
             self.check_traffic()
         flags, expiration, key, value = parse_set(frame)
+        self.check_datatype(frame.datatype)
         key = self.qualified(key)
         vb = frame.vbucket_or_status
         doc = bucket.store(FAST_STORE[frame.opcode], vb, key, value, flags=flags,
@@ -589,6 +591,12 @@ class ClientSession:
                                             bucket.partitions[vb].uuid, doc.seq))  # fmt: skip
         else:
             self.send(encode_store_response(frame.opcode, frame.opaque, doc.cas))
+
+    def check_datatype(self, datatype: int) -> None:
+        """EINVAL for a compressed value on a connection that did not negotiate Snappy
+        (docs/protocol.md §1.4)."""
+        if datatype & snappy.SNAPPY and Feature.SNAPPY not in self.features:
+            raise InvalidArguments("a Snappy value needs HELLO Snappy (0x0a)")
 
     def need_admin_bucket(self) -> Bucket:
         """The selected bucket, for a state command (an authenticated session)."""
@@ -926,6 +934,8 @@ class ClientSession:
                 )
             )
             return
+        if isinstance(msg, Set | SetWithMeta):
+            self.check_datatype(msg.datatype)
         if isinstance(msg, SetWithMeta):  # DelWithMeta is a subclass
             doc = bucket.store_with_meta(
                 vb,
@@ -1097,6 +1107,7 @@ class ClientSession:
                 self.fatal,
                 self.server.config.idle_timeout,
                 collections=self.collections,
+                snappy=Feature.SNAPPY in self.features,
             )
             self.send(Response(opcode=Opcode.DCP_OPEN, opaque=msg.opaque))
             return
