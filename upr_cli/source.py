@@ -3,8 +3,9 @@
 Every command names its sources and targets the same way: `upr://…` or `couchbase://…`
 (a live node or cluster; `uprs://…` and `couchbases://…` over TLS), `repo:DIR[@BACKUP]`
 (a backup repository), `sqlite:PATH` (a replay store) and `json:PATH` (a JSON file of
-failover logs; a bare path ending in .json too). `parse_source` is the one parser of those forms; each command says which kinds it
-takes, and anything else is a usage error naming what it does take. The module imports
+failover logs; a bare path ending in .json too). `parse_source` is the one parser of
+those forms; each command says which kinds it takes, and anything else is a usage error
+naming what it does take. The module imports
 nothing heavy, so the CLI can use it before it knows which command runs.
 """
 
