@@ -9,7 +9,17 @@ from typing import Annotated
 
 import typer
 
-from upr_cli.cli.options import Bucket, JsonOutput, NoProgress, Partitions
+from upr_cli.cli.options import (
+    Bucket,
+    CaCert,
+    ClientCert,
+    ClientKey,
+    JsonOutput,
+    NoProgress,
+    NoVerify,
+    Partitions,
+    tls_source,
+)
 from upr_cli.cli.output import Progress, print_json, stderr, stdout
 from upr_cli.collections import parse_paths
 from upr_cli.errors import check_file_path
@@ -121,6 +131,10 @@ def replay_cmd(
     bucket: Bucket = None,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
+    cacert: CaCert = None,
+    no_verify: NoVerify = False,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Replay a source into a SQLite store."""
     spec = parse_source(source, ("node", "repo"))
@@ -148,7 +162,7 @@ def replay_cmd(
         else:
             stats = asyncio.run(
                 replay_node(
-                    SourceUri.parse(spec.uri),
+                    tls_source(SourceUri.parse(spec.uri), cacert, no_verify, cert, key),
                     into,
                     partitions=parts,
                     follow=follow,

@@ -14,9 +14,13 @@ import typer
 from upr_cli.cli.options import (
     At,
     Bucket,
+    CaCert,
+    ClientCert,
+    ClientKey,
     JsonOutput,
     Keys,
     NoProgress,
+    NoVerify,
     Partitions,
     Repo,
     SparkConf,
@@ -24,6 +28,7 @@ from upr_cli.cli.options import (
     SparkTasks,
     key_pattern,
     restore_target,
+    tls_source,
 )
 from upr_cli.cli.output import Progress, plural, print_json, stderr, stdout
 from upr_cli.errors import UsageError
@@ -152,9 +157,15 @@ def restore_cmd(
     conf: SparkConf = None,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
+    cacert: CaCert = None,
+    no_verify: NoVerify = False,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Restore a backup."""
     kind, where = restore_target(target)  # anything else: a usage error, before any work
+    node = (tls_source(SourceUri.parse(where), cacert, no_verify, cert, key)
+            if kind == "node" else None)  # fmt: skip
     plan = Plan(repo, bucket=bucket, at=at, partitions=selected(partitions),
                 keys=key_pattern(keys), dry_run=dry_run, skip_corrupt=skip_corrupt,
                 map_data=parse_map_data(map_data), create=not no_create)  # fmt: skip
@@ -170,15 +181,17 @@ def restore_cmd(
 
         if spark is not None:
             bar.note(f"starting Spark ({spark})")
-            summary = _on_spark(plan, where, spark, spark_tasks, conf, force_updates,
+            assert node is not None
+            summary = _on_spark(plan, node, spark, spark_tasks, conf, force_updates,
                                 include_tombstones)  # fmt: skip
         elif kind == "sqlite":
             summary = restore_to_store(repo, Path(where), on_progress=tick, **plan.options())
         else:
+            assert node is not None
             summary = asyncio.run(
                 restore_to_node(
                     repo,
-                    SourceUri.parse(where),
+                    node,
                     force_updates=force_updates,
                     include_tombstones=include_tombstones,
                     on_progress=tick,
@@ -209,7 +222,7 @@ class Plan:
         return {name: getattr(self, name) for name in names}
 
 
-def _on_spark(plan: Plan, uri: str, master: str, tasks: int, conf: list[str] | None,
+def _on_spark(plan: Plan, uri: SourceUri, master: str, tasks: int, conf: list[str] | None,
               force_updates: bool, include_tombstones: bool) -> Any:  # fmt: skip
     """Restore into a node from Spark tasks, each writing its share of the partitions."""
     from upr_cli.spark.distributed import spark_restore
@@ -217,7 +230,7 @@ def _on_spark(plan: Plan, uri: str, master: str, tasks: int, conf: list[str] | N
 
     sess = session(master, parse_conf(conf or []), app="upr restore")
     try:
-        return spark_restore(sess, plan.repo, SourceUri.parse(uri), tasks=tasks,
+        return spark_restore(sess, plan.repo, uri, tasks=tasks,
                              force_updates=force_updates, include_tombstones=include_tombstones,
                              **plan.options())  # fmt: skip
     finally:
