@@ -435,9 +435,10 @@ class Bucket:
                 await self.flush()  # the rows queued before the drop are on disk first
                 for cid in todo:
                     for vb in sorted(self.partitions):
-                        while await self._in_pool(self.storage.purge_collection, vb, cid,
-                                                  PURGE_CHUNK) == PURGE_CHUNK:  # fmt: skip
-                            pass
+                        gone = PURGE_CHUNK
+                        while gone == PURGE_CHUNK:  # a short chunk: the partition is clean
+                            gone = await self._in_pool(self.storage.purge_collection, vb, cid,
+                                                       PURGE_CHUNK)  # fmt: skip
                     self.collections.dropped.discard(cid)
                     log.info("bucket %s: dropped collection 0x%x purged", self.name, cid)
                 self._manifest_gen += 1  # the shorter list of ids to purge goes to disk
