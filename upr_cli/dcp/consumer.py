@@ -91,7 +91,7 @@ from upr_cli.net.connection import (
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition, boundary_at
-from upr_cli.protocol import Frame, Message, decode_message, snappy
+from upr_cli.protocol import Frame, Message, decode_message, snappy, xattrs
 from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.protocol.header import Feature, Magic, Opcode
 from upr_cli.protocol.messages import (
@@ -121,6 +121,10 @@ from upr_cli.protocol.status import Status, status_error
 log = logging.getLogger(__name__)
 
 OPEN_PRODUCER = 0x01
+# DCP_OPEN flags for xattrs (formats/wire.md "Xattrs"): every data message carries the
+# document's xattrs, and a deletion keeps its user xattrs where the server still has them
+OPEN_XATTRS = 0x04 | 0x100
+_CODED = snappy.SNAPPY | xattrs.XATTR
 FLAG_FROM_LATEST = 0x40
 # docs/protocol.md §2.2 ActiveVbOnly: a client wants the history of the active copy; a
 # replica copy (possibly behind, possibly on another branch) is refused with NOT_MY_VBUCKET.
@@ -180,6 +184,18 @@ class CollectionFilter:
             self.ids.discard(change.collection_id)
         elif change.kind == "scope-dropped" and change.scope_id == self.scope:
             self.gone = True
+
+
+def _plain(it: DcpRecord) -> DcpRecord:
+    """The record with its value inflated and its xattrs split off (formats/wire.md)."""
+    dt, value = it.datatype, it.value
+    if dt & snappy.SNAPPY and value:
+        value = snappy.inflate(value, it.key)
+    dt &= ~snappy.SNAPPY
+    if dt & xattrs.XATTR:
+        blob, value = xattrs.split(value, it.key)
+        return it._replace(datatype=dt & ~xattrs.XATTR, value=value, xattrs=blob)
+    return it._replace(datatype=dt, value=value)
 
 
 def resolve_filter(
@@ -307,10 +323,13 @@ class DcpConsumer:
         collections: list[Path] | None = None,
         followed_ids: Mapping[int, Iterable[int]] | Iterable[int] | None = None,
         snappy: bool = True,
+        with_xattrs: bool = True,
     ) -> None:
         self.uri = uri
-        # offer HELLO Snappy: values travel compressed and are inflated here
-        self._features = (*WANTED, Feature.SNAPPY) if snappy else WANTED
+        # offer HELLO Snappy (values travel compressed and are inflated here) and XATTR
+        # (each record's xattrs are split off into `DcpRecord.xattrs`)
+        extra = (Feature.SNAPPY,) if snappy else ()
+        self._features = (*WANTED, *extra, *((Feature.XATTR,) if with_xattrs else ()))
         self._want = None if partitions is None else sorted(set(partitions))
         self._start = dict(positions or {})
         self._logs = dict(failover_logs or {})
@@ -570,9 +589,8 @@ class DcpConsumer:
                                 on_close=lost, name=self.name, features=self._features)  # fmt: skip
         conn = session.conn
         try:
-            await conn.request(
-                DcpOpen(name=self.name, flags=OPEN_PRODUCER, opaque=conn.next_opaque())
-            )
+            flags = OPEN_PRODUCER | (OPEN_XATTRS if Feature.XATTR in session.features else 0)
+            await conn.request(DcpOpen(name=self.name, flags=flags, opaque=conn.next_opaque()))
             controls = [("connection_buffer_size", str(self.buffer_size)), ("enable_noop", "true"),
                         ("set_noop_interval", f"{self.noop_interval:g}")]  # fmt: skip
             for key, value in controls:
@@ -1170,9 +1188,8 @@ class DcpConsumer:
                     part.seq = it.by_seqno
                     if part.keep is not None and it.collection not in part.keep:
                         continue  # catching up unfiltered: not a collection it follows
-                if it.datatype & snappy.SNAPPY and it.value:
-                    it = it._replace(datatype=it.datatype & ~snappy.SNAPPY,
-                                     value=snappy.inflate(it.value, it.key))  # fmt: skip
+                if it.datatype & _CODED:
+                    it = _plain(it)
                 out.append(it)
                 continue
             frame = cast(Frame, it)

@@ -85,6 +85,10 @@ class DcpRecord(NamedTuple):
     # Collections the wire key starts with it as LEB128 (docs/protocol.md "Collections");
     # the decoder strips it, so `key` is always the document key.
     collection: int = 0
+    # The xattr blob (formats/wire.md "Xattrs"), split off the value by the consumer
+    # once the value is inflated: `value` is then the body alone and `datatype` lacks
+    # the XATTR bit. b"" when the document has none (or before the split).
+    xattrs: bytes = b""
 
 
 ROW_FIELDS = DcpRecord._fields
@@ -278,7 +282,7 @@ class FrameDecoder:
                         else:
                             cid, key = self._split(key, off)
                     append(new(record, (0x57, vb, seq, rev, cas, flags, exp, 0, datatype,
-                                        key, value, opaque, cid)))  # fmt: skip
+                                        key, value, opaque, cid, b"")))  # fmt: skip
                     off = end
                     room -= 1
                 if not room or end_buf - off < 24:
@@ -318,7 +322,7 @@ class FrameDecoder:
                         else:
                             cid, key = self._split(key, off)
                     append(new(record, (opcode, vb, seq, rev, cas, flags, exp, dtime, datatype,
-                                        key, value, opaque, cid)))  # fmt: skip
+                                        key, value, opaque, cid, b"")))  # fmt: skip
                     off = end
                     continue
                 p = off + 24
