@@ -126,6 +126,15 @@ NOOP_PACKET = unhex(NOOP_HEX)
 TRAILING = NOOP_PACKET[:10]
 
 DOC1 = "646f6331  # key 'doc1'"
+# formats/wire.md "Xattrs": a system xattr `_s` = {} and a user xattr `u` = 1
+XATTR_BLOB = b"\x00\x00\x00\x12\x00\x00\x00\x06_s\x00{}\x00\x00\x00\x00\x04u\x001\x00"
+XATTR_BLOB_HEX = """
+        00000012          # xattr blob: u32 length 18
+        00000006          #        u32 pair length 6
+        5f73 00 7b7d 00   #        '_s' NUL '{}' NUL
+        00000004          #        u32 pair length 4
+        75 00 31 00       #        'u' NUL '1' NUL
+"""
 
 GOLDEN: list[Row] = [
     # ------------------------------------------------------------ bootstrap (docs/protocol.md §5)
@@ -903,6 +912,87 @@ GOLDEN: list[Row] = [
         02                #         u8 nru
         {DOC1}
         7b2261223a317d    # value: '{{"a":1}}'
+        """,
+    ),
+    Row(
+        "mutation-xattrs",  # formats/wire.md "Xattrs": the blob, then the body; bit 0x04
+        Mutation(
+            opaque=0xDEADBEEF,
+            vbucket=0x0203,
+            cas=0x1122334455667788,
+            datatype=0x05,
+            by_seqno=0x1005,
+            rev_seqno=7,
+            key=b"doc1",
+            value=XATTR_BLOB + b'{"a":1}',
+        ),
+        f"""
+        80 57 0004 1f 05 0203 00000040 deadbeef 1122334455667788
+        0000000000001005  # extras: u64 by_seqno
+        0000000000000007  #         u64 rev_seqno
+        00000000          #         4 B flags
+        00000000          #         u32 expiration
+        00000000          #         u32 lock_time
+        0000              #         u16 nmeta
+        00                #         u8 nru
+        {DOC1}
+        {XATTR_BLOB_HEX}
+        7b2261223a317d    # body '{{"a":1}}'
+        """,
+    ),
+    Row(
+        "mutation-snappy",  # formats/wire.md "Snappy": raw block, bits JSON | Snappy
+        Mutation(
+            opaque=0xDEADBEEF,
+            vbucket=0x0203,
+            cas=0x1122334455667788,
+            datatype=0x03,
+            by_seqno=0x1006,
+            rev_seqno=8,
+            key=b"doc1",
+            value=b"\x07\x18" + b'{"a":1}',
+        ),
+        f"""
+        80 57 0004 1f 03 0203 0000002c deadbeef 1122334455667788
+        0000000000001006  # extras: u64 by_seqno
+        0000000000000008  #         u64 rev_seqno
+        00000000          #         4 B flags
+        00000000          #         u32 expiration
+        00000000          #         u32 lock_time
+        0000              #         u16 nmeta
+        00                #         u8 nru
+        {DOC1}
+        07                # value: varint inflated length 7
+        18                #        literal of 7 bytes: tag (7 - 1) << 2
+        7b2261223a317d    #        '{{"a":1}}'
+        """,
+    ),
+    Row(
+        "mutation-snappy-xattrs",  # the blob and body compressed as one value: bits 0x07
+        Mutation(
+            opaque=0xDEADBEEF,
+            vbucket=0x0203,
+            cas=0x1122334455667788,
+            datatype=0x07,
+            by_seqno=0x1007,
+            rev_seqno=9,
+            key=b"doc1",
+            value=b"\x1d\x70" + XATTR_BLOB + b'{"a":1}',
+        ),
+        f"""
+        80 57 0004 1f 07 0203 00000042 deadbeef 1122334455667788
+        0000000000001007  # extras: u64 by_seqno
+        0000000000000009  #         u64 rev_seqno
+        00000000          #         4 B flags
+        00000000          #         u32 expiration
+        00000000          #         u32 lock_time
+        0000              #         u16 nmeta
+        00                #         u8 nru
+        {DOC1}
+        1d                # value: varint inflated length 29
+        70                #        literal of 29 bytes: tag (29 - 1) << 2
+        {XATTR_BLOB_HEX}
+        7b2261223a317d    # body '{{"a":1}}'
         """,
     ),
     Row(

@@ -186,7 +186,7 @@ class CollectionFilter:
             self.gone = True
 
 
-def _plain(it: DcpRecord) -> DcpRecord:
+def plain_record(it: DcpRecord) -> DcpRecord:
     """The record with its value inflated and its xattrs split off (formats/wire.md)."""
     dt, value = it.datatype, it.value
     if dt & snappy.SNAPPY and value:
@@ -1189,7 +1189,7 @@ class DcpConsumer:
                     if part.keep is not None and it.collection not in part.keep:
                         continue  # catching up unfiltered: not a collection it follows
                 if it.datatype & _CODED:
-                    it = _plain(it)
+                    it = plain_record(it)
                 out.append(it)
                 continue
             frame = cast(Frame, it)
