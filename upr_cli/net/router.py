@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from upr_cli.errors import UprError
-from upr_cli.net.bootstrap import Session, connect, map_nodes, partition_of
+from upr_cli.net.bootstrap import WANTED, Session, connect, map_nodes, partition_of
 from upr_cli.net.connection import Connection, aclose_all
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.uri import SourceUri
@@ -51,6 +51,11 @@ def _why(frame: Frame) -> str:
     if frame.vbucket_or_status == Status.NOT_MY_VBUCKET:
         return "not my vbucket"
     return "temporary failure (the node's traffic is off)"
+
+
+# KV links also offer XATTR (formats/wire.md "Xattrs"): a write may then carry xattrs
+# (SET_WITH_META with a blob, sub-document xattr paths); plain reads are unchanged.
+FEATURES = (*WANTED, Feature.XATTR)
 
 
 class RouterError(UprError):
@@ -86,7 +91,7 @@ class Router:
     @classmethod
     async def open(cls, uri: SourceUri, *, name: str = "upr", retry_for: float = 60.0) -> Router:
         """Bootstrap from `uri` and connect to every node holding an active partition."""
-        session = await connect(uri, name=name)
+        session = await connect(uri, name=name, features=FEATURES)
         router = cls(session, retry_for=retry_for, name=name)
         try:
             await router._connect_actives()
@@ -94,6 +99,11 @@ class Router:
             await router.aclose()
             raise
         return router
+
+    @property
+    def xattrs(self) -> bool:
+        """True if the nodes granted XATTR: writes may carry xattrs."""
+        return Feature.XATTR in self.features
 
     @property
     def collections(self) -> bool:
@@ -133,7 +143,7 @@ class Router:
         if conn is None or conn.closed:
             self._conns.pop(addr, None)
             uri = self.uri.at(*addr)
-            session = await connect(uri, name=self.name, timeout=3.0)
+            session = await connect(uri, name=self.name, timeout=3.0, features=FEATURES)
             conn = session.conn
             if session.collections != self.collections:
                 await conn.aclose()
