@@ -21,6 +21,7 @@ from upr_cli.cli.options import (
 )
 from upr_cli.cli.output import plural, print_json, stderr, stdout
 from upr_cli.cli.output import table as house_table
+from upr_cli.errors import UsageError
 
 if TYPE_CHECKING:
     from upr_cli.cluster.health import ClusterHealth
@@ -42,6 +43,10 @@ while writes continue, `pause`/`resume` hold replication into a node (to stage
 failures), `status` shows states, lag, failover heads, map revisions and what is
 degraded.
 
+`init --tls-cert F --tls-key F` gives every node a TLS data port too, advertised as
+kvSSL in the map so uprs:// clients stay on TLS; replication between the nodes stays
+plain on loopback.
+
 Example:
 
   upr cluster init --nodes 3 --replicas 1 --data /tmp/cl --num-partitions 64
@@ -58,6 +63,16 @@ BasePort = Annotated[
     typer.Option("--base-port", min=1024, max=65000, metavar="PORT",
                  help="Port of node n0 (node nK gets PORT+K)."),
 ]  # fmt: skip
+
+TlsCert = Annotated[
+    Path | None,
+    typer.Option("--tls-cert", metavar="FILE",
+                 help="PEM certificate chain: every node serves a TLS data port (with "
+                 "--tls-key; replication stays plain on loopback)."),
+]  # fmt: skip
+TlsKey = Annotated[
+    Path | None, typer.Option("--tls-key", metavar="FILE", help="PEM private key of --tls-cert.")
+]
 
 
 def register(root: typer.Typer) -> None:
@@ -79,12 +94,25 @@ the old name of --num-partitions (deprecated). --collections creates scopes and
 collections on every node once the map is in place (as `upr collections create`
 does; the newest manifest an adopted node holds is kept).
 
+--tls-cert and --tls-key start every node with a TLS data port beside its plain one
+(any free port, kept across restarts; `status` lists them), as Couchbase serves 11207:
+the map advertises each as kvSSL, so a client that connects with uprs:// to any node
+reaches every node over TLS. The certificate must be valid for 127.0.0.1. Replication
+between the nodes, and this command's own control connections, stay plain on
+loopback: they never leave the machine.
+
 Example:
 
   upr cluster init --nodes 3 --replicas 1 --data /tmp/cl --num-partitions 64
   upr cluster init --nodes 3 --data /tmp/cl --collections app.users,app.logs:86400
   upr cluster init --adopt upr://admin@127.0.0.1:11210/default \\
       --adopt upr://admin@127.0.0.1:11211/default --replicas 1 --data /tmp/cl
+
+Example (a TLS cluster; clients use uprs:// with the CA that signed node.pem):
+
+  upr cluster init --nodes 2 --data /tmp/cl --tls-cert node.pem --tls-key node.key
+  eval "$(upr cluster env --data /tmp/cl)"
+  upr tail "$UPR_N0_TLS" --cacert ca.pem --until-end
 """,
 )
 def init_cmd(
@@ -112,6 +140,8 @@ def init_cmd(
             "SCOPE.COLLECTION:MAXTTL, comma-separated.",
         ),
     ] = None,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
     json_out: JsonOutput = False,
 ) -> None:
     """Create a cluster."""
@@ -120,9 +150,12 @@ def init_cmd(
 
     partitions = partition_count(num_partitions, old_partitions, 64)
     specs = parse_specs(collections)
+    if (tls_cert is None) != (tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together")
+    tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
     cl = lifecycle.create(data, nodes=nodes, adopt=adopt or [], replicas=replicas,
                           partitions=partitions, base_port=base_port, bucket=bucket,
-                          collections=specs)  # fmt: skip
+                          collections=specs, tls=tls)  # fmt: skip
     _show(cl, json_out, f"cluster of {plural(len(cl.nodes), 'node')}, "
                         f"{plural(cl.partitions, 'partition')}, "
                         f"{plural(cl.replicas, 'replica')}, map revision {cl.rev}")  # fmt: skip
@@ -228,6 +261,9 @@ def _status_table(h: ClusterHealth) -> None:
         table.add_row(n.name, str(n.port), n.state, str(s.rev) if s.up else "-", uid, *counts,
                       str(h.worst_lag(n.name)) if s.up else "-")  # fmt: skip
     stdout.print(table)
+    tls = [f"{n.name} {n.tls_port}" for n in h.nodes if n.tls_port is not None]
+    if tls:  # below the table, which has no room left in 80 columns
+        _line(f"TLS data ports (uprs://): {', '.join(tls)}")
 
 
 def _status_logs(h: ClusterHealth) -> None:
@@ -265,7 +301,8 @@ def _status_problems(h: ClusterHealth) -> None:
     no_args_is_help=True,
     help="""Print shell lines that export the cluster's URIs and password.
 
-UPR_N0, UPR_N1, … are the nodes' URIs without the password; UPR_PASSWORD (which upr
+UPR_N0, UPR_N1, … are the nodes' URIs without the password (and in a TLS cluster
+UPR_N0_TLS, UPR_N1_TLS, … their uprs:// URIs); UPR_PASSWORD (which upr
 reads when a URI has none) is set to the cluster's password unless it is set already:
 a password you exported is never replaced (a warning on stderr says when it is not
 the cluster's). For scripts and demos:

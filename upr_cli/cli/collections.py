@@ -15,13 +15,22 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from upr_cli.cli.options import JsonOutput, NodeUri
+from upr_cli.cli.options import (
+    CaCert,
+    ClientCert,
+    ClientKey,
+    JsonOutput,
+    NodeUri,
+    NoVerify,
+    tls_source,
+)
 from upr_cli.cli.output import hint, keep_whole, plural, print_json, stdout, table
 from upr_cli.errors import UsageError
 
 if TYPE_CHECKING:
     from upr_cli.cluster.collections import Change, NodeManifest
     from upr_cli.collections import Manifest, ManifestChange
+    from upr_cli.net.uri import SourceUri
 
 _T = TypeVar("_T")
 
@@ -43,6 +52,14 @@ Example:
   upr collections list upr://admin@127.0.0.1:11210/default
   upr collections drop upr://admin@127.0.0.1:11210/default app.logs
   upr collections repair upr://admin@127.0.0.1:11210/default
+
+Over TLS (uprs://… or couchbases://…, default port 11207) every node of the map is
+reached on its TLS data port; --cacert FILE (or UPR_CACERT) names the CA, --cert and
+--key a client certificate.
+
+Example (over TLS):
+
+  upr collections list uprs://admin@db.example.com/default --cacert ca.pem
 """
 
 app = typer.Typer(name="collections", help=HELP, no_args_is_help=True)
@@ -90,6 +107,10 @@ def create_cmd(
         ),
     ] = None,
     json_out: JsonOutput = False,
+    cacert: CaCert = None,
+    no_verify: NoVerify = False,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Create a scope or a collection."""
     from upr_cli.collections import creatable
@@ -111,7 +132,7 @@ def create_cmd(
         held = m.lookup(path)
         return held is not None and (held.max_ttl or None) == (max_ttl or None)
 
-    _render(_change(uri, edit, done), json_out)
+    _render(_change(_uri(uri, cacert, no_verify, cert, key), edit, done), json_out)
 
 
 @app.command(
@@ -137,6 +158,10 @@ def drop_cmd(
         bool, typer.Option("--force", help="Allow dropping _default._default (for good).")
     ] = False,
     json_out: JsonOutput = False,
+    cacert: CaCert = None,
+    no_verify: NoVerify = False,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Drop a scope or a collection."""
     from upr_cli.collections import DEFAULT, Path
@@ -152,7 +177,8 @@ def drop_cmd(
             path.collection is not None and m.lookup(path) is None
         )
 
-    _render(_change(uri, lambda m: m.without(path), gone), json_out)
+    source = _uri(uri, cacert, no_verify, cert, key)
+    _render(_change(source, lambda m: m.without(path), gone), json_out)
 
 
 @app.command(
@@ -171,13 +197,20 @@ Example:
   upr collections list upr://admin@127.0.0.1:11210/default --json
 """,
 )
-def list_cmd(uri: NodeUri, json_out: JsonOutput = False) -> None:
+def list_cmd(
+    uri: NodeUri,
+    json_out: JsonOutput = False,
+    cacert: CaCert = None,
+    no_verify: NoVerify = False,
+    cert: ClientCert = None,
+    key: ClientKey = None,
+) -> None:
     """List the scopes and collections."""
     from upr_cli.cluster.collections import cluster_manifests, newest
     from upr_cli.collections import Manifest
-    from upr_cli.net.uri import SourceUri
 
-    nodes = _run(uri, cluster_manifests(SourceUri.parse(uri)))
+    source = _uri(uri, cacert, no_verify, cert, key)
+    nodes = _run(source, cluster_manifests(source))
     answered = [n for n in nodes if not n.error]
     if not answered:
         from upr_cli.cluster.collections import ManifestPushError
@@ -220,12 +253,16 @@ def repair_cmd(
         typer.Option("--force", help="Drop conflicting scopes and collections everywhere."),
     ] = False,
     json_out: JsonOutput = False,
+    cacert: CaCert = None,
+    no_verify: NoVerify = False,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Give every node the arbiter's manifest."""
     from upr_cli.cluster.collections import repair
-    from upr_cli.net.uri import SourceUri
 
-    done = _run(uri, repair(SourceUri.parse(uri), force=force))
+    source = _uri(uri, cacert, no_verify, cert, key)
+    done = _run(source, repair(source, force=force))
     if json_out:
         print_json(manifest_json(done.manifest) | {"arbiter": done.arbiter, "gave": done.gave,
                                                    "dropped": done.dropped})  # fmt: skip
@@ -242,23 +279,29 @@ def repair_cmd(
 # -- rendering ------------------------------------------------------------------------
 
 
-def _change(uri: str, edit: Any, done: Any) -> Change:
-    from upr_cli.cluster.collections import change
+def _uri(text: str, cacert: CaCert, no_verify: bool, cert: ClientCert, key: ClientKey
+         ) -> SourceUri:  # fmt: skip
+    """The node URI with the TLS options (used when it is uprs:// or couchbases://)."""
     from upr_cli.net.uri import SourceUri
 
-    return _run(uri, change(SourceUri.parse(uri), edit, done=done))
+    return tls_source(SourceUri.parse(text), cacert, no_verify, cert, key)
 
 
-def _run(uri: str, work: Coroutine[Any, Any, _T]) -> _T:
+def _change(uri: SourceUri, edit: Any, done: Any) -> Change:
+    from upr_cli.cluster.collections import change
+
+    return _run(uri, change(uri, edit, done=done))
+
+
+def _run(uri: SourceUri, work: Coroutine[Any, Any, _T]) -> _T:
     """Run `work`; a failure to reach `uri` says which URI (credentials left out)."""
     from upr_cli.errors import UprError
-    from upr_cli.net.uri import SourceUri
 
     try:
         return asyncio.run(work)
     except UprError as exc:
         text = _readable(str(exc))
-        shown = SourceUri.parse(uri).redacted()
+        shown = uri.redacted()
         if text.startswith(("cannot connect", "connecting to")) and shown not in text:
             text = f"{shown}: {text}"
         exc.args = (text,)

@@ -8,7 +8,16 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import JsonOutput, Partitions, one_is_an_answer
+from upr_cli.cli.options import (
+    CaCert,
+    ClientCert,
+    ClientKey,
+    JsonOutput,
+    NoVerify,
+    Partitions,
+    client_tls,
+    one_is_an_answer,
+)
 from upr_cli.cli.output import (
     first_rows,
     fits,
@@ -34,6 +43,10 @@ diverged partition also lists those writes' keys, by collection: scope.collectio
 outside the default collection (--json: scope, collection and key fields). Both
 rollback rules give where B would restart streaming from A.
 
+A live node over TLS is uprs://… or couchbases://… (default port 11207): --cacert FILE
+(or UPR_CACERT) names the CA that signs its certificate, --cert and --key present a
+client certificate; the options apply to both A and B.
+
 Exit status: 0 identical, 1 they differ, 2 error.
 
 Example (what a failover did to a backup's history):
@@ -43,6 +56,10 @@ Example (what a failover did to a backup's history):
 Example (a replay store against its node, as JSON):
 
   upr diff upr://admin@127.0.0.1/default sqlite:/tmp/bucket.db --json
+
+Example (a node over TLS against a repository):
+
+  upr diff uprs://admin@db.example.com/default repo:/backups/cb --cacert ca.pem
 """
 
 
@@ -61,10 +78,16 @@ def diff_cmd(
         bool, typer.Option("--all", help="List every partition, identical ones too.")
     ] = False,
     json_out: JsonOutput = False,
+    cacert: CaCert = None,
+    no_verify: NoVerify = False,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Compare failover histories."""
+    secure = any(s.startswith(("uprs://", "couchbases://")) for s in (a, b))
+    tls = client_tls(cacert, no_verify, cert, key, secure=secure)
     with one_is_an_answer():  # 1 means "they differ": a source that fails exits 2
-        report = diff_sources(a, b, selected(partitions))
+        report = diff_sources(a, b, selected(partitions), tls)
     code = 0 if report.identical else 1
     if json_out:
         print_json(report.to_json())

@@ -17,6 +17,7 @@ from upr_cli.errors import ExitCode, UprError, UsageError, check_file_path, is_n
 from upr_cli.source import parse_source
 
 if TYPE_CHECKING:
+    from upr_cli.net.tls import ClientTls
     from upr_cli.net.uri import SourceUri
 
 T = TypeVar("T")
@@ -106,6 +107,20 @@ def tls_source(
 ) -> SourceUri:
     """`uri` with the TLS options given; --no-verify prints its warning (every run, as
     long as it is given, whatever the scheme: it is a choice worth repeating)."""
+    return uri.with_tls(client_tls(cacert, no_verify, cert, key, secure=uri.secure))
+
+
+def client_tls(
+    cacert: Path | None,
+    no_verify: bool,
+    cert: Path | None = None,
+    key: Path | None = None,
+    *,
+    secure: bool = True,
+) -> ClientTls:
+    """The TLS options as settings (for a command with several sources, such as diff,
+    given once): --no-verify prints its warning; with `secure` (some source is uprs://
+    or couchbases://) a CA or key file that cannot be used is a usage error now."""
     from upr_cli.net.tls import NO_VERIFY_WARNING, ClientTls  # not for --help (lazy CLI)
 
     if no_verify:
@@ -119,9 +134,9 @@ def tls_source(
         keyfile=None if key is None else str(key),
         verify=not no_verify,
     )
-    if uri.secure:
-        tls.context()  # a CA or key file that cannot be used is a usage error now
-    return uri.with_tls(tls)
+    if secure:
+        tls.context()
+    return tls
 
 
 # -- deprecated spellings ---------------------------------------------------------------

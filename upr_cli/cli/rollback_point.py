@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import JsonOutput, Partitions
+from upr_cli.cli.options import (
+    CaCert,
+    ClientCert,
+    ClientKey,
+    JsonOutput,
+    NoVerify,
+    Partitions,
+    client_tls,
+)
 from upr_cli.cli.output import first_rows, hint, keep_whole, more_line, print_json, stdout, table
 from upr_cli.errors import UsageError
 from upr_cli.failover import RollbackDecision
 from upr_cli.jobs.rollback_point import DcpArgs, compare_sources, compute, load_log
 from upr_cli.source import selected
+
+if TYPE_CHECKING:
+    from upr_cli.net.tls import ClientTls
 
 HELP = """Compute where a client must roll back to and restart streaming a partition.
 
@@ -37,6 +48,12 @@ Example (where a repository's next backup must restart, per partition):
 
   upr rollback-point --server upr://admin@127.0.0.1/default \\
       --client repo:/backups/cb
+
+Example (the same against a node over TLS, trusting the CA that signed its
+certificate; --cert and --key present a client certificate):
+
+  upr rollback-point --server uprs://admin@db.example.com/default \\
+      --client repo:/backups/cb --cacert ca.pem
 
 Example (producer rule):
 
@@ -92,7 +109,8 @@ MaxEntries = Annotated[
 Server = Annotated[
     str | None,
     typer.Option("--server", metavar="SOURCE",
-                 help="Server logs from a source: upr://… (live node) or repo:DIR[@BACKUP]."),
+                 help="Server logs from a source: upr://… or uprs://… (live node) or "
+                 "repo:DIR[@BACKUP]."),
 ]  # fmt: skip
 Client = Annotated[
     str | None,
@@ -132,12 +150,18 @@ def rollback_point_cmd(
         ),
     ] = False,
     json_out: JsonOutput = False,
+    cacert: CaCert = None,
+    no_verify: NoVerify = False,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Compute where a client must roll back to and restart."""
     if server is not None or client is not None:
         if server is None or client is None:
             raise UsageError("--server and --client go together (upr://… or repo:DIR[@BACKUP])")
-        sources(server, client, selected(partitions), json_out, show_all)
+        secure = any(s.startswith(("uprs://", "couchbases://")) for s in (server, client))
+        tls = client_tls(cacert, no_verify, cert, key, secure=secure)
+        sources(server, client, selected(partitions), json_out, show_all, tls)
         return
     if server_log is None:
         raise UsageError("give --server-log (or --server and --client sources)")
@@ -161,10 +185,11 @@ def rollback_point_cmd(
 
 
 def sources(
-    server: str, client: str, partitions: list[int] | None, json_out: bool, show_all: bool
-) -> None:
+    server: str, client: str, partitions: list[int] | None, json_out: bool, show_all: bool,
+    tls: ClientTls | None = None,
+) -> None:  # fmt: skip
     """Per partition: the seed rule between two sources (exit 3 if any history is impossible)."""
-    results = compare_sources(server, client, partitions)
+    results = compare_sources(server, client, partitions, tls)
     if json_out:
         print_json(
             [

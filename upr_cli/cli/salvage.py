@@ -9,17 +9,30 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import AllRows, Bucket, JsonOutput, Partitions, one_is_an_answer
+from upr_cli.cli.options import (
+    AllRows,
+    Bucket,
+    CaCert,
+    ClientCert,
+    ClientKey,
+    JsonOutput,
+    NoVerify,
+    Partitions,
+    one_is_an_answer,
+    tls_source,
+)
 from upr_cli.cli.output import first_rows, hint, keep_whole, more_line, print_json, stdout, table
 from upr_cli.errors import UsageError
 from upr_cli.jobs.salvage import (
     LostItem,
     SalvageReport,
+    Version,
     check_target,
     salvage_node_data,
     salvage_repo,
     salvage_store,
 )
+from upr_cli.protocol import xattrs
 from upr_cli.source import selected
 
 HELP = """Find the lost writes of a failover and write back those still safe to.
@@ -40,9 +53,20 @@ conflict, shown with both versions and never written. The dry run (default) only
 lists; --apply writes the safe ones with a CAS guard (value, flags and expiry come
 back; the master assigns a new cas and seq).
 
+Xattrs: each version shows its xattr names (--json: "xattrs", name -> value). A
+master version that differs from a lost one only in its xattrs is a conflict. A SET
+cannot carry xattrs, so a lost version with xattrs is written in two steps: the body
+(CAS-guarded), then its xattrs with SUBDOC_MULTI_MUTATION guarded by the new cas; if
+the master refuses them, the body stays written and the reason names the xattrs left
+out.
+
 Collections: a lost write keeps its collection (a key outside the default collection
 shows as scope.collection:key) and goes back to that collection on the master, by id;
 one whose collection the master dropped since is a conflict.
+
+The master may be reached over TLS: --to uprs://… or couchbases://… (default port
+11207), with --cacert FILE (or UPR_CACERT) for the CA that signs its certificate and
+--cert/--key for a client certificate.
 
 Exit status: 0 nothing lost or everything written, 1 conflicts or writes that failed
 remain, 2 error.
@@ -59,6 +83,11 @@ Example (a replica that rolled back repairs the new master):
 
   upr salvage --node-data /tmp/cl/n2 \\
       --to upr://admin@127.0.0.1:12001/default --apply
+
+Example (the master over TLS):
+
+  upr salvage --repo /backups/cb --to uprs://admin@db.example.com/default \\
+      --cacert ca.pem
 """
 
 
@@ -69,7 +98,10 @@ def register(app: typer.Typer) -> None:
 
 def salvage_cmd(
     to: Annotated[
-        str | None, typer.Option("--to", metavar="URI", help="The current master: upr://…/bucket.")
+        str | None,
+        typer.Option(
+            "--to", metavar="URI", help="The current master: upr://…/bucket (uprs://… over TLS)."
+        ),
     ] = None,
     repo: Annotated[
         Path | None, typer.Option("--repo", metavar="DIR", help="A backup repository.")
@@ -88,11 +120,15 @@ def salvage_cmd(
     partitions: Partitions = None,
     show_all: AllRows = False,
     json_out: JsonOutput = False,
+    cacert: CaCert = None,
+    no_verify: NoVerify = False,
+    cert: ClientCert = None,
+    key: ClientKey = None,
 ) -> None:
     """Salvage lost writes."""
     if [repo, store, node_data].count(None) != 2:
         raise UsageError("give exactly one of --repo DIR, --store PATH.db and --node-data DIR")
-    target = check_target(to)
+    target = tls_source(check_target(to), cacert, no_verify, cert, key)
     parts = selected(partitions)
     with one_is_an_answer():  # 1 means "lost writes remain": a failure exits 2
         if repo is not None:
@@ -137,12 +173,20 @@ def _short(v: bytes, n: int = 40) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+def _shown(v: Version) -> str:
+    """A version in a cell: its value (or "deleted") and its xattr names (--json has
+    their values)."""
+    text = "deleted" if v.deleted else _short(v.value)
+    if v.xattrs:
+        text += f" xattrs={','.join(xattrs.to_json(v.xattrs))}"
+    return text
+
+
 def _row(it: LostItem) -> list[str]:
-    lost = "deleted" if it.lost.deleted else _short(it.lost.value)
-    lost = f"seq {it.lost.seq}: {lost}"
+    lost = f"seq {it.lost.seq}: {_shown(it.lost)}"
     master = ""
     if it.master is not None:
-        mv = "deleted" if it.master.deleted else _short(it.master.value)
+        mv = _shown(it.master)
         master = f"seq {it.master.seq}: {mv}" if it.master.seq else mv
     why = master or it.reason
     return [str(it.partition), _short(it.shown_key), str(it.cut), lost, it.outcome, why]

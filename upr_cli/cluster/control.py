@@ -52,7 +52,10 @@ def balanced_map(partitions: int, nodes: int, replicas: int) -> list[list[int]]:
 
 
 def map_json(spec: ClusterSpec, vbmap: list[list[int]], rev: int) -> dict[str, Any]:
-    """The terse bucket config every node serves (docs/protocol.md §5.5)."""
+    """The terse bucket config every node serves (docs/protocol.md §5.5). A node with a
+    TLS data port has it as `kvSSL` in `nodesExt`, as Couchbase advertises 11207, so a
+    TLS client that bootstraps from any node reaches every other one over TLS too
+    (docs/protocol.md §13.2)."""
     servers = [f"{HOST}:{n.port}" for n in spec.nodes]
     return {
         "rev": rev, "revEpoch": 1, "name": spec.bucket, "nodeLocator": "vbucket",
@@ -60,8 +63,16 @@ def map_json(spec: ClusterSpec, vbmap: list[list[int]], rev: int) -> dict[str, A
         "vBucketServerMap": {"hashAlgorithm": "CRC", "numReplicas": spec.replicas,
                              "serverList": servers, "vBucketMap": vbmap},
         "nodes": [{"hostname": f"{HOST}:8091", "ports": {"direct": n.port}} for n in spec.nodes],
-        "nodesExt": [{"hostname": HOST, "services": {"kv": n.port}} for n in spec.nodes],
+        "nodesExt": [{"hostname": HOST, "services": services(n)} for n in spec.nodes],
     }  # fmt: skip
+
+
+def services(node: NodeSpec) -> dict[str, int]:
+    """A node's data ports as `nodesExt` names them: `kv`, and `kvSSL` when it has one."""
+    out = {"kv": node.port}
+    if node.tls_port is not None:
+        out["kvSSL"] = node.tls_port
+    return out
 
 
 def active_of(row: list[int]) -> int:

@@ -31,6 +31,7 @@ class NodeHealth:
     member: bool = True
     adopted: bool = False
     pid: int | None = None
+    tls_port: int | None = None  # its TLS data port (uprs://), when it serves one
 
 
 @dataclass
@@ -85,7 +86,8 @@ def _node_json(h: NodeHealth, s: NodeStatus, logs: bool) -> dict[str, Any]:
         if logs or s.roles[p] != "dead"
     }
     return {
-        "name": s.name, "port": s.port, "pid": h.pid, "state": h.state, "member": h.member,
+        "name": s.name, "port": s.port, "tls_port": h.tls_port, "pid": h.pid, "state": h.state,
+        "member": h.member,
         "up": s.up, "traffic": s.traffic, "reason": h.reason, "error": s.error,
         "rev": s.rev, "states": s.states, "replication": s.replication, "partitions": parts,
         "manifest_uid": str(s.manifest_uid) if s.manifest_uid is not None else None,
@@ -116,7 +118,7 @@ def judge(directory: Path, cl: ClusterSpec, statuses: list[NodeStatus]) -> Clust
         if not st.up and not node.adopted and not procs.alive(node.pid):
             reason = "not running"  # more telling than the refused connection
         h.nodes.append(NodeHealth(node.name, node.port, state, reason, node.member,
-                                  node.adopted, node.pid))  # fmt: skip
+                                  node.adopted, node.pid, node.tls_port))  # fmt: skip
     live = [st for st in statuses if st.up]
     for p in range(cl.partitions):
         if not any(st.roles.get(p) == "active" for st in live):

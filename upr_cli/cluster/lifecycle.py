@@ -12,13 +12,14 @@ import os
 import shlex
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from upr_cli.cluster import procs, spec
 from upr_cli.cluster.collections import change, spread, with_specs
 from upr_cli.cluster.control import balanced_map, map_json, push, states_for
 from upr_cli.cluster.orchestrate import Orchestrator, Report
 from upr_cli.cluster.spec import ClusterSpec, NodeSpec
-from upr_cli.errors import UsageError
+from upr_cli.errors import UprError, UsageError
 from upr_cli.net.uri import SourceUri
 
 Progress = Callable[[str], None]
@@ -35,19 +36,25 @@ def _loopback(text: str, option: str) -> SourceUri:
 
 
 def create(data: Path, *, nodes: int | None, adopt: list[str], replicas: int, partitions: int,
-           base_port: int | None, bucket: str,
-           collections: tuple[str, ...] = ()) -> ClusterSpec:  # fmt: skip
+           base_port: int | None, bucket: str, collections: tuple[str, ...] = (),
+           tls: tuple[Path, Path] | None = None) -> ClusterSpec:  # fmt: skip
     """`cluster init`: start (or adopt) the nodes, give them the first map, then one
-    collections manifest (the newest an adopted node holds, with `collections` created)."""
+    collections manifest (the newest an adopted node holds, with `collections` created).
+    With `tls` (certificate chain, key) every node started serves a TLS data port too."""
     if (data / spec.CLUSTER_FILE).exists():
         raise UsageError(f"{data}: a cluster exists here (use `upr cluster start`)")
     if (nodes is None) == (not adopt):
         raise UsageError("give --nodes N (start new nodes) or --adopt URI… (running nodes)")
+    if adopt and tls is not None:
+        raise UsageError("--tls-cert and --tls-key are for the nodes --nodes starts: an "
+                         "adopted node keeps the TLS port it was started with")  # fmt: skip
     if adopt:
         cl = asyncio.run(_adopted(adopt, replicas))
     else:
         assert nodes is not None
         cl = spec.ClusterSpec(bucket, partitions, replicas, "admin", spec.new_password())
+        if tls is not None:
+            cl.tls_cert, cl.tls_key = _tls_files(*tls)
         for i in range(nodes):
             port = 0 if base_port is None else base_port + i
             cl.nodes.append(spec.NodeSpec(f"n{i}", port, str(data / f"n{i}")))
@@ -75,6 +82,16 @@ def create(data: Path, *, nodes: int | None, adopt: list[str], replicas: int, pa
     return cl
 
 
+def _tls_files(cert: Path, key: Path) -> tuple[str, str]:
+    """The certificate chain and key as absolute paths (the nodes start in other
+    directories), checked now: a file that cannot serve is one line before any node
+    starts."""
+    from upr_cli.net.tls import server_context
+
+    server_context(str(cert), str(key))
+    return str(cert.resolve()), str(key.resolve())
+
+
 async def _first_manifest(cl: ClusterSpec, specs: tuple[str, ...]) -> None:
     """Every node gets the newest manifest any of them holds, then the specs' scopes and
     collections are created on all of them (formats/cluster.md "Collections")."""
@@ -96,16 +113,31 @@ async def _adopted(uris: list[str], replicas: int) -> ClusterSpec:
     if not first.username or not first.bucket:
         raise UsageError("--adopt: the URIs need a user and a bucket (upr://user@host:port/b)")
     counts = set()
+    tls_ports = []
     for u in parsed:
         s = await connect(u, name="upr-cluster")
         counts.add(s.num_partitions)
+        tls_ports.append(tls_port_of(s.config, u.port))
         await s.conn.aclose()
     if len(counts) != 1:
         raise UsageError(f"--adopt: the nodes have different partition counts {sorted(counts)}")
     cl = spec.ClusterSpec(first.bucket, counts.pop(), replicas, first.username,
                           first.password or "")  # fmt: skip
-    cl.nodes = [spec.NodeSpec(f"n{i}", u.port, adopted=True) for i, u in enumerate(parsed)]
+    cl.nodes = [spec.NodeSpec(f"n{i}", u.port, adopted=True, tls_port=t)
+                for i, (u, t) in enumerate(zip(parsed, tls_ports, strict=True))]  # fmt: skip
     return cl
+
+
+def tls_port_of(config: dict[str, Any], port: int) -> int | None:
+    """A running node's TLS data port, as its own config names it (`kvSSL` beside the
+    plain port `port` in `nodesExt`); None when it serves no TLS."""
+    nodes = config.get("nodesExt", [])
+    for node in nodes if isinstance(nodes, list) else []:
+        services = node.get("services", {}) if isinstance(node, dict) else {}
+        kv, kv_ssl = services.get("kv"), services.get("kvSSL")
+        if kv == port and isinstance(kv_ssl, int):
+            return kv_ssl
+    return None
 
 
 def start(data: Path) -> tuple[ClusterSpec, int]:
@@ -144,9 +176,10 @@ def stop(data: Path) -> tuple[ClusterSpec, int]:
 
 
 def env_lines(data: Path) -> tuple[list[str], bool]:
-    """`cluster env`: shell lines exporting the nodes' URIs (UPR_N0, …) and, unless one
-    is set already, UPR_PASSWORD; and whether the caller's UPR_PASSWORD differs from
-    the cluster's (the URIs will not authenticate with it)."""
+    """`cluster env`: shell lines exporting the nodes' URIs (UPR_N0, …; UPR_N0_TLS, … for
+    their TLS data ports) and, unless one is set already, UPR_PASSWORD; and whether the
+    caller's UPR_PASSWORD differs from the cluster's (the URIs will not authenticate
+    with it)."""
     cl = spec.load(data)
     # a password the user set is kept: it may be another cluster's or node's, and
     # `eval` of this output must not change what their other commands send
@@ -157,6 +190,9 @@ def env_lines(data: Path) -> tuple[list[str], bool]:
     for n in cl.nodes:
         uri = f"upr://{cl.user}@{spec.HOST}:{n.port}/{cl.bucket}"
         lines.append(f"export UPR_{n.name.upper()}={shlex.quote(uri)}")
+        if n.tls_port is not None:  # its TLS data port (uprs://, with --cacert)
+            uri = f"uprs://{cl.user}@{spec.HOST}:{n.tls_port}/{cl.bucket}"
+            lines.append(f"export UPR_{n.name.upper()}_TLS={shlex.quote(uri)}")
     mine = os.environ.get("UPR_PASSWORD")
     return lines, bool(mine) and mine != cl.password
 
@@ -204,11 +240,28 @@ def _new_node(data: Path, cl: ClusterSpec, item: str, added: list[NodeSpec],
     while f"n{k}" in names:
         k += 1
     if item != "new":
-        return spec.NodeSpec(f"n{k}", _loopback(item, "--add").port, adopted=True)
+        node = spec.NodeSpec(f"n{k}", _loopback(item, "--add").port, adopted=True)
+        node.tls_port = asyncio.run(_tls_port(cl, node))
+        return node
     port = 0 if base_port is None else base_port + k
     node = spec.NodeSpec(f"n{k}", port, str(data / f"n{k}"))
     procs.start_node(cl, node)
     return node
+
+
+async def _tls_port(cl: ClusterSpec, node: NodeSpec) -> int | None:
+    """An adopted node's TLS data port, as it answers with the cluster's credentials
+    (None when it serves no TLS or does not answer: the rebalance says what is wrong)."""
+    from upr_cli.net.bootstrap import connect
+
+    try:
+        s = await connect(SourceUri.parse(cl.uri(node)), name="upr-cluster", timeout=5.0)
+    except (UprError, OSError):
+        return None
+    try:
+        return tls_port_of(s.config, node.port)
+    finally:
+        await s.conn.aclose()
 
 
 def pause(data: Path, node: str, partitions: list[int] | None, after: int | None, *,

@@ -1,7 +1,10 @@
 """Starting and stopping the `upr serve` processes of a local cluster.
 
 A node runs detached (its own session) with stdout and stderr in `DATA/serve.log`; it is
-up once that log shows its `listening` line. The password goes to the node in its
+up once that log shows its `listening` line (and, in a TLS cluster, its `listening-tls`
+line: `upr serve` prints both at once). A TLS cluster's nodes serve TLS on a port of their
+own beside the plain one; the orchestrator and the replication streams between nodes use
+the plain ports, on loopback. The password goes to the node in its
 environment (UPR_PASSWORD, which `upr serve` reads), never in its argv: any local user
 can read a process's argv (`ps`), only its owner its environment. Stop is SIGTERM (a
 clean shutdown: the node flushes and keeps its failover uuids) and a wait; `kill`
@@ -49,6 +52,9 @@ def start_node(spec: ClusterSpec, node: NodeSpec, *, extra: list[str] | None = N
     cmd = [sys.executable, "-m", "upr_cli", "serve", "--data", str(data), "--host", HOST,
            "--port", str(node.port), "--num-partitions", str(spec.partitions), "--bucket",
            spec.bucket, "--user", spec.user, *(extra or [])]  # fmt: skip
+    if spec.tls:  # its TLS port: the one it had (0 the first time: any free one)
+        cmd += ["--tls-cert", spec.tls_cert, "--tls-key", spec.tls_key,
+                "--tls-port", str(node.tls_port or 0)]  # fmt: skip
     env = os.environ | {"UPR_PASSWORD": spec.password}
     with open(log_path, "ab") as log:
         start = log.tell()
@@ -57,17 +63,28 @@ def start_node(spec: ClusterSpec, node: NodeSpec, *, extra: list[str] | None = N
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log_path.read_bytes()[start:].decode(errors="replace")
-        for line in text.splitlines():
-            if line.startswith("listening "):
-                node.port = int(line.rsplit(":", 1)[1].split("/")[0])
-                node.pid = proc.pid
-                return
+        ports = _listening(text.splitlines())
+        if "listening" in ports and (not spec.tls or "listening-tls" in ports):
+            node.port = ports["listening"]
+            node.tls_port = ports.get("listening-tls")
+            node.pid = proc.pid
+            return
         if proc.poll() is not None:
             last = text.strip().splitlines()[-1:] or ["(no output)"]
             raise ClusterError(f"node {node.name} did not start: {last[0]} (see {log_path})")
         time.sleep(0.05)
     proc.kill()
     raise ClusterError(f"node {node.name} did not start within {timeout:g}s (see {log_path})")
+
+
+def _listening(lines: list[str]) -> dict[str, int]:
+    """The ports of the node's `listening URI` and `listening-tls URI` lines."""
+    out = {}
+    for line in lines:
+        word, _, uri = line.partition(" ")
+        if word in ("listening", "listening-tls") and "://" in uri:
+            out[word] = int(uri.rsplit(":", 1)[1].split("/")[0])
+    return out
 
 
 def stop_node(node: NodeSpec, *, sig: int = signal.SIGTERM, timeout: float = 60.0) -> bool:

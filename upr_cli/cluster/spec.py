@@ -1,8 +1,9 @@
 """The cluster file `DIR/cluster.json`: what `upr cluster` created or adopted.
 
-It names each node (data directory, port, pid while running), the bucket, the
-partition count and replica count, and the credentials the nodes were started with
-(the file is written with mode 0600). Only loopback addresses are used.
+It names each node (data directory, port, TLS port, pid while running), the bucket, the
+partition count and replica count, the credentials the nodes were started with (the
+file is written with mode 0600) and, for a TLS cluster, the certificate and key every
+node serves its TLS data port with. Only loopback addresses are used.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ HOST = "127.0.0.1"
 
 @dataclass
 class NodeSpec:
-    """One node: its name, data directory (empty when adopted), port and pid."""
+    """One node: its name, data directory (empty when adopted), ports and pid."""
 
     name: str
     port: int
@@ -31,6 +32,7 @@ class NodeSpec:
     pid: int | None = None
     adopted: bool = False
     member: bool = True  # False once failed over or rebalanced out (it holds no partition)
+    tls_port: int | None = None  # its TLS data port (kvSSL in the map); None: plain only
 
 
 @dataclass
@@ -45,6 +47,13 @@ class ClusterSpec:
     nodes: list[NodeSpec] = field(default_factory=list)
     rev: int = 0  # the newest map revision pushed
     vbmap: list[list[int]] = field(default_factory=list)  # partition → [active, replicas…]
+    tls_cert: str = ""  # PEM chain the started nodes serve TLS with ("": no TLS port)
+    tls_key: str = ""
+
+    @property
+    def tls(self) -> bool:
+        """True when the nodes this cluster starts serve a TLS data port."""
+        return bool(self.tls_cert)
 
     def uri(self, node: NodeSpec) -> str:
         """The node's URI with credentials (never printed: use `redacted`)."""
@@ -78,7 +87,8 @@ class ClusterSpec:
             nodes = [NodeSpec(**n) for n in obj["nodes"]]
             vbmap = [[int(i) for i in row] for row in obj.get("vbmap", [])]
             return cls(obj["bucket"], int(obj["partitions"]), int(obj["replicas"]), obj["user"],
-                       obj["password"], nodes, int(obj.get("rev", 0)), vbmap)  # fmt: skip
+                       obj["password"], nodes, int(obj.get("rev", 0)), vbmap,
+                       str(obj.get("tls_cert", "")), str(obj.get("tls_key", "")))  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"malformed cluster file: {exc}") from None
 

@@ -36,6 +36,7 @@ from typing import Any
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverEntry, needs_rollback, rollback_point
 from upr_cli.jobs.rollback_point import SourceState, load_source
+from upr_cli.net.tls import ClientTls
 from upr_cli.position import StreamPosition
 
 STATUSES = (
@@ -220,10 +221,13 @@ def compare(partition: int, a: SourceState, b: SourceState) -> PartitionDiff:
     return mk("diverged", min(a_end, b_end), ancestor, new_a, new_b)
 
 
-def diff_sources(a: str, b: str, partitions: list[int] | None = None) -> DiffReport:
-    """Load both sources (upr://, repo:, sqlite:, JSON) and compare every partition."""
-    sa = load_source(a, partitions)
-    sb = load_source(b, partitions)
+def diff_sources(
+    a: str, b: str, partitions: list[int] | None = None, tls: ClientTls | None = None
+) -> DiffReport:
+    """Load both sources (upr://, repo:, sqlite:, JSON; `tls` for uprs:// ones) and
+    compare every partition."""
+    sa = load_source(a, partitions, tls)
+    sb = load_source(b, partitions, tls)
     report = DiffReport(_redact(a), _redact(b))
     for p in sorted(set(sa) | set(sb)):
         if p not in sb:
@@ -258,7 +262,7 @@ def _with_lost_keys(path: Path, diffs: list[PartitionDiff]) -> list[PartitionDif
 
 
 def _redact(spec: str) -> str:
-    if spec.startswith(("upr://", "couchbase://")):
+    if spec.startswith(("upr://", "couchbase://", "uprs://", "couchbases://")):
         from upr_cli.net.uri import SourceUri
 
         return SourceUri.parse(spec).redacted()

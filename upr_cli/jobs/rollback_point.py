@@ -17,6 +17,7 @@ from upr_cli.failover import (
     parse_uuid,
     rollback_point,
 )
+from upr_cli.net.tls import ClientTls
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
 
@@ -134,8 +135,11 @@ async def node_states(
     }, n
 
 
-async def _node_logs(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:
-    return (await node_states(SourceUri.parse(spec), partitions))[0]
+async def _node_logs(
+    spec: str, partitions: list[int] | None, tls: ClientTls | None
+) -> dict[int, SourceState]:
+    uri = SourceUri.parse(spec)
+    return (await node_states(uri if tls is None else uri.with_tls(tls), partitions))[0]
 
 
 def _repo_states(path: str, at: str | None, partitions: list[int] | None) -> dict[int, SourceState]:
@@ -211,17 +215,19 @@ def _json_states(path: str, partitions: list[int] | None) -> dict[int, SourceSta
     return out
 
 
-def load_source(spec: str, partitions: list[int] | None) -> dict[int, SourceState]:
-    """Per-partition states from `upr://…` (a live node), `repo:DIR[@BACKUP]`,
-    `sqlite:PATH` (a replay store) or a JSON file of failover logs (`json:PATH` or a
-    path ending in .json)."""
+def load_source(
+    spec: str, partitions: list[int] | None, tls: ClientTls | None = None
+) -> dict[int, SourceState]:
+    """Per-partition states from `upr://…` (a live node; `tls`: how a uprs:// one is
+    checked, else from the environment), `repo:DIR[@BACKUP]`, `sqlite:PATH` (a replay
+    store) or a JSON file of failover logs (`json:PATH` or a path ending in .json)."""
     from upr_cli.source import parse_source
 
     source = parse_source(spec, ("node", "repo", "sqlite", "json"))
     if source.kind == "node":
         import asyncio
 
-        return asyncio.run(_node_logs(spec, partitions))
+        return asyncio.run(_node_logs(spec, partitions, tls))
     assert source.path is not None  # parse_source: every local form has a path
     if source.kind == "repo":
         return _repo_states(str(source.path), source.at, partitions)
@@ -240,11 +246,11 @@ class PartitionDecision:
 
 
 def compare_sources(
-    server: str, client: str, partitions: list[int] | None
+    server: str, client: str, partitions: list[int] | None, tls: ClientTls | None = None
 ) -> list[PartitionDecision]:
     """The seed rule per partition: the server's log against the client's log and position."""
-    srv = load_source(server, partitions)
-    cli = load_source(client, partitions)
+    srv = load_source(server, partitions, tls)
+    cli = load_source(client, partitions, tls)
     out = []
     for p in sorted(set(srv) & set(cli)):
         c = cli[p]

@@ -24,6 +24,18 @@ current history does not have it.
   the check and the write turns it into a conflict instead of being overwritten: a GET
   absent. The value, flags and expiry come back; the master assigns a new cas and seq.
   The dry run (default) only lists.
+* **Xattrs.** A version carries its xattr blob (formats/wire.md "Xattrs") beside its
+  body, from every holder: a backup's records, a store's documents, a replica node's
+  rows (stored as kv_engine lays them out, blob before body, split here). Two versions
+  are the same only with the same xattrs: a master version that differs from a lost
+  one only in its xattrs is a change, so a conflict. A SET cannot carry xattrs (the
+  node, as kv_engine, takes datatype XATTR from with-meta writes only), so `--apply`
+  writes a version with xattrs in two steps: the body, flags and expiry with the CAS
+  guard, then its xattrs, each upserted whole by one SUBDOC_MULTI_MUTATION guarded by
+  the cas the first step returned (kv_engine's sub-document path, as the SDKs'
+  `mutate_in` writes them). Xattrs the master's version had under other names stay.
+  When the second step is refused, the body stays written and the reason says which
+  xattrs were left out.
 * **Collections.** A key is (collection id, key): the same key in two collections is
   two lost writes. Ids are the bucket's own (salvage writes back to the bucket the
   versions came from), so a version goes back to its collection by id; a collection
@@ -35,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,13 +64,14 @@ from upr_cli.net.router import Router, RouterError
 from upr_cli.net.uri import SourceUri
 from upr_cli.node.sysevents import is_system_key
 from upr_cli.position import StreamPosition
-from upr_cli.protocol import leb128
+from upr_cli.protocol import leb128, snappy, xattrs
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.protocol.messages import (
     Add,
     Delete,
     Get,
     Set,
+    UnknownRequest,
 )
 from upr_cli.protocol.status import Status
 from upr_cli.segments.format import OP_SYSTEM_EVENT
@@ -66,6 +80,7 @@ from upr_cli.store import Document
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
 
+    from upr_cli.node.storage import DocRow
     from upr_cli.segments import Record
 
 
@@ -88,16 +103,18 @@ class Version:
     rev_seq: int
     flags: int
     expiry: int
-    datatype: int
+    datatype: int  # the body's: never the XATTR bit (the blob is apart, in `xattrs`)
+    xattrs: bytes = b""  # the xattr blob (formats/wire.md "Xattrs"); b"": none
 
     @classmethod
     def of(cls, d: Document) -> Version:
         """A stored document's version."""
         return cls(d.seq, d.deleted, bytes(d.value), d.cas, d.rev_seq, d.flags, d.expiry,
-                   d.datatype)  # fmt: skip
+                   d.datatype, bytes(d.xattrs))  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
-        """JSON form: the value as text when it is UTF-8, else base64."""
+        """JSON form: the value as text when it is UTF-8, else base64; the xattrs as an
+        object of name -> value ({} for none)."""
         value = _text_or_b64("value", self.value)
         return {
             "seq": str(self.seq),
@@ -107,6 +124,7 @@ class Version:
             "flags": self.flags,
             "expiry": self.expiry,
             **value,
+            "xattrs": xattrs.to_json(self.xattrs),
         }
 
 
@@ -184,25 +202,50 @@ class SalvageReport:
 
 
 def _seg_versions(records: Iterable[Record]) -> Iterator[tuple[int, bytes, Version]]:
-    """The collection id, key and version of each data record of a segment (fields in
-    `segments.format.RECORD_FIELDS` order); system events are no writes."""
-    for op, seq, rev, cas, flags, exp, _dt, datatype, key, value, cid in records:
-        if op != OP_SYSTEM_EVENT:
-            yield cid, bytes(key), Version(seq, op != OP_MUTATION, bytes(value), cas, rev,
-                                           flags, exp, datatype)  # fmt: skip
+    """The collection id, key and version of each data record of a segment (the reader
+    hands the xattr blob out apart from the body); system events are no writes."""
+    for r in records:
+        if r.op != OP_SYSTEM_EVENT:
+            yield r.collection, bytes(r.key), Version(
+                r.seq, r.op != OP_MUTATION, bytes(r.value), r.cas, r.rev_seq, r.flags,
+                r.expiry, r.datatype, bytes(r.xattrs),
+            )  # fmt: skip
+
+
+def same_xattrs(a: bytes, b: bytes) -> bool:
+    """The same xattrs: the same names with the same JSON values, in any order (a server
+    may keep the pairs in another order, or respace a value)."""
+    return a == b or xattrs.to_json(a) == xattrs.to_json(b)
 
 
 def _same(a: Version, b: Version) -> bool:
-    """The same content (a written-back version gets a new cas and seq)."""
+    """The same content (a written-back version gets a new cas and seq): deleted or not,
+    the same xattrs, and for a live one the same value, flags and expiry."""
+    if not same_xattrs(a.xattrs, b.xattrs):
+        return False
     if a.deleted or b.deleted:
         return a.deleted == b.deleted
     return (a.value, a.flags, a.expiry) == (b.value, b.flags, b.expiry)
 
 
 def _record_version(rec: DcpRecord) -> Version:
-    """A streamed record's version."""
+    """A streamed record's version (the consumer has split its xattrs off)."""
     return Version(rec.by_seqno, rec.opcode != OP_MUTATION, bytes(rec.value), rec.cas,
-                   rec.rev_seqno, rec.flags, rec.expiration, rec.datatype)  # fmt: skip
+                   rec.rev_seqno, rec.flags, rec.expiration, rec.datatype,
+                   bytes(rec.xattrs))  # fmt: skip
+
+
+def node_version(d: DocRow) -> Version:
+    """A node row's version: stored as kv_engine lays a document out (compressed when
+    its datatype has Snappy, the xattr blob before the body when it has XATTR), handed
+    out as a consumer record is (inflated, the blob apart, both bits clear). A value
+    that does not inflate or split is a typed error naming the key."""
+    datatype, value = snappy.plain(d.datatype, d.value, d.key)
+    blob = b""
+    if datatype & xattrs.XATTR and value:
+        blob, value = xattrs.split(value, d.key)
+    datatype &= ~xattrs.XATTR
+    return Version(d.seq, d.deleted, value, d.cas, d.rev_seq, d.flags, d.expiry, datatype, blob)
 
 
 # -- the master ----------------------------------------------------------------------------
@@ -310,6 +353,8 @@ async def _write_back(uri: SourceUri, items: list[LostItem], num_partitions: int
             status = resp.vbucket_or_status
             if status == Status.SUCCESS:
                 it.outcome = "written"
+                if it.lost.xattrs and not it.lost.deleted:
+                    it.reason = await _put_xattrs(router, vb, key, it.lost, resp.cas)
             elif status in (Status.KEY_EEXISTS, Status.KEY_ENOENT):
                 it.outcome = "conflict"
                 it.reason = "the key changed on the master during the salvage"
@@ -327,6 +372,47 @@ def _get(vb: int, key: bytes, opaque: int) -> bytes:
     return Get(vbucket=vb, key=key, opaque=opaque).encode()
 
 
+async def _put_xattrs(router: Router, vb: int, key: bytes, v: Version, cas: int) -> str:
+    """The second step of writing back a version with xattrs (module docstring): each of
+    its xattrs upserted whole, guarded by the cas of the body just written, its expiry
+    kept. "" when they are written, else why not (the body stays written)."""
+    names = ", ".join(xattrs.to_json(v.xattrs))
+    if not router.xattrs:
+        return f"written without its xattrs {names}: the master did not grant HELLO XATTR"
+    pairs = xattrs.pairs(v.xattrs, key)
+    for at in range(0, len(pairs), MAX_SPECS):
+        chunk = pairs[at : at + MAX_SPECS]
+        resp = await router.request(vb, functools.partial(xattr_upserts, vb, key, chunk,
+                                                          v.expiry, cas))  # fmt: skip
+        status = resp.vbucket_or_status
+        if status != Status.SUCCESS:
+            return (f"written without its xattrs {names}: the master answered status "
+                    f"0x{status:02x} to SUBDOC_MULTI_MUTATION")  # fmt: skip
+        cas = resp.cas
+    return ""
+
+
+#: kv_engine's limit on the paths of one sub-document command
+MAX_SPECS = 16
+_SUBDOC_MULTI_MUTATION, _DICT_UPSERT, _XATTR_PATH = 0xD1, 0xC8, 0x04
+_MUTATION_SPEC = struct.Struct(">BBHI")  # op, path flags, path length, value length
+
+
+def xattr_upserts(vb: int, key: bytes, pairs: list[tuple[str, bytes]], expiry: int, cas: int,
+                  opaque: int) -> bytes:  # fmt: skip
+    """SUBDOC_MULTI_MUTATION: each (name, JSON text) pair upserted as a whole xattr
+    (formats/wire.md "Xattrs"), guarded by `cas`; a u32 expiry in the extras keeps the
+    document's (without it the server clears it, as kv_engine does)."""
+    body = b"".join(
+        _MUTATION_SPEC.pack(_DICT_UPSERT, _XATTR_PATH, len(path := name.encode()), len(text))
+        + path + text
+        for name, text in pairs
+    )  # fmt: skip
+    extras = struct.pack(">I", expiry) if expiry else b""
+    return UnknownRequest(opcode=_SUBDOC_MULTI_MUTATION, vbucket=vb, opaque=opaque, cas=cas,
+                          extras=extras, key=key, value=body).encode()  # fmt: skip
+
+
 async def _resolve(
     uri: SourceUri,
     report: SalvageReport,
@@ -340,6 +426,15 @@ async def _resolve(
     for it in items:
         cuts[it.partition] = min(cuts.get(it.partition, it.cut), it.cut)
     changed, unknown = await _changed_since(uri, cuts, logs) if cuts else ({}, set())
+    safe = judge(items, changed, unknown)
+    if apply and safe:
+        await _write_back(uri, safe, num_partitions)
+
+
+def judge(items: list[LostItem], changed: dict[int, dict[tuple[int, bytes], Version]],
+          unknown: set[int]) -> list[LostItem]:  # fmt: skip
+    """Each item's outcome against what the master changed after the cut (`changed`, per
+    partition; `unknown`: partitions it could not say for); the safe ones returned."""
     safe = []
     for it in items:
         newer = changed.get(it.partition, {}).get((it.collection, it.key))
@@ -355,8 +450,7 @@ async def _resolve(
         else:
             it.outcome = "would-write"
             safe.append(it)
-    if apply and safe:
-        await _write_back(uri, safe, num_partitions)
+    return safe
 
 
 def _named(items: list[LostItem], names: dict[int, CollectionPath]) -> list[LostItem]:
@@ -549,9 +643,8 @@ def salvage_node_data(
         if (want is not None and d.vbucket not in want) or is_system_key(d.key):
             continue
         cid, key = leb128.split_key(d.key)
-        items.append(LostItem(d.vbucket, bytes(key), cut, Version(d.seq, d.deleted, d.value,
-                              d.cas, d.rev_seq, d.flags, d.expiry, d.datatype),
-                              "replica rollback", collection=cid))  # fmt: skip
+        items.append(LostItem(d.vbucket, bytes(key), cut, node_version(d), "replica rollback",
+                              collection=cid))  # fmt: skip
 
     async def go() -> None:
         logs, _highs, n = await _master_logs(target, sorted({it.partition for it in items}))
