@@ -6,7 +6,10 @@ Writes NAME.seg and NAME.json (header and records, bytes as hex) for each vector
 `VECTORS`. `empty` and `two-blocks` are version 1 files, written by the version 1
 writer and kept byte for byte (`V1_VECTORS`, never regenerated): readers must go on
 reading them, as collection 0. Their records are listed with ten fields, those of
-version 2 vectors with an eleventh, the collection id (system events included).
+version 2 vectors with an eleventh, the collection id (system events included);
+`collections`, the version 2 vector, is kept as the version 2 writer wrote it
+(`V2_VECTORS`, no longer regenerated). Version 3 vectors list a twelfth field, the
+record's xattr blob (hex, "" for none).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 from upr_cli.collections import ManifestChange  # noqa: E402
 from upr_cli.failover import FailoverLog  # noqa: E402
+from upr_cli.protocol import xattrs  # noqa: E402
 from upr_cli.protocol.decoder import DcpRecord  # noqa: E402
 from upr_cli.segments import SegmentHeader, SegmentReader, SegmentWriter  # noqa: E402
 from upr_cli.segments.format import event_record  # noqa: E402
@@ -27,10 +31,11 @@ from upr_cli.segments.format import event_record  # noqa: E402
 LOG = FailoverLog.of([(0xDEADBEEF, 8), (0xCAFEBABE, 0)])
 
 
-def _row(seq: int, op: int, key: bytes, value: bytes, collection: int) -> DcpRecord:
+def _row(seq: int, op: int, key: bytes, value: bytes, collection: int,
+         blob: bytes = b"") -> DcpRecord:  # fmt: skip
     return DcpRecord(op, 7, seq, 1, 0x16B8_0000_0000_0000 + seq, 0, 0,
                      1_763_700_000 if op != 0x57 else 0, 1 if value[:1] == b"{" else 0, key,
-                     value, 0, collection)  # fmt: skip
+                     value, 0, collection, blob)  # fmt: skip
 
 
 # Version 2: a scope and two collections created (ids 8, 9 and 0x80: a two-byte LEB128
@@ -47,7 +52,43 @@ COLLECTIONS = [
     event_record(ManifestChange(7, 8, "collection-dropped", 0x7A, 8, 0x80)),
     _row(9, 0x57, b"u2", b'{"n":2}', 9),
 ]
+SYNC1 = xattrs.encode([("_sync", '{"rev":"1-a1","sequence":4}')])
+SYNC2 = xattrs.encode([("_sync", '{"rev":"2-b2","sequence":6}'), ("app", '{"v":2}')])
+SYNC3 = xattrs.encode([("_sync", '{"rev":"3-c3","sequence":9,"deleted":true}')])
+TXN = xattrs.encode([("_txn", '{"id":"t1"}'), ("tags", '["a","b"]'), ("meta", '"x\\u00e9"')])
+# Version 3: documents with system and user xattrs, one without, an update replacing
+# them, a tombstone keeping its system xattrs (its value empty), a deletion keeping a
+# user xattr too (IncludeDeletedUserXattrs), a binary value with xattrs, in the default
+# collection and in collection 9, across blocks.
+XATTRS = [
+    event_record(ManifestChange(7, 1, "collection-created", 1, 0, 9, "users")),
+    _row(2, 0x57, b"plain", b'{"n":0}', 0),
+    _row(4, 0x57, b"doc", b'{"n":1}', 0, SYNC1),
+    _row(5, 0x57, b"u1", b'{"name":"\xc3\xa9"}', 9, TXN),
+    _row(6, 0x57, b"doc", b'{"n":2}', 0, SYNC2),
+    _row(7, 0x57, b"bin", bytes(range(8)), 9, xattrs.encode([("_a", "1")])),
+    _row(9, 0x58, b"doc", b"", 0, SYNC3),
+    _row(10, 0x58, b"u1", b"", 9, xattrs.encode([("_txn", '{"id":"t1"}'), ("tags", "[]")])),
+    _row(11, 0x59, b"plain", b"", 0),
+]
 VECTORS = {
+    "xattrs": (
+        SegmentHeader(
+            "travel",
+            7,
+            LOG,
+            0,
+            11,
+            ((1, 11),),
+            "2026-11-26T18:00:00.000000Z",
+            "upr://127.0.0.1:11210/travel",
+            200,
+        ),
+        XATTRS,
+    ),
+}
+# Version 2, kept as written (the rows it was made from, for the record).
+V2_VECTORS = {
     "collections": (
         SegmentHeader(
             "travel",
@@ -141,7 +182,7 @@ V1_VECTORS = {
 
 
 def main() -> None:
-    for name, (header, rows) in VECTORS.items():  # V1_VECTORS: kept as written
+    for name, (header, rows) in VECTORS.items():  # V1_VECTORS, V2_VECTORS: kept as written
         seg = HERE / f"{name}.seg"
         seg.unlink(missing_ok=True)
         w = SegmentWriter(seg, header)
@@ -150,8 +191,8 @@ def main() -> None:
         with SegmentReader(seg) as r:
             records = [
                 [op, str(seq), str(rev), str(cas), flags, exp, dtime, dt, key.hex(), value.hex(),
-                 coll]
-                for op, seq, rev, cas, flags, exp, dtime, dt, key, value, coll
+                 coll, blob.hex()]
+                for op, seq, rev, cas, flags, exp, dtime, dt, key, value, coll, blob
                 in r.records(events=True)
             ]  # fmt: skip
             blocks = len(r.blocks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from pathlib import Path
 from typing import IO, Any
@@ -15,6 +16,7 @@ from upr_cli.collections import ManifestChange
 from upr_cli.errors import LocalProtocolError
 from upr_cli.failover import FailoverLog
 from upr_cli.fsio import FileOps
+from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION, DcpRecord
 from upr_cli.segments import (
     Record,
@@ -45,7 +47,8 @@ def header(start: int = 0, end: int = 10_000, block: int = 256, part: int = 3) -
 
 def rows_for(seqs: list[int], part: int = 3, events: bool = False) -> list[DcpRecord]:
     """Data records in collections 0, 8, 200 and 0xFFFFFFFF (ids of one to five LEB128
-    bytes on the wire); with `events`, every seq divisible by 11 a system event."""
+    bytes on the wire), two in five with xattrs (a deletion's system ones only); with
+    `events`, every seq divisible by 11 a system event."""
     ops = (OP_MUTATION, OP_DELETION, OP_EXPIRATION)
     colls = (0, 8, 200, 0xFFFF_FFFF)
     return [
@@ -65,9 +68,18 @@ def rows_for(seqs: list[int], part: int = 3, events: bool = False) -> list[DcpRe
             b"v" * (s % 90) if s % 3 == 0 else b"",
             0,
             colls[s % 4],
+            _xattrs(s),
         )
         for s in seqs
     ]
+
+
+def _xattrs(s: int) -> bytes:
+    """Xattrs for two seqs in five: a system one, and a user one on a mutation."""
+    if s % 5 > 1:
+        return b""
+    user = [("user", '{"n":' + str(s) + "}")] if s % 3 == 0 else []
+    return xattrs.encode([("_sync", f'"{s}"'), *user])
 
 
 def _change(s: int, part: int) -> ManifestChange:
@@ -90,6 +102,7 @@ def as_records(rows: list[DcpRecord]) -> list[Record]:
             bytes(r.key),
             bytes(r.value),
             r.collection,
+            r.xattrs,
         )
         for r in rows
     ]
@@ -135,7 +148,7 @@ def test_round_trip_and_seek(
     path.unlink(missing_ok=True)
     info = write(path, header(block=block), rows)
     with SegmentReader(path) as r:
-        assert r.version == 2
+        assert r.version == 3
         assert list(r.records()) == as_records(data(rows))
         assert list(r.records(events=True)) == as_records(rows)
         assert list(r.records(from_seq)) == [x for x in as_records(data(rows)) if x.seq >= from_seq]
@@ -152,10 +165,13 @@ def test_round_trip_and_seek(
     assert info.counts == tuple((c, a, b) for c, (a, b) in sorted(counts.items()))
 
 
-@pytest.mark.parametrize(("name", "version"), [("empty", 1), ("two-blocks", 1), ("collections", 2)])
+@pytest.mark.parametrize(
+    ("name", "version"), [("empty", 1), ("two-blocks", 1), ("collections", 2), ("xattrs", 3)]
+)
 def test_vectors_read_back_exactly(name: str, version: int) -> None:
     """Version 1 files (before collections) read as collection 0; the version 2 vector
-    lists each record's collection id, its system events among the records."""
+    lists each record's collection id, its system events among the records; the
+    version 3 vector each record's xattr blob (hex), handed out apart from its value."""
     expected = json.loads((VECTORS / f"{name}.json").read_text())
     with SegmentReader(VECTORS / f"{name}.seg") as r:
         assert r.version == version
@@ -174,10 +190,14 @@ def test_vectors_read_back_exactly(name: str, version: int) -> None:
                 x.key.hex(),
                 x.value.hex(),
                 *([x.collection] if version > 1 else []),
+                *([x.xattrs.hex()] if version > 2 else []),
             ]
             for x in r.records(events=True)
         ]
         assert got == expected["records"]
+        assert all(not x.datatype & xattrs.XATTR for x in r.records())
+        if version < 3:
+            assert not any(x.xattrs for x in r.records())
         if version == 1:
             assert {x.collection for x in r.records()} <= {0} and not r.changes()
         info = r.verify()
@@ -195,6 +215,130 @@ def test_collections_vector_decodes_to_its_changes() -> None:
         ]
         assert r.verify().counts == ((0, 1, 0), (9, 2, 1), (0x80, 1, 0))
         assert [x.seq for x in r.records()] == [4, 5, 6, 7, 9]
+
+
+def test_the_xattrs_vector_holds_its_documents_and_tombstones() -> None:
+    """Documents with system and user xattrs, an update that replaced them, tombstones
+    that kept theirs (empty value); the blobs sit in their own column, between the keys
+    and the values (formats/segment.md, Blocks), so each block's raw length is the heads,
+    keys, blobs and values."""
+    with SegmentReader(VECTORS / "xattrs.seg") as r:
+        recs = {x.seq: x for x in r.records()}
+        assert xattrs.to_json(recs[6].xattrs) == {"_sync": {"rev": "2-b2", "sequence": 6},
+                                                  "app": {"v": 2}}  # fmt: skip
+        assert xattrs.to_json(recs[5].xattrs)["meta"] == "x\u00e9"
+        tomb = recs[9]
+        assert (tomb.op, tomb.value, tomb.datatype) == (OP_DELETION, b"", 0)
+        assert [n for n, _v in xattrs.pairs(tomb.xattrs)] == ["_sync"]
+        assert [n for n, _v in xattrs.pairs(recs[10].xattrs)] == ["_txn", "tags"]
+        assert recs[2].xattrs == recs[11].xattrs == b""
+        for i, b in enumerate(r.blocks):
+            got = r.block_records(i)
+            assert b.raw_len == sum(48 + len(x.key) + len(x.xattrs) + len(x.value) for x in got)
+        # the DCP record a reader gives a writer carries the blob, and the writer puts it
+        # back in its column
+        dcp = recs[6].as_dcp(7)
+        assert (dcp.xattrs, dcp.value, dcp.datatype) == (recs[6].xattrs, b'{"n":2}', 1)
+
+
+def _raw_segment(path: Path, raw: bytes, count: int, first: int, last: int) -> None:
+    """A version 3 segment of one block holding `raw` (any bytes: how a reader sees a
+    block a broken writer made), its CRCs right."""
+    import zstandard
+
+    from upr_cli.segments.format import (
+        BLOCK_ENTRY,
+        CRC,
+        END_MAGIC,
+        FOOTER_FIXED,
+        MAGIC,
+        PREAMBLE,
+        TRAILER,
+    )
+
+    head = header(end=last).to_bytes()
+    pre = PREAMBLE.pack(MAGIC, 3, 0, len(head)) + head
+    pre += CRC.pack(zlib.crc32(pre))
+    frame = zstandard.ZstdCompressor().compress(raw)
+    footer = FOOTER_FIXED.pack(1, 0, count, len(raw), first, last) + BLOCK_ENTRY.pack(
+        len(pre), first, last, len(frame), len(raw), count, zlib.crc32(frame)
+    )
+    tail = TRAILER.pack(len(pre) + len(frame), len(footer), zlib.crc32(footer), END_MAGIC)
+    path.write_bytes(pre + frame + footer + tail)
+
+
+def _block_of(rows: list[tuple[int, bytes, bytes, bytes]]) -> bytes:
+    """A raw block: (seq, key, blob, value) each, a mutation with the XATTR bit set
+    where a blob is given."""
+    from upr_cli.segments.format import RECORD_HEAD
+
+    heads = b"".join(
+        RECORD_HEAD.pack(OP_MUTATION, 4 if x else 0, len(k), len(v), s, 1, s, 0, 0, 0, 0)
+        for s, k, x, v in rows
+    )
+    return (
+        heads
+        + b"".join(r[1] for r in rows)
+        + b"".join(r[2] for r in rows)
+        + b"".join(r[3] for r in rows)
+    )
+
+
+@pytest.mark.parametrize(
+    ("blob", "reason"),
+    [
+        (b"\0\0\0\x08\0\0\0\x04a\x001\x01", "pair at byte 4"),  # a pair without its end 0
+        (b"\0\0\0\x06\0\0\0\x02a\0", "pair at byte 4"),  # a pair too short
+        (b"\0\0\0\x08\0\0\0\x04\xff\x001\0", "not UTF-8"),  # a name not UTF-8
+        (b"\0\0\0\x07\0\0\0\x04a\x001\0", "pair at byte 4"),  # a length short of a pair
+        (b"\0\0\0\x40\0\0\0\x04a\x001\0", "run past their column"),  # a length past it
+        (b"\0\0", "fill|no xattrs"),  # a blob cut short
+    ],
+)
+def test_a_malformed_blob_is_corruption_named_by_file_and_seq(
+    tmp_path: Path, blob: bytes, reason: str
+) -> None:
+    good = xattrs.encode([("a", "1")])
+    path = tmp_path / "x.seg"
+    _raw_segment(path, _block_of([(5, b"k5", good, b"{}"), (6, b"k6", blob, b"{}")]), 2, 5, 6)
+    with SegmentReader(path) as r, pytest.raises(SegmentError) as exc:
+        list(r.records())
+    text = str(exc.value)
+    assert "x.seg, block 0" in text
+    assert re.search(reason, text), text
+    if "fill" not in text:
+        assert "seq 6" in text
+
+
+def test_xattrs_column_must_match_the_heads(tmp_path: Path) -> None:
+    """A blob with no head bit asking for it (or the reverse) does not fill the block."""
+    good = xattrs.encode([("a", "1")])
+    raw = _block_of([(5, b"k5", good, b"{}")])
+    path = tmp_path / "bit.seg"
+    cleared = bytearray(raw)
+    cleared[1] = 0  # the head's datatype: no XATTR bit, the blob still in its column
+    _raw_segment(path, bytes(cleared), 1, 5, 5)
+    with SegmentReader(path) as r, pytest.raises(SegmentError, match="fill the block"):
+        list(r.records())
+    _raw_segment(path, raw, 1, 5, 5)
+    with SegmentReader(path) as r:
+        (rec,) = r.records()
+        assert (rec.xattrs, rec.value, rec.datatype) == (good, b"{}", 0)
+
+
+def test_writer_takes_a_value_that_still_holds_its_blob(tmp_path: Path) -> None:
+    """A record whose value still starts with its blob (XATTR bit set, no `xattrs`) is
+    split on the way in; a blob whose length is wrong is refused, naming the key."""
+    blob = xattrs.encode([("_sync", "1")])
+    row = DcpRecord(OP_MUTATION, 3, 1, 1, 1, 0, 0, 0, 1 | xattrs.XATTR, b"k", blob + b"{}", 0)
+    write(tmp_path / "w.seg", header(), [row])
+    with SegmentReader(tmp_path / "w.seg") as r:
+        (rec,) = r.records()
+        assert (rec.xattrs, rec.value, rec.datatype) == (blob, b"{}", 1)
+    w = SegmentWriter(tmp_path / "bad.seg", header())
+    with pytest.raises(xattrs.CorruptXattrsError, match="'k'"):
+        w.add([row._replace(value=b"{}", datatype=1, xattrs=blob[:-1])])
+    assert not (tmp_path / "bad.seg").exists()
 
 
 def test_a_version_1_file_cannot_hold_events_or_collections(tmp_path: Path) -> None:
@@ -319,7 +463,7 @@ def test_a_failure_at_any_write_fsync_or_rename_leaves_nothing_half_written(tmp_
             _fully_read(path)
 
 
-def write_with(path: Path, fs: FileOps, rows: list[tuple[Any, ...]]) -> None:
+def write_with(path: Path, fs: FileOps, rows: list[DcpRecord]) -> None:
     """Half the rows, a spill to the body file, the rest, finish: every file-system path."""
     w = SegmentWriter(path, header(block=150), fs=fs)
     w.add(rows[: len(rows) // 2])

@@ -76,6 +76,12 @@ of a collection the chain followed that was dropped (or dropped and created agai
 since; a name the chain had that is gone for good is no error. A source without
 collections (an older server) has only _default._default.
 
+Xattrs (extended attributes: Sync Gateway's _sync, transactions' _txn, an application's
+own) are backed up with their documents, and with the tombstones that kept them: the
+connection negotiates XATTR and opens DCP with IncludeXattrs and
+IncludeDeletedUserXattrs, and the segments keep each record's xattrs
+(formats/segment.md "Xattrs"). `upr restore` writes them back.
+
 Example:
 
   upr backup upr://admin@127.0.0.1:11210/default --repo /backups/cb

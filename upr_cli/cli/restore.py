@@ -32,7 +32,7 @@ from upr_cli.cli.options import (
 )
 from upr_cli.cli.output import Progress, plural, print_json, stderr, stdout
 from upr_cli.errors import UsageError
-from upr_cli.jobs.restore import RestoreSummary, restore_to_node, restore_to_store
+from upr_cli.jobs.restore import KeepXattrs, RestoreSummary, restore_to_node, restore_to_store
 from upr_cli.jobs.restore_plan import MapRule, parse_map_data
 from upr_cli.net.uri import SourceUri
 from upr_cli.source import selected
@@ -43,7 +43,8 @@ The state at --at (a backup id or the start of one, latest or oldest) follows th
 semantics of the repository: lost writes (records above a rollback point) are not part
 of it. Documents go as SET_WITH_META and deletions as DEL_WITH_META, keeping cas, rev
 seq, flags and expiry; the target's conflict resolution applies unless --force-updates.
-A deletion is sent only where the target has the key, unless --include-tombstones.
+A deletion is sent only where the target has the key, unless --include-tombstones;
+a tombstone that kept xattrs (system metadata of a deleted document) is always sent.
 Reading verifies checksums; a corrupt segment stops the restore naming the file and
 block, unless --skip-corrupt, which reports what it skipped.
 
@@ -71,11 +72,22 @@ the target is reached and authenticated, its partition count and collections rea
 every partition has a reachable active node. Any of these failing is one error naming
 what is wrong, never a smaller or half-written restore.
 
+Xattrs go back with their documents and with the tombstones that kept them: all of
+them by default, as cbbackupmgr does (a document's value is its xattrs then its body,
+datatype 0x04; a tombstone's value its xattrs alone). --no-system-xattrs leaves the
+system xattrs (names starting with _, such as Sync Gateway's _sync) out, --no-xattrs
+every xattr. The writes go over connections that negotiated HELLO XATTR: a target that
+refuses it stops the restore before anything is written, unless --no-xattrs. The
+summary counts the documents and deletions restored with xattrs (`xattrs` in --json)
+and those whose xattrs the options left out (`xattrs_left_out`).
+
 --dry-run does all of that, writes nothing and prints the plan: the partition counts,
 whether keys are rehashed, and per collection its source and target names, whether the
 target has it (exists), would get it (create) or lacks it (missing), and its documents
-and deletions; --json gives the same as `source_partitions`, `target_partitions`,
-`rehash` and `collections`.
+and deletions, and how many of them carry xattrs (a target that refuses xattrs, where
+some are to be written, is noted and exits 1); --json gives the same as
+`source_partitions`, `target_partitions`, `rehash`, `collections`, `xattrs` and
+`target_xattrs`.
 
 Example:
 
@@ -152,6 +164,11 @@ def restore_cmd(
         bool,
         typer.Option("--no-create", help="Do not create missing collections: refuse instead."),
     ] = False,
+    no_system_xattrs: Annotated[
+        bool,
+        typer.Option("--no-system-xattrs", help="Leave system xattrs (names starting _) out."),
+    ] = False,
+    no_xattrs: Annotated[bool, typer.Option("--no-xattrs", help="Leave every xattr out.")] = False,
     spark: SparkMaster = None,
     spark_tasks: SparkTasks = 8,
     conf: SparkConf = None,
@@ -166,9 +183,11 @@ def restore_cmd(
     kind, where = restore_target(target)  # anything else: a usage error, before any work
     node = (tls_source(SourceUri.parse(where), cacert, no_verify, cert, key)
             if kind == "node" else None)  # fmt: skip
+    keep: KeepXattrs = "none" if no_xattrs else "user" if no_system_xattrs else "all"
     plan = Plan(repo, bucket=bucket, at=at, partitions=selected(partitions),
                 keys=key_pattern(keys), dry_run=dry_run, skip_corrupt=skip_corrupt,
-                map_data=parse_map_data(map_data), create=not no_create)  # fmt: skip
+                map_data=parse_map_data(map_data), create=not no_create,
+                keep_xattrs=keep)  # fmt: skip
     if spark is not None and kind != "node":
         raise UsageError("--spark restores into a node (upr://…); a SQLite store has one writer")
     if kind == "sqlite" and force_updates:
@@ -214,11 +233,12 @@ class Plan:
     skip_corrupt: bool
     map_data: tuple[MapRule, ...] = ()
     create: bool = True
+    keep_xattrs: KeepXattrs = "all"
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of `restore_to_node` and `restore_to_store`."""
         names = ("bucket", "at", "partitions", "keys", "dry_run", "skip_corrupt", "map_data",
-                 "create")  # fmt: skip
+                 "create", "keep_xattrs")  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
 
@@ -251,6 +271,7 @@ def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
                      f"{plural(summary.deletions, 'deletion')}")  # fmt: skip
         if summary.dropped:
             lines.append(f"{plural(summary.dropped, 'record')} of dropped collections left out")
+        lines += _xattr_lines(summary)
         stdout.print("\n".join(lines), markup=False)
         if not dry_run:
             stdout.print(
@@ -264,5 +285,21 @@ def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
     if missing:
         names = ", ".join(sorted({str(c.target) for c in missing}))
         stderr.print(f"upr: the target lacks {names}: a restore would stop", markup=False)
-    if summary.errors or summary.skipped or missing:
+    refused = summary.target_xattrs is False and summary.xattrs > 0
+    if refused:
+        stderr.print("upr: the target does not take xattrs: a restore would stop "
+                     "(--no-xattrs leaves them out)", markup=False)  # fmt: skip
+    if summary.errors or summary.skipped or missing or refused:
         raise typer.Exit(1)
+
+
+def _xattr_lines(summary: RestoreSummary) -> list[str]:
+    """What happened to xattrs, when the state had any."""
+    out = []
+    if summary.xattrs:
+        out.append(f"{plural(summary.xattrs, 'document or deletion', 'documents and deletions')}"
+                   " with xattrs")  # fmt: skip
+    if summary.xattrs_left_out:
+        which = "xattrs" if summary.keep_xattrs == "none" else "system xattrs"
+        out.append(f"{which} left out of {plural(summary.xattrs_left_out, 'record')}")
+    return out

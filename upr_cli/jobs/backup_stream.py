@@ -23,6 +23,11 @@ active holds it, and the rollback is reported (`cut_back` and `cuts`, or the man
 rollback record). Positions the caller passes in say where each partition's previous
 backup ended.
 
+Xattrs: the consumer asks for them (HELLO XATTR, DCP IncludeXattrs and
+IncludeDeletedUserXattrs where the server grants them) and hands each record out with
+its blob split off (`DcpRecord.xattrs`); the segment writer stores the blob in its
+block's xattrs column (formats/segment.md "Xattrs"), tombstones' included.
+
 Collections: records keep their collection id into the segments, and a collection or
 scope created or dropped (a `ManifestChange`, a DCP system event) is stored in its
 partition's segment at its seq, among the records (formats/segment.md "System
@@ -260,7 +265,7 @@ class BackupStream:
             last[vb] = seq
             pending.setdefault(vb, []).append(item)
             n += 1
-            nbytes += 55 + len(item.key) + len(item.value)
+            nbytes += 55 + len(item.key) + len(item.value) + len(item.xattrs)
             seqs += seq - (before if before >= 0 else span.get(vb, (seq - 1, 0))[0])
         self.stats.items += n
         self.stats.bytes_in += nbytes

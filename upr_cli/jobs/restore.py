@@ -10,6 +10,14 @@ partition's active node (net/router.py: a cluster map is followed, NOT_MY_VBUCKE
 retried). Reading verifies checksums: corruption stops the restore with the file and
 block named, or, with `skip_corrupt`, the partition is skipped and reported.
 
+Xattrs (formats/wire.md "Xattrs") go back with their documents and tombstones, all of
+them by default as cbbackupmgr does: a document as SET_WITH_META whose value is the blob
+then the body (datatype bit 0x04), a tombstone that kept xattrs as DEL_WITH_META whose
+value is the blob alone. `keep_xattrs="user"` leaves the system xattrs (names starting
+with `_`) out, `"none"` every xattr. Writes go over connections that negotiated HELLO
+XATTR; a target that refuses it stops the restore before anything is written, unless no
+xattr is to be written (`"none"`). A SQLite store takes the records with their xattrs.
+
 Where each key goes (jobs/restore_plan.py): to the partition its document key hashes to
 over the TARGET's partition count, in the target's collection of the same name (or the
 one `--map-data` names), with the collection id in front of the key on a connection
@@ -39,7 +47,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from upr_cli.cluster.collections import change_manifest, fetch_manifest
 from upr_cli.collections import DEFAULT, Collection, Scope
@@ -62,7 +70,7 @@ from upr_cli.jobs.state import Selection, check_files, select
 from upr_cli.net.bootstrap import partition_of
 from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol import Frame, leb128
+from upr_cli.protocol import Frame, leb128, xattrs
 from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.protocol.messages import DelWithMeta, Get, SetWithMeta
 from upr_cli.protocol.status import Status
@@ -118,6 +126,11 @@ def prefetch(
 
 
 _SEQ, _OP, _COLL = attrgetter("seq"), attrgetter("op"), attrgetter("collection")  # C-level
+_XATTRS = attrgetter("xattrs")
+
+# Which xattrs a restore writes: all of them (as cbbackupmgr does), the user ones only
+# (`--no-system-xattrs`), or none (`--no-xattrs`).
+KeepXattrs = Literal["all", "user", "none"]
 
 
 def partition_state(
@@ -181,6 +194,10 @@ class RestoreSummary:
     partitions_total: int = 0  # the partitions selected (for progress)
     plan: RestorePlan | None = None  # partition counts and collections
     dropped: int = 0  # records of collections dropped by the end of the chain: not restored
+    keep_xattrs: KeepXattrs = "all"
+    xattrs: int = 0  # documents and deletions restored with xattrs
+    xattrs_left_out: int = 0  # records whose xattrs `keep_xattrs` left out (some or all)
+    target_xattrs: bool | None = None  # the target took HELLO XATTR (None: a store)
 
     @property
     def items(self) -> int:
@@ -205,6 +222,10 @@ class RestoreSummary:
                     "absent_deletes",
                     "skipped",
                     "dropped",
+                    "keep_xattrs",
+                    "xattrs",
+                    "xattrs_left_out",
+                    "target_xattrs",
                 )
             }
             | {
@@ -223,6 +244,7 @@ class RestoreSummary:
         mutations = list(map(_OP, records)).count(OP_MUTATION)  # counted in C
         self.documents += mutations
         self.deletions += len(records) - mutations
+        self.xattrs += len(records) - list(map(_XATTRS, records)).count(b"")
         colls = set(map(_COLL, records))
         if len(colls) == 1:
             (c,) = colls
@@ -286,14 +308,36 @@ class _Source:
 def _restorable(records: list[Record], keys: re.Pattern[bytes] | None, wanted: dict[int, Any],
                 summary: RestoreSummary) -> list[Record]:  # fmt: skip
     """The records a restore writes: those of `keys` (None: all) in a collection of the
-    plan; a record of a dropped collection is counted as `dropped`."""
+    plan, with the xattrs `summary.keep_xattrs` keeps; a record of a dropped collection
+    is counted as `dropped`."""
     if keys is not None:
         records = [r for r in records if keys.search(r.key)]
     if not set(map(_COLL, records)) <= wanted.keys():  # a set built in C: rarely true
         kept = [r for r in records if r.collection in wanted]
         summary.dropped += len(records) - len(kept)
         records = kept
+    if summary.keep_xattrs != "all":
+        records = _without_xattrs(records, summary)
     return records
+
+
+def _without_xattrs(records: list[Record], summary: RestoreSummary) -> list[Record]:
+    """The records with their system xattrs (`keep_xattrs="user"`) or all their xattrs
+    (`"none"`) left out, each record that changed counted."""
+    out = list(records)
+    for i, r in enumerate(out):
+        if not r.xattrs:
+            continue
+        blob = b"" if summary.keep_xattrs == "none" else user_only(r.xattrs)
+        if blob != r.xattrs:
+            summary.xattrs_left_out += 1
+            out[i] = r._replace(xattrs=blob)
+    return out
+
+
+def user_only(blob: bytes) -> bytes:
+    """The blob with its system xattrs (names starting with `_`) left out."""
+    return xattrs.encode((n, v) for n, v in xattrs.pairs(blob) if not xattrs.is_system(n))
 
 
 async def restore_to_node(
@@ -312,16 +356,21 @@ async def restore_to_node(
     map_data: Sequence[MapRule] = (),
     create: bool = True,
     on_progress: Callable[[RestoreSummary], None] | None = None,
+    keep_xattrs: KeepXattrs = "all",
 ) -> RestoreSummary:
     """Write the state at `at` into a node or cluster; returns counts. Everything that
     can refuse the restore is checked before the first write (the module's doc)."""
     src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt)
     summary = src.summary(target.redacted(), dry_run)
+    summary.keep_xattrs = keep_xattrs
     t0 = time.monotonic()
     router = await Router.open(target, name="upr-restore")
     writer: _NodeWriter | None = None
     try:
         _check_actives(router)  # before the plan, which may change the target's manifest
+        summary.target_xattrs = router.xattrs
+        if not dry_run:
+            refuse_without_xattrs(summary)
         summary.plan = plan = await _plan_node(router, target, src, map_data, create, dry_run)
         if not dry_run:
             writer = _NodeWriter(router, summary, window, FORCE if force_updates else 0, plan)
@@ -376,6 +425,16 @@ async def _plan_node(router: Router, target: SourceUri, src: _Source, rules: Seq
     return plan
 
 
+def refuse_without_xattrs(summary: RestoreSummary) -> None:
+    """Stop a restore whose target refused HELLO XATTR before anything is written,
+    unless it writes no xattr (a backup may hold some in any partition: which ones is
+    known only once every partition is read)."""
+    if summary.target_xattrs is False and summary.keep_xattrs != "none":
+        raise RestorePlanError(f"{summary.target}: the target does not take xattrs (HELLO "
+                               "XATTR refused): nothing written; --no-xattrs restores the "
+                               "documents without them")  # fmt: skip
+
+
 def _check_actives(router: Router) -> None:
     """Every partition of the target has a reachable active node, before the first
     write: otherwise the writes to it would retry for a minute each and leave the
@@ -416,7 +475,8 @@ class _NodeWriter:
 
     async def partition(self, records: list[Record], include_tombstones: bool) -> None:
         """Write one source partition's documents, then its deletions: all of them with
-        `include_tombstones`, else only those of keys the target has."""
+        `include_tombstones`, else those that kept xattrs and those of keys the target
+        has."""
         deletes: list[tuple[int, bytes, Record]] = []
         for r in records:
             vb = partition_of(r.key, self.count)  # the document key, not its prefix
@@ -424,20 +484,27 @@ class _NodeWriter:
             if r.op != OP_MUTATION:
                 deletes.append((vb, key, r))
                 continue
-            make = functools.partial(_set_with_meta, vb, key, r.value, r.datatype, r.flags,
-                                     r.expiry, r.rev_seq, r.cas, self.options)  # fmt: skip
+            dt, value = (
+                xattrs.join(r.xattrs, r.value, r.datatype) if r.xattrs else (r.datatype, r.value)
+            )
+            make = functools.partial(_set_with_meta, vb, key, value, dt, r.flags, r.expiry,
+                                     r.rev_seq, r.cas, self.options)  # fmt: skip
             await self.send(vb, make, "set", key)
-        if deletes and not include_tombstones:  # only where the target has the key
+        # A plain deletion is written only where the target has the key; a tombstone
+        # that kept xattrs is data (a transaction's or Sync Gateway's metadata of a
+        # deleted document) and is always written.
+        plain = [d for d in deletes if not d[2].xattrs]
+        if plain and not include_tombstones:
             await self.drain()
             self.present.clear()
-            for vb, key, _r in deletes:
+            for vb, key, _r in plain:
                 await self.send(vb, functools.partial(_get, vb, key), "get", key)
             await self.drain()
-            self.summary.absent_deletes += len(deletes) - len(self.present)
-            deletes = [d for d in deletes if d[1] in self.present]
+            self.summary.absent_deletes += len(plain) - len(self.present)
+            deletes = [d for d in deletes if d[2].xattrs or d[1] in self.present]
         for vb, key, r in deletes:
             make = functools.partial(_del_with_meta, vb, key, r.flags, r.rev_seq, r.cas,
-                                     self.options)  # fmt: skip
+                                     self.options, r.xattrs)  # fmt: skip
             await self.send(vb, make, "delete", key)
 
     async def send(self, vb: int, make: Make, kind: str, key: bytes) -> None:
@@ -498,9 +565,11 @@ def _set_with_meta(p: int, key: bytes, value: bytes, datatype: int, flags: int, 
 
 
 def _del_with_meta(p: int, key: bytes, flags: int, rev: int, cas: int, options: int,
-                   opaque: int) -> bytes:  # fmt: skip
+                   blob: bytes, opaque: int) -> bytes:  # fmt: skip
+    """A deletion; a tombstone's xattrs, if it kept some, are its value (bit 0x04)."""
     return DelWithMeta(vbucket=p, opaque=opaque, key=key, flags=flags, rev_seqno=rev,
-                       item_cas=cas, options=options).encode()  # fmt: skip
+                       item_cas=cas, options=options, value=blob,
+                       datatype=xattrs.XATTR if blob else 0).encode()  # fmt: skip
 
 
 def _get(p: int, key: bytes, opaque: int) -> bytes:
@@ -520,18 +589,20 @@ def restore_to_store(
     map_data: Sequence[MapRule] = (),
     create: bool = True,
     on_progress: Callable[[RestoreSummary], None] | None = None,
+    keep_xattrs: KeepXattrs = "all",
 ) -> RestoreSummary:
     """Write the state at `at` into a SQLite store (formats/store.md): documents and
-    tombstones as they were, in the source's partitions and collection ids, the names of
-    the collections (`--map-data` applied), and each partition's position and failover
-    log from the chain, so a replay can continue from the backup. (`create` is for a
-    node: a store takes any collection.)"""
+    tombstones as they were (with the xattrs `keep_xattrs` keeps), in the source's
+    partitions and collection ids, the names of the collections (`--map-data` applied),
+    and each partition's position and failover log from the chain, so a replay can
+    continue from the backup. (`create` is for a node: a store takes any collection.)"""
     from upr_cli.repo import resume_point
     from upr_cli.store import Store
 
     del create
     src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt)
     summary = src.summary(f"sqlite:{db_path}", dry_run)
+    summary.keep_xattrs = keep_xattrs
     summary.plan = plan = src.plan(Collections(), map_data, None, can_create=True)
     for c in plan.collections:  # a store has every collection it is given
         c.target_id, c.status = c.source_id, EXISTS
@@ -563,7 +634,7 @@ def restore_to_store(
             store.record_manifest(store_names(plan, src.names))
         for p, records in _partitions(src, keys, plans, summary, skip_corrupt):
             pending += [(r.op, p, r.seq, r.rev_seq, r.cas, r.flags, r.expiry, r.delete_time,
-                         r.datatype, r.key, r.value, 0, r.collection)
+                         r.datatype, r.key, r.value, 0, r.collection, r.xattrs)
                         for r in records]  # fmt: skip
             pending_parts.append(p)
             if len(pending) >= _RESTORE_BATCH_ROWS:

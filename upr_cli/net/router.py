@@ -145,12 +145,14 @@ class Router:
             uri = self.uri.at(*addr)
             session = await connect(uri, name=self.name, timeout=3.0, features=FEATURES)
             conn = session.conn
-            if session.collections != self.collections:
-                await conn.aclose()
-                raise RouterError(
-                    f"{uri.redacted()}: {'grants' if session.collections else 'refuses'} "
-                    "collections, unlike the node bootstrapped from"
-                )
+            # every node must answer alike: a write with a collection id or xattrs would
+            # be refused by one that did not grant them
+            for feature, what in ((Feature.COLLECTIONS, "collections"), (Feature.XATTR, "xattrs")):
+                if (feature in session.features) != (feature in self.features):
+                    await conn.aclose()
+                    granted = "grants" if feature in session.features else "refuses"
+                    raise RouterError(f"{uri.redacted()}: {granted} {what}, unlike the node "
+                                      "bootstrapped from")  # fmt: skip
             self._conns[addr] = conn
         return conn
 

@@ -16,13 +16,16 @@ from typing import Any, NamedTuple
 from upr_cli.collections import ManifestChange, decode_event, encode_event
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog, InvalidFailoverLog
+from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION, DcpRecord
 from upr_cli.protocol.header import Opcode
 
 MAGIC = b"\x89USEG\r\n\x1a"
 END_MAGIC = b"USEGEND\n"
-VERSION = 2  # 2: a collection id per record, system events as records (formats/segment.md)
-VERSIONS = frozenset({1, 2})  # what a reader accepts: version 1 holds collection 0 only
+# 2: a collection id per record, system events as records; 3: an xattrs column
+# (formats/segment.md "Versions")
+VERSION = 3
+VERSIONS = frozenset({1, 2, 3})  # what a reader accepts: version 1 holds collection 0 only
 PREAMBLE = struct.Struct("<8sHHI")  # magic, version, flags, header_len
 CRC = struct.Struct("<I")
 RECORD_HEAD = struct.Struct("<BBHIQQQIIII")  # op, datatype, key_len, value_len, seq, rev, cas,
@@ -35,7 +38,11 @@ MAX_HEADER = 1 << 20
 OP_SYSTEM_EVENT = int(Opcode.DCP_SYSTEM_EVENT)  # 0x5f: a collection or scope created or dropped
 DATA_OPS = frozenset({OP_MUTATION, OP_DELETION, OP_EXPIRATION})
 OPS = DATA_OPS | {OP_SYSTEM_EVENT}  # what version 2 holds
-OPS_BY_VERSION = {1: DATA_OPS, 2: OPS}
+OPS_BY_VERSION = {1: DATA_OPS, 2: OPS, 3: OPS}
+XATTR = xattrs.XATTR  # a head's datatype bit: the record has a blob in the xattrs column
+BLOB_LEN = struct.Struct(">I")  # a blob starts with its big-endian length (formats/wire.md)
+# byte → its XATTR bit: a block's datatype column translated, counted in C
+_XATTR_BITS = bytes(b & XATTR for b in range(256))
 _TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")  # ASCII
 U64 = (1 << 64) - 1
 
@@ -56,12 +63,16 @@ class Record(NamedTuple):
     value: bytes
     # the collection id (0: `_default._default`, and every record of a version 1 file)
     collection: int = 0
+    # the xattr blob (formats/wire.md "Xattrs"; b"": none, and every record before
+    # version 3); `value` is the body alone and `datatype` lacks the XATTR bit, as the
+    # consumer hands records out
+    xattrs: bytes = b""
 
     def as_dcp(self, vbucket: int) -> DcpRecord:
         """The same record as the DCP record a stream of `vbucket` delivers (opaque 0)."""
         return DcpRecord(self.op, vbucket, self.seq, self.rev_seq, self.cas, self.flags,
                          self.expiry, self.delete_time, self.datatype, self.key, self.value,
-                         0, self.collection)  # fmt: skip
+                         0, self.collection, self.xattrs)  # fmt: skip
 
     @property
     def is_event(self) -> bool:
@@ -209,7 +220,8 @@ def tally_counts(tallies: Iterable[Tally]) -> tuple[tuple[int, int, int], ...]:
     return tuple((cid, a, b) for cid, (a, b) in sorted(out.items()))
 
 
-def block_stats(raw: bytes, count: int, partition: int) -> tuple[Tally, list[ManifestChange]]:
+def block_stats(raw: bytes, count: int, partition: int,
+                version: int = VERSION) -> tuple[Tally, list[ManifestChange]]:  # fmt: skip
     """The records per (collection, op) of one raw block, and the manifest changes of
     its system events. Read off the head column at C speed: every head's op is at a
     multiple of 48 and its collection id in the head's last u32."""
@@ -228,7 +240,7 @@ def block_stats(raw: bytes, count: int, partition: int) -> tuple[Tally, list[Man
     if OP_SYSTEM_EVENT not in ops:
         return tally, []
     changes = []
-    for rec in parse_block(raw, count):
+    for rec in parse_block(raw, count, version):
         if rec.op == OP_SYSTEM_EVENT and (change := rec.change(partition)) is not None:
             changes.append(change)
     return tally, changes
@@ -240,7 +252,8 @@ _KEY_LEN, _VALUE_LEN = operator.itemgetter(2), operator.itemgetter(3)
 
 def parse_block(raw: bytes, count: int, version: int = VERSION) -> list[Record]:
     """The records of one decompressed block (formats/segment.md, Blocks: `count` heads,
-    then the keys, then the values). Raises ValueError saying what does not fit."""
+    then the keys, the xattr blobs (version 3) and the values). Raises ValueError saying
+    what does not fit."""
     n = len(raw)
     k = 48 * count
     if k > n:
@@ -248,9 +261,13 @@ def parse_block(raw: bytes, count: int, version: int = VERSION) -> list[Record]:
     heads = list(RECORD_HEAD.iter_unpack(raw[:k]))
     key_bytes = sum(map(_KEY_LEN, heads))  # C-level sums: a block holds thousands of heads
     value_bytes = sum(map(_VALUE_LEN, heads))
-    v = k + key_bytes
-    if v + value_bytes != n:
-        raise ValueError("keys and values do not fill the block exactly")
+    x = k + key_bytes  # the xattrs column: between the keys and the values
+    v = n - value_bytes
+    with_xattrs = count - raw[1:k:48].translate(_XATTR_BITS).count(0) if version > 2 else 0
+    if v < x or (v > x) != (with_xattrs > 0):
+        raise ValueError("keys, xattrs and values do not fill the block exactly")
+    if with_xattrs:
+        return _parse_with_xattrs(raw, heads, k, x, v, version)
     out: list[Record] = []
     new = tuple.__new__  # builds the named record without a Python-level __new__ call
     prev = 0
@@ -259,8 +276,68 @@ def parse_block(raw: bytes, count: int, version: int = VERSION) -> list[Record]:
         if op not in ops or seq <= prev:
             raise ValueError(f"bad record head (seq {seq}, op 0x{op:02x})")
         key, value = raw[k : k + klen], raw[v : v + vlen]
-        out.append(new(Record, (op, seq, rev, cas, flags, exp, dtime, dt, key, value, coll)))
+        out.append(new(Record, (op, seq, rev, cas, flags, exp, dtime, dt, key, value, coll, b"")))
         k += klen
         v += vlen
         prev = seq
     return out
+
+
+def _parse_with_xattrs(raw: bytes, heads: list[tuple[int, ...]], k: int, x: int, v: int,
+                       version: int) -> list[Record]:  # fmt: skip
+    """`parse_block` for a block whose xattrs column is not empty: each record with the
+    XATTR bit takes the next blob (its length is its first four bytes), checked."""
+    out: list[Record] = []
+    new = tuple.__new__
+    prev = 0
+    ops = OPS_BY_VERSION[version]
+    end = v  # where the xattrs column ends and the values start
+    for op, dt, klen, vlen, seq, rev, cas, flags, exp, dtime, coll in heads:
+        if op not in ops or seq <= prev:
+            raise ValueError(f"bad record head (seq {seq}, op 0x{op:02x})")
+        key, value = raw[k : k + klen], raw[v : v + vlen]
+        blob = b""
+        if dt & XATTR:
+            if op == OP_SYSTEM_EVENT or x + 4 > end:
+                raise ValueError(f"seq {seq}: no xattrs where the head says there are")
+            nxt = x + 4 + BLOB_LEN.unpack_from(raw, x)[0]
+            blob = raw[x:nxt]
+            if nxt > end:
+                raise ValueError(f"seq {seq}: xattrs of {nxt - x} bytes run past their column")
+            if not _pairs_fit(raw, x + 4, nxt):
+                raise ValueError(f"seq {seq}: {_why_corrupt(blob, key)}")
+            x, dt = nxt, dt & ~XATTR
+        out.append(new(Record, (op, seq, rev, cas, flags, exp, dtime, dt, key, value, coll, blob)))
+        k += klen
+        v += vlen
+        prev = seq
+    if x != end:
+        raise ValueError("the xattrs column holds more than its records' blobs")
+    return out
+
+
+def _pairs_fit(raw: bytes, pos: int, end: int) -> bool:
+    """True if raw[pos:end] is a run of xattr pairs (`xattrs.pairs` checks the same, at
+    twice the cost: this runs once per record with xattrs)."""
+    unpack = BLOB_LEN.unpack_from
+    try:
+        while pos < end:
+            size = unpack(raw, pos)[0]
+            pos += 4
+            stop = pos + size
+            if stop > end or size < 3 or raw[stop - 1] or raw.count(0, pos, stop) != 2:
+                return False
+            raw[pos : raw.index(0, pos)].decode()
+            pos = stop
+    except (struct.error, UnicodeDecodeError):
+        return False
+    return True
+
+
+def _why_corrupt(blob: bytes, key: bytes) -> str:
+    """What `xattrs.pairs` says is wrong with a blob `_pairs_fit` refused."""
+    try:
+        xattrs.pairs(blob, key)
+    except xattrs.CorruptXattrsError as exc:
+        return str(exc)
+    return "malformed xattrs"

@@ -5,8 +5,11 @@ formats/segment.md); blocks are read, CRC-checked, decompressed and parsed one a
 (checks 4-5), so a reader streams files of any size in bounded memory and can start at
 any seq through the block index.
 
-Version 1 files (before collections) read as version 2 files whose records are all in
-collection 0 and that hold no system event. `records()` hands out data records only,
+Version 1 files (before collections) read as files whose records are all in collection 0
+and that hold no system event; version 1 and 2 files (before xattrs) as files whose
+records have no xattrs. A record with xattrs comes out as the consumer produced it: the
+blob in `Record.xattrs`, the value its body, the XATTR bit clear (formats/segment.md
+"Xattrs"). `records()` hands out data records only,
 so a reader that predates collections never meets a system event; `records(events=True)`
 interleaves them in seq order and `changes()` decodes them (formats/segment.md
 "System events").
@@ -196,7 +199,7 @@ class SegmentReader:
         for i, b in enumerate(self.blocks):
             raw, _records = self._block(i)
             try:
-                tally, more = block_stats(raw, b.record_count, self.header.partition)
+                tally, more = block_stats(raw, b.record_count, self.header.partition, self.version)
             except UprError as exc:  # CollectionsError: an event's value does not fit
                 raise SegmentError(self.path, str(exc), i) from None
             tallies.append(tally)

@@ -30,8 +30,10 @@ from upr_cli.collections import ManifestChange
 from upr_cli.errors import LocalProtocolError
 from upr_cli.failover import FailoverLog
 from upr_cli.fsio import FileOps, temp_path
+from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.segments.format import (
+    BLOB_LEN,
     BLOCK_ENTRY,
     CRC,
     END_MAGIC,
@@ -43,6 +45,7 @@ from upr_cli.segments.format import (
     RECORD_HEAD,
     TRAILER,
     VERSION,
+    XATTR,
     BlockInfo,
     Record,
     SegmentHeader,
@@ -98,8 +101,11 @@ class SegmentWriter:
         self._frames: list[bytes] = []  # compressed blocks not spilled yet
         self._frames_len = 0
         self._spilled = 0
-        self._heads: list[bytes] = []  # a block is laid out by column: heads, keys, values
+        # a block is laid out by column: heads, keys, xattr blobs (of the records that
+        # have some), values
+        self._heads: list[bytes] = []
         self._keys: list[bytes] = []
+        self._xattrs: list[bytes] = []
         self._values: list[bytes] = []
         self._raw_len = 0
         self._raw_count = 0
@@ -116,17 +122,18 @@ class SegmentWriter:
         self._done = False
 
     def add(self, rows: Iterable[DcpRecord]) -> None:
-        """Append DCP records with increasing seqs above the start.
+        """Append DCP records with increasing seqs above the start; a record's xattrs
+        (`DcpRecord.xattrs`) go to the block's xattrs column.
 
         Any failure (a write error, a record out of order) aborts the whole segment.
         """
         if self._done:
             raise LocalProtocolError("segment already finished")
-        pack = RECORD_HEAD.pack
+        pack, xbit = RECORD_HEAD.pack, XATTR
         heads, keys, values, last = self._heads, self._keys, self._values, self._last_seq
         try:
             for r in rows:
-                seq, op, cid = r.by_seqno, r.opcode, r.collection
+                seq, op, cid, dt = r.by_seqno, r.opcode, r.collection, r.datatype
                 if seq <= last or op not in OPS:
                     raise LocalProtocolError(
                         f"record seq {seq} (op 0x{op:02x}) does not follow {last}"
@@ -136,7 +143,9 @@ class SegmentWriter:
                     if not self._first_seq:
                         self._first_seq = seq
                 k, v = bytes(r.key), bytes(r.value)
-                heads.append(pack(op, r.datatype, len(k), len(v), seq, r.rev_seqno, r.cas,
+                if r.xattrs or dt & xbit:  # rare: one attribute test for the others
+                    dt, v = self._add_xattrs(r, dt, v)
+                heads.append(pack(op, dt, len(k), len(v), seq, r.rev_seqno, r.cas,
                                   r.flags, r.expiration, r.delete_time, cid))  # fmt: skip
                 keys.append(k)
                 values.append(v)
@@ -152,10 +161,26 @@ class SegmentWriter:
             raise
         self._last_seq = last
 
+    def _add_xattrs(self, r: DcpRecord, dt: int, v: bytes) -> tuple[int, bytes]:
+        """Put a record's blob in the xattrs column; (its head datatype, its body). A
+        value that still holds its blob (XATTR bit set, `xattrs` empty) is split here."""
+        blob = bytes(r.xattrs)
+        if not blob:
+            blob, v = xattrs.split(v, r.key)
+        elif len(blob) < 4 or BLOB_LEN.unpack_from(blob)[0] + 4 != len(blob):
+            raise xattrs.CorruptXattrsError(r.key, "blob length does not match")
+        if r.opcode == OP_SYSTEM_EVENT:
+            raise LocalProtocolError(f"record seq {r.by_seqno}: a system event has no xattrs")
+        if blob:
+            self._xattrs.append(blob)
+            self._raw_len += len(blob)
+            return dt | XATTR, v
+        return dt & ~XATTR, v
+
     def _flush_block(self) -> None:
         if not self._raw_count:
             return
-        data = b"".join(self._heads) + b"".join(self._keys) + b"".join(self._values)
+        data = self._raw_block()
         self._stats.append(block_stats(data, self._raw_count, self.header.partition))
         frame = self._zstd.compress(data)
         offset = self._spilled + self._frames_len
@@ -165,8 +190,13 @@ class SegmentWriter:
         self._raw_total += len(data)
         self._frames.append(frame)
         self._frames_len += len(frame)
-        self._heads, self._keys, self._values = [], [], []
+        self._heads, self._keys, self._xattrs, self._values = [], [], [], []
         self._raw_len, self._raw_count = 0, 0
+
+    def _raw_block(self) -> bytes:
+        """The records not yet in a block, laid out by column."""
+        columns = (self._heads, self._keys, self._xattrs, self._values)
+        return b"".join(b"".join(c) for c in columns)
 
     @property
     def buffered(self) -> int:
@@ -262,7 +292,7 @@ class SegmentWriter:
         """Every block's, and the records not yet in a block."""
         if not self._raw_count:
             return self._stats
-        raw = b"".join(self._heads) + b"".join(self._keys) + b"".join(self._values)
+        raw = self._raw_block()
         return [*self._stats, block_stats(raw, self._raw_count, self.header.partition)]
 
     @property

@@ -1,0 +1,138 @@
+"""Xattrs through a repository: the state a restore reads keeps each record's xattrs, the
+latest version's, and `keep_xattrs` leaves system or all xattrs out, counted.
+
+Repositories are built with the library (real segment files and manifests, as in
+test_repo_integrity.py); the restore runs as a dry run into a SQLite path, which reads
+and counts everything and writes nothing (the store's own xattrs are its tests')."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.repo.repo_helpers import BUCKET, LOG, bid
+from upr_cli.jobs.restore import (
+    KeepXattrs,
+    RestoreSummary,
+    partition_state,
+    refuse_without_xattrs,
+    restore_to_store,
+    user_only,
+)
+from upr_cli.jobs.restore_plan import RestorePlanError
+from upr_cli.protocol import xattrs
+from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
+from upr_cli.repo import (
+    Manifest,
+    PartitionEntry,
+    Repository,
+    SegmentEntry,
+    Totals,
+    format_segment_name,
+)
+from upr_cli.segments import SegmentHeader, SegmentWriter
+
+SYNC = xattrs.encode([("_sync", '{"rev":"1-a"}')])
+BOTH = xattrs.encode([("_sync", '{"rev":"2-b"}'), ("app", '{"v":2}')])
+USER = xattrs.encode([("app", '{"v":3}')])
+TOMB = xattrs.encode([("_sync", '{"rev":"3-c","deleted":true}')])
+
+
+def _row(seq: int, key: bytes, blob: bytes = b"", deleted: bool = False) -> DcpRecord:
+    op = OP_DELETION if deleted else OP_MUTATION
+    value = b"" if deleted else b'{"seq":%d}' % seq
+    return DcpRecord(op, 0, seq, seq, seq * 1000, 0, 0, 0, 0 if deleted else 1, key, value, 0,
+                     0, blob)  # fmt: skip
+
+
+def _backup(repo: Repository, n: int, start: int, rows: list[DcpRecord]) -> Manifest:
+    """Commit backup `n` of partition 0 holding `rows` (seqs above `start`)."""
+    b, parent = bid(n), bid(n - 1) if n else None
+    d = repo.new_backup_dir(BUCKET, b)
+    high = rows[-1].by_seqno
+    hdr = SegmentHeader(BUCKET, 0, LOG, start, high, ((start, high),),
+                        "2026-11-26T00:00:00.000000Z", "upr://h/b", 128)  # fmt: skip
+    w = SegmentWriter(d / "p0.open", hdr)
+    w.add(rows)
+    name = format_segment_name(0, rows[0].by_seqno, high)
+    i = w.finish(path=d / name)
+    seg = SegmentEntry(name, i.first_seq, i.last_seq, i.records, i.bytes, i.checksum)
+    entries = [PartitionEntry(0, 0xBEEF, LOG, start, high, high, high, (seg,))]
+    m = Manifest(b, BUCKET, "upr://h/default", b.time, b.time + timedelta(seconds=1),
+                 parent is None, parent, tuple(entries), Totals.derive(entries, 1))  # fmt: skip
+    repo.write_manifest(m)
+    return m
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> tuple[Repository, list[Manifest]]:
+    """A full backup and an incremental one: documents gaining, changing and losing
+    xattrs, a tombstone keeping its system xattrs, a plain one."""
+    r = Repository(tmp_path / "repo")
+    r.init()
+    full = _backup(r, 0, 0, [_row(1, b"a", SYNC), _row(2, b"b", BOTH), _row(3, b"c"),
+                             _row(4, b"d", USER), _row(5, b"e", SYNC)])  # fmt: skip
+    incr = _backup(r, 1, 5, [_row(6, b"a", BOTH), _row(7, b"b"), _row(8, b"c", TOMB, True),
+                             _row(9, b"e", b"", True)])  # fmt: skip
+    return r, [full, incr]
+
+
+def test_the_state_keeps_each_latest_versions_xattrs(
+    repo: tuple[Repository, list[Manifest]],
+) -> None:
+    r, chain = repo
+    state = partition_state(r, BUCKET, chain, chain[-1].backup_id, 0)
+    got = {key: (rec.op, rec.xattrs, rec.value[:1]) for (_c, key), rec in state.items()}
+    assert got == {
+        b"a": (OP_MUTATION, BOTH, b"{"),
+        b"b": (OP_MUTATION, b"", b"{"),  # an update without xattrs dropped them
+        b"c": (OP_DELETION, TOMB, b""),  # a tombstone that kept its system xattrs
+        b"d": (OP_MUTATION, USER, b"{"),
+        b"e": (OP_DELETION, b"", b""),
+    }
+    then = partition_state(r, BUCKET, chain, chain[0].backup_id, 0)
+    assert then[0, b"b"].xattrs == BOTH and then[0, b"c"].xattrs == b""
+
+
+@pytest.mark.parametrize(
+    ("keep", "with_xattrs", "left_out"),
+    [("all", 3, 0), ("user", 2, 2), ("none", 0, 3)],
+)
+def test_keep_xattrs_is_counted(
+    repo: tuple[Repository, list[Manifest]], tmp_path: Path, keep: KeepXattrs,
+    with_xattrs: int, left_out: int,
+) -> None:  # fmt: skip
+    """All (a, c, d carry xattrs); user only (a keeps `app`, d its own; c's tombstone
+    and a lose `_sync`); none."""
+    r, _chain = repo
+    s = restore_to_store(r.path, tmp_path / "x.db", dry_run=True, keep_xattrs=keep)
+    assert (s.documents, s.deletions) == (3, 2)
+    assert (s.xattrs, s.xattrs_left_out) == (with_xattrs, left_out)
+    out = s.to_json()
+    assert (out["xattrs"], out["xattrs_left_out"], out["keep_xattrs"]) == (with_xattrs, left_out,
+                                                                         keep)  # fmt: skip
+    assert out["target_xattrs"] is None
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_user_only_leaves_the_system_xattrs_out() -> None:
+    assert user_only(BOTH) == xattrs.encode([("app", '{"v":2}')])
+    assert user_only(SYNC) == b""
+    assert user_only(USER) == USER
+    assert xattrs.to_json(user_only(BOTH)) == {"app": {"v": 2}}
+
+
+def test_a_target_refusing_xattrs_stops_the_restore_unless_none_are_written() -> None:
+    """The check made before the first write (the target's HELLO answer is known)."""
+    s = RestoreSummary("b", "upr://h/default", False, target_xattrs=False)
+    keeps: tuple[KeepXattrs, ...] = ("all", "user")
+    for keep in keeps:
+        s.keep_xattrs = keep
+        with pytest.raises(RestorePlanError, match=r"does not take xattrs.*--no-xattrs"):
+            refuse_without_xattrs(s)
+    s.keep_xattrs = "none"
+    refuse_without_xattrs(s)
+    refuse_without_xattrs(RestoreSummary("b", "t", False, target_xattrs=True))
+    refuse_without_xattrs(RestoreSummary("b", "t", False))  # a store: no HELLO
