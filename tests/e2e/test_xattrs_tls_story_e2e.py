@@ -69,9 +69,7 @@ def _read(docs: Any) -> dict[str, tuple[Any, ...]]:
     return seen
 
 
-def test_sdk_xattrs_back_up_and_restore_over_tls(
-    node_factory: type[Node], tmp_path: Path
-) -> None:
+def test_sdk_xattrs_back_up_and_restore_over_tls(node_factory: type[Node], tmp_path: Path) -> None:
     certs = Certs(tmp_path)
     src = node_factory("--flush-interval", "0.02", *certs.good, name="src")
     src_tls = start_tls(src)
