@@ -44,6 +44,11 @@ Example (mixed workload at 2,000 ops/s, summary as JSON):
   upr load upr://admin@127.0.0.1/default --docs 20000 --update-ratio 0.3 \\
       --delete-ratio 0.1 --rate 2000 --json
 
+With --xattrs every write carries extended attributes, as Sync Gateway and
+transactions leave them: a system xattr `_sync` (the new CAS, expanded by the server,
+and the operation number) and a user xattr `meta`. Writes go through the sub-document
+command SUBDOC_MULTI_MUTATION; a delete keeps `_sync` in the tombstone.
+
 Example (spread over two collections of scope app):
 
   upr load upr://admin@127.0.0.1/default --docs 10000 --collections app.users,app.orders
@@ -108,6 +113,9 @@ def load_cmd(
     ] = 1,
     prefix: Annotated[str, typer.Option("--prefix", metavar="TEXT", help="Key prefix.")] = "doc",
     collections: Spread = None,
+    with_xattrs: Annotated[
+        bool, typer.Option("--xattrs", help="Write a system and a user xattr with each document.")
+    ] = False,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
     cacert: CaCert = None,
@@ -140,6 +148,7 @@ def load_cmd(
                 seed=seed,
                 prefix=prefix,
                 collections=paths or None,
+                with_xattrs=with_xattrs,
                 on_progress=tick,
             )
         )

@@ -36,11 +36,12 @@ from upr_cli.errors import UsageError
 from upr_cli.net.bootstrap import partition_of
 from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
-from upr_cli.protocol import Frame, leb128
+from upr_cli.protocol import Frame, leb128, subdoc
 from upr_cli.protocol.fast import encode_set
 from upr_cli.protocol.header import Feature, Opcode
 from upr_cli.protocol.messages import CollectionsGetManifest, Delete
 from upr_cli.protocol.status import Status, status_error
+from upr_cli.protocol.subdoc import Spec
 
 WORDS = (
     "alpha",
@@ -156,6 +157,7 @@ async def load(
     window: int = 512,
     prefix: str = "doc",
     collections: list[Path] | None = None,
+    with_xattrs: bool = False,
     on_progress: Callable[[LoadSummary], None] | None = None,
 ) -> LoadSummary:
     """Run the workload; returns its summary (errors are counted, not raised)."""
@@ -168,12 +170,16 @@ async def load(
         n_parts = router.num_partitions
         if n_parts == 0:
             raise UsageError(f"{uri.redacted()}: the cluster config lists no partitions")
+        if with_xattrs and not router.xattrs:
+            raise UsageError(f"{uri.redacted()}: the server does not support xattrs (HELLO did "
+                             "not grant XATTR); run without --xattrs")  # fmt: skip
         summary = LoadSummary(collections=await _targets(router, collections))
         # Where Collections was granted every key carries its id, the default's too.
         ids = Feature.COLLECTIONS in router.features
         prefixes = [leb128.encode(c.id) if ids else b"" for c in summary.collections]
         ops = _Operations(random.Random(seed), n_parts, size, update_ratio, delete_ratio,
                           prefix, prefixes)  # fmt: skip
+        ops.xattrs = with_xattrs
         await _run(router, ops, summary, docs, window, rate, on_progress)
         summary.retries = router.retries
         return summary
@@ -291,6 +297,7 @@ class _Operations:
         self.ids = ids  # each collection's LEB128 id, or b"" without Collections
         self.live: list[tuple[str, int]] = []  # (key, collection index)
         self.next_id = 0
+        self.xattrs = False  # write through SUBDOC_MULTI_MUTATION with xattrs
 
     def next(self, i: int, summary: LoadSummary) -> tuple[bytes, int, Make, Added]:
         """Operation `i`: its wire key, partition, request and (a new document) what it adds."""
@@ -322,11 +329,34 @@ class _Operations:
         wire = self.ids[c] + kb
         doc = make_doc(rng, i, self.size)
         added = (wire, doc) if op == Opcode.ADD else None
-        return wire, vb, functools.partial(_set, op, vb, wire, doc), added
+        write = _with_xattrs(i) if self.xattrs else _set
+        return wire, vb, functools.partial(write, op, vb, wire, doc), added
 
 
 def _set(opcode: int, vb: int, key: bytes, doc: bytes, opaque: int) -> bytes:
     return encode_set(opcode, vb, opaque, key, doc, datatype=1)
+
+
+def _with_xattrs(i: int) -> Callable[[int, int, bytes, bytes, int], bytes]:
+    """A writer of operation `i` as one SUBDOC_MULTI_MUTATION (formats/subdoc.md): a
+    system xattr `_sync` with the new CAS (a macro the node expands) and the operation,
+    a user xattr `meta` with the operation, and the body, created (ADD) or replaced."""
+    op = str(i).encode()
+    specs = (
+        Spec(subdoc.DICT_UPSERT, "_sync.cas", subdoc.CAS_MACRO, _SYNC | subdoc.EXPAND_MACROS),
+        Spec(subdoc.DICT_UPSERT, "_sync.op", op, _SYNC),
+        Spec(subdoc.DICT_UPSERT, "meta.op", op, _SYNC),
+    )
+
+    def write(opcode: int, vb: int, key: bytes, doc: bytes, opaque: int) -> bytes:
+        flags = subdoc.ADD if opcode == Opcode.ADD else subdoc.MKDOC
+        body = Spec(subdoc.SET_DOC, "", doc)
+        return subdoc.multi_mutation(vb, opaque, key, (*specs, body), doc_flags=flags)
+
+    return write
+
+
+_SYNC = subdoc.XATTR_PATH | subdoc.MKDIR_P
 
 
 def _delete(vb: int, key: bytes, opaque: int) -> bytes:

@@ -1,0 +1,92 @@
+"""Client side of the sub-document commands (formats/subdoc.md): request specs in, the
+bytes of SUBDOC_MULTI_MUTATION (0xd1) and SUBDOC_MULTI_LOOKUP (0xd0) out, and the
+lookup response's per-path results back.
+
+A mutation spec is `u8 op, u8 path flags, u16 path length, u32 value length, path,
+value`; a lookup spec is `u8 op, u8 path flags, u16 path length, path` (big-endian).
+Xattr specs come first, as kv_engine requires. Document flags (MKDOC, ADD,
+ACCESS_DELETED) ride in one byte of extras, sent only when non-zero.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from upr_cli.errors import RemoteProtocolError
+from upr_cli.protocol.messages import UnknownRequest
+
+MULTI_LOOKUP, MULTI_MUTATION = 0xD0, 0xD1
+# spec opcodes
+GET_DOC, SET_DOC, DELETE_DOC = 0x00, 0x01, 0x04
+GET, EXISTS, DICT_ADD, DICT_UPSERT, DELETE, REPLACE = 0xC5, 0xC6, 0xC7, 0xC8, 0xC9, 0xCA
+ARRAY_PUSH_LAST, ARRAY_PUSH_FIRST, COUNTER, GET_COUNT = 0xCB, 0xCC, 0xCF, 0xD2
+# path flags
+MKDIR_P, XATTR_PATH, EXPAND_MACROS = 0x01, 0x04, 0x10
+# document flags
+MKDOC, ADD, ACCESS_DELETED = 0x01, 0x02, 0x04
+#: expands to the document's new CAS: "0x" and its 8 bytes, little-endian, in hex
+CAS_MACRO = b'"${Mutation.CAS}"'
+
+_MUT = struct.Struct(">BBHI")
+_LOOK = struct.Struct(">BBH")
+_RESULT = struct.Struct(">HI")
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """One path operation: `value` is JSON text (empty for lookups and deletes)."""
+
+    op: int
+    path: str = ""
+    value: bytes = b""
+    flags: int = 0
+
+
+def _ordered(specs: Sequence[Spec]) -> list[Spec]:
+    """Xattr specs first, each group in the given order (kv_engine's rule)."""
+    return sorted(specs, key=lambda s: not s.flags & XATTR_PATH)
+
+
+def multi_mutation(vbucket: int, opaque: int, key: bytes, specs: Sequence[Spec], *,
+                   doc_flags: int = 0, cas: int = 0) -> bytes:  # fmt: skip
+    """The SUBDOC_MULTI_MUTATION request for `specs` on `key`."""
+    body = b"".join(
+        _MUT.pack(s.op, s.flags, len(p := s.path.encode()), len(s.value)) + p + s.value
+        for s in _ordered(specs)
+    )
+    return _request(MULTI_MUTATION, vbucket, opaque, key, body, doc_flags, cas)
+
+
+def multi_lookup(vbucket: int, opaque: int, key: bytes, specs: Sequence[Spec], *,
+                 doc_flags: int = 0) -> bytes:  # fmt: skip
+    """The SUBDOC_MULTI_LOOKUP request for `specs` on `key` (results in the given order
+    only if xattr specs already come first)."""
+    body = b"".join(
+        _LOOK.pack(s.op, s.flags, len(p := s.path.encode())) + p for s in _ordered(specs)
+    )
+    return _request(MULTI_LOOKUP, vbucket, opaque, key, body, doc_flags, 0)
+
+
+def _request(opcode: int, vbucket: int, opaque: int, key: bytes, body: bytes, doc_flags: int,
+             cas: int) -> bytes:  # fmt: skip
+    extras = bytes([doc_flags]) if doc_flags else b""
+    msg = UnknownRequest(opcode=opcode, vbucket=vbucket, opaque=opaque, cas=cas, extras=extras,
+                         key=key, value=body)  # fmt: skip
+    return msg.encode()
+
+
+def lookup_results(value: bytes | memoryview) -> list[tuple[int, bytes]]:
+    """(status, value) per spec of a SUBDOC_MULTI_LOOKUP response body."""
+    view, pos, out = memoryview(value), 0, []
+    while pos < len(view):
+        if pos + 6 > len(view):
+            raise RemoteProtocolError(f"subdoc lookup result cut at byte {pos}")
+        status, size = _RESULT.unpack_from(view, pos)
+        pos += 6
+        if pos + size > len(view):
+            raise RemoteProtocolError(f"subdoc lookup result overruns the body at byte {pos}")
+        out.append((status, bytes(view[pos : pos + size])))
+        pos += size
+    return out
