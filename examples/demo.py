@@ -12,7 +12,10 @@ What `make demo` runs. Every step is a real `upr` command in its own process:
 8. a replica replays the node and rolls the lost writes back;
 9. collections: a 64-partition node with several collections (the workload spread over
    them, with updates and deletes, and one collection dropped), backed up and restored
-   into a node with 16 partitions: every key rehashed, every collection equal.
+   into a node with 16 partitions: every key rehashed, every collection equal;
+10. xattrs: documents written with a system xattr (`_sync`, holding the CAS the node
+   expanded) and a user xattr (`meta`), updated and deleted (a tombstone keeps `_sync`),
+   backed up and restored into another node: every xattr and tombstone comes back.
 
 Along the way a replica follows the node with `upr replay` into SQLite (queried with
 SQLite's JSON functions); after the crash `upr diff` shows where the node and the backup
@@ -192,6 +195,52 @@ def collections_story(tmp: Path) -> bool:
         dst.signal(signal.SIGTERM)
 
 
+def xattrs_by_key(uri: str) -> dict[str, tuple[str, object, object]]:
+    """Each document's op, body and xattrs, as `upr tail --until-end` prints them."""
+    out = upr("tail", uri, "--until-end", "--format", "json").stdout
+    docs: dict[str, tuple[str, object, object]] = {}
+    for line in out.splitlines():
+        row = json.loads(line)
+        if "event" not in row:
+            docs[row["key"]] = (row["op"], row.get("value"), row.get("xattrs"))
+    return docs
+
+
+def xattrs_story(tmp: Path) -> bool:
+    """Step 10: xattrs and tombstones with system xattrs survive backup and restore."""
+    src, dst = Node(tmp / "xattr-src", partitions=16), Node(tmp / "xattr-dst", partitions=8)
+    src.start("--flush-interval", "0.05")
+    dst.start("--flush-interval", "0.05")
+    try:
+        upr("load", src.uri, "--docs", "3000", "--xattrs", "--update-ratio", "0.3",
+            "--delete-ratio", "0.1", "--seed", "12", show=True)  # fmt: skip
+        repo = tmp / "xattr-repo"
+        backup(src, repo, "xattrs")
+        upr("restore", "--repo", str(repo), dst.uri, show=True)
+        before, after = xattrs_by_key(src.uri), xattrs_by_key(dst.uri)
+        live = next(k for k, v in sorted(before.items()) if v[0] == "mutation")
+        gone = next(k for k, v in sorted(before.items()) if v[0] != "mutation")
+        for key in (live, gone):
+            console.print(f"[bold]{key}[/] ({before[key][0]}) xattrs on the source:")
+            console.print(f"  {json.dumps(before[key][2])}", markup=False)
+            console.print(f"  restored: {json.dumps(after.get(key, (0, 0, None))[2])}",
+                          markup=False)  # fmt: skip
+        table = Table(title="xattrs: source (16) and restored (8)")
+        for col in ("", "source", "restored"):
+            table.add_column(col, justify="right" if col else "left")
+        for name, pick in (
+            ("live, with xattrs", lambda v: v[0] == "mutation" and v[2]),
+            ("tombstones keeping _sync", lambda v: v[0] != "mutation" and v[2]),
+        ):
+            table.add_row(name, f"{sum(1 for v in before.values() if pick(v)):,}",
+                          f"{sum(1 for v in after.values() if pick(v)):,}")  # fmt: skip
+        console.print(table)
+        return before == after and bool(before[gone][2]) and "meta" in before[live][2]  # type: ignore[operator]
+    finally:
+        src.signal(signal.SIGTERM)
+        dst.signal(signal.SIGTERM)
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="upr-demo-") as tmp:
         data, repo, db = Path(tmp) / "node", Path(tmp) / "repo", Path(tmp) / "restored.db"
@@ -268,11 +317,14 @@ def main() -> int:
             console.print(f"replica:  {replayed[0]:,} documents, content hash {replayed[1][:16]}…")
             console.rule("[bold]9. collections: 64 partitions backed up, restored into 16")
             colls_ok = collections_story(Path(tmp))
+            console.rule("[bold]10. xattrs survive backup and restore, tombstones too")
+            xattrs_ok = xattrs_story(Path(tmp))
             ok = (
                 restored == live == replayed
                 and len(fourth["rollbacks"]) == PARTITIONS  # type: ignore[arg-type]
                 and lost["lost_writes"] > 0
                 and colls_ok
+                and xattrs_ok
             )
             console.print("[bold green]match[/]" if ok else "[bold red]MISMATCH[/]")
         finally:
