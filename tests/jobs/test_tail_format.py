@@ -12,7 +12,8 @@ from tests.cli.json_convention import problems
 from upr_cli.dcp.events import Rollback, Snapshot, StreamEnded, StreamOpened
 from upr_cli.jobs.tail import event_line, json_line, text_line
 from upr_cli.position import StreamPosition
-from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
+from upr_cli.protocol import xattrs
+from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION, DcpRecord
 from upr_cli.source import parse_partitions
 
 DOC = b'{"a":1,"b":[true,null]}'
@@ -78,6 +79,47 @@ def test_change_and_event_lines_follow_the_json_convention() -> None:
         seqs = {k: v for k, v in obj.items() if k in ("seq", "start", "end") or k.endswith("_seq")}
         assert seqs and all(v == str(int(v)) for v in seqs.values()), obj
     assert "start=18446744073709551613" in (event_line(events[1], "text") or "")
+
+
+SYNC = xattrs.encode({"_sync": '{"rev": "2-b", "seq": 9}', "meta": '"x"', "n": "[1, 2]"})
+
+
+def test_xattrs_are_an_object_only_when_the_change_has_some() -> None:
+    with_x = json.loads(json_line(row(b"k")._replace(xattrs=SYNC)))
+    assert with_x["xattrs"] == {"_sync": {"rev": "2-b", "seq": 9}, "meta": "x", "n": [1, 2]}
+    assert with_x["value"] == {"a": 1, "b": [True, None]}  # the body alone
+    # the convention is upr's fields; xattrs hold the document's own data as it is
+    assert not problems({k: v for k, v in with_x.items() if k != "xattrs"})
+    assert "xattrs" not in json.loads(json_line(row(b"k")))
+    # a binary body and a non-UTF-8 key keep their own fields beside the xattrs
+    odd = json.loads(json_line(row(b"\xff", b"\x00", datatype=0)._replace(xattrs=SYNC)))
+    assert base64.b64decode(odd["value_b64"]) == b"\x00" and odd["xattrs"]["meta"] == "x"
+    assert base64.b64decode(odd["key_b64"]) == b"\xff"
+
+
+def test_tombstones_show_the_xattrs_they_kept() -> None:
+    kept = xattrs.system_only(SYNC)
+    for op, name in ((OP_DELETION, "deletion"), (OP_EXPIRATION, "expiration")):
+        gone = row(b"gone", b"", datatype=0, op=op)._replace(xattrs=kept)
+        obj = json.loads(json_line(gone))
+        assert obj["op"] == name and "value" not in obj
+        assert obj["xattrs"] == {"_sync": {"rev": "2-b", "seq": 9}}
+        assert text_line(gone).endswith(f"{name} key=gone cas={2**64 - 1} rev=3 xattrs=_sync")
+
+
+def test_text_lines_name_the_xattrs_before_the_value() -> None:
+    line = text_line(row(b"k")._replace(xattrs=SYNC))
+    assert " xattrs=_sync,meta,n value={" in line
+    assert "xattrs" not in text_line(row(b"k"))
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=15).filter(lambda n: "\0" not in n),
+                       st.recursive(st.none() | st.booleans() | st.integers() | st.text(),
+                                    lambda c: st.lists(c) | st.dictionaries(st.text(), c),
+                                    max_leaves=5), max_size=4))  # fmt: skip
+def test_any_xattrs_give_one_valid_json_object(found: dict[str, object]) -> None:
+    rec = row(b"k")._replace(xattrs=xattrs.from_json(found))
+    assert json.loads(json_line(rec)).get("xattrs", {}) == found
 
 
 def test_partition_lists() -> None:

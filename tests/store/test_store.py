@@ -19,6 +19,7 @@ from upr_cli.collections import Manifest
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog
 from upr_cli.position import StreamPosition
+from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import (
     OP_DELETION,
     OP_EXPIRATION,
@@ -54,11 +55,12 @@ def row(
     expiry: int = 0,
     dtime: int = 0,
     datatype: int = 0,
+    blob: bytes = b"",
 ) -> Row:
     """A data row in ROW_FIELDS order, key and value as memoryviews (as the decoder gives)."""
     cas = seq * 1000 if cas is None else cas
     return DcpRecord(op, p, seq, rev, cas, flags, expiry, dtime, datatype,
-                     memoryview(key), memoryview(value), 0xBEEF)  # fmt: skip
+                     memoryview(key), memoryview(value), 0xBEEF, 0, blob)  # fmt: skip
 
 
 def pos(p: int, seq: int, uuid: int = UUID) -> StreamPosition:
@@ -96,7 +98,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
 def test_row_fields_order_is_what_the_store_binds() -> None:
     assert ROW_FIELDS == (
         "opcode", "vbucket", "by_seqno", "rev_seqno", "cas", "flags", "expiration",
-        "delete_time", "datatype", "key", "value", "opaque", "collection",
+        "delete_time", "datatype", "key", "value", "opaque", "collection", "xattrs",
     )  # fmt: skip
 
 
@@ -724,19 +726,27 @@ def test_spec_example_queries_run(store: Store) -> None:
     store.apply(5, [row(5, 1002, b"user::2", b'{"name": "Bo"}', datatype=JSON)._replace(
         collection=9)], pos(5, 1002))  # fmt: skip
     store.record_manifest(Manifest().with_scope("app").with_collection("app", "users"))
+    sg = xattrs.encode({"_sync": '{"rev":"2-b"}', "app": "[1]"})
+    sync = xattrs.encode({"_sync": '{"rev":"3-c"}'})
+    store.apply(5, [row(5, 1003, b"sg", b'{"n": 1}', datatype=JSON, blob=sg),
+                    row(5, 1004, b"gone", b"", op=DEL, blob=sync)], pos(5, 1004))  # fmt: skip
     queries = [q for q in sql_blocks()[2].split(";") if q.strip().strip("-")]
-    assert len(queries) == 10
+    assert len(queries) == 12
     results = [store.db.execute(q).fetchall() for q in queries]
     assert results[0] == [("Ann",)]
     assert results[1] == [("user::1", "Ann")]
-    assert results[2] == [(5, 4, 1)]
+    assert results[2] == [(5, 5, 2)]
     assert results[3] == [("bin", "00", "2000")]
-    assert results[4] == [(5, str(UUID), 1002, 1002, 1002, str(UUID), 0, 0)]
-    assert results[5] == [(1002, "user::2", 0), (1001, "new", 0)]
-    assert results[6] == [(1001,), (1002,)]  # the positions end their snapshots: boundaries
+    assert results[4] == [(5, str(UUID), 1004, 1004, 1004, str(UUID), 0, 0)]
+    assert results[5] == [(1004, "gone", 1), (1003, "sg", 0), (1002, "user::2", 0),
+                          (1001, "new", 0)]  # fmt: skip
+    # the positions end their snapshots: boundaries
+    assert results[6] == [(1001,), (1002,), (1004,)]
     assert results[7] == []
-    assert results[8] == [("_default", "_default", 3), ("app", "users", 1)]
+    assert results[8] == [("_default", "_default", 4), ("app", "users", 1)]
     assert results[9] == [("user::2", "Bo")]
+    assert results[10] == [("gone", 1, "3-c"), ("sg", 0, "2-b")]
+    assert results[11] == [("gone", "_sync"), ("sg", "_sync,app")]
 
 
 def test_an_open_transaction_commits_or_aborts_as_a_whole(tmp_path: Path) -> None:

@@ -293,15 +293,15 @@ def v3_store(path: Path) -> Path:
 def test_a_version_3_store_is_migrated_into_the_default_collection(tmp_path: Path) -> None:
     path = v3_store(tmp_path / "old.db")
     with Store(path, create=False) as s:
-        assert s.meta()["schema_version"] == str(store_schema.SCHEMA_VERSION) == "4"
+        assert s.meta()["schema_version"] == str(store_schema.SCHEMA_VERSION) == "5"
         assert s.meta()["source"] == "upr://old"
         assert live(s, 3) == {(0, b"a"): b'{"a":2}'}
         assert s.get(3, b"b").deleted  # type: ignore[union-attr]
         assert s.position(3) == StreamPosition(3, UUID, 4, 4, 4)
         assert s.failover_log(3) == FailoverLog.of([(UUID, 0)])
-        assert s.db.execute("SELECT id, scope, collection, doc FROM json_documents").fetchall() == [
-            ("a", "_default", "_default", '{"a":2}')
-        ]
+        assert s.db.execute(
+            "SELECT id, scope, collection, doc, xattrs FROM json_documents"
+        ).fetchall() == [("a", "_default", "_default", '{"a":2}', None)]
         (lw,) = s.lost_writes()
         assert (lw.document.collection, lw.document.key) == (0, b"c")
         # the migrated log still undoes: back to 2, a@1 and b@2 return
@@ -353,6 +353,6 @@ def test_migration_2_to_3_records_complete_positions(tmp_path: Path) -> None:
         conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
     conn.close()
     with Store(path) as s:
-        assert s.meta()["schema_version"] == "4"
+        assert s.meta()["schema_version"] == "5"
         # partition 3's position ends its snapshot; partition 4's (6 of 0..9) does not
         assert s.boundaries() == {3: [4]}

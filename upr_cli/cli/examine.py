@@ -20,7 +20,9 @@ Each version with its backup, seq, rev seq and op, whether it is in the latest s
 and whether it is a lost write: a version a failover or an unclean restart rolled
 back (above a later backup's rollback point), absent from the latest state but kept.
 A wide terminal also shows each version's cas and the start of its value; --json has
-them all.
+them all. A version with extended attributes (xattrs: Sync Gateway's _sync,
+transactions' _txn, an application's own) lists their names; --json has their values
+(an "xattrs" object, {} for none). A deletion keeps its system xattrs.
 
 --collection SCOPE.COLLECTION looks the key up in that collection (default
 _default._default), by name: a collection dropped and created again under the same name
@@ -78,11 +80,15 @@ def examine_cmd(
 
 def versions_table(key: str, versions: Sequence[Version], *, width: int) -> Table:
     """One row a version. The columns that say which version counts (backup, seq, rev,
-    op, state) never wrap; cas and a value preview come when `width` leaves room for them
-    (--json always has both)."""
+    op, state) never wrap; the names of the xattrs, when a version has some, fold into
+    the room left; cas and a value preview come when `width` leaves room for them
+    (--json always has them, and the xattrs' values)."""
     t = table(f"{key} (partition {versions[0].partition})")
     for col in ("backup", "seq", "rev", "op", "state"):
         t.add_column(col, no_wrap=True, justify="right" if col in ("seq", "rev") else "left")
+    with_xattrs = any(v.xattrs for v in versions)
+    if with_xattrs:
+        t.add_column("xattrs", overflow="fold", min_width=6)
     with_cas = width >= 100
     with_value = width >= 112
     if with_cas:
@@ -94,6 +100,8 @@ def versions_table(key: str, versions: Sequence[Version], *, width: int) -> Tabl
         if v.dropped:
             state = f"dropped ({state})" if v.lost else "dropped collection"
         row = [v.backup_id, str(v.seq), str(v.rev_seq), v.op, state]
+        if with_xattrs:  # ", ": a long list wraps between names
+            row.append(", ".join(v.xattr_names))
         if with_cas:
             row.append(str(v.cas))
         if with_value:

@@ -56,6 +56,11 @@ keeps the filter it was first replayed with: a rerun must give the same, and sti
 applies the drop of a collection it followed that was dropped (or dropped and created
 again under its name) since the last run.
 
+Xattrs: each document's extended attributes (_sync, _txn, an application's own) are
+kept in the xattrs column of documents and the views, a JSON object (NULL for none); a
+deleted document keeps the system xattrs its tombstone kept, and a rollback puts a
+document's xattrs back with it. A store of an older schema is migrated when opened.
+
 Example:
 
   upr replay upr://admin@127.0.0.1:11210/default --into /tmp/bucket.db

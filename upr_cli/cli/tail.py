@@ -36,8 +36,10 @@ default) and check the server certificate against the system's CAs or --cacert F
 (UPR_CACERT); --no-verify checks nothing and says so on every run. --format json
 prints one object a line with partition, seq, op, scope and collection (names), key,
 value (the document itself when its datatype says JSON, else value_b64), cas (a
-decimal string), rev_seq, flags and expiry. Text lines show a key outside the default
-collection as scope.collection:key.
+decimal string), rev_seq, flags and expiry, and xattrs (an object of the document's
+extended attributes, each value as JSON) when the change has some: a deletion too
+keeps its system xattrs (_sync, _txn). Text lines show a key outside the default
+collection as scope.collection:key, and xattrs by name (xattrs=_sync,meta).
 
 Every collection is streamed unless --collections names some (SCOPE or
 SCOPE.COLLECTION, comma-separated; .C is _default.C): the source then sends only

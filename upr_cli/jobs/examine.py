@@ -16,6 +16,10 @@ new id, formats/repository.md §5.9), each version saying which id it is in and 
 that collection was dropped since. The partition is the key's alone: the SDKs hash the
 document key, not its collection. Repositories written before collections hold only
 `_default._default`.
+
+Each version carries the xattrs its record holds (formats/segment.md, version 3; none
+in older segments), a tombstone the system xattrs it kept: their names in the table,
+the whole object in `--json`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from upr_cli.collections import DEFAULT
 from upr_cli.collections import Path as CollectionPath
 from upr_cli.errors import UsageError
 from upr_cli.net.bootstrap import partition_of
+from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION
 from upr_cli.repo import Manifest, lost_cut
 from upr_cli.repo.manifest import collection_history
@@ -57,10 +62,17 @@ class Version:
     in_latest: bool
     collection: int = 0  # the collection id
     dropped: bool = False  # that collection was dropped since (its records are no state)
+    xattrs: bytes = b""  # the xattr blob (formats/wire.md "Xattrs"), b"" for none
+
+    @property
+    def xattr_names(self) -> list[str]:
+        """The names of the version's xattrs, in stored order."""
+        return [name for name, _ in xattrs.pairs(self.xattrs)]
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (docs/output.md: seq, cas and rev seq as decimal strings; the value
-        as JSON when its datatype says so, else text)."""
+        as JSON when its datatype says so, else text; `xattrs` an object, {} for none, as
+        `value` is always there)."""
         val: Any = None
         if self.op == "mutation":
             try:
@@ -81,6 +93,7 @@ class Version:
             "collection_id": self.collection,
             "dropped": self.dropped,
             "value": val,
+            "xattrs": xattrs.to_json(self.xattrs),
         }
 
 
@@ -191,5 +204,5 @@ def _versions(path: Path, key: bytes, backup_id: str, p: int, cut: int,
             if r.key == key and r.collection in ids:
                 out.append(Version(backup_id, p, r.seq, OPS[r.op], r.cas, r.rev_seq, r.flags,
                                    r.expiry, r.value, r.datatype, r.seq > cut, False,
-                                   r.collection, ids[r.collection]))  # fmt: skip
+                                   r.collection, ids[r.collection], r.xattrs))  # fmt: skip
     return out

@@ -878,11 +878,11 @@ def replay_repo(
                 continue
             base = _repo_base(store, p, rp, stats, say, before_rollback=batch.flush)
             # a segment record is (op, seq, rev, cas, flags, exp, delete_time, datatype,
-            # key, value, collection) (formats/segment.md); a store row has DcpRecord's
-            # fields in order. System events come from the manifests' changes instead.
+            # key, value, collection, xattrs) (formats/segment.md); a store row has
+            # DcpRecord's fields in order. System events come from the manifests' changes.
             rows: list[Row] = [
-                (op, p, seq, rev, cas, flags, exp, dtime, datatype, key, value, 0, cid)
-                for op, seq, rev, cas, flags, exp, dtime, datatype, key, value, cid in records
+                (op, p, seq, rev, cas, flags, exp, dtime, datatype, key, value, 0, cid, xa)
+                for op, seq, rev, cas, flags, exp, dtime, datatype, key, value, cid, xa in records
                 if seq > base and op != OP_SYSTEM_EVENT
             ]
             stats.items += len(rows)

@@ -11,6 +11,11 @@ a reader mirroring the bucket must see documents go with a dropped collection.
 A `--state` file keeps, with a filter, the collection ids each partition followed, so
 that a resume still hands over the drop of a collection dropped (and perhaps created
 again under its name) meanwhile (docs/protocol.md §12.4).
+
+Xattrs (formats/wire.md "Xattrs"): the consumer asks for them and hands each record's
+blob apart from its body. A change that has some (a tombstone's system xattrs too)
+shows them: in JSON as an `xattrs` object, each value as JSON, the field left out when
+there are none (as `value` and `key_b64` are); in text as their names.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from upr_cli.errors import UprError, UsageError, check_file_path
 from upr_cli.failover import FailoverLog
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
+from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION, DcpRecord
 
 OPS = {OP_MUTATION: "mutation", OP_DELETION: "deletion", OP_EXPIRATION: "expiration"}
@@ -128,7 +134,8 @@ def json_line(rec: DcpRecord, names: CollectionNames = _DEFAULT_NAMES) -> str:
     """One change as a JSON object: the value spliced raw when its datatype says JSON.
 
     Formatted by hand, not json.dumps: this is tail's hot path. Seqs and the cas are
-    decimal strings (docs/output.md §4); scope and collection are names."""
+    decimal strings (docs/output.md §4); scope and collection are names; `xattrs` only
+    when the change has some."""
     jkey = _json_key(rec.key)
     if rec.opcode != OP_MUTATION:
         body = ""
@@ -136,6 +143,8 @@ def json_line(rec: DcpRecord, names: CollectionNames = _DEFAULT_NAMES) -> str:
         body = ',"value":' + str(rec.value, "utf-8")  # checked on write
     else:
         body = ',"value_b64":"' + base64.b64encode(rec.value).decode() + '"'
+    if rec.xattrs:
+        body += ',"xattrs":' + json.dumps(xattrs.to_json(rec.xattrs), separators=(",", ":"))
     return (f'{{"partition":{rec.vbucket},"seq":"{rec.by_seqno}","op":"{OPS[rec.opcode]}"'
             f'{names.json_fields(rec.collection)},'
             f'"key":{jkey}{body},"cas":"{rec.cas}","rev_seq":"{rec.rev_seqno}",'
@@ -144,7 +153,7 @@ def json_line(rec: DcpRecord, names: CollectionNames = _DEFAULT_NAMES) -> str:
 
 def text_line(rec: DcpRecord, names: CollectionNames = _DEFAULT_NAMES) -> str:
     """One change as a human-readable line; a key outside the default collection shows
-    as `scope.collection:key`."""
+    as `scope.collection:key`, and xattrs by their names (`xattrs=_sync,meta`)."""
     k = bytes(rec.key).decode(errors="replace")
     if rec.collection:
         k = f"{names.path(rec.collection)}:{k}"
@@ -153,6 +162,8 @@ def text_line(rec: DcpRecord, names: CollectionNames = _DEFAULT_NAMES) -> str:
     if len(shown) > 120:
         shown = shown[:117] + "..."
     tail = f" value={shown}" if rec.opcode == OP_MUTATION else ""
+    if rec.xattrs:  # the names only: the values are in --format json
+        tail = f" xattrs={','.join(name for name, _ in xattrs.pairs(rec.xattrs))}{tail}"
     return (f"p={rec.vbucket} seq={rec.by_seqno} {OPS[rec.opcode]} key={k} cas={rec.cas} "
             f"rev={rec.rev_seqno}{tail}")  # fmt: skip
 

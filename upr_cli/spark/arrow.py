@@ -7,6 +7,7 @@ from typing import Any
 import pyarrow as pa
 
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION
+from upr_cli.store.content import xattrs_json
 
 Columns = list[tuple[str, pa.DataType, bool]]  # (name, type, nullable)
 
@@ -15,6 +16,9 @@ _I64_MAX = (1 << 63) - 1
 _DDL = {pa.int32(): "INT", pa.int64(): "BIGINT", pa.binary(): "BINARY", pa.string(): "STRING",
         pa.bool_(): "BOOLEAN"}  # fmt: skip
 OPS = {OP_MUTATION: "mutation", OP_DELETION: "deletion", OP_EXPIRATION: "expiration"}
+#: the last column of every read (formats/spark.md §4, version 3): the record's xattrs as
+#: the JSON text of an object, NULL for none
+XATTRS_COLUMN = ("xattrs", pa.string(), True)
 
 
 def schema_of(columns: Columns) -> pa.Schema:
@@ -38,6 +42,14 @@ def text(b: bytes) -> str | None:
         return b.decode()
     except UnicodeDecodeError:
         return None
+
+
+def json_of_xattrs(blobs: list[bytes], keys: list[bytes]) -> list[str | None]:
+    """The `xattrs` column of a batch: each blob's JSON text, as the store keeps it
+    (formats/store.md §3.9), None for none; a batch without any costs one C-level pass."""
+    if not any(blobs):
+        return [None] * len(blobs)
+    return [xattrs_json(b, k) if b else None for b, k in zip(blobs, keys, strict=True)]
 
 
 class Buffer:

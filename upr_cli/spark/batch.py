@@ -6,7 +6,8 @@ record per (collection, key) of each vbucket (memory: one vbucket's keys at a ti
 restore does) and drops tombstones; `history` streams every record, flagging those above
 the cut. Both keep the collections the group keeps (the plan drops a collection dropped
 by `at` from the state) and skip the system events a segment holds among its records:
-they are not documents.
+they are not documents. A record's xattrs (segment version 3) become the `xattrs` column,
+the JSON text the store keeps (formats/spark.md §4), NULL for none.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ import pyarrow as pa
 
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION
 from upr_cli.segments import Record, SegmentReader
-from upr_cli.spark.arrow import OPS, Columns, ddl_of, i64, schema_of, text
+from upr_cli.spark.arrow import (
+    OPS,
+    XATTRS_COLUMN,
+    Columns,
+    ddl_of,
+    i64,
+    json_of_xattrs,
+    schema_of,
+    text,
+)
 from upr_cli.spark.plan import Group, Piece
 
 BATCH_ROWS = 65_536
@@ -30,6 +40,7 @@ _NUMBER_FIELDS = tuple(
     for f in ("op", "seq", "rev_seq", "cas", "flags", "expiry", "delete_time", "datatype")
 )
 _KEY, _VALUE, _COLLECTION = attrgetter("key"), attrgetter("value"), attrgetter("collection")
+_XATTRS = attrgetter("xattrs")
 _DATA_OPS = frozenset({OP_MUTATION, OP_DELETION, OP_EXPIRATION})
 
 _COMMON: Columns = [
@@ -61,7 +72,8 @@ _NO_NAME = (None, None)  # an id no manifest of the chain names
 
 
 def _columns(view: str) -> Columns:
-    return _COMMON + (_HISTORY if view == "history" else [])
+    # xattrs last (version 3): a reader of version 2's columns by position finds them all
+    return _COMMON + (_HISTORY if view == "history" else []) + [XATTRS_COLUMN]
 
 
 def arrow_schema(view: str) -> pa.Schema:
@@ -111,6 +123,7 @@ class _Columns:
                            [op != OP_MUTATION for op in ops], values, js]  # fmt: skip
         if self.view == "history":
             cols += [[OPS.get(op, f"0x{op:02x}") for op in ops], dtimes, bids, losts]
+        cols.append(json_of_xattrs(list(map(_XATTRS, recs)), keys))
         return pa.RecordBatch.from_arrays(
             [pa.array(c, type=f.type) for c, f in zip(cols, self.schema, strict=True)],
             schema=self.schema,

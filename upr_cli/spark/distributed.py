@@ -101,6 +101,8 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
     parts = spark.sparkContext.parallelize(groups, max(1, len(groups))).flatMap(run).collect()
     total = RestoreSummary(str(sel.backup_id), target.redacted(), kw.get("dry_run", False))
     total.plan = first.plan
+    # each task writes its records' xattrs as `keep_xattrs` says, as a local restore does
+    total.keep_xattrs, total.target_xattrs = first.keep_xattrs, first.target_xattrs
     by = total.plan.by_source() if total.plan else {}
     for s in parts:
         total.dropped += s.dropped
@@ -109,7 +111,7 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
                 by[c.source_id].documents += c.documents
                 by[c.source_id].deletions += c.deletions
         for name in ("partitions", "documents", "deletions", "written", "conflicts",
-                     "absent_deletes"):  # fmt: skip
+                     "absent_deletes", "xattrs", "xattrs_left_out"):  # fmt: skip
             setattr(total, name, getattr(total, name) + getattr(s, name))
         for k, v in s.errors.items():
             total.errors[k] = total.errors.get(k, 0) + v

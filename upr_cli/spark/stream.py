@@ -56,7 +56,17 @@ from upr_cli.failover import FailoverLog, needs_rollback
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
-from upr_cli.spark.arrow import OPS, Buffer, Columns, ddl_of, i64, schema_of, text
+from upr_cli.spark.arrow import (
+    OPS,
+    XATTRS_COLUMN,
+    Buffer,
+    Columns,
+    ddl_of,
+    i64,
+    json_of_xattrs,
+    schema_of,
+    text,
+)
 from upr_cli.spark.plan import SparkOptionError, get_option
 
 BATCH_ROWS = 65_536
@@ -79,6 +89,7 @@ STREAM_COLUMNS: Columns = [
     ("value", pa.binary(), True),
     ("json", pa.string(), True),
     ("uuid", pa.string(), False),
+    XATTRS_COLUMN,  # last (version 3), NULL in a marker
 ]
 
 
@@ -243,16 +254,18 @@ def read_ranges(source: str, ranges: list[Range],
     buf = Buffer(stream_schema())
     for r in ranges:
         if r.rollback_to is not None:
-            buf.add([r.partition, None, None, None, "rollback", None, None, r.rollback_to, None,
-                     None, None, None, None, False, None, None, str(r.start.uuid)])  # fmt: skip
+            buf.add([r.partition, None, None, None, "rollback", None, None, r.rollback_to,
+                     None, None, None, None, None, False, None, None, str(r.start.uuid),
+                     None])  # fmt: skip
     rows = asyncio.run(_stream(SourceUri.parse(source), ranges, collections))
     for rec, uuid, (scope, coll) in rows:
         op, dtype = rec.opcode, rec.datatype
         key, value = bytes(rec.key), bytes(rec.value)  # already bytes: no copy
         js = text(value) if dtype & 7 == 1 else None
+        (xa,) = json_of_xattrs([rec.xattrs], [key])
         buf.add([rec.vbucket, scope, coll, rec.collection, OPS.get(op, f"0x{op:02x}"), key,
                  text(key), rec.by_seqno, i64(rec.rev_seqno), i64(rec.cas), rec.flags,
-                 rec.expiration, dtype, op != OP_MUTATION, value, js, uuid])  # fmt: skip
+                 rec.expiration, dtype, op != OP_MUTATION, value, js, uuid, xa])  # fmt: skip
         if len(buf) >= BATCH_ROWS:
             yield buf.take()
     if len(buf):
@@ -288,7 +301,8 @@ class _RangeSink(SinkBase):
             entry = part.log.entry_at(rec.by_seqno)  # the seq's branch
             uuid = str(entry.uuid if entry else part.uuid)
             # key and value copied: the Arrow batch outlives the received buffer
-            self.rows.append((rec._replace(key=bytes(rec.key), value=bytes(rec.value)), uuid,
+            self.rows.append((rec._replace(key=bytes(rec.key), value=bytes(rec.value),
+                                           xattrs=bytes(rec.xattrs)), uuid,
                               names.get(rec.collection, (None, None))))  # fmt: skip
 
     async def event(self, event: Event) -> None:

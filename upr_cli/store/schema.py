@@ -27,7 +27,7 @@ import sqlite_utils
 from upr_cli import sqlite
 from upr_cli.errors import UprError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 FORMAT = "upr-store"
 
 _DOCUMENT_COLUMNS: dict[str, type] = {
@@ -151,6 +151,36 @@ def _add_collections(db: sqlite_utils.Database) -> None:
     db.execute(f"CREATE VIEW named_documents AS {_NAMED_VIEW}")
 
 
+# Version 5 (formats/store.md §3.9): xattrs, as the JSON text of an object (NULL for
+# none), in `documents`, `lost_writes` and, as `prev_xattrs`, `mutation_log`, so a rollback
+# puts them back. Each is added last, as `collection_id` was; the views gain the column.
+_NAMED_VIEW_V5 = f"""
+SELECT d.partition, d.key, d.seq, d.rev_seq, d.cas, d.flags, d.expiry, d.delete_time,
+       d.datatype, d.deleted, d.value, d.collection_id, s.name AS scope, c.name AS collection,
+       d.xattrs
+{_NAMED}
+"""
+_JSON_VIEW_V5 = f"""
+SELECT d.partition, d.key, CAST(d.key AS TEXT) AS id, d.seq, d.rev_seq, d.cas, d.flags,
+       d.expiry, d.datatype, CASE WHEN json_valid(d.value) THEN d.value END AS doc,
+       d.collection_id, s.name AS scope, c.name AS collection, d.xattrs
+{_NAMED}
+WHERE d.deleted = 0 AND typeof(d.value) = 'text'
+"""
+
+
+def _add_xattrs(db: sqlite_utils.Database) -> None:
+    """v4 → v5: the `xattrs` columns (formats/store.md §3.9) and the views showing them.
+    Every existing row has none (NULL): before version 5 no replay asked for xattrs."""
+    db.execute("DROP VIEW json_documents")
+    db.execute("DROP VIEW named_documents")
+    db.execute("ALTER TABLE documents ADD COLUMN xattrs TEXT")
+    db.execute("ALTER TABLE mutation_log ADD COLUMN prev_xattrs TEXT")
+    db.execute("ALTER TABLE lost_writes ADD COLUMN xattrs TEXT")
+    db.execute(f"CREATE VIEW json_documents AS {_JSON_VIEW_V5}")
+    db.execute(f"CREATE VIEW named_documents AS {_NAMED_VIEW_V5}")
+
+
 #: version v → the function that turns a version-v store into version v + 1, inside the
 #: open transaction (run DDL with `db.execute`; never commit). A new store is created at
 #: version 1 and brought up by these, so every step runs on every new store.
@@ -158,6 +188,7 @@ MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
     1: _add_lost_writes,
     2: _add_boundaries,
     3: _add_collections,
+    4: _add_xattrs,
 }
 
 

@@ -39,6 +39,11 @@ Theory of operation (formats/store.md is the normative spec)
   takes a partition's manifest changes with its rows and applies them in seq order: a
   drop logs each document of the collection as a change at the drop's seq, then
   deletes it, so the ordinary rollback (oldest entry above the target) puts it back.
+* **Xattrs** (formats/store.md §3.9) are kept beside the value as the JSON text of an
+  object, NULL for none, in `documents`, `lost_writes` and (`prev_xattrs`) the mutation
+  log, so a rollback puts them back. A record's blob is turned into that text by an SQL
+  function calling Python only for rows that have one; a batch with none binds no
+  xattrs at all.
 * **64-bit values** (seq, rev_seq, cas, uuid, snapshot bounds) are stored as their two's
   complement i64, as `upr_cli.node.storage` does; SQL comparisons are signed, exact for
   seqs below 2^63, the range a producer hands out.
@@ -69,6 +74,7 @@ from upr_cli.collections import Manifest, ManifestChange
 from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog
 from upr_cli.position import StreamPosition
+from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import (
     OP_DELETION,
     OP_EXPIRATION,
@@ -80,7 +86,7 @@ from upr_cli.sqlite import I64_MAX as _I64_MAX
 from upr_cli.sqlite import TWO64 as _TWO64
 from upr_cli.sqlite import i64 as _i64
 from upr_cli.sqlite import u64 as _u64
-from upr_cli.store.content import ContentHasher, Document
+from upr_cli.store.content import ContentHasher, Document, xattrs_json
 from upr_cli.store.schema import StoreError, init_schema, now_iso
 from upr_cli.store.schema import set_meta as _set_meta
 
@@ -113,42 +119,55 @@ _get_partition = itemgetter(_field("vbucket"))
 _get_seq = itemgetter(_field("by_seqno"))
 # a document's identity inside its partition: (collection id, key)
 _get_ckey = itemgetter(_field("collection"), _field("key"))
+_get_xattrs = itemgetter(_field("xattrs"))
 
 _DOC_COLUMNS = (
     "partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype, deleted, value,"
-    " collection_id"
+    " collection_id, xattrs"
 )
 _DOC_SELECT = (
     "partition, key, seq, rev_seq, cas, flags, expiry, delete_time, datatype, deleted,"
-    " CAST(value AS BLOB), collection_id"
+    " CAST(value AS BLOB), collection_id, xattrs"
 )
+#: the SQL function (registered on the store's connection) that turns an xattr blob into
+#: the `xattrs` column's JSON text (formats/store.md §3.9)
+_XATTRS_SQL = "upr_xattrs_json"
+_XATTRS_OF_ROW = f"CASE WHEN length(?14) THEN {_XATTRS_SQL}(?14, ?10) END"
 
-# The SQL layer: a record (a tuple) is bound positionally, as ?1..?13 in ROW_FIELDS order
+# The SQL layer: a record (a tuple) is bound positionally, as ?1..?14 in ROW_FIELDS order
 # (opcode, vbucket, by_seqno, rev_seqno, cas, flags, expiration, delete_time, datatype,
-# key, value, opaque, collection), so no per-row Python runs to bind it. An unknown
-# opcode gives deleted = NULL, which the NOT NULL constraint rejects. ?12 (opaque) is
-# unused: the `0 * (?12 IS NULL)` term, always 0, only makes the statement take the
+# key, value, opaque, collection, xattrs), so no per-row Python runs to bind it. An
+# unknown opcode gives deleted = NULL, which the NOT NULL constraint rejects. ?12 (opaque)
+# is unused: the `0 * (?12 IS NULL)` term, always 0, only makes the statement take the
 # parameters a row carries. (A VALUES list, not INSERT … SELECT: measured twice as fast.)
+# A row without xattrs (b"", nearly every row) runs no Python; a blob goes through
+# `_XATTRS_SQL` to its JSON text.
 _UPSERT_ROW = f"""
 INSERT OR REPLACE INTO documents ({_DOC_COLUMNS}) VALUES (
     ?2, ?10, ?3, ?4, ?5, ?6, ?7, ?8, ?9,
     CASE ?1 WHEN {OP_MUTATION} THEN 0 WHEN {OP_DELETION} THEN 1 WHEN {OP_EXPIRATION} THEN 1 END
         + 0 * (?12 IS NULL),
     CASE WHEN ?9 & 7 = 1 THEN CAST(?11 AS TEXT) ELSE ?11 END,
-    ?13
+    ?13,
+    {_XATTRS_OF_ROW}
 )
 """
-# Plain rows of 12 fields (written before records carried a collection) are in the
-# default collection: the same statement with the id a constant, picked once a batch.
-_UPSERT_ROW_12 = _UPSERT_ROW.replace("?13", "0", 1)
-
-
-def _upsert(rows: Sequence[Row], *, new_only: bool = False) -> str:
-    """The statement that writes `rows` (all of one width): replacing, or inserting
-    only keys that have no document yet (`new_only`; the others are then logged and
-    written by the replacing one)."""
-    sql = _UPSERT_ROW_12 if rows and len(rows[0]) == len(ROW_FIELDS) - 1 else _UPSERT_ROW
-    return sql.replace("INSERT OR REPLACE", "INSERT OR IGNORE", 1) if new_only else sql
+# Rows bound without their xattrs (13 fields: a batch in which no row has any, or plain
+# rows written before records carried them) get NULL, and rows of 12 (before
+# collections) are in the default collection: the same statement with those parameters
+# constants, picked by the number of fields bound. Leaving the empty xattrs unbound
+# keeps the common batch at the cost it had before xattrs (measured: binding and testing
+# ?14 on every row cost about 5% of the rate).
+_UPSERT_BY_WIDTH = {
+    len(ROW_FIELDS): _UPSERT_ROW,
+    len(ROW_FIELDS) - 1: _UPSERT_ROW.replace(_XATTRS_OF_ROW, "NULL", 1),
+    len(ROW_FIELDS) - 2: _UPSERT_ROW.replace(_XATTRS_OF_ROW, "NULL", 1).replace("?13", "0", 1),
+}
+# the same statements inserting only keys that have no document yet
+_INSERT_BY_WIDTH = {
+    n: sql.replace("INSERT OR REPLACE", "INSERT OR IGNORE", 1)
+    for n, sql in _UPSERT_BY_WIDTH.items()
+}
 
 
 _PREV_COLUMNS = (
@@ -166,9 +185,9 @@ _PREV_COLUMNS = (
 def _log_sql(size: int) -> str:
     values = ",".join(["(?,?,?,?)"] * size)
     return f"""
-INSERT INTO mutation_log (partition, seq, collection_id, key, {_PREV_COLUMNS})
+INSERT INTO mutation_log (partition, seq, collection_id, key, {_PREV_COLUMNS}, prev_xattrs)
 SELECT v.column1, v.column2, v.column3, v.column4, d.seq, d.rev_seq, d.cas, d.flags,
-       d.expiry, d.delete_time, d.datatype, d.deleted, d.value
+       d.expiry, d.delete_time, d.datatype, d.deleted, d.value, d.xattrs
 FROM (VALUES {values}) AS v
 JOIN documents AS d
   ON d.partition = v.column1 AND d.collection_id = v.column3 AND d.key = v.column4
@@ -206,7 +225,8 @@ JOIN mutation_log AS m ON m.partition = :p AND m.seq = first.seq
 """
 _UNDO_RESTORE = f"""
 INSERT OR REPLACE INTO documents ({_DOC_COLUMNS})
-SELECT m.partition, m.key, {_PREV_COLUMNS.replace("prev_", "m.prev_")}, m.collection_id
+SELECT m.partition, m.key, {_PREV_COLUMNS.replace("prev_", "m.prev_")}, m.collection_id,
+       m.prev_xattrs
 FROM {_FIRST_ABOVE} WHERE m.prev_seq IS NOT NULL AND m.prev_seq <= :r
 """
 _UNDO_DELETE = "DELETE FROM documents WHERE partition = :p AND seq > :r"
@@ -286,16 +306,31 @@ def _unique_key_runs(rows: Sequence[DcpRecord]) -> list[Sequence[DcpRecord]]:
     return runs
 
 
-def _bound(rows: Sequence[Row]) -> Iterable[Row]:
-    """The rows as plain tuples for `executemany`: sqlite3 binds an exact tuple
-    straight from its items but a tuple subclass (a NamedTuple) one `__getitem__` call
-    per column, about 0.6 µs a row more (measured: 1.6 against 2.2 µs a row). The rows
-    of one batch come from one producer: all records or all plain rows (of one width:
-    `_upsert` picks the statement by the first)."""
-    return map(_STORED, rows) if rows and type(rows[0]) is not tuple else rows
+def _write_rows(db: sqlite3.Connection, rows: Sequence[Row], *, new_only: bool = False) -> None:
+    """Write `rows` with one `executemany`: replacing, or inserting only keys that have
+    no document yet (`new_only`; the others are then logged and written by the replacing
+    statement).
+
+    Records are bound as plain tuples: sqlite3 binds an exact tuple straight from its
+    items but a tuple subclass (a NamedTuple) one `__getitem__` call per column, about
+    0.6 µs a row more (measured: 1.6 against 2.2 µs a row). Rows are bound without their
+    xattrs when none has any (one C-level pass tells). The rows of one batch come from
+    one producer: all records or all plain rows of one width (the first row's)."""
+    if not rows:
+        return
+    width = len(rows[0])
+    params: Iterable[Row] = rows
+    if width == len(ROW_FIELDS) and not any(map(_get_xattrs, rows)):
+        width -= 1
+        params = map(_STORED_BARE, rows)
+    elif type(rows[0]) is not tuple:
+        params = map(_STORED, rows)
+    sql = (_INSERT_BY_WIDTH if new_only else _UPSERT_BY_WIDTH).get(width, _UPSERT_ROW)
+    db.executemany(sql, params)
 
 
 _STORED = operator.itemgetter(*range(len(ROW_FIELDS)))  # a record's fields, as a tuple
+_STORED_BARE = operator.itemgetter(*range(len(ROW_FIELDS) - 1))  # ... all but its xattrs
 
 
 def _records(rows: Iterable[Row]) -> Sequence[DcpRecord]:
@@ -306,7 +341,7 @@ def _records(rows: Iterable[Row]) -> Sequence[DcpRecord]:
     try:
         return [r if type(r) is DcpRecord else DcpRecord(*r) for r in given]
     except TypeError:
-        bad = next(r for r in given if not len(ROW_FIELDS) - 1 <= len(r) <= len(ROW_FIELDS))
+        bad = next(r for r in given if not len(ROW_FIELDS) - 2 <= len(r) <= len(ROW_FIELDS))
         raise ValueError(f"a row has {len(bad)} fields, expected {len(ROW_FIELDS)}") from None
 
 
@@ -509,6 +544,7 @@ class Store(sqlite.Closing):
         self._utils: sqlite_utils.Database | None = None
         self._open: contextlib.ExitStack | None = None  # a transaction `begin` opened
         self._bounds_added: dict[int, int] = {}  # boundaries recorded since the last trim
+        self._bad_xattrs: xattrs.CorruptXattrsError | None = None  # raised in `_XATTRS_SQL`
         if not create and not self.path.is_file():
             raise StoreError(f"{self.path}: no such store")
         try:
@@ -530,7 +566,17 @@ class Store(sqlite.Closing):
         except BaseException:
             conn.close()
             raise
+        conn.create_function(_XATTRS_SQL, 2, self._xattrs_json, deterministic=True)
         self._conn = conn
+
+    def _xattrs_json(self, blob: bytes, key: bytes) -> str:
+        """`_XATTRS_SQL`: SQLite reports an exception raised in a function only as "user-
+        defined function raised exception", so a malformed blob is kept for `_write`."""
+        try:
+            return xattrs_json(blob, key)
+        except xattrs.CorruptXattrsError as exc:
+            self._bad_xattrs = exc
+            raise
 
     # --- lifecycle
 
@@ -574,6 +620,9 @@ class Store(sqlite.Closing):
         except sqlite3.ProgrammingError as exc:
             raise ValueError(f"{self.path}: {exc}") from exc
         except sqlite3.Error as exc:
+            bad, self._bad_xattrs = self._bad_xattrs, None
+            if bad is not None:  # a row's xattrs were malformed: say which key
+                raise bad from None
             raise StoreError(f"{self.path}: {exc}") from exc
 
     def _i64_retry(self, db: sqlite3.Connection, work: Callable[[Sequence[Row]], T],
@@ -708,14 +757,14 @@ class Store(sqlite.Closing):
         def work(given: Sequence[Row]) -> int:
             rows = cast("Sequence[DcpRecord]", given)  # records in, records retried
             if unlogged:
-                db.executemany(_upsert(rows), _bound(rows[:unlogged]))
+                _write_rows(db, rows[:unlogged])
             rest = rows[unlogged:]
             if not rest:
                 return 0
             # Keys new to the store need no entry: insert those first, in C. If every
             # row was inserted, that is all (a first replay, a backfill of new keys).
             before = db.total_changes
-            db.executemany(_upsert(rest, new_only=True), _bound(rest))
+            _write_rows(db, rest, new_only=True)
             if db.total_changes - before == len(rest):
                 return 0
             # The others replace a row: log it, then write (in order, so a key changed
@@ -724,7 +773,7 @@ class Store(sqlite.Closing):
             logged = 0
             for run in _unique_key_runs(replacing):
                 logged += _log_previous(db, run)
-                db.executemany(_upsert(run), _bound(run))
+                _write_rows(db, run)
             return logged
 
         try:
@@ -781,9 +830,10 @@ class Store(sqlite.Closing):
             db.execute("UPDATE collections SET dropped = 1 WHERE scope_id = ?", args)
         if self.undo_window:
             count += db.execute(
-                f"INSERT INTO mutation_log (partition, seq, collection_id, key, {_PREV_COLUMNS})"
-                " SELECT partition, ?, collection_id, key, seq, rev_seq, cas, flags, expiry,"
-                f" delete_time, datatype, deleted, value FROM documents WHERE partition = ?"
+                f"INSERT INTO mutation_log (partition, seq, collection_id, key, {_PREV_COLUMNS},"
+                " prev_xattrs) SELECT partition, ?, collection_id, key, seq, rev_seq, cas, flags,"
+                " expiry, delete_time, datatype, deleted, value, xattrs FROM documents"
+                " WHERE partition = ?"
                 f" AND {where}",
                 [seq, p, *args],
             ).rowcount
@@ -949,13 +999,13 @@ class Store(sqlite.Closing):
             return 0
         if keep_log:
             return self._restore_logged(_records(given))
-        # the fast path takes plain rows in ROW_FIELDS order as they are (see `_bound`)
+        # the fast path takes plain rows in ROW_FIELDS order as they are (see `_write_rows`)
         records, tops = _by_partition(given)
         for p in tops:
             _check_partition(p)
         with self._write() as db:
             try:
-                self._i64_retry(db, lambda r: db.executemany(_upsert(r), _bound(r)), records)
+                self._i64_retry(db, lambda r: _write_rows(db, r), records)
             except sqlite3.IntegrityError as exc:
                 raise ValueError(f"{self.path}: restore: {_bad_row(records, exc)}") from exc
             db.executemany("DELETE FROM mutation_log WHERE partition = ?", [(p,) for p in tops])
@@ -1159,7 +1209,7 @@ class Store(sqlite.Closing):
             params,
         ).fetchall()
         return [
-            LostWrite(r[0], _document(r[1:13]), _u64(r[13]), _u64(r[14]), r[15], r[16])
+            LostWrite(r[0], _document(r[1:14]), _u64(r[14]), _u64(r[15]), r[16], r[17])
             for r in rows
         ]
 
@@ -1213,5 +1263,6 @@ def _where(partitions: Iterable[int] | None, include_deleted: bool) -> tuple[str
 
 
 def _document(row: Sequence[Any]) -> Document:
-    p, k, s, r, c, f, e, dt_, dtype, deleted, v, cid = row
-    return Document(p, k, _u64(s), _u64(r), _u64(c), f, e, dt_, dtype, deleted == 1, v, cid)
+    p, k, s, r, c, f, e, dt_, dtype, deleted, v, cid, xa = row
+    blob = b"" if xa is None else xattrs.from_json(json.loads(xa))
+    return Document(p, k, _u64(s), _u64(r), _u64(c), f, e, dt_, dtype, deleted == 1, v, cid, blob)
