@@ -188,14 +188,8 @@ class CollectionFilter:
 
 def plain_record(it: DcpRecord) -> DcpRecord:
     """The record with its value inflated and its xattrs split off (formats/wire.md)."""
-    dt, value = it.datatype, it.value
-    if dt & snappy.SNAPPY and value:
-        value = snappy.inflate(value, it.key)
-    dt &= ~snappy.SNAPPY
-    if dt & xattrs.XATTR:
-        blob, value = xattrs.split(value, it.key)
-        return it._replace(datatype=dt & ~xattrs.XATTR, value=value, xattrs=blob)
-    return it._replace(datatype=dt, value=value)
+    dt, blob, value = xattrs.unpack(it.datatype, it.value, it.key)
+    return it._replace(datatype=dt, value=value, xattrs=blob)
 
 
 def resolve_filter(

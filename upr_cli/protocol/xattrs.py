@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from upr_cli.errors import RemoteProtocolError
+from upr_cli.protocol import snappy
 
 XATTR = 0x04  # datatype bit (docs/protocol.md §1.4)
 #: kv_engine's limit on an xattr name (a longer key fails validation)
@@ -45,6 +46,20 @@ def split(value: bytes | memoryview, key: bytes | memoryview = b"") -> tuple[byt
     blob = bytes(value[:total])
     pairs(blob, key)  # validate once, here, so later readers may trust it
     return blob, bytes(value[total:])
+
+
+def unpack(
+    datatype: int, value: bytes | memoryview, key: bytes | memoryview = b""
+) -> tuple[int, bytes, bytes | memoryview]:
+    """(datatype without the Snappy and XATTR bits, blob, body) of a value as sent or
+    stored: inflated first (the blob and the body are compressed as one), then split."""
+    if datatype & snappy.SNAPPY and value:
+        value = snappy.inflate(value, key)
+    datatype &= ~snappy.SNAPPY
+    if datatype & XATTR:
+        blob, body = split(value, key)
+        return datatype & ~XATTR, blob, body
+    return datatype, b"", value
 
 
 def pairs(blob: bytes | memoryview, key: bytes | memoryview = b"") -> list[tuple[str, bytes]]:
