@@ -79,7 +79,8 @@ async def _client(server: NodeServer, *, collections: bool) -> AsyncIterator[Cli
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     client = Client(reader, writer)
     try:
-        features = (Feature.JSON, Feature.COLLECTIONS) if collections else (Feature.JSON,)
+        # XATTR as the SDK asks it: its lookups carry xattr paths (formats/subdoc.md)
+        features = (Feature.JSON, Feature.XATTR, *((Feature.COLLECTIONS,) if collections else ()))
         hello = await client.ok(Hello(agent="test", features=features))
         granted = struct.unpack(f">{len(hello.value) // 2}H", hello.value)
         assert (Feature.COLLECTIONS in granted) == collections

@@ -41,6 +41,13 @@ bit is checked on the inflated body. The producer sends stored bytes as they are
 DCP connection that negotiated Snappy and inflates them for the others. The KV reads
 (`get`, `get_meta`, `touch`) hand out the inflated document, which every client can
 take whatever it negotiated.
+
+Xattrs (formats/wire.md "Xattrs"): a version with extended attributes stores them in
+kv_engine's layout, the blob in front of the body with bit 0x04 (the whole compressed as
+one when it came so). A full-document write over a live document keeps its blob; a
+deletion or an expiration keeps the system xattrs in the tombstone; KV reads hand out
+the body alone. The sub-document commands read and write versions through `version`
+and `write_version` (upr_cli/node/subdoc_kv.py).
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ from upr_cli.node.collections import (
 )
 from upr_cli.node.partition import ACTIVE, PENDING, REPLICA, Marker, Partition
 from upr_cli.node.storage import DocRow, NodeStorage, PartitionRecord, StorageError
-from upr_cli.protocol import leb128, snappy
+from upr_cli.protocol import leb128, snappy, xattrs
 from upr_cli.protocol.status import (
     InvalidArguments,
     KeyExists,
@@ -107,15 +114,28 @@ def _new_cas() -> int:
     return random.getrandbits(63) or 1
 
 
+class XattrInvalid(StatusError):
+    """XATTR_EINVAL (0x87): a value marked with xattrs has a malformed blob (kv_engine's
+    validator answers it for a with-meta write; formats/wire.md "Xattrs")."""
+
+    status = 0x87
+
+
 def checked_datatype(datatype: int, value: bytes, key: bytes = b"") -> int:
     """Clear the JSON bit of a value that is not JSON, as a server must (see
-    docs/protocol.md §1.4); a compressed value must inflate (EINVAL naming the key)."""
+    docs/protocol.md §1.4), looking at the body behind any xattrs; a compressed value
+    must inflate (EINVAL naming the key), a blob must be well formed (XATTR_EINVAL)."""
     body = value
     if datatype & snappy.SNAPPY and value:
         try:
             body = snappy.inflate(value, key)
         except snappy.CorruptValueError as exc:
             raise InvalidArguments(str(exc)) from None
+    if datatype & xattrs.XATTR:
+        try:
+            body = xattrs.split(body, key)[1]
+        except xattrs.CorruptXattrsError as exc:
+            raise XattrInvalid(str(exc)) from None
     if datatype & 0x01:
         try:
             json.loads(body)
@@ -124,12 +144,44 @@ def checked_datatype(datatype: int, value: bytes, key: bytes = b"") -> int:
     return datatype & 0x07
 
 
-def plain_doc(doc: DocRow) -> DocRow:
-    """The document as a client that did not negotiate Snappy sees it: inflated."""
-    if not doc.datatype & snappy.SNAPPY or not doc.value:
+def unpacked(doc: DocRow) -> tuple[int, bytes, bytes]:
+    """(datatype without the Snappy and XATTR bits, xattr blob, body) of a stored
+    version: inflated, the blob split off (b"" when it has none)."""
+    datatype, blob, body = xattrs.unpack(doc.datatype, doc.value, doc.key)
+    return datatype, blob, bytes(body)
+
+
+def plain_doc(doc: DocRow, *, keep_xattrs: bool = False) -> DocRow:
+    """The document as a KV read hands it out: inflated, and its body alone with the
+    XATTR bit clear (formats/wire.md "Xattrs"), unless `keep_xattrs`."""
+    if not doc.datatype & (snappy.SNAPPY | xattrs.XATTR) or not doc.value:
         return doc
-    datatype, value = snappy.plain(doc.datatype, doc.value, doc.key)
-    return replace(doc, datatype=datatype, value=value)
+    if keep_xattrs or not doc.datatype & xattrs.XATTR:
+        datatype, value = snappy.plain(doc.datatype, doc.value, doc.key)
+        return replace(doc, datatype=datatype, value=value)
+    datatype, _, body = unpacked(doc)
+    return replace(doc, datatype=datatype, value=body)
+
+
+def tombstone_xattrs(doc: DocRow) -> tuple[int, bytes]:
+    """(datatype, value) of the tombstone that deletes `doc`: its system xattrs alone
+    (formats/wire.md "Xattrs", point 3), or nothing."""
+    if not doc.datatype & xattrs.XATTR or doc.deleted:
+        return 0, b""
+    kept = xattrs.system_only(unpacked(doc)[1])
+    return (xattrs.XATTR, kept) if kept else (0, b"")
+
+
+def with_old_xattrs(old: DocRow, datatype: int, value: bytes) -> tuple[int, bytes]:
+    """A full-document write over `old`: the new body behind `old`'s xattr blob, all of
+    it, as kv_engine's mutation path keeps it (compressed again if it came so)."""
+    blob = unpacked(old)[1]
+    if not blob:
+        return datatype, value
+    if datatype & snappy.SNAPPY and value:
+        datatype, value = datatype & ~snappy.SNAPPY, snappy.inflate(value, old.key)
+        return snappy.compressed(*xattrs.join(blob, value, datatype))
+    return xattrs.join(blob, value, datatype)
 
 
 class Bucket:
@@ -602,7 +654,7 @@ class Bucket:
         doc = self.current(vb, key)
         if doc is None:
             raise KeyNotFound(f"no such key in partition {vb}")
-        return plain_doc(doc)
+        return plain_doc(doc, keep_xattrs=True)
 
     # -- expiry ----------------------------------------------------------------------
 
@@ -612,10 +664,11 @@ class Bucket:
         is 0 here: DCP tells the two apart by it, and a replica can store the same from
         the DCP_EXPIRATION, which carries the delete time)."""
         now = int(time.time())
+        datatype, value = tombstone_xattrs(old)
         doc = DocRow(
             vbucket=old.vbucket, key=old.key, seq=part.high_seq + 1, rev_seq=old.rev_seq + 1,
-            cas=self.next_cas(), flags=old.flags, expiry=now, datatype=0, deleted=True,
-            delete_time=now, value=b"",
+            cas=self.next_cas(), flags=old.flags, expiry=now, datatype=datatype, deleted=True,
+            delete_time=now, value=value,
         )  # fmt: skip
         part.append(doc)
         return doc
@@ -695,11 +748,13 @@ class Bucket:
             assert old is not None
             if old.cas != cas:
                 raise KeyExists("CAS mismatch")
+        datatype = checked_datatype(datatype, value, key)
+        if live and old is not None and old.datatype & xattrs.XATTR and not datatype & xattrs.XATTR:
+            datatype, value = with_old_xattrs(old, datatype, value)
         doc = DocRow(
             vbucket=vb, key=key, seq=part.high_seq + 1, rev_seq=(old.rev_seq + 1) if old else 1,
-            datatype=checked_datatype(datatype, value, key),
-            cas=self.next_cas(), flags=flags, expiry=expiry, deleted=False, delete_time=0,
-            value=value,
+            datatype=datatype, cas=self.next_cas(), flags=flags, expiry=expiry, deleted=False,
+            delete_time=0, value=value,
         )  # fmt: skip
         part.append(doc)
         return doc
@@ -713,11 +768,39 @@ class Bucket:
             raise KeyNotFound("no such key")
         if cas and old.cas != cas:
             raise KeyExists("CAS mismatch")
+        datatype, value = tombstone_xattrs(old)
         doc = DocRow(
             vbucket=vb, key=key, seq=part.high_seq + 1, rev_seq=old.rev_seq + 1,
-            cas=self.next_cas(), flags=old.flags, expiry=0, datatype=0, deleted=True,
-            delete_time=int(time.time()), value=b"",
+            cas=self.next_cas(), flags=old.flags, expiry=0, datatype=datatype, deleted=True,
+            delete_time=int(time.time()), value=value,
         )  # fmt: skip
+        part.append(doc)
+        return doc
+
+    def version(self, vb: int, key: bytes) -> DocRow | None:
+        """The key's latest version as stored, a tombstone included (an expired document
+        expired first), for the sub-document commands (formats/subdoc.md)."""
+        self.partition(vb)
+        self.collections.collection(key)
+        return self.current(vb, key)
+
+    def write_version(self, vb: int, key: bytes, old: DocRow | None, *, value: bytes,
+                      datatype: int, deleted: bool, flags: int, expiry: int,
+                      cas: int) -> DocRow:  # fmt: skip
+        """A new version the sub-document commands built (value and datatype as they are
+        stored, blob included): the next seq and rev seq, the given CAS (from
+        `next_cas`, which a macro may already hold). A relative expiry is made absolute
+        and capped by the collection's max TTL; a tombstone has none."""
+        part = self.partition(vb)
+        now = int(time.time())
+        if not deleted:
+            expiry = expiry_of(self.collections.collection(key), expiry, now)
+        doc = DocRow(
+            vbucket=vb, key=key, seq=part.high_seq + 1, rev_seq=(old.rev_seq + 1) if old else 1,
+            cas=cas, flags=flags, expiry=0 if deleted else expiry, datatype=datatype,
+            deleted=deleted, delete_time=now if deleted else 0, value=value,
+        )  # fmt: skip
+        self._last_cas = max(self._last_cas, cas)
         part.append(doc)
         return doc
 
@@ -765,10 +848,13 @@ class Bucket:
             )
             if theirs <= ours:
                 raise KeyExists("conflict resolution kept the existing version")
+        if deleted:
+            datatype, value = _deleted_value(datatype, value, key)
+        else:
+            datatype = checked_datatype(datatype, value, key)
         doc = DocRow(
             vbucket=vb, key=key, seq=part.high_seq + 1, rev_seq=rev_seq, cas=item_cas,
-            flags=flags, expiry=0 if deleted else expiry,
-            datatype=0 if deleted else checked_datatype(datatype, value, key), deleted=deleted,
+            flags=flags, expiry=0 if deleted else expiry, datatype=datatype, deleted=deleted,
             delete_time=int(time.time()) if deleted else 0, value=value,
         )  # fmt: skip
         self._last_cas = max(self._last_cas, item_cas)
@@ -875,6 +961,18 @@ class Bucket:
             return purged
 
         return await self._unbroken(run())
+
+
+def _deleted_value(datatype: int, value: bytes, key: bytes) -> tuple[int, bytes]:
+    """(datatype, value) a DEL_WITH_META leaves on its tombstone: the xattr blob it
+    carries, system and user xattrs as given, stored inflated; any body is dropped
+    (formats/wire.md "Xattrs", point 5). Without the XATTR bit the value is kept as
+    before, with datatype 0."""
+    if not datatype & xattrs.XATTR:
+        return 0, value
+    checked_datatype(datatype, value, key)  # inflates, and the blob must be well formed
+    blob = unpacked(DocRow(0, key, 0, 0, 0, 0, 0, datatype, True, 0, value))[1]
+    return (xattrs.XATTR, blob) if blob else (0, b"")
 
 
 def _expired(doc: DocRow, now: float) -> bool:

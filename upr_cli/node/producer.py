@@ -37,6 +37,13 @@ streams without the node's memory growing. Whatever the connection's read loop c
 to be sent and counted (barrier cookies, STREAM_END on CLOSE_STREAM) is sent by a task of
 its own: the read loop must never wait for credit, since it alone reads the BUFFER_ACK.
 
+Xattrs (formats/wire.md "Xattrs"): a document stores its blob in front of its body (bit
+0x04). A connection opened with IncludeXattrs gets it as stored; any other gets the body
+alone with the bit clear. NoValue leaves the blob alone (or nothing), and a deletion
+carries its tombstone's system xattrs (its user xattrs too with
+IncludeDeletedUserXattrs). The backfill's fast path sends stored rows untouched only
+while none has a bit the connection cannot take.
+
 Snappy (formats/wire.md "Snappy"): the node keeps a value as it arrived, compressed or
 not. A connection whose HELLO granted Snappy gets the stored bytes and datatype as they
 are (with `force_value_compression`, plain values compressed when that makes them
@@ -60,7 +67,7 @@ from typing import TypeVar
 from upr_cli.collections import DEFAULT_ID, Manifest, ManifestChange, decode_event
 from upr_cli.failover import needs_rollback
 from upr_cli.net.aio import cancel_and_wait
-from upr_cli.node.bucket import Bucket
+from upr_cli.node.bucket import Bucket, unpacked
 from upr_cli.node.collections import UnknownCollectionError, UnknownScopeError
 from upr_cli.node.partition import ACTIVE, DEAD, REPLICA, Partition
 from upr_cli.node.storage import (
@@ -88,6 +95,7 @@ from upr_cli.protocol.messages import (
     StreamRequest,
     SystemEvent,
 )
+from upr_cli.protocol.snappy import SNAPPY
 from upr_cli.protocol.status import (
     DcpStreamIdInvalid,
     InvalidArguments,
@@ -98,6 +106,7 @@ from upr_cli.protocol.status import (
     OutOfRange,
     Status,
 )
+from upr_cli.protocol.xattrs import XATTR, join, system_only
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -392,6 +401,11 @@ class DcpProducer:
         # HELLO Snappy was granted: values may go out compressed (formats/wire.md "Snappy")
         self.snappy = snappy
         self.force_compression = False
+        # Xattrs (formats/wire.md "Xattrs"): sent with IncludeXattrs only; a deletion's
+        # user xattrs only with IncludeDeletedUserXattrs too
+        self.xattrs = bool(flags & OPEN_XATTRS)
+        self.deleted_user_xattrs = bool(flags & OPEN_DELETED_USER_XATTRS)
+        self._hidden_bits = (0 if snappy else SNAPPY) | (0 if self.xattrs else XATTR)
         self.sender = sender
         self.streams: dict[int, asyncio.Task[None]] = {}
         self.specs: dict[int, StreamSpec] = {}
@@ -461,6 +475,10 @@ class DcpProducer:
             if v not in ("true", "false"):
                 raise InvalidArguments(f"{key} takes true or false")
             self.force_compression = v == "true"
+        elif key == "include_deleted_user_xattrs":
+            # a probe (kv_engine's producer): true only where DCP_OPEN asked for them
+            if v != "true" or not self.flags & OPEN_DELETED_USER_XATTRS:
+                raise InvalidArguments(f"{key} needs DCP_OPEN IncludeDeletedUserXattrs")
         elif key == "max_marker_version":
             raise InvalidArguments(f"{key} needs a feature this connection did not negotiate")
         elif key == "backfill_order":
@@ -896,11 +914,12 @@ class DcpProducer:
             return []
         view = spec.view
         plain = view.plain_ids()
+        hidden = self._hidden_bits  # datatype bits this connection cannot take as stored
         if (
             self.flags & (OPEN_NO_VALUE | OPEN_NO_VALUE_DT | OPEN_DELETE_TIMES)
             or self.force_compression
             or any(map(ROW_DELETED, rows))
-            or (not self.snappy and any(r[7] & snappy.SNAPPY for r in rows))
+            or (hidden and any(r[7] & hidden for r in rows))
             or not all(r[1][0] in plain for r in rows)
         ):
             return self._encode(spec, [DocRow(*r) for r in rows])
@@ -921,10 +940,12 @@ class DcpProducer:
         expirations = self.controls.get("enable_expiry_opcode") == "true"
         out = []
         opaque, vb, view = spec.opaque, spec.vbucket, spec.view
-        plain, strip = view.plain_ids(), 0 if view.collections else 1
+        plain, cut = view.plain_ids(), 0 if view.collections else 1
+        # the datatype bits that make a stored value unfit to go out as it is
+        special = self._hidden_bits | (XATTR if no_value else 0)
         for d in docs:
             if d.key[0] in plain:  # the common case: no LEB128 to read
-                key = d.key[strip:]
+                key = d.key[cut:]
             elif is_system_key(d.key):
                 msg = view.event(vb, opaque, d)
                 if msg is not None:
@@ -940,28 +961,74 @@ class DcpProducer:
                 continue
             view.last_sent = d.seq
             if not d.deleted:
-                value = b"" if no_value else d.value
-                dt = d.datatype if (not no_value or keep_dt) else 0
-                if dt & snappy.SNAPPY and not self.snappy:
-                    # stored compressed, and this client cannot take it so
-                    dt, value = snappy.plain(dt, value, d.key)
-                    dt &= ~snappy.SNAPPY  # also with no value (NoValueWithUnderlyingDatatype)
-                elif self.force_compression:
-                    dt, value = snappy.compressed(dt, value)
+                dt = d.datatype
+                if dt & special:  # compressed or with xattrs, for a client that cannot take it
+                    dt, value = self._reworked(d, no_value, keep_dt)
+                else:
+                    value = b"" if no_value else d.value
+                    if no_value and not keep_dt:
+                        dt = 0
+                    if self.force_compression:
+                        dt, value = snappy.compressed(dt, value)
                 out.append(encode_mutation(vb, opaque, d.cas, dt, d.seq, d.rev_seq, d.flags,
                                            d.expiry, key, value))  # fmt: skip
-            elif d.expiry and expirations:
+                continue
+            dt, value = self._tombstone_value(d) if d.datatype & XATTR else (0, b"")
+            if d.expiry and expirations:
                 out.append(Expiration(vbucket=vb, opaque=opaque, cas=d.cas, by_seqno=d.seq,
                                       rev_seqno=d.rev_seq, delete_time=d.delete_time,
-                                      key=key).encode())  # fmt: skip
+                                      key=key, datatype=dt, value=value).encode())  # fmt: skip
             elif v2:
                 out.append(DeletionV2(vbucket=vb, opaque=opaque, cas=d.cas, by_seqno=d.seq,
                                       rev_seqno=d.rev_seq, delete_time=d.delete_time,
-                                      key=key).encode())  # fmt: skip
+                                      key=key, datatype=dt, value=value).encode())  # fmt: skip
             else:
                 out.append(Deletion(vbucket=vb, opaque=opaque, cas=d.cas, by_seqno=d.seq,
-                                    rev_seqno=d.rev_seq, key=key).encode())  # fmt: skip
+                                    rev_seqno=d.rev_seq, key=key, datatype=dt,
+                                    value=value).encode())  # fmt: skip
         return out
+
+    def _reworked(self, d: DocRow, no_value: int, keep_dt: int) -> tuple[int, bytes]:
+        """(datatype, value) of a mutation whose stored value this connection cannot take
+        as it is: stored compressed for a client without Snappy, or with xattrs that go
+        in part (`_stripped`)."""
+        if d.datatype & XATTR and (no_value or not self.xattrs):
+            dt, value = self._stripped(d, no_value, keep_dt)
+        else:
+            value = b"" if no_value else d.value
+            dt = d.datatype if (not no_value or keep_dt) else 0
+        if dt & SNAPPY and not self.snappy:
+            # stored compressed, and this client cannot take it so
+            dt, value = snappy.plain(dt, value, d.key)
+            dt &= ~SNAPPY  # also with no value (NoValueWithUnderlyingDatatype)
+        elif self.force_compression:
+            dt, value = snappy.compressed(dt, value)
+        return dt, value
+
+    def _stripped(self, d: DocRow, no_value: int, keep_dt: int) -> tuple[int, bytes]:
+        """A mutation of a document with xattrs that this connection gets in part: the
+        blob without IncludeXattrs, the body with NoValue (formats/wire.md "Xattrs",
+        point 4). The whole stored value is compressed as one: it is inflated first, and
+        what is left goes out plain (`_encode` compresses it again where asked)."""
+        rest, blob, body = unpacked(d)
+        if not self.xattrs:
+            blob = b""
+        if no_value:
+            body = b""
+            # NoValueWithUnderlyingDatatype: the document's bits, Snappy's only where
+            # nothing is sent (a blob that is sent goes plain)
+            rest = (rest | (0 if blob else d.datatype & snappy.SNAPPY)) if keep_dt else 0
+        return join(blob, body, rest)
+
+    def _tombstone_value(self, d: DocRow) -> tuple[int, bytes]:
+        """(datatype, value) of a deletion or expiration: with IncludeXattrs the blob the
+        tombstone kept, its user xattrs only with IncludeDeletedUserXattrs."""
+        if not self.xattrs:
+            return 0, b""
+        blob = unpacked(d)[1]
+        if not self.deleted_user_xattrs:
+            blob = system_only(blob)
+        return join(blob, b"", 0)
 
 
 async def _finish(call: Awaitable[None]) -> None:

@@ -34,6 +34,11 @@ under its qualified key (`join_key(collection, key)`) and a change as the system
 the active holds for it (`sysevents.system_row`), both at the seqs the active gave them,
 so that both copies end with the same rows.
 
+Xattrs (formats/wire.md "Xattrs"): the link negotiates them and opens with
+IncludeXattrs and IncludeDeletedUserXattrs, so the active sends every version with its
+blob; the consumer splits it off (`DcpRecord.xattrs`) and the replica joins it back, so
+a document and a tombstone keep their xattrs on both copies.
+
 Pausing (for staging the UPR design specification's walkthrough): `pause(vbs, after)`
 lets partitions apply items up to seq `after` (default: what they have now) and then
 closes their streams; `resume` reopens them from where they stand.
@@ -63,6 +68,7 @@ from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.protocol.leb128 import join_key
 from upr_cli.protocol.status import NotMyVbucket
+from upr_cli.protocol.xattrs import join
 
 log = logging.getLogger(__name__)
 
@@ -273,12 +279,15 @@ class _ReplicaSink(SinkBase):
             if paused(vb, seq):
                 continue
             deleted = rec.opcode != OP_MUTATION
+            # the consumer split the xattrs off: the replica stores them joined again,
+            # a tombstone's (system, and user where the active kept them) included
+            datatype, value = join(rec.xattrs, b"" if deleted else rec.value,
+                                   0 if deleted else rec.datatype)  # fmt: skip
             apply(DocRow(
                 vbucket=vb, key=join_key(rec.collection, bytes(rec.key)), seq=seq,
                 rev_seq=rec.rev_seqno, cas=rec.cas, flags=rec.flags,
-                expiry=0 if deleted else rec.expiration,
-                datatype=0 if deleted else rec.datatype, deleted=deleted,
-                delete_time=rec.delete_time, value=b"" if deleted else bytes(rec.value),
+                expiry=0 if deleted else rec.expiration, datatype=datatype, deleted=deleted,
+                delete_time=rec.delete_time, value=value,
             ))  # fmt: skip
 
     def _system_event(self, change: ManifestChange) -> None:

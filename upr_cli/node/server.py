@@ -12,6 +12,10 @@ Collections (formats/collections.md §4): a connection that negotiated them (HEL
 names every document by a key that starts with its collection id (LEB128); on any
 other connection a key is in the default collection. The bucket is handed the
 qualified key either way.
+
+Xattrs (formats/wire.md "Xattrs"): HELLO XATTR is granted and remembered per
+connection; it decides whether a with-meta write may carry a blob, whether GET_META
+shows bit 0x04 and whether sub-document xattr paths are served (formats/subdoc.md).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from upr_cli.net.scram import (
     parse_plain,
 )
 from upr_cli.net.tls import DEFAULT_TLS_PORT, server_context
+from upr_cli.node import subdoc, subdoc_kv
 from upr_cli.node.bucket import EXPIRY_PAGER_INTERVAL, Bucket, StaleCas
 from upr_cli.node.collections import UnknownCollectionError, parse_specs, with_specs
 from upr_cli.node.partition import ACTIVE, DEAD, STATE_CODES
@@ -52,9 +57,9 @@ from upr_cli.node.producer import (
     open_flags_problem,
 )
 from upr_cli.node.replication import Replicator
-from upr_cli.protocol import Frame, FrameDecoder, decode_message, leb128, snappy
+from upr_cli.protocol import Frame, FrameDecoder, decode_message, leb128, snappy, xattrs
 from upr_cli.protocol.fast import encode_store_response, parse_set
-from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, Magic, Opcode
+from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, FrameId, Magic, Opcode
 from upr_cli.protocol.messages import (
     Add,
     AddStream,
@@ -138,19 +143,18 @@ GRANTABLE = {
     Feature.ALT_REQUEST_SUPPORT,
     Feature.COLLECTIONS,
     Feature.SNAPPY,  # values kept as they come, compressed or not (formats/wire.md "Snappy")
+    Feature.XATTR,  # documents keep extended attributes (formats/wire.md "Xattrs")
 }
 # KV commands the official SDK sends that upr's message layer does not model: answered
 # from the raw request (formats/collections.md §5)
 TOUCH, GAT, GET_META = Opcode.TOUCH, Opcode.GAT, Opcode.GET_META
 SUBDOC_MULTI_LOOKUP = Opcode.SUBDOC_MULTI_LOOKUP
-RAW_KV = frozenset({TOUCH, GAT, GET_META, SUBDOC_MULTI_LOOKUP})
-# lookup specs of SUBDOC_MULTI_LOOKUP: the whole document, an xattr's value or presence
-_SUBDOC_WHOLE, _SUBDOC_GET, _SUBDOC_EXISTS, _SUBDOC_XATTR = 0x00, 0xC5, 0xC6, 0x04
+SUBDOC_MULTI_MUTATION = Opcode.SUBDOC_MULTI_MUTATION
+SUBDOC = frozenset({SUBDOC_MULTI_LOOKUP, SUBDOC_MULTI_MUTATION})  # formats/subdoc.md
+RAW_KV = frozenset({TOUCH, GAT, GET_META, *SUBDOC})
 _U32 = struct.Struct(">I")
 _META_V2 = struct.Struct(">IIIQB")  # deleted, flags, expiry, rev seq, datatype
-_SUBDOC_SPEC = struct.Struct(">BBH")  # opcode, flags, path length
-_SUBDOC_RESULT = struct.Struct(">HI")  # status, value length
-_SUBDOC_PATH_ENOENT, _SUBDOC_MULTI_PATH_FAILURE = 0xC0, 0xCC
+_MUTATION_TOKEN = struct.Struct(">QQ")  # vbucket uuid, seqno
 # what a single node's terse config says it can do (docs/protocol.md §5.5); the SDK
 # addresses named collections only on a bucket that lists "collections"
 # the parts of a bucket config that describe the cluster rather than the bucket
@@ -592,11 +596,18 @@ class ClientSession:
         else:
             self.send(encode_store_response(frame.opcode, frame.opaque, doc.cas))
 
-    def check_datatype(self, datatype: int) -> None:
+    def check_datatype(self, datatype: int, *, with_meta: bool = False) -> None:
         """EINVAL for a compressed value on a connection that did not negotiate Snappy
-        (docs/protocol.md §1.4)."""
+        (docs/protocol.md §1.4), and for a value with xattrs unless it is a with-meta
+        write on a connection that negotiated XATTR: kv_engine's validators take bit
+        0x04 from neither SET, ADD nor REPLACE (formats/wire.md "Xattrs", point 5)."""
         if datatype & snappy.SNAPPY and Feature.SNAPPY not in self.features:
             raise InvalidArguments("a Snappy value needs HELLO Snappy (0x0a)")
+        if datatype & xattrs.XATTR:
+            if not with_meta:
+                raise InvalidArguments("datatype XATTR is only for SET_WITH_META/DEL_WITH_META")
+            if Feature.XATTR not in self.features:
+                raise InvalidArguments("a value with xattrs needs HELLO XATTR (0x06)")
 
     def need_admin_bucket(self) -> Bucket:
         """The selected bucket, for a state command (an authenticated session)."""
@@ -935,7 +946,7 @@ class ClientSession:
             )
             return
         if isinstance(msg, Set | SetWithMeta):
-            self.check_datatype(msg.datatype)
+            self.check_datatype(msg.datatype, with_meta=isinstance(msg, SetWithMeta))
         if isinstance(msg, SetWithMeta):  # DelWithMeta is a subclass
             doc = bucket.store_with_meta(
                 vb,
@@ -979,10 +990,10 @@ class ClientSession:
 
     def kv_raw(self, msg: UnknownRequest) -> None:
         """TOUCH and GAT (extras u32 expiry), GET_META (extras: none, or u8 version 1 or
-        2) and SUBDOC_MULTI_LOOKUP, as the official SDK sends them
-        (formats/collections.md §5)."""
-        if msg.opcode == SUBDOC_MULTI_LOOKUP:
-            self.lookup_in(msg)
+        2) and the sub-document commands, as the official SDK sends them
+        (formats/collections.md §5, formats/subdoc.md)."""
+        if msg.opcode in SUBDOC:
+            self.subdoc(msg)
             return
         bucket = self.need_bucket()
         key = self.qualified(msg.key)
@@ -990,8 +1001,10 @@ class ClientSession:
             if len(msg.extras) > 1 or (msg.extras and msg.extras[0] not in (1, 2)):
                 raise InvalidArguments("GET_META extras: none, or a u8 version 1 or 2")
             doc = bucket.get_meta(msg.vbucket, key)
+            # the XATTR bit to a connection that negotiated it (formats/wire.md "Xattrs")
+            shown = doc.datatype if Feature.XATTR in self.features else doc.datatype & ~xattrs.XATTR
             extras = _META_V2.pack(int(doc.deleted), doc.flags, doc.expiry, doc.rev_seq,
-                                   doc.datatype)  # fmt: skip
+                                   shown)  # fmt: skip
             if msg.extras != b"\x02":
                 extras = extras[:-1]  # the datatype only for version 2
             self.send(Response(opcode=msg.opcode, opaque=msg.opaque, cas=doc.cas, extras=extras))
@@ -1007,43 +1020,39 @@ class ClientSession:
                                extras=_U32.pack(doc.flags), value=doc.value,
                                datatype=doc.datatype))  # fmt: skip
 
-    def lookup_in(self, msg: UnknownRequest) -> None:
-        """SUBDOC_MULTI_LOOKUP, as far as the SDK's `get(with_expiry=True)` needs it:
-        the `$document` virtual extended attributes and the whole document
-        (formats/collections.md §5). Other extended attributes do not exist here
-        (PATH_ENOENT); paths into the JSON body are not supported."""
-        doc = self.need_bucket().get(msg.vbucket, self.qualified(msg.key))
-        virtual = {"flags": doc.flags, "exptime": doc.expiry, "CAS": f"0x{doc.cas:016x}",
-                   "seqno": f"0x{doc.seq:016x}", "revid": str(doc.rev_seq),
-                   "value_bytes": len(doc.value), "deleted": False,
-                   "datatype": ["json"] if doc.datatype & 1 else ["raw"]}  # fmt: skip
-        out, failed, pos, body = bytearray(), False, 0, bytes(msg.value)
-        while pos < len(body):
-            if pos + 4 > len(body):
-                raise InvalidArguments("SUBDOC_MULTI_LOOKUP: a truncated lookup spec")
-            op, flags, n = _SUBDOC_SPEC.unpack_from(body, pos)
-            path = body[pos + 4 : pos + 4 + n].decode(errors="replace")
-            pos += 4 + n
-            if op == _SUBDOC_WHOLE and not path:
-                result: bytes | None = doc.value
-            elif op in (_SUBDOC_GET, _SUBDOC_EXISTS) and flags & _SUBDOC_XATTR:
-                name = path.removeprefix("$document")
-                if name == "":
-                    result = json.dumps(virtual).encode()
-                elif name.startswith(".") and name[1:] in virtual:
-                    result = json.dumps(virtual[name[1:]]).encode()
-                else:
-                    result = None
-                if op == _SUBDOC_EXISTS and result is not None:
-                    result = b""
-            else:
-                raise NotSupported("SUBDOC_MULTI_LOOKUP: only $document and whole documents")
-            failed = failed or result is None
-            status = Status.SUCCESS if result is not None else _SUBDOC_PATH_ENOENT
-            out += _SUBDOC_RESULT.pack(status, len(result or b"")) + (result or b"")
-        status = _SUBDOC_MULTI_PATH_FAILURE if failed else Status.SUCCESS
-        self.send(Response(opcode=SUBDOC_MULTI_LOOKUP, opaque=msg.opaque, status=status,
-                           cas=doc.cas, value=bytes(out)))  # fmt: skip
+    def subdoc(self, msg: UnknownRequest) -> None:
+        """SUBDOC_MULTI_LOOKUP and SUBDOC_MULTI_MUTATION (formats/subdoc.md): validated
+        as kv_engine validates them, then run against the bucket; a spec's failure is in
+        the body, a request's in the header status."""
+        bucket = self.need_bucket()
+        mutation = msg.opcode == SUBDOC_MULTI_MUTATION
+        if msg.datatype or not msg.key:
+            raise InvalidArguments("a sub-document request has a key and datatype RAW")
+        preserve = [data for fid, data in msg.frame_infos if fid == FrameId.PRESERVE_TTL]
+        if preserve and (preserve[0] or not mutation):
+            raise InvalidArguments("PreserveTTL takes no value, on a mutation only")
+        xattr = Feature.XATTR in self.features
+        req = subdoc.parse_request(mutation=mutation, extras=msg.extras, value=msg.value,
+                                   cas=msg.cas, xattrs_enabled=xattr)  # fmt: skip
+        key, vb = self.qualified(msg.key), msg.vbucket
+        if not mutation:
+            status, cas, body = subdoc_kv.lookup_in(bucket, vb, key, req, msg.cas)
+            self.send(Response(opcode=msg.opcode, opaque=msg.opaque, status=status, cas=cas,
+                               value=body))  # fmt: skip
+            return
+        try:
+            status, doc, body = subdoc_kv.mutate_in(bucket, vb, key, req, cas=msg.cas,
+                                                    preserve_ttl=bool(preserve))  # fmt: skip
+        except subdoc.SpecFailed as failed:
+            self.send(Response(opcode=msg.opcode, opaque=msg.opaque,
+                               status=subdoc.Code.MULTI_PATH_FAILURE,
+                               value=subdoc.failure_body(failed)))  # fmt: skip
+            return
+        extras = b""
+        if Feature.MUTATION_SEQNO in self.features:
+            extras = _MUTATION_TOKEN.pack(bucket.partitions[vb].uuid, doc.seq)
+        self.send(Response(opcode=msg.opcode, opaque=msg.opaque, status=status, cas=doc.cas,
+                           extras=extras, value=body))  # fmt: skip
 
     async def collections_request(self, msg: Message) -> None:
         """COLLECTIONS_SET_MANIFEST (authenticated), _GET_MANIFEST, _GET_ID and

@@ -85,6 +85,7 @@ class Opcode(IntEnum):
     COLLECTIONS_GET_ID = 0xBB
     COLLECTIONS_GET_SCOPE_ID = 0xBC
     SUBDOC_MULTI_LOOKUP = 0xD0
+    SUBDOC_MULTI_MUTATION = 0xD1  # formats/subdoc.md
     GET_ERROR_MAP = 0xFE
     UPR_BARRIER = 0xE1  # upr extension (formats/barrier.md)
 
