@@ -10,8 +10,8 @@ from tests.e2e.conftest import Node, upr
 
 
 def test_load_with_xattrs_updates_and_deletes(node: Node) -> None:
-    out = json.loads(upr("load", node.uri, "--docs", "400", "--xattrs", "--update-ratio",
-                         "0.3", "--delete-ratio", "0.1", "--seed", "5", "--json").stdout)  # fmt: skip
+    args = ("--docs", "400", "--xattrs", "--update-ratio", "0.3", "--delete-ratio", "0.1")
+    out = json.loads(upr("load", node.uri, *args, "--seed", "5", "--json").stdout)
     assert out["errors"] == 0 and out["updates"] > 0 and out["deletes"] > 0
     rows = [json.loads(x) for x in upr("tail", node.uri, "--until-end", "--format",
                                        "json").stdout.splitlines()]  # fmt: skip
