@@ -821,11 +821,11 @@ def _body_phase(specs: list[tuple[int, Spec]], doc: Document,
                         root = parse_document(body)
                     got = mutate_one(spec.op, root, parse_path(spec.path), spec.value, mkdir
                                      or bool(spec.flags & MKDIR_P))  # fmt: skip
+                    body = dumps(root)  # DOC_NOT_JSON for a number Python made infinite
                 except _PathError as exc:
                     raise SpecFailed(index, exc.status) from None
                 if got is not None:
                     results.append((index, got))
-                body = dumps(root)
     except SpecFailed as exc:
         return exc, Outcome(doc.body, doc.json, doc.blob, False)
     return None, Outcome(body, is_json, doc.blob, deleted, results, delete_doc=deleted)
