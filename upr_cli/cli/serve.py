@@ -46,6 +46,13 @@ Example (TLS on port 11207 beside the plain port; clients use uprs:// with
   upr serve --data /tmp/node --user admin --password secret --tls-cert node.pem \
       --tls-key node.key
 
+Example (client certificates required on the TLS port; one whose subject CN is
+"admin" logs in as admin, and clients give uprs://HOST:11207/default --cert c.pem
+--key c.key with no user in the URI):
+
+  upr serve --data /tmp/node --user admin --password secret --tls-cert node.pem \
+      --tls-key node.key --tls-client-ca clients-ca.pem --tls-client-auth mandatory
+
 Example (a bucket of 64 partitions; --partitions N, the old spelling, still works):
 
   upr serve --data /tmp/node --no-auth --num-partitions 64
@@ -76,6 +83,19 @@ TlsPort = Annotated[
     int | None,
     typer.Option("--tls-port", min=0, max=65535, metavar="PORT",
                  help="TLS data port (default 11207; 0: any free port)."),
+]  # fmt: skip
+TlsClientCa = Annotated[
+    Path | None,
+    typer.Option("--tls-client-ca", metavar="FILE",
+                 help="PEM CA file: the TLS port asks for client certificates and verifies "
+                 "them against it; a certificate whose subject CN is a user logs in as "
+                 "that user."),
+]  # fmt: skip
+TlsClientAuth = Annotated[
+    str | None,
+    typer.Option("--tls-client-auth", metavar="MODE",
+                 help="enable (default with --tls-client-ca: a client may log in with SASL "
+                 "instead) or mandatory (no certificate, no connection)."),
 ]  # fmt: skip
 
 
@@ -194,6 +214,8 @@ def serve_cmd(
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
     tls_port: TlsPort = None,
+    tls_client_ca: TlsClientCa = None,
+    tls_client_auth: TlsClientAuth = None,
 ) -> None:
     """Run a UPR node."""
     level = getattr(logging, log_level.upper(), None)
@@ -210,6 +232,7 @@ def serve_cmd(
         idle_timeout=idle_timeout, collections=specs,
         expiry_pager_interval=expiry_pager_interval or None, tls_cert=tls_cert,
         tls_key=tls_key, tls_port=DEFAULT_TLS_PORT if tls_port is None else tls_port,
+        tls_client_ca=tls_client_ca, tls_client_auth=tls_client_auth,
     )  # fmt: skip
     if tls_port is not None and tls_cert is None:
         raise UsageError("--tls-port needs --tls-cert and --tls-key")

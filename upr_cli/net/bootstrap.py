@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import ssl
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from upr_cli.errors import UprError
 from upr_cli.net.connection import Connection, ConnectionClosed, ConnectionError_, ServerItems
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.scram import AuthenticationFailed, ScramClient, plain_message
-from upr_cli.net.tls import ClientTls
+from upr_cli.net.tls import ClientTls, client_certificate_alert, closed_after_handshake
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import leb128
 from upr_cli.protocol.header import Feature
@@ -42,9 +43,18 @@ from upr_cli.protocol.messages import (
     SaslStep,
     SelectBucket,
 )
-from upr_cli.protocol.status import AuthContinue, AuthError, KeyNotFound, Status, StatusError
+from upr_cli.protocol.status import (
+    AuthContinue,
+    AuthError,
+    KeyNotFound,
+    NotSupported,
+    Status,
+    StatusError,
+)
 
 AGENT = "upr/0.1"
+# how a TLS server that refuses the client without an alert ends the connection
+_DROPPED = (ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)
 _V = TypeVar("_V")
 WANTED = (Feature.TCP_NODELAY, Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON,
           Feature.MUTATION_SEQNO, Feature.COLLECTIONS)  # fmt: skip
@@ -125,17 +135,19 @@ async def _connect_one(
     name: str,
     features: tuple[int, ...],
 ) -> Session:
-    tls = (uri.tls or ClientTls.from_env()).context() if uri.secure else None
+    settings = (uri.tls or ClientTls.from_env()) if uri.secure else None
+    tls = settings.context() if settings is not None else None
     conn = await Connection.open(uri.host, uri.port, timeout=timeout, name=name or uri.redacted(),
                                  on_server=on_server, on_close=on_close, tls=tls)  # fmt: skip
+    certificate = settings is not None and settings.certfile is not None
     try:
-        hello = await _hello(conn, uri, features, timeout)
+        hello = await _hello(conn, uri, features, timeout, certificate=certificate)
         granted = frozenset(hello.features) if isinstance(hello, HelloResponse) else frozenset()
         # Nothing else is in flight yet, so no data record can have been decoded the
         # old way: every later key is split (docs/protocol.md "Collections").
         conn.collections = Feature.COLLECTIONS in granted
         if uri.username:
-            await _authenticate(conn, uri, timeout)
+            await _authenticate(conn, uri, timeout, certificate=certificate)
         if Feature.XERROR in granted:
             await conn.request(GetErrorMap(version=2, opaque=conn.next_opaque()), timeout=timeout)
         if uri.bucket:
@@ -164,15 +176,28 @@ async def _connect_one(
 
 
 async def _hello(
-    conn: Connection, uri: SourceUri, features: tuple[int, ...], timeout: float
+    conn: Connection,
+    uri: SourceUri,
+    features: tuple[int, ...],
+    timeout: float,
+    *,
+    certificate: bool = False,
 ) -> Any:
     """HELLO; a TLS port closes a plain client's connection at its first bytes, so that
-    close gets a hint (docs/protocol.md §13.3)."""
+    close gets a hint (docs/protocol.md §13.3). Over TLS 1.3 a server checks the client
+    certificate after the client's handshake is over: its refusal (an alert, or a close
+    without one) comes here, and says what to do about the certificate (§13.5)."""
     try:
         return await conn.request(Hello(agent=AGENT, features=features, opaque=conn.next_opaque()),
                                   timeout=timeout)  # fmt: skip
-    except ConnectionClosed:
+    except ConnectionClosed as exc:
         if uri.secure:
+            where, cause = f"{uri.host}:{uri.port}", exc.__cause__
+            alert = client_certificate_alert(cause, where)
+            if alert is not None:
+                raise alert from None
+            if cause is None or isinstance(cause, _DROPPED):
+                raise closed_after_handshake(where, sent_certificate=certificate) from None
             raise
         # still retriable: a node that restarts closes the same way
         raise ConnectionClosed(
@@ -181,7 +206,9 @@ async def _hello(
         ) from None
 
 
-async def _authenticate(conn: Connection, uri: SourceUri, timeout: float) -> None:
+async def _authenticate(
+    conn: Connection, uri: SourceUri, timeout: float, *, certificate: bool = False
+) -> None:
     assert uri.username is not None
     password = uri.password or ""
     resp = await conn.request(SaslListMechs(opaque=conn.next_opaque()), timeout=timeout)
@@ -220,6 +247,14 @@ async def _authenticate(conn: Connection, uri: SourceUri, timeout: float) -> Non
     except (AuthError, AuthContinue, AuthenticationFailed):
         raise BootstrapError(
             f"{uri.redacted()}: authentication failed for user {uri.username!r}"
+        ) from None
+    except NotSupported:
+        if not certificate:
+            raise
+        # Couchbase: a connection its client certificate logged in refuses SASL (§13.5)
+        raise BootstrapError(
+            f"{uri.redacted()}: the server logged this connection in by its client "
+            "certificate and refuses SASL: leave the user name out of the URI"
         ) from None
 
 

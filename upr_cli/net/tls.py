@@ -1,5 +1,6 @@
 """TLS for the data port: the client's and the node's `ssl.SSLContext`, and one-line
-errors for the ways a handshake fails (docs/protocol.md §13).
+errors for the ways a handshake fails (docs/protocol.md §13), the client certificate's
+included (§13.5).
 
 A client verifies the server certificate against the system trust store, or against
 the CA file it is given (`--cacert`, else $UPR_CACERT); turning verification off is an
@@ -39,6 +40,23 @@ _UNTRUSTED = {18, 19, 20, 21}
 _CA = "--cacert (or UPR_CACERT)"
 # How a peer that does not speak TLS ends a handshake (it drops the connection).
 _CLOSED = (ssl.SSLEOFError, ConnectionResetError, BrokenPipeError)
+_CERT_FIX = "give --cert FILE --key FILE, or set UPR_CERT and UPR_KEY"
+_REFUSED = "the server refused the client certificate"
+# TLS alerts (RFC 8446 §6.2) in which a server refuses the client's certificate, by the
+# names OpenSSL gives them (ssl.SSLError.reason). A TLS 1.2 server that requires a
+# certificate and gets none sends handshake_failure, which other mismatches send too.
+_CLIENT_CERT_ALERTS = {
+    "TLSV13_ALERT_CERTIFICATE_REQUIRED": f"the server requires a client certificate: {_CERT_FIX}",
+    "TLSV1_ALERT_UNKNOWN_CA": "the server does not trust the CA of the client certificate",
+    "SSLV3_ALERT_BAD_CERTIFICATE": _REFUSED,
+    "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE": _REFUSED,
+    "SSLV3_ALERT_CERTIFICATE_REVOKED": _REFUSED,
+    "SSLV3_ALERT_CERTIFICATE_EXPIRED": _REFUSED,
+    "SSLV3_ALERT_CERTIFICATE_UNKNOWN": _REFUSED,
+    "TLSV1_ALERT_ACCESS_DENIED": _REFUSED,
+    "SSLV3_ALERT_HANDSHAKE_FAILURE": "the server refused the TLS handshake; if it requires "
+    f"a client certificate, {_CERT_FIX}",
+}
 
 
 class TlsError(UprError):
@@ -47,6 +65,10 @@ class TlsError(UprError):
 
 class CertificateError(TlsError):
     """The server certificate did not verify: unknown CA, expired, or another name."""
+
+
+class ClientCertificateError(TlsError):
+    """The server refused the client's certificate, or wanted one and got none."""
 
 
 class TlsConfigError(UsageError):
@@ -91,10 +113,26 @@ def _client_context(tls: ClientTls) -> ssl.SSLContext:
     return ctx
 
 
-def server_context(certfile: str, keyfile: str) -> ssl.SSLContext:
-    """The node's context: its certificate chain and key, TLS 1.2 or later."""
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+def server_context(
+    certfile: str, keyfile: str, client_ca: str | None = None, *, mandatory: bool = False
+) -> ssl.SSLContext:
+    """The node's context: its certificate chain and key, TLS 1.2 or later. With
+    `client_ca` it asks every client for a certificate and verifies the one it gets
+    against that CA file alone (not the system store): a client without one is refused
+    in the handshake if `mandatory`, else let in to authenticate with SASL."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)  # loads no CA: verify is off
     _load_chain(ctx, certfile, keyfile, "--tls-cert/--tls-key")
+    if client_ca is not None:
+        what = "--tls-client-ca"
+        try:
+            ctx.load_verify_locations(client_ca)
+        except FileNotFoundError:
+            raise TlsConfigError(f"{what}: cannot read {client_ca}: no such file") from None
+        except OSError as exc:  # ssl.SSLError is one: not PEM
+            raise TlsConfigError(
+                f"{what}: {client_ca} is not a PEM CA file ({_why(exc)})"
+            ) from None
+        ctx.verify_mode = ssl.CERT_REQUIRED if mandatory else ssl.CERT_OPTIONAL
     return ctx
 
 
@@ -113,6 +151,9 @@ def _load_chain(ctx: ssl.SSLContext, certfile: str, keyfile: str | None, what: s
 
 def handshake_error(exc: OSError, where: str) -> TlsError:
     """The one-line error for a failed handshake with `where` (host:port)."""
+    alert = client_certificate_alert(exc, where)
+    if alert is not None:
+        return alert
     if isinstance(exc, ssl.SSLCertVerificationError):
         why = (exc.verify_message or _why(exc)).rstrip(".")
         why = why.replace("in certificate chain", "in chain")
@@ -122,6 +163,36 @@ def handshake_error(exc: OSError, where: str) -> TlsError:
     return TlsError(
         f"{where}: TLS handshake failed ({why}): a plain data port? "
         f"those take upr:// or couchbase://"
+    )
+
+
+def client_certificate_alert(exc: BaseException | None, where: str) -> TlsError | None:
+    """The one-line error for a TLS alert in which the server refuses the client's
+    certificate (or its lack of one), else None. Over TLS 1.2 the alert ends the
+    handshake; over TLS 1.3 the client's handshake is over before the server has checked
+    the certificate, so the alert comes with the first read."""
+    if not isinstance(exc, ssl.SSLError) or exc.reason not in _CLIENT_CERT_ALERTS:
+        return None
+    alert = _why(exc).partition(" alert ")[2]  # "tlsv1 alert unknown ca": "unknown ca"
+    return ClientCertificateError(
+        f"{where}: {_CLIENT_CERT_ALERTS[exc.reason]} (TLS alert: {alert})"
+    )
+
+
+def closed_after_handshake(where: str, *, sent_certificate: bool) -> TlsError:
+    """The one-line error for a TLS server that closed the connection, without an alert,
+    before it answered the first request: what a server does that refuses the client's
+    certificate but does not say so, and what Couchbase does with a certificate that
+    maps to none of its users (docs/protocol.md §13.5)."""
+    if sent_certificate:
+        return ClientCertificateError(
+            f"{where}: the server closed the connection after the TLS handshake: it did "
+            "not accept the client certificate (a CA it does not trust, or a subject CN "
+            "that names none of its users)"
+        )
+    return ClientCertificateError(
+        f"{where}: the server closed the connection after the TLS handshake: it may "
+        f"require a client certificate ({_CERT_FIX})"
     )
 
 

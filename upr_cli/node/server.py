@@ -2,7 +2,8 @@
 
 One `ClientSession` per connection reads frames in order (no unordered execution,
 docs/protocol.md §1.5) and answers each request before taking the next. Authentication
-is required unless the node runs with `--no-auth` on loopback. Statuses for a misuse, as
+is required unless the node runs with `--no-auth` on loopback; on the TLS port a client
+certificate can log a connection in (docs/protocol.md §13.5). Statuses for a misuse, as
 documented in the README: wrong password → AUTH_ERROR (0x20); a bucket command before
 SELECT_BUCKET → NO_BUCKET (0x08); SELECT_BUCKET or DCP_OPEN before authenticating →
 EACCESS (0x24). A peer sending bytes that do not frame (bad magic, huge lengths) is
@@ -166,6 +167,8 @@ MECHANISMS = "SCRAM-SHA512 PLAIN"
 # for a password the node does not know (its final message proves that the node knows
 # it), so a --no-auth node without users offers PLAIN alone.
 NO_AUTH_MECHANISMS = "PLAIN"
+# --tls-client-auth: Couchbase's client-certificate states other than "disable"
+CLIENT_AUTH_MODES = ("enable", "mandatory")
 
 
 COLLECTIONS_COMMANDS = (CollectionsSetManifest, CollectionsGetManifest, CollectionsGetId,
@@ -214,6 +217,10 @@ class NodeConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_port: int = DEFAULT_TLS_PORT
+    # client certificates on the TLS port (docs/protocol.md §13.5): the CA file that
+    # verifies them, and "enable" (the default with a CA) or "mandatory"
+    tls_client_ca: Path | None = None
+    tls_client_auth: str | None = None
     # seconds between the expiry pager's rounds (None: only reads expire documents)
     expiry_pager_interval: float | None = EXPIRY_PAGER_INTERVAL
 
@@ -230,12 +237,7 @@ class NodeServer:
             raise ServeUsageError("--partitions must be between 1 and 1024")
         if (config.tls_cert is None) != (config.tls_key is None):
             raise ServeUsageError("--tls-cert and --tls-key go together")
-        self.tls: ssl.SSLContext | None = None
-        if config.tls_cert is not None and config.tls_key is not None:
-            try:
-                self.tls = server_context(str(config.tls_cert), str(config.tls_key))
-            except UsageError as exc:
-                raise ServeUsageError(str(exc)) from None
+        self.tls = self._tls_context(config)
         try:
             parse_specs(config.collections)
         except UsageError as exc:
@@ -257,6 +259,39 @@ class NodeServer:
         self.rev = 1
         self.replicator: Replicator | None = None
         self.warned_no_auth_scram = False  # logged once: SCRAM cannot take any password
+
+    @staticmethod
+    def _tls_context(config: NodeConfig) -> ssl.SSLContext | None:
+        """The TLS port's context; with --tls-client-ca it asks for client certificates."""
+        mode = config.tls_client_auth
+        if mode is not None and config.tls_client_ca is None:
+            raise ServeUsageError("--tls-client-auth needs --tls-client-ca FILE")
+        if mode not in (None, *CLIENT_AUTH_MODES):
+            raise ServeUsageError(f"--tls-client-auth: enable or mandatory, not {mode!r}")
+        if config.tls_client_ca is not None and config.tls_cert is None:
+            raise ServeUsageError("--tls-client-ca needs --tls-cert and --tls-key (the TLS port)")
+        if config.tls_cert is None or config.tls_key is None:
+            return None
+        ca = None if config.tls_client_ca is None else str(config.tls_client_ca)
+        try:
+            return server_context(str(config.tls_cert), str(config.tls_key), ca,
+                                  mandatory=mode == "mandatory")  # fmt: skip
+        except UsageError as exc:
+            raise ServeUsageError(str(exc)) from None
+
+    def certificate_user(self, peercert: Any) -> tuple[bool, str | None]:
+        """Client-certificate authentication (docs/protocol.md §13.5), as Couchbase maps
+        a certificate by default (path subject.cn, no prefix, no delimiter): whether the
+        connection may stay, and the user a verified certificate logs it in as. A
+        certificate whose subject CN names none of the node's users is refused (kv_engine
+        closes such a connection); --no-auth ignores the CN, as it needs no login."""
+        if not peercert or self.config.no_auth:  # plain port, no certificate, --no-auth
+            return True, None
+        names = [v for rdn in peercert.get("subject", ()) for k, v in rdn if k == "commonName"]
+        user = names[0] if names else None
+        if user is None or user not in self.credentials:
+            return False, user
+        return True, user
 
     @property
     def mechanisms(self) -> str:
@@ -343,6 +378,9 @@ class NodeServer:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = ClientSession(self, reader, writer)
+        if not session.certificate_login():
+            writer.close()
+            return
         self.sessions.add(session)
         try:
             await session.run()
@@ -414,6 +452,7 @@ class ClientSession:
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "?"
         self.authenticated = server.config.no_auth
         self.user: str | None = None
+        self.cert_user: str | None = None  # the user its client certificate logged in
         self.bucket: Bucket | None = None
         self.features: set[int] = set()
         self.scram: ScramServer | None = None
@@ -424,6 +463,18 @@ class ClientSession:
         self._out_bytes = 0
         self._flush_soon = False  # a call_soon(_uncork) is pending
         self.decoder = FrameDecoder(max_body=UNAUTH_MAX_BODY)
+
+    def certificate_login(self) -> bool:
+        """Log in as the user a verified client certificate names (docs/protocol.md
+        §13.5); False for a certificate that names none: the caller closes at once."""
+        ok, user = self.server.certificate_user(self.writer.get_extra_info("peercert"))
+        if not ok:
+            cn = "(none)" if user is None else repr(user)
+            log.warning("%s: disconnecting: the client certificate's subject CN %s names "
+                        "no user of this node", self.peer, cn)  # fmt: skip
+        elif user is not None:
+            self.authenticated, self.user, self.cert_user = True, user, user
+        return ok
 
     async def run(self) -> None:
         """Read and answer requests until the peer leaves or misbehaves."""
@@ -784,6 +835,11 @@ class ClientSession:
         With --no-auth, PLAIN takes any user and password (SCRAM only the node's users)."""
         if self.dcp is not None:
             raise InvalidArguments("SASL is not accepted after DCP_OPEN")
+        if self.cert_user is not None:  # as kv_engine: no change of identity
+            raise NotSupported(
+                f"this connection is logged in as {self.cert_user!r} by its client "
+                "certificate; SASL cannot change that"
+            )
         creds = self.server.credentials
         try:
             if isinstance(msg, SaslAuth) and msg.mechanism == "PLAIN":
