@@ -1,25 +1,37 @@
 """TLS on the data port (docs/protocol.md §13): URIs, the cluster map's kvSSL ports,
-the client's certificate checks and their one-line errors, and PLAIN over TLS, against
-an in-process `NodeServer` listening on both ports."""
+the client's certificate checks and their one-line errors, PLAIN over TLS, and client
+certificates that log a connection in (docs/protocol.md §13.5), against an
+in-process `NodeServer` listening on both ports; the TLS alerts a server sends about a
+client certificate come from an OpenSSL peer that sends them (as Couchbase does)."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime
+import logging
+import socket
 import ssl
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trustme
 
 from tests.dcp.inprocess import run
 from upr_cli.net.bootstrap import BootstrapError, connect, map_nodes
-from upr_cli.net.connection import Connection, ConnectionClosed
-from upr_cli.net.tls import CertificateError, ClientTls, TlsConfigError, TlsError
+from upr_cli.net.connection import ConnectionClosed
+from upr_cli.net.tls import (
+    CertificateError,
+    ClientCertificateError,
+    ClientTls,
+    TlsConfigError,
+    TlsError,
+    server_context,
+)
 from upr_cli.net.uri import SourceUri
-from upr_cli.node.server import NodeConfig, NodeServer
+from upr_cli.node.server import NodeConfig, NodeServer, ServeUsageError
 
 SCENARIO_S = 10.0  # TLS handshakes and key loading on a shared, slow machine
 
@@ -42,6 +54,15 @@ class Pki:
         path.write_bytes(data)
         return str(path)
 
+    def client(self, cn: str, ca: trustme.CA | None = None, **kw: datetime.datetime) -> ClientTls:
+        """Settings with a client certificate whose subject CN is `cn`, from `ca` (by
+        default the test CA, which the node trusts for clients too)."""
+        leaf = (ca or self.ca).issue_cert(common_name=cn, **kw)  # type: ignore[arg-type]
+        name = f"client-{cn}-{id(leaf)}"
+        cert = self._write(f"{name}.pem", b"".join(p.bytes() for p in leaf.cert_chain_pems))
+        key = self._write(f"{name}.key", leaf.private_key_pem.bytes())
+        return ClientTls(cafile=self.cafile, certfile=cert, keyfile=key)
+
     def _issue(self, name: str, *names: str, **kw: datetime.datetime) -> tuple[str, str]:
         leaf = self.ca.issue_cert(*names, **kw)  # type: ignore[arg-type]
         cert = self._write(f"{name}.pem", b"".join(p.bytes() for p in leaf.cert_chain_pems))
@@ -58,11 +79,14 @@ def pki(tmp_path: Path) -> Pki:
 
 
 @asynccontextmanager
-async def tls_node(tmp: Path, cert: tuple[str, str]) -> AsyncIterator[NodeServer]:
-    """A node on free ports, plain and TLS; admin/pw, and (--no-auth) PLAIN for anyone."""
+async def tls_node(tmp: Path, cert: tuple[str, str], **options: Any) -> AsyncIterator[NodeServer]:
+    """A node on free ports, plain and TLS; admin/pw, and (--no-auth) PLAIN for anyone;
+    `options` change its NodeConfig."""
     config = NodeConfig(data_dir=tmp / "node", port=0, partitions=4, users={"admin": "pw"},
                         no_auth=True, tls_cert=Path(cert[0]), tls_key=Path(cert[1]),
                         tls_port=0)  # fmt: skip
+    for name, value in options.items():
+        setattr(config, name, value)
     server = NodeServer(config)
     await server.start()
     try:
@@ -225,35 +249,6 @@ def test_wrong_ports_fail_fast_with_a_hint(tmp_path: Path, pki: Pki) -> None:
     run(scenario(), SCENARIO_S)
 
 
-def test_a_client_certificate_is_presented_to_a_server_that_asks(pki: Pki) -> None:
-    client = pki.ca.issue_cert("upr-client")
-    cert = pki._write("client.pem", client.cert_chain_pems[0].bytes())
-    key = pki._write("client.key", client.private_key_pem.bytes())
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(*pki.good)
-    server_ctx.load_verify_locations(pki.cafile)
-    server_ctx.verify_mode = ssl.CERT_REQUIRED
-    seen: list[object] = []
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        seen.append(writer.get_extra_info("peercert"))
-        writer.close()
-
-    async def scenario() -> None:
-        listener = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_ctx)
-        port = listener.sockets[0].getsockname()[1]
-        try:
-            tls = ClientTls(cafile=pki.cafile, certfile=cert, keyfile=key)
-            conn = await Connection.open("127.0.0.1", port, tls=tls.context())
-            await conn.aclose()
-        finally:
-            listener.close()
-            await listener.wait_closed()
-
-    run(scenario(), SCENARIO_S)
-    assert seen and "upr-client" in str(seen[0])
-
-
 def test_a_bucketless_session_gets_the_global_config_with_the_tls_port(
     tmp_path: Path, pki: Pki
 ) -> None:
@@ -266,5 +261,196 @@ def test_a_bucketless_session_gets_the_global_config_with_the_tls_port(
             assert "vBucketServerMap" not in s.config and "name" not in s.config
             assert s.config["nodesExt"] == [{"thisNode": True, "services": {
                 "kv": server.port, "kvSSL": server.tls_port}}]  # fmt: skip
+
+    run(scenario(), SCENARIO_S)
+
+
+# -- client certificates (docs/protocol.md §13.5) -------------------------------------------
+
+
+def cert_node(tmp: Path, pki: Pki, mode: str | None = "mandatory") -> Any:
+    """A node that logs users in (no --no-auth) and checks client certificates."""
+    return tls_node(tmp, pki.good, no_auth=False, tls_client_ca=Path(pki.cafile),
+                    tls_client_auth=mode)  # fmt: skip
+
+
+def cert_uri(server: NodeServer, tls: ClientTls, login: str = "") -> SourceUri:
+    """uprs:// to the node's TLS port with `tls`; no user unless `login` ("user:pw")."""
+    at = f"{login}@" if login else ""
+    return SourceUri.parse(f"uprs://{at}127.0.0.1:{server.tls_port}/default").with_tls(tls)
+
+
+def test_the_node_asks_for_client_certificates_only_with_a_client_ca(pki: Pki) -> None:
+    assert server_context(*pki.good).verify_mode == ssl.CERT_NONE
+    enable = server_context(*pki.good, pki.cafile)
+    assert enable.verify_mode == ssl.CERT_OPTIONAL
+    assert len(enable.get_ca_certs()) == 1  # that CA alone, not the system store
+    assert server_context(*pki.good, pki.cafile, mandatory=True).verify_mode == ssl.CERT_REQUIRED
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tls_client_auth": "mandatory"}, r"^--tls-client-auth needs --tls-client-ca FILE$"),
+        ({"tls_client_ca": "CA", "tls_client_auth": "required"},
+         r"^--tls-client-auth: enable or mandatory, not 'required'$"),
+        ({"tls_client_ca": "CA", "tls_cert": None, "tls_key": None},
+         r"^--tls-client-ca needs --tls-cert and --tls-key \(the TLS port\)$"),
+        ({"tls_client_ca": "missing.pem"}, r"^--tls-client-ca: cannot read .*missing\.pem: no "
+                                           r"such file$"),
+        ({"tls_client_ca": "KEY"}, r"^--tls-client-ca: .*\.key is not a PEM CA file \("),
+    ],
+)  # fmt: skip
+def test_client_certificate_options_that_cannot_work_are_usage_errors(
+    tmp_path: Path, pki: Pki, options: dict[str, Any], message: str
+) -> None:
+    config = NodeConfig(data_dir=tmp_path, no_auth=True, tls_cert=Path(pki.good[0]),
+                        tls_key=Path(pki.good[1]))  # fmt: skip
+    files = {"CA": pki.cafile, "KEY": pki.good[1], "missing.pem": str(tmp_path / "missing.pem")}
+    for name, value in options.items():
+        setattr(config, name, Path(files[value]) if name == "tls_client_ca" else value)
+    with pytest.raises(ServeUsageError, match=message) as info:
+        NodeServer(config)
+    assert info.value.exit_code == 2
+
+
+def test_a_mandatory_certificate_logs_in_as_the_user_its_cn_names(
+    tmp_path: Path, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> None:
+        async with cert_node(tmp_path, pki) as server:
+            # no user in the URI: no SASL, and SELECT_BUCKET (which needs a login) works
+            s = await connect(cert_uri(server, pki.client("admin")))
+            try:
+                assert s.config["vBucketServerMap"]["vBucketMap"]
+                assert await s.conn.stats("vbucket-seqno")
+            finally:
+                await s.conn.aclose()
+            # the node refuses these in the handshake, or (a CN that names no user) right
+            # after it, and closes without a TLS alert: the client says what it can tell
+            with pytest.raises(ClientCertificateError, match=r"after the TLS handshake: it "
+                               r"may require a client certificate \(give --cert FILE --key "
+                               r"FILE, or set UPR_CERT and UPR_KEY\)$"):  # fmt: skip
+                await connect(cert_uri(server, ClientTls(cafile=pki.cafile)))
+            for tls in (pki.client("admin", trustme.CA()), pki.client("nobody")):
+                with pytest.raises(ClientCertificateError, match=r"after the TLS handshake: "
+                                   r"it did not accept the client certificate \(a CA it "
+                                   r"does not trust, or a subject CN that names none of "
+                                   r"its users\)$"):  # fmt: skip
+                    await connect(cert_uri(server, tls))
+            # a certificate's login is final: SASL is refused (as kv_engine refuses it)
+            with pytest.raises(BootstrapError, match=r"logged this connection in by its "
+                               r"client certificate and refuses SASL: leave the user name "
+                               r"out of the URI$"):  # fmt: skip
+                await connect(cert_uri(server, pki.client("admin"), "admin:pw"))
+            plain = SourceUri.parse(f"upr://admin:pw@127.0.0.1:{server.port}/default")
+            s = await connect(plain)  # the plain port: SCRAM, as before
+            await s.conn.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="upr_cli.node.server"):
+        run(scenario(), SCENARIO_S)
+    assert "the client certificate's subject CN 'nobody' names no user of this node" in (
+        caplog.text
+    )
+
+
+def test_enable_mode_takes_a_certificate_or_a_password(tmp_path: Path, pki: Pki) -> None:
+    async def scenario() -> None:
+        async with cert_node(tmp_path, pki, None) as server:  # enable: the default
+            assert server.tls is not None and server.tls.verify_mode == ssl.CERT_OPTIONAL
+            for uri in (tls_uri(server, pki.cafile), cert_uri(server, pki.client("admin"))):
+                s = await connect(uri)
+                await s.conn.aclose()
+            with pytest.raises(BootstrapError, match="authentication failed"):
+                await connect(tls_uri(server, pki.cafile, password="wrong"))
+            # a certificate that is given must verify, and name a user
+            for cn, ca in (("admin", trustme.CA()), ("nobody", None)):
+                with pytest.raises(ClientCertificateError, match="did not accept the client"):
+                    await connect(cert_uri(server, pki.client(cn, ca)))
+
+    run(scenario(), SCENARIO_S)
+
+
+def test_with_no_auth_the_cn_does_not_matter(tmp_path: Path, pki: Pki) -> None:
+    async def scenario() -> None:
+        async with tls_node(tmp_path, pki.good, tls_client_ca=Path(pki.cafile),
+                            tls_client_auth="mandatory") as server:  # fmt: skip
+            s = await connect(cert_uri(server, pki.client("nobody")))
+            await s.conn.aclose()
+
+    run(scenario(), SCENARIO_S)
+
+
+@contextmanager
+def alerting_peer(pki: Pki, *, tls12: bool) -> Iterator[int]:
+    """A TLS server on a thread that requires a certificate from the test CA and, when
+    the handshake fails, sends OpenSSL's alert and then a FIN (as kv_engine does; an
+    asyncio server closes without the alert). Its port."""
+    ctx = server_context(*pki.good, pki.cafile, mandatory=True)
+    if tls12:
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(5.0)
+            with ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False) as tls:
+                try:
+                    tls.do_handshake()
+                except OSError:  # the alert is out; a FIN, not a reset that could pass it
+                    tls.shutdown(socket.SHUT_WR)
+                    while tls.recv(4096):
+                        pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        done.set()
+        thread.join(10)
+        listener.close()
+
+
+@pytest.mark.parametrize(
+    ("tls12", "client", "message"),
+    [
+        (False, None, r"the server requires a client certificate: give --cert FILE --key "
+                      r"FILE, or set UPR_CERT and UPR_KEY \(TLS alert: certificate required\)"),
+        (False, "other-ca", r"the server does not trust the CA of the client certificate "
+                            r"\(TLS alert: unknown ca\)"),
+        (False, "expired", r"the server refused the client certificate \(TLS alert: "
+                           r"certificate expired\)"),
+        (True, None, r"the server refused the TLS handshake; if it requires a client "
+                     r"certificate, give --cert FILE --key FILE, or set UPR_CERT and "
+                     r"UPR_KEY \(TLS alert: handshake failure\)"),
+        (True, "other-ca", r"the server does not trust the CA of the client certificate "
+                           r"\(TLS alert: unknown ca\)"),
+    ],
+)  # fmt: skip
+def test_a_tls_alert_about_the_client_certificate_is_one_line(
+    pki: Pki, tls12: bool, client: str | None, message: str
+) -> None:
+    """Over TLS 1.3 the alert comes with the answer to HELLO (the client's handshake was
+    over), over TLS 1.2 it ends the handshake: the same one line either way."""
+    now = datetime.datetime.now(datetime.UTC)
+    tls = {
+        None: ClientTls(cafile=pki.cafile),
+        "other-ca": pki.client("admin", trustme.CA()),
+        "expired": pki.client("admin", not_before=now - _DAYS * 10, not_after=now - _DAYS),
+    }[client]
+
+    async def scenario() -> None:
+        with alerting_peer(pki, tls12=tls12) as port:
+            uri = SourceUri.parse(f"uprs://127.0.0.1:{port}/default").with_tls(tls)
+            with pytest.raises(ClientCertificateError) as info:
+                await connect(uri, timeout=5.0)
+        assert str(info.value) == f"127.0.0.1:{port}: " + message.replace("\\", "")
 
     run(scenario(), SCENARIO_S)

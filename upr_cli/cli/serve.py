@@ -43,14 +43,14 @@ allowed_sasl_mechanisms=["PLAIN"])):
 Example (TLS on port 11207 beside the plain port; clients use uprs:// with
 --cacert ca.pem or UPR_CACERT=ca.pem):
 
-  upr serve --data /tmp/node --user admin --password secret --tls-cert node.pem \
+  upr serve --data /tmp/node --user admin --password secret --tls-cert node.pem \\
       --tls-key node.key
 
 Example (client certificates required on the TLS port; one whose subject CN is
 "admin" logs in as admin, and clients give uprs://HOST:11207/default --cert c.pem
 --key c.key with no user in the URI):
 
-  upr serve --data /tmp/node --user admin --password secret --tls-cert node.pem \
+  upr serve --data /tmp/node --user admin --password secret --tls-cert node.pem \\
       --tls-key node.key --tls-client-ca clients-ca.pem --tls-client-auth mandatory
 
 Example (a bucket of 64 partitions; --partitions N, the old spelling, still works):

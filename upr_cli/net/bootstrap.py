@@ -186,7 +186,8 @@ async def _hello(
     """HELLO; a TLS port closes a plain client's connection at its first bytes, so that
     close gets a hint (docs/protocol.md §13.3). Over TLS 1.3 a server checks the client
     certificate after the client's handshake is over: its refusal (an alert, or a close
-    without one) comes here, and says what to do about the certificate (§13.5)."""
+    without one) comes here, and says what to do about the certificate
+    (docs/protocol.md §13.5)."""
     try:
         return await conn.request(Hello(agent=AGENT, features=features, opaque=conn.next_opaque()),
                                   timeout=timeout)  # fmt: skip
@@ -251,7 +252,7 @@ async def _authenticate(
     except NotSupported:
         if not certificate:
             raise
-        # Couchbase: a connection its client certificate logged in refuses SASL (§13.5)
+        # a connection its client certificate logged in refuses SASL (docs/protocol.md §13.5)
         raise BootstrapError(
             f"{uri.redacted()}: the server logged this connection in by its client "
             "certificate and refuses SASL: leave the user name out of the URI"

@@ -1,6 +1,6 @@
 """TLS for the data port: the client's and the node's `ssl.SSLContext`, and one-line
-errors for the ways a handshake fails (docs/protocol.md §13), the client certificate's
-included (§13.5).
+errors for the ways a handshake fails (docs/protocol.md §13; the client certificate's in
+docs/protocol.md §13.5).
 
 A client verifies the server certificate against the system trust store, or against
 the CA file it is given (`--cacert`, else $UPR_CACERT); turning verification off is an

@@ -465,8 +465,8 @@ class ClientSession:
         self.decoder = FrameDecoder(max_body=UNAUTH_MAX_BODY)
 
     def certificate_login(self) -> bool:
-        """Log in as the user a verified client certificate names (docs/protocol.md
-        §13.5); False for a certificate that names none: the caller closes at once."""
+        """Log in as the user a verified client certificate names; False for one that
+        names none: the caller closes at once (docs/protocol.md §13.5)."""
         ok, user = self.server.certificate_user(self.writer.get_extra_info("peercert"))
         if not ok:
             cn = "(none)" if user is None else repr(user)
