@@ -15,10 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Rollback
-from upr_cli.net.bootstrap import connect
+from upr_cli.net.bootstrap import WANTED, connect, partition_of
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
+from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
+from upr_cli.protocol.header import Feature
+from upr_cli.protocol.messages import Delete, DelWithMeta, Set, SetWithMeta
 from upr_cli.store import content_hash_of
 
 if TYPE_CHECKING:
@@ -286,3 +289,32 @@ def apply_changes(changes: Iterable[tuple[bytes, bytes | None]]) -> dict[bytes, 
         else:
             state[key] = value
     return state
+
+
+async def write_xattr_ops(uri: str, ops: list[tuple[str, bytes, Any]]) -> None:
+    """Writes over one connection that negotiated XATTR (formats/wire.md "Xattrs"):
+    ("meta", key, (xattrs, body, rev)) a SET_WITH_META with that blob (flags 0x2A);
+    ("set", key, body) a plain SET, flags 7 (the document keeps its xattrs); ("delete",
+    key, None) a DELETE (the tombstone keeps its system xattrs); ("delmeta", key,
+    (xattrs, rev)) a DEL_WITH_META carrying a blob."""
+    s = await connect(SourceUri.parse(uri), features=(*WANTED, Feature.XATTR))
+    assert Feature.XATTR in s.features
+    try:
+        for kind, key, arg in ops:
+            vb, k, op = partition_of(key, s.num_partitions), s.qualify(key), s.conn.next_opaque()
+            cas = time.time_ns() & ~0xFFFF
+            if kind == "meta":
+                dt, value = xattrs.join(xattrs.from_json(arg[0]), arg[1], 0x01)
+                msg: Any = SetWithMeta(vbucket=vb, key=k, value=value, datatype=dt, flags=0x2A,
+                                       rev_seqno=arg[2], item_cas=cas, opaque=op)  # fmt: skip
+            elif kind == "set":
+                msg = Set(vbucket=vb, key=k, value=arg, datatype=0x01, flags=7, opaque=op)
+            elif kind == "delete":
+                msg = Delete(vbucket=vb, key=k, opaque=op)
+            else:
+                msg = DelWithMeta(vbucket=vb, key=k, value=xattrs.from_json(arg[0]),
+                                  datatype=xattrs.XATTR, rev_seqno=arg[1], item_cas=cas,
+                                  opaque=op)  # fmt: skip
+            await s.conn.request(msg)
+    finally:
+        await s.conn.aclose()

@@ -7,18 +7,14 @@ another partition count, read back over DCP with xattrs; `--no-system-xattrs` le
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 from tests.e2e.conftest import Node, upr
-from tests.e2e.e2e_helpers import drain, run, wait_persisted
-from upr_cli.net.bootstrap import WANTED, connect, partition_of
-from upr_cli.net.uri import SourceUri
+from tests.e2e.e2e_helpers import drain, run, wait_persisted, write_xattr_ops
+from upr_cli.net.bootstrap import partition_of
 from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_MUTATION
-from upr_cli.protocol.header import Feature
-from upr_cli.protocol.messages import Delete, DelWithMeta, Set, SetWithMeta
 
 JSON = 0x01
 SYNC1 = {"_sync": {"rev": "1-a", "sequence": 1}, "app": {"owner": "u1"}}
@@ -26,34 +22,6 @@ SYNC2 = {"_sync": {"rev": "2-b", "sequence": 7}, "app": {"owner": "u2"}, "tags":
 
 # key → (op, value, xattrs as JSON, cas, rev seq, flags) of the latest version
 State = dict[bytes, tuple[int, bytes, dict[str, Any], int, int, int]]
-
-
-async def _write(uri: str, ops: list[tuple[str, bytes, Any]]) -> None:
-    """Writes over one connection that negotiated XATTR: ("meta", key, (xattrs, body,
-    rev)) a SET_WITH_META with that blob; ("set", key, body) a plain SET (the document
-    keeps its xattrs); ("delete", key, None) a DELETE (the tombstone keeps its system
-    xattrs); ("delmeta", key, (xattrs, rev)) a DEL_WITH_META carrying a blob."""
-    s = await connect(SourceUri.parse(uri), features=(*WANTED, Feature.XATTR))
-    assert Feature.XATTR in s.features
-    try:
-        for kind, key, arg in ops:
-            vb, k, op = partition_of(key, s.num_partitions), s.qualify(key), s.conn.next_opaque()
-            cas = time.time_ns() & ~0xFFFF
-            if kind == "meta":
-                dt, value = xattrs.join(xattrs.from_json(arg[0]), arg[1], JSON)
-                msg: Any = SetWithMeta(vbucket=vb, key=k, value=value, datatype=dt, flags=0x2A,
-                                       rev_seqno=arg[2], item_cas=cas, opaque=op)  # fmt: skip
-            elif kind == "set":
-                msg = Set(vbucket=vb, key=k, value=arg, datatype=JSON, flags=7, opaque=op)
-            elif kind == "delete":
-                msg = Delete(vbucket=vb, key=k, opaque=op)
-            else:
-                msg = DelWithMeta(vbucket=vb, key=k, value=xattrs.from_json(arg[0]),
-                                  datatype=xattrs.XATTR, rev_seqno=arg[1], item_cas=cas,
-                                  opaque=op)  # fmt: skip
-            await s.conn.request(msg)
-    finally:
-        await s.conn.aclose()
 
 
 def state(uri: str, partitions: int) -> State:
@@ -79,7 +47,7 @@ def test_xattrs_through_full_and_incremental_backup_and_restore(
 ) -> None:
     src = node_factory("--flush-interval", "0.02", partitions=16, name="src").start()
     repo = tmp_path / "repo"
-    run(_write(src.uri, [
+    run(write_xattr_ops(src.uri, [
         ("meta", b"sg::1", (SYNC1, b'{"n":1}', 1)),
         ("set", b"sg::1", b'{"n":11}'),  # a plain SET keeps the xattrs
         ("meta", b"sg::2", (SYNC1, b'{"n":2}', 1)),
@@ -95,7 +63,7 @@ def test_xattrs_through_full_and_incremental_backup_and_restore(
     assert first[b"sg::2"][2] == {"_sync": SYNC1["_sync"]} and not first[b"sg::2"][1]
     upr("backup", src.uri, "--repo", str(repo))
 
-    run(_write(src.uri, [
+    run(write_xattr_ops(src.uri, [
         ("meta", b"sg::1", (SYNC2, b'{"n":12}', 5)),  # replaced xattrs
         ("delmeta", b"sg::3", ({"_sync": {"rev": "2-c", "deleted": True}, "app": 3}, 9)),
         ("meta", b"sg::4", (SYNC2, b'{"n":4}', 1)),

@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 from tests.e2e.conftest import Node, upr
-from tests.e2e.e2e_helpers import run, wait_persisted
-from upr_cli.net.bootstrap import WANTED, connect, partition_of
+from tests.e2e.e2e_helpers import run, wait_persisted, write_xattr_ops
+from upr_cli.net.bootstrap import partition_of
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
 from upr_cli.protocol import xattrs
-from upr_cli.protocol.header import Feature
-from upr_cli.protocol.messages import Delete, DelWithMeta, Set, SetWithMeta
 from upr_cli.spark.stream import Range, probe, read_ranges
 from upr_cli.store import Store
 
@@ -46,33 +43,6 @@ EXPECTED = {  # key → (deleted, xattrs) once FIRST is written
 }  # fmt: skip
 
 
-async def _write(uri: str, ops: list[tuple[str, bytes, Any]]) -> None:
-    """("meta", key, (xattrs, body, rev)) SET_WITH_META with that blob; ("set", key,
-    body) a plain SET; ("delete", key, None) DELETE; ("delmeta", key, (xattrs, rev))
-    DEL_WITH_META carrying a blob: over one connection that negotiated XATTR."""
-    s = await connect(SourceUri.parse(uri), features=(*WANTED, Feature.XATTR))
-    assert Feature.XATTR in s.features
-    try:
-        for kind, key, arg in ops:
-            vb, k, op = partition_of(key, s.num_partitions), s.qualify(key), s.conn.next_opaque()
-            cas = time.time_ns() & ~0xFFFF
-            if kind == "meta":
-                dt, value = xattrs.join(xattrs.from_json(arg[0]), arg[1], JSON)
-                msg: Any = SetWithMeta(vbucket=vb, key=k, value=value, datatype=dt,
-                                       rev_seqno=arg[2], item_cas=cas, opaque=op)  # fmt: skip
-            elif kind == "set":
-                msg = Set(vbucket=vb, key=k, value=arg, datatype=JSON, opaque=op)
-            elif kind == "delete":
-                msg = Delete(vbucket=vb, key=k, opaque=op)
-            else:
-                msg = DelWithMeta(vbucket=vb, key=k, value=xattrs.from_json(arg[0]),
-                                  datatype=xattrs.XATTR, rev_seqno=arg[1], item_cas=cas,
-                                  opaque=op)  # fmt: skip
-            await s.conn.request(msg)
-    finally:
-        await s.conn.aclose()
-
-
 def _store_xattrs(path: Path) -> dict[str, tuple[bool, dict[str, Any]]]:
     """key → (deleted, xattrs) of every document of a store, tombstones included."""
     with Store(path, create=False) as s:
@@ -80,7 +50,7 @@ def _store_xattrs(path: Path) -> dict[str, tuple[bool, dict[str, Any]]]:
 
 
 def test_tail_prints_the_xattrs_tombstones_too(node: Node) -> None:
-    run(_write(node.uri, FIRST))
+    run(write_xattr_ops(node.uri, FIRST))
     out = upr("tail", node.uri, "--until-end", "--format", "json").stdout
     last = {}
     for line in out.splitlines():
@@ -98,7 +68,7 @@ def test_tail_prints_the_xattrs_tombstones_too(node: Node) -> None:
 
 
 def test_replay_keeps_xattrs_and_a_rollback_puts_them_back(node: Node, tmp_path: Path) -> None:
-    run(_write(node.uri, FIRST))
+    run(write_xattr_ops(node.uri, FIRST))
     db = tmp_path / "live.db"
     upr("replay", node.uri, "--into", str(db))
     assert _store_xattrs(db) == EXPECTED
@@ -114,7 +84,7 @@ def test_replay_keeps_xattrs_and_a_rollback_puts_them_back(node: Node, tmp_path:
     # a second run resumes: a's xattrs replaced, d gets some, e deleted
     more = [("meta", b"a", (SYNC2, b'{"n":11}', 3)), ("meta", b"d", (SYNC1, b'{"n":40}', 2)),
             ("delete", b"e", None)]  # fmt: skip
-    run(_write(node.uri, more))
+    run(write_xattr_ops(node.uri, more))
     upr("replay", node.uri, "--into", str(db))
     now = _store_xattrs(db)
     assert now["a"] == (False, SYNC2) and now["d"] == (False, SYNC1)
@@ -132,7 +102,7 @@ def test_replay_keeps_xattrs_and_a_rollback_puts_them_back(node: Node, tmp_path:
 
 
 def test_backup_examine_repo_replay_and_spark_rows_agree(node: Node, tmp_path: Path) -> None:
-    run(_write(node.uri, FIRST))
+    run(write_xattr_ops(node.uri, FIRST))
     wait_persisted(node.uri)
     repo = tmp_path / "repo"
     upr("backup", node.uri, "--repo", str(repo))
