@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -144,3 +145,53 @@ def test_any_spec_on_any_document_gets_statuses(
         xattrs.pairs(outcome.blob)  # a well-formed blob, whatever the specs did
         if outcome.json and outcome.body:
             json.loads(outcome.body)
+
+
+def test_the_server_answers_every_malformed_request_on_one_connection(tmp_path: Path) -> None:
+    """Over TCP, one connection: random extras and values in 0xd0/0xd1 requests (and a
+    document that exists, with xattrs) each get an answer, and the connection stays up:
+    a bad request is a status, never a disconnect."""
+    import random
+
+    from tests.dcp.inprocess import InProcessNode, nodes, run
+    from upr_cli.net.bootstrap import WANTED, connect
+    from upr_cli.protocol.header import Feature
+    from upr_cli.protocol.messages import UnknownRequest
+
+    node = InProcessNode(tmp_path, partitions=1)
+    rng = random.Random(19)
+    good = _encode(True, [(SpecOp.DICT_UPSERT, subdoc.XATTR_PATH | subdoc.MKDIR_P, "_s.a", b"1"),
+                          (SpecOp.SET_DOC, 0, "", b'{"n":1}')])  # fmt: skip
+
+    def noise(base: bytes) -> bytes:
+        out = bytearray(base)
+        for _ in range(rng.randrange(1, 4)):
+            if out and rng.random() < 0.7:
+                out[rng.randrange(len(out))] = rng.randrange(256)
+            else:
+                out[rng.randrange(len(out) + 1) : 0] = rng.randbytes(rng.randrange(1, 5))
+        return bytes(out[: rng.randrange(len(out) + 1)]) if rng.random() < 0.3 else bytes(out)
+
+    async def scenario() -> list[int]:
+        async with nodes(node):
+            s = await connect(node.uri, features=(*WANTED, Feature.XATTR))
+            try:
+                key = s.qualify(b"k")
+                first = UnknownRequest(opcode=0xD1, vbucket=0, key=key, extras=bytes([1]),
+                                       value=good)  # fmt: skip
+                assert (await s.conn.request(first, check=False)).status == 0
+                statuses = []
+                for i in range(300):
+                    opcode = 0xD1 if i % 2 else 0xD0
+                    extras = rng.choice([b"", b"\x01", b"\x04", rng.randbytes(rng.randrange(6))])
+                    msg = UnknownRequest(opcode=opcode, vbucket=0, key=key, extras=extras,
+                                         value=noise(good))  # fmt: skip
+                    statuses.append((await s.conn.request(msg, check=False)).status)
+                assert not s.conn.closed
+                return statuses
+            finally:
+                await s.conn.aclose()
+
+    statuses = run(scenario())
+    assert len(statuses) == 300 and set(statuses) <= STATUSES | {0x01, 0x02, 0x04, 0x87}
+    assert len(set(statuses)) > 3  # the noise reached more than one check
