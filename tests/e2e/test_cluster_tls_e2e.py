@@ -122,3 +122,41 @@ def test_collections_diff_rollback_point_and_salvage_take_tls_sources(
     assert loose.returncode == 1, loose.stderr  # the collection's events: the repo is behind
     assert "B is behind A" in loose.stderr
     assert loose.stderr.count("upr: warning: --no-verify") == 1
+
+
+def test_a_tls_cluster_checks_client_certificates(tmp_path: Path) -> None:
+    """`init --tls-client-ca CA --tls-client-auth mandatory`: every node's TLS port wants
+    a client certificate; one whose CN is the cluster's user (admin) reads every
+    partition from both nodes with no password, none is one line (docs/protocol.md §13.5)."""
+    from tests.e2e.cluster_helpers import Cluster
+    from tests.e2e.test_client_cert_e2e import ClientCerts
+
+    pki = ClientCerts(tmp_path)
+    data = tmp_path / "cl"
+    cert, key = pki.node_args[1], pki.node_args[3]
+    init = upr("cluster", "init", "--nodes", "2", "--replicas", "1", "--data", str(data),
+               "--num-partitions", "8", "--tls-cert", cert, "--tls-key", key,
+               "--tls-client-ca", str(pki.cafile), "--tls-client-auth", "mandatory",
+               "--json")  # fmt: skip
+    cl = Cluster.at(data)
+    try:
+        port = json.loads(init.stdout)["nodes"][1]["tls_port"]
+        upr("load", cl.uri("n0"), "--docs", "60", "--seed", "2")  # the plain port: a password
+        ca = ["--cacert", str(pki.cafile)]
+        out = upr("tail", f"uprs://127.0.0.1:{port}/default", "--until-end", "--format", "json",
+                  *ca, *pki.client("admin")).stdout  # fmt: skip
+        rows = [json.loads(line) for line in out.splitlines()]
+        assert len({r["key"] for r in rows}) == 60
+        assert {r["partition"] for r in rows} == set(range(8))  # both nodes, over TLS
+        refused = upr("tail", f"uprs://127.0.0.1:{port}/default", "--until-end", *ca,
+                      check=False)  # fmt: skip
+        one_line(refused, 1, "--cert")
+    finally:
+        cl.stop()
+
+
+def test_cluster_client_auth_options_are_checked_first(tmp_path: Path) -> None:
+    bad = upr("cluster", "init", "--nodes", "2", "--data", str(tmp_path / "cl"),
+              "--tls-client-auth", "mandatory", check=False)  # fmt: skip
+    one_line(bad, 2, "--tls-client-auth needs --tls-client-ca")
+    assert not (tmp_path / "cl").exists()

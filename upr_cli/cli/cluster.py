@@ -73,6 +73,17 @@ TlsCert = Annotated[
 TlsKey = Annotated[
     Path | None, typer.Option("--tls-key", metavar="FILE", help="PEM private key of --tls-cert.")
 ]
+TlsClientCa = Annotated[
+    Path | None,
+    typer.Option("--tls-client-ca", metavar="FILE",
+                 help="PEM CA file: the nodes' TLS ports check client certificates; one whose "
+                 "subject CN is admin logs in without a password."),
+]  # fmt: skip
+TlsClientAuth = Annotated[
+    str | None,
+    typer.Option("--tls-client-auth", metavar="MODE",
+                 help="enable (default with --tls-client-ca) or mandatory."),
+]  # fmt: skip
 
 
 def register(root: typer.Typer) -> None:
@@ -99,7 +110,9 @@ does; the newest manifest an adopted node holds is kept).
 the map advertises each as kvSSL, so a client that connects with uprs:// to any node
 reaches every node over TLS. The certificate must be valid for 127.0.0.1. Replication
 between the nodes, and this command's own control connections, stay plain on
-loopback: they never leave the machine.
+loopback: they never leave the machine. --tls-client-ca FILE (with --tls-client-auth
+enable|mandatory) makes those TLS ports check client certificates as `upr serve` does:
+one whose subject CN is admin, the cluster's user, logs in without a password.
 
 Example:
 
@@ -142,6 +155,8 @@ def init_cmd(
     ] = None,
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
+    tls_client_ca: TlsClientCa = None,
+    tls_client_auth: TlsClientAuth = None,
     json_out: JsonOutput = False,
 ) -> None:
     """Create a cluster."""
@@ -155,10 +170,22 @@ def init_cmd(
     tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
     cl = lifecycle.create(data, nodes=nodes, adopt=adopt or [], replicas=replicas,
                           partitions=partitions, base_port=base_port, bucket=bucket,
-                          collections=specs, tls=tls)  # fmt: skip
+                          collections=specs, tls=tls,
+                          client_ca=_client_ca(tls_client_ca, tls_client_auth))  # fmt: skip
     _show(cl, json_out, f"cluster of {plural(len(cl.nodes), 'node')}, "
                         f"{plural(cl.partitions, 'partition')}, "
                         f"{plural(cl.replicas, 'replica')}, map revision {cl.rev}")  # fmt: skip
+
+
+def _client_ca(ca: Path | None, mode: str | None) -> tuple[Path, str] | None:
+    """(CA file, mode) for the nodes' client certificates, checked as `upr serve` does."""
+    if mode is not None and mode not in ("enable", "mandatory"):
+        raise UsageError(f"--tls-client-auth: {mode!r} is not enable or mandatory")
+    if ca is None:
+        if mode is not None:
+            raise UsageError("--tls-client-auth needs --tls-client-ca")
+        return None
+    return ca, mode or "enable"
 
 
 @app.command(

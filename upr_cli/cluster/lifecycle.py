@@ -37,10 +37,14 @@ def _loopback(text: str, option: str) -> SourceUri:
 
 def create(data: Path, *, nodes: int | None, adopt: list[str], replicas: int, partitions: int,
            base_port: int | None, bucket: str, collections: tuple[str, ...] = (),
-           tls: tuple[Path, Path] | None = None) -> ClusterSpec:  # fmt: skip
+           tls: tuple[Path, Path] | None = None,
+           client_ca: tuple[Path, str] | None = None) -> ClusterSpec:  # fmt: skip
     """`cluster init`: start (or adopt) the nodes, give them the first map, then one
     collections manifest (the newest an adopted node holds, with `collections` created).
-    With `tls` (certificate chain, key) every node started serves a TLS data port too."""
+    With `tls` (certificate chain, key) every node started serves a TLS data port too;
+    with `client_ca` (CA file, enable|mandatory) that port checks client certificates."""
+    if client_ca is not None and tls is None:
+        raise UsageError("--tls-client-ca needs --tls-cert and --tls-key")
     if (data / spec.CLUSTER_FILE).exists():
         raise UsageError(f"{data}: a cluster exists here (use `upr cluster start`)")
     if (nodes is None) == (not adopt):
@@ -54,7 +58,9 @@ def create(data: Path, *, nodes: int | None, adopt: list[str], replicas: int, pa
         assert nodes is not None
         cl = spec.ClusterSpec(bucket, partitions, replicas, "admin", spec.new_password())
         if tls is not None:
-            cl.tls_cert, cl.tls_key = _tls_files(*tls)
+            cl.tls_cert, cl.tls_key = _tls_files(*tls, client_ca)
+            if client_ca is not None:
+                cl.tls_client_ca, cl.tls_client_auth = str(client_ca[0].resolve()), client_ca[1]
         for i in range(nodes):
             port = 0 if base_port is None else base_port + i
             cl.nodes.append(spec.NodeSpec(f"n{i}", port, str(data / f"n{i}")))
@@ -82,13 +88,13 @@ def create(data: Path, *, nodes: int | None, adopt: list[str], replicas: int, pa
     return cl
 
 
-def _tls_files(cert: Path, key: Path) -> tuple[str, str]:
+def _tls_files(cert: Path, key: Path, client_ca: tuple[Path, str] | None) -> tuple[str, str]:
     """The certificate chain and key as absolute paths (the nodes start in other
-    directories), checked now: a file that cannot serve is one line before any node
-    starts."""
+    directories), checked now with the client CA: a file that cannot serve is one line
+    before any node starts."""
     from upr_cli.net.tls import server_context
 
-    server_context(str(cert), str(key))
+    server_context(str(cert), str(key), str(client_ca[0]) if client_ca else None)
     return str(cert.resolve()), str(key.resolve())
 
 

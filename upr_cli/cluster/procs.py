@@ -55,6 +55,9 @@ def start_node(spec: ClusterSpec, node: NodeSpec, *, extra: list[str] | None = N
     if spec.tls:  # its TLS port: the one it had (0 the first time: any free one)
         cmd += ["--tls-cert", spec.tls_cert, "--tls-key", spec.tls_key,
                 "--tls-port", str(node.tls_port or 0)]  # fmt: skip
+        if spec.tls_client_ca:  # client certificates (docs/protocol.md §13.5)
+            cmd += ["--tls-client-ca", spec.tls_client_ca, "--tls-client-auth",
+                    spec.tls_client_auth or "enable"]  # fmt: skip
     env = os.environ | {"UPR_PASSWORD": spec.password}
     with open(log_path, "ab") as log:
         start = log.tell()

@@ -49,6 +49,8 @@ class ClusterSpec:
     vbmap: list[list[int]] = field(default_factory=list)  # partition → [active, replicas…]
     tls_cert: str = ""  # PEM chain the started nodes serve TLS with ("": no TLS port)
     tls_key: str = ""
+    tls_client_ca: str = ""  # PEM CA the TLS ports check client certificates with ("": none)
+    tls_client_auth: str = ""  # "enable" or "mandatory" with tls_client_ca
 
     @property
     def tls(self) -> bool:
@@ -88,7 +90,9 @@ class ClusterSpec:
             vbmap = [[int(i) for i in row] for row in obj.get("vbmap", [])]
             return cls(obj["bucket"], int(obj["partitions"]), int(obj["replicas"]), obj["user"],
                        obj["password"], nodes, int(obj.get("rev", 0)), vbmap,
-                       str(obj.get("tls_cert", "")), str(obj.get("tls_key", "")))  # fmt: skip
+                       str(obj.get("tls_cert", "")), str(obj.get("tls_key", "")),
+                       str(obj.get("tls_client_ca", "")),
+                       str(obj.get("tls_client_auth", "")))  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"malformed cluster file: {exc}") from None
 
