@@ -13,7 +13,8 @@ from typing import Any
 SIXTY_FOUR = frozenset({
     "seq", "cas", "uuid", "rev_seq", "a_seq", "b_seq", "diverged_at", "rollback_seq",
     "seed_rule_seq", "producer_seq", "high_seq", "start", "end", "from", "to", "cut",
-    "bound", "snap_start", "snap_end",
+    "bound", "snap_start", "snap_end", "high_seqno", "persisted_seqno",
+    "complete_snapshot_seqno", "manifest_uid",
 })  # fmt: skip
 #: fields holding a count, a byte count or a partition number: an integer
 INTEGERS = frozenset({

@@ -163,3 +163,6 @@ def test_man_pages_install_with_the_package() -> None:
     pages = sorted(p.name for p in (ROOT / "man").glob("*.1"))
     assert sorted(Path(f).name for f in files) == pages
     assert "upr-backup.1" in pages and "upr.1" in pages
+    # and the format documents they cite, every one of them
+    docs = conf["tool"]["setuptools"]["data-files"]["share/doc/upr/formats"]
+    assert sorted(docs) == sorted(f"formats/{p.name}" for p in (ROOT / "formats").glob("*.md"))

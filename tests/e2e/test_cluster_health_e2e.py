@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.cli.json_convention import problems
 from tests.e2e.cluster_helpers import Cluster, on_terminal
 from tests.e2e.conftest import upr
 from upr_cli.protocol.messages import DcpOpen, SaslAuth, SelectBucket, StreamRequest
@@ -32,6 +33,7 @@ def test_status_names_a_dead_node_and_what_to_do(tmp_path: Path) -> None:
         vbmap = cl.spec.vbmap
         cl.kill("n2")
         status = json.loads(cl.cli("status", "--json").stdout)
+        assert problems(status) == []  # seqs as decimal strings (docs/output.md)
         n2 = status["nodes"][2]
         assert (n2["state"], n2["reason"], n2["up"]) == ("down", "not running", False)
         assert n2["error"]  # the full text stays in --json

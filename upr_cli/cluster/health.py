@@ -77,10 +77,11 @@ def _node_json(h: NodeHealth, s: NodeStatus, logs: bool) -> dict[str, Any]:
     parts = {
         str(p): {
             "state": s.roles[p],
-            "high_seqno": s.highs.get(p, 0),
-            "persisted_seqno": s.persisted.get(p, 0),
-            "complete_snapshot_seqno": s.complete.get(p, 0),
-            "failover_log": [{"uuid": str(u), "seq": q} for u, q in s.logs.get(p, [])],
+            # 64-bit seqs as decimal strings (docs/output.md)
+            "high_seqno": str(s.highs.get(p, 0)),
+            "persisted_seqno": str(s.persisted.get(p, 0)),
+            "complete_snapshot_seqno": str(s.complete.get(p, 0)),
+            "failover_log": [{"uuid": str(u), "seq": str(q)} for u, q in s.logs.get(p, [])],
         }
         for p in sorted(s.roles)
         if logs or s.roles[p] != "dead"
