@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from upr_cli.cli.options import (
+    AllRows,
     BucketName,
     JsonOutput,
     OldNumPartitions,
     num_partitions_option,
     partition_count,
 )
-from upr_cli.cli.output import plural, print_json, stderr, stdout
+from upr_cli.cli.output import first_rows, more_line, plural, print_json, stderr, stdout
 from upr_cli.cli.output import table as house_table
 from upr_cli.errors import UsageError
 
@@ -390,6 +391,7 @@ def failover_cmd(
         ),
     ] = None,
     timeout: Timeout = 120.0,
+    show_all: AllRows = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Fail a node over."""
@@ -397,7 +399,8 @@ def failover_cmd(
 
     report = lifecycle.failover(data, node, graceful=graceful, to=to, timeout=timeout,
                                 progress=_progress(json_out))  # fmt: skip
-    _report(report, json_out, f"failed over {node}: {len(report.promoted)} partitions promoted")
+    promoted = plural(len(report.promoted), "partition")
+    _report(report, json_out, f"failed over {node}: {promoted} promoted", show_all)
 
 
 @app.command(
@@ -432,6 +435,7 @@ def rebalance_cmd(
     ] = None,
     base_port: BasePort = None,
     timeout: Timeout = 120.0,
+    show_all: AllRows = False,
     json_out: JsonOutput = False,
 ) -> None:
     """Rebalance the cluster."""
@@ -443,7 +447,7 @@ def rebalance_cmd(
         f"rebalanced: {plural(len(report.moved), 'partition')} moved, "
         f"{plural(len(report.added), 'node')} added, {len(report.removed)} removed"
     )
-    _report(report, json_out, line)
+    _report(report, json_out, line, show_all)
 
 
 Partitions = Annotated[
@@ -528,14 +532,18 @@ def _progress(json_out: bool) -> Callable[[str], None]:
     return say
 
 
-def _report(report: Report, json_out: bool, line: str) -> None:
+def _report(report: Report, json_out: bool, line: str, show_all: bool = False) -> None:
+    """The summary line, then each promoted partition's failover entry: the first few
+    unless --all (a 1024-partition failover would print 500 lines)."""
     if json_out:
         print_json(report.to_json())
         return
     _line(f"{line} (map revision {report.rev})")
-    for p, (uuid, seq) in sorted(report.entries.items()):
+    rows, left_out = first_rows(sorted(report.entries.items()), show_all)
+    for p, (uuid, seq) in rows:
         _line(f"  partition {p}: active on {report.promoted[p]}, failover entry "
               f"{uuid:x} at seq {seq}")  # fmt: skip
+    more_line(left_out, "partitions")
     if report.lost:
         _line(f"  no replica left for partitions {report.lost}: they are unavailable")
 
