@@ -165,9 +165,13 @@ class RestorePlan:
             lines = [f"partitions: {self.target_partitions} (no rehash)"]
         w1 = max((len(str(c.source)) for c in self.collections), default=0)
         w2 = max((len(str(c.target)) for c in self.collections), default=0)
-        for c in self.collections:
-            lines.append(f"  {c.source!s:<{w1}} -> {c.target!s:<{w2}}  {c.status:<7}  "
-                         f"{c.documents:,} documents, {c.deletions:,} deletions")  # fmt: skip
+        renamed = any(c.source != c.target for c in self.collections)
+        for c in self.collections:  # "S.C -> T.D" only when a name changes (80 columns)
+            names = (
+                f"{c.source!s:<{w1}} -> {c.target!s:<{w2}}" if renamed else f"{c.source!s:<{w1}}"
+            )
+            lines.append(f"  {names}  {c.status:<7}  {c.documents:,} documents, "
+                         f"{c.deletions:,} deletions")  # fmt: skip
         return lines
 
 
