@@ -17,6 +17,7 @@ from upr_cli.cli.output import (
     human_bytes,
     keep_whole,
     more_line,
+    plural,
     print_json,
     stdout,
     table,
@@ -177,7 +178,7 @@ def verify_cmd(
             if fixed:
                 status += f", {fixed} repaired"
             stdout.print(
-                f"{r.bucket}: {r.backups} backups, {r.segments} segments, "
+                f"{r.bucket}: {plural(r.backups, 'backup')}, {plural(r.segments, 'segment')}, "
                 f"{r.records:,} items, {human_bytes(r.bytes)} read: {status}",
                 markup=False,
             )

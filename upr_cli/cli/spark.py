@@ -11,7 +11,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from upr_cli.cli.options import At, Bucket, JsonOutput, NoProgress, Repo, SparkConf
-from upr_cli.cli.output import Progress, print_json, stderr, stdout
+from upr_cli.cli.output import Progress, plural, print_json, stderr, stdout
 from upr_cli.source import open_bucket
 
 HELP = """Run upr's data pipeline on Spark, locally or on a Spark cluster.
@@ -123,8 +123,9 @@ def export_cmd(
     _report(
         summary,
         json_out,
-        f"exported backup {summary.at}: {summary.rows:,} documents in {summary.partitions} "
-        f"partitions and {summary.collections} collections to {summary.target} "
+        f"exported backup {summary.at}: {plural(summary.rows, 'document')} in "
+        f"{plural(summary.partitions, 'partition')} and "
+        f"{plural(summary.collections, 'collection')} to {summary.target} "
         f"({summary.format}, by {summary.partition_by}) in {summary.seconds:.1f}s",
     )
 

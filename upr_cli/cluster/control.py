@@ -255,7 +255,7 @@ def short_reason(exc: BaseException) -> str:
     low = text.lower()
     if "refused" in low or "connect call failed" in low:
         return "connection refused"
-    if "timed out" in low or isinstance(exc, TimeoutError):
+    if "timed out" in low or "no answer" in low or isinstance(exc, TimeoutError):
         return "no answer (timed out)"
     if "auth" in low:
         return "authentication failed"
