@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,14 +63,13 @@ from upr_cli.net.router import Router, RouterError
 from upr_cli.net.uri import SourceUri
 from upr_cli.node.sysevents import is_system_key
 from upr_cli.position import StreamPosition
-from upr_cli.protocol import leb128, snappy, xattrs
+from upr_cli.protocol import leb128, snappy, subdoc, xattrs
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.protocol.messages import (
     Add,
     Delete,
     Get,
     Set,
-    UnknownRequest,
 )
 from upr_cli.protocol.status import Status
 from upr_cli.segments.format import OP_SYSTEM_EVENT
@@ -394,8 +392,6 @@ async def _put_xattrs(router: Router, vb: int, key: bytes, v: Version, cas: int)
 
 #: kv_engine's limit on the paths of one sub-document command
 MAX_SPECS = 16
-_SUBDOC_MULTI_MUTATION, _DICT_UPSERT, _XATTR_PATH = 0xD1, 0xC8, 0x04
-_MUTATION_SPEC = struct.Struct(">BBHI")  # op, path flags, path length, value length
 
 
 def xattr_upserts(vb: int, key: bytes, pairs: list[tuple[str, bytes]], expiry: int, cas: int,
@@ -403,14 +399,8 @@ def xattr_upserts(vb: int, key: bytes, pairs: list[tuple[str, bytes]], expiry: i
     """SUBDOC_MULTI_MUTATION: each (name, JSON text) pair upserted as a whole xattr
     (formats/wire.md "Xattrs"), guarded by `cas`; a u32 expiry in the extras keeps the
     document's (without it the server clears it, as kv_engine does)."""
-    body = b"".join(
-        _MUTATION_SPEC.pack(_DICT_UPSERT, _XATTR_PATH, len(path := name.encode()), len(text))
-        + path + text
-        for name, text in pairs
-    )  # fmt: skip
-    extras = struct.pack(">I", expiry) if expiry else b""
-    return UnknownRequest(opcode=_SUBDOC_MULTI_MUTATION, vbucket=vb, opaque=opaque, cas=cas,
-                          extras=extras, key=key, value=body).encode()  # fmt: skip
+    specs = [subdoc.Spec(subdoc.DICT_UPSERT, name, text, subdoc.XATTR_PATH) for name, text in pairs]
+    return subdoc.multi_mutation(vb, opaque, key, specs, cas=cas, expiry=expiry)
 
 
 async def _resolve(

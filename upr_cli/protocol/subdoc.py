@@ -32,6 +32,7 @@ CAS_MACRO = b'"${Mutation.CAS}"'
 _MUT = struct.Struct(">BBHI")
 _LOOK = struct.Struct(">BBH")
 _RESULT = struct.Struct(">HI")
+_EXPIRY = struct.Struct(">I")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +51,16 @@ def _ordered(specs: Sequence[Spec]) -> list[Spec]:
 
 
 def multi_mutation(vbucket: int, opaque: int, key: bytes, specs: Sequence[Spec], *,
-                   doc_flags: int = 0, cas: int = 0) -> bytes:  # fmt: skip
-    """The SUBDOC_MULTI_MUTATION request for `specs` on `key`."""
+                   doc_flags: int = 0, cas: int = 0, expiry: int = 0) -> bytes:  # fmt: skip
+    """The SUBDOC_MULTI_MUTATION request for `specs` on `key`. A non-zero `expiry` goes
+    first in the extras (without one the server clears the document's, as kv_engine
+    does)."""
     body = b"".join(
         _MUT.pack(s.op, s.flags, len(p := s.path.encode()), len(s.value)) + p + s.value
         for s in _ordered(specs)
     )
-    return _request(MULTI_MUTATION, vbucket, opaque, key, body, doc_flags, cas)
+    head = _EXPIRY.pack(expiry) if expiry else b""
+    return _request(MULTI_MUTATION, vbucket, opaque, key, body, doc_flags, cas, head)
 
 
 def multi_lookup(vbucket: int, opaque: int, key: bytes, specs: Sequence[Spec], *,
@@ -70,8 +74,8 @@ def multi_lookup(vbucket: int, opaque: int, key: bytes, specs: Sequence[Spec], *
 
 
 def _request(opcode: int, vbucket: int, opaque: int, key: bytes, body: bytes, doc_flags: int,
-             cas: int) -> bytes:  # fmt: skip
-    extras = bytes([doc_flags]) if doc_flags else b""
+             cas: int, head: bytes = b"") -> bytes:  # fmt: skip
+    extras = head + (bytes([doc_flags]) if doc_flags else b"")
     msg = UnknownRequest(opcode=opcode, vbucket=vbucket, opaque=opaque, cas=cas, extras=extras,
                          key=key, value=body)  # fmt: skip
     return msg.encode()
