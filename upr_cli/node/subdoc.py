@@ -42,6 +42,7 @@ from typing import Any
 
 from upr_cli.protocol import xattrs
 from upr_cli.protocol.status import StatusError
+from upr_cli.protocol.subdoc import ACCESS_DELETED, ADD, EXPAND_MACROS, MKDIR_P, MKDOC, XATTR_PATH
 
 MAX_PATHS = 16  # specs in one request (kv_engine's SUBDOC_MULTI_MAX_PATHS)
 MAX_PATH_LEN = 1024  # bytes of one path
@@ -49,9 +50,8 @@ MAX_COMPONENTS = 32  # components of one path
 MAX_DEPTH = 32  # nesting of a document a path may reach
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
-# path flags and document flags (docs/SubDocument.md "Flags")
-MKDIR_P, XATTR_PATH, EXPAND_MACROS = 0x01, 0x04, 0x10
-MKDOC, ADD, ACCESS_DELETED = 0x01, 0x02, 0x04
+# the document flags upr serve refuses (the others come with the client's encoder,
+# protocol/subdoc.py; docs/SubDocument.md "Flags")
 CREATE_AS_DELETED, REVIVE_DOCUMENT, REPLICA_READ = 0x08, 0x10, 0x20
 _UNIMPLEMENTED_DOC_FLAGS = CREATE_AS_DELETED | REVIVE_DOCUMENT | REPLICA_READ
 

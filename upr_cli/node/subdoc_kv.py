@@ -25,6 +25,7 @@ from upr_cli.node.bucket import Bucket, unpacked
 from upr_cli.node.storage import DocRow
 from upr_cli.protocol import xattrs
 from upr_cli.protocol.status import KeyExists, KeyNotFound
+from upr_cli.protocol.subdoc import ADD, MKDOC
 
 JSON = 0x01
 
@@ -60,11 +61,11 @@ def mutate_in(bucket: Bucket, vb: int, key: bytes, req: subdoc.Request, *, cas: 
     if seen is None:
         if cas:
             raise KeyNotFound("no such key (CAS given)")
-        if not req.doc_flags & (subdoc.MKDOC | subdoc.ADD):
+        if not req.doc_flags & (MKDOC | ADD):
             raise KeyNotFound(f"no such key in partition {vb}")
         base = subdoc.new_document(req)
     else:
-        if req.doc_flags & subdoc.ADD:
+        if req.doc_flags & ADD:
             raise KeyExists("key exists")
         if cas and seen.cas != cas:
             raise KeyExists("CAS mismatch")
