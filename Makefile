@@ -16,22 +16,57 @@ PYTEST_WORKERS ?= -n 2 --dist loadfile
 # `pyspark_*` modules (pkgutil), which cannot see setuptools' import-hook editables.
 EDITABLE := --config-settings editable_mode=compat
 
-.PHONY: demo test test-slow lint typecheck bench system-deps clean
+.PHONY: demo test test-slow test-latest lock lint typecheck bench system-deps clean
 
-$(VENV)/.base-stamp: pyproject.toml
+# Installs come from the lock files (requirements/*.lock: every dependency, direct and
+# transitive, pinned with hashes), so a new machine gets exactly what CI tested. The
+# version ranges in pyproject.toml are for the package's users; `make lock` refreshes
+# the locks from them, and `make test-latest` tries the newest releases before a refresh
+# lands. The project itself installs without dependencies on top of the lock.
+LOCK_DEV := requirements/dev.lock
+LOCK_DEMO := requirements/demo.lock
+UV_VERSION := 0.13.9
+TOOLS_VENV := .venv-tools
+LOCK_FLAGS := --generate-hashes --python-version 3.11 --universal --quiet
+
+define install_lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_FLAGS) $(EDITABLE) -e .
+	$(PY) -m pip install $(PIP_FLAGS) --require-hashes -r $(1)
+	$(PY) -m pip install $(PIP_FLAGS) --no-deps --no-build-isolation $(EDITABLE) -e .
+endef
+
+$(VENV)/.base-stamp: pyproject.toml $(LOCK_DEMO)
+	$(call install_lock,$(LOCK_DEMO))
 	@touch $@
 
-$(VENV)/.spark-stamp: pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_FLAGS) $(EDITABLE) -e '.[spark]'
+$(VENV)/.spark-stamp: pyproject.toml $(LOCK_DEMO)
+	$(call install_lock,$(LOCK_DEMO))
 	@touch $@ $(VENV)/.base-stamp
 
-$(VENV)/.dev-stamp: pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_FLAGS) $(EDITABLE) -e '.[dev,spark]'
+$(VENV)/.dev-stamp: pyproject.toml $(LOCK_DEV)
+	$(call install_lock,$(LOCK_DEV))
 	@touch $@ $(VENV)/.base-stamp $(VENV)/.spark-stamp
+
+# Refresh both locks from pyproject.toml's ranges (the demo lock is constrained by the
+# dev lock, so the two agree on every shared package). Then run `make test-latest` or
+# `make test` before committing the new locks.
+lock:
+	@test -x $(TOOLS_VENV)/bin/uv || { $(PYTHON) -m venv $(TOOLS_VENV) && \
+	  $(TOOLS_VENV)/bin/pip install $(PIP_FLAGS) uv==$(UV_VERSION); }
+	$(TOOLS_VENV)/bin/uv pip compile pyproject.toml requirements/build.in --extra dev --extra spark $(LOCK_FLAGS) \
+	  --upgrade -o $(LOCK_DEV)
+	$(TOOLS_VENV)/bin/uv pip compile pyproject.toml requirements/build.in --extra spark $(LOCK_FLAGS) \
+	  -c $(LOCK_DEV) -o $(LOCK_DEMO)
+
+# The suite against the newest releases that pyproject.toml allows, in a venv of its own
+# (outside CI): how a refresh of the lock is tried before it lands.
+test-latest: system-deps
+	rm -rf .venv-latest
+	$(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/pip install $(PIP_FLAGS) --upgrade $(EDITABLE) -e '.[dev,spark]'
+	.venv-latest/bin/ruff check . && .venv-latest/bin/ruff format --check .
+	.venv-latest/bin/mypy
+	.venv-latest/bin/pytest -m "not slow" $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # Java 17 (Spark) and tshark (independent wire decoder), installed only when missing.
 system-deps:
@@ -67,4 +102,4 @@ bench: $(VENV)/.base-stamp
 	$(PY) bench/codec.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-latest $(TOOLS_VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
