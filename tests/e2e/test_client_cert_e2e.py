@@ -38,9 +38,16 @@ class ClientCerts:
         return [str(cert), str(key)]
 
     def client(self, cn: str, ca: trustme.CA | None = None) -> list[str]:
-        """--cert/--key options of a client certificate for subject CN `cn`."""
-        cert, key = self.issue(f"client-{cn}-{id(ca)}", ca or self.ca, cn=cn)
+        """--cert/--key options of a client certificate for subject CN `cn` (with a
+        subjectAltName too: current `cryptography` refuses a certificate with none)."""
+        cert, key = self.issue(f"client-{cn}-{id(ca)}", ca or self.ca, client_san(cn), cn=cn)
         return ["--cert", cert, "--key", key]
+
+
+def client_san(cn: str) -> str:
+    """The DNS subjectAltName of a test client certificate: the node maps the subject
+    CN, never this name, to a user."""
+    return f"{cn}.clients.upr.test"
 
 
 def uri(port: int, login: str = "") -> str:
@@ -95,7 +102,7 @@ def test_the_sdk_logs_in_with_a_certificate(node_factory: type[Node], tmp_path: 
     node = node_factory("--flush-interval", "0.02", *certs.node_args,
                         "--tls-client-auth", "mandatory")  # fmt: skip
     tls = start_tls(node)
-    cert, key = certs.issue("sdk", certs.ca, cn=USER)
+    cert, key = certs.issue("sdk", certs.ca, client_san(USER), cn=USER)
     auth = CertificateAuthenticator(cert_path=cert, key_path=key,
                                     trust_store_path=str(certs.cafile))  # fmt: skip
     cluster = Cluster(f"couchbases://127.0.0.1:{tls}=kv", ClusterOptions(auth))

@@ -56,8 +56,9 @@ class Pki:
 
     def client(self, cn: str, ca: trustme.CA | None = None, **kw: datetime.datetime) -> ClientTls:
         """Settings with a client certificate whose subject CN is `cn`, from `ca` (by
-        default the test CA, which the node trusts for clients too)."""
-        leaf = (ca or self.ca).issue_cert(common_name=cn, **kw)  # type: ignore[arg-type]
+        default the test CA, which the node trusts for clients too), and a DNS
+        subjectAltName: current `cryptography` refuses a certificate with none."""
+        leaf = (ca or self.ca).issue_cert(f"{cn}.clients.upr.test", common_name=cn, **kw)  # type: ignore[arg-type]
         name = f"client-{cn}-{id(leaf)}"
         cert = self._write(f"{name}.pem", b"".join(p.bytes() for p in leaf.cert_chain_pems))
         key = self._write(f"{name}.key", leaf.private_key_pem.bytes())
