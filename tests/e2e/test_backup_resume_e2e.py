@@ -18,6 +18,7 @@ import pytest
 
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import node_content_hash, spawn_upr, wait_persisted
+from upr_cli.jobs.inspect import verify
 from upr_cli.store import Store
 
 PARTITIONS = 16
@@ -43,6 +44,17 @@ def test_a_resumed_backup_holds_what_was_acknowledged_before_it_started(
     written = list(repo.glob("default/*/p*.seg"))
     if list(repo.glob("default/*/manifest.json*")) or not 0 < len(written) < PARTITIONS:
         pytest.fail(f"the kill missed the segment writing ({len(written)} segments)")
+    # not a backup: the run the next one resumes (formats/repository.md §4.5)
+    killed = written[0].parent.name
+    shown = upr("info", "--repo", str(repo)).stdout
+    assert "bucket default: no backups" in shown, shown
+    assert (
+        f"incomplete (not a backup): {killed}, an interrupted run: the next `upr backup` "
+        "resumes it" in " ".join(shown.split())
+    ), shown
+    (report,) = verify(repo)
+    assert (report.backups, report.problems, report.resumable, report.leftovers) == (
+        0, [], killed, [])  # fmt: skip
 
     # acknowledged after the killed run pinned its high seqs, before the rerun starts
     upr("load", node.uri, "--docs", "600", "--update-ratio", "0.5", "--delete-ratio", "0.2",

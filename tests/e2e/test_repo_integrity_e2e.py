@@ -14,8 +14,11 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import Node, upr
-from tests.e2e.e2e_helpers import node_content_hash, wait_persisted
-from upr_cli.jobs.inspect import verify
+from tests.e2e.e2e_helpers import node_content_hash, run, wait_persisted
+from upr_cli.jobs.backup import backup
+from upr_cli.jobs.inspect import info, verify
+from upr_cli.net.bootstrap import BootstrapError
+from upr_cli.net.uri import SourceUri
 from upr_cli.store import Store
 
 WHICH = {"full": 0, "middle": 1, "newest": 2}
@@ -113,3 +116,37 @@ def test_the_newest_backup_that_lost_both_files_is_resumed_by_the_next_run(
     assert out["reused_segments"] > 0 and out["backup_id"] == d.name
     assert backup_dirs(repo)[-1] == d and (d / "manifest.json").exists()
     assert restored(repo, tmp_path / "a.db")[:2] == good[:2]
+
+
+def tree(root: Path) -> dict[str, tuple[int, bytes | None]]:
+    """Every path under `root` (itself included): its mtime in ns and, for a file, its bytes."""
+    out: dict[str, tuple[int, bytes | None]] = {".": (root.lstat().st_mtime_ns, None)}
+    for p in sorted(root.rglob("*")):
+        out[str(p.relative_to(root))] = (p.lstat().st_mtime_ns,
+                                          p.read_bytes() if p.is_file() else None)  # fmt: skip
+    return out
+
+
+def test_a_backup_that_fails_before_its_first_record_leaves_the_repository_as_it_was(
+    chain: tuple[Node, Path, list[Any]], tmp_path: Path
+) -> None:
+    """An unknown bucket, a wrong password or an unknown collection is found before
+    anything is created: no phantom bucket for `info` to list (formats/repository.md §4.2)."""
+    node, good_repo, _good = chain
+    repo = tmp_path / "repo"
+    shutil.copytree(good_repo, repo)
+    before = tree(repo)
+    nosuch = node.uri.replace("/default", "/nosuchbucket")
+    proc = upr("backup", nosuch, "--repo", str(repo), "--no-progress", check=False)
+    assert proc.returncode == 1 and "cannot select bucket 'nosuchbucket'" in proc.stderr
+    proc = upr("backup", node.uri, "--repo", str(repo), "--full", "--include-data",
+               "nosuch.coll", "--no-progress", check=False)  # fmt: skip
+    assert proc.returncode == 1 and "unknown collection nosuch.coll" in proc.stderr
+    wrong = SourceUri.parse(node.uri.replace(":s3cret-pw@", ":wrong@"))
+    with pytest.raises(BootstrapError, match="authentication failed"):
+        run(backup(wrong, repo))
+    with pytest.raises(BootstrapError, match="cannot select bucket"):
+        run(backup(SourceUri.parse(nosuch), tmp_path / "new"))
+    assert tree(repo) == before
+    assert not (tmp_path / "new").exists()
+    assert list(info(repo)["buckets"]) == ["default"]

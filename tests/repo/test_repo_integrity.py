@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from tests.repo.repo_helpers import BUCKET, LOG, bid
 from upr_cli.errors import UprError
-from upr_cli.jobs.inspect import verify
+from upr_cli.jobs.inspect import info, verify
 from upr_cli.jobs.restore import restore_to_store
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
 from upr_cli.repo import (
@@ -261,6 +261,26 @@ def test_sweep_removes_only_what_an_interrupted_run_provably_left(tmp_path: Path
     for name in (MANIFEST_FILE, MANIFEST_COPY):
         (b.dir(2) / name).write_bytes(b"{")
     assert sweep(b.repo, running) == [] and old.is_dir()
+
+
+def test_interrupted_runs_are_resumable_or_leftovers_never_backups(tmp_path: Path) -> None:
+    """The newest uncommitted directory after every committed backup, holding a segment,
+    is the run the next backup resumes (formats/repository.md §4.5); every other one is
+    a leftover no resume can use. `info` and `verify` name both; neither is a backup."""
+    b = three_backups(tmp_path / "r")
+    older = b.repo.bucket_dir(BUCKET) / str(bid(1).next())  # behind committed backups
+    older.mkdir()
+    (older / format_segment_name(0, 99, 99)).write_bytes(b"x")
+    newest = b.repo.new_backup_dir(BUCKET, bid(5))  # a run that finished no segment
+    assert (b.repo.resumable(BUCKET), b.repo.leftovers(BUCKET)) == (None, [bid(1).next(), bid(5)])
+    (rep,) = verify(b.repo.path)
+    assert rep.backups == 3 and rep.problems == []
+    assert (rep.resumable, rep.leftovers) == (None, [older.name, newest.name])
+    (newest / format_segment_name(3, 1, 4)).write_bytes(b"x")  # it finished a segment
+    entry = info(b.repo.path)["buckets"][BUCKET]
+    assert len(entry["backups"]) == 3
+    assert (entry["resumable"], entry["leftovers"]) == (newest.name, [older.name])
+    assert verify(b.repo.path)[0].to_json()["leftovers"] == [older.name]
 
 
 def test_a_missing_segment_is_named_before_anything_is_written(tmp_path: Path) -> None:

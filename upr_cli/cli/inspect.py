@@ -36,6 +36,10 @@ collection dropped since says "dropped", one a filtered backup (--include-data,
 --exclude-data) left out says "not backed up". Repositories written before collections
 list their records under _default._default.
 
+A run that was interrupted after it finished segments is not a backup: it is listed as
+incomplete, which the next `upr backup` resumes; other interrupted runs' directories as
+leftovers, which no resume can use and the next backup removes.
+
 Example:
 
   upr info --repo /backups/cb
@@ -53,7 +57,8 @@ that every incremental backup's parent is there, that each partition's chain cov
 its seqs without gaps, that each backup's records per collection agree with its
 manifest, and that every collection id they hold is one the chain names. Every problem
 is named (missing, truncated, checksum, corrupt, mismatch, gap, manifest, chain,
-collection); the exit status is 1 when there is one.
+collection); the exit status is 1 when there is one. Interrupted runs are named too:
+the one the next backup resumes, and the leftovers no resume can use (not problems).
 
 --repair takes each bucket's lock and rewrites a missing or damaged manifest.json or
 manifest.json.copy from its valid twin. Nothing else is changed: a problem it cannot
@@ -87,15 +92,30 @@ def info_cmd(
         print_json(data)
         return
     for b, entry in data["buckets"].items():
-        stdout.print(backups_table(f"{data['repository']}: bucket {b}", entry["backups"],
-                                   wide=fits(stdout, 100)))  # fmt: skip
-        if entry["incomplete"]:
-            stdout.print(f"interrupted runs (not backups): {', '.join(entry['incomplete'])}",
-                         markup=False)  # fmt: skip
+        title = f"{data['repository']}: bucket {b}"
+        if entry["backups"]:
+            stdout.print(backups_table(title, entry["backups"], wide=fits(stdout, 100)))
+        else:
+            stdout.print(f"{title}: no backups", markup=False)
+        for line in interrupted_lines(entry["resumable"], entry["leftovers"]):
+            stdout.print(line, markup=False)
         if entry["collections"]:
             stdout.print(collections_table(entry["collections"]))
         for p, chain in entry.get("partitions", {}).items():
             _print_chain(p, chain)
+
+
+def interrupted_lines(resumable: str | None, leftovers: list[str]) -> list[str]:
+    """What interrupted runs left (formats/repository.md §4.5): the one the next backup
+    resumes, and those no resume can use. Neither is a backup."""
+    out = []
+    if resumable is not None:
+        out.append(f"incomplete (not a backup): {resumable}, an interrupted run: the next "
+                   "`upr backup` resumes it")  # fmt: skip
+    if leftovers:
+        out.append(f"leftovers (not backups): {', '.join(leftovers)}: interrupted runs no "
+                   "resume can use; the next `upr backup` removes them")  # fmt: skip
+    return out
 
 
 def backups_table(title: str, backups: list[dict[str, Any]], *, wide: bool) -> Table:
@@ -177,6 +197,8 @@ def verify_cmd(
             status = "ok" if not left else f"{left} problem(s)"
             if fixed:
                 status += f", {fixed} repaired"
+            if r.leftovers:
+                status += f", {plural(len(r.leftovers), 'leftover')}"
             stdout.print(
                 f"{r.bucket}: {plural(r.backups, 'backup')}, {plural(r.segments, 'segment')}, "
                 f"{r.records:,} items, {human_bytes(r.bytes)} read: {status}",
@@ -186,6 +208,8 @@ def verify_cmd(
             for p in shown:
                 stdout.print(f"  {p}", markup=False)
             more_line(left_out, "problems")
+            for line in interrupted_lines(r.resumable, r.leftovers):
+                stdout.print(f"  {line}", markup=False)
         if any(p.kind == "manifest" for p in problems):
             hint(f"a manifest file with a valid twin is rewritten by: upr verify --repo {repo} "
                  "--repair")  # fmt: skip

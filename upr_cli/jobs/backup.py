@@ -302,16 +302,30 @@ async def _backup_once(
         raise UsageError("the source URI names no bucket")
     bucket = uri.bucket
     repo = Repository(repo_dir)
+    repo.check_init()
+    # Nothing is created before the source has answered (formats/repository.md §4.2): a
+    # wrong password, an unknown bucket or filter leaves the repository as it was.
+    collections = await _check_source(uri, repo, bucket, full=full, chosen=chosen)
     repo.init()
     warn = on_warning or log.warning
     started = now_utc(), time.monotonic()
-    with RepositoryLock(repo, bucket, on_stale=warn) as lock:
-        run = _BackupRun.open(uri, bucket, repo_dir, repo, lock, full=full, warn=warn,
-                              started=started)  # fmt: skip
-        await run.read_collections(chosen)
-        await run.plan(partitions)
-        results = await run.stream(streamer, on_progress)
-        manifest, rollbacks, bytes_read = run.commit(results)
+    new_bucket = not repo.bucket_dir(bucket).is_dir()
+    try:
+        with RepositoryLock(repo, bucket, on_stale=warn) as lock:
+            run = _BackupRun.open(uri, bucket, repo_dir, repo, lock, full=full, warn=warn,
+                                  started=started)  # fmt: skip
+            try:
+                run.read_collections(chosen, collections)
+                await run.plan(partitions)
+                results = await run.stream(streamer, on_progress)
+                manifest, rollbacks, bytes_read = run.commit(results)
+            except BaseException:
+                repo.discard_empty(bucket, run.backup_id, lock)  # no segment: no leftover
+                raise
+    except BaseException:
+        if new_bucket:
+            repo.remove_empty_bucket(bucket)
+        raise
     return BackupSummary(
         str(manifest.backup_id),
         run.bucket,
@@ -405,25 +419,14 @@ class _BackupRun:
         return cls(uri, bucket, repo_dir, repo, manifests=manifests, backup_id=backup_id, warn=warn,
                    warnings=warnings, started=started)  # fmt: skip
 
-    async def read_collections(self, chosen: CollectionFilter | None) -> None:
-        """Read the source's manifest and turn the filter into the paths to stream,
-        before anything is streamed: an unknown collection, or a filter other than the
-        chain's for an incremental backup, is an error here."""
-        self.collections = await fetch_manifest(self.uri)
-        parent = self.parent.collection_filter if self.parent is not None else None
-        if self.parent is not None and _key(parent) != _key(chosen):
-
-            def say(f: CollectionFilter | None) -> str:
-                return "every collection" if f is None else f"--{f.mode}-data {','.join(f.paths)}"
-
-            raise UsageError(
-                f"the chain of {self.bucket} was backed up with {say(parent)}; an incremental "
-                f"backup keeps it (this one asked for {say(chosen)}): use that, or --full to "
-                "start a new chain"
-            )
+    def read_collections(
+        self, chosen: CollectionFilter | None, collections: Collections | None
+    ) -> None:
+        """Take the source's manifest (read by `_check_source`) and turn the filter into
+        the paths to stream, against the chain as checked under the lock."""
+        self.collections = collections
         self.filter = chosen
-        chain = [m.collections for m in self.manifests if m.collections is not None]
-        self.stream_paths = stream_paths(chosen, self.collections, chain)
+        self.stream_paths = checked_filter(self.bucket, chosen, collections, self.manifests)
 
     @property
     def collection_count(self) -> int:
@@ -574,6 +577,47 @@ class _BackupRun:
             _checked_chain(self.repo, self.bucket, self.repo_dir)
         self.repo.write_manifest(manifest)
         return manifest, rollbacks, bytes_read
+
+
+async def _check_source(
+    uri: SourceUri, repo: Repository, bucket: str, *, full: bool, chosen: CollectionFilter | None
+) -> Collections | None:
+    """Connect, authenticate, select the bucket, read its collections manifest and check
+    the filter (against the chain too, read without the lock), before the repository
+    is touched; the source's manifest. A chain with a damaged manifest is checked under
+    the lock, where its repair or its error comes first."""
+    collections = await fetch_manifest(uri)
+    manifests: list[Manifest] = []
+    if not full and repo.repo_file.exists():
+        manifests, damaged = repo.readable(bucket)
+        if damaged:
+            return collections
+    checked_filter(bucket, chosen, collections, manifests)
+    return collections
+
+
+def checked_filter(
+    bucket: str,
+    chosen: CollectionFilter | None,
+    collections: Collections | None,
+    manifests: Sequence[Manifest],
+) -> list[CollectionPath] | None:
+    """The paths to stream (`stream_paths`) for the chain an incremental backup continues
+    (`manifests`; none for a full one): an unknown collection, or a filter other than
+    the chain's, is an error."""
+    parent = manifests[-1].collection_filter if manifests else None
+    if manifests and _key(parent) != _key(chosen):
+
+        def say(f: CollectionFilter | None) -> str:
+            return "every collection" if f is None else f"--{f.mode}-data {','.join(f.paths)}"
+
+        raise UsageError(
+            f"the chain of {bucket} was backed up with {say(parent)}; an incremental "
+            f"backup keeps it (this one asked for {say(chosen)}): use that, or --full to "
+            "start a new chain"
+        )
+    chain = [m.collections for m in manifests if m.collections is not None]
+    return stream_paths(chosen, collections, chain)
 
 
 def collection_filter(

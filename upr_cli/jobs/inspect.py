@@ -71,6 +71,9 @@ class VerifyReport:
     records: int = 0
     bytes: int = 0
     problems: list[Problem] = field(default_factory=list)
+    # interrupted runs no resume can use (not damage: the next backup removes them)
+    leftovers: list[str] = field(default_factory=list)
+    resumable: str | None = None  # the interrupted run the next backup goes on from
 
     @property
     def unrepaired(self) -> list[Problem]:
@@ -87,6 +90,8 @@ class VerifyReport:
             "items": self.records,
             "bytes": self.bytes,
             "ok": not self.unrepaired,
+            "resumable": self.resumable,
+            "leftovers": self.leftovers,
             "problems": [
                 {"kind": p.kind, "where": p.where, "detail": p.detail, "repaired": p.repaired}
                 for p in self.problems
@@ -114,7 +119,8 @@ def verify(
     repair: bool = False,
     on_progress: VerifyProgress | None = None,
 ) -> list[VerifyReport]:
-    """Check every committed backup of every (or one) bucket; problems are collected.
+    """Check every committed backup of every (or one) bucket; problems are collected,
+    and so are the interrupted runs no resume can use (`VerifyReport.leftovers`).
 
     With `repair`, each bucket's lock is taken and a missing or damaged manifest file is
     rewritten from its valid twin; those problems are marked repaired. `on_progress` is
@@ -144,6 +150,9 @@ def verify(
             _check_manifests(repo, b, rep, None)
         manifests, damaged = repo.readable(b)
         rep.backups = len(manifests)
+        resumable = repo.resumable(b)
+        rep.resumable = None if resumable is None else str(resumable)
+        rep.leftovers = [str(x) for x in repo.leftovers(b)]
         for mm in broken_parents(manifests):
             rep.problems.append(
                 Problem(
@@ -322,9 +331,12 @@ def info(
                     "partitions": len(m.partitions),
                 }
             )
+        resumable = repo.resumable(b)
         entry: dict[str, Any] = {
             "backups": backups,
             "incomplete": [str(x) for x in repo.incomplete(b)],
+            "resumable": None if resumable is None else str(resumable),
+            "leftovers": [str(x) for x in repo.leftovers(b)],
             "collections": collection_counts(repo, b, manifests),
         }
         if partitions is not None:

@@ -198,13 +198,7 @@ class Repository:
         Only a missing or empty directory becomes a repository.
         """
         if not os.path.lexists(self.repo_file):
-            if self.path.exists() and not self.path.is_dir():
-                raise NotARepository(f"{self.path}: exists and is not a directory")
-            if self.path.is_dir() and any(self.path.iterdir()):
-                raise NotARepository(
-                    f"{self.path}: not empty and not a upr repository (no {REPO_FILE}): "
-                    "give a new or empty directory"
-                )
+            self.check_init()
             created_dir = not self.path.exists()
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
@@ -217,6 +211,39 @@ class Repository:
             with contextlib.suppress(FileExistsError):  # another process won: validate theirs
                 self._publish_once(self.repo_file, data)
         return self.info()
+
+    def check_init(self) -> None:
+        """Raise what `init` would raise, changing nothing: the path must be a repository
+        (repo.json valid) or a missing or empty directory. A backup checks this, then its
+        source, before it creates anything (formats/repository.md §4.2)."""
+        if os.path.lexists(self.repo_file):
+            self.info()
+            return
+        if self.path.exists() and not self.path.is_dir():
+            raise NotARepository(f"{self.path}: exists and is not a directory")
+        if self.path.is_dir() and any(self.path.iterdir()):
+            raise NotARepository(
+                f"{self.path}: not empty and not a upr repository (no {REPO_FILE}): "
+                "give a new or empty directory"
+            )
+        if not self.path.exists():
+            self._probe_mkdir()
+
+    def _probe_mkdir(self) -> None:
+        """Create the path's missing directories and remove them again: the errors `init`
+        would meet (a file in the way, a file system that refuses), none of its changes."""
+        made: list[Path] = []
+        try:
+            for d in reversed([self.path, *self.path.parents]):
+                if not os.path.lexists(d):
+                    d.mkdir()
+                    made.append(d)
+        except OSError as exc:
+            raise os_error(exc, self.path, "cannot create the repository") from None
+        finally:
+            for d in reversed(made):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
 
     def _publish_once(self, path: Path, data: bytes) -> None:
         """Publish `path` atomically unless it exists (link(2) never replaces)."""
@@ -334,6 +361,26 @@ class Repository:
     def incomplete(self, bucket: str) -> list[BackupId]:
         """Backup directories with neither manifest file (interrupted runs), oldest first."""
         return [s.backup_id for s in self._scan(bucket) if not s.committed]
+
+    def resumable(self, bucket: str) -> BackupId | None:
+        """The interrupted run the next backup of `bucket` goes on from
+        (formats/repository.md §4.2 step 2, §4.5): the newest uncommitted directory,
+        newer than every committed backup, holding a segment file; else None."""
+        scan = self._scan(bucket)
+        newest = scan[-1] if scan else None
+        if newest is None or newest.committed or not _holds_segments(newest.path):
+            return None
+        return newest.backup_id
+
+    def leftovers(self, bucket: str) -> list[BackupId]:
+        """Uncommitted directories that no resume can use, oldest first: every one but
+        the `resumable` run, less those a committed backup names as its parent (a backup
+        that lost both manifest files: a chain problem, not a leftover). The next backup
+        of the bucket removes them (`sweep`, or it reuses the newest, empty one)."""
+        keep = self.resumable(bucket)
+        named = {b for m in self.readable(bucket)[0] for b in (m.parent, m.merged_through)
+                 if b is not None}  # fmt: skip
+        return [b for b in self.incomplete(bucket) if b != keep and b not in named]
 
     def manifests(self, bucket: str) -> list[Manifest]:
         """Every committed backup's manifest, oldest first, once the chain is checked
@@ -480,6 +527,32 @@ class Repository:
             return d  # an interrupted run's directory: reused
         self.ops.fsync_dir(bdir)
         return d
+
+    def discard_empty(self, bucket: str, backup_id: BackupId, lock: RepositoryLock) -> bool:
+        """Remove an uncommitted backup directory that holds nothing (a run that failed
+        before it finished a segment), so that a failed run leaves no backup behind.
+        Needs the bucket's lock, held; True when the directory is gone."""
+        self._check_lock(bucket, lock)
+        d = self.backup_dir(bucket, backup_id)
+        try:
+            d.rmdir()  # only ever an empty one
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        self.ops.fsync_dir(d.parent)
+        return True
+
+    def remove_empty_bucket(self, bucket: str) -> None:
+        """Remove the bucket directory when it is empty (a first run that failed and
+        released its lock): the repository is as it was before that run. A run that
+        has just created it again keeps it (rmdir refuses a directory with a lock)."""
+        d = self.bucket_dir(bucket)
+        try:
+            d.rmdir()
+        except OSError:
+            return
+        self.ops.fsync_dir(self.path)
 
     def _check_place(self, bucket: str, backup_id: BackupId, after: BackupId | None,
                      committed: list[BackupId]) -> None:  # fmt: skip
@@ -726,3 +799,8 @@ def load_manifest_file(path: Path) -> Manifest:
         return Manifest.loads(data)
     except RepositoryError as exc:
         raise RepositoryError(f"{path}: {exc}") from None
+
+
+def _holds_segments(d: Path) -> bool:
+    """True when a backup directory holds a finished segment file (or a cut-back one)."""
+    return any(d.glob("p*.seg")) or any(d.glob("cut-*/p*.seg"))

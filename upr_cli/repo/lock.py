@@ -184,6 +184,10 @@ class RepositoryLock:
             return os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
         except FileExistsError:
             pass  # another holder created it first: open the existing file below
+        except FileNotFoundError:  # a failed first run removed the empty bucket directory
+            with contextlib.suppress(FileExistsError):
+                self.repo.ops.mkdir(self.path.parent)
+            return None, False
         try:
             return os.open(self.path, flags), False
         except FileNotFoundError:
