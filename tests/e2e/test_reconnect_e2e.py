@@ -73,7 +73,8 @@ def test_a_silent_node_is_detected_and_reconnects_give_up_with_one_error(
 
     async def go() -> float:
         consumer = DcpConsumer(SourceUri.parse(node.uri), noop_interval=0.2, dead_after=1.0,
-                               reconnect_attempts=2, connect_timeout=1.0)  # fmt: skip
+                               reconnect_attempts=2, connect_timeout=1.0,
+                               follow_for=2.0)  # fmt: skip
         await consumer.open()
         t0 = time.monotonic()
         try:

@@ -17,7 +17,17 @@ that uuid, and hands the caller an explicit `Rollback` event first, so it can un
 sink above r'. A stream that ends for any reason but "end
 reached" or "closed by us" is reopened from where it stood. A connection silent for
 longer than `dead_after` seconds is treated as dead (the server sends NOOPs every
-`noop_interval`) and reconnected with capped exponential backoff and jitter.
+`noop_interval`) and reconnected.
+
+Reconnects (docs/protocol.md §4.5). One policy for a single node and a cluster alike:
+capped exponential backoff with jitter (net/retry.py) for up to `follow_for` seconds
+(the commands' --wait; `math.inf` waits for ever, 0 tries once), with a line to
+`on_notice` when a link is lost and when it is back. Streams resume from the committed
+positions, so the catch-up loses nothing. A finite stream's end is pinned once, at the
+start, at its node's high seq; after a reconnect (or a move to another node) it is
+capped at the high seq the node holds then: a failover or an unclean restart started a
+new branch (a new failover entry) that may never reach the end pinned on the old one,
+and the writes above the branch point come back as a ROLLBACK like any other.
 
 Clusters (formats/cluster.md §4). When the bootstrap node's cluster map lists several
 nodes, each partition is streamed from its active node, one connection ("link") per
@@ -55,10 +65,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import struct
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -315,7 +326,7 @@ class DcpConsumer:
         buffer_size: int = 4 * 1024 * 1024,
         noop_interval: float = 2.0,
         dead_after: float | None = None,
-        reconnect_attempts: int = 5,
+        reconnect_attempts: int = 1,
         boundaries: Mapping[int, Iterable[int]] | None = None,
         barriers: bool = False,
         connect_timeout: float = 10.0,
@@ -325,6 +336,7 @@ class DcpConsumer:
         followed_ids: Mapping[int, Iterable[int]] | Iterable[int] | None = None,
         snappy: bool = True,
         with_xattrs: bool = True,
+        on_notice: Callable[[str], None] | None = None,
     ) -> None:
         self.uri = uri
         # offer HELLO Snappy (values travel compressed and are inflated here) and XATTR
@@ -346,7 +358,10 @@ class DcpConsumer:
         self.want_barriers = barriers
         self.barriers_supported = False
         self.connect_timeout = connect_timeout
-        self.follow_for = follow_for  # how long a partition may wait for a new active
+        # how long a lost link is reconnected, or a partition waits for an active node
+        # (the commands' --wait; math.inf: for ever), and at least how many attempts
+        self.follow_for = follow_for
+        self.on_notice = on_notice  # a line when a link is lost and when it is back
         self.waiting: set[int] = set()  # partitions with no reachable active node yet
         self.name = f"{name}:{random.getrandbits(32):08x}"
         self.parts: dict[int, _Part] = {}
@@ -546,6 +561,23 @@ class DcpConsumer:
                     self.highs[part.partition] = got.get(part.partition, 0)
                 else:
                     missing.append(part)
+        return missing
+
+    async def _cap_ends(self, parts: list[_Part]) -> list[_Part]:
+        """Finite streams after a reconnect or a move: each end becomes the lower of the
+        end pinned at the start and the high seq the node holds now. On one branch a high
+        seq never goes down; a failover or an unclean restart starts a new branch below
+        writes the old one had, and an end pinned on the old one may never come
+        (docs/protocol.md §4.5). Returns the partitions not active there."""
+        before = {part.partition: self.highs.get(part.partition) for part in parts}
+        missing = await self._pin_highs(parts)
+        for part in parts:
+            if any(part is m for m in missing):
+                continue
+            p, pinned = part.partition, before[part.partition]
+            if pinned is not None:
+                self.highs[p] = min(pinned, self.highs[p])
+            part.end = min(part.end, self.highs[p])
         return missing
 
     def _following(self, first: float) -> RetryPolicy:
@@ -884,22 +916,18 @@ class DcpConsumer:
                     try:
                         await self._link(addr)
                         part.addr = addr
-                        first = p in self.waiting  # never pinned: no high, no start yet
-                        if self.until_end or first:  # the new active may hold less
-                            before = self.highs.get(p)
+                        if p in self.waiting:  # never pinned: no high, no start yet
                             if await self._pin_highs([part]):
                                 raise ConsumerError(f"{addr[0]}:{addr[1]} is not active yet")
-                            if before is not None:
-                                self.highs[p] = min(before, self.highs.get(p, 0))
-                            if first:
-                                await self._settle_start(part)
-                                self.waiting.discard(p)
-                            elif self.until_end:
-                                part.end = min(part.end, self.highs[p])
-                            # Opened even when nothing is left to send: only the new
-                            # active's producer rule says whether what was streamed is
-                            # still its history (a hard failover: ROLLBACK,
-                            # docs/protocol.md §4.2).
+                            await self._settle_start(part)
+                            self.waiting.discard(p)
+                        elif self.until_end and await self._cap_ends([part]):
+                            # the new active may hold less than the end pinned
+                            raise ConsumerError(f"{addr[0]}:{addr[1]} is not active yet")
+                        # Opened even when nothing is left to send: only the new
+                        # active's producer rule says whether what was streamed is
+                        # still its history (a hard failover: ROLLBACK,
+                        # docs/protocol.md §4.2).
                         log.info("partition %d: streaming from %s:%d", p, *addr)
                         self._moving.discard(p)
                         await self._open_streams([part])
@@ -1330,11 +1358,24 @@ class DcpConsumer:
         part.uuid, part.seq, part.snap_start, part.snap_end = self._committed[part.partition]
         part.delivered = [c for c in part.delivered if c.seq <= part.seq]  # they come again
 
+    def _reconnecting(self) -> RetryPolicy:
+        """The one reconnect policy, single node or cluster: capped exponential backoff
+        with jitter (at most a second apart, so a node back is found at once) for up to
+        `follow_for` seconds and at least `reconnect_attempts` attempts."""
+        return RetryPolicy(attempts=max(1, self.reconnect_attempts), within=self.follow_for,
+                           first=0.2, cap=1.0)  # fmt: skip
+
+    def _notice(self, text: str) -> None:
+        if self.on_notice is not None:
+            self.on_notice(text)
+        else:
+            log.info("%s", text)
+
     async def _reconnect(self, addr: Addr, attempts: int, reason: str) -> int:
-        """Reconnect a link with capped exponential backoff and jitter; its partitions
-        resume from their committed positions. While following a map, partitions the
-        newest map moved elsewhere are reopened there instead, and a node that stays
-        away is waited for up to `follow_for` seconds (it may restart or fail over)."""
+        """Reconnect a link through `_reconnecting`; its partitions resume from their
+        committed positions, finite ones with their ends capped (`_cap_ends`). While
+        following a map, partitions the newest map moved elsewhere are reopened there
+        instead (it may restart or fail over). Returns the attempts made."""
         parts = [
             p for p in self.parts.values()
             if p.addr == addr and not p.done and p.partition not in self._moving
@@ -1342,19 +1383,19 @@ class DcpConsumer:
         link = self._links.pop(addr, None)
         if link is not None:
             await link.session.conn.aclose()
-        # While following a map a node that stays away is waited for (it may restart or
-        # fail over), in steps of at most a second; else the attempts bound it alone.
-        policy = RetryPolicy(attempts=self.reconnect_attempts,
-                             within=self.follow_for if self._follow else None,
-                             first=0.2, cap=1.0 if self._follow else 10.0)  # fmt: skip
-        retry = policy.start(tries=attempts)
+        where = f"{addr[0]}:{addr[1]}"
+        wait = self.follow_for
+        how = ("until it is back" if math.isinf(wait) else
+               f"for up to {wait:g}s" if wait > 0 else "once")  # fmt: skip
+        self._notice(f"connection to {where} lost ({reason}); reconnecting {how}")
+        retry = self._reconnecting().start(tries=attempts)
         while True:
             if retry.spent:
                 raise ConsumerError(
-                    f"{self.uri.redacted()}: connection to {addr[0]}:{addr[1]} lost ({reason}); "
-                    f"{retry.tries} reconnect attempts failed"
+                    f"{self.uri.redacted()}: connection to {where} lost ({reason}); "
+                    f"{retry.tries} reconnect attempts failed in {retry.elapsed:.0f}s"
                 )
-            log.info("reconnecting to %s:%d (attempt %d)", *addr, retry.tries + 1)
+            log.info("reconnecting to %s (attempt %d)", where, retry.tries + 1)
             await retry.wait()
             for part in parts:
                 self._reset(part)
@@ -1368,14 +1409,23 @@ class DcpConsumer:
                         parts.remove(part)
                         self._spawn(self._move(part))
                 if not parts:
+                    self._notice(f"the partitions of {where} moved to other nodes; streaming "
+                                 "from there")  # fmt: skip
                     return 0
             try:
                 await self._link(addr)
+                if self.until_end:
+                    for part in await self._cap_ends(parts):  # not active there (a cluster)
+                        parts.remove(part)
+                        self._spawn(self._move(part))
                 await self._open_streams(parts)
-                return retry.tries
             except (ConnectionError_, OSError) as exc:
                 reason = str(exc)
                 log.info("reconnect failed: %s", exc)
+                continue
+            self._notice(f"connection to {where} back after {retry.elapsed:.1f}s; streams "
+                         "resume where they were committed")  # fmt: skip
+            return retry.tries
 
     async def barrier(self, cookie: bytes) -> bool:
         """Send a barrier cookie; a `BarrierReached` event follows in the stream. False
