@@ -60,3 +60,17 @@ def test_formats_are_indexed() -> None:
     for spec in (ROOT / "formats").glob("*.md"):
         if spec.name != "README.md":
             assert spec.name in index, f"formats/README.md does not list {spec.name}"
+
+
+def test_every_document_stamps_a_manifests_uid_on_its_last_event_only() -> None:
+    """How a node stamps the manifest uid on the system events of one change is said in
+    three documents; the node does it as kv_engine does (only the change's last event
+    in a partition carries the new uid: tests/node/test_producer_collections.py), and so
+    must each of them."""
+    docs = ("docs/protocol.md", "formats/collections.md", "formats/wire.md")
+    said = {doc: " ".join((ROOT / doc).read_text().split()) for doc in docs}
+    assert not [doc for doc, text in said.items() if "stamps every event" in text]
+    node = "A upr node stamps them the same way: the change's last event in a partition"
+    assert f"{node} carries the new uid" in said["docs/protocol.md"]
+    last = "The change's last event in a partition carries the new manifest's uid"
+    assert last in said["formats/collections.md"]

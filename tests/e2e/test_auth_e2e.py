@@ -26,8 +26,10 @@ import pytest
 
 from tests.e2e.conftest import PASSWORD, USER, Node, upr
 from tests.e2e.e2e_helpers import spawn_upr
+from upr_cli.net.bootstrap import BootstrapError, connect
 from upr_cli.net.connection import Connection
 from upr_cli.net.scram import ScramClient, plain_message
+from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame
 from upr_cli.protocol.header import Opcode
 from upr_cli.protocol.messages import (
@@ -207,6 +209,27 @@ def test_scram_for_an_unknown_user_looks_like_a_wrong_password(auth_node: Node) 
         assert await p.scram() == (AUTH_CONTINUE, SUCCESS)
 
     scenario(auth_node, body)
+
+
+def test_a_missing_password_or_user_is_named_not_an_auth_failure(auth_node: Node) -> None:
+    """A user with no password anywhere (URI, UPR_PASSWORD) and a URI with no user at
+    all on a node that has users: each error says what to give, not "authentication
+    failed" or EACCESS."""
+    where = f"127.0.0.1:{auth_node.port}/default"
+
+    async def main() -> None:
+        with pytest.raises(BootstrapError, match=r": no password for admin: set UPR_PASSWORD "
+                           r"or put it in the URI$"):  # fmt: skip
+            await connect(SourceUri.parse(f"upr://admin@{where}", env={}))
+        with pytest.raises(BootstrapError, match=r": the node requires a user: put it in the "
+                           rf"URI \(upr://USER@{where}\) and set UPR_PASSWORD$"):  # fmt: skip
+            await connect(SourceUri.parse(f"upr://{where}", env={}))
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    proc = upr("tail", f"upr://admin@{where}", "--until-end", check=False)  # as users see it
+    assert (proc.returncode, proc.stderr) == (1, f"upr: error: upr://admin@{where}: no "
+                                              "password for admin: set UPR_PASSWORD or put it "
+                                              "in the URI\n")  # fmt: skip
 
 
 # ---------------------------------------------------------------- before auth / before a bucket

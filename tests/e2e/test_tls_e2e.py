@@ -4,8 +4,10 @@ couchbases:// trusting the test CA, `upr tail uprs://` reads the same documents 
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
+import signal
 import sqlite3
 from pathlib import Path
 
@@ -13,6 +15,10 @@ import pytest
 import trustme
 
 from tests.e2e.conftest import PASSWORD, USER, Node, upr
+from tests.e2e.e2e_helpers import run
+from upr_cli.net.bootstrap import connect
+from upr_cli.net.tls import ClientTls, TlsError
+from upr_cli.net.uri import SourceUri
 
 
 class Certs:
@@ -112,6 +118,29 @@ def test_the_sdk_writes_over_tls_and_tail_reads_over_tls(
     loose = upr("tail", tls_uri(tls), "--until-end", "--count", "1", "--no-verify")
     assert loose.stdout.count("\n") == 1
     assert "upr: warning: --no-verify: the server certificate is not checked" in loose.stderr
+
+
+def test_a_node_killed_during_the_tls_handshake_is_not_called_a_plain_port(
+    node_factory: type[Node], certs: Certs
+) -> None:
+    """The ClientHello waits in a stopped node's socket, then the node is killed: the
+    connection was closed during the handshake, and the port answers nothing plain
+    afterwards, so no "a plain data port?" hint (net/probe.py)."""
+    node = node_factory(*certs.good)
+    tls = start_tls(node)
+    assert node.proc is not None
+    uri = SourceUri.parse(tls_uri(tls)).with_tls(ClientTls(str(certs.cafile)))
+
+    async def main() -> str:
+        node.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+        attempt = asyncio.create_task(connect(uri, timeout=10))
+        await asyncio.sleep(0.3)
+        node.kill()
+        with pytest.raises(TlsError) as info:
+            await attempt
+        return str(info.value)
+
+    assert run(main()) == f"127.0.0.1:{tls}: the connection was closed during the TLS handshake"
 
 
 def test_an_expired_certificate_is_one_line(node_factory: type[Node], certs: Certs) -> None:

@@ -225,6 +225,25 @@ def test_a_certificate_that_does_not_verify_is_one_line(
     run(scenario(), SCENARIO_S)
 
 
+def test_a_ca_file_that_does_not_verify_the_node_is_named(tmp_path: Path, pki: Pki) -> None:
+    """--cacert (or UPR_CACERT) given: "use --cacert" would not help; the error names
+    the file that did not verify the node's certificate."""
+    other = str(tmp_path / "other-ca.pem")
+    trustme.CA().cert_pem.write_to_path(other)
+
+    async def scenario() -> None:
+        async with tls_node(tmp_path, pki.good) as server:
+            with pytest.raises(CertificateError) as info:
+                await connect(tls_uri(server, other))
+            assert str(info.value) == (
+                f"127.0.0.1:{server.tls_port}: certificate verify failed: unable to get "
+                f"local issuer certificate (the CA file {other} does not verify the node's "
+                "certificate)"
+            )
+
+    run(scenario(), SCENARIO_S)
+
+
 def test_no_verify_connects_to_any_certificate(tmp_path: Path, pki: Pki) -> None:
     async def scenario() -> None:
         async with tls_node(tmp_path, pki.expired) as server:

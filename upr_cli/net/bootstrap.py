@@ -26,10 +26,11 @@ from typing import Any, TypeVar
 
 from upr_cli.errors import UprError
 from upr_cli.net.connection import Connection, ConnectionClosed, ConnectionError_, ServerItems
+from upr_cli.net.probe import answers_tls
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.scram import AuthenticationFailed, ScramClient, plain_message
 from upr_cli.net.tls import ClientTls, client_certificate_alert, closed_after_handshake
-from upr_cli.net.uri import SourceUri
+from upr_cli.net.uri import PASSWORD_ENV, SourceUri
 from upr_cli.protocol import leb128
 from upr_cli.protocol.header import Feature
 from upr_cli.protocol.messages import (
@@ -44,6 +45,7 @@ from upr_cli.protocol.messages import (
     SelectBucket,
 )
 from upr_cli.protocol.status import (
+    AccessDenied,
     AuthContinue,
     AuthError,
     KeyNotFound,
@@ -138,7 +140,8 @@ async def _connect_one(
     settings = (uri.tls or ClientTls.from_env()) if uri.secure else None
     tls = settings.context() if settings is not None else None
     conn = await Connection.open(uri.host, uri.port, timeout=timeout, name=name or uri.redacted(),
-                                 on_server=on_server, on_close=on_close, tls=tls)  # fmt: skip
+                                 on_server=on_server, on_close=on_close, tls=tls,
+                                 cafile=settings.cafile if settings else None)  # fmt: skip
     certificate = settings is not None and settings.certfile is not None
     try:
         hello = await _hello(conn, uri, features, timeout, certificate=certificate)
@@ -154,6 +157,9 @@ async def _connect_one(
             try:
                 await conn.request(SelectBucket(bucket=uri.bucket, opaque=conn.next_opaque()),
                                    timeout=timeout)  # fmt: skip
+            except AccessDenied as exc:
+                raise _denied(uri, certificate,
+                              f"cannot select bucket {uri.bucket!r}: {exc}") from None  # fmt: skip
             except StatusError as exc:
                 raise BootstrapError(
                     f"{uri.redacted()}: cannot select bucket {uri.bucket!r}: {exc}"
@@ -165,6 +171,8 @@ async def _connect_one(
             config = json.loads(raw) if raw else {}
         except KeyNotFound:
             config = {}
+        except AccessDenied as exc:
+            raise _denied(uri, certificate, f"cannot read the cluster config: {exc}") from None
         except json.JSONDecodeError as exc:
             raise BootstrapError(
                 f"{uri.redacted()}: cluster config is not JSON: {exc.msg}"
@@ -173,6 +181,18 @@ async def _connect_one(
     except BaseException:
         await conn.aclose()
         raise
+
+
+def _denied(uri: SourceUri, certificate: bool, what: str) -> BootstrapError:
+    """EACCESS after the login: a URI without a user (and no client certificate) was not
+    logged in at all, which a node with users requires (docs/protocol.md §5.3)."""
+    if uri.username or certificate:
+        return BootstrapError(f"{uri.redacted()}: {what}")
+    where = f"{uri.scheme}://USER@{uri.redacted().partition('://')[2]}"
+    return BootstrapError(
+        f"{uri.redacted()}: the node requires a user: put it in the URI ({where}) and set "
+        f"{PASSWORD_ENV}"
+    )
 
 
 async def _hello(
@@ -200,10 +220,13 @@ async def _hello(
             if cause is None or isinstance(cause, _DROPPED):
                 raise closed_after_handshake(where, sent_certificate=certificate) from None
             raise
-        # still retriable: a node that restarts closes the same way
+        # still retriable: a node that restarts closes the same way; the TLS-port hint
+        # only when the port speaks TLS (net/probe.py)
+        hint = ""
+        if await answers_tls(uri.host, uri.port):
+            hint = " (a TLS port? it takes uprs:// or couchbases://)"
         raise ConnectionClosed(
-            f"{uri.host}:{uri.port}: the peer closed the connection during HELLO (a TLS "
-            "port? it takes uprs:// or couchbases://)"
+            f"{uri.host}:{uri.port}: the peer closed the connection during HELLO{hint}"
         ) from None
 
 
@@ -246,6 +269,11 @@ async def _authenticate(
                 f"{uri.redacted()}: no supported SASL mechanism offered ({' '.join(offered)})"
             )
     except (AuthError, AuthContinue, AuthenticationFailed):
+        if uri.password is None:  # neither in the URI nor in the environment: tried ""
+            raise BootstrapError(
+                f"{uri.redacted()}: no password for {uri.username}: set {PASSWORD_ENV} or put "
+                "it in the URI"
+            ) from None
         raise BootstrapError(
             f"{uri.redacted()}: authentication failed for user {uri.username!r}"
         ) from None

@@ -22,7 +22,8 @@ from typing import Any
 
 from upr_cli.errors import RemoteProtocolError, UprError
 from upr_cli.net.aio import cancel_and_wait
-from upr_cli.net.tls import handshake_error
+from upr_cli.net.probe import answers_plain
+from upr_cli.net.tls import closed_by_peer, handshake_error
 from upr_cli.protocol import (
     DcpRecord,
     Frame,
@@ -99,9 +100,11 @@ class Connection:
         on_server: Callable[[ServerItems, int], None] | None = None,
         on_close: Callable[[ConnectionClosed], None] | None = None,
         tls: ssl.SSLContext | None = None,
+        cafile: str | None = None,
     ) -> Connection:
         """Connect to host:port within `timeout` seconds (the TLS handshake included, and
-        the certificate checked for `host`, when `tls` is given)."""
+        the certificate checked for `host`, when `tls` is given; `cafile` is the CA file
+        it trusts, for the error when the certificate does not verify)."""
         extra: dict[str, Any] = {}
         if tls is not None:
             extra = {"ssl": tls, "server_hostname": host, "ssl_handshake_timeout": timeout}
@@ -117,7 +120,9 @@ class Connection:
             ) from None
         except OSError as exc:
             if tls is not None and isinstance(exc, _HANDSHAKE_ERRORS):
-                raise handshake_error(exc, f"{host}:{port}") from None
+                # closed on us: a plain port, or a node gone mid-handshake? (net/probe.py)
+                plain = closed_by_peer(exc) and await answers_plain(host, port)
+                raise handshake_error(exc, f"{host}:{port}", cafile=cafile, plain=plain) from None
             # asyncio's strerror repeats the address ("Connect call failed ('h', p)")
             why = os.strerror(exc.errno) if exc.errno else str(exc)
             raise ConnectionError_(f"cannot connect to {host}:{port}: {why}") from None

@@ -149,21 +149,37 @@ def _load_chain(ctx: ssl.SSLContext, certfile: str, keyfile: str | None, what: s
         ) from None
 
 
-def handshake_error(exc: OSError, where: str) -> TlsError:
-    """The one-line error for a failed handshake with `where` (host:port)."""
+def handshake_error(
+    exc: OSError, where: str, *, cafile: str | None = None, plain: bool = True
+) -> TlsError:
+    """The one-line error for a failed handshake with `where` (host:port), the client
+    trusting `cafile` (None: the system store). A peer that closed the connection gets
+    the plain-port hint only when the port answers plain memcached (`plain`, from
+    `probe.answers_plain`): otherwise the node went away during the handshake."""
     alert = client_certificate_alert(exc, where)
     if alert is not None:
         return alert
     if isinstance(exc, ssl.SSLCertVerificationError):
         why = (exc.verify_message or _why(exc)).rstrip(".")
         why = why.replace("in certificate chain", "in chain")
-        hint = " (use --cacert FILE)" if exc.verify_code in _UNTRUSTED else ""
+        hint = ""
+        if exc.verify_code in _UNTRUSTED:
+            hint = (f" (the CA file {cafile} does not verify the node's certificate)"
+                    if cafile is not None else " (use --cacert FILE)")  # fmt: skip
         return CertificateError(f"{where}: certificate verify failed: {why}{hint}")
-    why = "the peer closed the connection" if isinstance(exc, _CLOSED) else _why(exc)
+    closed = closed_by_peer(exc)
+    if closed and not plain:
+        return TlsError(f"{where}: the connection was closed during the TLS handshake")
+    why = "the peer closed the connection" if closed else _why(exc)
     return TlsError(
         f"{where}: TLS handshake failed ({why}): a plain data port? "
         f"those take upr:// or couchbase://"
     )
+
+
+def closed_by_peer(exc: BaseException) -> bool:
+    """True when a handshake failed because the peer closed the connection (no answer)."""
+    return isinstance(exc, _CLOSED)
 
 
 def client_certificate_alert(exc: BaseException | None, where: str) -> TlsError | None:
