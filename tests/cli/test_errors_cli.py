@@ -177,11 +177,17 @@ def test_examine_reads_the_partition_count_from_the_repository(live: tuple[Node,
     assert missing.returncode == ExitCode.FAILED and "no version" in missing.stdout
 
 
-def test_rollback_point_without_arguments() -> None:
+def test_rollback_point_without_arguments_says_what_is_missing() -> None:
+    """Every option of rollback-point is optional, so the help alone (with an empty
+    stderr) would not say what is wrong: the usage lines and what is missing, exit 2."""
     proc = upr("rollback-point")
-    assert proc.returncode == ExitCode.USAGE
-    assert "--server-log" in proc.stdout  # the help, and nothing after it (as Typer has it)
-    assert proc.stderr == ""
+    assert (proc.returncode, proc.stdout) == (ExitCode.USAGE, "")
+    assert proc.stderr == (
+        "Usage: upr rollback-point --server-log LOG [--client-log LOG] [OPTIONS]\n"
+        "       upr rollback-point --server SOURCE --client SOURCE [OPTIONS]\n"
+        "upr: error: give --server-log LOG (or --server and --client sources): see 'upr "
+        "rollback-point --help'\n"
+    )
 
 
 # -- the same bad input exits the same in every command -------------------------------------

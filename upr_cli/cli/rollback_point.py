@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -63,6 +64,13 @@ Example (producer rule):
 """
 
 
+USAGE = (
+    "Usage: upr rollback-point --server-log LOG [--client-log LOG] [OPTIONS]\n"
+    "       upr rollback-point --server SOURCE --client SOURCE [OPTIONS]\n"
+)
+"""The usage lines printed before the error of a run without arguments."""
+
+
 def _seq(name: str, help: str) -> Any:
     return typer.Option(name, min=0, metavar="SEQ", show_default=False, help=help)
 
@@ -121,10 +129,13 @@ Client = Annotated[
 
 def register(app: typer.Typer) -> None:
     """Add the command to the app."""
-    app.command("rollback-point", help=HELP, no_args_is_help=True)(rollback_point_cmd)
+    # not no_args_is_help: every option is optional, so without any the answer is what
+    # is missing (on stderr, exit 2), not the help on stdout
+    app.command("rollback-point", help=HELP)(rollback_point_cmd)
 
 
 def rollback_point_cmd(
+    ctx: typer.Context,
     server_log: ServerLog = None,
     client_log: ClientLog = None,
     snapshot_seq: SnapshotSeq = None,
@@ -164,7 +175,13 @@ def rollback_point_cmd(
         sources(server, client, selected(partitions), json_out, show_all, tls)
         return
     if server_log is None:
-        raise UsageError("give --server-log (or --server and --client sources)")
+        given = (ctx.get_parameter_source(name) for name in ctx.params)
+        if not any(source is not None and source.name == "COMMANDLINE" for source in given):
+            sys.stderr.write(USAGE)  # run without arguments: the forms, then what is missing
+        raise UsageError(
+            "give --server-log LOG (or --server and --client sources): see 'upr "
+            "rollback-point --help'"
+        )
     dcp = DcpArgs(start=start, high=high_seq, uuid=uuid, snap_start=snap_start,
                   snap_end=snap_end, purge_seq=purge_seq, client_purge_seq=client_purge_seq,
                   strict=strict)  # fmt: skip
