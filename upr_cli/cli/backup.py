@@ -24,6 +24,7 @@ from upr_cli.cli.options import (
     SparkConf,
     SparkMaster,
     SparkTasks,
+    Wait,
     tls_source,
 )
 from upr_cli.cli.output import (
@@ -33,6 +34,7 @@ from upr_cli.cli.output import (
     human_bytes,
     keep_whole,
     more_line,
+    notice,
     print_json,
     stderr,
     stdout,
@@ -53,7 +55,11 @@ and the backup continues from the rollback point; the lost writes stay in the ol
 backup, readable. A failover while the run streams (a cluster) is followed the same way:
 what the rollback took back moves to cut-back segments, kept as lost writes, and the run
 completes with each partition as its new active holds it (a partition whose stream had
-already ended gets a follow-up backup that records the rollback). A backup exists once its
+already ended gets a follow-up backup that records the rollback). A node that goes away
+while the run streams is reconnected for up to --wait seconds (120; 0 for no waiting),
+with a line on stderr when the link is lost and when it is back; one that restarted
+from a crash ends the run at what it holds then, the rollback recorded as after a
+failover. A backup exists once its
 manifest (manifest.json.copy, then manifest.json) is written; an interrupted run leaves
 nothing visible. The repository is created on first use (formats/repository.md).
 
@@ -143,6 +149,7 @@ def backup_cmd(
     json_out: JsonOutput = False,
     include_data: IncludeData = None,
     exclude_data: ExcludeData = None,
+    wait: Wait = 120.0,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -182,6 +189,8 @@ def backup_cmd(
                     streamer=streamer,
                     include=include,
                     exclude=exclude,
+                    wait=wait,
+                    on_notice=notice,
                 )
             )
         finally:

@@ -4,6 +4,7 @@ and the parsing and error rules some commands share."""
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from collections.abc import Iterator
@@ -63,6 +64,32 @@ SparkConf = Annotated[
     list[str] | None,
     typer.Option("--conf", metavar="KEY=VALUE", help="A Spark setting (repeatable)."),
 ]
+
+
+def wait_seconds(value: str | float) -> float:
+    """`--wait`: seconds (0: no waiting) or `forever` (math.inf)."""
+    if isinstance(value, int | float):  # the default, already a number
+        return float(value)
+    text = value.strip().lower()
+    if text in ("forever", "inf", "infinity"):
+        return math.inf
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < math.inf:
+        raise typer.BadParameter(f"{value!r}: takes seconds (0: no waiting) or forever")
+    return seconds
+
+
+# One reconnect policy for every command that streams (docs/protocol.md §4.5).
+Wait = Annotated[
+    float,
+    typer.Option("--wait", metavar="SECONDS", parser=wait_seconds, show_default=False,
+                 help="How long a node that is down is waited for (it may restart or fail "
+                 "over) before the command fails: seconds (default 120), 0 for no waiting, "
+                 "or forever."),
+]  # fmt: skip
 
 
 def key_pattern(keys: str | None) -> re.Pattern[bytes] | None:

@@ -48,6 +48,11 @@ def error_line(message: str) -> None:
     sys.stderr.flush()
 
 
+def notice(message: str) -> None:
+    """A line on stderr about the run's own course (a link lost, and back)."""
+    stderr.print(f"upr: {message}", markup=False, highlight=False)
+
+
 def hint(message: str) -> None:
     """A "what to do next" line on stderr (never part of the answer a pipe reads)."""
     stderr.print(message, markup=False, highlight=False)

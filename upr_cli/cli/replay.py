@@ -18,9 +18,10 @@ from upr_cli.cli.options import (
     NoProgress,
     NoVerify,
     Partitions,
+    Wait,
     tls_source,
 )
-from upr_cli.cli.output import Progress, print_json, stderr, stdout
+from upr_cli.cli.output import Progress, notice, print_json, stderr, stdout
 from upr_cli.collections import parse_paths
 from upr_cli.errors import check_file_path
 from upr_cli.jobs.replay import ReplayStats, check_options, replay_node, replay_repo
@@ -47,6 +48,13 @@ transaction); a server without barrier cookies gets per-snapshot commits, said o
 store never holds a write a crash of the source can take back. --follow keeps going
 until Ctrl-C, checkpointing as it goes.
 
+A node that goes away (a restart, a crash, a network cut) is reconnected for up to
+--wait seconds (120; forever for a service, 0 for no waiting), with a line on stderr
+when the link is lost and when it is back; the store resumes from its committed
+positions, nothing lost. Without --follow the replay ends at the high seqnos read at
+the start, capped at what the node holds after it restarted from a crash or failed
+over (the rollback is undone and printed as any other).
+
 Collections: every collection is replayed unless --collections names some (SCOPE or
 SCOPE.COLLECTION, comma-separated; filtered by the source). Documents are keyed by
 collection id; the scope and collection columns of the views json_documents and
@@ -64,6 +72,10 @@ document's xattrs back with it. A store of an older schema is migrated when open
 Example:
 
   upr replay upr://admin@127.0.0.1:11210/default --into /tmp/bucket.db
+
+Example (a service: follow for good, waiting out any node restart):
+
+  upr replay upr://admin@127.0.0.1/default --into /tmp/bucket.db --follow --wait forever
 
 Example (follow, consistent cuts only, durable writes only):
 
@@ -133,6 +145,7 @@ def replay_cmd(
             "SCOPE.COLLECTION, comma-separated; a live source only).",
         ),
     ] = None,
+    wait: Wait = 120.0,
     bucket: Bucket = None,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
@@ -178,6 +191,8 @@ def replay_cmd(
                     collections=paths or None,
                     on_progress=tick,
                     on_event=event,
+                    wait=wait,
+                    on_notice=notice,
                 )
             )
     _report(stats, into, json_out)

@@ -18,10 +18,11 @@ from upr_cli.cli.options import (
     NodeUri,
     NoVerify,
     Partitions,
+    Wait,
     key_pattern,
     tls_source,
 )
-from upr_cli.cli.output import stderr
+from upr_cli.cli.output import notice, stderr
 from upr_cli.collections import parse_paths
 from upr_cli.errors import UsageError
 from upr_cli.jobs.tail import TailOptions, tail
@@ -49,8 +50,17 @@ JSON, objects with an "event" field ("collection-created", "collection-dropped",
 starting with "#", ids in hex. -v also shows snapshot markers, rollbacks and stream
 opens and ends. --state keeps the collections followed, so a resume still shows the
 drop of one dropped meanwhile. A source without collections (an older server) has
-only _default._default. Exit 0 at the end, 130 on Ctrl-C, 1 on a connection or
-authentication error, an unknown collection, or a follow whose collections were all
+only _default._default.
+
+A node that goes away (a restart, a crash, a network cut) is reconnected for up to
+--wait seconds (120; forever for a service, 0 for no waiting), with a line on stderr
+when the link is lost and when it is back; streams resume where they stood, nothing
+lost. In a cluster, partitions whose node is down wait as long while the others stream.
+--until-end stops at the high seqnos read at the start, capped at what the node holds
+after it restarted from a crash or failed over (the rollback shows with -v).
+
+Exit 0 at the end, 130 on Ctrl-C, 1 on a connection or authentication error, a node
+away longer than --wait, an unknown collection, or a follow whose collections were all
 dropped.
 
 Example (everything up to now, as JSON lines):
@@ -66,6 +76,10 @@ Example (over TLS, the server certificate checked against ca.pem; UPR_CACERT=ca.
 does the same for every command):
 
   upr tail uprs://admin@db.example.com/default --cacert ca.pem --until-end
+
+Example (a service: follow for good, waiting out any node restart):
+
+  upr tail upr://admin@127.0.0.1/default --from now --wait forever --format json
 
 Example (two collections of scope app, with their creations and drops):
 
@@ -118,16 +132,7 @@ def tail_cmd(
             "--state", metavar="PATH", help="Resume from and save positions to this JSON file."
         ),
     ] = None,
-    wait: Annotated[
-        float,
-        typer.Option(
-            "--wait",
-            min=0,
-            metavar="SECONDS",
-            help="How long partitions with no reachable active node (a cluster node down) "
-            "are waited for; the others stream meanwhile.",
-        ),
-    ] = 120.0,
+    wait: Wait = 120.0,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -144,7 +149,12 @@ def tail_cmd(
     source = tls_source(SourceUri.parse(uri), cacert, no_verify, cert, key)
     try:
         summary = asyncio.run(
-            tail(source, opts, on_warning=lambda text: stderr.print(f"upr: warning: {text}"))
+            tail(
+                source,
+                opts,
+                on_warning=lambda text: stderr.print(f"upr: warning: {text}"),
+                on_notice=notice,
+            )
         )
     except BrokenPipeError:
         # the reader went away (`upr tail … | head`): a normal end, not an error

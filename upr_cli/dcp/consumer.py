@@ -464,8 +464,15 @@ class DcpConsumer:
         # active node in the background for up to `follow_for` seconds (`waiting` says
         # which, so that the caller can warn at once), then fail the stream.
         self.waiting = waiting
-        await self._open_streams([part for part in self.parts.values() if part.partition
-                                  not in waiting])  # fmt: skip
+        try:
+            await self._open_streams([part for part in self.parts.values() if part.partition
+                                      not in waiting])  # fmt: skip
+        except ConnectionError_:
+            if not any(link.session.conn.closed for link in self._links.values()):
+                raise
+            # The node went away as the streams opened, their ends pinned: its loss is
+            # queued, and batches() reconnects as after any other (docs/protocol.md §4.5).
+            log.info("a connection closed while the streams opened: reconnecting")
         for part in unpinned:
             self._spawn(self._move(part, delay=0.1))
 

@@ -211,6 +211,8 @@ async def backup(
     streamer: Streamer | None = None,
     include: Sequence[CollectionPath] = (),
     exclude: Sequence[CollectionPath] = (),
+    wait: float = 120.0,
+    on_notice: Callable[[str], None] | None = None,
 ) -> BackupSummary:
     """Run one backup of `uri`'s bucket into the repository; returns its summary.
 
@@ -228,11 +230,17 @@ async def backup(
     rule"); those it no longer holds get a follow-up incremental backup at once, which
     records the rollback (the records above it stay in the first one as lost writes), so
     the newest backup restores to the actives' state. At most `FOLLOW_UPS` rounds.
+
+    A node lost while streaming is reconnected for up to `wait` seconds (`math.inf`: for
+    ever; `on_notice` hears when the link is lost and when it is back); one that
+    restarted from a crash ends each stream at its new branch's high seq, the rollback
+    recorded as after a failover (docs/protocol.md §4.5).
     """
     chosen = collection_filter(include, exclude)
     first = await _backup_once(uri, repo_dir, full=full, partitions=partitions,
                                on_progress=on_progress, on_warning=on_warning,
-                               streamer=streamer, chosen=chosen)  # fmt: skip
+                               streamer=streamer, chosen=chosen, wait=wait,
+                               on_notice=on_notice)  # fmt: skip
     summary = first
     for _ in range(FOLLOW_UPS):
         try:
@@ -252,7 +260,8 @@ async def backup(
         (on_warning or log.warning)(note)
         summary = await _backup_once(uri, repo_dir, partitions=overtaken,
                                      on_progress=on_progress, on_warning=on_warning,
-                                     streamer=streamer, chosen=chosen)  # fmt: skip
+                                     streamer=streamer, chosen=chosen, wait=wait,
+                                     on_notice=on_notice)  # fmt: skip
         first.follow_ups.append(summary.backup_id)
         first.rollbacks += summary.rollbacks
         first.warnings += summary.warnings
@@ -296,6 +305,8 @@ async def _backup_once(
     on_warning: Callable[[str], None] | None = None,
     streamer: Streamer | None = None,
     chosen: CollectionFilter | None = None,
+    wait: float = 120.0,
+    on_notice: Callable[[str], None] | None = None,
 ) -> BackupSummary:
     """One backup, committed (see `backup`)."""
     if uri.bucket is None:
@@ -317,7 +328,7 @@ async def _backup_once(
             try:
                 run.read_collections(chosen, collections)
                 await run.plan(partitions)
-                results = await run.stream(streamer, on_progress)
+                results = await run.stream(streamer, on_progress, wait=wait, on_notice=on_notice)
                 manifest, rollbacks, bytes_read = run.commit(results)
             except BaseException:
                 repo.discard_empty(bucket, run.backup_id, lock)  # no segment: no leftover
@@ -492,7 +503,12 @@ class _BackupRun:
         self.to_stream = [p for p in wanted if p not in reused or p in self.follow]
 
     async def stream(
-        self, streamer: Streamer | None, on_progress: Callable[[StreamStats], None] | None
+        self,
+        streamer: Streamer | None,
+        on_progress: Callable[[StreamStats], None] | None,
+        *,
+        wait: float = 120.0,
+        on_notice: Callable[[str], None] | None = None,
     ) -> dict[int, PartitionResult]:
         """Stream the partitions that need it; every partition's result, reused ones too."""
         results: dict[int, PartitionResult] = {}
@@ -514,6 +530,8 @@ class _BackupRun:
                     cuts=self.cuts,
                     collections=self.stream_paths,
                     followed_ids=self.followed,
+                    wait=wait,
+                    on_notice=on_notice,
                 )
             )  # fmt: skip
         for p, ru in self.reused.items():

@@ -145,6 +145,8 @@ async def stream_to_segments(
     collections: list[CollectionPath] | None = None,
     followed_ids: dict[int, set[int]] | None = None,
     snappy: bool = True,
+    wait: float = 120.0,
+    on_notice: Callable[[str], None] | None = None,
 ) -> dict[int, PartitionResult]:
     """Stream each partition from its position to the pinned high seqno into a segment.
 
@@ -160,6 +162,12 @@ async def stream_to_segments(
     `end_seqs` pins the ends instead (a distributed backup pins them once, on the driver,
     so every task stops at the seqs a local run would).
 
+    `wait` is how long a lost node is reconnected (or, in a cluster, a partition waits
+    for an active node) before the run fails; `math.inf` waits for ever, and `on_notice`
+    hears when a link is lost and when it is back. After a reconnect each end is capped
+    at what the node holds then, so a node restarted from a crash ends the run at its new
+    branch's high seq, the rollback handled as after a failover (docs/protocol.md §4.5).
+
     `cuts` are cut-back segments an interrupted run left (each partition's list goes on).
     `boundaries` are the chain's snapshot boundaries per partition, where a rollback in
     mid-run may land (docs/design.md, "Snapshot boundaries").
@@ -173,7 +181,8 @@ async def stream_to_segments(
                            until_end=True, end_seqs=end_seqs,
                            buffer_size=buffer_size, name="upr-backup",
                            collections=collections or None,
-                           followed_ids=followed_ids, snappy=snappy)  # fmt: skip
+                           followed_ids=followed_ids, snappy=snappy, follow_for=wait,
+                           on_notice=on_notice)  # fmt: skip
     async with Worker("segments", max_queued=MAX_INFLIGHT) as worker:
         stream = BackupStream(
             consumer, worker, directory, bucket=bucket, segment_name=segment_name,

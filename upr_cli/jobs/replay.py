@@ -277,11 +277,14 @@ async def replay_node(
     collections: list[CollectionPath] | None = None,
     on_progress: Callable[[ReplayStats], None] | None = None,
     on_event: Callable[[str], None] | None = None,
+    wait: float = 120.0,
+    on_notice: Callable[[str], None] | None = None,
 ) -> ReplayStats:
     """Replay a live source into the store at `db_path` until caught up (or, with
     `follow`, until cancelled: SIGINT/SIGTERM end the run after a last checkpoint).
     `collections` streams only those (scopes or collections) and every run into the
-    store must give the same."""
+    store must give the same. A lost node is reconnected for up to `wait` seconds
+    (`math.inf`: for ever; `on_notice` hears when the link is lost and when it is back)."""
     mode = "consistent" if consistent else "snapshot"
     mode += " durable-only" if durable_only else ""
     stats = ReplayStats(uri.redacted(), str(db_path), mode)
@@ -289,6 +292,7 @@ async def replay_node(
         partitions=partitions, follow=follow, consistent=consistent, max_pending=max_pending,
         barrier_interval=barrier_interval, buffer_size=buffer_size, on_progress=on_progress,
         say=on_event or (lambda _m: None), collections=collections or None,
+        wait=wait, notice=on_notice,
     )  # fmt: skip
     # the worker keeps young collections rare: rows wait in memory until their commit point
     async with Worker("upr-store", max_queued=_MAX_QUEUED) as worker:
@@ -368,6 +372,8 @@ class _Options:
     say: Callable[[str], None]
     collections: list[CollectionPath] | None = None  # streamed on the server side
     durable_wait: float = 5.0  # at the end, how long to wait for the source to persist
+    wait: float = 120.0  # how long a lost node is reconnected (math.inf: for ever)
+    notice: Callable[[str], None] | None = None  # a link lost, and back
 
 
 class _ReadAhead:
@@ -487,7 +493,7 @@ class ReplaySession:
             failover_logs={p: lg for p, lg in logs.items() if lg is not None},
             until_end=not options.follow, barriers=options.consistent,
             buffer_size=options.buffer_size, name="upr-replay", collections=paths,
-            followed_ids=followed,
+            followed_ids=followed, follow_for=options.wait, on_notice=options.notice,
         )  # fmt: skip
         return cls(consumer, store, worker, stats, options, durability)
 

@@ -58,7 +58,7 @@ class TailOptions:
     verbose: bool = False
     state: Path | None = None
     buffer_size: int = 4 * 1024 * 1024
-    wait: float = 120.0  # how long a partition may wait for a reachable active node
+    wait: float = 120.0  # how long a lost node or a partition without an active is waited for
     collections: list[CollectionPath] | None = None  # filtered on the source's side
     snappy: bool = True  # offer HELLO Snappy (values travel compressed, formats/wire.md)
 
@@ -378,12 +378,15 @@ async def tail(
     uri: SourceUri, opts: TailOptions, out: TextIO = sys.stdout,
     on_progress: Callable[[TailSummary], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
+    on_notice: Callable[[str], None] | None = None,
 ) -> TailSummary:  # fmt: skip
     """Stream changes and print them; returns counts. Stops at the end (finite) or --count.
 
     Partitions with no reachable active node (a cluster node down and not failed over)
     do not hold the others back: `on_warning` hears of them at once, they are waited
-    for up to `opts.wait` seconds, and then the tail fails naming them."""
+    for up to `opts.wait` seconds, and then the tail fails naming them. A lost node is
+    reconnected for as long (`on_notice` hears when the link is lost and when it is
+    back; `math.inf` waits for ever)."""
     if opts.state is not None:  # where the positions go at the end: checked before streaming
         check_file_path(opts.state, f"--state {opts.state}")
     positions, logs, bounds, saved = load_state(opts.state) if opts.state else TailState({}, {}, {})
@@ -399,7 +402,7 @@ async def tail(
         uri, partitions=opts.partitions, positions=positions, failover_logs=logs,
         boundaries=bounds, until_end=opts.until_end,
         from_latest=opts.start == "now", start_seq=start_seq, buffer_size=opts.buffer_size,
-        follow_for=opts.wait, name="upr-tail", collections=opts.collections,
+        follow_for=opts.wait, on_notice=on_notice, name="upr-tail", collections=opts.collections,
         followed_ids=followed.ids if followed is not None else None, snappy=opts.snappy,
     )  # fmt: skip
     summary = TailSummary()

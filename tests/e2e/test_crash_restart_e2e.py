@@ -1,0 +1,193 @@
+"""Bounded commands through a node restarted from a crash (issue 26 §2).
+
+A lone node holding writes it never persisted is SIGKILLed while `upr backup`, `upr tail
+--until-end` or `upr replay` streams from it, and restarts at once: its restart is a new
+failover entry below those writes, so the ends the command pinned at its start are
+never reached there. Each command must end within seconds, exit 0, record the rollback
+as after a failover, and leave its result whole (docs/protocol.md §4.5).
+
+Kill points: the moment the command's first stream opened (its ends are pinned), plus
+a delay drawn from a fixed seed; "start" kills before the command connects. The default
+suite runs one point per command, `-m slow` several more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import Node, upr
+from tests.e2e.e2e_helpers import docs, node_rows, spawn, store_rows, wait_persisted
+
+SEED = 2026_12_06
+_rng = random.Random(SEED)
+SLOW_POINTS = [("start", 0.0)] + [("open", round(_rng.uniform(0.0, 0.5), 3)) for _ in range(4)]
+ENDS_WITHIN = 15.0  # seconds from the restart to the command's exit
+
+
+def _prepare(node_factory: type[Node]) -> Node:
+    """A node whose last writes (updates and deletes too) are not persisted."""
+    node = node_factory("--flush-interval", "0.02").start()
+    upr("load", node.uri, "--docs", "600", "--size", "500", "--seed", "1")
+    wait_persisted(node.uri)
+    node.stop()
+    node.start("--flush-interval", "3600")  # from now on nothing is persisted
+    _more(node, seed=2)
+    return node
+
+
+def _more(node: Node, *, seed: int) -> None:
+    upr("load", node.uri, "--docs", "800", "--size", "500", "--update-ratio", "0.5",
+        "--delete-ratio", "0.2", "--seed", str(seed), "--prefix", f"more{seed}")  # fmt: skip
+
+
+def _crash_during(node: Node, point: tuple[str, float], *args: str,
+                  stdout: Path) -> tuple[int, float, str]:  # fmt: skip
+    """Run `upr ARGS`; SIGKILL the node at `point` and restart it at once. Returns the
+    exit status, the seconds from the restart to the exit, and stderr."""
+    env = {**os.environ, "UPR_LOG": "DEBUG"}  # "stream open" lines mark the kill point
+    env.pop("UPR_PASSWORD", None)
+    lines: list[str] = []
+    opened = threading.Event()
+    cmd = (sys.executable, "-m", "upr_cli", *args)
+    with stdout.open("w") as out, spawn(*cmd, stdout=out, stderr=subprocess.PIPE, text=True,
+                                        env=env) as proc:  # fmt: skip
+
+        def read() -> None:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                lines.append(line)
+                if "stream open from" in line:
+                    opened.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        where, delay = point
+        if where == "open":
+            assert opened.wait(60), "".join(lines)[-3000:]
+        time.sleep(delay)
+        node.kill()
+        node.start()
+        restarted = time.monotonic()
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 60 s after the restart: {''.join(lines)[-3000:]}")
+        took = time.monotonic() - restarted
+        reader.join(timeout=10)
+    err = "".join(lines)
+    if "lost (" in err:  # the link was lost mid-stream: it says so, and that it came back
+        assert "back after" in err, err[-3000:]
+    return code, took, err
+
+
+def _backup_through_a_crash(node_factory: type[Node], tmp_path: Path,
+                            point: tuple[str, float]) -> None:  # fmt: skip
+    node = _prepare(node_factory)
+    repo = tmp_path / "repo"
+    upr("backup", node.uri, "--repo", str(repo), "--no-progress")  # holds unpersisted writes
+    _more(node, seed=3)
+    code, took, err = _crash_during(node, point, "backup", node.uri, "--repo", str(repo),
+                                    "--no-progress", "--json", stdout=tmp_path / "out")  # fmt: skip
+    assert code == 0, err[-3000:]
+    assert took < ENDS_WITHIN, took
+    summary = json.loads((tmp_path / "out").read_text())
+    # the first backup holds writes the crash took back: every partition rolled back
+    assert {rb["partition"] for rb in summary["rollbacks"]} == set(range(node.partitions))
+    db = tmp_path / "restored.db"  # restore checks the chain before it writes
+    upr("restore", "--repo", str(repo), f"sqlite:{db}")
+    assert store_rows(db) == node_rows(node.uri)
+    # the lock went with the run: the next backup runs, and has nothing to roll back
+    again = json.loads(upr("backup", node.uri, "--repo", str(repo), "--no-progress",
+                           "--json").stdout)  # fmt: skip
+    assert again["rollbacks"] == []
+
+
+def _tail_state(*outputs: str) -> dict[str, Any]:
+    """The documents tail outputs leave, read in order: changes per partition, each
+    rollback undoing those above its `to_seq`."""
+    history: dict[int, list[dict[str, Any]]] = {}
+    for text in outputs:
+        for row in map(json.loads, text.splitlines()):
+            p = row["partition"]
+            if row.get("event") == "rollback":
+                history[p] = [c for c in history.get(p, []) if int(c["seq"]) <= int(row["to_seq"])]
+            elif "op" in row:
+                history.setdefault(p, []).append(row)
+    out: dict[str, Any] = {}
+    for changes in history.values():
+        for c in sorted(changes, key=lambda c: int(c["seq"])):
+            if c["op"] == "mutation":
+                out[c["key"]] = c["value"]
+            else:
+                out.pop(c["key"], None)
+    return out
+
+
+def _tail_through_a_crash(node_factory: type[Node], tmp_path: Path,
+                          point: tuple[str, float]) -> None:  # fmt: skip
+    node = _prepare(node_factory)
+    state = tmp_path / "tail.json"
+    tail = ["tail", node.uri, "--until-end", "--format", "json", "-v", "--state", str(state)]
+    first = upr(*tail).stdout  # its saved positions hold unpersisted writes
+    _more(node, seed=3)
+    code, took, err = _crash_during(node, point, *tail, stdout=tmp_path / "out")
+    assert code == 0, err[-3000:]
+    assert took < ENDS_WITHIN, took
+    crashed = (tmp_path / "out").read_text()
+    rows = [json.loads(line) for line in crashed.splitlines()]
+    assert any(row.get("event") == "rollback" for row in rows)  # the rollbacks are shown
+    # a resume rolls back the partitions whose streams had ended before the crash: what
+    # the three runs printed is the node's state, nothing lost
+    resumed = upr(*tail).stdout
+    truth = {key.decode(): json.loads(doc[0]) for key, doc in docs(node.uri).items()}
+    assert _tail_state(first, crashed, resumed) == truth
+
+
+def _replay_through_a_crash(node_factory: type[Node], tmp_path: Path,
+                            point: tuple[str, float]) -> None:  # fmt: skip
+    node = _prepare(node_factory)
+    db = tmp_path / "r.db"
+    upr("replay", node.uri, "--into", str(db), "--no-progress")  # holds unpersisted writes
+    _more(node, seed=3)
+    code, took, err = _crash_during(node, point, "replay", node.uri, "--into", str(db),
+                                    "--no-progress", "--json", stdout=tmp_path / "out")  # fmt: skip
+    assert code == 0, err[-3000:]
+    assert took < ENDS_WITHIN, took
+    stats = json.loads((tmp_path / "out").read_text())
+    assert stats["rollbacks"] and "rolled back from seq" in err  # undone, and printed
+    # a rerun rolls back the partitions whose streams had ended before the crash
+    upr("replay", node.uri, "--into", str(db), "--no-progress")
+    assert store_rows(db) == node_rows(node.uri)
+
+
+CASES: dict[str, Any] = {
+    "backup": _backup_through_a_crash,
+    "tail": _tail_through_a_crash,
+    "replay": _replay_through_a_crash,
+}
+
+
+@pytest.mark.parametrize("command", sorted(CASES))
+def test_a_bounded_command_ends_after_its_node_restarts_from_a_crash(
+    node_factory: type[Node], tmp_path: Path, command: str
+) -> None:
+    CASES[command](node_factory, tmp_path, ("open", 0.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", SLOW_POINTS, ids=lambda p: f"{p[0]}+{p[1]}s")
+@pytest.mark.parametrize("command", sorted(CASES))
+def test_a_bounded_command_ends_after_a_crash_at_any_point(
+    node_factory: type[Node], tmp_path: Path, command: str, point: tuple[str, float]
+) -> None:
+    CASES[command](node_factory, tmp_path, point)
