@@ -1,4 +1,4 @@
-"""Bounded commands through a node restarted from a crash (issue 26 §2).
+"""Bounded commands through a node restarted from a crash.
 
 A lone node holding writes it never persisted is SIGKILLed while `upr backup`, `upr tail
 --until-end` or `upr replay` streams from it, and restarts at once: its restart is a new

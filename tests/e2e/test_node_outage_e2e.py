@@ -1,4 +1,4 @@
-"""Followers wait for a lone node that is down (issue 26 §3): `upr tail` and `upr replay
+"""Followers wait for a lone node that is down: `upr tail` and `upr replay
 --follow` reconnect under one policy for up to --wait seconds, say when the link is
 lost and when it is back, and catch up without losing a change (docs/protocol.md §4.5).
 
