@@ -39,6 +39,9 @@ class ExitCode(IntEnum):
     IMPOSSIBLE_HISTORY = 3
     """The failover logs describe a history that cannot happen (the UPR design
     specification's "Not possible!" case)."""
+    PARTIAL = 4
+    """Done, but partial: something the output names was left out (restore: partitions
+    whose segments are damaged, with --skip-corrupt; keys the target refused)."""
     INTERNAL = 70
     """A bug in upr (sysexits EX_SOFTWARE): the message says so; UPR_DEBUG=1 shows where."""
     IO_ERROR = 74

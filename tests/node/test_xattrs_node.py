@@ -365,6 +365,44 @@ def test_the_front_end_takes_xattrs_only_with_meta_and_only_after_hello(tmp_path
     run(scenario())
 
 
+def test_an_xattr_value_that_is_not_json_is_refused_as_kv_engine_does(tmp_path: Path) -> None:
+    # kv_engine's xattr validator requires every value to be JSON (formats/wire.md
+    # "Xattrs"): a well-formed blob holding one that is not is XATTR_EINVAL
+    node = InProcessNode(tmp_path, partitions=1)
+    odd = xattrs.encode([("_sync", b'{"rev":"1-a"}'), ("app", b"not json")])
+    nan = xattrs.encode([("app", b"NaN")])  # Python's json takes it; JSON does not
+
+    async def request(msg: Any) -> Any:
+        s = await connect(node.uri, features=(*WANTED, Feature.XATTR, Feature.SNAPPY))
+        try:
+            return await s.conn.request(replace(msg, key=s.qualify(msg.key)), check=False)
+        finally:
+            await s.conn.aclose()
+
+    async def scenario() -> None:
+        async with nodes(node):
+            high = node.bucket.partitions[VB].high_seq
+            for blob in (odd, nan):
+                meta = SetWithMeta(vbucket=VB, key=b"m", value=blob + BODY, rev_seqno=1,
+                                   item_cas=99, datatype=XATTR | JSON)  # fmt: skip
+                assert (await request(meta)).status == 0x87
+                packed = replace(meta, value=snappy.deflate(blob + BODY),
+                                 datatype=SNAPPY | XATTR | JSON)  # fmt: skip
+                assert (await request(packed)).status == 0x87
+                tomb = DelWithMeta(vbucket=VB, key=b"t", value=blob, rev_seqno=3, item_cas=100,
+                                   datatype=XATTR)  # fmt: skip
+                assert (await request(tomb)).status == 0x87
+            assert node.bucket.partitions[VB].high_seq == high  # nothing stored
+            assert node.bucket.lookup(VB, _key("m")) is None
+            with pytest.raises(XattrInvalid, match=r"xattr 'app' is not JSON"):
+                _with_meta(node.bucket, "b", odd + BODY, XATTR | JSON)
+            ok = SetWithMeta(vbucket=VB, key=b"m", value=BOTH + BODY, rev_seqno=1, item_cas=99,
+                             datatype=XATTR | JSON)  # fmt: skip
+            assert (await request(ok)).status == Status.SUCCESS
+
+    run(scenario())
+
+
 # -- replication ------------------------------------------------------------------------
 
 

@@ -59,6 +59,8 @@ manifest, and that every collection id they hold is one the chain names. Every p
 is named (missing, truncated, checksum, corrupt, mismatch, gap, manifest, chain,
 collection); the exit status is 1 when there is one. Interrupted runs are named too:
 the one the next backup resumes, and the leftovers no resume can use (not problems).
+Records whose xattrs hold a value that is not JSON are a warning, named by key (a node
+refuses to write them; a SQLite restore keeps them): the exit status stays 0.
 
 --repair takes each bucket's lock and rewrites a missing or damaged manifest.json or
 manifest.json.copy from its valid twin. Nothing else is changed: a problem it cannot
@@ -197,6 +199,8 @@ def verify_cmd(
             status = "ok" if not left else f"{left} problem(s)"
             if fixed:
                 status += f", {fixed} repaired"
+            if r.warnings:
+                status += f", {plural(len(r.warnings), 'warning')}"
             if r.leftovers:
                 status += f", {plural(len(r.leftovers), 'leftover')}"
             stdout.print(
@@ -208,6 +212,8 @@ def verify_cmd(
             for p in shown:
                 stdout.print(f"  {p}", markup=False)
             more_line(left_out, "problems")
+            for w in r.warnings:
+                stdout.print(f"  warning: {w}", markup=False)
             for line in interrupted_lines(r.resumable, r.leftovers):
                 stdout.print(f"  {line}", markup=False)
         if any(p.kind == "manifest" for p in problems):

@@ -30,8 +30,8 @@ from upr_cli.cli.options import (
     restore_target,
     tls_source,
 )
-from upr_cli.cli.output import Progress, plural, print_json, stderr, stdout
-from upr_cli.errors import UsageError
+from upr_cli.cli.output import Progress, human_bytes, plural, print_json, stderr, stdout
+from upr_cli.errors import ExitCode, UsageError
 from upr_cli.jobs.restore import KeepXattrs, RestoreSummary, restore_to_node, restore_to_store
 from upr_cli.jobs.restore_plan import MapRule, parse_map_data
 from upr_cli.net.uri import SourceUri
@@ -45,8 +45,14 @@ of it. Documents go as SET_WITH_META and deletions as DEL_WITH_META, keeping cas
 seq, flags and expiry; the target's conflict resolution applies unless --force-updates.
 A deletion is sent only where the target has the key, unless --include-tombstones;
 a tombstone that kept xattrs (system metadata of a deleted document) is always sent.
-Reading verifies checksums; a corrupt segment stops the restore naming the file and
-block, unless --skip-corrupt, which reports what it skipped.
+Nothing is written before every block checksum of every segment the state reads is
+checked, and each segment against its manifest: a pass that reads at the speed of the
+disk and decodes no record (the summary gives its time: restoring 200,000 documents
+into a node, under 1% of the whole). Any damage stops the restore naming
+the file, the block and what is wrong, with nothing written. --skip-corrupt leaves
+out whole the partitions whose segments are damaged, restores the others, names the
+partitions left out and exits 4. --no-check skips the pass (the summary says so):
+damage is then found as records are read, and stops the restore part-way.
 
 Partitions: every key goes to the partition its document key hashes to (CRC32, as the
 SDKs do) over the TARGET's partition count, so a 1024-partition backup restores into a
@@ -71,6 +77,15 @@ seq covered, every segment file there at its size: `upr verify` lists every prob
 the target is reached and authenticated, its partition count and collections read,
 every partition has a reachable active node. Any of these failing is one error naming
 what is wrong, never a smaller or half-written restore.
+
+Restores are idempotent: the same restore run again writes the same versions, which
+the target keeps (its conflict resolution finds them equal: "kept newer on the
+target"). If the target fails once writing began (a node dies), the summary says how
+many items were written and which source partitions are complete, and exits 1; run
+the same restore again to complete it. A write the target refuses as invalid (an
+xattr value that is not JSON, which upr serve and Couchbase Server refuse but an
+older backup may hold) is named by its key; everything else is written, and the
+restore exits 4. A SQLite store takes such xattrs as they are.
 
 Xattrs go back with their documents and with the tombstones that kept them: all of
 them by default, as cbbackupmgr does (a document's value is its xattrs then its body,
@@ -106,6 +121,14 @@ Example (what would be restored, and where, without writing):
 
   upr restore --repo /backups/cb --dry-run --no-create \\
       upr://admin@127.0.0.1:11210/default
+
+Example (a damaged repository: restore the partitions without damage, exit 4):
+
+  upr restore --repo /backups/cb --skip-corrupt upr://admin@127.0.0.1/default
+
+Example (the same restore again, after the target failed part-way: it completes):
+
+  upr restore --repo /backups/cb upr://admin@127.0.0.1/default
 
 Example (the state at one backup; its chain is checked first):
 
@@ -149,7 +172,12 @@ def restore_cmd(
         bool, typer.Option("--include-tombstones", help="Write every deletion.")
     ] = False,
     skip_corrupt: Annotated[
-        bool, typer.Option("--skip-corrupt", help="Skip corrupt partitions, report them.")
+        bool,
+        typer.Option("--skip-corrupt", help="Leave out partitions with damage; exit 4."),
+    ] = False,
+    no_check: Annotated[
+        bool,
+        typer.Option("--no-check", help="Skip the checksum pass before the first write."),
     ] = False,
     map_data: Annotated[
         list[str] | None,
@@ -187,7 +215,7 @@ def restore_cmd(
     plan = Plan(repo, bucket=bucket, at=at, partitions=selected(partitions),
                 keys=key_pattern(keys), dry_run=dry_run, skip_corrupt=skip_corrupt,
                 map_data=parse_map_data(map_data), create=not no_create,
-                keep_xattrs=keep)  # fmt: skip
+                keep_xattrs=keep, check=not no_check)  # fmt: skip
     if spark is not None and kind != "node":
         raise UsageError("--spark restores into a node (upr://…); a SQLite store has one writer")
     if kind == "sqlite" and force_updates:
@@ -196,7 +224,7 @@ def restore_cmd(
     with Progress("restore", "items", show=show) as bar:
 
         def tick(s: RestoreSummary) -> None:
-            bar.update(s.items, parts=(s.partitions + len(s.skipped), s.partitions_total))
+            bar.update(s.items, parts=(s.partitions + len(s.left_out), s.partitions_total))
 
         if spark is not None:
             bar.note(f"starting Spark ({spark})")
@@ -234,11 +262,12 @@ class Plan:
     map_data: tuple[MapRule, ...] = ()
     create: bool = True
     keep_xattrs: KeepXattrs = "all"
+    check: bool = True
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of `restore_to_node` and `restore_to_store`."""
         names = ("bucket", "at", "partitions", "keys", "dry_run", "skip_corrupt", "map_data",
-                 "create", "keep_xattrs")  # fmt: skip
+                 "create", "keep_xattrs", "check")  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
 
@@ -258,20 +287,25 @@ def _on_spark(plan: Plan, uri: SourceUri, master: str, tasks: int, conf: list[st
 
 
 def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
-    """The summary (JSON, or the plan and two lines), what was skipped; exit 1 when
-    anything failed or (dry run) the target lacks a collection it would not get."""
+    """The summary (JSON, or the plan and a few lines), what was skipped; exit 1 when
+    anything failed or (dry run) the target lacks a collection it would not get, 4 when
+    the restore is done but partial (partitions left out, keys refused)."""
     plan = summary.plan
     if json_out:
         print_json(summary.to_json())
     else:
         verb = "would restore" if dry_run else "restored"
         lines = [f"{verb} backup {summary.backup_id}", *(plan.describe() if plan else ())]
+        lines.append(_precheck_line(summary))
         lines.append(f"{plural(summary.partitions, 'source partition')}, "
                      f"{plural(summary.documents, 'document')}, "
                      f"{plural(summary.deletions, 'deletion')}")  # fmt: skip
         if summary.dropped:
             lines.append(f"{plural(summary.dropped, 'record')} of dropped collections left out")
         lines += _xattr_lines(summary)
+        if summary.left_out:
+            lines.append(f"left out (damaged segments): "
+                         f"{_partition_list(summary.left_out)}")  # fmt: skip
         stdout.print("\n".join(lines), markup=False)
         if not dry_run:
             stdout.print(
@@ -279,8 +313,17 @@ def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
                 f"absent keys deleted {summary.absent_deletes:,}; errors {summary.errors or 0}",
                 markup=False,
             )
+        if summary.refused:
+            stdout.print(f"refused by the target (an xattr value that is not JSON): "
+                         f"{plural(len(summary.refused), 'key')}: "
+                         f"{', '.join(summary.refused)}", markup=False)  # fmt: skip
         for s in summary.skipped:
-            stderr.print(f"skipped {s}")
+            stderr.print(f"skipped {s}", markup=False)
+    if summary.failure is not None:
+        done = _partition_list(summary.complete) if summary.complete else "none"
+        stderr.print(f"upr: error: {summary.failure}; {summary.written:,} items written, "
+                     f"source partitions complete: {done}; run the same restore again to "
+                     "complete it (a restore is idempotent)", markup=False)  # fmt: skip
     missing = plan.missing() if plan else []
     if missing:
         names = ", ".join(sorted({str(c.target) for c in missing}))
@@ -289,8 +332,31 @@ def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
     if refused:
         stderr.print("upr: the target does not take xattrs: a restore would stop "
                      "(--no-xattrs leaves them out)", markup=False)  # fmt: skip
-    if summary.errors or summary.skipped or missing or refused:
-        raise typer.Exit(1)
+    if summary.failure is not None or summary.errors or missing or refused:
+        raise typer.Exit(ExitCode.FAILED)
+    if summary.partial:
+        raise typer.Exit(ExitCode.PARTIAL)
+
+
+def _precheck_line(summary: RestoreSummary) -> str:
+    """What the pass before the first write checked, or that it was skipped."""
+    c = summary.precheck
+    if c is None:
+        return "checksums not checked before writing (--no-check)"
+    read = f"{plural(c.blocks, 'block')}, {human_bytes(c.bytes)}"
+    return f"checked before writing: {plural(c.segments, 'segment')}, {read} in {c.seconds:.2f} s"
+
+
+def _partition_list(parts: list[int]) -> str:
+    """0, 1, 2, 5 → 'partitions 0-2, 5'."""
+    runs: list[list[int]] = []
+    for p in sorted(parts):
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"{'partition' if len(parts) == 1 else 'partitions'} {text}"
 
 
 def _xattr_lines(summary: RestoreSummary) -> list[str]:

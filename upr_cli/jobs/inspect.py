@@ -5,7 +5,9 @@ the BLAKE2b digest against the manifest; record counts and seq ranges against th
 manifest), both files of every manifest, each against its own checksum (a damaged or
 missing copy is named even while the other file keeps the data readable), and the chain
 (formats/repository.md: each partition's seqs covered without gaps, parents present and
-in order). Every problem is named; none stops the walk. With `repair`, under the
+in order). Every problem is named; none stops the walk. A record whose xattrs hold a
+value that is not JSON is a warning, not a problem (formats/wire.md "Xattrs": a node
+refuses to write it, a SQLite restore keeps it). With `repair`, under the
 bucket's lock, a missing or damaged manifest file is rewritten from its valid twin
 (borg's `check --repair`, pgBackRest's `.copy`); nothing else is changed.
 
@@ -22,12 +24,15 @@ here until every reader imports it from `upr_cli.source`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 from upr_cli.errors import UsageError
+from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.repo import (
     MANIFEST_COPY,
@@ -41,7 +46,7 @@ from upr_cli.repo import (
     lost_ranges,
 )
 from upr_cli.repo.manifest import UNNAMED_SCOPE, Manifest, collection_history
-from upr_cli.segments import SegmentError, SegmentInfo, SegmentReader
+from upr_cli.segments import Record, SegmentError, SegmentInfo, SegmentReader
 from upr_cli.source import open_bucket, open_repo
 
 __all__ = ["Problem", "VerifyReport", "info", "open_bucket", "open_repo", "verify"]
@@ -71,6 +76,7 @@ class VerifyReport:
     records: int = 0
     bytes: int = 0
     problems: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)  # sound, but worth knowing
     # interrupted runs no resume can use (not damage: the next backup removes them)
     leftovers: list[str] = field(default_factory=list)
     resumable: str | None = None  # the interrupted run the next backup goes on from
@@ -95,6 +101,9 @@ class VerifyReport:
             "problems": [
                 {"kind": p.kind, "where": p.where, "detail": p.detail, "repaired": p.repaired}
                 for p in self.problems
+            ],
+            "warnings": [
+                {"kind": w.kind, "where": w.where, "detail": w.detail} for w in self.warnings
             ],
         }
 
@@ -281,9 +290,10 @@ def _check_segment(
         kind = "truncated" if size < seg.bytes else "mismatch"
         rep.problems.append(Problem(kind, where, f"{size} bytes, the manifest says {seg.bytes}"))
         return None
+    odd: list[str] = []  # keys whose xattrs hold a value that is not JSON
     try:
         with SegmentReader(path) as r:
-            info = r.verify()
+            info = r.verify(functools.partial(_not_json_xattrs, odd=odd))
     except SegmentError as exc:
         kind = "checksum" if "checksum" in exc.reason else "corrupt"
         block = f" block {exc.block}" if exc.block is not None else ""
@@ -297,9 +307,28 @@ def _check_segment(
         )
     if info.partition != partition:
         rep.problems.append(Problem("mismatch", where, f"holds partition {info.partition}"))
+    if odd:
+        shown = ", ".join(odd[:8]) + (f" and {len(odd) - 8} more" if len(odd) > 8 else "")
+        rep.warnings.append(Problem("xattrs", where, (
+            f"{len(odd):,} record{'s' if len(odd) > 1 else ''} with an xattr value that is not "
+            f"JSON (a node refuses to write it; a SQLite restore keeps it): {shown}")))  # fmt: skip
     rep.records += info.records
     rep.bytes += info.bytes
     return info
+
+
+def _not_json_xattrs(records: list[Record], odd: list[str]) -> None:
+    """Add to `odd` each record of a block whose xattrs hold a value that is not JSON,
+    as `'key' (name, …)`."""
+    if not any(map(_XATTRS, records)):  # most blocks: no xattr at all
+        return
+    for r in records:
+        if r.xattrs and (names := xattrs.not_json(r.xattrs, r.key)):
+            key = r.key.decode("utf-8", errors="backslashreplace")
+            odd.append(f"{key!r} ({', '.join(names)})")
+
+
+_XATTRS = attrgetter("xattrs")
 
 
 def info(

@@ -10,6 +10,20 @@ partition's active node (net/router.py: a cluster map is followed, NOT_MY_VBUCKE
 retried). Reading verifies checksums: corruption stops the restore with the file and
 block named, or, with `skip_corrupt`, the partition is skipped and reported.
 
+A node keeps each acknowledged write; it has no transaction to undo a half-written
+restore. So before the first write, `jobs.state.precheck` checks every block checksum
+of every segment the state reads and each segment against its manifest entry, without
+decoding a record: any damage stops the restore naming the file, the block and what is
+wrong (nothing written), or, with `skip_corrupt`, leaves the damaged partitions out
+whole (the summary names them; the CLI exits 4). `check=False` (`--no-check`) skips
+it, and the summary says so. A write that fails once writing began (a node dies, a
+partition stays unavailable) ends the restore with a summary naming the items written
+and the source partitions whose every write was acknowledged (`failure`, `complete`);
+a restore is idempotent (the same versions lose conflict resolution to themselves), so
+running it again completes it. A write the target refuses as invalid (XATTR_EINVAL: an
+xattr value that is not JSON, which a backup may hold) names the key in `refused` and
+the restore goes on.
+
 Xattrs (formats/wire.md "Xattrs") go back with their documents and tombstones, all of
 them by default as cbbackupmgr does: a document as SET_WITH_META whose value is the blob
 then the body (datatype bit 0x04), a tombstone that kept xattrs as DEL_WITH_META whose
@@ -66,7 +80,7 @@ from upr_cli.jobs.restore_plan import (
     resolve,
     source_partition_count,
 )
-from upr_cli.jobs.state import Selection, check_files, select
+from upr_cli.jobs.state import Precheck, Selection, check_files, precheck, select
 from upr_cli.net.bootstrap import partition_of
 from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
@@ -173,6 +187,9 @@ _RESTORE_BATCH_ROWS = 32_768
 # FORCE_WITH_META_OP: the target skips its conflict resolution (docs/protocol.md
 # "SET_WITH_META and DEL_WITH_META")
 FORCE = 0x01
+# kv_engine's answer to a with-meta write whose xattrs are invalid (formats/wire.md
+# "Xattrs", point 5): the target refuses that key, the restore goes on
+XATTR_EINVAL = 0x87
 
 
 @dataclass
@@ -198,6 +215,16 @@ class RestoreSummary:
     xattrs: int = 0  # documents and deletions restored with xattrs
     xattrs_left_out: int = 0  # records whose xattrs `keep_xattrs` left out (some or all)
     target_xattrs: bool | None = None  # the target took HELLO XATTR (None: a store)
+    precheck: Precheck | None = None  # the checksum pass before the first write (None: skipped)
+    left_out: list[int] = field(default_factory=list)  # source partitions skipped as damaged
+    refused: list[str] = field(default_factory=list)  # keys the target refused (XATTR_EINVAL)
+    failure: str | None = None  # what stopped a restore once writing began
+    complete: list[int] = field(default_factory=list)  # source partitions fully acknowledged
+
+    @property
+    def partial(self) -> bool:
+        """Done, but something named was left out: damaged partitions, refused keys."""
+        return self.failure is None and bool(self.left_out or self.refused)
 
     @property
     def items(self) -> int:
@@ -226,9 +253,14 @@ class RestoreSummary:
                     "xattrs",
                     "xattrs_left_out",
                     "target_xattrs",
+                    "left_out",
+                    "refused",
+                    "failure",
+                    "complete",
                 )
             }
             | {
+                "precheck": self.precheck.to_json() if self.precheck is not None else None,
                 "errors": sum(self.errors.values()),  # a count, as in every command
                 "errors_by_status": self.errors,
                 "seconds": round(self.seconds, 3),
@@ -269,18 +301,29 @@ class _Source:
     sel: Selection
     partitions: int  # the source bucket's partition count
     names: Collections  # the collections live at the chain's end
+    checked: Precheck | None  # the pre-check (None: `check=False`)
 
     @classmethod
     def open(cls, repo_dir: Path, bucket: str | None, at: str, partitions: list[int] | None,
-             skip_corrupt: bool) -> _Source:  # fmt: skip
-        """The checked source (a broken chain or a missing file is an error naming it)."""
+             skip_corrupt: bool, check: bool = True) -> _Source:  # fmt: skip
+        """The checked source (a broken chain, a missing file or, unless `check` is off,
+        a damaged segment is an error naming it; `skip_corrupt` leaves the partitions
+        of damaged segments out instead)."""
         repo, b, manifests = open_bucket(repo_dir, bucket, at)
         sel = select(manifests, at, partitions)
-        if not skip_corrupt:  # before anything is written (--skip-corrupt skips them instead)
-            check_files(repo, b, manifests, sel)
         chain = [m for m in manifests if m.backup_id <= sel.backup_id]
+        checked = None
+        if check:  # before anything is written
+            checked = precheck(repo, b, chain, sel)
+            if not skip_corrupt:
+                checked.refuse()
+            elif checked.damage:
+                kept = tuple(p for p in sel.partitions if p not in checked.damage)
+                sel = Selection(sel.backup_id, kept)
+        elif not skip_corrupt:  # (--skip-corrupt skips them instead)
+            check_files(repo, b, manifests, sel)
         count = source_partition_count(e.partition for m in chain for e in m.partitions)
-        return cls(repo, b, chain, sel, count, chain_manifest(chain))
+        return cls(repo, b, chain, sel, count, chain_manifest(chain), checked)
 
     def covers(self, scope: str, collection: str) -> bool:
         """True if the selected backup holds that collection (a filtered backup holds
@@ -296,9 +339,13 @@ class _Source:
         return RestorePlan(self.partitions, target_partitions, plans)
 
     def summary(self, target: str, dry_run: bool) -> RestoreSummary:
-        """An empty summary of this restore."""
-        return RestoreSummary(str(self.sel.backup_id), target, dry_run,
-                              partitions_total=len(self.sel.partitions))  # fmt: skip
+        """An empty summary of this restore, with the pre-check and what it left out."""
+        damage = self.checked.damage if self.checked is not None else {}
+        out = RestoreSummary(str(self.sel.backup_id), target, dry_run,
+                             partitions_total=len(self.sel.partitions) + len(damage),
+                             precheck=self.checked, left_out=sorted(damage))  # fmt: skip
+        out.skipped += [f"partition {p}: {why}" for p in sorted(damage) for why in damage[p]]
+        return out
 
     def states(self) -> Generator[tuple[int, list[Record] | SegmentError], None, None]:
         """Each selected partition's state (records by seq), read ahead on a thread."""
@@ -357,10 +404,12 @@ async def restore_to_node(
     create: bool = True,
     on_progress: Callable[[RestoreSummary], None] | None = None,
     keep_xattrs: KeepXattrs = "all",
+    check: bool = True,
 ) -> RestoreSummary:
     """Write the state at `at` into a node or cluster; returns counts. Everything that
-    can refuse the restore is checked before the first write (the module's doc)."""
-    src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt)
+    can refuse the restore is checked before the first write (the module's doc); a
+    failure once writing began is returned in `failure`, with what was done."""
+    src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt, check)
     summary = src.summary(target.redacted(), dry_run)
     summary.keep_xattrs = keep_xattrs
     t0 = time.monotonic()
@@ -375,14 +424,22 @@ async def restore_to_node(
         if not dry_run:
             writer = _NodeWriter(router, summary, window, FORCE if force_updates else 0, plan)
         plans = plan.by_source()
-        with contextlib.closing(_partitions(src, keys, plans, summary, skip_corrupt)) as parts:
-            for _p, todo in parts:
-                if writer is not None:
-                    await writer.partition(todo, include_tombstones)
-                if on_progress is not None:
-                    on_progress(summary)
-        if writer is not None:
-            await writer.drain()
+        try:
+            with contextlib.closing(_partitions(src, keys, plans, summary, skip_corrupt)) as parts:
+                for p, todo in parts:
+                    if writer is not None:
+                        await writer.partition(todo, include_tombstones, p)
+                    if on_progress is not None:
+                        on_progress(summary)
+            if writer is not None:
+                await writer.drain()
+        except (UprError, OSError) as exc:
+            if writer is None or not writer.sent:
+                raise  # nothing written: one error, as before the first write
+            summary.failure = str(exc) if isinstance(exc, UprError) else f"network error: {exc}"
+            if isinstance(exc, SegmentError):  # the source failed, not the target: the
+                with contextlib.suppress(UprError, OSError):  # writes sent still count
+                    await writer.drain()
     finally:
         if writer is not None:
             writer.abandon()
@@ -468,15 +525,21 @@ class _NodeWriter:
         self.router, self.summary, self.window, self.options = router, summary, window, options
         self.count = router.num_partitions
         self.inflight: deque[tuple[asyncio.Future[Frame], int, Make, str, bytes]] = deque()
+        self.sent = self.settled = 0  # requests sent, and answered (in order)
+        # (source partition, requests sent once its last one was): complete once that
+        # many are answered, answers being taken in the order sent
+        self.marks: deque[tuple[int, int]] = deque()
         self.present: set[bytes] = set()  # keys the target has (GETs before deletions)
         # source collection id → the bytes in front of each key on the wire
         self.prefix = {s: leb128.encode(t) if router.collections else b""
                        for s, t in plan.target_ids().items()}  # fmt: skip
 
-    async def partition(self, records: list[Record], include_tombstones: bool) -> None:
+    async def partition(self, records: list[Record], include_tombstones: bool,
+                        source: int | None = None) -> None:  # fmt: skip
         """Write one source partition's documents, then its deletions: all of them with
         `include_tombstones`, else those that kept xattrs and those of keys the target
-        has."""
+        has. `source` (the partition's number) is added to `summary.complete` once every
+        answer is in."""
         deletes: list[tuple[int, bytes, Record]] = []
         for r in records:
             vb = partition_of(r.key, self.count)  # the document key, not its prefix
@@ -506,10 +569,19 @@ class _NodeWriter:
             make = functools.partial(_del_with_meta, vb, key, r.flags, r.rev_seq, r.cas,
                                      self.options, r.xattrs)  # fmt: skip
             await self.send(vb, make, "delete", key)
+        if source is not None:
+            self.marks.append((source, self.sent))
+            self._completed()
+
+    def _completed(self) -> None:
+        """Move the source partitions whose every answer is in to `summary.complete`."""
+        while self.marks and self.marks[0][1] <= self.settled:
+            self.summary.complete.append(self.marks.popleft()[0])
 
     async def send(self, vb: int, make: Make, kind: str, key: bytes) -> None:
         """Queue one request; with `window` in flight, wait for the oldest answer first."""
         self.inflight.append((self.router.submit(vb, make), vb, make, kind, key))
+        self.sent += 1
         if len(self.inflight) % 64 == 0:
             self.router.flush()
         if len(self.inflight) >= self.window:
@@ -537,6 +609,8 @@ class _NodeWriter:
         fut, vb, make, kind, key = self.inflight[0]
         reply = await self.router.settle(fut, vb, make)
         self.inflight.popleft()
+        self.settled += 1
+        self._completed()
         status, summary = reply.vbucket_or_status, self.summary
         if kind == "get":
             if status == Status.SUCCESS:
@@ -547,6 +621,8 @@ class _NodeWriter:
             summary.conflicts += 1
         elif status == Status.KEY_ENOENT and kind == "delete":
             summary.absent_deletes += 1
+        elif status == XATTR_EINVAL:  # an xattr value that is not JSON (formats/wire.md)
+            summary.refused.append(self._key_text(key))
         elif status in _GAVE_UP:
             raise RestoreTargetError(
                 f"partition {vb}: {Status(status).name} for {self.router.retry_for:g}s after "
@@ -555,6 +631,12 @@ class _NodeWriter:
         else:
             name = f"0x{status:02x}"
             summary.errors[name] = summary.errors.get(name, 0) + 1
+
+    def _key_text(self, key: bytes) -> str:
+        """A key as sent, its collection prefix left out, as text."""
+        if self.router.collections:
+            key = key[leb128.decode(key)[1] :]
+        return key.decode("utf-8", errors="backslashreplace")
 
 
 def _set_with_meta(p: int, key: bytes, value: bytes, datatype: int, flags: int, exp: int,
@@ -590,17 +672,20 @@ def restore_to_store(
     create: bool = True,
     on_progress: Callable[[RestoreSummary], None] | None = None,
     keep_xattrs: KeepXattrs = "all",
+    check: bool = True,
 ) -> RestoreSummary:
     """Write the state at `at` into a SQLite store (formats/store.md): documents and
-    tombstones as they were (with the xattrs `keep_xattrs` keeps), in the source's
-    partitions and collection ids, the names of the collections (`--map-data` applied),
-    and each partition's position and failover log from the chain, so a replay can
-    continue from the backup. (`create` is for a node: a store takes any collection.)"""
+    tombstones as they were (with the xattrs `keep_xattrs` keeps, JSON or not), in the
+    source's partitions and collection ids, the names of the collections (`--map-data`
+    applied), and each partition's position and failover log from the chain, so a
+    replay can continue from the backup. (`create` is for a node: a store takes any
+    collection.) The pre-check runs first, as for a node: damage found leaves the
+    store untouched."""
     from upr_cli.repo import resume_point
     from upr_cli.store import Store
 
     del create
-    src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt)
+    src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt, check)
     summary = src.summary(f"sqlite:{db_path}", dry_run)
     summary.keep_xattrs = keep_xattrs
     summary.plan = plan = src.plan(Collections(), map_data, None, can_create=True)
@@ -663,6 +748,7 @@ def _partitions(
                 if not skip_corrupt:
                     raise records
                 summary.skipped.append(f"partition {p}: {records}")
+                summary.left_out.append(p)
                 continue
             summary.partitions += 1
             todo = _restorable(records, keys, plans, summary)

@@ -115,8 +115,9 @@ def _new_cas() -> int:
 
 
 class XattrInvalid(StatusError):
-    """XATTR_EINVAL (0x87): a value marked with xattrs has a malformed blob (kv_engine's
-    validator answers it for a with-meta write; formats/wire.md "Xattrs")."""
+    """XATTR_EINVAL (0x87): a value marked with xattrs has a malformed blob, or an xattr
+    value that is not JSON (kv_engine's validator answers it for a with-meta write;
+    formats/wire.md "Xattrs")."""
 
     status = 0x87
 
@@ -124,7 +125,8 @@ class XattrInvalid(StatusError):
 def checked_datatype(datatype: int, value: bytes, key: bytes = b"") -> int:
     """Clear the JSON bit of a value that is not JSON, as a server must (see
     docs/protocol.md §1.4), looking at the body behind any xattrs; a compressed value
-    must inflate (EINVAL naming the key), a blob must be well formed (XATTR_EINVAL)."""
+    must inflate (EINVAL naming the key), a blob must be well formed and each of its
+    values JSON (XATTR_EINVAL)."""
     body = value
     if datatype & snappy.SNAPPY and value:
         try:
@@ -133,9 +135,12 @@ def checked_datatype(datatype: int, value: bytes, key: bytes = b"") -> int:
             raise InvalidArguments(str(exc)) from None
     if datatype & xattrs.XATTR:
         try:
-            body = xattrs.split(body, key)[1]
+            blob, body = xattrs.split(body, key)
         except xattrs.CorruptXattrsError as exc:
             raise XattrInvalid(str(exc)) from None
+        bad = xattrs.not_json(blob, key)
+        if bad:
+            raise XattrInvalid(f"key {bytes(key)!r}: xattr {bad[0]!r} is not JSON")
     if datatype & 0x01:
         try:
             json.loads(body)

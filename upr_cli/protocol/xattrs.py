@@ -88,6 +88,23 @@ def pairs(blob: bytes | memoryview, key: bytes | memoryview = b"") -> list[tuple
     return out
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def not_json(blob: bytes | memoryview, key: bytes | memoryview = b"") -> list[str]:
+    """The names of a blob's xattrs whose value is not JSON text (strictly: no NaN or
+    Infinity). kv_engine's validator refuses such a blob (XATTR_EINVAL); a consumer
+    still takes it, so a backup may hold one."""
+    bad = []
+    for name, text in pairs(blob, key):
+        try:
+            json.loads(text, parse_constant=_no_constant)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            bad.append(name)
+    return bad
+
+
 def encode(items: Mapping[str, bytes | str] | Iterable[tuple[str, bytes | str]]) -> bytes:
     """The blob of (name, JSON text) pairs, in the order given; b"" for none."""
     seq = items.items() if isinstance(items, Mapping) else items

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -162,6 +162,24 @@ class SegmentReader:
             raise SegmentError(p, "records do not match the block index", i)
         return raw, out
 
+    def check_blocks(self, to_seq: int | None = None) -> tuple[int, int]:
+        """Check the CRC of every block that holds a seq ≤ to_seq (None: every block),
+        reading the file in order without decompressing or parsing anything; a mismatch
+        raises SegmentError naming the block. Returns (blocks, bytes) checked."""
+        upto = len(self.blocks) if to_seq is None else bisect_left(self._last_seqs, to_seq) + 1
+        blocks = self.blocks[: min(upto, len(self.blocks))]
+        if not blocks:
+            return 0, 0
+        f, crc32 = self._f, zlib.crc32
+        f.seek(blocks[0].offset)
+        for i, b in enumerate(blocks):
+            frame = f.read(b.compressed_len)
+            if len(frame) != b.compressed_len:
+                raise SegmentError(self.path, f"truncated: block {i} cut at offset {b.offset}", i)
+            if crc32(frame) != b.crc:
+                raise SegmentError(self.path, "block checksum mismatch", i)
+        return len(blocks), blocks[-1].offset + blocks[-1].compressed_len - blocks[0].offset
+
     def records(self, from_seq: int = 0, *, events: bool = False) -> Iterator[Record]:
         """Every data record with seq ≥ from_seq, verified block by block; with `events`
         the system event records too, in seq order among them."""
@@ -192,12 +210,15 @@ class SegmentReader:
         except UprError as exc:  # CollectionsError: the event's value does not fit
             raise SegmentError(self.path, f"seq {rec.seq}: {exc}") from None
 
-    def verify(self) -> SegmentInfo:
+    def verify(self, on_records: Callable[[list[Record]], None] | None = None) -> SegmentInfo:
         """Read everything (every check of formats/segment.md); returns the file's info,
-        with its per-collection counts and manifest changes."""
+        with its per-collection counts and manifest changes. `on_records` is given each
+        block's records (system events included) as they are read."""
         tallies, changes = [], []
         for i, b in enumerate(self.blocks):
-            raw, _records = self._block(i)
+            raw, records = self._block(i)
+            if on_records is not None:
+                on_records(records)
             try:
                 tally, more = block_stats(raw, b.record_count, self.header.partition, self.version)
             except UprError as exc:  # CollectionsError: an event's value does not fit

@@ -26,6 +26,7 @@ from upr_cli.collections import Path as CollectionPath
 from upr_cli.failover import FailoverLog
 from upr_cli.jobs.backup_stream import PartitionResult, stream_to_segments
 from upr_cli.jobs.restore import RestoreSummary, restore_to_node
+from upr_cli.jobs.state import Precheck
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
 
@@ -116,5 +117,15 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
         for k, v in s.errors.items():
             total.errors[k] = total.errors.get(k, 0) + v
         total.skipped += s.skipped
+        total.left_out += s.left_out
+        total.refused += s.refused
+        total.complete += s.complete
+        total.failure = total.failure or s.failure
+        if s.precheck is not None:  # each task checked its share before writing it
+            if total.precheck is None:
+                total.precheck = Precheck()
+            for name in ("segments", "blocks", "bytes", "seconds"):
+                setattr(total.precheck, name,
+                        getattr(total.precheck, name) + getattr(s.precheck, name))  # fmt: skip
     total.seconds = time.monotonic() - t0
     return total
