@@ -48,7 +48,10 @@ class ExitCode(IntEnum):
     """The local file system failed a read or write: disk full, quota, I/O error, read-only
     (sysexits EX_IOERR). The same command can succeed once the system is fixed."""
     INTERRUPTED = 130
-    """Ctrl-C (128 + SIGINT)."""
+    """Ctrl-C (128 + SIGINT) stopped a bounded command; what it committed is kept and one
+    line says what and how to go on (upr_cli/interrupt.py). A follower exits 0."""
+    TERMINATED = 143
+    """SIGTERM (128 + SIGTERM) stopped a bounded command, as INTERRUPTED."""
 
 
 class UprError(Exception):

@@ -4,9 +4,13 @@ Every failure ends as one line on stderr and an exit code of `ExitCode` (README 
 and exit codes"): an `UprError` with its own code; click usage errors (and a command run
 without its arguments) with 2; an `OSError` becomes the typed error `os_error` makes,
 naming the path (74 for a failing or full file system, 2 for a path that is not what it
-should be, 1 for the network); Ctrl-C exits 130; anything else is a bug, reported in one
-line with exit 70 (UPR_DEBUG=1 shows the traceback, which never shows locals). A command
-run without arguments prints its help and exits 2.
+should be, 1 for the network); anything else is a bug, reported in one line with exit 70
+(UPR_DEBUG=1 shows the traceback, which never shows locals). A command run without
+arguments prints its help and exits 2. SIGINT and SIGTERM end every command by one rule
+(upr_cli/interrupt.py): a bounded command says in one line what it kept and how to go
+on, and exits 130 or 143; a follower says what it saved and exits 0. `KEPT` words the
+line of the commands whose words do not depend on the run; the others say it
+themselves.
 
 The commands' modules are imported when one of them runs, not to list them
 (`cli/help.py`), so `upr --help` starts fast.
@@ -25,7 +29,7 @@ import typer
 from typer.exceptions import Abort as TyperAbort
 from typer.exceptions import TyperException
 
-from upr_cli import __version__
+from upr_cli import __version__, interrupt
 from upr_cli.cli.help import LazyGroup
 from upr_cli.cli.output import error_line
 from upr_cli.errors import ExitCode, UprError, free_bytes, is_network_error, os_error
@@ -79,6 +83,21 @@ def _root(
 PATH_OPTIONS = ("--repo", "--into", "--state", "--data", "--to", "--store", "--node-data")
 
 
+#: what an interrupted run of a command kept and how to go on, for the commands whose
+#: words do not depend on the run (backup, tail, replay and serve say theirs)
+KEPT = {
+    "restore": "the target keeps what was written (a restore writes the same versions "
+    "again); run the same command to complete it",
+    "verify": "verify changes nothing; run it again to check the whole repository",
+    "info": "info changes nothing; run it again",
+    "examine": "examine changes nothing; run it again",
+    "diff": "diff changes nothing; run it again",
+    "load": "the documents written so far stay; run the same command to write the whole "
+    "workload (from its first document)",
+    "salvage": "the lost writes written back so far stay; run the same command to see what is left",
+}
+
+
 def given_paths(args: Sequence[str]) -> list[Path]:
     """The local paths named on the command line: PATH_OPTIONS' values and the
     `sqlite:PATH`, `repo:DIR[@BACKUP]` and `json:PATH` sources or targets."""
@@ -115,6 +134,17 @@ def _no_arguments(exc: Exception) -> bool:
     return type(exc).__name__ == "NoArgsIsHelpError"
 
 
+def _stopped() -> int:
+    """A signal stopped the command: its one line, and its exit status."""
+    end = interrupt.ending()
+    if end.follower:
+        sys.stderr.write(f"upr: {end.line}\n")
+        sys.stderr.flush()
+    else:
+        error_line(end.line)
+    return end.code
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point: run the app and map every failure to one line + exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -125,8 +155,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         logging.basicConfig(level=level, stream=sys.stderr,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     command = typer.main.get_command(app)
+    name = next((a for a in args if not a.startswith("-")), "")
     try:
-        code = command.main(args=args, prog_name="upr", standalone_mode=False)
+        with interrupt.handling():
+            if name in KEPT:
+                interrupt.keeps(lambda: KEPT[name])
+            code = command.main(args=args, prog_name="upr", standalone_mode=False)
+        if code == ExitCode.INTERRUPTED:  # Typer's answer to a KeyboardInterrupt in a command
+            code = _stopped()
     except (TyperException, click.ClickException) as exc:
         # Usage errors (exit 2) from Typer's vendored click, or from click itself.
         ctx = getattr(exc, "ctx", None)
@@ -145,8 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         error_line(str(exc))
         code = exc.exit_code
     except KeyboardInterrupt:
-        error_line("interrupted")
-        code = ExitCode.INTERRUPTED
+        code = _stopped()
     except BrokenPipeError:
         code = ExitCode.OK
     except OSError as exc:  # from the file system (or a socket) with no typed error around it

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from upr_cli import interrupt
 from upr_cli.cli.options import (
     AllRows,
     CaCert,
@@ -162,7 +163,11 @@ def backup_cmd(
     with Progress("backup", "items", show=show) as bar:
         bar.note(f"connecting to {source.redacted()}")
 
+        last: list[StreamStats] = []
+        interrupt.keeps(lambda: kept_line(last[0] if last else None))
+
         def tick(s: StreamStats) -> None:
+            last[:] = [s]
             # the bar and the ETA follow the seqs passed (a deduplicated key comes once:
             # counted items fall short of the seqs); 0 (nothing planned) gives no total
             bar.update(s.items, total=s.items_total or None, done=s.seqs_done,
@@ -200,6 +205,14 @@ def backup_cmd(
         print_json(summary.to_json())
         return
     render(summary, show_all, str(repo))
+
+
+def kept_line(stats: StreamStats | None) -> str:
+    """What a backup a signal stopped kept, and how to go on (its finished segments stay
+    for the next run, which reuses them)."""
+    done = f" and the segments of {stats.partitions_done:,} of {stats.partitions:,} partitions " \
+        "this run finished" if stats is not None and stats.partitions else ""  # fmt: skip
+    return f"the repository keeps its committed backups{done}; run the same command to resume"
 
 
 def summary_table(summary: BackupSummary) -> Table:

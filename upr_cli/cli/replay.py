@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from upr_cli import interrupt
 from upr_cli.cli.options import (
     Bucket,
     CaCert,
@@ -165,6 +166,12 @@ def replay_cmd(
     def event(message: str) -> None:
         stderr.print(message, markup=False, highlight=False)
 
+    if follow:
+        interrupt.follows(lambda: f"positions saved in {into}; the same command continues "
+                          "from there")  # fmt: skip
+    else:
+        interrupt.keeps(lambda: f"{into} keeps every change it committed, with its positions; "
+                        "run the same command to resume")  # fmt: skip
     with Progress("replay", "applied", show=show) as bar:
         bar.note(f"connecting to {spec.text if spec.kind == 'repo' else 'the source'}")
 
@@ -195,7 +202,11 @@ def replay_cmd(
                     on_notice=notice,
                 )
             )
+    if stats.interrupted and not follow:
+        raise interrupt.Stopped  # the job kept what it committed: a bounded run's ending
     _report(stats, into, json_out)
+    if stats.interrupted:
+        raise interrupt.Stopped  # a follower's ending, after its summary
 
 
 def _report(stats: ReplayStats, into: Path, json_out: bool) -> None:

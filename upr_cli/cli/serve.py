@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from upr_cli import interrupt
 from upr_cli.cli.options import BucketName, OldNumPartitions, num_partitions_option, partition_count
 from upr_cli.cluster.collections import parse_specs
 from upr_cli.errors import UsageError
@@ -236,14 +237,23 @@ def serve_cmd(
     )  # fmt: skip
     if tls_port is not None and tls_cert is None:
         raise UsageError("--tls-port needs --tls-cert and --tls-key")
-    asyncio.run(_serve(NodeServer(config)))
+    if asyncio.run(_serve(NodeServer(config))):
+        raise interrupt.Stopped  # a follower's ending
 
 
-async def _serve(server: NodeServer) -> None:
+async def _serve(server: NodeServer) -> bool:
+    """Serve until SIGTERM or SIGINT, then stop cleanly; True once a signal stopped it."""
+    interrupt.follows(lambda: "every write flushed, failover uuids kept; the next start "
+                      "goes on from there")  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def stopping(sig: int) -> None:
+        interrupt.note(sig)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stopping, sig)
     await server.start()
     cfg = server.config
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
@@ -258,3 +268,4 @@ async def _serve(server: NodeServer) -> None:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
         await server.stop(clean=True)
+    return True

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from upr_cli import interrupt
 from upr_cli.cli.options import (
     CaCert,
     ClientCert,
@@ -59,8 +60,9 @@ lost. In a cluster, partitions whose node is down wait as long while the others 
 --until-end stops at the high seqnos read at the start, capped at what the node holds
 after it restarted from a crash or failed over (the rollback shows with -v).
 
-Exit 0 at the end, 130 on Ctrl-C, 1 on a connection or authentication error, a node
-away longer than --wait, an unknown collection, or a follow whose collections were all
+Exit 0 at the end and when SIGINT (Ctrl-C) or SIGTERM stops a follow; 130 or 143 when
+one stops --until-end; 1 on a connection or authentication error, a node away longer
+than --wait, an unknown collection, or a follow whose collections were all
 dropped.
 
 Example (everything up to now, as JSON lines):
@@ -147,6 +149,9 @@ def tail_cmd(
         collections=parse_paths(collections) or None,
     )  # fmt: skip
     source = tls_source(SourceUri.parse(uri), cacert, no_verify, cert, key)
+    saved = (f"positions saved in {state}; the same command continues from there" if state
+             else "no --state, so no position saved (--state FILE keeps one)")  # fmt: skip
+    (interrupt.keeps if until_end else interrupt.follows)(lambda: saved)
     try:
         summary = asyncio.run(
             tail(

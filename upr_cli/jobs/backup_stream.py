@@ -358,10 +358,11 @@ class BackupStream:
             )  # fmt: skip
         job = functools.partial(_finish, st, ev, self.directory, self.segment_name,
                                 self._held)  # fmt: skip
-        self._finishing[ev.partition] = await self.worker.submit(job)
+        # counted once queued: a run interrupted while the worker is busy still writes it
         self.stats.partitions_done += 1
         start, end = self._span.get(ev.partition, (0, 0))
         self.stats.seqs_done += max(0, end - max(self._last.get(ev.partition, -1), start))
+        self._finishing[ev.partition] = await self.worker.submit(job)
 
     async def _flush(self) -> None:
         """Send the records taken so far to the worker (FIFO: per-partition order holds)."""

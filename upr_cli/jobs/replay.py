@@ -67,6 +67,7 @@ from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from upr_cli import interrupt
 from upr_cli.collections import ManifestChange
 from upr_cli.collections import Path as CollectionPath
 from upr_cli.dcp.consumer import DcpConsumer, Item
@@ -338,10 +339,11 @@ def _cancel_on_signals() -> Iterator[Callable[[], bool]]:
     task = asyncio.current_task()
     stopping = False
 
-    def stop() -> None:
+    def stop(sig: int) -> None:
         nonlocal stopping
         if not stopping and task is not None:
             stopping = True
+            interrupt.note(sig)  # for the exit status (upr_cli/interrupt.py)
             task.cancel()
 
     handled = []
@@ -349,7 +351,7 @@ def _cancel_on_signals() -> Iterator[Callable[[], bool]]:
         # no handler where the loop cannot install one (not the main thread, not Unix):
         # Ctrl-C then ends the run as any KeyboardInterrupt does
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, stop)
+            loop.add_signal_handler(sig, stop, sig)
             handled.append(sig)
     try:
         yield lambda: stopping
