@@ -440,15 +440,21 @@ def test_serve_without_users_and_without_no_auth_is_refused(tmp_path: Path) -> N
     assert "user" in proc.stderr
 
 
-def test_no_auth_on_loopback_serves_without_sasl(node_factory: type[Node]) -> None:
-    node = node_factory("--no-auth", "--flush-interval", "0.02").start()
+def test_no_auth_on_loopback_serves_without_sasl(tmp_path: Path) -> None:
+    with _no_auth_node(tmp_path / "data") as (port, proc):
 
-    async def body(p: Peer) -> None:
-        assert await p.select() == SUCCESS
-        await p.kv_round_trip(b"no-auth")
-        assert await p.dcp_open() == SUCCESS
+        async def main() -> None:
+            p = await Peer.open(port)
+            try:
+                assert await p.select() == SUCCESS
+                await p.kv_round_trip(b"no-auth")
+                assert await p.dcp_open() == SUCCESS
+                assert not p.conn.closed, "the node dropped the connection"
+            finally:
+                await p.aclose()
 
-    scenario(node, body)
+        asyncio.run(asyncio.wait_for(main(), 30))
+        assert proc.poll() is None
 
 
 @contextlib.contextmanager

@@ -204,8 +204,9 @@ OldNumPartitions = Annotated[
 ]
 
 
-def num_partitions_option(default: int) -> Any:
-    """`--num-partitions N` (1 to 1024), naming the command's default in its help; declare
+def num_partitions_option(default: int | str) -> Any:
+    """`--num-partitions N` (1 to 1024), naming the command's default in its help (a count,
+    or words for a default that depends on something else); declare
     `OldNumPartitions` next to it and merge the two with `partition_count`."""
     help_ = f"How many partitions (vbuckets) the bucket has (default {default})."
     return typer.Option("--num-partitions", min=1, max=1024, metavar="N", help=help_)

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from upr_cli import interrupt
-from upr_cli.cli.options import BucketName, OldNumPartitions, num_partitions_option, partition_count
+from upr_cli.cli.options import BucketName, OldNumPartitions, either, num_partitions_option
 from upr_cli.cluster.collections import parse_specs
 from upr_cli.errors import UsageError
 from upr_cli.net.tls import DEFAULT_TLS_PORT
@@ -28,7 +28,9 @@ TLS data port (default 11207, as Couchbase's; its cluster map advertises that po
 kvSSL, so TLS clients stay on TLS; PLAIN and SCRAM-SHA512 are offered on both ports,
 and TLS clients use PLAIN, as the Couchbase SDKs do). SIGTERM or
 SIGINT stop it cleanly (everything flushed, failover uuids kept); after a SIGKILL the
-next start adds a failover entry at the last persisted seq of every partition.
+next start adds a failover entry at the last persisted seq of every partition. One node
+at a time per --data DIR: a second one exits 1 naming the node that holds the directory
+(an OS lock on DIR/node.lock, gone with its process, so a killed node restarts at once).
 
 Example:
 
@@ -54,7 +56,8 @@ Example (client certificates required on the TLS port; one whose subject CN is
   upr serve --data /tmp/node --user admin --password secret --tls-cert node.pem \\
       --tls-key node.key --tls-client-ca clients-ca.pem --tls-client-auth mandatory
 
-Example (a bucket of 64 partitions; --partitions N, the old spelling, still works):
+Example (a bucket of 64 partitions; --partitions N, the old spelling, still works; a
+bucket keeps its count: later starts may leave the option out):
 
   upr serve --data /tmp/node --no-auth --num-partitions 64
 
@@ -64,7 +67,7 @@ max TTL of one hour):
   upr serve --data /tmp/node --no-auth --collections app.users,app.sessions:3600
 """
 
-NUM_PARTITIONS = 1024
+NUM_PARTITIONS = "the bucket's count in --data, 1024 for a new one"
 
 Host = Annotated[str, typer.Option("--host", metavar="ADDRESS", help="Address to listen on.")]
 Port = Annotated[
@@ -127,6 +130,28 @@ def load_users(user: str | None, password: str | None, users_file: Path | None) 
     return users
 
 
+def _log_to_stderr(log_level: str) -> None:
+    """The node's log: one line a record on stderr, from `log_level` up."""
+    level = getattr(logging, log_level.upper(), None)
+    if not isinstance(level, int):
+        raise UsageError(f"--log-level: unknown level {log_level!r}")
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s upr-serve %(levelname)s %(message)s")  # fmt: skip
+
+
+def _users(ctx: typer.Context, user: str | None, password: str | None, users_file: Path | None,
+           *, no_auth: bool) -> dict[str, str]:  # fmt: skip
+    """`load_users`, after two checks: UPR_PASSWORD goes with --user alone (it is ambient:
+    --no-auth and --users-file ignore it), and --no-auth takes no users."""
+    source = ctx.get_parameter_source("password")  # typer's own click: compare by name
+    if user is None and source is not None and source.name == "ENVIRONMENT":
+        password = None
+    if no_auth and (user is not None or password is not None or users_file is not None):
+        raise UsageError("--no-auth serves without users: give it or --user/--password "
+                         "(--users-file), not both")  # fmt: skip
+    return load_users(user, password, users_file)
+
+
 # Declared here, not in the signature, to keep `serve_cmd` short.
 ExpiryPager = Annotated[
     float,
@@ -141,6 +166,7 @@ ExpiryPager = Annotated[
 
 
 def serve_cmd(
+    ctx: typer.Context,
     data: Annotated[
         Path, typer.Option("--data", metavar="DIR", help="Directory for the bucket's SQLite file.")
     ],
@@ -219,14 +245,10 @@ def serve_cmd(
     tls_client_auth: TlsClientAuth = None,
 ) -> None:
     """Run a UPR node."""
-    level = getattr(logging, log_level.upper(), None)
-    if not isinstance(level, int):
-        raise UsageError(f"--log-level: unknown level {log_level!r}")
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s upr-serve %(levelname)s %(message)s")  # fmt: skip
-    users = load_users(user, password, users_file)
+    _log_to_stderr(log_level)
+    users = _users(ctx, user, password, users_file, no_auth=no_auth)
     specs = parse_specs(collections)
-    partitions = partition_count(num_partitions, old_partitions, NUM_PARTITIONS)
+    partitions = either(num_partitions, old_partitions, None, ("--num-partitions", "--partitions"))
     config = NodeConfig(
         data_dir=data, host=host, port=port, bucket=bucket, partitions=partitions, users=users,
         no_auth=no_auth, flush_interval=flush_interval, purge_age=purge_age,

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from upr_cli.collections import CollectionsError, Manifest, changes_between
+from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog, new_uuid
 from upr_cli.net.aio import cancel_and_wait
 from upr_cli.node import sysevents
@@ -104,6 +105,7 @@ FLUSH_CHUNK = 50_000  # docs per transaction at most
 PURGE_CHUNK = 10_000  # rows of a dropped collection deleted per transaction
 EXPIRY_CHUNK = 10_000  # expired documents the pager looks at per storage query
 EXPIRY_PAGER_INTERVAL = 10.0  # seconds (kv_engine's pager waits longer: a test node should not)
+DEFAULT_PARTITIONS = 1024  # a new bucket's partition count, as Couchbase's on Linux
 UNDO_WINDOW = 200_000  # seqs of undo a replica partition keeps (formats/cluster.md §5)
 FED = (REPLICA, PENDING)  # states fed by a replication stream
 _T = TypeVar("_T")
@@ -196,7 +198,7 @@ class Bucket:
         self,
         data_dir: Path,
         name: str,
-        num_partitions: int,
+        num_partitions: int | None,
         *,
         flush_interval: float = 0.05,
         purge_age: float | None = None,
@@ -206,7 +208,7 @@ class Bucket:
         self.data_dir = data_dir
         self.storage = NodeStorage(data_dir, name, sync_full=sync_full)
         self.name = name
-        self.num_partitions = num_partitions
+        self.num_partitions = self._partition_count(num_partitions)
         self.flush_interval = flush_interval
         self.purge_age = purge_age
         self.expiry_pager_interval = expiry_pager_interval  # None: only reads expire
@@ -240,6 +242,18 @@ class Bucket:
         self._manifest_saved = 0  # the generation on disk
         self._purger: asyncio.Task[None] | None = None
         self._pager: asyncio.Task[None] | None = None
+
+    def _partition_count(self, wanted: int | None) -> int:
+        """The bucket's partition count: the one on disk, which never changes (a key's
+        partition is its hash modulo the count), else `wanted`, else the default."""
+        stored = self.storage.partition_count()
+        if wanted is None or stored in (0, wanted):
+            return stored or wanted or DEFAULT_PARTITIONS
+        self.storage.close()
+        raise UsageError(
+            f"--num-partitions {wanted}: the bucket in {self.storage.path} has {stored} "
+            f"partitions, which cannot change (give --num-partitions {stored}, or leave it out)"
+        )
 
     # -- life cycle -------------------------------------------------------------
 

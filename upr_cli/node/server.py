@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.collections import CollectionsError, Manifest
-from upr_cli.errors import ExitCode, RemoteProtocolError, UprError, UsageError
+from upr_cli.errors import ExitCode, PathError, RemoteProtocolError, UprError, UsageError, os_error
+from upr_cli.net.certdates import date_warning
 from upr_cli.net.scram import (
     AuthenticationFailed,
     ScramServer,
@@ -48,6 +49,7 @@ from upr_cli.net.tls import DEFAULT_TLS_PORT, server_context
 from upr_cli.node import subdoc, subdoc_kv
 from upr_cli.node.bucket import EXPIRY_PAGER_INTERVAL, Bucket, StaleCas
 from upr_cli.node.collections import UnknownCollectionError, parse_specs, with_specs
+from upr_cli.node.lock import DataDirLock
 from upr_cli.node.partition import ACTIVE, DEAD, STATE_CODES
 from upr_cli.node.producer import (
     OPEN_PRODUCER,
@@ -203,7 +205,9 @@ class NodeConfig:
     host: str = "127.0.0.1"
     port: int = 11210
     bucket: str = "default"
-    partitions: int = 1024
+    # None: the count of the bucket on disk (1024 for a new one); another count than
+    # the one on disk is a usage error
+    partitions: int | None = 1024
     users: dict[str, str] = field(default_factory=dict)
     no_auth: bool = False
     flush_interval: float = 0.05
@@ -233,7 +237,7 @@ class NodeServer:
             raise ServeUsageError("no users: give --user/--password or --users-file (or --no-auth)")
         if config.no_auth and not is_loopback(config.host):
             raise ServeUsageError("--no-auth is allowed only on a loopback address")
-        if not 1 <= config.partitions <= 1024:
+        if config.partitions is not None and not 1 <= config.partitions <= 1024:
             raise ServeUsageError("--partitions must be between 1 and 1024")
         if (config.tls_cert is None) != (config.tls_key is None):
             raise ServeUsageError("--tls-cert and --tls-key go together")
@@ -259,6 +263,7 @@ class NodeServer:
         self.rev = 1
         self.replicator: Replicator | None = None
         self.warned_no_auth_scram = False  # logged once: SCRAM cannot take any password
+        self.lock = DataDirLock(config.data_dir)
 
     @staticmethod
     def _tls_context(config: NodeConfig) -> ssl.SSLContext | None:
@@ -300,12 +305,23 @@ class NodeServer:
         return NO_AUTH_MECHANISMS if cfg.no_auth and not cfg.users else MECHANISMS
 
     async def start(self) -> None:
-        """Open the buckets (recovery included) and start listening."""
+        """Lock the data directory, open the buckets (recovery included) and listen."""
         cfg = self.config
+        if cfg.data_dir.exists() and not cfg.data_dir.is_dir():
+            raise PathError(f"--data {cfg.data_dir}: not a directory", cfg.data_dir)
         try:
             cfg.data_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ServeError(f"cannot use data directory {cfg.data_dir}: {exc.strerror}") from None
+            raise os_error(exc, cfg.data_dir, "cannot create the data directory") from None
+        self.lock.acquire()  # before anything in the directory is opened (node/lock.py)
+        try:
+            await self._start()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    async def _start(self) -> None:
+        cfg = self.config
         bucket = Bucket(
             cfg.data_dir,
             cfg.bucket,
@@ -335,6 +351,9 @@ class NodeServer:
             ) from None
         self.port = self._server.sockets[0].getsockname()[1]
         if self.tls is not None:
+            assert cfg.tls_cert is not None
+            if (warning := date_warning(cfg.tls_cert, "--tls-cert")) is not None:
+                log.warning("%s", warning)  # ssl serves it all the same
             await self._listen_tls(bucket)
         # replicas are fed with the node's own credentials (formats/cluster.md §5)
         self.replicator = Replicator(bucket, port=self.port, user=user,
@@ -375,6 +394,7 @@ class NodeServer:
         for b in self.buckets.values():
             await b.stop(clean=clean)
         self.backfill_pool.shutdown(wait=True)
+        self.lock.release()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = ClientSession(self, reader, writer)

@@ -435,6 +435,11 @@ class NodeStorage(sqlite.Closing):
 
     # --- partitions
 
+    def partition_count(self) -> int:
+        """How many partitions the bucket has on disk (0 for a new database)."""
+        (count,) = self._db.execute("SELECT count(*) FROM partitions").fetchone()
+        return int(count)
+
     def load_partitions(self) -> dict[int, PartitionRecord]:
         """Every stored partition record, by vbucket."""
         out: dict[int, PartitionRecord] = {}
