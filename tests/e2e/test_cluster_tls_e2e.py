@@ -75,9 +75,11 @@ def test_a_tls_cluster_serves_every_partition_over_tls(certs: Certs, tmp_path: P
                   *ca).stdout  # fmt: skip
         assert len({json.loads(line)["key"] for line in out.splitlines()}) == 120
 
+        other = other_ca(tmp_path)
         wrong = upr("tail", f"{secret}:{tls_ports[0]}/default", "--until-end", "--cacert",
-                    other_ca(tmp_path), check=False)  # fmt: skip
-        one_line(wrong, 1, "certificate verify failed", "(use --cacert FILE)")
+                    other, check=False)  # fmt: skip
+        one_line(wrong, 1, "certificate verify failed",
+                 f"(the CA file {other} does not verify the node's certificate)")  # fmt: skip
     finally:
         cl.stop()
 
