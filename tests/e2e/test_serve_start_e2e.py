@@ -17,10 +17,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import trustme
 
 from tests.e2e.conftest import PASSWORD, USER, Node
 from tests.e2e.e2e_helpers import docs, run, seqnos, set_keys, spawn, wait_persisted
+from upr_cli.cluster.procs import ClusterError, start_node
+from upr_cli.cluster.spec import ClusterSpec, NodeSpec
+from upr_cli.node.lock import DataDirLock
 
 # seconds: a start that fails takes under one; the margin is for a loaded machine
 EXITS_AT_ONCE = 30.0
@@ -113,6 +117,25 @@ def test_a_sigkilled_node_restarts_at_once_on_its_data_directory(
     assert node.proc is not None
     assert json.loads((node.data / "node.lock").read_text())["pid"] == node.proc.pid
     assert {k: v[0] for k, v in docs(node.uri).items()} == values
+
+
+def test_a_cluster_node_takes_the_same_lock(tmp_path: Path) -> None:
+    """`upr cluster` starts its nodes as `upr serve` processes (cluster/procs.py): a node
+    whose directory is held does not start, and the cluster says why."""
+    data = tmp_path / "n0"
+    data.mkdir()
+    node = NodeSpec("n0", 0, str(data))
+    spec = ClusterSpec("default", 4, 0, USER, PASSWORD, nodes=[node])
+    held = DataDirLock(data)
+    held.acquire()
+    try:
+        with pytest.raises(ClusterError) as refused:
+            start_node(spec, node, timeout=EXITS_AT_ONCE)
+        assert f"data directory is locked by pid {os.getpid()} " in str(refused.value)
+    finally:
+        held.release()
+        if node.pid is not None:  # it started: kill it
+            os.kill(node.pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- options
