@@ -116,7 +116,8 @@ def interrupted_lines(resumable: str | None, leftovers: list[str]) -> list[str]:
                    "`upr backup` resumes it")  # fmt: skip
     if leftovers:
         out.append(f"leftovers (not backups): {', '.join(leftovers)}: interrupted runs no "
-                   "resume can use; the next `upr backup` removes them")  # fmt: skip
+                   "resume can use; the next `upr backup` of the bucket removes them, and "
+                   "nothing reads them: they can be deleted")  # fmt: skip
     return out
 
 
