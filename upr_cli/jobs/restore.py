@@ -40,8 +40,9 @@ records the names.
 
 Nothing is written until everything that can refuse the restore was checked: the chain
 whole (`open_bucket`, formats/repository.md §8.8: no damaged manifest, no missing
-parent, no seq gap) and every segment file it reads there with its size (`check_files`,
-unless `skip_corrupt`); the target reached and authenticated, its partition count and
+parent, no seq gap) and every segment file it reads sound (`precheck`, above; with
+`check=False` only there with its size, `check_files`, unless `skip_corrupt`); the
+target reached and authenticated, its partition count and
 collections read, every partition with a reachable active node, every collection the
 restore needs there or created. A broken chain or a target that cannot take the restore
 is one error naming what is wrong, never a smaller restore or a half-written bucket.

@@ -64,7 +64,9 @@ class SegmentReader:
         except BaseException:
             self._f.close()
             raise
-        self._dctx = zstandard.ZstdDecompressor()
+        # made on the first block decompressed: a pass that checks checksums only
+        # (`check_blocks`) opens many files and never needs one
+        self._dctx: zstandard.ZstdDecompressor | None = None
 
     def _read_at(self, offset: int, n: int) -> bytes:
         self._f.seek(offset)
@@ -148,6 +150,8 @@ class SegmentReader:
         frame = self._read_at(b.offset, b.compressed_len)
         if zlib.crc32(frame) != b.crc:
             raise SegmentError(p, "block checksum mismatch", i)
+        if self._dctx is None:
+            self._dctx = zstandard.ZstdDecompressor()
         try:
             raw = self._dctx.decompress(frame, max_output_size=b.raw_len)
         except zstandard.ZstdError as exc:
