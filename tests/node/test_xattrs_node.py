@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 from tests.dcp.inprocess import InProcessNode, nodes, run
 from upr_cli.net.bootstrap import WANTED, connect
+from upr_cli.node import subdoc as subdoc_engine
 from upr_cli.node.bucket import Bucket, XattrInvalid
 from upr_cli.node.partition import REPLICA
 from upr_cli.node.producer import (
@@ -31,6 +33,7 @@ from upr_cli.node.producer import (
     open_flags_problem,
 )
 from upr_cli.node.storage import DocRow
+from upr_cli.node.subdoc import XATTR_PATH, Code, Document, SpecFailed, SpecOp
 from upr_cli.protocol import FrameDecoder, snappy, xattrs
 from upr_cli.protocol.header import Feature, Opcode
 from upr_cli.protocol.messages import (
@@ -401,6 +404,12 @@ def test_an_xattr_value_that_is_not_json_is_refused_as_kv_engine_does(tmp_path: 
             assert (await request(ok)).status == Status.SUCCESS
 
     run(scenario())
+    # a sub-document xattr write parses its value as JSON: one that is not cannot go in
+    spec = struct.pack(">BBHI", SpecOp.DICT_UPSERT, XATTR_PATH, 3, 8) + b"app" + b"not json"
+    req = subdoc_engine.parse_request(mutation=True, extras=b"", value=spec)
+    with pytest.raises(SpecFailed) as failed:
+        subdoc_engine.mutate(req, Document(body=BODY, json=True), cas=1, seqno=1)
+    assert failed.value.status == Code.VALUE_CANTINSERT
 
 
 # -- replication ------------------------------------------------------------------------
