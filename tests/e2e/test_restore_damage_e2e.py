@@ -180,8 +180,8 @@ def test_xattr_values_that_are_not_json_warn_verify_and_are_named_by_a_node_rest
     assert sorted(report["refused"]) == ["gone", "k3", "k6"] and report["errors"] == 0
     assert report["written"] == 6
     assert sorted(docs(dst.uri)) == [b"k%d" % i for i in range(8) if i not in (3, 6)]
-    named = upr("restore", "--repo", str(repo), dst.uri, check=False)
-    assert named.returncode == 4 and "3 keys: " in named.stdout and "k3" in named.stdout
+    again = upr("restore", "--repo", str(repo), dst.uri, check=False)
+    assert again.returncode == 4 and "3 keys: " in again.stdout and "k3" in again.stdout
 
     db = tmp_path / "odd.db"  # a store keeps them as they are
     assert upr("restore", "--repo", str(repo), f"sqlite:{db}").returncode == 0

@@ -33,7 +33,7 @@ from upr_cli.node.producer import (
     open_flags_problem,
 )
 from upr_cli.node.storage import DocRow
-from upr_cli.node.subdoc import XATTR_PATH, Code, Document, SpecFailed, SpecOp
+from upr_cli.node.subdoc import Code, Document, SpecFailed, SpecOp
 from upr_cli.protocol import FrameDecoder, snappy, xattrs
 from upr_cli.protocol.header import Feature, Opcode
 from upr_cli.protocol.messages import (
@@ -49,6 +49,7 @@ from upr_cli.protocol.messages import (
     decode_message,
 )
 from upr_cli.protocol.status import InvalidArguments, NotSupported, Status
+from upr_cli.protocol.subdoc import XATTR_PATH
 
 VB = 0
 JSON, SNAPPY, XATTR = 0x01, 0x02, 0x04
