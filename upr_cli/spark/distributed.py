@@ -51,6 +51,7 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                      boundaries: dict[int, list[int]] | None = None,
                      collections: list[CollectionPath] | None = None,
                      followed_ids: dict[int, set[int]] | None = None,
+                     wait: float = 120.0,
                      **_ignored: Any) -> dict[int, PartitionResult]:  # fmt: skip
         logs = failover_logs or {}
         ends = end_seqs or {}
@@ -68,6 +69,7 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                 collections=collections,  # each task's streams filter the same way
                 followed_ids=None if followed_ids is None else
                 {p: followed_ids[p] for p in share if p in followed_ids},
+                wait=wait,  # each task waits for a lost node as the command says (--wait)
             ))  # fmt: skip
             return sorted(got.items())
 
