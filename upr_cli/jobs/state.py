@@ -13,9 +13,9 @@ anything, that every segment file the state reads is there with its recorded siz
 `precheck` goes further, still before the first write (a node has no transaction to
 undo a half-written restore): every segment the state reads is opened (its header,
 footer and trailer checksums), compared with its manifest entry (partition, records,
-seq range) and the CRC of every block the state reads is checked (formats/segment.md
-checks 1-4). Blocks are read in file order and never decompressed, so the pass runs
-at the speed of the disk and holds one block at a time.
+seq range) and the CRC of every block the state reads is checked
+(formats/repository.md §8.2). Blocks are read in file order and never decompressed, so
+the pass costs a CRC32 per byte and holds one block at a time.
 """
 
 from __future__ import annotations
