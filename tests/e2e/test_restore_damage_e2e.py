@@ -121,6 +121,7 @@ def test_damage_stops_the_restore_before_the_first_write_unless_skip_corrupt(
     # --no-check: the damage is met while writing; the summary says what was done
     late = upr("restore", "--repo", str(repo), "--no-check", dst.uri, check=False)
     assert late.returncode == 1
+    assert late.stdout.startswith("stopped part-way restoring backup ")
     assert "checksums not checked before writing (--no-check)" in late.stdout
     assert "block checksum mismatch" in late.stderr
     assert "source partitions complete: partitions 0-2; run the same restore again" in late.stderr

@@ -294,7 +294,8 @@ def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
     if json_out:
         print_json(summary.to_json())
     else:
-        verb = "would restore" if dry_run else "restored"
+        verb = ("would restore" if dry_run else "restored" if summary.failure is None
+                else "stopped part-way restoring")  # fmt: skip
         lines = [f"{verb} backup {summary.backup_id}", *(plan.describe() if plan else ())]
         lines.append(_precheck_line(summary))
         lines.append(f"{plural(summary.partitions, 'source partition')}, "
