@@ -18,10 +18,20 @@ from upr_cli.cli.options import (
     JsonOutput,
     NoVerify,
     Partitions,
+    Wait,
     one_is_an_answer,
     tls_source,
 )
-from upr_cli.cli.output import first_rows, hint, keep_whole, more_line, print_json, stdout, table
+from upr_cli.cli.output import (
+    first_rows,
+    hint,
+    keep_whole,
+    more_line,
+    notice,
+    print_json,
+    stdout,
+    table,
+)
 from upr_cli.errors import UsageError
 from upr_cli.jobs.salvage import (
     LostItem,
@@ -66,7 +76,9 @@ one whose collection the master dropped since is a conflict.
 
 The master may be reached over TLS: --to uprs://… or couchbases://… (default port
 11207), with --cacert FILE (or UPR_CACERT) for the CA that signs its certificate and
---cert/--key for a client certificate.
+--cert/--key for a client certificate. A master that goes away while its changes are
+read (a restart, a crash) is reconnected for up to --wait seconds (120; forever, or 0
+for no waiting), with a line on stderr when the link is lost and when it is back.
 
 Exit status: 0 nothing lost or everything written, 1 conflicts or writes that failed
 remain, 2 error.
@@ -120,6 +132,7 @@ def salvage_cmd(
     partitions: Partitions = None,
     show_all: AllRows = False,
     json_out: JsonOutput = False,
+    wait: Wait = 120.0,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -132,13 +145,16 @@ def salvage_cmd(
     parts = selected(partitions)
     with one_is_an_answer():  # 1 means "lost writes remain": a failure exits 2
         if repo is not None:
-            report = salvage_repo(repo, target, bucket=bucket, apply=apply, partitions=parts)
+            report = salvage_repo(repo, target, bucket=bucket, apply=apply, partitions=parts,
+                                  wait=wait, on_notice=notice)  # fmt: skip
         elif node_data is not None:
             report = salvage_node_data(node_data, target, bucket=bucket or "default",
-                                       apply=apply, partitions=parts)  # fmt: skip
+                                       apply=apply, partitions=parts, wait=wait,
+                                       on_notice=notice)  # fmt: skip
         else:
             assert store is not None
-            report = salvage_store(store, target, apply=apply, partitions=parts)
+            report = salvage_store(store, target, apply=apply, partitions=parts, wait=wait,
+                                   on_notice=notice)  # fmt: skip
     counts = report.counts
     bad = counts.get("conflict", 0) + counts.get("error", 0)
     code = 1 if bad or (not apply and counts.get("would-write", 0)) else 0

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -271,7 +272,12 @@ def rollback_cut(master_log: FailoverLog, high: int, pos: StreamPosition) -> int
 
 
 async def _changed_since(
-    uri: SourceUri, cuts: dict[int, int], logs: dict[int, FailoverLog]
+    uri: SourceUri,
+    cuts: dict[int, int],
+    logs: dict[int, FailoverLog],
+    *,
+    wait: float = 120.0,
+    on_notice: Callable[[str], None] | None = None,
 ) -> tuple[dict[int, dict[tuple[int, bytes], Version]], set[int]]:
     """Per partition, the (collection, key)s the master changed after the cut (newest
     version each);
@@ -281,7 +287,13 @@ async def _changed_since(
         entry = logs[p].entry_at(r) if p in logs else None
         positions[p] = StreamPosition(p, entry.uuid if entry else 0, r, r, r)
     consumer = DcpConsumer(
-        uri, partitions=sorted(cuts), positions=positions, until_end=True, name="upr-salvage"
+        uri,
+        partitions=sorted(cuts),
+        positions=positions,
+        until_end=True,
+        name="upr-salvage",
+        follow_for=wait,
+        on_notice=on_notice,  # a master that goes away: docs/protocol.md §4.5
     )
     sink = _ChangedSink(consumer, cuts)
     try:
@@ -409,13 +421,16 @@ async def _resolve(
     logs: dict[int, FailoverLog],
     num_partitions: int,
     apply: bool,
+    wait: float = 120.0,
+    on_notice: Callable[[str], None] | None = None,
 ) -> None:
     """Decide each item against the master, then (apply) write the safe ones."""
     items = report.items
     cuts: dict[int, int] = {}
     for it in items:
         cuts[it.partition] = min(cuts.get(it.partition, it.cut), it.cut)
-    changed, unknown = await _changed_since(uri, cuts, logs) if cuts else ({}, set())
+    changed, unknown = (await _changed_since(uri, cuts, logs, wait=wait, on_notice=on_notice)
+                        if cuts else ({}, set()))  # fmt: skip
     safe = judge(items, changed, unknown)
     if apply and safe:
         await _write_back(uri, safe, num_partitions)
@@ -538,8 +553,12 @@ def salvage_repo(
     bucket: str | None = None,
     apply: bool = False,
     partitions: list[int] | None = None,
+    wait: float = 120.0,
+    on_notice: Callable[[str], None] | None = None,
 ) -> SalvageReport:
-    """Find a repository's lost writes and (apply) write back the safe ones to `target`."""
+    """Find a repository's lost writes and (apply) write back the safe ones to `target`.
+    The master's changes are streamed waiting up to `wait` seconds for it if it goes away
+    (as every salvage: `on_notice` hears when the link is lost and when it is back)."""
     from upr_cli.source import open_bucket
 
     _repo, _b, manifests = open_bucket(repo_dir, bucket)
@@ -552,7 +571,7 @@ def salvage_repo(
         logs, highs, n = await _master_logs(target, held)
         items, _ = _repo_items(repo_dir, bucket, logs, highs)
         report.items = [it for it in items if it.partition in set(held)]
-        await _resolve(target, report, logs, n, apply)
+        await _resolve(target, report, logs, n, apply, wait, on_notice)
 
     asyncio.run(go())
     return report
@@ -562,7 +581,13 @@ def salvage_repo(
 
 
 def salvage_store(
-    db_path: Path, target: SourceUri, *, apply: bool = False, partitions: list[int] | None = None
+    db_path: Path,
+    target: SourceUri,
+    *,
+    apply: bool = False,
+    partitions: list[int] | None = None,
+    wait: float = 120.0,
+    on_notice: Callable[[str], None] | None = None,
 ) -> SalvageReport:
     """Lost writes a replay store holds (its rollbacks' `lost_writes`, and its documents
     above the rollback point the master would give it now); (apply) write back the safe
@@ -595,7 +620,7 @@ def salvage_store(
             names = {cid: CollectionPath(c.scope or "?", c.name)
                      for cid, c in store.collections().items()}  # fmt: skip
             report.items = _named(_newest(items), names)
-            await _resolve(target, report, logs, n, apply)
+            await _resolve(target, report, logs, n, apply, wait, on_notice)
 
         asyncio.run(go())
         if apply:
@@ -613,7 +638,8 @@ def salvage_store(
 
 def salvage_node_data(
     data_dir: Path, target: SourceUri, *, bucket: str = "default", apply: bool = False,
-    partitions: list[int] | None = None,
+    partitions: list[int] | None = None, wait: float = 120.0,
+    on_notice: Callable[[str], None] | None = None,
 ) -> SalvageReport:  # fmt: skip
     """Lost writes a replica node's rollbacks kept (its `lost_writes` table, read from
     its data directory; the node may be running): the UPR design specification, "Replica C
@@ -639,7 +665,7 @@ def salvage_node_data(
     async def go() -> None:
         logs, _highs, n = await _master_logs(target, sorted({it.partition for it in items}))
         report.items = _newest(items)
-        await _resolve(target, report, logs, n, apply)
+        await _resolve(target, report, logs, n, apply, wait, on_notice)
 
     asyncio.run(go())
     return report
