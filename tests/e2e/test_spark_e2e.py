@@ -356,6 +356,30 @@ def test_distributed_backup_and_restore_equal_the_local_ones(
     assert docs(dst_a.uri) == docs(dst_b.uri) == docs(src.uri)
 
 
+def test_a_distributed_restore_checks_every_share_before_any_task_writes(
+    spark: Any, node_factory: type[Node], tmp_path: Path
+) -> None:
+    from tests.e2e.e2e_helpers import docs
+    from tests.e2e.test_restore_damage_e2e import PARTS, doc, flip_in_block, write_repo
+    from upr_cli.jobs.state import DamagedBackup
+    from upr_cli.net.bootstrap import partition_of
+    from upr_cli.net.uri import SourceUri
+    from upr_cli.spark.distributed import spark_restore
+
+    rows = [doc(i) for i in range(120)]
+    repo = write_repo(tmp_path / "repo", rows)
+    seg = flip_in_block(repo, PARTS - 1)
+    dst = node_factory("--flush-interval", "0.02", partitions=PARTS, name="dst").start()
+    uri = SourceUri.parse(dst.uri)
+    with pytest.raises(DamagedBackup, match=rf"{seg.name}, block 0: block checksum mismatch"):
+        spark_restore(spark, repo, uri, tasks=PARTS)
+    assert docs(dst.uri) == {}  # no task wrote its share
+    got = spark_restore(spark, repo, uri, tasks=PARTS, skip_corrupt=True)
+    assert got.left_out == [PARTS - 1] and got.failure is None
+    kept = [r for r in rows if partition_of(bytes(r.key), PARTS) != PARTS - 1]
+    assert got.written == len(kept) and sorted(docs(dst.uri)) == sorted(r.key for r in kept)
+
+
 def test_pyspark_finds_the_source_without_register(repo: Path, tmp_path: Path) -> None:
     """A plain PySpark session (no upr import) reads format("upr") via pyspark_upr."""
     import subprocess

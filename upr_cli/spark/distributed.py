@@ -26,7 +26,6 @@ from upr_cli.collections import Path as CollectionPath
 from upr_cli.failover import FailoverLog
 from upr_cli.jobs.backup_stream import PartitionResult, stream_to_segments
 from upr_cli.jobs.restore import RestoreSummary, restore_to_node
-from upr_cli.jobs.state import Precheck
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
 
@@ -87,13 +86,20 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
     """`restore_to_node` with the partitions divided among Spark tasks; counts summed."""
     import time
 
-    from upr_cli.jobs.state import select
+    from upr_cli.jobs.state import precheck, select
     from upr_cli.source import open_bucket
 
     t0 = time.monotonic()
-    _repo, _b, manifests = open_bucket(repo_dir, kw.get("bucket"), kw.get("at", "latest"))
+    repo, b, manifests = open_bucket(repo_dir, kw.get("bucket"), kw.get("at", "latest"))
     sel = select(manifests, kw.get("at", "latest"), partitions)
-    groups = shares(list(sel.partitions), tasks)
+    # The driver checks every segment of every task's share before any task writes (a
+    # task checking its own share would find damage after others wrote theirs);
+    # --skip-corrupt hands no task a damaged partition.
+    checked = precheck(repo, b, manifests, sel) if kw.get("check", True) else None
+    if checked is not None and not kw.get("skip_corrupt", False):
+        checked.refuse()
+    damage = checked.damage if checked is not None else {}
+    groups = shares([p for p in sel.partitions if p not in damage], tasks)
     # The driver checks the target and creates the missing collections once, reading no
     # partition (only the plan), so the tasks never race to change the manifest.
     first = asyncio.run(restore_to_node(repo_dir, target, partitions=[], **kw))
@@ -102,7 +108,9 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
         return [asyncio.run(restore_to_node(repo_dir, target, partitions=share, **kw))]
 
     parts = spark.sparkContext.parallelize(groups, max(1, len(groups))).flatMap(run).collect()
-    total = RestoreSummary(str(sel.backup_id), target.redacted(), kw.get("dry_run", False))
+    total = RestoreSummary(str(sel.backup_id), target.redacted(), kw.get("dry_run", False),
+                           precheck=checked, left_out=sorted(damage))  # fmt: skip
+    total.skipped += [f"partition {p}: {why}" for p in sorted(damage) for why in damage[p]]
     total.plan = first.plan
     # each task writes its records' xattrs as `keep_xattrs` says, as a local restore does
     total.keep_xattrs, total.target_xattrs = first.keep_xattrs, first.target_xattrs
@@ -123,11 +131,5 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
         total.refused += s.refused
         total.complete += s.complete
         total.failure = total.failure or s.failure
-        if s.precheck is not None:  # each task checked its share before writing it
-            if total.precheck is None:
-                total.precheck = Precheck()
-            for name in ("segments", "blocks", "bytes", "seconds"):
-                setattr(total.precheck, name,
-                        getattr(total.precheck, name) + getattr(s.precheck, name))  # fmt: skip
     total.seconds = time.monotonic() - t0
     return total
