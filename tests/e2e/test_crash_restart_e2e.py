@@ -93,6 +93,20 @@ def _crash_during(node: Node, delay: float, *args: str,
     return code, took, err
 
 
+def _rerun_through_a_crash(node: Node, tmp_path: Path, point: tuple[float, int],
+                          *args: str) -> tuple[str, str, str]:  # fmt: skip
+    """Run `upr ARGS` (what it keeps then holds the node's unpersisted writes), write
+    more, and run it again through a crash at `point`: it must exit 0 within ENDS_WITHIN
+    of the restart. Returns the first run's stdout, the second's, and the second's
+    stderr."""
+    first = upr(*args).stdout
+    _more(node, seed=3, ops=point[1])
+    code, took, err = _crash_during(node, point[0], *args, stdout=tmp_path / "out")
+    assert code == 0, err[-3000:]
+    assert took < ENDS_WITHIN, took
+    return first, (tmp_path / "out").read_text(), err
+
+
 def _mid_stream(err: str, point: tuple[float, int]) -> bool:
     """Whether the kill landed while the command streamed (its link lost); the default
     point must (else the test would check nothing)."""
@@ -105,17 +119,11 @@ def _backup_through_a_crash(node_factory: type[Node], tmp_path: Path,
                             point: tuple[float, int]) -> None:  # fmt: skip
     node = _prepare(node_factory)
     repo = tmp_path / "repo"
-    upr("backup", node.uri, "--repo", str(repo), "--no-progress")  # holds unpersisted writes
-    _more(node, seed=3, ops=point[1])
-    code, took, err = _crash_during(node, point[0], "backup", node.uri, "--repo", str(repo),
-                                    "--no-progress", "--json", stdout=tmp_path / "out")  # fmt: skip
-    assert code == 0, err[-3000:]
-    assert took < ENDS_WITHIN, took
-    summary = json.loads((tmp_path / "out").read_text())
+    backup = ("backup", node.uri, "--repo", str(repo), "--no-progress", "--json")
+    _, out, err = _rerun_through_a_crash(node, tmp_path, point, *backup)
+    summary = json.loads(out)
     rolled = {rb["partition"] for rb in summary["rollbacks"]}
-    # the lock went with the run: the next backup runs
-    again = json.loads(upr("backup", node.uri, "--repo", str(repo), "--no-progress",
-                           "--json").stdout)  # fmt: skip
+    again = json.loads(upr(*backup).stdout)  # the lock went with the run: the next one runs
     if _mid_stream(err, point):
         # the first backup holds writes the crash took back: every partition rolled back
         # in the run (or its follow-up), and the next one has nothing to roll back
@@ -153,13 +161,8 @@ def _tail_through_a_crash(node_factory: type[Node], tmp_path: Path,
                           point: tuple[float, int]) -> None:  # fmt: skip
     node = _prepare(node_factory)
     state = tmp_path / "tail.json"
-    tail = ["tail", node.uri, "--until-end", "--format", "json", "-v", "--state", str(state)]
-    first = upr(*tail).stdout  # its saved positions hold unpersisted writes
-    _more(node, seed=3, ops=point[1])
-    code, took, err = _crash_during(node, point[0], *tail, stdout=tmp_path / "out")
-    assert code == 0, err[-3000:]
-    assert took < ENDS_WITHIN, took
-    crashed = (tmp_path / "out").read_text()
+    tail = ("tail", node.uri, "--until-end", "--format", "json", "-v", "--state", str(state))
+    first, crashed, err = _rerun_through_a_crash(node, tmp_path, point, *tail)
     if _mid_stream(err, point):
         rows = [json.loads(line) for line in crashed.splitlines()]
         assert any(row.get("event") == "rollback" for row in rows)  # the rollbacks show
@@ -174,17 +177,13 @@ def _replay_through_a_crash(node_factory: type[Node], tmp_path: Path,
                             point: tuple[float, int]) -> None:  # fmt: skip
     node = _prepare(node_factory)
     db = tmp_path / "r.db"
-    upr("replay", node.uri, "--into", str(db), "--no-progress")  # holds unpersisted writes
-    _more(node, seed=3, ops=point[1])
-    code, took, err = _crash_during(node, point[0], "replay", node.uri, "--into", str(db),
-                                    "--no-progress", "--json", stdout=tmp_path / "out")  # fmt: skip
-    assert code == 0, err[-3000:]
-    assert took < ENDS_WITHIN, took
-    stats = json.loads((tmp_path / "out").read_text())
+    replay = ("replay", node.uri, "--into", str(db), "--no-progress", "--json")
+    _, out, err = _rerun_through_a_crash(node, tmp_path, point, *replay)
+    stats = json.loads(out)
     if _mid_stream(err, point):
         assert stats["rollbacks"] and "rolled back from seq" in err  # undone, and printed
     # a rerun rolls back the partitions whose streams had ended before the crash
-    upr("replay", node.uri, "--into", str(db), "--no-progress")
+    upr(*replay)
     assert store_rows(db) == node_rows(node.uri)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,21 +13,14 @@ import pytest
 
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import docs
-from tests.repo.repo_helpers import BUCKET, LOG, bid
+from tests.repo.repo_helpers import commit_backup
 from upr_cli.jobs.restore import RestoreSummary, restore_to_node
 from upr_cli.net.bootstrap import partition_of
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
-from upr_cli.repo import (
-    Manifest,
-    PartitionEntry,
-    Repository,
-    SegmentEntry,
-    Totals,
-    format_segment_name,
-)
-from upr_cli.segments import SegmentHeader, SegmentReader, SegmentWriter
+from upr_cli.repo import Repository
+from upr_cli.segments import SegmentReader
 from upr_cli.store import Store
 
 PARTS = 4  # few partitions, a few hundred documents: the restore reads the last one last
@@ -39,24 +31,11 @@ def write_repo(path: Path, rows: list[DcpRecord]) -> Path:
     one full backup of `rows`, each in the partition its key hashes to over PARTS."""
     repo = Repository(path)
     repo.init()
-    b = bid(0)
-    d = repo.new_backup_dir(BUCKET, b)
-    entries = []
+    parts = {}
     for p in range(PARTS):
         mine = [r for r in rows if partition_of(bytes(r.key), PARTS) == p]
-        mine = [r._replace(vbucket=p, by_seqno=seq) for seq, r in enumerate(mine, 1)]
-        high = len(mine)
-        hdr = SegmentHeader(BUCKET, p, LOG, 0, high, ((0, high),),
-                            "2026-11-26T00:00:00.000000Z", "upr://h/default", 128)  # fmt: skip
-        w = SegmentWriter(d / f"p{p}.open", hdr)
-        w.add(mine)
-        name = format_segment_name(p, 1, high)
-        i = w.finish(path=d / name)
-        seg = SegmentEntry(name, i.first_seq, i.last_seq, i.records, i.bytes, i.checksum)
-        entries.append(PartitionEntry(p, 0xBEEF, LOG, 0, high, high, high, (seg,)))
-    repo.write_manifest(Manifest(b, BUCKET, "upr://h/default", b.time,
-                                 b.time + timedelta(seconds=1), True, None, tuple(entries),
-                                 Totals.derive(entries, 1)))  # fmt: skip
+        parts[p] = [r._replace(vbucket=p, by_seqno=seq) for seq, r in enumerate(mine, 1)]
+    commit_backup(repo, 0, parts)
     return path
 
 

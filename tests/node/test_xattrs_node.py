@@ -12,6 +12,7 @@ import json
 import struct
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -332,15 +333,20 @@ def test_the_open_flags_and_controls_of_xattrs(tmp_path: Path) -> None:
 # -- the front end --------------------------------------------------------------------
 
 
+async def _request(node: InProcessNode, features: tuple[int, ...], msg: Any) -> Any:
+    """Send `msg` on a new connection that negotiated `features`; its reply, whatever the
+    status."""
+    s = await connect(node.uri, features=features)
+    try:
+        return await s.conn.request(replace(msg, key=s.qualify(msg.key)), check=False)
+    finally:
+        await s.conn.aclose()
+
+
 def test_the_front_end_takes_xattrs_only_with_meta_and_only_after_hello(tmp_path: Path) -> None:
     node = InProcessNode(tmp_path, partitions=1)
 
-    async def request(features: tuple[int, ...], msg: Any) -> Any:
-        s = await connect(node.uri, features=features)
-        try:
-            return await s.conn.request(replace(msg, key=s.qualify(msg.key)), check=False)
-        finally:
-            await s.conn.aclose()
+    request = partial(_request, node)
 
     async def scenario() -> None:
         async with nodes(node):
@@ -376,12 +382,7 @@ def test_an_xattr_value_that_is_not_json_is_refused_as_kv_engine_does(tmp_path: 
     odd = xattrs.encode([("_sync", b'{"rev":"1-a"}'), ("app", b"not json")])
     nan = xattrs.encode([("app", b"NaN")])  # Python's json takes it; JSON does not
 
-    async def request(msg: Any) -> Any:
-        s = await connect(node.uri, features=(*WANTED, Feature.XATTR, Feature.SNAPPY))
-        try:
-            return await s.conn.request(replace(msg, key=s.qualify(msg.key)), check=False)
-        finally:
-            await s.conn.aclose()
+    request = partial(_request, node, (*WANTED, Feature.XATTR, Feature.SNAPPY))
 
     async def scenario() -> None:
         async with nodes(node):

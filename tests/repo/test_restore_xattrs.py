@@ -1,18 +1,17 @@
 """Xattrs through a repository: the state a restore reads keeps each record's xattrs, the
 latest version's, and `keep_xattrs` leaves system or all xattrs out, counted.
 
-Repositories are built with the library (real segment files and manifests, as in
-test_repo_integrity.py); the restore runs as a dry run into a SQLite path, which reads
+Repositories are built with the library (real segment files and manifests:
+`repo_helpers.commit_backup`); the restore runs as a dry run into a SQLite path, which reads
 and counts everything and writes nothing (the store's own xattrs are its tests')."""
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from tests.repo.repo_helpers import BUCKET, LOG, bid
+from tests.repo.repo_helpers import BUCKET, commit_backup
 from upr_cli.jobs.restore import (
     KeepXattrs,
     RestoreSummary,
@@ -24,15 +23,7 @@ from upr_cli.jobs.restore import (
 from upr_cli.jobs.restore_plan import RestorePlanError
 from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
-from upr_cli.repo import (
-    Manifest,
-    PartitionEntry,
-    Repository,
-    SegmentEntry,
-    Totals,
-    format_segment_name,
-)
-from upr_cli.segments import SegmentHeader, SegmentWriter
+from upr_cli.repo import Manifest, Repository
 
 SYNC = xattrs.encode([("_sync", '{"rev":"1-a"}')])
 BOTH = xattrs.encode([("_sync", '{"rev":"2-b"}'), ("app", '{"v":2}')])
@@ -47,36 +38,17 @@ def _row(seq: int, key: bytes, blob: bytes = b"", deleted: bool = False) -> DcpR
                      0, blob)  # fmt: skip
 
 
-def _backup(repo: Repository, n: int, start: int, rows: list[DcpRecord]) -> Manifest:
-    """Commit backup `n` of partition 0 holding `rows` (seqs above `start`)."""
-    b, parent = bid(n), bid(n - 1) if n else None
-    d = repo.new_backup_dir(BUCKET, b)
-    high = rows[-1].by_seqno
-    hdr = SegmentHeader(BUCKET, 0, LOG, start, high, ((start, high),),
-                        "2026-11-26T00:00:00.000000Z", "upr://h/b", 128)  # fmt: skip
-    w = SegmentWriter(d / "p0.open", hdr)
-    w.add(rows)
-    name = format_segment_name(0, rows[0].by_seqno, high)
-    i = w.finish(path=d / name)
-    seg = SegmentEntry(name, i.first_seq, i.last_seq, i.records, i.bytes, i.checksum)
-    entries = [PartitionEntry(0, 0xBEEF, LOG, start, high, high, high, (seg,))]
-    m = Manifest(b, BUCKET, "upr://h/default", b.time, b.time + timedelta(seconds=1),
-                 parent is None, parent, tuple(entries), Totals.derive(entries, 1))  # fmt: skip
-    repo.write_manifest(m)
-    return m
-
-
 @pytest.fixture
 def repo(tmp_path: Path) -> tuple[Repository, list[Manifest]]:
     """A full backup and an incremental one: documents gaining, changing and losing
     xattrs, a tombstone keeping its system xattrs, a plain one."""
     r = Repository(tmp_path / "repo")
     r.init()
-    full = _backup(r, 0, 0, [_row(1, b"a", SYNC), _row(2, b"b", BOTH), _row(3, b"c"),
-                             _row(4, b"d", USER), _row(5, b"e", SYNC)])  # fmt: skip
-    incr = _backup(r, 1, 5, [_row(6, b"a", BOTH), _row(7, b"b"), _row(8, b"c", TOMB, True),
-                             _row(9, b"e", b"", True)])  # fmt: skip
-    return r, [full, incr]
+    full = [_row(1, b"a", SYNC), _row(2, b"b", BOTH), _row(3, b"c"), _row(4, b"d", USER),
+            _row(5, b"e", SYNC)]  # fmt: skip
+    incr = [_row(6, b"a", BOTH), _row(7, b"b"), _row(8, b"c", TOMB, True),
+            _row(9, b"e", b"", True)]  # fmt: skip
+    return r, [commit_backup(r, 0, {0: full}), commit_backup(r, 1, {0: incr}, start=5)]
 
 
 def test_the_state_keeps_each_latest_versions_xattrs(

@@ -8,24 +8,23 @@ flock when its holder dies, however it dies, so a SIGKILLed node never blocks it
 restart, and the flock alone decides who holds the directory: a lock file left by a
 dead process, or written on another host, is taken over without a question.
 
-The file's content (pid, host name and start time, as JSON) only names the holder in
-the refusal. The file is never removed: unlinking it would let a node that opened the
-old file and a node that created a new one hold flocks on two files for one path.
+The file's content (pid, host name and start time, as JSON: `upr_cli/lockholder.py`)
+only names the holder in the refusal. The file is never removed: unlinking it would let
+a node that opened the old file and a node that created a new one hold flocks on two
+files for one path.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
-import socket
 import time
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 from upr_cli.errors import UprError, os_error
+from upr_cli.lockholder import LockHolder
 
 LOCK_FILE = "node.lock"
 _READ_WAIT = 0.5  # seconds to wait for a holder that has the flock but not yet its content
@@ -40,38 +39,6 @@ class DataDirLocked(UprError):
         self.hostname = hostname
 
 
-@dataclass(frozen=True, slots=True)
-class Holder:
-    """Who holds the lock: pid, host name and when it started."""
-
-    pid: int
-    hostname: str
-    started: str  # RFC 3339 UTC, as written
-
-    def to_bytes(self) -> bytes:
-        """The lock file's content."""
-        obj = {"pid": self.pid, "hostname": self.hostname, "started": self.started}
-        return (json.dumps(obj) + "\n").encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> Holder | None:
-        """Parse a lock file's content; None when it is empty or malformed."""
-        try:
-            obj = json.loads(data.decode("utf-8"))
-            pid, host, started = obj["pid"], obj["hostname"], obj["started"]
-        except (ValueError, KeyError, TypeError):
-            return None
-        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-            return None
-        if not isinstance(host, str) or not host or not isinstance(started, str):
-            return None
-        return cls(pid, host, started)
-
-    def describe(self) -> str:
-        """`pid N on host H since T`."""
-        return f"pid {self.pid} on host {self.hostname} since {self.started}"
-
-
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -82,7 +49,7 @@ class DataDirLock:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.path = data_dir / LOCK_FILE
-        self.holder: Holder | None = None
+        self.holder: LockHolder | None = None
         self._fd: int | None = None
 
     @property
@@ -90,7 +57,7 @@ class DataDirLock:
         """True while this object holds the lock."""
         return self._fd is not None
 
-    def acquire(self) -> Holder:
+    def acquire(self) -> LockHolder:
         """Take the lock or raise `DataDirLocked` naming the holder; the directory exists."""
         if self._fd is not None:
             raise UprError(f"{self.path}: this lock object already holds the lock")
@@ -105,7 +72,7 @@ class DataDirLock:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise os_error(exc, self.path, "cannot lock the data directory") from None
                 raise self._locked(fd) from None
-            me = Holder(os.getpid(), socket.gethostname(), _now())
+            me = LockHolder.me(_now())
             data = me.to_bytes()
             os.ftruncate(fd, 0)
             os.pwrite(fd, data, 0)
@@ -119,10 +86,10 @@ class DataDirLock:
         """The refusal, naming the holder once it has written the file (it does so right
         after taking the flock: wait a moment for it)."""
         deadline = time.monotonic() + _READ_WAIT
-        holder = Holder.from_bytes(os.pread(fd, 4096, 0))
+        holder = LockHolder.from_bytes(os.pread(fd, 4096, 0))
         while holder is None and time.monotonic() < deadline:
             time.sleep(0.01)
-            holder = Holder.from_bytes(os.pread(fd, 4096, 0))
+            holder = LockHolder.from_bytes(os.pread(fd, 4096, 0))
         who = holder.describe() if holder else "another process (it has not written its name)"
         return DataDirLocked(
             f"{self.data_dir}: data directory is locked by {who}",

@@ -7,6 +7,7 @@ formats/repository.md §8.
 """
 
 from upr_cli.fsio import FileOps, atomic_write
+from upr_cli.lockholder import LockHolder
 from upr_cli.repo.chain import (
     NO_CUT,
     ParentMismatch,
@@ -35,7 +36,7 @@ from upr_cli.repo.layout import (
     altered_twin,
     load_manifest_file,
 )
-from upr_cli.repo.lock import LockHolder, RepositoryLock
+from upr_cli.repo.lock import RepositoryLock
 from upr_cli.repo.manifest import (
     CutBack,
     Manifest,

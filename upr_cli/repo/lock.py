@@ -2,9 +2,9 @@
 
 Theory of operation (formats/repository.md "Lock"): the lock is the file
 `<repo>/<bucket>/lock`, created with `O_CREAT|O_EXCL`, holding the holder's pid, host
-name and start time as JSON, and held with `fcntl.flock(LOCK_EX)` for as long as the
-holder runs. The flock is what makes the lock exclusive: the kernel drops it when the
-holder dies, whatever way it dies, so
+name and start time as JSON (`upr_cli/lockholder.py`), and held with
+`fcntl.flock(LOCK_EX)` for as long as the holder runs. The flock is what makes the lock
+exclusive: the kernel drops it when the holder dies, whatever way it dies, so
 
 * flock refused → a live holder: `RepositoryLocked` with its pid (this includes a
   second acquire in the same process, since flock locks belong to open files);
@@ -28,18 +28,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from upr_cli.lockholder import LockHolder
 from upr_cli.repo.errors import RepositoryError, RepositoryLocked
 from upr_cli.repo.names import format_time, parse_time
 
@@ -50,37 +49,6 @@ FRESH_SECONDS = 10.0
 """A lock file younger than this with no readable content is being written, not stale."""
 _ATTEMPTS = 20
 _log = logging.getLogger("upr.repo.lock")
-
-
-@dataclass(frozen=True, slots=True)
-class LockHolder:
-    """Who holds (or held) a lock: pid, host name and when it started."""
-
-    pid: int
-    hostname: str
-    started: datetime
-
-    def to_json(self) -> dict[str, object]:
-        """The lock file's JSON object."""
-        return {"pid": self.pid, "hostname": self.hostname, "started": format_time(self.started)}
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> LockHolder | None:
-        """Parse a lock file's content; None when it is empty or malformed."""
-        try:
-            obj = json.loads(data.decode("utf-8"))
-            pid, host = obj["pid"], obj["hostname"]
-            if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-                return None
-            if not isinstance(host, str) or not host:
-                return None
-            return cls(pid, host, parse_time(obj["started"]))
-        except (ValueError, KeyError, TypeError, RepositoryError):
-            return None
-
-    def describe(self) -> str:
-        """`pid N on host H since T`."""
-        return f"pid {self.pid} on host {self.hostname} since {format_time(self.started)}"
 
 
 def pid_alive(pid: int) -> bool:
@@ -103,6 +71,18 @@ def _read(fd: int) -> bytes:
             return b"".join(chunks)
         chunks.append(chunk)
         offset += len(chunk)
+
+
+def _holder(fd: int) -> LockHolder | None:
+    """The holder a lock file names; None when it is empty or malformed, a `started` not
+    in the form of formats/repository.md §2.5 included."""
+    holder = LockHolder.from_bytes(_read(fd))
+    if holder is not None:
+        try:
+            parse_time(holder.started)
+        except RepositoryError:
+            return None
+    return holder
 
 
 class RepositoryLock:
@@ -149,8 +129,7 @@ class RepositoryLock:
                 continue
             try:
                 if not self._flock(fd, wait=created):
-                    holder = LockHolder.from_bytes(_read(fd))
-                    raise self._locked(holder)
+                    raise self._locked(_holder(fd))
                 if not self._same_file(fd):
                     os.close(fd)
                     continue  # released (unlinked) meanwhile: start again
@@ -161,8 +140,8 @@ class RepositoryLock:
                     if time.monotonic() < deadline:
                         attempts -= 1  # wait until it is written, or old enough to be stale
                     continue  # a holder still writing its lock file (or one that died so)
-                me = LockHolder(os.getpid(), socket.gethostname(), datetime.now(UTC))
-                data = (json.dumps(me.to_json()) + "\n").encode()
+                me = LockHolder.me(format_time(datetime.now(UTC)))
+                data = me.to_bytes()
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, data, 0)
                 os.fsync(fd)
@@ -218,7 +197,7 @@ class RepositoryLock:
 
     def _may_take_over(self, fd: int) -> bool:
         """An existing lock file whose flock we got: decide stale (True) or busy."""
-        holder = LockHolder.from_bytes(_read(fd))
+        holder = _holder(fd)
         if holder is None:
             age = time.time() - os.fstat(fd).st_mtime
             if age < FRESH_SECONDS:
