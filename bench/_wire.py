@@ -6,8 +6,8 @@ Snappy or without, measured at the client.
   ports as its data ports (`kv` and `kvSSL`), so the client reaches every partition
   through it. It forwards raw bytes: a TLS link is counted with its TLS records.
 * `python bench/_wire.py one-backup URI REPO [--no-snappy] [--cacert CA]` runs one full
-  backup in a process of its own, with Snappy offered or not (`stream_to_segments`'
-  `snappy`: `upr backup` always offers it), and prints its summary as JSON.
+  backup in a process of its own, with Snappy forced (`--wire-compression force`) or not
+  negotiated (`off`), and prints its summary as JSON.
 """
 
 from __future__ import annotations
@@ -119,13 +119,14 @@ def one_backup(uri: str, repo: Path, *, snappy: bool, cacert: str | None) -> Non
     from upr_cli.net.uri import SourceUri
 
     source = SourceUri.parse(uri).with_tls(ClientTls(cafile=cacert))
-    streamer = functools.partial(stream_to_segments, snappy=snappy)
-    summary = asyncio.run(backup(source, repo, full=True, streamer=streamer))
+    streamer = functools.partial(stream_to_segments)
+    mode = "force" if snappy else "off"
+    summary = asyncio.run(backup(source, repo, full=True, streamer=streamer, compression=mode))
     print(json.dumps(summary.to_json()))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="one full backup, Snappy offered or not")
+    ap = argparse.ArgumentParser(description="one full backup, Snappy forced or not negotiated")
     ap.add_argument("command", choices=["one-backup"])
     ap.add_argument("uri")
     ap.add_argument("repo", type=Path)

@@ -1,8 +1,8 @@
 """The consumer's side of Snappy (formats/wire.md "Snappy"), against a scripted server:
-it offers Snappy in HELLO, asks `force_value_compression` only where Snappy was granted
-(and carries on when refused), and inflates every compressed value once, so its callers
-see plain values with the Snappy bit clear. A value that does not inflate is a typed
-error naming the key."""
+it offers Snappy in HELLO unless compression is "off", asks `force_value_compression`
+only with "force" and where Snappy was granted (and carries on when refused), and
+inflates every compressed value once, so its callers see plain values with the Snappy
+bit clear. A value that does not inflate is a typed error naming the key."""
 
 from __future__ import annotations
 
@@ -161,7 +161,8 @@ def test_values_arrive_inflated_and_force_compression_is_asked(force_ok: bool) -
     node = SnappyNode(_script(snappy.deflate(DOC)), force_ok=force_ok)
 
     async def scenario() -> list[DcpRecord]:
-        async with serving(node), DcpConsumer(node.uri, until_end=True) as consumer:
+        async with serving(node), DcpConsumer(node.uri, until_end=True,
+                                              compression="force") as consumer:  # fmt: skip
             return await drain(consumer)
 
     assert _seen(run(scenario())) == INFLATED
@@ -169,12 +170,26 @@ def test_values_arrive_inflated_and_force_compression_is_asked(force_ok: bool) -
     assert node.controls["force_value_compression"] == "true"
 
 
+def test_by_default_snappy_is_offered_but_not_forced() -> None:
+    # "auto": a value the server holds compressed still comes compressed and is inflated
+    node = SnappyNode(_script(snappy.deflate(DOC)))
+
+    async def scenario() -> list[DcpRecord]:
+        async with serving(node), DcpConsumer(node.uri, until_end=True) as consumer:
+            return await drain(consumer)
+
+    assert _seen(run(scenario())) == INFLATED
+    assert Feature.SNAPPY in node.offered
+    assert "force_value_compression" not in node.controls
+
+
 def test_no_force_compression_where_snappy_was_not_granted() -> None:
     # a server without Snappy sends plain values; the consumer asks nothing more
     node = SnappyNode(_script(DOC)[:1] + _script(DOC)[2:], grant=False)
 
     async def scenario() -> list[DcpRecord]:
-        async with serving(node), DcpConsumer(node.uri, until_end=True) as consumer:
+        async with serving(node), DcpConsumer(node.uri, until_end=True,
+                                              compression="force") as consumer:  # fmt: skip
             return await drain(consumer)
 
     assert _seen(run(scenario())) == INFLATED[1:]
@@ -186,7 +201,7 @@ def test_snappy_can_be_left_out_of_hello() -> None:
     node = SnappyNode(_script(DOC)[:1] + _script(DOC)[2:])
 
     async def scenario() -> None:
-        async with serving(node), DcpConsumer(node.uri, until_end=True, snappy=False) as c:
+        async with serving(node), DcpConsumer(node.uri, until_end=True, compression="off") as c:
             await drain(c)
 
     run(scenario())

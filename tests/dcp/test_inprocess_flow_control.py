@@ -43,7 +43,7 @@ def test_a_small_window_is_acknowledged_and_never_overrun(
             got = Received()
             # plain values: compressed, the padded documents would fill too few windows
             async with DcpConsumer(node.uri, until_end=True, buffer_size=WINDOW,
-                                   noop_interval=0.5, snappy=False) as consumer:  # fmt: skip
+                                   noop_interval=0.5, compression="off") as consumer:  # fmt: skip
                 await consume_until(consumer, got, lambda g: consumer.finished)
             return got
 

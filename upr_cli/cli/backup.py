@@ -16,6 +16,7 @@ from upr_cli.cli.options import (
     CaCert,
     ClientCert,
     ClientKey,
+    Compression,
     JsonOutput,
     NodeUri,
     NoProgress,
@@ -151,6 +152,7 @@ def backup_cmd(
     include_data: IncludeData = None,
     exclude_data: ExcludeData = None,
     wait: Wait = 120.0,
+    compression: Compression = "auto",
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -196,6 +198,7 @@ def backup_cmd(
                     exclude=exclude,
                     wait=wait,
                     on_notice=notice,
+                    compression=compression,
                 )
             )
         finally:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import typer
 
+from upr_cli.dcp.consumer import WIRE_COMPRESSION, WireCompression
 from upr_cli.errors import ExitCode, UprError, UsageError, check_file_path, is_network_error
 from upr_cli.source import parse_source
 
@@ -89,6 +90,26 @@ Wait = Annotated[
                  help="How long a node that is down is waited for (it may restart or fail "
                  "over) before the command fails: seconds (default 120), 0 for no waiting, "
                  "or forever."),
+]  # fmt: skip
+
+
+def wire_compression(value: str) -> WireCompression:
+    """`--wire-compression`: auto, force or off (formats/wire.md "Snappy")."""
+    text = value.strip().lower()
+    for mode in WIRE_COMPRESSION:
+        if text == mode:
+            return mode
+    raise typer.BadParameter(f"{value!r}: takes auto, force or off")
+
+
+# Snappy on every DCP link a command opens (formats/wire.md "Snappy").
+Compression = Annotated[
+    WireCompression,
+    typer.Option("--wire-compression", metavar="auto|force|off", parser=wire_compression,
+                 show_default=False,
+                 help="Snappy on the DCP links: auto (default: negotiated, values travel "
+                 "as the node stores them), force (the node compresses every value: for a "
+                 "slow link) or off (never negotiated: values travel plain)."),
 ]  # fmt: skip
 
 

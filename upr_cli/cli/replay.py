@@ -15,6 +15,7 @@ from upr_cli.cli.options import (
     CaCert,
     ClientCert,
     ClientKey,
+    Compression,
     JsonOutput,
     NoProgress,
     NoVerify,
@@ -147,6 +148,7 @@ def replay_cmd(
         ),
     ] = None,
     wait: Wait = 120.0,
+    compression: Compression = "auto",
     bucket: Bucket = None,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
@@ -200,6 +202,7 @@ def replay_cmd(
                     on_event=event,
                     wait=wait,
                     on_notice=notice,
+                    compression=compression,
                 )
             )
     if stats.interrupted and not follow:

@@ -15,6 +15,7 @@ from upr_cli.cli.options import (
     CaCert,
     ClientCert,
     ClientKey,
+    Compression,
     JsonOutput,
     NoVerify,
     Partitions,
@@ -133,6 +134,7 @@ def salvage_cmd(
     show_all: AllRows = False,
     json_out: JsonOutput = False,
     wait: Wait = 120.0,
+    compression: Compression = "auto",
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -146,15 +148,15 @@ def salvage_cmd(
     with one_is_an_answer():  # 1 means "lost writes remain": a failure exits 2
         if repo is not None:
             report = salvage_repo(repo, target, bucket=bucket, apply=apply, partitions=parts,
-                                  wait=wait, on_notice=notice)  # fmt: skip
+                                  wait=wait, on_notice=notice, compression=compression)  # fmt: skip
         elif node_data is not None:
             report = salvage_node_data(node_data, target, bucket=bucket or "default",
                                        apply=apply, partitions=parts, wait=wait,
-                                       on_notice=notice)  # fmt: skip
+                                       on_notice=notice, compression=compression)  # fmt: skip
         else:
             assert store is not None
             report = salvage_store(store, target, apply=apply, partitions=parts, wait=wait,
-                                   on_notice=notice)  # fmt: skip
+                                   on_notice=notice, compression=compression)  # fmt: skip
     counts = report.counts
     bad = counts.get("conflict", 0) + counts.get("error", 0)
     code = 1 if bad or (not apply and counts.get("would-write", 0)) else 0

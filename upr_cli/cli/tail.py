@@ -15,6 +15,7 @@ from upr_cli.cli.options import (
     CaCert,
     ClientCert,
     ClientKey,
+    Compression,
     Keys,
     NodeUri,
     NoVerify,
@@ -135,6 +136,7 @@ def tail_cmd(
         ),
     ] = None,
     wait: Wait = 120.0,
+    compression: Compression = "auto",
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -146,6 +148,7 @@ def tail_cmd(
     opts = TailOptions(
         start=start, until_end=until_end, count=count, partitions=selected(partitions),
         keys=key_pattern(keys), fmt=fmt, verbose=verbose, state=state, wait=wait,
+        compression=compression,
         collections=parse_paths(collections) or None,
     )  # fmt: skip
     source = tls_source(SourceUri.parse(uri), cacert, no_verify, cert, key)

@@ -51,9 +51,12 @@ which counts as ended. A caller resuming a filter passes the ids it followed
 unfiltered up to its high seq at open, keeping what it follows, so that their drops
 reach the caller (docs/protocol.md §12.4, "Resuming a filter across drops").
 
-Snappy (formats/wire.md "Snappy"). Every link offers it in HELLO (unless `snappy` is
-False) and, where it is granted, asks for `force_value_compression`; a server that
-refuses that control still sends what it holds compressed as it is. A compressed value
+Snappy (formats/wire.md "Snappy"), as `compression` says (the commands'
+`--wire-compression`): "auto" offers it in HELLO, so a value the server stores compressed
+may travel as it is and the rest travel plain; "force" also asks, where it is granted,
+for `force_value_compression` (every value compressed: for a slow link; a server that
+refuses that control still sends what it holds compressed as it is); "off" does not
+offer it, so the server inflates every value before sending it. A compressed value
 is inflated here, once, as its record is decoded, so every caller (backup, tail, replay,
 a replica) sees plain values with the Snappy bit clear; a value that does not inflate
 raises `CorruptValueError` naming its key.
@@ -71,7 +74,7 @@ import struct
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from upr_cli.collections import (
     DEFAULT,
@@ -136,6 +139,10 @@ OPEN_PRODUCER = 0x01
 # document's xattrs, and a deletion keeps its user xattrs where the server still has them
 OPEN_XATTRS = 0x04 | 0x100
 _CODED = snappy.SNAPPY | xattrs.XATTR
+# --wire-compression (formats/wire.md "Snappy"): negotiate Snappy without forcing it,
+# force every value compressed (a slow link), or not negotiate it
+WireCompression = Literal["auto", "force", "off"]
+WIRE_COMPRESSION: tuple[WireCompression, ...] = ("auto", "force", "off")
 FLAG_FROM_LATEST = 0x40
 # docs/protocol.md §2.2 ActiveVbOnly: a client wants the history of the active copy; a
 # replica copy (possibly behind, possibly on another branch) is refused with NOT_MY_VBUCKET.
@@ -334,14 +341,17 @@ class DcpConsumer:
         name: str = "upr",
         collections: list[Path] | None = None,
         followed_ids: Mapping[int, Iterable[int]] | Iterable[int] | None = None,
-        snappy: bool = True,
+        compression: WireCompression = "auto",
         with_xattrs: bool = True,
         on_notice: Callable[[str], None] | None = None,
     ) -> None:
         self.uri = uri
-        # offer HELLO Snappy (values travel compressed and are inflated here) and XATTR
+        # offer HELLO Snappy (compressed values are inflated here) unless "off", and XATTR
         # (each record's xattrs are split off into `DcpRecord.xattrs`)
-        extra = (Feature.SNAPPY,) if snappy else ()
+        if compression not in WIRE_COMPRESSION:
+            raise ValueError(f"compression {compression!r}: one of {', '.join(WIRE_COMPRESSION)}")
+        self.compression = compression
+        extra = () if compression == "off" else (Feature.SNAPPY,)
         self._features = (*WANTED, *extra, *((Feature.XATTR,) if with_xattrs else ()))
         self._want = None if partitions is None else sorted(set(partitions))
         self._start = dict(positions or {})
@@ -635,7 +645,7 @@ class DcpConsumer:
                         ("set_noop_interval", f"{self.noop_interval:g}")]  # fmt: skip
             for key, value in controls:
                 await conn.request(Control(name=key, value=value, opaque=conn.next_opaque()))
-            if Feature.SNAPPY in session.features:
+            if self.compression == "force" and Feature.SNAPPY in session.features:
                 # every value compressed on the wire; where refused (EINVAL), values
                 # the server stores compressed still come compressed, the rest plain
                 await conn.request(

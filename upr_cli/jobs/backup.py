@@ -45,6 +45,7 @@ from upr_cli.cluster.collections import fetch_manifest
 from upr_cli.collections import CollectionsError, ManifestChange
 from upr_cli.collections import Manifest as Collections
 from upr_cli.collections import Path as CollectionPath
+from upr_cli.dcp.consumer import WireCompression
 from upr_cli.dcp.states import partition_states
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, ImpossibleHistory, needs_rollback, rollback_point
@@ -213,6 +214,7 @@ async def backup(
     exclude: Sequence[CollectionPath] = (),
     wait: float = 120.0,
     on_notice: Callable[[str], None] | None = None,
+    compression: WireCompression = "auto",
 ) -> BackupSummary:
     """Run one backup of `uri`'s bucket into the repository; returns its summary.
 
@@ -234,13 +236,14 @@ async def backup(
     A node lost while streaming is reconnected for up to `wait` seconds (`math.inf`: for
     ever; `on_notice` hears when the link is lost and when it is back); one that
     restarted from a crash ends each stream at its new branch's high seq, the rollback
-    recorded as after a failover (docs/protocol.md §4.5).
+    recorded as after a failover (docs/protocol.md §4.5). `compression` is the links'
+    Snappy (`--wire-compression`, formats/wire.md "Snappy").
     """
     chosen = collection_filter(include, exclude)
     first = await _backup_once(uri, repo_dir, full=full, partitions=partitions,
                                on_progress=on_progress, on_warning=on_warning,
                                streamer=streamer, chosen=chosen, wait=wait,
-                               on_notice=on_notice)  # fmt: skip
+                               on_notice=on_notice, compression=compression)  # fmt: skip
     summary = first
     for _ in range(FOLLOW_UPS):
         try:
@@ -261,7 +264,7 @@ async def backup(
         summary = await _backup_once(uri, repo_dir, partitions=overtaken,
                                      on_progress=on_progress, on_warning=on_warning,
                                      streamer=streamer, chosen=chosen, wait=wait,
-                                     on_notice=on_notice)  # fmt: skip
+                                     on_notice=on_notice, compression=compression)  # fmt: skip
         first.follow_ups.append(summary.backup_id)
         first.rollbacks += summary.rollbacks
         first.warnings += summary.warnings
@@ -307,6 +310,7 @@ async def _backup_once(
     chosen: CollectionFilter | None = None,
     wait: float = 120.0,
     on_notice: Callable[[str], None] | None = None,
+    compression: WireCompression = "auto",
 ) -> BackupSummary:
     """One backup, committed (see `backup`)."""
     if uri.bucket is None:
@@ -328,7 +332,9 @@ async def _backup_once(
             try:
                 run.read_collections(chosen, collections)
                 await run.plan(partitions)
-                results = await run.stream(streamer, on_progress, wait=wait, on_notice=on_notice)
+                results = await run.stream(
+                    streamer, on_progress, wait=wait, on_notice=on_notice, compression=compression
+                )
                 manifest, rollbacks, bytes_read = run.commit(results)
             except BaseException:
                 repo.discard_empty(bucket, run.backup_id, lock)  # no segment: no leftover
@@ -509,6 +515,7 @@ class _BackupRun:
         *,
         wait: float = 120.0,
         on_notice: Callable[[str], None] | None = None,
+        compression: WireCompression = "auto",
     ) -> dict[int, PartitionResult]:
         """Stream the partitions that need it; every partition's result, reused ones too."""
         results: dict[int, PartitionResult] = {}
@@ -532,6 +539,7 @@ class _BackupRun:
                     followed_ids=self.followed,
                     wait=wait,
                     on_notice=on_notice,
+                    compression=compression,
                 )
             )  # fmt: skip
         for p, ru in self.reused.items():

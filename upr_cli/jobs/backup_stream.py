@@ -49,7 +49,7 @@ from pathlib import Path
 
 from upr_cli.collections import ManifestChange
 from upr_cli.collections import Path as CollectionPath
-from upr_cli.dcp.consumer import DcpConsumer
+from upr_cli.dcp.consumer import DcpConsumer, WireCompression
 from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpened
 from upr_cli.dcp.sink import drive
 from upr_cli.errors import UprError
@@ -144,7 +144,7 @@ async def stream_to_segments(
     boundaries: dict[int, list[int]] | None = None,
     collections: list[CollectionPath] | None = None,
     followed_ids: dict[int, set[int]] | None = None,
-    snappy: bool = True,
+    compression: WireCompression = "auto",
     wait: float = 120.0,
     on_notice: Callable[[str], None] | None = None,
 ) -> dict[int, PartitionResult]:
@@ -156,8 +156,8 @@ async def stream_to_segments(
     longer has are streamed too (docs/protocol.md §12.4, "Resuming a filter across
     drops"), where a path of the filter may be gone for good.
 
-    `snappy` offers HELLO Snappy: values travel compressed and are stored inflated, so
-    the segments' ratio is zstd's (formats/wire.md "Snappy"); False is for comparisons.
+    `compression` is the links' Snappy (`--wire-compression`, formats/wire.md "Snappy"):
+    values are stored inflated whatever travelled, so the segments' ratio is zstd's.
 
     `end_seqs` pins the ends instead (a distributed backup pins them once, on the driver,
     so every task stops at the seqs a local run would).
@@ -181,7 +181,7 @@ async def stream_to_segments(
                            until_end=True, end_seqs=end_seqs,
                            buffer_size=buffer_size, name="upr-backup",
                            collections=collections or None,
-                           followed_ids=followed_ids, snappy=snappy, follow_for=wait,
+                           followed_ids=followed_ids, compression=compression, follow_for=wait,
                            on_notice=on_notice)  # fmt: skip
     async with Worker("segments", max_queued=MAX_INFLIGHT) as worker:
         stream = BackupStream(

@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 from upr_cli import interrupt
 from upr_cli.collections import ManifestChange
 from upr_cli.collections import Path as CollectionPath
-from upr_cli.dcp.consumer import DcpConsumer, Item
+from upr_cli.dcp.consumer import DcpConsumer, Item, WireCompression
 from upr_cli.dcp.events import (
     BarrierReached,
     Event,
@@ -280,12 +280,14 @@ async def replay_node(
     on_event: Callable[[str], None] | None = None,
     wait: float = 120.0,
     on_notice: Callable[[str], None] | None = None,
+    compression: WireCompression = "auto",
 ) -> ReplayStats:
     """Replay a live source into the store at `db_path` until caught up (or, with
     `follow`, until cancelled: SIGINT/SIGTERM end the run after a last checkpoint).
     `collections` streams only those (scopes or collections) and every run into the
     store must give the same. A lost node is reconnected for up to `wait` seconds
-    (`math.inf`: for ever; `on_notice` hears when the link is lost and when it is back)."""
+    (`math.inf`: for ever; `on_notice` hears when the link is lost and when it is back).
+    `compression` is the link's Snappy (`--wire-compression`, formats/wire.md "Snappy")."""
     mode = "consistent" if consistent else "snapshot"
     mode += " durable-only" if durable_only else ""
     stats = ReplayStats(uri.redacted(), str(db_path), mode)
@@ -293,7 +295,7 @@ async def replay_node(
         partitions=partitions, follow=follow, consistent=consistent, max_pending=max_pending,
         barrier_interval=barrier_interval, buffer_size=buffer_size, on_progress=on_progress,
         say=on_event or (lambda _m: None), collections=collections or None,
-        wait=wait, notice=on_notice,
+        wait=wait, notice=on_notice, compression=compression,
     )  # fmt: skip
     # the worker keeps young collections rare: rows wait in memory until their commit point
     async with Worker("upr-store", max_queued=_MAX_QUEUED) as worker:
@@ -376,6 +378,7 @@ class _Options:
     durable_wait: float = 5.0  # at the end, how long to wait for the source to persist
     wait: float = 120.0  # how long a lost node is reconnected (math.inf: for ever)
     notice: Callable[[str], None] | None = None  # a link lost, and back
+    compression: WireCompression = "auto"  # --wire-compression
 
 
 class _ReadAhead:
@@ -496,6 +499,7 @@ class ReplaySession:
             until_end=not options.follow, barriers=options.consistent,
             buffer_size=options.buffer_size, name="upr-replay", collections=paths,
             followed_ids=followed, follow_for=options.wait, on_notice=options.notice,
+            compression=options.compression,
         )  # fmt: skip
         return cls(consumer, store, worker, stats, options, durability)
 

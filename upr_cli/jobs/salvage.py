@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from upr_cli.collections import DEFAULT
 from upr_cli.collections import Path as CollectionPath
-from upr_cli.dcp.consumer import DcpConsumer
+from upr_cli.dcp.consumer import DcpConsumer, WireCompression
 from upr_cli.dcp.events import Event, Rollback
 from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.errors import UprError, UsageError
@@ -278,6 +278,7 @@ async def _changed_since(
     *,
     wait: float = 120.0,
     on_notice: Callable[[str], None] | None = None,
+    compression: WireCompression = "auto",
 ) -> tuple[dict[int, dict[tuple[int, bytes], Version]], set[int]]:
     """Per partition, the (collection, key)s the master changed after the cut (newest
     version each);
@@ -294,6 +295,7 @@ async def _changed_since(
         name="upr-salvage",
         follow_for=wait,
         on_notice=on_notice,  # a master that goes away: docs/protocol.md §4.5
+        compression=compression,
     )
     sink = _ChangedSink(consumer, cuts)
     try:
@@ -423,13 +425,15 @@ async def _resolve(
     apply: bool,
     wait: float = 120.0,
     on_notice: Callable[[str], None] | None = None,
+    compression: WireCompression = "auto",
 ) -> None:
     """Decide each item against the master, then (apply) write the safe ones."""
     items = report.items
     cuts: dict[int, int] = {}
     for it in items:
         cuts[it.partition] = min(cuts.get(it.partition, it.cut), it.cut)
-    changed, unknown = (await _changed_since(uri, cuts, logs, wait=wait, on_notice=on_notice)
+    changed, unknown = (await _changed_since(uri, cuts, logs, wait=wait, on_notice=on_notice,
+                                              compression=compression)
                         if cuts else ({}, set()))  # fmt: skip
     safe = judge(items, changed, unknown)
     if apply and safe:
@@ -555,6 +559,7 @@ def salvage_repo(
     partitions: list[int] | None = None,
     wait: float = 120.0,
     on_notice: Callable[[str], None] | None = None,
+    compression: WireCompression = "auto",
 ) -> SalvageReport:
     """Find a repository's lost writes and (apply) write back the safe ones to `target`.
     The master's changes are streamed waiting up to `wait` seconds for it if it goes away
@@ -571,7 +576,7 @@ def salvage_repo(
         logs, highs, n = await _master_logs(target, held)
         items, _ = _repo_items(repo_dir, bucket, logs, highs)
         report.items = [it for it in items if it.partition in set(held)]
-        await _resolve(target, report, logs, n, apply, wait, on_notice)
+        await _resolve(target, report, logs, n, apply, wait, on_notice, compression)
 
     asyncio.run(go())
     return report
@@ -588,6 +593,7 @@ def salvage_store(
     partitions: list[int] | None = None,
     wait: float = 120.0,
     on_notice: Callable[[str], None] | None = None,
+    compression: WireCompression = "auto",
 ) -> SalvageReport:
     """Lost writes a replay store holds (its rollbacks' `lost_writes`, and its documents
     above the rollback point the master would give it now); (apply) write back the safe
@@ -620,7 +626,7 @@ def salvage_store(
             names = {cid: CollectionPath(c.scope or "?", c.name)
                      for cid, c in store.collections().items()}  # fmt: skip
             report.items = _named(_newest(items), names)
-            await _resolve(target, report, logs, n, apply, wait, on_notice)
+            await _resolve(target, report, logs, n, apply, wait, on_notice, compression)
 
         asyncio.run(go())
         if apply:
@@ -639,7 +645,7 @@ def salvage_store(
 def salvage_node_data(
     data_dir: Path, target: SourceUri, *, bucket: str = "default", apply: bool = False,
     partitions: list[int] | None = None, wait: float = 120.0,
-    on_notice: Callable[[str], None] | None = None,
+    on_notice: Callable[[str], None] | None = None, compression: WireCompression = "auto",
 ) -> SalvageReport:  # fmt: skip
     """Lost writes a replica node's rollbacks kept (its `lost_writes` table, read from
     its data directory; the node may be running): the UPR design specification, "Replica C
@@ -665,7 +671,7 @@ def salvage_node_data(
     async def go() -> None:
         logs, _highs, n = await _master_logs(target, sorted({it.partition for it in items}))
         report.items = _newest(items)
-        await _resolve(target, report, logs, n, apply, wait, on_notice)
+        await _resolve(target, report, logs, n, apply, wait, on_notice, compression)
 
     asyncio.run(go())
     return report

@@ -32,7 +32,7 @@ from typing import NamedTuple, TextIO
 
 from upr_cli.collections import DEFAULT, CollectionsError, Manifest, ManifestChange
 from upr_cli.collections import Path as CollectionPath
-from upr_cli.dcp.consumer import DcpConsumer
+from upr_cli.dcp.consumer import DcpConsumer, WireCompression
 from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpened
 from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.errors import UprError, UsageError, check_file_path
@@ -60,7 +60,7 @@ class TailOptions:
     buffer_size: int = 4 * 1024 * 1024
     wait: float = 120.0  # how long a lost node or a partition without an active is waited for
     collections: list[CollectionPath] | None = None  # filtered on the source's side
-    snappy: bool = True  # offer HELLO Snappy (values travel compressed, formats/wire.md)
+    compression: WireCompression = "auto"  # --wire-compression (formats/wire.md "Snappy")
 
 
 @dataclass
@@ -403,7 +403,7 @@ async def tail(
         boundaries=bounds, until_end=opts.until_end,
         from_latest=opts.start == "now", start_seq=start_seq, buffer_size=opts.buffer_size,
         follow_for=opts.wait, on_notice=on_notice, name="upr-tail", collections=opts.collections,
-        followed_ids=followed.ids if followed is not None else None, snappy=opts.snappy,
+        followed_ids=followed.ids if followed is not None else None, compression=opts.compression,
     )  # fmt: skip
     summary = TailSummary()
     sink = _TailSink(consumer, opts, out, summary, on_progress)

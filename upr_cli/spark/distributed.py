@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.collections import Path as CollectionPath
+from upr_cli.dcp.consumer import WireCompression
 from upr_cli.failover import FailoverLog
 from upr_cli.jobs.backup_stream import PartitionResult, stream_to_segments
 from upr_cli.jobs.restore import RestoreSummary, restore_to_node
@@ -51,6 +52,7 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                      collections: list[CollectionPath] | None = None,
                      followed_ids: dict[int, set[int]] | None = None,
                      wait: float = 120.0,
+                     compression: WireCompression = "auto",
                      **_ignored: Any) -> dict[int, PartitionResult]:  # fmt: skip
         logs = failover_logs or {}
         ends = end_seqs or {}
@@ -69,6 +71,7 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                 followed_ids=None if followed_ids is None else
                 {p: followed_ids[p] for p in share if p in followed_ids},
                 wait=wait,  # each task waits for a lost node as the command says (--wait)
+                compression=compression,  # and sets Snappy as it says (--wire-compression)
             ))  # fmt: skip
             return sorted(got.items())
 
