@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import struct
@@ -19,10 +20,27 @@ from tests.e2e.conftest import upr
 from upr_cli.protocol.messages import DcpOpen, SaslAuth, SelectBucket, StreamRequest
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_block(n: int) -> int:
+    """The first of n consecutive loopback ports, all free now, below the kernel's
+    ephemeral range: a port the kernel hands to some other test's bind(0) or connect in
+    the meantime cannot be one of them (a base found with bind(0) failed 1 CI run in 30)."""
+    low, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(max(1024, low - 12000), low - n)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError("no block of free loopback ports")
 
 
 def test_status_names_a_dead_node_and_what_to_do(tmp_path: Path) -> None:
@@ -76,7 +94,7 @@ def test_status_names_a_dead_node_and_what_to_do(tmp_path: Path) -> None:
 
 def test_env_password_argv_and_base_port(tmp_path: Path) -> None:
     data = tmp_path / "cl"
-    base = _free_port() - 2  # n2, added below, lands on the port found free
+    base = _free_block(3)  # n0, n1 and n2 (added below)
     try:
         # --partitions still works (deprecated) and says so
         r = upr("cluster", "init", "--nodes", "2", "--replicas", "1", "--data", str(data),
