@@ -247,6 +247,8 @@ def test_progress_shows_items_rate_and_eta_on_a_terminal(monkeypatch: pytest.Mon
         assert task.fields["rate"] in ("499/s", "500/s") and task.fields["eta"] == "ETA 10s"
         bar.update(5000, total=20_000, started=bar.started - 10)
         assert bar.bar.tasks[0].fields["eta"] == "ETA 30s"  # from the items' total
+        bar.update(5000, nbytes=45_000_000, started=bar.started - 10)
+        assert bar.bar.tasks[0].fields["rate"].split(" ", 1)[1] in ("4.5 MB/s", "4.4 MB/s")
 
 
 def test_progress_prints_nothing_when_hidden(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ import typer
 
 from upr_cli.dcp.consumer import WIRE_COMPRESSION, WireCompression
 from upr_cli.errors import ExitCode, UprError, UsageError, check_file_path, is_network_error
+from upr_cli.memory import MIB, MIN_MEMORY_LIMIT, MemoryLimit, parse_size
 from upr_cli.source import parse_source
 
 if TYPE_CHECKING:
@@ -110,6 +111,29 @@ Compression = Annotated[
                  help="Snappy on the DCP links: auto (default: negotiated, values travel "
                  "as the node stores them), force (the node compresses every value: for a "
                  "slow link) or off (never negotiated: values travel plain)."),
+]  # fmt: skip
+
+
+def memory_limit(value: str | int | MemoryLimit) -> MemoryLimit:
+    """`--memory-limit`: a size (192MB, 1GiB, 65536), at least MIN_MEMORY_LIMIT."""
+    if isinstance(value, MemoryLimit):  # the default, already parsed
+        return value
+    try:
+        n = value if isinstance(value, int) else parse_size(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if n < MIN_MEMORY_LIMIT:
+        raise typer.BadParameter(f"{value!r}: at least {MIN_MEMORY_LIMIT // MIB}MB")
+    return MemoryLimit(n)
+
+
+# The budget for a command's buffers (docs/design.md "Performance").
+MemoryLimitOption = Annotated[
+    MemoryLimit,
+    typer.Option("--memory-limit", metavar="SIZE", parser=memory_limit, show_default=False,
+                 help="The budget for the command's buffers (windows, queues, batches), "
+                 "e.g. 512MB or 1GiB (default 192MB; MB = MiB). A document larger than "
+                 "it still goes through, alone."),
 ]  # fmt: skip
 
 

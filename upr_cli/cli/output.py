@@ -5,8 +5,8 @@ to stdout; progress bars, warnings and "what to do next" hints go to stderr, so 
 or a script gets the answer alone. Tables fit 80 columns: key columns never wrap or
 truncate, long ones fold, and what does not fit is in --json. A list that can run to
 hundreds of rows shows its counts and the first few rows, then "… N more (--all)".
-Every long command shows one kind of progress bar (`Progress`): items, items/s and an
-ETA, on a terminal only.
+Every long command shows one kind of progress bar (`Progress`): items, items/s (and
+bytes/s where the job counts bytes) and an ETA, on a terminal only.
 """
 
 from __future__ import annotations
@@ -176,10 +176,12 @@ class Progress:
         parts: tuple[int, int] | None = None,
         unit: str = "partitions",
         started: float | None = None,
+        nbytes: int | None = None,
     ) -> None:
         """`items` done (of `total` items, when the job knows it), `parts` = (`unit`s
         done, `unit`s in all: partitions, segments), the rate since `started` (default:
-        when the bar began). The ETA comes from the items when their total is known,
+        when the bar began), in bytes/s too when the job counts the `nbytes` (keys and
+        values) it has moved. The ETA comes from the items when their total is known,
         else from the parts. With `done`, the bar follows `done` of `total` (seqs passed,
         of which the items are a part) and the text shows the items alone."""
         elapsed = max(time.monotonic() - (self.started if started is None else started), 1e-6)
@@ -200,9 +202,17 @@ class Progress:
             total=of or None,
             completed=passed,
             where=where,
-            rate=f"{compact(items / elapsed)}/s" if items else "",
+            rate=_rate(items, nbytes, elapsed),
             eta=eta(passed, of, elapsed),
         )
+
+
+def _rate(items: int, nbytes: int | None, elapsed: float) -> str:
+    """`12.3k/s` or `12.3k/s 4.5 MB/s`: items, and bytes when they are counted."""
+    if not items:
+        return ""
+    text = f"{compact(items / elapsed)}/s"
+    return text if nbytes is None else f"{text} {human_bytes(int(nbytes / elapsed))}/s"
 
 
 def _eta_column() -> Any:
