@@ -6,12 +6,13 @@ handed over without a per-record unpack; "force" asks the node to compress every
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from tests.dcp.inprocess import InProcessNode, Received, consume_until, nodes, run
 from upr_cli.dcp import consumer as consumer_module
-from upr_cli.dcp.consumer import DcpConsumer, WireCompression
+from upr_cli.dcp.consumer import DcpConsumer, Item, WireCompression
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import snappy
 from upr_cli.protocol.decoder import DcpRecord
@@ -27,13 +28,13 @@ def _drain(
     that took the unpack path, and the node's view of the link (Snappy granted, a DCP
     producer with Snappy, forced compression)."""
     unpacked: list[int] = []
-    plain = consumer_module.plain_record
+    plain = consumer_module.plain_records
 
-    def spy(it: DcpRecord) -> DcpRecord:
-        unpacked.append(it.datatype)
-        return plain(it)
+    def spy(out: list[Item], where: list[int]) -> None:
+        unpacked.extend(cast(DcpRecord, out[i]).datatype for i in where)
+        plain(out, where)
 
-    monkeypatch.setattr(consumer_module, "plain_record", spy)
+    monkeypatch.setattr(consumer_module, "plain_records", spy)
 
     async def scenario() -> tuple[Received, tuple[bool, bool, bool]]:
         async with nodes(InProcessNode(tmp_path, partitions=1)) as (node,):

@@ -74,6 +74,11 @@ def test_a_corrupt_value_is_a_typed_error_naming_the_key(bad: bytes) -> None:
     assert "'user::42'" in str(err.value) and "corrupt Snappy value" in str(err.value)
     with pytest.raises(CorruptValueError):
         snappy.plain(snappy.SNAPPY, bad or b"\x00\x00", b"k")
+    # in a batch, the same error names the bad value's key, not its neighbours'
+    good = memoryview(snappy.deflate(b"fine" * 10))
+    with pytest.raises(CorruptValueError) as err:
+        snappy.inflate_all([good, bad, good], [b"a", b"user::42", b"c"])
+    assert err.value.key == b"user::42"
 
 
 def test_a_key_with_unprintable_bytes_is_named_escaped() -> None:
@@ -89,6 +94,19 @@ def test_a_declared_length_over_the_limit_is_refused_before_inflating() -> None:
     claim = b"\x80\x80\x80\x80\x08" + b"\x00"
     with pytest.raises(CorruptValueError, match="more than 20971520"):
         snappy.inflate(claim, b"bomb")
+
+
+@given(st.lists(st.binary(max_size=300), max_size=8))
+def test_a_batch_inflates_as_value_by_value(values: list[bytes]) -> None:
+    packed = [memoryview(snappy.deflate(v)) for v in values]
+    assert snappy.inflate_all(packed, [b"k"] * len(packed)) == values
+
+
+def test_a_batch_refuses_a_declared_length_over_the_limit() -> None:
+    packed = [snappy.deflate(b"a" * 10), snappy.deflate(b"a" * 1000)]
+    with pytest.raises(CorruptValueError, match="declares 1000 bytes, more than 999") as err:
+        snappy.inflate_all(packed, [b"small", b"big"], limit=999)
+    assert err.value.key == b"big"
 
 
 @given(st.binary(max_size=64), st.binary(min_size=1, max_size=8))

@@ -4,12 +4,13 @@ received record into body and blob, after inflating (Snappy) where needed."""
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from upr_cli.dcp.consumer import plain_record
+from upr_cli.dcp.consumer import Item, plain_records
 from upr_cli.errors import RemoteProtocolError
 from upr_cli.protocol import FrameDecoder, snappy, xattrs
 from upr_cli.protocol.decoder import DcpRecord
@@ -83,7 +84,9 @@ def _received(packet: bytes) -> DcpRecord:
     decoder.feed(packet)
     [row] = decoder.read_rows()
     assert type(row) is DcpRecord
-    return plain_record(row)
+    out: list[Item] = [row]
+    plain_records(out, [0])
+    return cast(DcpRecord, out[0])
 
 
 @pytest.mark.parametrize("compress", [False, True])

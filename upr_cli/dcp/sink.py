@@ -68,6 +68,11 @@ class SinkBase:
 async def drive(consumer: Batches, sink: Sink) -> None:
     """Feed every batch of `consumer` to `sink` until the streams end or the sink stops."""
     async for batch in consumer.batches():
+        if len(set(map(type, batch))) == 1 and type(batch[0]) is DcpRecord:
+            await sink.records(cast("list[DcpRecord]", batch))  # records alone: most batches
+            if await sink.batch_done():
+                return
+            continue
         start = 0
         for i, item in enumerate(batch):
             if not isinstance(item, DcpRecord):

@@ -136,19 +136,21 @@ def json_line(rec: DcpRecord, names: CollectionNames = _DEFAULT_NAMES) -> str:
     Formatted by hand, not json.dumps: this is tail's hot path. Seqs and the cas are
     decimal strings (docs/output.md §4); scope and collection are names; `xattrs` only
     when the change has some."""
-    jkey = _json_key(rec.key)
-    if rec.opcode != OP_MUTATION:
+    # unpacked at once: a field read by name costs a call each
+    op, vb, seq, rev, cas, flags, exp, _dtime, datatype, key, value, _opq, coll, blob = rec
+    jkey = _json_key(key)
+    if op != OP_MUTATION:
         body = ""
-    elif rec.datatype & 0x03 == 0x01:  # JSON, not Snappy
-        body = ',"value":' + str(rec.value, "utf-8")  # checked on write
+    elif datatype & 0x03 == 0x01:  # JSON, not Snappy
+        body = ',"value":' + str(value, "utf-8")  # checked on write
     else:
-        body = ',"value_b64":"' + base64.b64encode(rec.value).decode() + '"'
-    if rec.xattrs:
-        body += ',"xattrs":' + json.dumps(xattrs.to_json(rec.xattrs), separators=(",", ":"))
-    return (f'{{"partition":{rec.vbucket},"seq":"{rec.by_seqno}","op":"{OPS[rec.opcode]}"'
-            f'{names.json_fields(rec.collection)},'
-            f'"key":{jkey}{body},"cas":"{rec.cas}","rev_seq":"{rec.rev_seqno}",'
-            f'"flags":{rec.flags},"expiry":{rec.expiration}}}')  # fmt: skip
+        body = ',"value_b64":"' + base64.b64encode(value).decode() + '"'
+    if blob:
+        body += ',"xattrs":' + json.dumps(xattrs.to_json(blob), separators=(",", ":"))
+    return (f'{{"partition":{vb},"seq":"{seq}","op":"{OPS[op]}"'
+            f'{names._json.get(coll) or names.json_fields(coll)},'
+            f'"key":{jkey}{body},"cas":"{cas}","rev_seq":"{rev}",'
+            f'"flags":{flags},"expiry":{exp}}}')  # fmt: skip
 
 
 def text_line(rec: DcpRecord, names: CollectionNames = _DEFAULT_NAMES) -> str:
@@ -340,6 +342,10 @@ class _TailSink(SinkBase):
             return
         keys, count, summary, lines = self.opts.keys, self.opts.count, self.summary, self.lines
         fmt_row, names = self.fmt_row, self.names
+        if keys is None and (count is None or summary.items + len(records) < count):
+            lines += [fmt_row(rec, names) for rec in records]
+            summary.items += len(records)
+            return
         for rec in records:
             if keys is not None and not keys.search(bytes(rec.key)):
                 continue

@@ -12,6 +12,8 @@ a few hostile bytes cannot make a peer allocate gigabytes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import cramjam
 
 from upr_cli.errors import RemoteProtocolError
@@ -62,6 +64,28 @@ def inflate(value: bytes | memoryview, key: bytes | memoryview = b"",
     if len(out) != size:  # cramjam checks it; the wire contract is this length
         raise CorruptValueError(key, f"inflates to {len(out)} bytes, header says {size}")
     return out
+
+
+_length = cramjam.snappy.decompress_raw_len
+_inflate = cramjam.snappy.decompress_raw
+
+
+def inflate_all(values: Sequence[bytes | memoryview], keys: Sequence[bytes | memoryview],
+                limit: int = MAX_VALUE) -> list[bytes]:  # fmt: skip
+    """`inflate` for a batch of values at once (the consumer's hot path: one call per
+    batch, not three per record); the first value that does not inflate, or declares
+    more than `limit` bytes, raises CorruptValueError naming its key, as `inflate` does."""
+    try:
+        sizes = list(map(_length, values))
+        if max(sizes, default=0) <= limit:
+            out = [bytes(_inflate(v)) for v in values]
+            if list(map(len, out)) == sizes:
+                return out
+    except cramjam.DecompressionError:
+        pass
+    for value, key in zip(values, keys, strict=True):  # find the culprit, and name it
+        inflate(value, key, limit)
+    raise CorruptValueError(keys[0], "a value of its batch does not inflate")
 
 
 def plain(datatype: int, value: bytes, key: bytes | memoryview = b"") -> tuple[int, bytes]:
