@@ -13,6 +13,7 @@ from upr_cli.cli.options import (
     ClientCert,
     ClientKey,
     JsonOutput,
+    MemoryLimitOption,
     NodeUri,
     NoProgress,
     NoVerify,
@@ -21,6 +22,7 @@ from upr_cli.cli.options import (
 from upr_cli.cli.output import Progress, plural, print_json, stdout
 from upr_cli.collections import parse_paths
 from upr_cli.jobs.load import LoadSummary, load
+from upr_cli.jobs.writer import DEFAULT_LIMIT
 from upr_cli.net.uri import SourceUri
 
 HELP = """Write a reproducible workload of JSON documents through the KV front end.
@@ -48,6 +50,11 @@ With --xattrs every write carries extended attributes, as Sync Gateway and
 transactions leave them: a system xattr `_sync` (the new CAS, expanded by the server,
 and the operation number) and a user xattr `meta`. Writes go through the sub-document
 command SUBDOC_MULTI_MUTATION; a delete keeps `_sync` in the tombstone.
+
+Up to 512 requests are in flight, and at most a quarter of --memory-limit (default
+192MB) in their keys and values: large documents (--size) keep the memory bounded. A
+write the node refuses for a while (ETMPFAIL: its write queue is full) is sent again
+after a short pause.
 
 Example (spread over two collections of scope app):
 
@@ -116,6 +123,7 @@ def load_cmd(
     with_xattrs: Annotated[
         bool, typer.Option("--xattrs", help="Write a system and a user xattr with each document.")
     ] = False,
+    memory: MemoryLimitOption = DEFAULT_LIMIT,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
     cacert: CaCert = None,
@@ -135,7 +143,7 @@ def load_cmd(
         bar.note(f"connecting to {source.redacted()}")
 
         def tick(s: LoadSummary) -> None:
-            bar.update(s.ops)
+            bar.update(s.ops, nbytes=s.bytes)
 
         summary = asyncio.run(
             load(
@@ -150,6 +158,7 @@ def load_cmd(
                 collections=paths or None,
                 with_xattrs=with_xattrs,
                 on_progress=tick,
+                memory=memory,
             )
         )
     if json_out:

@@ -19,6 +19,7 @@ from upr_cli.cli.options import (
     ClientKey,
     JsonOutput,
     Keys,
+    MemoryLimitOption,
     NoProgress,
     NoVerify,
     Partitions,
@@ -34,6 +35,8 @@ from upr_cli.cli.output import Progress, human_bytes, plural, print_json, stderr
 from upr_cli.errors import ExitCode, UsageError
 from upr_cli.jobs.restore import KeepXattrs, RestoreSummary, restore_to_node, restore_to_store
 from upr_cli.jobs.restore_plan import MapRule, parse_map_data
+from upr_cli.jobs.writer import DEFAULT_LIMIT
+from upr_cli.memory import MemoryLimit
 from upr_cli.net.uri import SourceUri
 from upr_cli.source import selected
 
@@ -200,6 +203,7 @@ def restore_cmd(
     spark: SparkMaster = None,
     spark_tasks: SparkTasks = 8,
     conf: SparkConf = None,
+    memory: MemoryLimitOption = DEFAULT_LIMIT,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
     cacert: CaCert = None,
@@ -215,7 +219,7 @@ def restore_cmd(
     plan = Plan(repo, bucket=bucket, at=at, partitions=selected(partitions),
                 keys=key_pattern(keys), dry_run=dry_run, skip_corrupt=skip_corrupt,
                 map_data=parse_map_data(map_data), create=not no_create,
-                keep_xattrs=keep, check=not no_check)  # fmt: skip
+                keep_xattrs=keep, check=not no_check, memory=memory)  # fmt: skip
     if spark is not None and kind != "node":
         raise UsageError("--spark restores into a node (upr://…); a SQLite store has one writer")
     if kind == "sqlite" and force_updates:
@@ -224,7 +228,9 @@ def restore_cmd(
     with Progress("restore", "items", show=show) as bar:
 
         def tick(s: RestoreSummary) -> None:
-            bar.update(s.items, parts=(s.partitions + len(s.left_out), s.partitions_total))
+            bar.update(
+                s.items, parts=(s.partitions + len(s.left_out), s.partitions_total), nbytes=s.bytes
+            )
 
         if spark is not None:
             bar.note(f"starting Spark ({spark})")
@@ -263,11 +269,12 @@ class Plan:
     create: bool = True
     keep_xattrs: KeepXattrs = "all"
     check: bool = True
+    memory: MemoryLimit = DEFAULT_LIMIT
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of `restore_to_node` and `restore_to_store`."""
         names = ("bucket", "at", "partitions", "keys", "dry_run", "skip_corrupt", "map_data",
-                 "create", "keep_xattrs", "check")  # fmt: skip
+                 "create", "keep_xattrs", "check", "memory")  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
 

@@ -2,7 +2,10 @@
 
 Each of `docs` operations creates a new document, or (by the given ratios) updates or
 deletes an existing one; the same seed gives the same operations. Up to `window`
-requests are in flight; each goes to its partition's active node (net/router.py).
+requests, and a quarter of `memory` in their keys and values, are in flight in the
+write window `upr restore` shares (jobs/writer.py: a write the node refuses as
+ETMPFAIL, its write queue full, goes again after a pause); each goes to its
+partition's active node (net/router.py).
 
 A new document is written with ADD, so a key an earlier run left in the bucket is
 noticed (KEY_EEXISTS): it is counted as overwritten and written again with SET, unless
@@ -27,12 +30,13 @@ import functools
 import json
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from upr_cli.collections import DEFAULT, CollectionsError, Manifest, Path
 from upr_cli.errors import UsageError
+from upr_cli.jobs.writer import DEFAULT_LIMIT, FollowUp, WriteWindow
+from upr_cli.memory import ByteWindow, MemoryLimit
 from upr_cli.net.bootstrap import partition_of
 from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
@@ -104,6 +108,7 @@ class LoadSummary:
     overwritten: int = 0  # new documents whose key an earlier run had left in the bucket
     errors: int = 0
     seconds: float = 0.0
+    bytes: int = 0  # the keys and values of the operations sent
     retries: int = 0  # requests sent again after NOT_MY_VBUCKET or a lost node
     error_statuses: dict[int, int] = field(default_factory=dict)
     collections: list[CollectionCounts] = field(default_factory=_default_counts)
@@ -124,6 +129,7 @@ class LoadSummary:
             "errors": self.errors,
             "seconds": round(self.seconds, 3),
             "items_per_s": round(self.rate),
+            "bytes": self.bytes,
             "retries": self.retries,
             "error_statuses": {f"0x{k:02x}": v for k, v in self.error_statuses.items()},
             "collections": [c.to_json() for c in self.collections],
@@ -159,6 +165,7 @@ async def load(
     collections: list[Path] | None = None,
     with_xattrs: bool = False,
     on_progress: Callable[[LoadSummary], None] | None = None,
+    memory: MemoryLimit = DEFAULT_LIMIT,
 ) -> LoadSummary:
     """Run the workload; returns its summary (errors are counted, not raised)."""
     if not 0 <= update_ratio <= 1 or not 0 <= delete_ratio <= 1 or update_ratio + delete_ratio > 1:
@@ -180,65 +187,59 @@ async def load(
         ops = _Operations(random.Random(seed), n_parts, size, update_ratio, delete_ratio,
                           prefix, prefixes)  # fmt: skip
         ops.xattrs = with_xattrs
-        await _run(router, ops, summary, docs, window, rate, on_progress)
+        # the window is the run's one buffer: a quarter of the budget, as a document in
+        # flight is held as generated, as encoded and in the socket's buffer
+        await _run(router, ops, summary, docs, ByteWindow(memory.share(0.25), window), rate,
+                   on_progress)  # fmt: skip
         summary.retries = router.retries
         return summary
     finally:
         await router.aclose()
 
 
-async def _run(router: Router, ops: _Operations, summary: LoadSummary, docs: int, window: int,
-               rate: float | None,
+async def _run(router: Router, ops: _Operations, summary: LoadSummary, docs: int,
+               window: ByteWindow, rate: float | None,
                on_progress: Callable[[LoadSummary], None] | None) -> None:  # fmt: skip
-    """Send the `docs` operations, at most `window` in flight, and settle every answer."""
-    inflight: deque[tuple[asyncio.Future[Frame], int, Make, Added]] = deque()
+    """Send the `docs` operations through the shared write window (jobs/writer.py) and
+    settle every answer."""
     # wire keys whose ADD is in flight -> whether a later operation of this run used them
     adding: dict[bytes, bool] = {}
     started = time.monotonic()
 
-    def settle(reply: Frame, vb: int, added: Added) -> None:
+    def settle(reply: Frame, vb: int, added: Added) -> FollowUp[Added] | None:
         status = reply.vbucket_or_status
         superseded = adding.pop(added[0], False) if added is not None else False
         if status == Status.KEY_EEXISTS and added is not None:
             summary.overwritten += 1
             if not superseded:  # write it as planned, after the ADD on the same connection
-                again = functools.partial(_set, Opcode.SET, vb, *added)
-                inflight.append((router.submit(vb, again), vb, again, None))
+                return vb, functools.partial(_set, Opcode.SET, vb, *added), None
         elif status != Status.SUCCESS:
             summary.errors += 1
             summary.error_statuses[status] = summary.error_statuses.get(status, 0) + 1
+        return None
 
-    async def settle_oldest() -> None:
-        fut, vb, make, added = inflight.popleft()
-        settle(await router.settle(fut, vb, make), vb, added)
-
-    for i in range(docs):
-        kb, vb, make, added = ops.next(i, summary)
-        if kb in adding:
-            adding[kb] = True
-        if added is not None:
-            adding[kb] = False
-        inflight.append((router.submit(vb, make), vb, make, added))
-        summary.ops += 1
-        if len(inflight) % 64 == 0:
-            router.flush()
-        if len(inflight) >= window:
-            router.flush()
-            await settle_oldest()
-            while inflight and inflight[0][0].done():
-                await settle_oldest()
-        if rate:
-            ahead = summary.ops / rate - (time.monotonic() - started)
-            if ahead > 0.001:
-                router.flush()
-                await asyncio.sleep(ahead)
-        if on_progress is not None and i % 2048 == 0:
-            summary.seconds = time.monotonic() - started
-            on_progress(summary)
-    router.flush()
-    while inflight:
-        router.flush()
-        await settle_oldest()
+    writer = WriteWindow(router, window, settle)
+    try:
+        for i in range(docs):
+            kb, vb, make, added, nbytes = ops.next(i, summary)
+            if kb in adding:
+                adding[kb] = True
+            if added is not None:
+                adding[kb] = False
+            await writer.send(vb, make, nbytes, added)
+            summary.ops += 1
+            summary.bytes += nbytes
+            if rate:
+                ahead = summary.ops / rate - (time.monotonic() - started)
+                if ahead > 0.001:
+                    writer.flush()
+                    await asyncio.sleep(ahead)
+            if on_progress is not None and i % 2048 == 0:
+                summary.seconds = time.monotonic() - started
+                on_progress(summary)
+        await writer.drain()
+    finally:
+        writer.abandon()
     summary.seconds = time.monotonic() - started
 
 
@@ -299,8 +300,9 @@ class _Operations:
         self.next_id = 0
         self.xattrs = False  # write through SUBDOC_MULTI_MUTATION with xattrs
 
-    def next(self, i: int, summary: LoadSummary) -> tuple[bytes, int, Make, Added]:
-        """Operation `i`: its wire key, partition, request and (a new document) what it adds."""
+    def next(self, i: int, summary: LoadSummary) -> tuple[bytes, int, Make, Added, int]:
+        """Operation `i`: its wire key, partition, request, (a new document) what it
+        adds, and its key and value bytes."""
         rng, live = self.rng, self.live
         r = rng.random()
         if live and r < self.delete_ratio:
@@ -310,7 +312,7 @@ class _Operations:
             summary.deletes += 1
             summary.collections[c].deletes += 1
             wire = self.ids[c] + kb
-            return wire, vb, functools.partial(_delete, vb, wire), None
+            return wire, vb, functools.partial(_delete, vb, wire), None, len(wire)
         op = Opcode.SET
         if live and r < self.delete_ratio + self.update_ratio:
             key, c = live[rng.randrange(len(live))]
@@ -330,7 +332,7 @@ class _Operations:
         doc = make_doc(rng, i, self.size)
         added = (wire, doc) if op == Opcode.ADD else None
         write = _with_xattrs(i) if self.xattrs else _set
-        return wire, vb, functools.partial(write, op, vb, wire, doc), added
+        return wire, vb, functools.partial(write, op, vb, wire, doc), added, len(wire) + len(doc)
 
 
 def _set(opcode: int, vb: int, key: bytes, doc: bytes, opaque: int) -> bytes:

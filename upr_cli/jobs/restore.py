@@ -55,10 +55,11 @@ import contextlib
 import functools
 import queue
 import re
+import struct
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Generator, Sequence
+from collections import Counter
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
@@ -82,12 +83,14 @@ from upr_cli.jobs.restore_plan import (
     source_partition_count,
 )
 from upr_cli.jobs.state import Precheck, Selection, check_files, precheck, select
+from upr_cli.jobs.writer import DEFAULT_LIMIT, WriteWindow
+from upr_cli.memory import ByteQueue, ByteWindow, MemoryLimit
 from upr_cli.net.bootstrap import partition_of
-from upr_cli.net.router import Make, Router
+from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame, leb128, xattrs
 from upr_cli.protocol.decoder import OP_MUTATION
-from upr_cli.protocol.messages import DelWithMeta, Get, SetWithMeta
+from upr_cli.protocol.header import Magic, Opcode
 from upr_cli.protocol.status import Status
 from upr_cli.repo import BackupId, Manifest, Repository, plan_state
 from upr_cli.repo.manifest import chain_manifest
@@ -141,7 +144,7 @@ def prefetch(
 
 
 _SEQ, _OP, _COLL = attrgetter("seq"), attrgetter("op"), attrgetter("collection")  # C-level
-_XATTRS = attrgetter("xattrs")
+_XATTRS, _KEY, _VALUE = attrgetter("xattrs"), attrgetter("key"), attrgetter("value")
 
 # Which xattrs a restore writes: all of them (as cbbackupmgr does), the user ones only
 # (`--no-system-xattrs`), or none (`--no-xattrs`).
@@ -179,6 +182,131 @@ def states_ahead(
         return sorted(state.values(), key=_SEQ)
 
     return prefetch(read, sel.partitions)
+
+
+def partition_chunks(
+    repo: Repository,
+    bucket: str,
+    manifests: Sequence[Manifest],
+    at: BackupId,
+    partition: int,
+    *,
+    hold: int,
+    chunk: int,
+) -> Iterator[tuple[list[Record], int]]:
+    """One partition's state at backup `at`, as `partition_state` gives it, in chunks of
+    about `chunk` bytes (keys, values and xattrs; a larger record alone), each with its
+    bytes. While reading, at most about `hold` bytes of records are kept: past that, the
+    latest version of each further key is noted by its position only and its record
+    read again, streamed, once the state is known (a partition of a few large documents
+    is never held whole). Both reads go through the same verified blocks, so a
+    SegmentError comes from the first, before any chunk."""
+    steps = list(plan_state(manifests, at=at, partition=partition))
+    latest: dict[tuple[int, bytes], Record] = {}
+    later: dict[tuple[int, bytes], tuple[int, int]] = {}  # read again: (step, seq)
+    held = 0
+    for i, step in enumerate(steps):
+        with SegmentReader(repo.segment_path(bucket, step.backup_id, step.segment.file)) as r:
+            for rec in r.records():
+                if rec.seq > step.max_seq:
+                    break
+                k = rec.collection, rec.key
+                if held <= hold:
+                    held += len(rec.value) + len(rec.xattrs) + len(rec.key)
+                    latest[k] = rec
+                else:  # holding enough: note where the latest version is
+                    latest.pop(k, None)
+                    later[k] = (i, rec.seq)
+    out: list[Record] = []
+    n = 0
+    for rec in sorted(latest.values(), key=_SEQ):
+        size = len(rec.value) + len(rec.xattrs) + len(rec.key)
+        if out and n + size > chunk:
+            yield out, n
+            out, n = [], 0
+        out.append(rec)
+        n += size
+    latest.clear()
+    for i in sorted({i for i, _seq in later.values()}):
+        step = steps[i]
+        with SegmentReader(repo.segment_path(bucket, step.backup_id, step.segment.file)) as r:
+            for rec in r.records():
+                if rec.seq > step.max_seq:
+                    break
+                if later.get((rec.collection, rec.key)) == (i, rec.seq):
+                    size = len(rec.value) + len(rec.xattrs) + len(rec.key)
+                    if out and n + size > chunk:
+                        yield out, n
+                        out, n = [], 0
+                    out.append(rec)
+                    n += size
+    if out:
+        yield out, n
+
+
+# (source partition, a chunk of its state or the SegmentError reading it, last chunk)
+Chunk = tuple[int, list[Record] | SegmentError, bool]
+_END: Chunk = (-1, [], True)
+
+
+class ChunksAhead:
+    """Every selected partition's state in chunks (`partition_chunks`), read by a thread
+    ahead of the writer through a `ByteQueue`: what is read ahead and what the thread
+    holds while reading are each an eighth of the memory budget."""
+
+    def __init__(self, src: _Source, memory: MemoryLimit) -> None:
+        self.src = src
+        ahead = memory.share(0.125)
+        self.hold, self.chunk = memory.share(0.125), max(64 * 1024, ahead // 4)
+        self.queue: ByteQueue[Chunk | Exception] = ByteQueue(ahead, 1024)
+        self.thread = threading.Thread(target=self._run, name="upr-restore-reader", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        src, q = self.src, self.queue
+        try:
+            for p in src.sel.partitions:
+                prev: tuple[list[Record], int] | None = None
+                try:
+                    for got in partition_chunks(src.repo, src.bucket, src.manifests,
+                                                src.sel.backup_id, p, hold=self.hold,
+                                                chunk=self.chunk):  # fmt: skip
+                        if prev is not None and not q.put((p, prev[0], False), prev[1]):
+                            return
+                        prev = got
+                except SegmentError as exc:
+                    if not q.put((p, exc, True), 0):
+                        return
+                    continue
+                records, n = prev if prev is not None else ([], 0)
+                if not q.put((p, records, True), n):
+                    return
+            q.put(_END, 0)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            q.put(exc, 0)
+
+    def _item(self, got: Chunk | Exception | None) -> Chunk | None:
+        if isinstance(got, Exception):
+            raise got
+        return None if got is None or got is _END else got
+
+    def get(self) -> Chunk | None:
+        """The next chunk, waiting for it; None after the last."""
+        return self._item(self.queue.get())
+
+    async def next(self, writer: _NodeWriter | None = None) -> Chunk | None:
+        """The next chunk, the event loop running meanwhile (the writes sent first)."""
+        got = self.queue.get(timeout=0)
+        if got is None:
+            if writer is not None:
+                await writer.idle()
+            got = await asyncio.to_thread(self.queue.get)
+        return self._item(got)
+
+    def close(self) -> None:
+        """Stop the thread (a chunk it is putting is dropped) and wait for it."""
+        self.queue.close()
+        self.thread.join()
 
 
 # Rows gathered across partitions before one store transaction: bounds memory by rows,
@@ -221,6 +349,7 @@ class RestoreSummary:
     refused: list[str] = field(default_factory=list)  # keys the target refused (XATTR_EINVAL)
     failure: str | None = None  # what stopped a restore once writing began
     complete: list[int] = field(default_factory=list)  # source partitions fully acknowledged
+    bytes: int = 0  # the keys, values and xattrs of the records restored
 
     @property
     def partial(self) -> bool:
@@ -258,6 +387,7 @@ class RestoreSummary:
                     "refused",
                     "failure",
                     "complete",
+                    "bytes",
                 )
             }
             | {
@@ -278,6 +408,8 @@ class RestoreSummary:
         self.documents += mutations
         self.deletions += len(records) - mutations
         self.xattrs += len(records) - list(map(_XATTRS, records)).count(b"")
+        self.bytes += (sum(map(len, map(_KEY, records))) + sum(map(len, map(_VALUE, records)))
+                       + sum(map(len, map(_XATTRS, records))))  # fmt: skip
         colls = set(map(_COLL, records))
         if len(colls) == 1:
             (c,) = colls
@@ -406,10 +538,13 @@ async def restore_to_node(
     on_progress: Callable[[RestoreSummary], None] | None = None,
     keep_xattrs: KeepXattrs = "all",
     check: bool = True,
+    memory: MemoryLimit = DEFAULT_LIMIT,
 ) -> RestoreSummary:
     """Write the state at `at` into a node or cluster; returns counts. Everything that
     can refuse the restore is checked before the first write (the module's doc); a
-    failure once writing began is returned in `failure`, with what was done."""
+    failure once writing began is returned in `failure`, with what was done. Up to
+    `window` requests and a quarter of `memory` are in flight, an eighth of it read
+    ahead (`ChunksAhead`)."""
     src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt, check)
     summary = src.summary(target.redacted(), dry_run)
     summary.keep_xattrs = keep_xattrs
@@ -423,15 +558,23 @@ async def restore_to_node(
             refuse_without_xattrs(summary)
         summary.plan = plan = await _plan_node(router, target, src, map_data, create, dry_run)
         if not dry_run:
-            writer = _NodeWriter(router, summary, window, FORCE if force_updates else 0, plan)
+            writer = _NodeWriter(router, summary, ByteWindow(memory.share(0.25), window),
+                                 FORCE if force_updates else 0, plan)  # fmt: skip
         plans = plan.by_source()
+        reader = ChunksAhead(src, memory)
         try:
-            with contextlib.closing(_partitions(src, keys, plans, summary, skip_corrupt)) as parts:
-                for p, todo in parts:
+            try:
+                while (got := await reader.next(writer)) is not None:
+                    p, records, last = got
+                    todo = _take(p, records, last, keys, plans, summary, skip_corrupt)
+                    if todo is None:
+                        continue
                     if writer is not None:
-                        await writer.partition(todo, include_tombstones, p)
+                        await writer.partition(todo, include_tombstones, p, last)
                     if on_progress is not None:
                         on_progress(summary)
+            finally:
+                reader.close()
             if writer is not None:
                 await writer.drain()
         except (UprError, OSError) as exc:
@@ -445,6 +588,7 @@ async def restore_to_node(
         if writer is not None:
             writer.abandon()
         await router.aclose()
+    summary.complete.sort()
     summary.seconds = time.monotonic() - t0
     return summary
 
@@ -515,107 +659,160 @@ class RestoreTargetError(UprError):
 _GAVE_UP = frozenset({Status.NOT_MY_VBUCKET, Status.ETMPFAIL})
 
 
-class _NodeWriter:
-    """Pipelined writes of a restore to a node: up to `window` requests in flight, each
-    answer counted into the summary (written, kept newer on the target, absent, errors).
-    Each key goes to its hash over the target's partition count, in the target's
-    collection (the plan's ids, in front of the key where Collections was negotiated)."""
+# (kind, key as sent, source partition; -1: not tracked)
+_Tag = tuple[str, bytes, int]
 
-    def __init__(self, router: Router, summary: RestoreSummary, window: int, options: int,
-                 plan: RestorePlan) -> None:  # fmt: skip
-        self.router, self.summary, self.window, self.options = router, summary, window, options
+
+class _Check:
+    """A source partition's plain deletions, waiting for the GETs that say which keys
+    the target has."""
+
+    __slots__ = ("deletes", "gets", "present", "sealed")
+
+    def __init__(self) -> None:
+        self.deletes: list[tuple[int, bytes, Record]] = []
+        self.gets = 0  # answers still to come
+        self.present: set[bytes] = set()
+        self.sealed = False  # the partition's last chunk was seen
+
+
+class _NodeWriter:
+    """A restore's writes to a node through the shared write window (jobs/writer.py),
+    each answer counted into the summary (written, kept newer on the target, absent,
+    errors). Each key goes to its hash over the target's partition count, in the
+    target's collection (the plan's ids, in front of the key where Collections was
+    negotiated). Partitions follow each other in the window without a pause: a
+    partition's deletion check (a GET per plain deletion) is answered while the next
+    partitions are written, and its deletions sent once it is."""
+
+    def __init__(self, router: Router, summary: RestoreSummary, window: int | ByteWindow,
+                 options: int, plan: RestorePlan) -> None:  # fmt: skip
+        self.router, self.summary, self.options = router, summary, options
+        if not isinstance(window, ByteWindow):
+            window = ByteWindow(DEFAULT_LIMIT.share(0.25), window)
+        self.w: WriteWindow[_Tag] = WriteWindow(router, window, self._answer)
         self.count = router.num_partitions
-        self.inflight: deque[tuple[asyncio.Future[Frame], int, Make, str, bytes]] = deque()
-        self.sent = self.settled = 0  # requests sent, and answered (in order)
-        # (source partition, requests sent once its last one was): complete once that
-        # many are answered, answers being taken in the order sent
-        self.marks: deque[tuple[int, int]] = deque()
-        self.present: set[bytes] = set()  # keys the target has (GETs before deletions)
+        self.open: Counter[int] = Counter()  # source partition → requests not answered
+        self.sealed: set[int] = set()  # partitions whose every request was sent
+        self.checks: dict[int, _Check] = {}
+        self.ready: list[tuple[int, _Check]] = []  # checks answered: deletions to send
         # source collection id → the bytes in front of each key on the wire
         self.prefix = {s: leb128.encode(t) if router.collections else b""
                        for s, t in plan.target_ids().items()}  # fmt: skip
 
+    @property
+    def inflight(self) -> Any:
+        """The requests in flight (oldest first)."""
+        return self.w.inflight
+
+    @property
+    def sent(self) -> int:
+        """Requests sent so far."""
+        return self.w.sent
+
     async def partition(self, records: list[Record], include_tombstones: bool,
-                        source: int | None = None) -> None:  # fmt: skip
-        """Write one source partition's documents, then its deletions: all of them with
-        `include_tombstones`, else those that kept xattrs and those of keys the target
-        has. `source` (the partition's number) is added to `summary.complete` once every
-        answer is in."""
+                        source: int | None = None, last: bool = True) -> None:  # fmt: skip
+        """Write a chunk of one source partition: its documents, then its deletions:
+        all of them with `include_tombstones`, else those that kept xattrs and (once the
+        partition's GETs say so) those of keys the target has. `source` (the
+        partition's number) is added to `summary.complete` once every answer of its
+        `last` chunk and of those before is in."""
+        p = -1 if source is None else source
+        count, prefix, options, send = self.count, self.prefix, self.options, self.w.send
+        await self._send_ready()
         deletes: list[tuple[int, bytes, Record]] = []
+        plain: list[tuple[int, bytes, Record]] = []
+        self.open[p] += len(records)
         for r in records:
-            vb = partition_of(r.key, self.count)  # the document key, not its prefix
-            key = self.prefix[r.collection] + r.key
+            vb = partition_of(r.key, count)  # the document key, not its prefix
+            key = prefix[r.collection] + r.key
             if r.op != OP_MUTATION:
-                deletes.append((vb, key, r))
+                # A plain deletion is written only where the target has the key; a
+                # tombstone that kept xattrs is data (a transaction's or Sync Gateway's
+                # metadata of a deleted document) and is always written.
+                (deletes if include_tombstones or r.xattrs else plain).append((vb, key, r))
                 continue
             dt, value = (
                 xattrs.join(r.xattrs, r.value, r.datatype) if r.xattrs else (r.datatype, r.value)
             )
             make = functools.partial(_set_with_meta, vb, key, value, dt, r.flags, r.expiry,
-                                     r.rev_seq, r.cas, self.options)  # fmt: skip
-            await self.send(vb, make, "set", key)
-        # A plain deletion is written only where the target has the key; a tombstone
-        # that kept xattrs is data (a transaction's or Sync Gateway's metadata of a
-        # deleted document) and is always written.
-        plain = [d for d in deletes if not d[2].xattrs]
-        if plain and not include_tombstones:
-            await self.drain()
-            self.present.clear()
-            for vb, key, _r in plain:
-                await self.send(vb, functools.partial(_get, vb, key), "get", key)
-            await self.drain()
-            self.summary.absent_deletes += len(plain) - len(self.present)
-            deletes = [d for d in deletes if d[2].xattrs or d[1] in self.present]
+                                     r.rev_seq, r.cas, options)  # fmt: skip
+            await send(vb, make, len(key) + len(value), ("set", key, p))
         for vb, key, r in deletes:
             make = functools.partial(_del_with_meta, vb, key, r.flags, r.rev_seq, r.cas,
-                                     self.options, r.xattrs)  # fmt: skip
-            await self.send(vb, make, "delete", key)
-        if source is not None:
-            self.marks.append((source, self.sent))
-            self._completed()
+                                     options, r.xattrs)  # fmt: skip
+            await send(vb, make, len(key) + len(r.xattrs), ("delete", key, p))
+        if plain:
+            check = self.checks.get(p)
+            if check is None:
+                check = self.checks[p] = _Check()
+            check.deletes += plain
+            check.gets += len(plain)
+            for vb, key, _r in plain:
+                await send(vb, functools.partial(_get, vb, key), len(key), ("get", key, p))
+        if last:
+            check = self.checks.get(p)
+            if check is None:
+                self._seal(p)
+            else:
+                check.sealed = True
+                self._checked(p, check)
 
-    def _completed(self) -> None:
-        """Move the source partitions whose every answer is in to `summary.complete`."""
-        while self.marks and self.marks[0][1] <= self.settled:
-            self.summary.complete.append(self.marks.popleft()[0])
-
-    async def send(self, vb: int, make: Make, kind: str, key: bytes) -> None:
-        """Queue one request; with `window` in flight, wait for the oldest answer first."""
-        self.inflight.append((self.router.submit(vb, make), vb, make, kind, key))
-        self.sent += 1
-        if len(self.inflight) % 64 == 0:
-            self.router.flush()
-        if len(self.inflight) >= self.window:
-            self.router.flush()
-            await self._settle_oldest()
+    async def idle(self) -> None:
+        """The writer has nothing new to write for now: send what is queued, and the
+        deletions whose check is answered."""
+        await self.w.settle_ready()
+        await self._send_ready()
+        self.w.flush()
 
     async def drain(self) -> None:
-        """Wait for every answer in flight."""
-        self.router.flush()
-        while self.inflight:
-            await self._settle_oldest()
+        """Wait for every answer in flight, deletion checks and their deletions too."""
+        while True:
+            await self._send_ready()
+            await self.w.drain()
+            if not self.ready:
+                return
 
     def abandon(self) -> None:
-        """Forget the requests still in flight (the restore stopped on an error): a
-        pending answer is cancelled and a failed one's error taken, so that asyncio
-        reports none of them as never retrieved."""
-        while self.inflight:
-            fut = self.inflight.popleft()[0]
-            if not fut.done():
-                fut.cancel()
-            elif not fut.cancelled():
-                fut.exception()
+        """Forget the requests still in flight (the restore stopped on an error)."""
+        self.w.abandon()
 
-    async def _settle_oldest(self) -> None:
-        fut, vb, make, kind, key = self.inflight[0]
-        reply = await self.router.settle(fut, vb, make)
-        self.inflight.popleft()
-        self.settled += 1
-        self._completed()
+    def _seal(self, p: int) -> None:
+        """Every request of partition `p` was sent: complete once all are answered."""
+        if self.open[p] <= 0:
+            self.open.pop(p, None)
+            if p >= 0:
+                self.summary.complete.append(p)
+        else:
+            self.sealed.add(p)
+
+    def _checked(self, p: int, check: _Check) -> None:
+        if check.sealed and check.gets == 0:
+            del self.checks[p]
+            self.ready.append((p, check))
+
+    async def _send_ready(self) -> None:
+        """Send the deletions of the keys the target has, for each answered check."""
+        while self.ready:
+            p, check = self.ready.pop(0)
+            found = [d for d in check.deletes if d[1] in check.present]
+            self.summary.absent_deletes += len(check.deletes) - len(found)
+            self.open[p] += len(found)
+            for vb, key, r in found:
+                make = functools.partial(_del_with_meta, vb, key, r.flags, r.rev_seq, r.cas,
+                                         self.options, r.xattrs)  # fmt: skip
+                await self.w.send(vb, make, len(key), ("delete", key, p))
+            self._seal(p)
+
+    def _answer(self, reply: Frame, vb: int, tag: _Tag) -> None:
+        kind, key, p = tag
         status, summary = reply.vbucket_or_status, self.summary
         if kind == "get":
+            check = self.checks[p]
             if status == Status.SUCCESS:
-                self.present.add(key)
+                check.present.add(key)
+            check.gets -= 1
+            self._checked(p, check)
         elif status == Status.SUCCESS:
             summary.written += 1
         elif status == Status.KEY_EEXISTS:
@@ -632,6 +829,13 @@ class _NodeWriter:
         else:
             name = f"0x{status:02x}"
             summary.errors[name] = summary.errors.get(name, 0) + 1
+        left = self.open[p] - 1
+        self.open[p] = left
+        if left <= 0 and p in self.sealed:
+            self.sealed.discard(p)
+            del self.open[p]
+            if p >= 0:
+                summary.complete.append(p)
 
     def _key_text(self, key: bytes) -> str:
         """A key as sent, its collection prefix left out, as text."""
@@ -640,23 +844,31 @@ class _NodeWriter:
         return key.decode("utf-8", errors="backslashreplace")
 
 
+# SET_WITH_META and DEL_WITH_META (docs/protocol.md §6): the header and the 28 bytes of
+# extras with options in one struct call, the same bytes as `SetWithMeta(...).encode()`
+_WITH_META = struct.Struct(">BBHBBHIIQIIQQI")
+_GET = struct.Struct(">BBHBBHIIQ")
+
+
 def _set_with_meta(p: int, key: bytes, value: bytes, datatype: int, flags: int, exp: int,
                    rev: int, cas: int, options: int, opaque: int) -> bytes:  # fmt: skip
-    return SetWithMeta(vbucket=p, opaque=opaque, key=key, value=value, datatype=datatype,
-                       flags=flags, expiration=exp, rev_seqno=rev, item_cas=cas,
-                       options=options).encode()  # fmt: skip
+    klen = len(key)
+    return _WITH_META.pack(Magic.REQUEST, Opcode.SET_WITH_META, klen, 28, datatype, p,
+                           28 + klen + len(value), opaque, 0, flags, exp, rev, cas,
+                           options) + key + value  # fmt: skip
 
 
 def _del_with_meta(p: int, key: bytes, flags: int, rev: int, cas: int, options: int,
                    blob: bytes, opaque: int) -> bytes:  # fmt: skip
     """A deletion; a tombstone's xattrs, if it kept some, are its value (bit 0x04)."""
-    return DelWithMeta(vbucket=p, opaque=opaque, key=key, flags=flags, rev_seqno=rev,
-                       item_cas=cas, options=options, value=blob,
-                       datatype=xattrs.XATTR if blob else 0).encode()  # fmt: skip
+    klen = len(key)
+    return _WITH_META.pack(Magic.REQUEST, Opcode.DEL_WITH_META, klen, 28,
+                           xattrs.XATTR if blob else 0, p, 28 + klen + len(blob), opaque, 0,
+                           flags, 0, rev, cas, options) + key + blob  # fmt: skip
 
 
 def _get(p: int, key: bytes, opaque: int) -> bytes:
-    return Get(vbucket=p, opaque=opaque, key=key).encode()
+    return _GET.pack(Magic.REQUEST, Opcode.GET, len(key), 0, 0, p, len(key), opaque, 0) + key
 
 
 def restore_to_store(
@@ -674,6 +886,7 @@ def restore_to_store(
     on_progress: Callable[[RestoreSummary], None] | None = None,
     keep_xattrs: KeepXattrs = "all",
     check: bool = True,
+    memory: MemoryLimit = DEFAULT_LIMIT,
 ) -> RestoreSummary:
     """Write the state at `at` into a SQLite store (formats/store.md): documents and
     tombstones as they were (with the xattrs `keep_xattrs` keeps, JSON or not), in the
@@ -681,7 +894,8 @@ def restore_to_store(
     applied), and each partition's position and failover log from the chain, so a
     replay can continue from the backup. (`create` is for a node: a store takes any
     collection.) The pre-check runs first, as for a node: damage found leaves the
-    store untouched."""
+    store untouched. A transaction takes at most `_RESTORE_BATCH_ROWS` rows and a
+    quarter of `memory` in keys and values."""
     from upr_cli.repo import resume_point
     from upr_cli.store import Store
 
@@ -699,11 +913,15 @@ def restore_to_store(
     # rows in ROW_FIELDS order, plain: the store's restore path binds them as they are
     pending: list[tuple[Any, ...]] = []
     pending_parts: list[int] = []
+    batch_bytes, flushed_at = memory.share(0.25), 0
 
     def flush() -> None:
         # Several partitions' rows and their positions in one transaction: one
         # transaction per partition measured at 2/3 the rate on 1024 small partitions.
-        if store is not None and pending_parts:
+        # A partition's position goes with its last chunk's rows.
+        nonlocal flushed_at
+        flushed_at = summary.bytes
+        if store is not None and (pending_parts or pending):
             with store.batch():
                 summary.written += store.restore_rows(pending)
                 for q in pending_parts:
@@ -718,12 +936,13 @@ def restore_to_store(
     try:
         if store is not None:
             store.record_manifest(store_names(plan, src.names))
-        for p, records in _partitions(src, keys, plans, summary, skip_corrupt):
+        for p, records, last in _partitions(src, keys, plans, summary, skip_corrupt, memory):
             pending += [(r.op, p, r.seq, r.rev_seq, r.cas, r.flags, r.expiry, r.delete_time,
                          r.datatype, r.key, r.value, 0, r.collection, r.xattrs)
                         for r in records]  # fmt: skip
-            pending_parts.append(p)
-            if len(pending) >= _RESTORE_BATCH_ROWS:
+            if last:
+                pending_parts.append(p)
+            if len(pending) >= _RESTORE_BATCH_ROWS or summary.bytes - flushed_at >= batch_bytes:
                 flush()
         flush()
     finally:
@@ -733,30 +952,43 @@ def restore_to_store(
     return summary
 
 
+def _take(p: int, records: list[Record] | SegmentError, last: bool,
+          keys: re.Pattern[bytes] | None, plans: dict[int, Any], summary: RestoreSummary,
+          skip_corrupt: bool) -> list[Record] | None:  # fmt: skip
+    """A chunk's records to restore (selected by --keys and the plan), counted in the
+    summary; a corrupt partition raises, or is skipped and noted (None)."""
+    if isinstance(records, SegmentError):
+        if not skip_corrupt:
+            raise records
+        summary.skipped.append(f"partition {p}: {records}")
+        summary.left_out.append(p)
+        return None
+    if last:
+        summary.partitions += 1
+    todo = _restorable(records, keys, plans, summary)
+    summary.count(todo, plans)
+    return todo
+
+
 def _partitions(
     src: _Source,
     keys: re.Pattern[bytes] | None,
     plans: dict[int, Any],
     summary: RestoreSummary,
     skip_corrupt: bool,
-) -> Generator[tuple[int, list[Record]], None, None]:
-    """Each partition's records to restore (selected by --keys and the plan), counted
-    in the summary; a corrupt partition raises, or is skipped and noted."""
-    states = src.states()
+    memory: MemoryLimit = DEFAULT_LIMIT,
+) -> Generator[tuple[int, list[Record], bool], None, None]:
+    """Each partition's records to restore in chunks (`_take`), with whether the chunk
+    is the partition's last."""
+    reader = ChunksAhead(src, memory)
     try:
-        for p, records in states:
-            if isinstance(records, SegmentError):
-                if not skip_corrupt:
-                    raise records
-                summary.skipped.append(f"partition {p}: {records}")
-                summary.left_out.append(p)
-                continue
-            summary.partitions += 1
-            todo = _restorable(records, keys, plans, summary)
-            summary.count(todo, plans)
-            yield p, todo
+        while (got := reader.get()) is not None:
+            p, records, last = got
+            todo = _take(p, records, last, keys, plans, summary, skip_corrupt)
+            if todo is not None:
+                yield p, todo, last
     finally:
-        states.close()
+        reader.close()
 
 
 def store_names(plan: RestorePlan, source: Collections) -> Collections:
