@@ -1,17 +1,23 @@
-"""What the benchmarks share: a `upr serve` child process (loopback, no auth, free port)
-and the `upr` command line in this interpreter."""
+"""What the benchmarks share: a `upr serve` child process (loopback, no auth, free port),
+the `upr` command line in this interpreter, a child process timed with its own peak RSS,
+and progress lines on stderr."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 UPR = [sys.executable, "-m", "upr_cli"]
+_T0 = time.monotonic()
 
 
 def upr(*args: str) -> subprocess.CompletedProcess[str]:
@@ -19,34 +25,99 @@ def upr(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*UPR, *args], capture_output=True, text=True, check=True)
 
 
+def say(message: str) -> None:
+    """A progress line on stderr, with the seconds since the benchmark started."""
+    print(f"[{time.monotonic() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def run_measured(cmd: list[str], *, discard: bool = False) -> tuple[float, float, str]:
+    """(wall seconds, the child's own peak RSS in MB, its stdout) of one child process
+    run to its end, via os.wait4; `discard` sends its stdout to /dev/null instead. A
+    failure ends the benchmark with the command and the end of its stderr."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sink = subprocess.DEVNULL if discard else out
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=err)
+        try:
+            _pid, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        secs = time.perf_counter() - t
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            err.seek(0)
+            tail = err.read()[-2000:].strip()
+            raise SystemExit(f"{' '.join(cmd[2:4])} exited {proc.returncode}: {tail}")
+        out.seek(0)
+        return secs, usage.ru_maxrss / 1024, out.read()
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM of a running process in MB (0.0 when it is gone)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Set a process's VmHWM back to its current RSS (proc(5), /proc/PID/clear_refs "5"),
+    so that a later read is the peak of what happened since."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def stop_process(proc: subprocess.Popen[str], grace: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL when it is still running after `grace` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class BenchNode:
-    """Start/stop a node; read its peak RSS."""
+    """Start/stop a node; read its peak RSS. Its stderr goes to DATA.log (an unread
+    pipe could fill and stall the node)."""
 
     def __init__(self, data: Path, partitions: int = 1024, *extra: str) -> None:
-        self.proc = subprocess.Popen(
-            [*UPR, "serve", "--data", str(data), "--port", "0",
-             "--no-auth", "--num-partitions", str(partitions), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        data.parent.mkdir(parents=True, exist_ok=True)
+        self.log = data.with_name(data.name + ".log")
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [*UPR, "serve", "--data", str(data), "--port", "0",
+                 "--no-auth", "--num-partitions", str(partitions), *extra],
+                stdout=subprocess.PIPE, stderr=log, text=True,
+            )  # fmt: skip
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.startswith("listening "):
-            raise SystemExit(
-                f"upr serve did not start: {self.proc.stderr.read() if self.proc.stderr else ''}"
-            )
+            stop_process(self.proc, 5)
+            raise SystemExit(f"upr serve did not start: {self.log.read_text()[-2000:]}")
         self.uri = line.split()[1]
+
+    def __enter__(self) -> BenchNode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def peak_rss_mb(self) -> float:
         """VmHWM of the node process."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
+        return peak_rss_mb(self.proc.pid)
+
+    def reset_peak(self) -> None:
+        """Start the node's peak RSS afresh (see `reset_peak_rss`)."""
+        reset_peak_rss(self.proc.pid)
 
     def wait_persisted(self, timeout: float = 600.0) -> None:
         """Poll STAT vbucket-seqno until every partition's persisted seq equals its high seq."""
         import asyncio
-        import time
 
         from upr_cli.net.bootstrap import connect
         from upr_cli.net.uri import SourceUri
@@ -69,27 +140,7 @@ class BenchNode:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        """SIGTERM and wait."""
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=600)
-
-
-def bare_executemany(rows: list[tuple[object, ...]], db: Path) -> float:
-    """rows/s of ONE bare executemany of `documents` rows (formats/store.md column order)
-    into a new store's schema, in one transaction: the reference the store is held to."""
-    import time
-
-    from upr_cli.store import Store
-
-    with Store(db) as s:
-        conn = s.db.conn
-        t = time.perf_counter()
-        conn.execute("BEGIN")
-        conn.executemany(
-            "INSERT INTO documents (partition, key, seq, rev_seq, cas, flags, expiry,"
-            " delete_time, datatype, deleted, value, collection_id)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-            rows,
-        )
-        conn.execute("COMMIT")
-        return len(rows) / (time.perf_counter() - t)
+        """SIGTERM, SIGKILL after 30 s; then its stdout pipe closed."""
+        stop_process(self.proc)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()

@@ -33,40 +33,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import struct
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _node import UPR, BenchNode, bare_executemany, upr
+from _node import UPR, BenchNode, run_measured, upr
+from _ref import bare_insert_rate
 from _wire import Proxy, make_certs, route_through
-
-from upr_cli.protocol.decoder import OP_MUTATION
 
 TARGET_ITEMS = 100_000
 TARGET_RSS_MB = 300
 RESTORE_SHARE = 0.70  # restore into SQLite within 70% of a bare executemany
-
-
-def run_measured(cmd: list[str]) -> tuple[float, float, str]:
-    """(seconds, the child's own peak RSS in MB, its stdout), via os.wait4."""
-    with tempfile.TemporaryFile("w+") as out:
-        t = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL)
-        _pid, status, usage = os.wait4(proc.pid, 0)
-        secs = time.perf_counter() - t
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd[2:4])} exited {proc.returncode}")
-        out.seek(0)
-        return secs, usage.ru_maxrss / 1024, out.read()
 
 
 def backup_cmd(uri: str, repo: Path) -> list[str]:
@@ -103,28 +86,6 @@ def zstd3_ratio(repo: Path) -> tuple[float, int]:
         comp = len(zstandard.ZstdCompressor(level=3).compress(raw_path.read_bytes()))
     raw_path.unlink()
     return size / comp, size
-
-
-def bare_insert_rate(repo: Path, tmp: Path) -> tuple[float, int]:
-    """items/s of one bare executemany of the restored rows into the store's schema."""
-    from upr_cli.jobs.restore import partition_state
-    from upr_cli.jobs.state import select
-    from upr_cli.repo import Repository
-
-    r = Repository(repo)
-    manifests = r.manifests("default")
-    sel = select(manifests)
-    rows = []
-    for p in sel.partitions:
-        state = partition_state(r, "default", manifests, sel.backup_id, p)
-        for rec in sorted(state.values(), key=lambda r: r.seq):
-            value: bytes | str = rec.value.decode() if rec.datatype & 7 == 1 else rec.value
-            cas = rec.cas - (1 << 64) if rec.cas >= 1 << 63 else rec.cas
-            deleted = 0 if rec.op == OP_MUTATION else 1
-            rows.append((p, rec.key, rec.seq, rec.rev_seq, cas, rec.flags, rec.expiry,
-                         rec.delete_time, rec.datatype, deleted, value,
-                         rec.collection))  # fmt: skip
-    return bare_executemany(rows, tmp / "bare.db"), len(rows)
 
 
 def collections_pass(docs: int, n: int, tmp: Path) -> dict[str, float]:

@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _node import BenchNode, bare_executemany
-from backup import run_measured
+from _node import BenchNode, run_measured
+from _ref import bare_executemany
 
 SHARE_TARGET = 0.60
 

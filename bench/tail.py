@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _node import BenchNode
+from _node import BenchNode, run_measured
 
 TARGET_ITEMS = 150_000
 TARGET_RSS_MB = 200
@@ -56,16 +55,6 @@ def drain(uri: str) -> None:
     print(json.dumps({"items": n, "seconds": secs, "rss_mb": rss}))
 
 
-def run_measured(cmd: list[str], stdout: int | None = None) -> float:
-    """Run a child to completion; return its own peak RSS in MB (os.wait4)."""
-    proc = subprocess.Popen(cmd, stdout=stdout)
-    _pid, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"{cmd[2:4]} exited {proc.returncode}")
-    return usage.ru_maxrss / 1024
-
-
 def measure(docs: int, collections: int) -> dict[str, float]:
     """Load `docs` documents (spread over `collections` named collections, or the default
     one when 0), then drain them with the CLI and the library; rates and peak RSS."""
@@ -80,12 +69,9 @@ def measure(docs: int, collections: int) -> dict[str, float]:
             print(f"loaded {docs:,} docs into {collections or 'the default'} collection"
                   f"{'s' if collections else ''} in {time.perf_counter() - t:.1f}s")  # fmt: skip
             node.wait_persisted()
-            with open(os.devnull, "w") as devnull:
-                t = time.perf_counter()
-                cmd = [sys.executable, "-m", "upr_cli", "tail", node.uri, "--until-end",
-                       "--format", "json"]  # fmt: skip
-                cli_rss = run_measured(cmd, stdout=devnull.fileno())
-                cli_secs = time.perf_counter() - t
+            cmd = [sys.executable, "-m", "upr_cli", "tail", node.uri, "--until-end",
+                   "--format", "json"]  # fmt: skip
+            cli_secs, cli_rss, _out = run_measured(cmd, discard=True)
             out = subprocess.run([sys.executable, __file__, "--drain", node.uri], check=True,
                                  capture_output=True, text=True)  # fmt: skip
             lib = json.loads(out.stdout)
