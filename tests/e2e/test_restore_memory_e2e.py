@@ -1,0 +1,97 @@
+"""Restore and load keep their memory bounded in bytes (issue 27, docs/design.md
+"Performance"): 20 documents of 5 MB of random (barely compressible) values, all in one
+partition, backed up from a real node and restored into a fresh node and into SQLite
+with the default --memory-limit; each restore process's peak RSS stays under 300 MB, and
+so does the node's that takes the restore. `upr load` of such documents stays under it
+too."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.e2e.conftest import Node, upr
+from tests.e2e.e2e_helpers import run, set_keys, wait_persisted
+
+DOCS, SIZE = 20, 5 * 1024 * 1024
+LIMIT_MB = 300
+
+
+def measured(*args: str) -> tuple[float, dict[str, object]]:
+    """(peak RSS in MB, the --json summary) of one `upr ARGS` process, its peak taken
+    from its own rusage (os.wait4: ru_maxrss in KiB) so that no sample can miss it."""
+    env = dict(os.environ)
+    env.pop("UPR_PASSWORD", None)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([sys.executable, "-m", "upr_cli", *args, "--json",
+                                 "--no-progress"], stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=err, env=env)  # fmt: skip
+        try:
+            _pid, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        assert proc.returncode == 0, err.read().decode(errors="replace")
+        return usage.ru_maxrss / 1024, json.loads(out.read())
+
+
+def vm_hwm_mb(pid: int) -> float:
+    """A running process's peak RSS (VmHWM) in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def large_values() -> dict[bytes, bytes]:
+    """DOCS JSON documents of about SIZE bytes each, of base64 random bytes."""
+    rng = random.Random(27)
+    raw = SIZE * 3 // 4
+    return {f"big-{i:02d}".encode(): b'{"v":"' + base64.b64encode(rng.randbytes(raw)) + b'"}'
+            for i in range(DOCS)}  # fmt: skip
+
+
+def test_restore_of_large_documents_stays_under_300_mb(node_factory: Callable[..., Node],
+                                                        tmp_path: Path) -> None:  # fmt: skip
+    src = node_factory("--flush-interval", "0.02", partitions=1, name="src").start()
+    values = large_values()
+    run(set_keys(src.uri, values))
+    del values
+    wait_persisted(src.uri, timeout=60)
+    repo = tmp_path / "repo"
+    upr("backup", src.uri, "--repo", str(repo), "--json")
+    src.stop()
+
+    dst = node_factory("--flush-interval", "0.02", partitions=1, name="dst").start()
+    peak, summary = measured("restore", "--repo", str(repo), dst.uri)
+    assert summary["written"] == DOCS and summary["documents"] == DOCS
+    assert isinstance(summary["bytes"], int) and summary["bytes"] > DOCS * SIZE
+    node_peak = vm_hwm_mb(dst.proc.pid) if dst.proc is not None else 0.0
+    print(f"restore into a node: peak RSS {peak:.0f} MB; the node's {node_peak:.0f} MB")
+    assert peak < LIMIT_MB, f"restore into a node peaked at {peak:.0f} MB"
+    assert node_peak < LIMIT_MB, f"the node peaked at {node_peak:.0f} MB taking the restore"
+
+    store_peak, stored = measured("restore", "--repo", str(repo), f"sqlite:{tmp_path / 'x.db'}")
+    assert stored["written"] == DOCS
+    print(f"restore into SQLite: peak RSS {store_peak:.0f} MB")
+    assert store_peak < LIMIT_MB, f"restore into SQLite peaked at {store_peak:.0f} MB"
+
+
+def test_load_of_large_documents_stays_under_300_mb(node_factory: Callable[..., Node]) -> None:
+    dst = node_factory("--flush-interval", "0.02", partitions=4).start()
+    peak, summary = measured("load", dst.uri, "--docs", "40", "--size", str(SIZE))
+    assert summary["items"] == 40 and summary["errors"] == 0
+    assert isinstance(summary["bytes"], int) and summary["bytes"] > 40 * SIZE
+    print(f"load: peak RSS {peak:.0f} MB")
+    assert peak < LIMIT_MB, f"load of 40 documents of 5 MB peaked at {peak:.0f} MB"
