@@ -14,9 +14,16 @@ from typing import Annotated
 import typer
 
 from upr_cli import interrupt
-from upr_cli.cli.options import BucketName, OldNumPartitions, either, num_partitions_option
+from upr_cli.cli.options import (
+    BucketName,
+    MemoryLimitOption,
+    OldNumPartitions,
+    either,
+    num_partitions_option,
+)
 from upr_cli.cluster.collections import parse_specs
 from upr_cli.errors import UsageError
+from upr_cli.memory import MemoryLimit
 from upr_cli.net.tls import DEFAULT_TLS_PORT
 from upr_cli.node.server import NodeConfig, NodeServer
 
@@ -31,6 +38,13 @@ SIGINT stop it cleanly (everything flushed, failover uuids kept); after a SIGKIL
 next start adds a failover entry at the last persisted seq of every partition. One node
 at a time per --data DIR: a second one exits 1 naming the node that holds the directory
 (an OS lock on DIR/node.lock, gone with its process, so a killed node restarts at once).
+
+--memory-limit (default 192MB) bounds the node's buffers: half of it for the write
+queue (writes acknowledged and not yet on disk), an eighth for the disk reads of DCP
+backfills. A write that would take the queue past its half is answered ETMPFAIL
+(0x86, temporary failure, as Couchbase answers when it has no memory for a write);
+clients retry once the flusher has made room. A document larger than the queue's
+half still goes in, alone, when the queue is empty.
 
 Example:
 
@@ -68,6 +82,7 @@ max TTL of one hour):
 """
 
 NUM_PARTITIONS = "the bucket's count in --data, 1024 for a new one"
+_MEMORY = MemoryLimit()  # --memory-limit's default
 
 Host = Annotated[str, typer.Option("--host", metavar="ADDRESS", help="Address to listen on.")]
 Port = Annotated[
@@ -243,6 +258,7 @@ def serve_cmd(
     tls_port: TlsPort = None,
     tls_client_ca: TlsClientCa = None,
     tls_client_auth: TlsClientAuth = None,
+    memory: MemoryLimitOption = _MEMORY,
 ) -> None:
     """Run a UPR node."""
     _log_to_stderr(log_level)
@@ -255,7 +271,7 @@ def serve_cmd(
         idle_timeout=idle_timeout, collections=specs,
         expiry_pager_interval=expiry_pager_interval or None, tls_cert=tls_cert,
         tls_key=tls_key, tls_port=DEFAULT_TLS_PORT if tls_port is None else tls_port,
-        tls_client_ca=tls_client_ca, tls_client_auth=tls_client_auth,
+        tls_client_ca=tls_client_ca, tls_client_auth=tls_client_auth, memory_limit=memory,
     )  # fmt: skip
     if tls_port is not None and tls_cert is None:
         raise UsageError("--tls-port needs --tls-cert and --tls-key")

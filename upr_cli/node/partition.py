@@ -6,6 +6,10 @@ update replaces the key's older entry (deduplication). Invariant kept by the buc
 queue holds exactly the latest version of every key written above `persisted_seq`;
 everything at or below it is on disk. Streams read the queue concurrently through
 `items_after`.
+
+Every queue of a bucket counts the bytes it holds (key + value of each queued version)
+into one `QueueBytes`, shared by the bucket's partitions: the bucket bounds it with its
+share of `--memory-limit` (docs/protocol.md §1.7, "A full write queue").
 """
 
 from __future__ import annotations
@@ -31,16 +35,26 @@ class Marker(NamedTuple):
     end: int
 
 
+class QueueBytes:
+    """The bytes (key + value) a bucket's write queues hold, together."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
 class WriteQueue:
     """Unpersisted items of one partition: one per key, iterable by seq."""
 
-    __slots__ = ("_by_key", "_by_seq", "_seqs", "_start")
+    __slots__ = ("_by_key", "_by_seq", "_seqs", "_start", "held")
 
-    def __init__(self) -> None:
+    def __init__(self, held: QueueBytes | None = None) -> None:
         self._by_key: dict[bytes, DocRow] = {}
         self._by_seq: dict[int, DocRow] = {}  # insertion order == seq order
         self._seqs: list[int] = []  # every seq ever queued, ascending; stale ones skipped
         self._start = 0
+        self.held = QueueBytes() if held is None else held  # shared by the bucket's queues
 
     def __len__(self) -> int:
         return len(self._by_seq)
@@ -48,8 +62,11 @@ class WriteQueue:
     def put(self, doc: DocRow) -> None:
         """Queue a new version; it replaces the key's older unpersisted version."""
         old = self._by_key.get(doc.key)
+        held = self.held
         if old is not None:
             del self._by_seq[old.seq]
+            held.bytes -= len(old.key) + len(old.value)
+        held.bytes += len(doc.key) + len(doc.value)
         self._by_key[doc.key] = doc
         self._by_seq[doc.seq] = doc
         self._seqs.append(doc.seq)
@@ -77,12 +94,15 @@ class WriteQueue:
 
     def remove_flushed(self, docs: list[DocRow]) -> None:
         """Drop items now on disk, unless a newer version replaced them meanwhile."""
+        by_seq, by_key = self._by_seq, self._by_key
+        gone = 0
         for d in docs:
-            if self._by_seq.get(d.seq) is d:
-                del self._by_seq[d.seq]
-            if self._by_key.get(d.key) is d:
-                del self._by_key[d.key]
-        seqs, by_seq = self._seqs, self._by_seq
+            if by_seq.get(d.seq) is d:  # then it is its key's entry too
+                del by_seq[d.seq]
+                del by_key[d.key]
+                gone += len(d.key) + len(d.value)
+        self.held.bytes -= gone
+        seqs = self._seqs
         start = self._start
         while start < len(seqs) and seqs[start] not in by_seq:
             start += 1
@@ -116,6 +136,10 @@ class Partition:
     bounds: list[int] = field(default_factory=list)
     broken: set[int] = field(default_factory=set)
     _waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    # the failover log's pairs as last built (a flush records every partition it writes)
+    _pairs: tuple[FailoverLog | None, tuple[tuple[int, int], ...]] = field(
+        default=(None, ()), repr=False, compare=False
+    )
 
     @classmethod
     def from_record(cls, rec: PartitionRecord) -> Partition:
@@ -133,15 +157,16 @@ class Partition:
 
     def record(self) -> PartitionRecord:
         """The persistent record as of the last flush."""
-        return PartitionRecord(
-            vbucket=self.vbucket,
-            state=self.state,
-            failover_log=self.failover.pairs(),
-            high_seq=self.persisted_seq,
-            purge_seq=self.purge_seq,
-            snap_start=self.snap_start,
-            snap_end=self.snap_end,
-        )
+        return self.record_at(self.persisted_seq, self.snap_start, self.snap_end)
+
+    def record_at(self, high_seq: int, snap_start: int, snap_end: int) -> PartitionRecord:
+        """The persistent record once persisted up to `high_seq`."""
+        log, pairs = self._pairs
+        if log is not self.failover:  # a FailoverLog is immutable: its pairs are too
+            pairs = self.failover.pairs()
+            self._pairs = (self.failover, pairs)
+        return PartitionRecord(self.vbucket, self.state, pairs, high_seq, self.purge_seq,
+                               snap_start, snap_end)  # fmt: skip
 
     @property
     def complete_seq(self) -> int:
@@ -193,6 +218,8 @@ class Partition:
 
     def notify(self) -> None:
         """Wake every stream waiting for news of this partition."""
+        if not self._waiters:
+            return
         waiters, self._waiters = self._waiters, []
         for fut in waiters:
             if not fut.done():

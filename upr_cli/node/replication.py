@@ -273,6 +273,7 @@ class _ReplicaSink(SinkBase):
         return seq > pause[vb]
 
     async def records(self, records: list[DcpRecord]) -> None:
+        await self.bucket.wait_room()  # a full write queue holds the stream back
         apply, paused = self.bucket.apply_replica, self._paused
         for rec in records:
             vb, seq = rec.vbucket, rec.by_seqno

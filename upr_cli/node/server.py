@@ -37,6 +37,7 @@ from typing import Any
 
 from upr_cli.collections import CollectionsError, Manifest
 from upr_cli.errors import ExitCode, PathError, RemoteProtocolError, UprError, UsageError, os_error
+from upr_cli.memory import MemoryLimit
 from upr_cli.net.certdates import date_warning
 from upr_cli.net.scram import (
     AuthenticationFailed,
@@ -60,6 +61,7 @@ from upr_cli.node.producer import (
     open_flags_problem,
 )
 from upr_cli.node.replication import Replicator
+from upr_cli.node.storage import DocRow
 from upr_cli.protocol import Frame, FrameDecoder, decode_message, leb128, snappy, xattrs
 from upr_cli.protocol.fast import encode_store_response, parse_set
 from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, FrameId, Magic, Opcode
@@ -137,6 +139,11 @@ TLS_HANDSHAKE_TIMEOUT = 10.0
 UNAUTH_MAX_BODY = 16 * 1024  # bytes a peer may send in one frame before authenticating
 OUT_HIGH_WATER = 1 << 20  # queued response bytes that make the session wait for the socket
 OUT_CORK = 1 << 18  # queued DCP output written at once, without waiting for the loop turn
+# --memory-limit's shares (docs/design.md "Performance"): the write queue (versions
+# acknowledged and not yet on disk) and the disk reads of DCP backfills, all streams
+# together; the rest is for what is in flight on the sockets
+WRITE_QUEUE_SHARE = 0.5
+BACKFILL_SHARE = 0.125
 GRANTABLE = {
     Feature.TCP_NODELAY,
     Feature.XERROR,
@@ -227,6 +234,8 @@ class NodeConfig:
     tls_client_auth: str | None = None
     # seconds between the expiry pager's rounds (None: only reads expire documents)
     expiry_pager_interval: float | None = EXPIRY_PAGER_INTERVAL
+    # --memory-limit: the budget of the node's buffers, shared as MEMORY_SHARES says
+    memory_limit: MemoryLimit = field(default_factory=MemoryLimit)
 
 
 class NodeServer:
@@ -329,6 +338,7 @@ class NodeServer:
             flush_interval=cfg.flush_interval,
             purge_age=cfg.purge_age,
             expiry_pager_interval=cfg.expiry_pager_interval,
+            queue_limit=cfg.memory_limit.share(WRITE_QUEUE_SHARE),
         )
         await bucket.start()
         self.buckets[cfg.bucket] = bucket
@@ -518,10 +528,15 @@ class ClientSession:
                         (f.vbucket_or_status, self.qualified(f.key, check=False)) for f in frames
                         if f.opcode in FAST_STORE and f.magic == Magic.REQUEST
                     ])  # fmt: skip
-                for frame in frames:
-                    await self.handle(frame)
-                    if self._closing:
-                        return
+                i, n = 0, len(frames)
+                while i < n:
+                    # the KV stores of the read in one pass, without a coroutine each
+                    i = self.fast_stores(frames, i)
+                    if i < n:
+                        await self.handle(frames[i])
+                        i += 1
+                        if self._closing:
+                            return
                     if self._out_bytes > OUT_HIGH_WATER:
                         await self.drain_out()
                 await self.drain_out()
@@ -591,10 +606,7 @@ class ClientSession:
         if frame.magic in RESPONSE_MAGICS:
             return  # a client's reply: NOOP (docs/protocol.md §2.12), marker ack, set-vbucket-state
         if frame.opcode in FAST_STORE and frame.magic == Magic.REQUEST and len(frame.extras) == 8:
-            try:
-                self.fast_store(frame)
-            except StatusError as exc:
-                self.error_reply(frame, exc)
+            self.fast_stores([frame], 0)
             return
         try:
             msg = decode_message(frame)
@@ -650,22 +662,54 @@ class ClientSession:
         else:
             self.send(error_response(frame.opcode, frame.opaque, exc.code, str(exc)))
 
-    def fast_store(self, frame: Frame) -> None:
-        """SET/ADD/REPLACE without building message objects (the load path)."""
+    def fast_stores(self, frames: list[Frame], i: int) -> int:
+        """Apply the classic SET/ADD/REPLACE requests from `frames[i]` on, up to the
+        first other request, and queue their answers; returns the index of that request.
+        No message objects, no coroutine per request (the load and restore path); each
+        request still gets its own answer, a refusal included."""
+        out = self._out
+        size = 0
+        n = len(frames)
+        request = Magic.REQUEST
+        with_seq = Feature.MUTATION_SEQNO in self.features
+        while i < n:
+            frame = frames[i]
+            if frame.opcode not in FAST_STORE or frame.magic != request or len(frame.extras) != 8:
+                break
+            i += 1
+            try:
+                bucket, vb, doc = self.fast_store(frame)
+            except StatusError as exc:
+                self._out_bytes += size
+                size = 0
+                self.error_reply(frame, exc)
+                out = self._out
+                continue
+            if with_seq:
+                data = encode_store_response(frame.opcode, frame.opaque, doc.cas,
+                                             bucket.partitions[vb].uuid, doc.seq)  # fmt: skip
+            else:
+                data = encode_store_response(frame.opcode, frame.opaque, doc.cas)
+            out.append(data)
+            size += len(data)
+            if size > OUT_HIGH_WATER:
+                break
+        self._out_bytes += size
+        return i
+
+    def fast_store(self, frame: Frame) -> tuple[Bucket, int, DocRow]:
+        """SET/ADD/REPLACE without building message objects: (bucket, vbucket, version)."""
         bucket = self.need_bucket()
         if not bucket.traffic:
             self.check_traffic()
         flags, expiration, key, value = parse_set(frame)
-        self.check_datatype(frame.datatype)
+        if frame.datatype:
+            self.check_datatype(frame.datatype)
         key = self.qualified(key)
         vb = frame.vbucket_or_status
         doc = bucket.store(FAST_STORE[frame.opcode], vb, key, value, flags=flags,
                            expiry=expiration, datatype=frame.datatype, cas=frame.cas)  # fmt: skip
-        if Feature.MUTATION_SEQNO in self.features:
-            self.send(encode_store_response(frame.opcode, frame.opaque, doc.cas,
-                                            bucket.partitions[vb].uuid, doc.seq))  # fmt: skip
-        else:
-            self.send(encode_store_response(frame.opcode, frame.opaque, doc.cas))
+        return bucket, vb, doc
 
     def check_datatype(self, datatype: int, *, with_meta: bool = False) -> None:
         """EINVAL for a compressed value on a connection that did not negotiate Snappy

@@ -267,7 +267,7 @@ def _partition_params(rec: PartitionRecord) -> tuple[Any, ...]:
     """Bind parameters of `_UPSERT_PARTITION` for one record."""
     if rec.state not in PARTITION_STATES:
         raise ValueError(f"vb {rec.vbucket}: unknown partition state {rec.state!r}")
-    log = json.dumps([{"uuid": str(u), "seq": str(s)} for u, s in rec.failover_log])
+    log = _failover_json(rec.failover_log)
     return (
         rec.vbucket,
         rec.state,
@@ -277,6 +277,12 @@ def _partition_params(rec: PartitionRecord) -> tuple[Any, ...]:
         _i64(rec.snap_start),
         _i64(rec.snap_end),
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _failover_json(pairs: tuple[tuple[int, int], ...]) -> str:
+    """The failover_log column of a log (a flush writes every partition's record)."""
+    return json.dumps([{"uuid": str(u), "seq": str(s)} for u, s in pairs])
 
 
 def _parse_failover_log(text: str) -> tuple[tuple[int, int], ...]:
