@@ -4,7 +4,9 @@ Starts `upr cluster init --nodes 3 --replicas 1` (1024 partitions), writes N doc
 with `upr load` through the map, and measures:
 
 * replication: items/s from the first write until every replica holds its active's
-  high seqs, and how far the last replica trailed the last write;
+  high seqs, beside the rate of the `upr load` that wrote them (the reference: a
+  replica keeps pace when the ratio is near 1), and how far the last replica trailed
+  the last write;
 * catch-up: replication into one node paused while N more are written, then resumed:
   items/s until it caught up, beside the same run's `DcpConsumer` drain rate of the
   cluster (the client path replicas use; the limit a replica stream can reach here);
@@ -12,7 +14,8 @@ with `upr load` through the map, and measures:
 * `rebalance --add new` while `upr load` writes: its time, partitions moved, write errors.
 
 Usage: python bench/cluster.py [--docs 200000]
-Last line: replication_items_per_s=… drain_items_per_s=… failover_s=… rebalance_s=… …
+Last line: replication_items_per_s=… load_items_per_s=… replication_ratio=… …
+    drain_items_per_s=… catchup_ratio=… failover_s=… rebalance_s=… …
 """
 
 from __future__ import annotations
@@ -132,16 +135,19 @@ def main() -> None:
     print(f"3 nodes, 1 replica, 1024 partitions; init {init_s:.1f}s")
     print(f"  load {args.docs:,} docs: {load_s:.1f}s; every replica persisted them after "
           f"{repl_s:.1f}s")  # fmt: skip
-    print(f"  replication kept pace with the writes: {repl_rate:,.0f} items/s, the last replica "
-          f"{repl_s - load_s:.1f}s behind the last write")  # fmt: skip
+    load_rate = args.docs / load_s
+    print(f"  replication: {repl_rate:,.0f} items/s, the last replica {repl_s - load_s:.1f}s "
+          f"behind the last write   reference (same run): upr load through the map "
+          f"{load_rate:,.0f} sets/s ({repl_rate / load_rate:.2f})")  # fmt: skip
     print(f"  catch-up after a pause: about {behind:,} items in {catch_s:.1f}s = "
           f"{catch_rate:,.0f} items/s   limit (same run): DcpConsumer drain of the cluster "
           f"{drain_rate:,.0f} items/s ({catch_rate / drain_rate:.0%})")  # fmt: skip
     print(f"  hard failover of a killed node: {failover_s:.2f}s, {promoted} partitions promoted")
     print(f"  rebalance --add new under 4,000 writes/s: {rebalance_s:.1f}s, {moved} partitions "
           f"moved, {lsum['errors']} write errors, {lsum['retries']} retries")  # fmt: skip
-    print(f"replication_items_per_s={repl_rate:.0f} catchup_items_per_s={catch_rate:.0f} "
-          f"drain_items_per_s={drain_rate:.0f} "
+    print(f"replication_items_per_s={repl_rate:.0f} load_items_per_s={load_rate:.0f} "
+          f"replication_ratio={repl_rate / load_rate:.3f} catchup_items_per_s={catch_rate:.0f} "
+          f"drain_items_per_s={drain_rate:.0f} catchup_ratio={catch_rate / drain_rate:.3f} "
           f"failover_s={failover_s:.2f} promoted={promoted} rebalance_s={rebalance_s:.1f} "
           f"moved={moved} write_errors={lsum['errors']}")  # fmt: skip
 

@@ -534,7 +534,7 @@ def sqlite_part(report: Report, repo: Path, t: Path, pairs: int,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=200_000)
-    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--pairs", "--runs", type=int, default=3)  # --runs: the older name
     ap.add_argument("--partitions", type=int, default=1024)
     ap.add_argument("--skip", default="", help=f"parts to leave out: {','.join(PARTS)}")
     ap.add_argument("--large-partitions", type=int, default=16)
