@@ -76,6 +76,11 @@ DOC_SIZE = 180  # `upr load`'s default document size
 
 #: peak RSS in MB of one command: (client, node); node None where no node serves it
 Peak = tuple[float, float | None]
+#: a command's name in the key=value line (`rss_small_NAME_mb` for the client,
+#: `rss_small_NAME_serve_mb` for the node serving it)
+SLUGS = {"replay (node)": "replay_from_node", "replay (repository)": "replay_from_repo",
+         "restore (node)": "restore_to_node", "restore (cluster)": "restore_to_cluster",
+         "restore (SQLite)": "restore_to_sqlite"}  # fmt: skip
 
 
 @dataclass
@@ -302,27 +307,26 @@ def rss_part(report: Report, small: dict[str, Peak], large: dict[str, Peak],
     """The peak RSS table beside the goal."""
     names = list(dict.fromkeys([*small, *large]))
     report.line(f"peak RSS (VmHWM, MB) of each process, the client and the node serving it; "
-                f"goal < {RSS_GOAL_MB} MB each")  # fmt: skip
+                f"goal < {RSS_GOAL_MB} MB each (! marks a miss)")  # fmt: skip
     report.line(f"  {'command':<22} {f'{docs:,} docs client':>18} {'node':>7}   "
                 f"{'100 x 5 MiB client':>18} {'node':>7}")  # fmt: skip
 
     def cell(p: Peak | None, i: int) -> str:
         v = None if p is None else p[i]
-        return "-" if v is None else f"{v:.0f}"
+        return "-" if v is None else f"{v:.0f}{'!' if v >= RSS_GOAL_MB else ''}"
 
     worst = 0.0
     for name in names:
         s, lg = small.get(name), large.get(name)
         report.line(f"  {name:<22} {cell(s, 0):>18} {cell(s, 1):>7}   {cell(lg, 0):>18} "
                     f"{cell(lg, 1):>7}")  # fmt: skip
-        slug = name.replace(" (", "_").replace(")", "").replace("SQLite", "sqlite")
-        slug = slug.replace("repository", "repo")
+        slug = SLUGS.get(name, name)
         for label, got in (("small", s), ("large", lg)):
             if got is None:
                 continue
             report.key(**{f"rss_{label}_{slug}_mb": round(got[0])})
             if got[1] is not None:
-                report.key(**{f"rss_{label}_{slug}_node_mb": round(got[1])})
+                report.key(**{f"rss_{label}_{slug}_serve_mb": round(got[1])})
             worst = max(worst, got[0], got[1] or 0.0)
     if "backup" in large and large["backup"][1] is not None:
         report.line(f"  upr serve while it backfills the large documents (during backup): "
