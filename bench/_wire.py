@@ -113,6 +113,7 @@ def make_certs(directory: Path) -> tuple[Path, Path, Path]:
 
 def one_backup(uri: str, repo: Path, *, snappy: bool, cacert: str | None) -> None:
     """One full backup of `uri` into `repo`; its summary as JSON on stdout."""
+    from upr_cli.dcp.consumer import WireCompression
     from upr_cli.jobs.backup import backup
     from upr_cli.jobs.backup_stream import stream_to_segments
     from upr_cli.net.tls import ClientTls
@@ -120,7 +121,7 @@ def one_backup(uri: str, repo: Path, *, snappy: bool, cacert: str | None) -> Non
 
     source = SourceUri.parse(uri).with_tls(ClientTls(cafile=cacert))
     streamer = functools.partial(stream_to_segments)
-    mode = "force" if snappy else "off"
+    mode: WireCompression = "force" if snappy else "off"
     summary = asyncio.run(backup(source, repo, full=True, streamer=streamer, compression=mode))
     print(json.dumps(summary.to_json()))
 

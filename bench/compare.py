@@ -47,6 +47,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 # No sys.path entry for this checkout: the child modes below must import upr_cli from
@@ -77,10 +78,11 @@ class Tree:
         env["PYTHONPATH"] = str(self.path)
         return env
 
-    def run(self, *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    def run(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
         """`upr ARGS` from this commit, to its end; a failure stops the comparison."""
-        out = subprocess.run(self.upr(*args), cwd=self.path, env=self.env(), text=True,
-                             **kw)  # fmt: skip
+        out: subprocess.CompletedProcess[str] = subprocess.run(
+            self.upr(*args), cwd=self.path, env=self.env(), text=True, **kw
+        )
         if out.returncode != 0:
             raise SystemExit(f"{self.label}: upr {args[0]} exited {out.returncode}: "
                              f"{(out.stderr or '').strip()[-2000:]}")  # fmt: skip
