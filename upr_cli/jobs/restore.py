@@ -184,6 +184,12 @@ def states_ahead(
     return prefetch(read, sel.partitions)
 
 
+# What a record costs in memory beyond its key, value and xattrs (the tuple, its ints,
+# three bytes objects' headers): counted too, or a million small documents would be
+# held at several times their share.
+_HELD = 200
+
+
 def partition_chunks(
     repo: Repository,
     bucket: str,
@@ -195,12 +201,12 @@ def partition_chunks(
     chunk: int,
 ) -> Iterator[tuple[list[Record], int]]:
     """One partition's state at backup `at`, as `partition_state` gives it, in chunks of
-    about `chunk` bytes (keys, values and xattrs; a larger record alone), each with its
-    bytes. While reading, at most about `hold` bytes of records are kept: past that, the
-    latest version of each further key is noted by its position only and its record
-    read again, streamed, once the state is known (a partition of a few large documents
-    is never held whole). Both reads go through the same verified blocks, so a
-    SegmentError comes from the first, before any chunk."""
+    about `chunk` bytes (keys, values, xattrs and `_HELD` per record; a larger record
+    alone), each with its bytes. While reading, at most about `hold` bytes of records
+    are kept: past that, the latest version of each further key is noted by its
+    position only and its record read again, streamed, once the state is known (a
+    partition of a few large documents is never held whole). Both reads go through the
+    same verified blocks, so a SegmentError comes from the first, before any chunk."""
     steps = list(plan_state(manifests, at=at, partition=partition))
     latest: dict[tuple[int, bytes], Record] = {}
     later: dict[tuple[int, bytes], tuple[int, int]] = {}  # read again: (step, seq)
@@ -212,7 +218,7 @@ def partition_chunks(
                     break
                 k = rec.collection, rec.key
                 if held <= hold:
-                    held += len(rec.value) + len(rec.xattrs) + len(rec.key)
+                    held += len(rec.value) + len(rec.xattrs) + len(rec.key) + _HELD
                     latest[k] = rec
                 else:  # holding enough: note where the latest version is
                     latest.pop(k, None)
@@ -220,7 +226,7 @@ def partition_chunks(
     out: list[Record] = []
     n = 0
     for rec in sorted(latest.values(), key=_SEQ):
-        size = len(rec.value) + len(rec.xattrs) + len(rec.key)
+        size = len(rec.value) + len(rec.xattrs) + len(rec.key) + _HELD
         if out and n + size > chunk:
             yield out, n
             out, n = [], 0
@@ -234,7 +240,7 @@ def partition_chunks(
                 if rec.seq > step.max_seq:
                     break
                 if later.get((rec.collection, rec.key)) == (i, rec.seq):
-                    size = len(rec.value) + len(rec.xattrs) + len(rec.key)
+                    size = len(rec.value) + len(rec.xattrs) + len(rec.key) + _HELD
                     if out and n + size > chunk:
                         yield out, n
                         out, n = [], 0
@@ -850,25 +856,33 @@ _WITH_META = struct.Struct(">BBHBBHIIQIIQQI")
 _GET = struct.Struct(">BBHBBHIIQ")
 
 
+_REQUEST, _SWM, _DWM, _GETOP = (
+    Magic.REQUEST.value,
+    Opcode.SET_WITH_META.value,
+    Opcode.DEL_WITH_META.value,
+    Opcode.GET.value,
+)  # plain ints: packed faster than enums
+
+
 def _set_with_meta(p: int, key: bytes, value: bytes, datatype: int, flags: int, exp: int,
-                   rev: int, cas: int, options: int, opaque: int) -> bytes:  # fmt: skip
+                   rev: int, cas: int, options: int, opaque: int,
+                   _pack: Callable[..., bytes] = _WITH_META.pack) -> bytes:  # fmt: skip
     klen = len(key)
-    return _WITH_META.pack(Magic.REQUEST, Opcode.SET_WITH_META, klen, 28, datatype, p,
-                           28 + klen + len(value), opaque, 0, flags, exp, rev, cas,
-                           options) + key + value  # fmt: skip
+    return _pack(_REQUEST, _SWM, klen, 28, datatype, p, 28 + klen + len(value), opaque, 0,
+                 flags, exp, rev, cas, options) + key + value  # fmt: skip
 
 
 def _del_with_meta(p: int, key: bytes, flags: int, rev: int, cas: int, options: int,
                    blob: bytes, opaque: int) -> bytes:  # fmt: skip
     """A deletion; a tombstone's xattrs, if it kept some, are its value (bit 0x04)."""
     klen = len(key)
-    return _WITH_META.pack(Magic.REQUEST, Opcode.DEL_WITH_META, klen, 28,
-                           xattrs.XATTR if blob else 0, p, 28 + klen + len(blob), opaque, 0,
-                           flags, 0, rev, cas, options) + key + blob  # fmt: skip
+    return _WITH_META.pack(_REQUEST, _DWM, klen, 28, xattrs.XATTR if blob else 0, p,
+                           28 + klen + len(blob), opaque, 0, flags, 0, rev, cas,
+                           options) + key + blob  # fmt: skip
 
 
 def _get(p: int, key: bytes, opaque: int) -> bytes:
-    return _GET.pack(Magic.REQUEST, Opcode.GET, len(key), 0, 0, p, len(key), opaque, 0) + key
+    return _GET.pack(_REQUEST, _GETOP, len(key), 0, 0, p, len(key), opaque, 0) + key
 
 
 def restore_to_store(
