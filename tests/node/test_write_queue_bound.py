@@ -1,4 +1,4 @@
-"""The node's write queue is bounded in bytes (docs/protocol.md §6.4): with
+"""The node's write queue is bounded in bytes (docs/protocol.md §11): with
 --memory-limit 16MB its half, 8 MiB, may wait for the flusher; a data write that would
 pass it is answered ETMPFAIL (0x86), as kv_engine answers a write it has no memory for,
 until a flush makes room. A document larger than the bound goes in alone, when the

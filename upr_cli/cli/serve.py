@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import signal
@@ -40,11 +41,11 @@ at a time per --data DIR: a second one exits 1 naming the node that holds the di
 (an OS lock on DIR/node.lock, gone with its process, so a killed node restarts at once).
 
 --memory-limit (default 192MB) bounds the node's buffers: half of it for the write
-queue (writes acknowledged and not yet on disk), an eighth for the disk reads of DCP
-backfills. A write that would take the queue past its half is answered ETMPFAIL
-(0x86, temporary failure, as Couchbase answers when it has no memory for a write);
-clients retry once the flusher has made room. A document larger than the queue's
-half still goes in, alone, when the queue is empty.
+queue (writes acknowledged and not yet on disk), an eighth for what the DCP backfills
+of one connection read from disk at a time. A write that would take the queue past its
+half is answered ETMPFAIL (0x86, temporary failure, as Couchbase answers when it has
+no memory for a write); clients retry once the flusher has made room. A document
+larger than the queue's half still goes in, alone, when the queue is empty.
 
 Example:
 
@@ -143,6 +144,24 @@ def load_users(user: str | None, password: str | None, users_file: Path | None) 
     if user is not None and password is not None:
         users[user] = password
     return users
+
+
+# glibc's mallopt parameter: allocations from this size on get pages of their own
+_M_MMAP_THRESHOLD = -3
+_LARGE_BLOCK = 1 << 20
+
+
+def _return_large_blocks() -> None:
+    """Large values (documents of megabytes) are allocated in pages of their own and
+    given back to the system when freed. glibc otherwise raises its threshold to the
+    size of the largest block freed, after which such values come from per-thread
+    arenas that keep the memory (measured: a backfill of 5 MB documents peaked 70 MB
+    higher). Nothing happens where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, _LARGE_BLOCK)
+    except (OSError, AttributeError):
+        pass
 
 
 def _log_to_stderr(log_level: str) -> None:
@@ -262,6 +281,7 @@ def serve_cmd(
 ) -> None:
     """Run a UPR node."""
     _log_to_stderr(log_level)
+    _return_large_blocks()
     users = _users(ctx, user, password, users_file, no_auth=no_auth)
     specs = parse_specs(collections)
     partitions = either(num_partitions, old_partitions, None, ("--num-partitions", "--partitions"))

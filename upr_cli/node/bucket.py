@@ -763,7 +763,7 @@ class Bucket:
 
     def check_room(self, nbytes: int) -> None:
         """ETMPFAIL when `nbytes` more would take the write queue past its bound, as
-        kv_engine answers a write it has no memory for (docs/protocol.md §6.4): the
+        kv_engine answers a write it has no memory for (docs/protocol.md §11): the
         client retries once the flusher has made room. An empty queue takes a version
         of any size, alone."""
         held = self.queued.bytes

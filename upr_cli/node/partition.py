@@ -9,7 +9,7 @@ everything at or below it is on disk. Streams read the queue concurrently throug
 
 Every queue of a bucket counts the bytes it holds (key + value of each queued version)
 into one `QueueBytes`, shared by the bucket's partitions: the bucket bounds it with its
-share of `--memory-limit` (docs/protocol.md §1.7, "A full write queue").
+share of `--memory-limit` (docs/protocol.md §11, "A full write queue").
 """
 
 from __future__ import annotations

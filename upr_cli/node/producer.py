@@ -59,7 +59,7 @@ import logging
 import re
 import time
 from bisect import bisect_right
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -128,6 +128,9 @@ BACKFILLS_PER_CONNECTION = 6  # open disk snapshots per DCP connection
 BATCH_ITEMS = 512
 BATCH_BYTES = 64 * 1024
 BACKFILL_ROWS = 1000
+# a batch's bytes (keys and values) by default: the node's share of --memory-limit for
+# backfills (an eighth of 192 MiB) over the open backfills of one connection
+DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
 MIN_NOOP_INTERVAL = 0.1  # connection_manager_interval (docs/protocol.md §2.14)
 BARRIER_CONTROL = "upr_barrier_cookies"  # our extension, formats/barrier.md
 
@@ -390,6 +393,7 @@ class DcpProducer:
         *,
         collections: bool = False,
         snappy: bool = False,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
     ) -> None:
         self.bucket = bucket
         self.name = name
@@ -419,6 +423,10 @@ class DcpProducer:
         self._pool = backfill_pool
         self._slots = backfill_slots  # server-wide: concurrent SQLite reads
         self._own = asyncio.Semaphore(BACKFILLS_PER_CONNECTION)  # open backfills (snapshots)
+        # what one stream reads from disk (or encodes from the queue) at a time, in keys
+        # and values: each open backfill holds at most one such batch while it waits for
+        # flow-control credit
+        self.batch_bytes = batch_bytes
         self._readers: list[StorageReader] = []  # idle read connections, reused
         self._on_fatal = on_fatal
         # Barrier cookies (formats/barrier.md): pending cookies in arrival order, and per
@@ -778,8 +786,8 @@ class DcpProducer:
             # One marker for the whole capture, its items in bounded batches: the writers
             # may replace queued versions meanwhile, but the captured references keep the
             # state at `snap_end` (and hold no more memory than the queue already did).
-            for i in range(0, len(items), BATCH_ITEMS):
-                msgs = self._encode(spec, items[i : i + BATCH_ITEMS])
+            for i, chunk in enumerate(_chunks(items, BATCH_ITEMS, self.batch_bytes)):
+                msgs = self._encode(spec, chunk)
                 await self._send_batched([marker, *msgs] if i == 0 else msgs)
                 if spec.view.ended:
                     return self._filter_empty()
@@ -838,7 +846,8 @@ class DcpProducer:
         def open_and_fetch() -> tuple[StorageReader, Backfill, list[bytes], int]:
             reader = readers.pop() if readers else storage.open_reader()
             try:
-                bf = reader.backfill(spec.vbucket, cursor, batch=BACKFILL_ROWS)
+                bf = reader.backfill(spec.vbucket, cursor, batch=BACKFILL_ROWS,
+                                     max_bytes=self.batch_bytes)  # fmt: skip
                 rows = bf.fetch_rows()
             except BaseException:
                 reader.close()
@@ -1039,6 +1048,19 @@ async def _finish(call: Awaitable[None]) -> None:
     except asyncio.CancelledError:
         await asyncio.wait([task])
         raise
+
+
+def _chunks(items: list[DocRow], max_items: int, max_bytes: int) -> Iterator[list[DocRow]]:
+    """`items` in runs of at most `max_items` and about `max_bytes` of keys and values
+    (what one encoded batch holds; a larger item comes alone)."""
+    start, size = 0, 0
+    for i, doc in enumerate(items):
+        size += len(doc.key) + len(doc.value)
+        if size >= max_bytes or i + 1 - start >= max_items:
+            yield items[start : i + 1]
+            start, size = i + 1, 0
+    if start < len(items):
+        yield items[start:]
 
 
 def _memory_snapshot(part: Partition, cursor: int) -> tuple[list[DocRow], int] | None:

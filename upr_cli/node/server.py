@@ -53,6 +53,7 @@ from upr_cli.node.collections import UnknownCollectionError, parse_specs, with_s
 from upr_cli.node.lock import DataDirLock
 from upr_cli.node.partition import ACTIVE, DEAD, STATE_CODES
 from upr_cli.node.producer import (
+    BACKFILLS_PER_CONNECTION,
     OPEN_PRODUCER,
     DcpProducer,
     DcpSender,
@@ -268,6 +269,11 @@ class NodeServer:
             max_workers=config.backfills, thread_name_prefix="backfill"
         )
         self.backfill_slots = asyncio.Semaphore(config.backfills)
+        # what one stream reads from disk at a time: the backfills' share of the memory
+        # limit over the open backfills of one connection
+        self.backfill_batch_bytes = max(
+            64 * 1024, config.memory_limit.share(BACKFILL_SHARE) // BACKFILLS_PER_CONNECTION
+        )
         self.port = config.port
         self.rev = 1
         self.replicator: Replicator | None = None
@@ -1237,6 +1243,7 @@ class ClientSession:
                 self.server.config.idle_timeout,
                 collections=self.collections,
                 snappy=Feature.SNAPPY in self.features,
+                batch_bytes=self.server.backfill_batch_bytes,
             )
             self.send(Response(opcode=Opcode.DCP_OPEN, opaque=msg.opaque))
             return

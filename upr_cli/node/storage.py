@@ -204,6 +204,8 @@ class DocRow:
 StoredRow = tuple[Any, ...]
 ROW_SEQ = itemgetter(2)
 ROW_DELETED = itemgetter(8)
+ROW_KEY = itemgetter(1)
+ROW_VALUE = itemgetter(10)
 #: a live row's `encode_mutation` arguments after (vbucket, opaque): cas, datatype,
 #: seq, rev_seq, flags, expiry, key, value
 ROW_MUTATION_ARGS = itemgetter(4, 7, 2, 3, 5, 6, 1, 10)
@@ -815,15 +817,17 @@ class StorageReader(sqlite.Closing):
         self.path = path
         self._active: Backfill | None = None
 
-    def backfill(self, vbucket: int, after_seq: int, *, batch: int = 1000) -> Backfill:
-        """Start reading the partition's rows with seq > after_seq (one at a time per reader)."""
+    def backfill(self, vbucket: int, after_seq: int, *, batch: int = 1000,
+                 max_bytes: int | None = None) -> Backfill:  # fmt: skip
+        """Start reading the partition's rows with seq > after_seq (one at a time per
+        reader), `batch` rows and about `max_bytes` of keys and values a fetch at most."""
         if self._conn is None:
             raise ValueError(f"{self.path}: reader is closed")
         if batch < 1:
             raise ValueError(f"batch must be positive, got {batch}")
         if self._active is not None and not self._active.done:
             raise RuntimeError("this reader already has an open backfill; close it first")
-        self._active = Backfill(self._conn, vbucket, after_seq, batch)
+        self._active = Backfill(self._conn, vbucket, after_seq, batch, max_bytes)
         return self._active
 
     def close(self) -> None:
@@ -841,9 +845,11 @@ class Backfill(sqlite.Closing):
 
     high_seq: int  # max seq of the partition in this snapshot (0 if empty)
 
-    def __init__(self, conn: sqlite3.Connection, vbucket: int, after_seq: int, batch: int) -> None:
+    def __init__(self, conn: sqlite3.Connection, vbucket: int, after_seq: int, batch: int,
+                 max_bytes: int | None = None) -> None:  # fmt: skip
         self._conn = conn
         self._batch = batch
+        self._max_bytes = max_bytes
         self.done = False  # True once the read transaction has ended
         conn.execute("BEGIN")
         try:
@@ -868,9 +874,22 @@ class Backfill(sqlite.Closing):
     def _fetch_raw(self) -> list[Any]:
         if self.done:
             return []
-        rows = self._cursor.fetchmany(self._batch)
-        if len(rows) < self._batch:
-            self.close()
+        limit = self._max_bytes
+        if limit is None:
+            rows = self._cursor.fetchmany(self._batch)
+            if len(rows) < self._batch:
+                self.close()
+            return rows
+        # bounded in bytes too: row by row, since one large value after many small ones
+        # must not bring a whole chunk of large ones (a row larger than the bound comes
+        # alone)
+        rows, size, batch = [], 0, self._batch
+        for row in self._cursor:
+            rows.append(row)
+            size += len(ROW_KEY(row)) + len(ROW_VALUE(row))
+            if size >= limit or len(rows) >= batch:
+                return rows
+        self.close()
         return rows
 
     def fetch_rows(self) -> list[StoredRow]:
