@@ -29,9 +29,10 @@ unless --skip names it:
   alone), for the repository of --partitions partitions and for one of
   --large-partitions partitions holding the same documents (larger segments).
 
-Progress lines go to stderr. Everything runs on loopback; temporary directories are
-removed and nodes stopped (SIGTERM, then SIGKILL) at the end, on a failure and on
-Ctrl-C or SIGTERM.
+Progress lines go to stderr; each part's figures go to stdout as soon as it ends (a run
+cut short keeps those), the key=value line at the end. Everything runs on loopback;
+temporary directories are removed and nodes stopped (SIGTERM, then SIGKILL) at the end,
+on a failure and on Ctrl-C or SIGTERM.
 
 Usage: python bench/restore.py [--docs 200000] [--pairs 3] [--partitions 1024]
     [--skip node,cluster,sqlite,rss,precheck] [--large-partitions 16]
@@ -181,21 +182,26 @@ def spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
+def plural(n: int, noun: str) -> str:
+    """The count and the noun, plural unless 1."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def verdict(ok: bool) -> str:
     """MET or MISSED."""
     return "MET" if ok else "MISSED"
 
 
 class Report:
-    """The lines printed at the end and the one key=value line."""
+    """The report's lines, printed on stdout as each part ends (a run cut short keeps the
+    parts it finished), and the one key=value line printed at the end."""
 
     def __init__(self) -> None:
-        self.lines: list[str] = []
         self.keys: list[str] = []
 
     def line(self, text: str) -> None:
-        """One line of the report."""
-        self.lines.append(text)
+        """One line of the report, printed now."""
+        print(text, flush=True)
 
     def key(self, **kv: object) -> None:
         """Fields of the last line (floats with 3 significant decimals or as integers)."""
@@ -442,8 +448,9 @@ def run(args: argparse.Namespace, skip: set[str], t: Path, report: Report) -> No
             lambda k: into_node(lambda uri: load_cmd(uri, n), t / f"l{k}", parts, k),
         )
         items = node_pairs[0][0].items
-        compare_part(report, "node", f"into a fresh node ({parts} partitions), {args.pairs} "
-                     f"pairs in turns: restore beside `upr load` of as many new documents",
+        compare_part(report, "node", f"into a fresh node ({parts} partitions), "
+                     f"{plural(args.pairs, 'pair')} in turns: restore beside `upr load` of as "
+                     f"many new documents",
                      node_pairs, NODE_RATIO_GOAL)  # fmt: skip
         med = statistics.median(r.rate for r, _ in node_pairs)
         report.line(f"  restore rate: median {med:,.0f} items/s  goal >= {NODE_RATE_GOAL:,} "
@@ -458,8 +465,8 @@ def run(args: argparse.Namespace, skip: set[str], t: Path, report: Report) -> No
             lambda k: into_cluster(lambda uri: load_cmd(uri, n), t / f"cl{k}", parts, k),
         )
         compare_part(report, "cluster", f"into a fresh cluster (3 nodes, 1 replica, {parts} "
-                     f"partitions), {args.pairs} pairs in turns: restore beside `upr load` "
-                     f"through the same map", cl_pairs, CLUSTER_RATIO_GOAL)  # fmt: skip
+                     f"partitions), {plural(args.pairs, 'pair')} in turns: restore beside "
+                     f"`upr load` through the same map", cl_pairs, CLUSTER_RATIO_GOAL)  # fmt: skip
         small["restore (cluster)"] = peak_of(r for r, _ in cl_pairs)
     if "sqlite" not in skip:
         sqlite_part(report, repo, t, args.pairs, small)
@@ -521,8 +528,8 @@ def sqlite_part(report: Report, repo: Path, t: Path, pairs: int,
 
     got = pairs_of(pairs, restore, bare)
     rows.clear()  # the memory back before the next parts
-    report.line(f"into SQLite, {pairs} pairs in turns: restore (its own items/s) beside one "
-                f"bare executemany of the same rows into the same schema")  # fmt: skip
+    report.line(f"into SQLite, {plural(pairs, 'pair')} in turns: restore (its own items/s) "
+                f"beside one bare executemany of the same rows into the same schema")  # fmt: skip
     shares = []
     for k, (r, b) in enumerate(got, 1):
         shares.append(r.own_rate / b.own_rate)
@@ -550,6 +557,8 @@ def main() -> None:
     commit = git_head()
     report = Report()
     report.key(commit=commit, docs=args.docs, partitions=args.partitions, pairs=args.pairs)
+    report.line(f"restore benchmark, commit {commit}, {args.docs:,} documents of ~{DOC_SIZE} "
+                f"B, {args.partitions} partitions")  # fmt: skip
     say(f"commit {commit}: {args.docs:,} documents, {args.partitions} partitions, "
         f"{args.pairs} pairs; skipping {','.join(sorted(skip)) or 'nothing'}")  # fmt: skip
     try:
@@ -558,10 +567,6 @@ def main() -> None:
     except KeyboardInterrupt:
         say("interrupted: nodes stopped, temporary files removed")
         raise SystemExit(130) from None
-    print(f"restore benchmark, commit {commit}, {args.docs:,} documents of ~{DOC_SIZE} B, "
-          f"{args.partitions} partitions")  # fmt: skip
-    for text in report.lines:
-        print(text)
     print(" ".join(report.keys))
 
 
