@@ -20,9 +20,10 @@ unless --skip names it:
 * rss: the peak RSS (VmHWM) of each process, the client and the node, beside the goal
   300 MB: load, backup, tail, replay (from the node and from the repository), verify,
   and restore into a node, a cluster and SQLite; for the run's documents (the restores'
-  figures are the largest of their pairs) and for 100 documents of 5 MiB in 64
-  partitions. A node's peak is reset (/proc/PID/clear_refs) before each command, so it
-  is that command's; the node's during `backup` is `upr serve` while it backfills.
+  figures are the largest of their pairs) and (unless --skip large) for 100 documents
+  of 5 MiB in 64 partitions. A node's peak is reset (/proc/PID/clear_refs) before each
+  command, so it is that command's; the node's during `backup` is `upr serve` while it
+  backfills.
 * precheck: the pre-check's share of the restore's wall time (its summary's
   `precheck.seconds` over the node pairs' restores; limit 15%), and the pass timed alone
   in this process beside a bare read + CRC32 of the same segment files (and a bare read
@@ -35,7 +36,7 @@ temporary directories are removed and nodes stopped (SIGTERM, then SIGKILL) at t
 on a failure and on Ctrl-C or SIGTERM.
 
 Usage: python bench/restore.py [--docs 200000] [--pairs 3] [--partitions 1024]
-    [--skip node,cluster,sqlite,rss,precheck] [--large-partitions 16]
+    [--skip node,cluster,sqlite,rss,large,precheck] [--large-partitions 16]
 Last line: commit=... docs=... node_ratio=... node_ratio_goal=0.9 restore_items_per_s=...
 cluster_ratio=... sqlite_share=... rss_max_mb=... rss_goal_mb=300 precheck_share=... ...
 """
@@ -65,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _node import UPR, BenchNode, peak_rss_mb, reset_peak_rss, run_measured, say, upr
 from _ref import bare_executemany, repo_rows
 
-PARTS = ("node", "cluster", "sqlite", "rss", "precheck")
+PARTS = ("node", "cluster", "sqlite", "rss", "large", "precheck")
 NODE_RATIO_GOAL = 0.90  # restore at >= 0.90x the node's ingest rate (`upr load`)
 NODE_RATE_GOAL = 50_000  # restore items/s into a node on this machine
 CLUSTER_RATIO_GOAL = 0.90
@@ -472,8 +473,10 @@ def run(args: argparse.Namespace, skip: set[str], t: Path, report: Report) -> No
         sqlite_part(report, repo, t, args.pairs, small)
     if "rss" not in skip:
         small |= repo_peaks(repo, t)
-        large = large_peaks(t / "large", cluster="cluster" not in skip)
-        shutil.rmtree(t / "large", ignore_errors=True)
+        large: dict[str, Peak] = {}
+        if "large" not in skip:
+            large = large_peaks(t / "large", cluster="cluster" not in skip)
+            shutil.rmtree(t / "large", ignore_errors=True)
         rss_part(report, small, large, n)
     if "precheck" not in skip:
         say(f"pre-check: a repository of {args.large_partitions} partitions")
