@@ -62,6 +62,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from time import time_ns
 from typing import Any, TypeVar, cast
 
 from upr_cli.collections import CollectionsError, Manifest, changes_between
@@ -75,7 +76,15 @@ from upr_cli.node.collections import (
     NodeCollections,
     expiry_of,
 )
-from upr_cli.node.partition import ACTIVE, PENDING, REPLICA, Marker, Partition, QueueBytes
+from upr_cli.node.partition import (
+    ACTIVE,
+    ITEM_OVERHEAD,
+    PENDING,
+    REPLICA,
+    Marker,
+    Partition,
+    QueueBytes,
+)
 from upr_cli.node.storage import DocRow, NodeStorage, PartitionRecord, StorageError
 from upr_cli.protocol import leb128, snappy, xattrs
 from upr_cli.protocol.status import (
@@ -768,7 +777,7 @@ class Bucket:
         of any size, alone."""
         held = self.queued.bytes
         limit = self.queue_limit
-        if held and limit is not None and held + nbytes > limit:
+        if held and limit is not None and held + nbytes + ITEM_OVERHEAD > limit:
             raise TemporaryFailure(
                 f"the write queue is full ({held >> 20} MiB of {limit >> 20} MiB not yet "
                 "on disk); retry"
@@ -791,7 +800,8 @@ class Bucket:
 
     def next_cas(self) -> int:
         """A fresh CAS: nanosecond clock, strictly increasing."""
-        self._last_cas = max(self._last_cas + 1, time.time_ns())
+        now, last = time_ns(), self._last_cas + 1
+        self._last_cas = now if now > last else last
         return self._last_cas
 
     def store(

@@ -7,9 +7,10 @@ queue holds exactly the latest version of every key written above `persisted_seq
 everything at or below it is on disk. Streams read the queue concurrently through
 `items_after`.
 
-Every queue of a bucket counts the bytes it holds (key + value of each queued version)
-into one `QueueBytes`, shared by the bucket's partitions: the bucket bounds it with its
-share of `--memory-limit` (docs/protocol.md §11, "A full write queue").
+Every queue of a bucket counts the bytes it holds (key + value of each queued version,
+plus ITEM_OVERHEAD for the objects that hold it) into one `QueueBytes`, shared by the
+bucket's partitions: the bucket bounds it with its share of `--memory-limit`
+(docs/protocol.md §11, "A full write queue").
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class Marker(NamedTuple):
 
     start: int
     end: int
+
+
+# what a queued version costs beyond its key and value: the DocRow, its dict entries and
+# its seq (measured about 300 bytes), so a million small documents count what they hold
+ITEM_OVERHEAD = 300
 
 
 class QueueBytes:
@@ -65,8 +71,8 @@ class WriteQueue:
         held = self.held
         if old is not None:
             del self._by_seq[old.seq]
-            held.bytes -= len(old.key) + len(old.value)
-        held.bytes += len(doc.key) + len(doc.value)
+            held.bytes -= len(old.key) + len(old.value) + ITEM_OVERHEAD
+        held.bytes += len(doc.key) + len(doc.value) + ITEM_OVERHEAD
         self._by_key[doc.key] = doc
         self._by_seq[doc.seq] = doc
         self._seqs.append(doc.seq)
@@ -100,7 +106,7 @@ class WriteQueue:
             if by_seq.get(d.seq) is d:  # then it is its key's entry too
                 del by_seq[d.seq]
                 del by_key[d.key]
-                gone += len(d.key) + len(d.value)
+                gone += len(d.key) + len(d.value) + ITEM_OVERHEAD
         self.held.bytes -= gone
         seqs = self._seqs
         start = self._start

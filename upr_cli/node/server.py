@@ -635,9 +635,9 @@ class ClientSession:
         """The node's key for a request's key: as sent on a collections connection (a
         canonical LEB128 collection id, then at least one byte), else in the default
         collection (formats/collections.md §4)."""
-        if not self.collections:
+        if Feature.COLLECTIONS not in self.features:
             return b"\x00" + bytes(key)
-        if check:
+        if check and not (len(key) > 1 and key[0] < 0x80):  # a one-byte id is canonical
             try:
                 _, rest = leb128.split_key(key)
             except RemoteProtocolError as exc:
@@ -711,10 +711,10 @@ class ClientSession:
         flags, expiration, key, value = parse_set(frame)
         if frame.datatype:
             self.check_datatype(frame.datatype)
-        key = self.qualified(key)
         vb = frame.vbucket_or_status
-        doc = bucket.store(FAST_STORE[frame.opcode], vb, key, value, flags=flags,
-                           expiry=expiration, datatype=frame.datatype, cas=frame.cas)  # fmt: skip
+        doc = bucket.store(FAST_STORE[frame.opcode], vb, self.qualified(key), value,
+                           flags=flags, expiry=expiration, datatype=frame.datatype,
+                           cas=frame.cas)  # fmt: skip
         return bucket, vb, doc
 
     def check_datatype(self, datatype: int, *, with_meta: bool = False) -> None:
