@@ -109,7 +109,7 @@ class LoadSummary:
     errors: int = 0
     seconds: float = 0.0
     bytes: int = 0  # the keys and values of the operations sent
-    retries: int = 0  # requests sent again after NOT_MY_VBUCKET or a lost node
+    retries: int = 0  # requests sent again after NOT_MY_VBUCKET, ETMPFAIL or a lost node
     error_statuses: dict[int, int] = field(default_factory=dict)
     collections: list[CollectionCounts] = field(default_factory=_default_counts)
 
@@ -191,7 +191,7 @@ async def load(
         # flight is held as generated, as encoded and in the socket's buffer
         await _run(router, ops, summary, docs, ByteWindow(memory.share(0.25), window), rate,
                    on_progress)  # fmt: skip
-        summary.retries = router.retries
+        summary.retries += router.retries
         return summary
     finally:
         await router.aclose()
@@ -240,6 +240,7 @@ async def _run(router: Router, ops: _Operations, summary: LoadSummary, docs: int
         await writer.drain()
     finally:
         writer.abandon()
+        summary.retries += writer.resent
     summary.seconds = time.monotonic() - started
 
 
