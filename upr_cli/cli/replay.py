@@ -17,6 +17,7 @@ from upr_cli.cli.options import (
     ClientKey,
     Compression,
     JsonOutput,
+    MemoryLimitOption,
     NoProgress,
     NoVerify,
     Partitions,
@@ -27,6 +28,7 @@ from upr_cli.cli.output import Progress, notice, print_json, stderr, stdout
 from upr_cli.collections import parse_paths
 from upr_cli.errors import check_file_path
 from upr_cli.jobs.replay import ReplayStats, check_options, replay_node, replay_repo
+from upr_cli.memory import MemoryLimit
 from upr_cli.net.uri import SourceUri
 from upr_cli.source import parse_source, selected
 from upr_cli.store import DEFAULT_UNDO_WINDOW
@@ -115,6 +117,9 @@ MaxPending = Annotated[
 ]  # fmt: skip
 
 
+_DEFAULT_MEMORY = MemoryLimit()
+
+
 def replay_cmd(
     source: Annotated[
         str,
@@ -149,6 +154,7 @@ def replay_cmd(
     ] = None,
     wait: Wait = 120.0,
     compression: Compression = "auto",
+    memory: MemoryLimitOption = _DEFAULT_MEMORY,
     bucket: Bucket = None,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
@@ -179,13 +185,13 @@ def replay_cmd(
 
         def tick(s: ReplayStats) -> None:
             bar.update(s.applied, parts=(s.partitions_caught_up, s.partitions),
-                       unit="caught up", started=s.started)  # fmt: skip
+                       unit="caught up", started=s.started, nbytes=s.bytes)  # fmt: skip
 
         if spec.kind == "repo":
             assert spec.path is not None
             stats = replay_repo(spec.path, into, bucket=bucket, at=spec.at or "latest",
                                 partitions=parts, undo_window=undo_window, on_progress=tick,
-                                on_event=event)  # fmt: skip
+                                on_event=event, memory_limit=memory)  # fmt: skip
         else:
             stats = asyncio.run(
                 replay_node(
@@ -203,6 +209,7 @@ def replay_cmd(
                     wait=wait,
                     on_notice=notice,
                     compression=compression,
+                    memory_limit=memory,
                 )
             )
     if stats.interrupted and not follow:

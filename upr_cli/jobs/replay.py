@@ -28,6 +28,14 @@ contract)
   a disk backfill of a big partition) commits inside the snapshot, at its last row
   (a valid resume position, docs/protocol.md "4.4 What a client keeps per partition, and
   how it resumes"), so memory is bounded by configuration.
+* **Memory is bounded in bytes** (`--memory-limit`, docs/design.md "Performance"): the
+  rows held for commit points, counted by their keys and values, stay within a share of
+  the limit (`_BATCH_SHARE`). Past it a checkpoint runs at once; if the complete
+  snapshots it takes leave more than the share held, every partition commits inside its
+  snapshot as well, as past `max_pending`. The applies in flight on the worker hold at
+  most a share too (a larger one waits for those before it), so a run holds about two
+  shares of rows, whatever the documents' size; a document larger than the share goes
+  alone.
 * **Collections.** A collection or scope created or dropped reaches replay as a
   `ManifestChange` at its seq among the records; it waits with them and commits in the
   same transaction, applied between them in seq order. A drop removes the
@@ -63,7 +71,7 @@ import time
 from bisect import bisect_right
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,12 +91,13 @@ from upr_cli.dcp.sink import drive
 from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog
 from upr_cli.jobs.worker import Worker, rare_gc
+from upr_cli.memory import MemoryLimit
 from upr_cli.net.aio import cancel_and_wait
 from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.protocol import decode_message
-from upr_cli.protocol.decoder import DcpRecord
+from upr_cli.protocol.decoder import ROW_FIELDS, DcpRecord
 from upr_cli.protocol.messages import ObserveSeqno, ObserveSeqnoResponse
 from upr_cli.store import DEFAULT_UNDO_WINDOW, Row, Store
 
@@ -97,11 +106,14 @@ if TYPE_CHECKING:
     from upr_cli.repo import ResumePoint
 
 _seq_of = attrgetter("by_seqno")
+_key_of = itemgetter(ROW_FIELDS.index("key"))  # of a DcpRecord or a plain row alike
+_value_of = itemgetter(ROW_FIELDS.index("value"))
 _change_seq = attrgetter("seq")
 _COMMIT_ROWS = 32_768  # committable rows gathered before a transaction (amortises commits)
 _COMMIT_SECONDS = 0.5  # ... or this long since the last one
 _MAX_QUEUED = 1  # applies left on the worker when one is queued (two at most meanwhile)
 _REPO_BATCH_ROWS = 131_072  # rows per transaction from a repository (best of 32k..1M)
+_BATCH_SHARE = 1 / 8  # of --memory-limit: the rows held for commit, in keys and values
 
 #: (partition, rows, the position after them, a failover log to save, the manifest
 #: changes among the rows): one store apply
@@ -117,6 +129,7 @@ class ReplayStats:
     mode: str = "snapshot"
     items: int = 0  # rows received
     applied: int = 0  # rows committed to the store
+    bytes: int = 0  # their keys' and values' bytes
     changes: int = 0  # collections and scopes created or dropped, committed
     commits: int = 0
     partitions: int = 0
@@ -137,6 +150,7 @@ class ReplayStats:
             "mode": self.mode,
             "items": self.items,
             "applied": self.applied,
+            "bytes": self.bytes,
             "manifest_changes": self.changes,  # the same name as in backup's summary
             "commits": self.commits,
             "partitions": self.partitions,
@@ -147,6 +161,11 @@ class ReplayStats:
             "seconds": round(secs, 3),
             "items_per_s": round(self.applied / secs) if secs and self.applied else None,
         }
+
+
+def _nbytes(rows: list[DcpRecord] | list[Row]) -> int:
+    """The rows' keys' and values' bytes (C-level passes, no Python per row)."""
+    return sum(map(len, map(_key_of, rows))) + sum(map(len, map(_value_of, rows)))
 
 
 @dataclass(slots=True)
@@ -281,13 +300,15 @@ async def replay_node(
     wait: float = 120.0,
     on_notice: Callable[[str], None] | None = None,
     compression: WireCompression = "auto",
+    memory_limit: MemoryLimit | None = None,
 ) -> ReplayStats:
     """Replay a live source into the store at `db_path` until caught up (or, with
     `follow`, until cancelled: SIGINT/SIGTERM end the run after a last checkpoint).
     `collections` streams only those (scopes or collections) and every run into the
     store must give the same. A lost node is reconnected for up to `wait` seconds
     (`math.inf`: for ever; `on_notice` hears when the link is lost and when it is back).
-    `compression` is the link's Snappy (`--wire-compression`, formats/wire.md "Snappy")."""
+    `compression` is the link's Snappy (`--wire-compression`, formats/wire.md "Snappy");
+    `memory_limit` bounds the rows held in bytes (`--memory-limit`)."""
     mode = "consistent" if consistent else "snapshot"
     mode += " durable-only" if durable_only else ""
     stats = ReplayStats(uri.redacted(), str(db_path), mode)
@@ -296,6 +317,7 @@ async def replay_node(
         barrier_interval=barrier_interval, buffer_size=buffer_size, on_progress=on_progress,
         say=on_event or (lambda _m: None), collections=collections or None,
         wait=wait, notice=on_notice, compression=compression,
+        batch_bytes=(memory_limit or MemoryLimit()).share(_BATCH_SHARE),
     )  # fmt: skip
     # the worker keeps young collections rare: rows wait in memory until their commit point
     async with Worker("upr-store", max_queued=_MAX_QUEUED) as worker:
@@ -379,6 +401,7 @@ class _Options:
     wait: float = 120.0  # how long a lost node is reconnected (math.inf: for ever)
     notice: Callable[[str], None] | None = None  # a link lost, and back
     compression: WireCompression = "auto"  # --wire-compression
+    batch_bytes: int = MemoryLimit().share(_BATCH_SHARE)  # rows held, in keys and values
 
 
 class _ReadAhead:
@@ -472,6 +495,8 @@ class ReplaySession:
         self._barrier_sent = 0.0
         self._barrier_n = 0
         self._arrived = 0  # rows taken since the last checkpoint
+        self._held = 0  # bytes of the rows held for commit (keys and values)
+        self._inflight = 0  # ... and of those handed to the worker, not applied yet
         self._last_commit = time.monotonic()
         self._shown = 0.0  # when progress was last reported
 
@@ -600,6 +625,12 @@ class ReplaySession:
                 st.complete = seq
         self._arrived += n
         self.stats.items += n
+        # one C-level pass per batch; a reconnect's repeats were dropped: count what is held
+        self._held = self._held + _nbytes(records) if n == len(records) else self._recount()
+
+    def _recount(self) -> int:
+        """The bytes held, counted again (after rows were dropped)."""
+        return sum(_nbytes(st.rows) for st in self.parts.values())
 
     async def event(self, event: Event) -> None:
         """Markers, stream (re)opens and ends, rollbacks and barrier cuts, in wire order."""
@@ -667,6 +698,7 @@ class ReplaySession:
             await self._restart_open_transaction()
         st.reset_to(ev.position)
         st.log = st.branches = FailoverLog.sanitised(ev.failover_log)
+        self._held = self._recount()
 
     async def _rollback(self, ev: Rollback) -> None:
         """Undo the store's changes above the boundary (its log keeps what it takes back);
@@ -678,6 +710,7 @@ class ReplaySession:
             st.marks.clear()
             st.complete = min(st.complete, ev.to_seq)
             st.received = ev.to_seq
+            self._held = self._recount()
         await self.worker.drain()
         store, p = self.store, ev.partition
         held = await self.worker.run(lambda: store.position(p))
@@ -716,11 +749,15 @@ class ReplaySession:
             return
         positions = {p: pos for p, _r, pos, _l, _c in work}
         n = sum(len(r) for _p, r, _pos, _l, _c in work)
+        nbytes = sum(_nbytes(r) for _p, r, _pos, _l, _c in work)
+        self._held = max(0, self._held - nbytes)
         changes = sum(len(c) for _p, _r, _pos, _l, c in work)
         stats, consumer = self.stats, self.consumer
 
         def done(_result: None) -> None:
+            self._inflight -= nbytes
             stats.applied += n
+            stats.bytes += nbytes
             stats.changes += changes
             if not in_open:
                 stats.commits += 1
@@ -733,6 +770,9 @@ class ReplaySession:
             st.log = None
             if not in_open:
                 st.committed = pos
+        if self._inflight + nbytes > self.opt.batch_bytes and self.worker.pending:
+            await self.worker.drain()  # the rows on the worker's side bounded in bytes too
+        self._inflight += nbytes
         await self.worker.submit(job, done)
 
     def _take_all(self, targets: dict[int, int]) -> Work:
@@ -748,15 +788,27 @@ class ReplaySession:
                 out.append((p, got[0], got[2], log, got[1]))
         return out
 
-    def _snapshot_targets(self, force: bool, whole: bool = False) -> dict[int, int]:
+    def _below(self, targets: dict[int, int]) -> int:
+        """The bytes of the rows at or below each partition's target."""
+        parts = self.parts
+        return sum(
+            _nbytes(parts[p].rows[: bisect_right(parts[p].rows, t, key=_seq_of)])
+            for p, t in targets.items()
+            if p in parts
+        )
+
+    def _snapshot_targets(
+        self, force: bool, whole: bool = False, inside: bool = False
+    ) -> dict[int, int]:
         """Default/durable mode: per partition, the newest complete snapshot (capped);
-        `whole`: never inside a snapshot, however many rows wait."""
+        `whole`: never inside a snapshot, however many rows wait; `inside`: every
+        partition to its last row (too many bytes held)."""
         out = {}
         durability, max_pending = self.durability, self.opt.max_pending
         for p, st in self.parts.items():
             t = st.complete
-            if len(st.rows) > max_pending and not whole:  # too big to hold: commit inside
-                t = st.received
+            if (inside or len(st.rows) > max_pending) and not whole:  # too big to hold
+                t = max(t, st.received)
             if durability is not None:
                 t = min(t, durability.cap(st))
             if t > st.applied.seq or (st.log is not None and force):
@@ -772,9 +824,11 @@ class ReplaySession:
             await self.durability.poll(self.parts, force=force)
         now = time.monotonic()
         # rows received since the last commit: cheap to keep, unlike a sum over partitions
+        full = self._held >= self.opt.batch_bytes
         soon = (
             self._arrived < min(_COMMIT_ROWS, self.opt.max_pending)
             and now - self._last_commit < _COMMIT_SECONDS
+            and not full
         )
         if not force and soon:
             return
@@ -782,7 +836,10 @@ class ReplaySession:
         # During the consistent catch-up too, each partition goes to its newest complete
         # snapshot, even past its pinned high: a cut at the high itself could fall inside
         # a deduplicated snapshot, which is no state the partition had (docs/design.md).
-        work = self._take_all(self._snapshot_targets(force, whole))
+        targets = self._snapshot_targets(force, whole)
+        if full and not whole and self._held - self._below(targets) >= self.opt.batch_bytes:
+            targets = self._snapshot_targets(force, inside=True)  # still too much held
+        work = self._take_all(targets)
         if work:
             await self._apply(work, in_open=self.catching_up)
             self._last_commit = now
@@ -853,6 +910,7 @@ def replay_repo(
     undo_window: int = DEFAULT_UNDO_WINDOW,
     on_progress: Callable[[ReplayStats], None] | None = None,
     on_event: Callable[[str], None] | None = None,
+    memory_limit: MemoryLimit | None = None,
 ) -> ReplayStats:
     """Replay a repository's state at a backup into the store, as a stream would.
 
@@ -881,7 +939,8 @@ def replay_repo(
     with Store(db_path, undo_window=undo_window, source=stats.source) as store, rare_gc():
         store.claim_filter("")
         store.record_manifest(chain_manifest(chain))
-        batch = _RepoBatch(store, stats, on_progress)
+        batch = _RepoBatch(store, stats, on_progress,
+                           (memory_limit or MemoryLimit()).share(_BATCH_SHARE))  # fmt: skip
         for p, records in states_ahead(repo, b, manifests, sel):
             if isinstance(records, SegmentError):
                 raise records
@@ -927,15 +986,19 @@ def _chain_changes(
 
 
 class _RepoBatch:
-    """Partitions' rows gathered for one store transaction (bounded by rows, so memory
-    does not grow with the backup while the commit is amortised over small partitions)."""
+    """Partitions' rows gathered for one store transaction (bounded by rows and by their
+    keys' and values' bytes, so memory does not grow with the backup while the commit is
+    amortised over small partitions)."""
 
     def __init__(
-        self, store: Store, stats: ReplayStats, on_progress: Callable[[ReplayStats], None] | None
-    ) -> None:
+        self, store: Store, stats: ReplayStats, on_progress: Callable[[ReplayStats], None] | None,
+        max_bytes: int,
+    ) -> None:  # fmt: skip
         self.store = store
         self.stats = stats
         self.on_progress = on_progress
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self.work: list[tuple[int, list[Row], StreamPosition, FailoverLog | None,
                               list[ManifestChange]]] = []  # fmt: skip
         self.rows = 0
@@ -947,7 +1010,8 @@ class _RepoBatch:
         self.work.append((p, rows, position, log, changes))
         self.stats.changes += len(changes)
         self.rows += len(rows)
-        if self.rows >= _REPO_BATCH_ROWS:
+        self.nbytes += _nbytes(rows)
+        if self.rows >= _REPO_BATCH_ROWS or self.nbytes >= self.max_bytes:
             self.flush()
 
     def flush(self) -> None:
@@ -957,10 +1021,11 @@ class _RepoBatch:
         stats = self.stats
         self.store.apply_many(self.work)
         stats.applied += sum(len(w[1]) for w in self.work)
+        stats.bytes += self.nbytes
         stats.commits += 1
         stats.partitions_caught_up += len(self.work)
         self.work.clear()
-        self.rows = 0
+        self.rows = self.nbytes = 0
         if self.on_progress is not None:
             self.on_progress(stats)
 
