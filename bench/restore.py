@@ -63,7 +63,7 @@ from types import FrameType
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _node import UPR, BenchNode, peak_rss_mb, reset_peak_rss, run_measured, say, upr
+from _node import UPR, BenchNode, peak_rss_mb, reset_peak_rss, run_measured, say
 from _ref import bare_executemany, repo_rows
 
 PARTS = ("node", "cluster", "sqlite", "rss", "large", "precheck")
@@ -146,8 +146,8 @@ def fresh_cluster(where: Path, partitions: int) -> Iterator[tuple[str, list[int]
 
     pids: list[int] = []
     try:
-        upr("cluster", "init", "--nodes", "3", "--replicas", "1", "--num-partitions",
-            str(partitions), "--data", str(where))  # fmt: skip
+        run_measured([*UPR, "cluster", "init", "--nodes", "3", "--replicas", "1",
+                      "--num-partitions", str(partitions), "--data", str(where)])  # fmt: skip
         cl = spec.load(where)
         pids = [n.pid for n in cl.nodes if n.pid is not None]
         yield cl.uri(cl.nodes[0]), pids
@@ -458,7 +458,7 @@ def run(args: argparse.Namespace, skip: set[str], t: Path, report: Report) -> No
                     f"{verdict(med >= NODE_RATE_GOAL)}")  # fmt: skip
         report.key(node_rate_goal=NODE_RATE_GOAL)
         small["restore (node)"] = peak_of(r for r, _ in node_pairs)
-        small["load"] = max(small["load"], peak_of(ld for _, ld in node_pairs))
+        small["load"] = peak_of((ld for _, ld in node_pairs), small["load"])
     if "cluster" not in skip:
         cl_pairs = pairs_of(
             args.pairs,
@@ -469,6 +469,7 @@ def run(args: argparse.Namespace, skip: set[str], t: Path, report: Report) -> No
                      f"partitions), {plural(args.pairs, 'pair')} in turns: restore beside "
                      f"`upr load` through the same map", cl_pairs, CLUSTER_RATIO_GOAL)  # fmt: skip
         small["restore (cluster)"] = peak_of(r for r, _ in cl_pairs)
+        items = items or cl_pairs[0][0].items
     if "sqlite" not in skip:
         sqlite_part(report, repo, t, args.pairs, small)
     if "rss" not in skip:
@@ -485,11 +486,14 @@ def run(args: argparse.Namespace, skip: set[str], t: Path, report: Report) -> No
     report.key(restored_items=items)
 
 
-def peak_of(runs: Iterable[Run]) -> Peak:
-    """The largest client and node peaks of some runs."""
+def peak_of(runs: Iterable[Run], also: Peak | None = None) -> Peak:
+    """The largest client and node peaks of some runs (and of `also`)."""
     got = list(runs)
+    clients = [r.client_mb for r in got] + ([also[0]] if also else [])
     nodes = [r.node_mb for r in got if r.node_mb is not None]
-    return max(r.client_mb for r in got), max(nodes) if nodes else None
+    if also and also[1] is not None:
+        nodes.append(also[1])
+    return max(clients), max(nodes) if nodes else None
 
 
 def into_node(cmd: Callable[[str], list[str]], where: Path, partitions: int, k: int) -> Run:
