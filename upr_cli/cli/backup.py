@@ -18,6 +18,7 @@ from upr_cli.cli.options import (
     ClientKey,
     Compression,
     JsonOutput,
+    MemoryLimitOption,
     NodeUri,
     NoProgress,
     NoVerify,
@@ -44,7 +45,7 @@ from upr_cli.cli.output import (
 )
 from upr_cli.collections import parse_paths
 from upr_cli.jobs.backup import BackupSummary, backup
-from upr_cli.jobs.backup_stream import StreamStats
+from upr_cli.jobs.backup_stream import DEFAULT_MEMORY, StreamStats
 from upr_cli.net.uri import SourceUri
 from upr_cli.source import selected
 
@@ -153,6 +154,7 @@ def backup_cmd(
     exclude_data: ExcludeData = None,
     wait: Wait = 120.0,
     compression: Compression = "auto",
+    memory: MemoryLimitOption = DEFAULT_MEMORY,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -173,7 +175,8 @@ def backup_cmd(
             # the bar and the ETA follow the seqs passed (a deduplicated key comes once:
             # counted items fall short of the seqs); 0 (nothing planned) gives no total
             bar.update(s.items, total=s.items_total or None, done=s.seqs_done,
-                       parts=(s.partitions_done, s.partitions), started=s.started)  # fmt: skip
+                       parts=(s.partitions_done, s.partitions), started=s.started,
+                       nbytes=s.bytes_in)  # fmt: skip
 
         sess = None
         streamer = None
@@ -199,6 +202,7 @@ def backup_cmd(
                     wait=wait,
                     on_notice=notice,
                     compression=compression,
+                    memory=memory,
                 )
             )
         finally:

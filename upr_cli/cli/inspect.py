@@ -187,8 +187,8 @@ def verify_cmd(
     show = sys.stderr.isatty() and not no_progress
     with Progress("verify", "items", show=show) as bar:
 
-        def tick(segments: int, total: int, records: int) -> None:
-            bar.update(records, parts=(segments, total), unit="segments")
+        def tick(segments: int, total: int, records: int, nbytes: int) -> None:
+            bar.update(records, parts=(segments, total), unit="segments", nbytes=nbytes)
 
         reports = verify(repo, bucket, repair=repair, on_progress=tick)
     problems = [p for r in reports for p in r.unrepaired]

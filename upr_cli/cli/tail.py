@@ -17,6 +17,7 @@ from upr_cli.cli.options import (
     ClientKey,
     Compression,
     Keys,
+    MemoryLimitOption,
     NodeUri,
     NoVerify,
     Partitions,
@@ -27,9 +28,12 @@ from upr_cli.cli.options import (
 from upr_cli.cli.output import notice, stderr
 from upr_cli.collections import parse_paths
 from upr_cli.errors import UsageError
-from upr_cli.jobs.tail import TailOptions, tail
+from upr_cli.jobs.tail import TailOptions, tail, window
+from upr_cli.memory import MemoryLimit
 from upr_cli.net.uri import SourceUri
 from upr_cli.source import selected
+
+_MEMORY = MemoryLimit()  # --memory-limit's default
 
 HELP = """Print a bucket's changes as they stream over DCP.
 
@@ -137,6 +141,7 @@ def tail_cmd(
     ] = None,
     wait: Wait = 120.0,
     compression: Compression = "auto",
+    memory: MemoryLimitOption = _MEMORY,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -148,7 +153,7 @@ def tail_cmd(
     opts = TailOptions(
         start=start, until_end=until_end, count=count, partitions=selected(partitions),
         keys=key_pattern(keys), fmt=fmt, verbose=verbose, state=state, wait=wait,
-        compression=compression,
+        compression=compression, buffer_size=window(memory),
         collections=parse_paths(collections) or None,
     )  # fmt: skip
     source = tls_source(SourceUri.parse(uri), cacert, no_verify, cert, key)

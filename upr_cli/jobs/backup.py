@@ -51,11 +51,13 @@ from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, ImpossibleHistory, needs_rollback, rollback_point
 from upr_cli.fsio import FileOps, sync_files
 from upr_cli.jobs.backup_stream import (
+    DEFAULT_MEMORY,
     BackupInterrupted,
     PartitionResult,
     StreamStats,
     stream_to_segments,
 )
+from upr_cli.memory import MemoryLimit
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.repo import (
@@ -215,6 +217,7 @@ async def backup(
     wait: float = 120.0,
     on_notice: Callable[[str], None] | None = None,
     compression: WireCompression = "auto",
+    memory: MemoryLimit = DEFAULT_MEMORY,
 ) -> BackupSummary:
     """Run one backup of `uri`'s bucket into the repository; returns its summary.
 
@@ -237,13 +240,15 @@ async def backup(
     ever; `on_notice` hears when the link is lost and when it is back); one that
     restarted from a crash ends each stream at its new branch's high seq, the rollback
     recorded as after a failover (docs/protocol.md §4.5). `compression` is the links'
-    Snappy (`--wire-compression`, formats/wire.md "Snappy").
+    Snappy (`--wire-compression`, formats/wire.md "Snappy"). `memory` is the budget for
+    the run's buffers (`--memory-limit`; a Spark task keeps the default).
     """
     chosen = collection_filter(include, exclude)
     first = await _backup_once(uri, repo_dir, full=full, partitions=partitions,
                                on_progress=on_progress, on_warning=on_warning,
                                streamer=streamer, chosen=chosen, wait=wait,
-                               on_notice=on_notice, compression=compression)  # fmt: skip
+                               on_notice=on_notice, compression=compression,
+                               memory=memory)  # fmt: skip
     summary = first
     for _ in range(FOLLOW_UPS):
         try:
@@ -264,7 +269,8 @@ async def backup(
         summary = await _backup_once(uri, repo_dir, partitions=overtaken,
                                      on_progress=on_progress, on_warning=on_warning,
                                      streamer=streamer, chosen=chosen, wait=wait,
-                                     on_notice=on_notice, compression=compression)  # fmt: skip
+                                     on_notice=on_notice, compression=compression,
+                                     memory=memory)  # fmt: skip
         first.follow_ups.append(summary.backup_id)
         first.rollbacks += summary.rollbacks
         first.warnings += summary.warnings
@@ -311,6 +317,7 @@ async def _backup_once(
     wait: float = 120.0,
     on_notice: Callable[[str], None] | None = None,
     compression: WireCompression = "auto",
+    memory: MemoryLimit = DEFAULT_MEMORY,
 ) -> BackupSummary:
     """One backup, committed (see `backup`)."""
     if uri.bucket is None:
@@ -332,9 +339,8 @@ async def _backup_once(
             try:
                 run.read_collections(chosen, collections)
                 await run.plan(partitions)
-                results = await run.stream(
-                    streamer, on_progress, wait=wait, on_notice=on_notice, compression=compression
-                )
+                results = await run.stream(streamer, on_progress, wait=wait, on_notice=on_notice,
+                                           compression=compression, memory=memory)  # fmt: skip
                 manifest, rollbacks, bytes_read = run.commit(results)
             except BaseException:
                 repo.discard_empty(bucket, run.backup_id, lock)  # no segment: no leftover
@@ -516,6 +522,7 @@ class _BackupRun:
         wait: float = 120.0,
         on_notice: Callable[[str], None] | None = None,
         compression: WireCompression = "auto",
+        memory: MemoryLimit = DEFAULT_MEMORY,
     ) -> dict[int, PartitionResult]:
         """Stream the partitions that need it; every partition's result, reused ones too."""
         results: dict[int, PartitionResult] = {}
@@ -540,6 +547,7 @@ class _BackupRun:
                     wait=wait,
                     on_notice=on_notice,
                     compression=compression,
+                    memory=memory,
                 )
             )  # fmt: skip
         for p, ru in self.reused.items():

@@ -5,11 +5,14 @@ partition over one connection, finite to the high seqnos pinned at start; `drive
 it to a `BackupStream` (a `Sink`). Each partition's records go to its own
 `SegmentWriter`; compression and file writes run on one `Worker` thread, in arrival
 order, so the event loop (and the network) never waits on zstd: the reader task keeps
-filling the flow-control window meanwhile. Memory is bounded by configuration:
-the flow-control window, plus `memory_budget` of records held across open segments (raw,
-or compressed blocks not yet on disk; when exceeded, the largest are spilled to their
-body files), plus one shared zstd context. Segments become durable together
-(parallel fsyncs, one directory fsync) when every stream has ended.
+filling the flow-control window meanwhile. Memory is bounded in bytes by the command's
+`--memory-limit` (docs/design.md "Performance"), shared out by `budget`: the
+flow-control window (which also bounds what the consumer has queued), the batches sent
+to the worker and not yet written (`MAX_INFLIGHT` of them, and a share in bytes), and
+the records held across open segments (raw, or compressed blocks not yet on disk; when
+exceeded, the largest are spilled to their body files), plus one shared zstd context.
+Segments become durable together (parallel fsyncs, one directory fsync) when every
+stream has ended.
 
 A ROLLBACK met when a stream opens is recorded and the partition continues from the
 rollback seq on the new branch (never mixing branches: the segment's failover log is the
@@ -43,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +60,7 @@ from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog
 from upr_cli.fsio import sync_files
 from upr_cli.jobs.worker import Worker
+from upr_cli.memory import ByteWindow, MemoryLimit
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import DcpRecord
@@ -65,6 +70,24 @@ from upr_cli.segments.format import event_record
 from upr_cli.segments.writer import new_compressor
 
 MAX_INFLIGHT = 4  # batches queued on the segment worker before the stream waits
+DEFAULT_MEMORY = MemoryLimit()  # --memory-limit's default
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A backup's buffers, in bytes: the flow-control window, the batches queued on the
+    segment worker, the records held across open segments."""
+
+    window: int
+    queued: int
+    held: int
+
+
+def budget(memory: MemoryLimit) -> Budget:
+    """`memory` shared out; with the default 192 MB, the window (8 MB) and the held
+    records (64 MB) are what they were before the limit existed."""
+    return Budget(window=memory.share(1 / 24), queued=memory.share(1 / 8),
+                  held=memory.share(1 / 3))  # fmt: skip
 
 
 class BackupInterrupted(UprError):
@@ -136,8 +159,7 @@ async def stream_to_segments(
     partitions: list[int] | None = None,
     segment_name: Callable[[int, int, int], str],
     block_size: int = 1 << 20,
-    buffer_size: int = 8 * 1024 * 1024,
-    memory_budget: int = 64 * 1024 * 1024,
+    memory: MemoryLimit = DEFAULT_MEMORY,
     on_progress: Callable[[StreamStats], None] | None = None,
     end_seqs: dict[int, int] | None = None,
     cuts: dict[int, list[tuple[int, int, SegmentInfo]]] | None = None,
@@ -175,19 +197,22 @@ async def stream_to_segments(
     `segment_name(partition, first_seq, last_seq)` names each file inside `directory` once
     its records are known (formats/repository.md names segments by their first and last
     record seq).
+
+    `memory` is the budget for the run's buffers (`--memory-limit`), shared by `budget`.
     """
+    shares = budget(memory)
     consumer = DcpConsumer(uri, partitions=partitions, positions=positions,
                            failover_logs=failover_logs, boundaries=boundaries,
                            until_end=True, end_seqs=end_seqs,
-                           buffer_size=buffer_size, name="upr-backup",
+                           buffer_size=shares.window, name="upr-backup",
                            collections=collections or None,
                            followed_ids=followed_ids, compression=compression, follow_for=wait,
                            on_notice=on_notice)  # fmt: skip
     async with Worker("segments", max_queued=MAX_INFLIGHT) as worker:
         stream = BackupStream(
             consumer, worker, directory, bucket=bucket, segment_name=segment_name,
-            block_size=block_size, memory_budget=memory_budget, on_progress=on_progress,
-            cuts=cuts,
+            block_size=block_size, memory_budget=shares.held, on_progress=on_progress,
+            cuts=cuts, queued_bytes=shares.queued,
         )  # fmt: skip
         try:
             await consumer.open()
@@ -229,6 +254,7 @@ class BackupStream:
         memory_budget: int = 64 * 1024 * 1024,
         on_progress: Callable[[StreamStats], None] | None = None,
         cuts: dict[int, list[tuple[int, int, SegmentInfo]]] | None = None,
+        queued_bytes: int = 24 * 1024 * 1024,
     ) -> None:
         self.consumer = consumer
         self.worker = worker
@@ -245,6 +271,11 @@ class BackupStream:
         self._opened: dict[int, _Open] = {}
         self._finishing: dict[int, asyncio.Future[PartitionResult]] = {}
         self._pending: dict[int, list[DcpRecord]] = {}  # records not yet sent to the worker
+        self._pending_bytes = 0
+        # the batches on the worker, and their bytes: a batch larger than the whole share
+        # goes alone (the records of a document larger than it are never refused)
+        self._queued_bytes = ByteWindow(queued_bytes)
+        self._queued: deque[tuple[asyncio.Future[None], int]] = deque()
         self._rolled: dict[int, tuple[int, int, int]] = {}  # rollbacks met while opening
         self._last: dict[int, int] = {}  # per partition, the seq of the last record taken
         self._held = [0]  # bytes buffered across writers (worker side), kept incrementally
@@ -266,18 +297,22 @@ class BackupStream:
         some again), to be sent to the worker at the batch's end."""
         last, pending, span = self._last, self._pending, self._span
         n = nbytes = seqs = 0
-        for item in records:
-            vb, seq = item.vbucket, item.by_seqno
+        for item in records:  # fields by index: a read by name costs a call
+            vb, seq = item[1], item[2]
             before = last.get(vb, -1)
             if seq <= before:
                 continue  # sent again after a reconnect or a move: already held
             last[vb] = seq
-            pending.setdefault(vb, []).append(item)
+            rows = pending.get(vb)
+            if rows is None:
+                rows = pending[vb] = []
+            rows.append(item)
             n += 1
-            nbytes += 55 + len(item.key) + len(item.value) + len(item.xattrs)
+            nbytes += 55 + len(item[9]) + len(item[10]) + len(item[13])
             seqs += seq - (before if before >= 0 else span.get(vb, (seq - 1, 0))[0])
         self.stats.items += n
         self.stats.bytes_in += nbytes
+        self._pending_bytes += nbytes
         self.stats.seqs_done += seqs
 
     async def event(self, event: Event) -> None:
@@ -369,8 +404,16 @@ class BackupStream:
         if not self._pending:
             return
         work = [(self._opened[p], rows) for p, rows in self._pending.items()]
-        self._pending = {}
-        await self.worker.submit(functools.partial(self._add_all, work))
+        nbytes, self._pending, self._pending_bytes = self._pending_bytes, {}, 0
+        window, queued = self._queued_bytes, self._queued
+        while not window.take(nbytes):  # full: wait for the oldest batch to be written
+            fut, n = queued.popleft()
+            await asyncio.wait([fut])
+            await window.release(n)
+        while queued and queued[0][0].done():
+            await window.release(queued.popleft()[1])
+        fut = await self.worker.submit(functools.partial(self._add_all, work))
+        queued.append((fut, nbytes))
 
     async def _rollback(self, rb: Rollback) -> None:
         """Keep nothing above the rollback's boundary r (the consumer's `to_seq`, at or

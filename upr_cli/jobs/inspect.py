@@ -117,8 +117,8 @@ def _buckets(repo: Repository, bucket: str | None) -> list[str]:
     return names
 
 
-#: `verify`'s progress: (segments checked, segments in all, records read)
-VerifyProgress = Callable[[int, int, int], None]
+#: `verify`'s progress: (segments checked, segments in all, records read, bytes read)
+VerifyProgress = Callable[[int, int, int, int], None]
 
 
 def verify(
@@ -133,7 +133,8 @@ def verify(
 
     With `repair`, each bucket's lock is taken and a missing or damaged manifest file is
     rewritten from its valid twin; those problems are marked repaired. `on_progress` is
-    told after each segment how many are checked, of how many, and the records read."""
+    told after each segment how many are checked, of how many, and the records and
+    bytes (of segment files, as the summary counts them) read."""
     repo = open_repo(path)
     reports = []
     names = _buckets(repo, bucket)
@@ -143,11 +144,12 @@ def verify(
         for m in repo.readable(b)[0]
         for e in m.partitions
     )
-    done = [0, 0]  # segments checked, records read (before this bucket's report)
+    done = [0, 0, 0]  # segments checked, records and bytes read (before this bucket's report)
 
     def tick(rep: VerifyReport) -> None:
         if on_progress is not None:
-            on_progress(done[0] + rep.segments, total, done[1] + rep.records)
+            on_progress(done[0] + rep.segments, total, done[1] + rep.records,
+                        done[2] + rep.bytes)  # fmt: skip
 
     for b in names:
         rep = VerifyReport(b)
@@ -197,6 +199,7 @@ def verify(
                 )
         done[0] += rep.segments
         done[1] += rep.records
+        done[2] += rep.bytes
     return reports
 
 

@@ -37,12 +37,20 @@ from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpe
 from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.errors import UprError, UsageError, check_file_path
 from upr_cli.failover import FailoverLog
+from upr_cli.memory import MemoryLimit
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
 from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION, DcpRecord
 
 OPS = {OP_MUTATION: "mutation", OP_DELETION: "deletion", OP_EXPIRATION: "expiration"}
+
+
+def window(memory: MemoryLimit) -> int:
+    """The flow-control window of a tail with `memory` (`--memory-limit`): 4 MB with the
+    default 192 MB. The window bounds what the consumer has queued and so each batch's
+    lines too (docs/design.md "Performance")."""
+    return memory.share(1 / 48)
 
 
 @dataclass
@@ -57,7 +65,7 @@ class TailOptions:
     fmt: str = "text"
     verbose: bool = False
     state: Path | None = None
-    buffer_size: int = 4 * 1024 * 1024
+    buffer_size: int = 4 * 1024 * 1024  # the flow-control window: `window(--memory-limit)`
     wait: float = 120.0  # how long a lost node or a partition without an active is waited for
     collections: list[CollectionPath] | None = None  # filtered on the source's side
     compression: WireCompression = "auto"  # --wire-compression (formats/wire.md "Snappy")
