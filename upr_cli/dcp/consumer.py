@@ -389,6 +389,10 @@ class DcpConsumer:
         # (uuid, seq, snap_start, snap_end) per partition: plain tuples, since commit()
         # runs after every batch and must stay cheap for 1024 partitions.
         self._committed: dict[int, tuple[int, int, int, int]] = {}
+        # the partitions whose position moved since the last commit(): commit() copies
+        # those alone, unless a position changed outside the decode path (`_stale`)
+        self._dirty: set[int] = set()
+        self._stale = True
         self.session: Session | None = None  # the bootstrap link's session
         self._links: dict[Addr, _Link] = {}
         self._link_locks: dict[Addr, asyncio.Lock] = {}
@@ -553,6 +557,7 @@ class DcpConsumer:
             part.uuid, part.seq = (entry.uuid if entry else 0), seq
             part.snap_start = part.snap_end = seq
             self._committed[p] = (part.uuid, part.seq, part.snap_start, part.snap_end)
+            self._stale = True
         if self.until_end:
             # `end_seqs` (a planned range) is capped at what the source holds now: a
             # branch that rolled back below it cannot serve it (the next plan sees that)
@@ -884,6 +889,7 @@ class DcpConsumer:
         """A stream is open: keep its failover log, settle its branch (and, from latest,
         its start), then hand over StreamOpened and the data held for it meanwhile."""
         part.log = FailoverLog.sanitised(resp.failover_log)
+        self._stale = True
         started_on = part.uuid  # the branch the start was asked on (0: none yet)
         if part.log.entries:
             if not started_on or part.log.find(started_on) is None:
@@ -1030,6 +1036,7 @@ class DcpConsumer:
         # Without a kept log, stay on the position's branch: the server bounded r by it.
         uuid = entry.uuid if entry is not None else previous.uuid
         part.uuid, part.seq, part.snap_start, part.snap_end = uuid, b, b, b
+        self._stale = True
         part.bounds = [x for x in part.bounds if x < b] + [b]
         self._unforget(part, b)
         if part.partition in self._bounds:  # the caller's: those above b are gone with it
@@ -1103,10 +1110,19 @@ class DcpConsumer:
             self._committed.update(
                 {p: (s.uuid, s.seq, s.snap_start, s.snap_end) for p, s in positions.items()}
             )
-        else:
+            self._stale = True  # the caller's positions may differ from where parts stand
+        elif self._stale:
             self._committed.update(
                 {p: (t.uuid, t.seq, t.snap_start, t.snap_end) for p, t in self.parts.items()}
             )
+            self._stale = False
+            self._dirty.clear()
+        else:  # runs after every batch: only the partitions the batches moved
+            parts, committed = self.parts, self._committed
+            for p in self._dirty:
+                t = parts[p]
+                committed[p] = (t.uuid, t.seq, t.snap_start, t.snap_end)
+            self._dirty.clear()
         if self._settling:
             self._settle_filters()
 
@@ -1239,16 +1255,20 @@ class DcpConsumer:
         # The hot path: a data record costs a dict lookup and an attribute store (its
         # fields by index, not by name); a record whose value is compressed or carries
         # xattrs is noted and made plain with the rest of its batch (`plain_records`).
-        parts = self.parts
+        parts, dirty = self.parts, self._dirty
         record, coded_bits, filtered = DcpRecord, _CODED, self.filter is not None
         out: list[Item] = []
         append = out.append
         coded: list[int] = []
+        last = None  # the partition of the run of records going on
         for it in items:
             if type(it) is record:
                 part = parts.get(it[1])
                 if part is not None:
                     part.seq = it[2]
+                    if part is not last:
+                        dirty.add(it[1])
+                        last = part
                     if filtered and part.keep is not None and it[12] not in part.keep:
                         continue  # catching up unfiltered: not a collection it follows
                 if it[8] & coded_bits:
@@ -1271,6 +1291,7 @@ class DcpConsumer:
             part = parts.get(vb)
             if part is None:
                 continue
+            dirty.add(vb)
             if isinstance(msg, SnapshotMarker | SnapshotMarkerV2):
                 if part.marked or part.seq == part.snap_end:
                     # the snapshot before is complete: the caller's state at its end (or
@@ -1324,6 +1345,7 @@ class DcpConsumer:
             return
         seq, event, version = _SYSTEM_EXTRAS.unpack(frame.extras)
         part.seq = seq
+        self._dirty.add(part.partition)
         change = self._system_event(part, seq, event, version, bytes(frame.key),
                                     bytes(frame.value))  # fmt: skip
         if change is not None and self._hand_over(part, change):
@@ -1392,6 +1414,7 @@ class DcpConsumer:
 
     def _reset(self, part: _Part) -> None:
         part.uuid, part.seq, part.snap_start, part.snap_end = self._committed[part.partition]
+        self._stale = True
         part.delivered = [c for c in part.delivered if c.seq <= part.seq]  # they come again
 
     def _reconnecting(self) -> RetryPolicy:
