@@ -838,11 +838,10 @@ class Bucket:
         datatype = checked_datatype(datatype, value, key)
         if live and old is not None and old.datatype & xattrs.XATTR and not datatype & xattrs.XATTR:
             datatype, value = with_old_xattrs(old, datatype, value)
-        doc = DocRow(
-            vbucket=vb, key=key, seq=part.high_seq + 1, rev_seq=(old.rev_seq + 1) if old else 1,
-            datatype=datatype, cas=self.next_cas(), flags=flags, expiry=expiry, deleted=False,
-            delete_time=0, value=value,
-        )  # fmt: skip
+        # positional: the hot path (vbucket, key, seq, rev_seq, cas, flags, expiry,
+        # datatype, deleted, delete_time, value)
+        doc = DocRow(vb, key, part.high_seq + 1, (old.rev_seq + 1) if old else 1,
+                     self.next_cas(), flags, expiry, datatype, False, 0, value)  # fmt: skip
         part.append(doc)
         return doc
 
