@@ -678,13 +678,15 @@ class ClientSession:
         n = len(frames)
         request = Magic.REQUEST
         with_seq = Feature.MUTATION_SEQNO in self.features
+        colls = self.collections
+        uuids: dict[int, int] = {}  # per partition: no failover happens within this pass
         while i < n:
             frame = frames[i]
             if frame.opcode not in FAST_STORE or frame.magic != request or len(frame.extras) != 8:
                 break
             i += 1
             try:
-                bucket, vb, doc = self.fast_store(frame)
+                bucket, vb, doc = self.fast_store(frame, colls)
             except StatusError as exc:
                 self._out_bytes += size
                 size = 0
@@ -692,8 +694,10 @@ class ClientSession:
                 out = self._out
                 continue
             if with_seq:
-                data = encode_store_response(frame.opcode, frame.opaque, doc.cas,
-                                             bucket.partitions[vb].uuid, doc.seq)  # fmt: skip
+                uuid = uuids.get(vb)
+                if uuid is None:
+                    uuid = uuids[vb] = bucket.partitions[vb].uuid
+                data = encode_store_response(frame.opcode, frame.opaque, doc.cas, uuid, doc.seq)
             else:
                 data = encode_store_response(frame.opcode, frame.opaque, doc.cas)
             out.append(data)
@@ -703,18 +707,22 @@ class ClientSession:
         self._out_bytes += size
         return i
 
-    def fast_store(self, frame: Frame) -> tuple[Bucket, int, DocRow]:
-        """SET/ADD/REPLACE without building message objects: (bucket, vbucket, version)."""
+    def fast_store(self, frame: Frame, collections: bool) -> tuple[Bucket, int, DocRow]:
+        """SET/ADD/REPLACE without building message objects: (bucket, vbucket, version).
+        `collections`: whether the connection negotiated them (see `qualified`)."""
         bucket = self.need_bucket()
         if not bucket.traffic:
             self.check_traffic()
         flags, expiration, key, value = parse_set(frame)
         if frame.datatype:
             self.check_datatype(frame.datatype)
+        if not collections:
+            key = b"\x00" + key
+        elif not (len(key) > 1 and key[0] < 0x80):  # else a one-byte id, then the key
+            key = self.qualified(key)
         vb = frame.vbucket_or_status
-        doc = bucket.store(FAST_STORE[frame.opcode], vb, self.qualified(key), value,
-                           flags=flags, expiry=expiration, datatype=frame.datatype,
-                           cas=frame.cas)  # fmt: skip
+        doc = bucket.store(FAST_STORE[frame.opcode], vb, key, value, flags=flags,
+                           expiry=expiration, datatype=frame.datatype, cas=frame.cas)  # fmt: skip
         return bucket, vb, doc
 
     def check_datatype(self, datatype: int, *, with_meta: bool = False) -> None:
