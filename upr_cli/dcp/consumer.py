@@ -1082,6 +1082,9 @@ class DcpConsumer:
 
     def _on_server(self, addr: Addr, gen: int, items: ServerItems, nbytes: int) -> None:
         """Reader-task callback: answer NOOPs now, queue the rest (with its byte count)."""
+        if Frame not in set(map(type, items)):  # data records alone: no NOOP among them
+            self._queue.put_nowait((addr, gen, items, nbytes))
+            return
         keep = []
         link = self._links.get(addr)
         for it in items:
