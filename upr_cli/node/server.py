@@ -135,6 +135,9 @@ from upr_cli.protocol.status import (
 log = logging.getLogger(__name__)
 
 FAST_STORE: dict[int, str] = {Opcode.SET: "set", Opcode.ADD: "add", Opcode.REPLACE: "replace"}
+# KV requests the read loop answers in its synchronous pass, through their messages
+SYNC_KV = frozenset({Opcode.SET_WITH_META, Opcode.DEL_WITH_META, Opcode.DELETE, Opcode.GET})
+LOOKS_UP = frozenset(FAST_STORE) | SYNC_KV  # their keys' disk versions read in one query
 # a TLS peer that does not finish its handshake (a plain client, a stalled one) is dropped
 TLS_HANDSHAKE_TIMEOUT = 10.0
 UNAUTH_MAX_BODY = 16 * 1024  # bytes a peer may send in one frame before authenticating
@@ -532,7 +535,7 @@ class ClientSession:
                 if self.bucket is not None and len(frames) > 8:
                     self.bucket.prefetch([
                         (f.vbucket_or_status, self.qualified(f.key, check=False)) for f in frames
-                        if f.opcode in FAST_STORE and f.magic == Magic.REQUEST
+                        if f.opcode in LOOKS_UP and f.magic == Magic.REQUEST
                     ])  # fmt: skip
                 i, n = 0, len(frames)
                 while i < n:
@@ -682,8 +685,19 @@ class ClientSession:
         uuids: dict[int, int] = {}  # per partition: no failover happens within this pass
         while i < n:
             frame = frames[i]
-            if frame.opcode not in FAST_STORE or frame.magic != request or len(frame.extras) != 8:
+            if frame.magic != request:
                 break
+            if frame.opcode not in FAST_STORE or len(frame.extras) != 8:
+                if frame.opcode not in SYNC_KV:
+                    break
+                # the restore path (with-meta writes) and deletions: decoded as messages,
+                # answered in the same pass
+                i += 1
+                self._out_bytes += size
+                size = 0
+                self.sync_kv(frame)
+                out = self._out
+                continue
             i += 1
             try:
                 bucket, vb, doc = self.fast_store(frame, colls)
@@ -706,6 +720,19 @@ class ClientSession:
                 break
         self._out_bytes += size
         return i
+
+    def sync_kv(self, frame: Frame) -> None:
+        """A KV request of SYNC_KV answered as `handle` would, without a coroutine."""
+        try:
+            msg = decode_message(frame)
+        except RemoteProtocolError as exc:
+            self.send(error_response(frame.opcode, frame.opaque, Status.EINVAL, str(exc)))
+            return
+        try:
+            self.check_traffic()
+            self.kv(msg)
+        except StatusError as exc:
+            self.error_reply(frame, exc)
 
     def fast_store(self, frame: Frame, collections: bool) -> tuple[Bucket, int, DocRow]:
         """SET/ADD/REPLACE without building message objects: (bucket, vbucket, version).
