@@ -30,28 +30,48 @@ def say(message: str) -> None:
     print(f"[{time.monotonic() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
+#: the launcher `run_measured` starts each command through: it runs the command, waits
+#: for it with wait4 and writes "MAXRSS_KB SECONDS" to the file named by argv[1]
+_LAUNCHER = (
+    "import os, subprocess, sys, time\n"
+    "t = time.perf_counter()\n"
+    "p = subprocess.Popen(sys.argv[2:])\n"
+    "_pid, status, usage = os.wait4(p.pid, 0)\n"
+    "secs = time.perf_counter() - t\n"
+    "open(sys.argv[1], 'w').write(f'{usage.ru_maxrss} {secs}')\n"
+    "sys.exit(os.waitstatus_to_exitcode(status) & 0xFF)\n"
+)
+
+
 def run_measured(cmd: list[str], *, discard: bool = False) -> tuple[float, float, str]:
-    """(wall seconds, the child's own peak RSS in MB, its stdout) of one child process
-    run to its end, via os.wait4; `discard` sends its stdout to /dev/null instead. A
-    failure ends the benchmark with the command and the end of its stderr."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    """(seconds, the child's own peak RSS in MB, its stdout) of one command run to its
+    end; `discard` sends its stdout to /dev/null instead. A failure ends the benchmark
+    with the command and the end of its stderr.
+
+    The command is started by a small launcher process (`_LAUNCHER`), in a session of
+    its own, which reads the peak with wait4: Linux counts the peak RSS of the process
+    a child was forked (or vforked) from into the child's ru_maxrss, so a command forked
+    straight from a benchmark that holds a million rows would report the benchmark's
+    peak, not its own. Killed as a group when the benchmark is interrupted."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
+            tempfile.NamedTemporaryFile("r", suffix=".rss") as usage:  # fmt: skip
         sink = subprocess.DEVNULL if discard else out
-        t = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=err)
+        proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, usage.name, *cmd],
+                                stdout=sink, stderr=err, start_new_session=True)  # fmt: skip
         try:
-            _pid, status, usage = os.wait4(proc.pid, 0)
+            proc.wait()
         except BaseException:
-            proc.kill()
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
-        secs = time.perf_counter() - t
-        proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
             err.seek(0)
             tail = err.read()[-2000:].strip()
             raise SystemExit(f"{' '.join(cmd[2:4])} exited {proc.returncode}: {tail}")
+        kb, secs = usage.read().split()
         out.seek(0)
-        return secs, usage.ru_maxrss / 1024, out.read()
+        return float(secs), int(kb) / 1024, out.read()
 
 
 def peak_rss_mb(pid: int) -> float:

@@ -474,6 +474,17 @@ def run(args: argparse.Namespace, skip: set[str], t: Path, report: Report) -> No
         sqlite_part(report, repo, t, args.pairs, small)
     if "rss" not in skip:
         small |= repo_peaks(repo, t)
+        if "restore (node)" not in small:  # the node part was skipped: one restore
+            say("restore into a fresh node (peak RSS)")
+            with fresh_node(t / "rss-node", parts) as node:
+                got = timed(restore_cmd(repo, node.uri), [node.proc.pid])
+            small["restore (node)"] = (got.client_mb, got.node_mb)
+            items = items or got.items
+        if "restore (SQLite)" not in small:  # the sqlite part was skipped: one restore
+            say("restore into SQLite (peak RSS)")
+            got = timed(restore_cmd(repo, f"sqlite:{t / 'rss.db'}"), [])
+            (t / "rss.db").unlink(missing_ok=True)
+            small["restore (SQLite)"] = (got.client_mb, None)
         large: dict[str, Peak] = {}
         if "large" not in skip:
             large = large_peaks(t / "large", cluster="cluster" not in skip)
