@@ -27,6 +27,8 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
             ["replay", "upr://127.0.0.1:1/default", "--into", "s.db", "--undo-window", "-1"],
             "--undo-window",
         ),
+        (["replay", "repo:/x", "--into", "s.db", "--memory-limit", "lots"], "not a size"),
+        (["replay", "repo:/x", "--into", "s.db", "--memory-limit", "1MB"], "at least 16MB"),
         (["diff", "nonsense", "sqlite:/x"], "a source is"),
         (["diff", "sqlite:{tmp}/missing.db", "{tmp}/a.json"], "no such store"),
         (["diff", "{tmp}/bad.json", "{tmp}/bad.json"], "not a JSON file"),

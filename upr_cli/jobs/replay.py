@@ -625,12 +625,10 @@ class ReplaySession:
                 st.complete = seq
         self._arrived += n
         self.stats.items += n
-        # one C-level pass per batch; a reconnect's repeats were dropped: count what is held
-        self._held = self._held + _nbytes(records) if n == len(records) else self._recount()
-
-    def _recount(self) -> int:
-        """The bytes held, counted again (after rows were dropped)."""
-        return sum(_nbytes(st.rows) for st in self.parts.values())
+        if n == len(records):  # one C-level pass a batch
+            self._held += _nbytes(records)
+        else:  # a reconnect's repeats were dropped: count what is held (rare)
+            self._held = sum(_nbytes(st.rows) for st in parts.values())
 
     async def event(self, event: Event) -> None:
         """Markers, stream (re)opens and ends, rollbacks and barrier cuts, in wire order."""
@@ -696,9 +694,10 @@ class ReplaySession:
         self._barrier_out = None
         if self.catching_up and ev.position.seq < st.applied.seq:
             await self._restart_open_transaction()
+        before = _nbytes(st.rows)  # one partition's: a session opens one stream a partition
         st.reset_to(ev.position)
         st.log = st.branches = FailoverLog.sanitised(ev.failover_log)
-        self._held = self._recount()
+        self._held += _nbytes(st.rows) - before
 
     async def _rollback(self, ev: Rollback) -> None:
         """Undo the store's changes above the boundary (its log keeps what it takes back);
@@ -706,11 +705,12 @@ class ReplaySession:
         st = self.parts.get(ev.partition)
         if st is not None:
             # rows up to the boundary stay (they may not be in the store yet)
+            before = _nbytes(st.rows)
             st.drop_above(ev.to_seq)
+            self._held += _nbytes(st.rows) - before
             st.marks.clear()
             st.complete = min(st.complete, ev.to_seq)
             st.received = ev.to_seq
-            self._held = self._recount()
         await self.worker.drain()
         store, p = self.store, ev.partition
         held = await self.worker.run(lambda: store.position(p))
