@@ -111,7 +111,6 @@ from upr_cli.protocol.messages import (
     SetWithMeta,
     Stat,
     StatResponse,
-    StoreResponse,
     StreamRequest,
     StreamRequestOk,
     StreamRequestRollback,
@@ -1138,16 +1137,13 @@ class ClientSession:
             doc = bucket.delete(vb, self.qualified(msg.key), cas=msg.cas)
         else:
             raise UnknownCommand("unsupported KV request")
-        with_seq = Feature.MUTATION_SEQNO in self.features
-        self.send(
-            StoreResponse(
-                opaque=msg.opaque,
-                opcode=int(msg.SCHEMA.opcodes[0]),
-                cas=doc.cas,
-                vbucket_uuid=bucket.partitions[vb].uuid if with_seq else None,
-                seqno=doc.seq if with_seq else None,
-            )
-        )
+        # StoreResponse's bytes, packed in one call (the restore path's answer)
+        opcode = int(msg.SCHEMA.opcodes[0])
+        if Feature.MUTATION_SEQNO in self.features:
+            uuid = bucket.partitions[vb].uuid
+            self.send(encode_store_response(opcode, msg.opaque, doc.cas, uuid, doc.seq))
+        else:
+            self.send(encode_store_response(opcode, msg.opaque, doc.cas))
 
     def kv_raw(self, msg: UnknownRequest) -> None:
         """TOUCH and GAT (extras u32 expiry), GET_META (extras: none, or u8 version 1 or
