@@ -26,9 +26,10 @@ Theory of operation (formats/store.md is the normative spec)
   opcode to `deleted` and stores JSON values as TEXT. Undo entries are captured in bulk,
   one INSERT … SELECT per up to 256 changes. Checks that need every row (seq order,
   partition, opcode) run over columns with C-level `map`/`set`. 64-bit values above
-  2^63-1 are rare (a cas would have to be from after 2262), so the rows are first bound
-  as they are; if SQLite refuses an integer, the statements are undone to a savepoint
-  and the rows re-bound with u64 → i64 conversion.
+  2^63-1 are rare (a cas would have to be from after 2262), so rows whose seqs, rev
+  seqs and cas all fit are bound as they are; otherwise they are first bound as they
+  are inside a savepoint and, if SQLite refuses an integer, the statements are undone
+  to it and the rows re-bound with u64 → i64 conversion.
 * **Snapshot boundaries** (formats/store.md §3.6). Inside a deduplicated snapshot the
   store's state is not one the source ever had, so a rollback must land on a boundary:
   a saved position that ended (or had not begun) its snapshot. `apply` and
@@ -117,6 +118,8 @@ _field = ROW_FIELDS.index
 _get_op = itemgetter(_field("opcode"))
 _get_partition = itemgetter(_field("vbucket"))
 _get_seq = itemgetter(_field("by_seqno"))
+_get_rev = itemgetter(_field("rev_seqno"))
+_get_cas = itemgetter(_field("cas"))
 # a document's identity inside its partition: (collection id, key)
 _get_ckey = itemgetter(_field("collection"), _field("key"))
 _get_xattrs = itemgetter(_field("xattrs"))
@@ -541,6 +544,7 @@ class Store(sqlite.Closing):
         self.undo_window = undo_window
         self._conn: sqlite3.Connection | None = None
         self._depth = 0  # open write transactions: 1 = BEGIN, more = savepoints
+        self._flat = False  # inner writes join the open transaction without a savepoint
         self._utils: sqlite_utils.Database | None = None
         self._open: contextlib.ExitStack | None = None  # a transaction `begin` opened
         self._bounds_added: dict[int, int] = {}  # boundaries recorded since the last trim
@@ -608,8 +612,13 @@ class Store(sqlite.Closing):
         """One write transaction, or a savepoint inside an open one; undone unless completed."""
         db = self._db
         depth = self._depth
+        inner: contextlib.AbstractContextManager[sqlite3.Connection] = (
+            sqlite.transaction(db) if not depth
+            else contextlib.nullcontext(db) if self._flat
+            else sqlite.savepoint(db, f"upr_{depth}")
+        )  # fmt: skip
         try:
-            with sqlite.transaction(db) if not depth else sqlite.savepoint(db, f"upr_{depth}"):
+            with inner:
                 self._depth += 1
                 try:
                     yield db
@@ -629,8 +638,18 @@ class Store(sqlite.Closing):
                    rows: Sequence[Row]) -> T:  # fmt: skip
         """Run `work(rows)`; if SQLite refuses an integer, undo it and re-run it on i64 rows.
 
-        See the module header: values above 2^63-1 are converted only when present.
+        See the module header: values above 2^63-1 are converted only when present. Rows
+        whose seq, rev seq and cas all fit (three C-level passes tell) take no savepoint:
+        a value that fails then fails the caller's transaction, as it would after the
+        retry.
         """
+        m = _I64_MAX
+        if (
+            max(map(_get_seq, rows), default=0) <= m
+            and max(map(_get_rev, rows), default=0) <= m
+            and max(map(_get_cas, rows), default=0) <= m
+        ):
+            return work(rows)
         try:
             with sqlite.savepoint(db, "upr_i64"):
                 return work(rows)
@@ -916,13 +935,19 @@ class Store(sqlite.Closing):
 
     def apply_many(self, batches: Iterable[Work]) -> None:
         """`apply` each (partition, rows, position, failover_log[, changes]) in ONE
-        transaction."""
+        transaction. A failure undoes all of them (it leaves the batch), so the applies
+        take no savepoint each: two statements fewer an apply, which count where a batch
+        holds a few rows of each of many partitions."""
         with self.batch():
-            for work in batches:
-                if len(work) == 5:
-                    self.apply(*work)
-                else:
-                    self.apply(*work[:4])
+            flat, self._flat = self._flat, True
+            try:
+                for work in batches:
+                    if len(work) == 5:
+                        self.apply(*work)
+                    else:
+                        self.apply(*work[:4])
+            finally:
+                self._flat = flat
 
     def claim_filter(self, collections: str) -> None:
         """Follow only `collections` (comma-separated paths; "" for all): recorded on a
