@@ -225,6 +225,26 @@ def test_a_failure_mid_batch_commits_nothing(tmp_path: Path) -> None:
     assert raw_tables(path) != before
 
 
+def test_a_failed_apply_in_apply_many_undoes_the_whole_call(tmp_path: Path) -> None:
+    # the applies of one apply_many share its transaction without savepoints of their own
+    path = tmp_path / "s.db"
+    with Store(path) as s:
+        s.apply(1, [row(1, 1, b"a")], pos(1, 1))
+        before = raw_tables(path)
+        with pytest.raises(ValueError, match="opcode"):
+            s.apply_many([(1, [row(1, 2, b"b")], pos(1, 2), None),
+                          (2, [row(2, 1, b"x", op=0x5A)], pos(2, 1), None)])  # fmt: skip
+        assert raw_tables(path) == before
+        with s.batch():  # inside an outer batch: that batch goes on
+            s.apply(3, [row(3, 1, b"c")], pos(3, 1))
+            with pytest.raises(ValueError, match="opcode"):
+                s.apply_many([(1, [row(1, 2, b"b")], pos(1, 2), None),
+                              (2, [row(2, 1, b"x", op=0x5A)], pos(2, 1), None)])  # fmt: skip
+            s.apply_many([(1, [row(1, 2, b"b")], pos(1, 2), None)])
+        assert s.positions() == {1: pos(1, 2), 3: pos(3, 1)}
+        assert s.get(2, b"x") is None
+
+
 def test_batch_groups_calls_into_one_transaction(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
     with Store(path) as s:
