@@ -275,11 +275,12 @@ class FrameDecoder:
                     ):
                         break
                     k = off + 55
-                    key, value = mv[k : k + keylen], mv[k + keylen : end]
-                    if colls:  # a one-byte id (below 128) inline: the common case
-                        if keylen and buf[k] < 0x80:
-                            cid, key = buf[k], mv[k + 1 : k + keylen]
-                        else:
+                    value = mv[k + keylen : end]
+                    if colls and keylen and buf[k] < 0x80:  # a one-byte id: the common case
+                        cid, key = buf[k], mv[k + 1 : k + keylen]  # the key sliced once
+                    else:
+                        key = mv[k : k + keylen]
+                        if colls:
                             cid, key = self._split(key, off)
                     append(new(record, (0x57, vb, seq, rev, cas, flags, exp, 0, datatype,
                                         key, value, opaque, cid, b"")))  # fmt: skip
@@ -315,31 +316,21 @@ class FrameDecoder:
                             raise
                     else:
                         dtime = 0
-                    key, value = mv[k : k + keylen], mv[k + keylen : end]
-                    if colls:
-                        if keylen and buf[k] < 0x80:
-                            cid, key = buf[k], mv[k + 1 : k + keylen]
-                        else:
+                    value = mv[k + keylen : end]
+                    if colls and keylen and buf[k] < 0x80:
+                        cid, key = buf[k], mv[k + 1 : k + keylen]
+                    else:
+                        key = mv[k : k + keylen]
+                        if colls:
                             cid, key = self._split(key, off)
                     append(new(record, (opcode, vb, seq, rev, cas, flags, exp, dtime, datatype,
                                         key, value, opaque, cid, b"")))  # fmt: skip
                     off = end
                     continue
                 p = off + 24
-                append(
-                    Frame(
-                        magic,
-                        opcode,
-                        datatype,
-                        vb,
-                        opaque,
-                        cas,
-                        empty,
-                        mv[p:k] if extlen else empty,
-                        mv[k : k + keylen],
-                        mv[k + keylen : end],
-                    )
-                )
+                append(new(Frame, (magic, opcode, datatype, vb, opaque, cas, empty,
+                                   mv[p:k] if extlen else empty, mv[k : k + keylen],
+                                   mv[k + keylen : end])))  # fmt: skip
                 off = end
             self._consumed += off - self._off
             self._off = off
