@@ -289,3 +289,11 @@ def test_fast_path_structs_match_the_message_layouts() -> None:
     assert decoder._DEL_V1.format == DELETION_V1_EXTRAS.struct.format
     assert decoder._DEL_V2.format == DELETION_V2_EXTRAS.struct.format
     assert decoder._EXPIRY.format == EXPIRATION_EXTRAS.struct.format
+
+
+def test_record_field_positions_name_the_fields() -> None:
+    """The R_ constants the hot loops index records with are the fields' positions."""
+    from upr_cli.protocol import decoder
+
+    positions = {f: getattr(decoder, "R_" + f.upper()) for f in decoder.ROW_FIELDS}
+    assert list(positions.values()) == list(range(len(decoder.ROW_FIELDS)))

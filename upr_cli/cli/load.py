@@ -164,18 +164,23 @@ def load_cmd(
     if json_out:
         print_json(summary.to_json())
     else:
-        stdout.print(
-            f"{summary.ops:,} items in {summary.seconds:.2f}s ({summary.rate:,.0f} items/s), "
-            f"{plural(summary.errors, 'error')}\n{summary.sets:,} created, "
-            f"{summary.updates:,} updated, {summary.deletes:,} deleted",
-            markup=False,
-        )
-        if len(summary.collections) > 1 or summary.collections[0].id != 0:
-            for c in summary.collections:
-                stdout.print(f"  {c.path}: {c.created:,} created, {c.updates:,} updated, "
-                             f"{c.deletes:,} deleted", markup=False)  # fmt: skip
-        if summary.overwritten:
-            stdout.print(f"overwrote {summary.overwritten:,} existing keys (left by an earlier "
-                         f"run with --prefix {prefix})", markup=False)  # fmt: skip
+        _print_summary(summary, prefix)
     if summary.errors:
         raise typer.Exit(1)
+
+
+def _print_summary(summary: LoadSummary, prefix: str) -> None:
+    """The load's counts, per collection when it spread over several."""
+    stdout.print(
+        f"{summary.ops:,} items in {summary.seconds:.2f}s ({summary.rate:,.0f} items/s), "
+        f"{plural(summary.errors, 'error')}\n{summary.sets:,} created, "
+        f"{summary.updates:,} updated, {summary.deletes:,} deleted",
+        markup=False,
+    )
+    if len(summary.collections) > 1 or summary.collections[0].id != 0:
+        for c in summary.collections:
+            stdout.print(f"  {c.path}: {c.created:,} created, {c.updates:,} updated, "
+                         f"{c.deletes:,} deleted", markup=False)  # fmt: skip
+    if summary.overwritten:
+        stdout.print(f"overwrote {summary.overwritten:,} existing keys (left by an earlier "
+                     f"run with --prefix {prefix})", markup=False)  # fmt: skip

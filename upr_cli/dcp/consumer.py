@@ -106,7 +106,7 @@ from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.protocol import Frame, Message, decode_message, snappy, xattrs
-from upr_cli.protocol.decoder import DcpRecord
+from upr_cli.protocol.decoder import R_BY_SEQNO, R_COLLECTION, R_DATATYPE, R_VBUCKET, DcpRecord
 from upr_cli.protocol.header import Feature, Magic, Opcode
 from upr_cli.protocol.messages import (
     STREAM_FOREVER,
@@ -1266,15 +1266,15 @@ class DcpConsumer:
         last = None  # the partition of the run of records going on
         for it in items:
             if type(it) is record:
-                part = parts.get(it[1])
+                part = parts.get(it[R_VBUCKET])
                 if part is not None:
-                    part.seq = it[2]
+                    part.seq = it[R_BY_SEQNO]
                     if part is not last:
-                        dirty.add(it[1])
+                        dirty.add(it[R_VBUCKET])
                         last = part
-                    if filtered and part.keep is not None and it[12] not in part.keep:
+                    if filtered and part.keep is not None and it[R_COLLECTION] not in part.keep:
                         continue  # catching up unfiltered: not a collection it follows
-                if it[8] & coded_bits:
+                if it[R_DATATYPE] & coded_bits:
                     coded.append(len(out))
                 append(it)
                 continue

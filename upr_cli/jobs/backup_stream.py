@@ -63,7 +63,7 @@ from upr_cli.jobs.worker import Worker
 from upr_cli.memory import ByteWindow, MemoryLimit
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
-from upr_cli.protocol.decoder import DcpRecord
+from upr_cli.protocol.decoder import R_BY_SEQNO, R_KEY, R_VALUE, R_VBUCKET, R_XATTRS, DcpRecord
 from upr_cli.protocol.messages import STREAM_FOREVER
 from upr_cli.segments import SegmentHeader, SegmentInfo, SegmentWriter
 from upr_cli.segments.format import event_record
@@ -298,7 +298,7 @@ class BackupStream:
         last, pending, span = self._last, self._pending, self._span
         n = nbytes = seqs = 0
         for item in records:  # fields by index: a read by name costs a call
-            vb, seq = item[1], item[2]
+            vb, seq = item[R_VBUCKET], item[R_BY_SEQNO]
             before = last.get(vb, -1)
             if seq <= before:
                 continue  # sent again after a reconnect or a move: already held
@@ -308,7 +308,7 @@ class BackupStream:
                 rows = pending[vb] = []
             rows.append(item)
             n += 1
-            nbytes += 55 + len(item[9]) + len(item[10]) + len(item[13])
+            nbytes += 55 + len(item[R_KEY]) + len(item[R_VALUE]) + len(item[R_XATTRS])
             seqs += seq - (before if before >= 0 else span.get(vb, (seq - 1, 0))[0])
         self.stats.items += n
         self.stats.bytes_in += nbytes

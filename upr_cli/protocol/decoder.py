@@ -13,7 +13,7 @@ raises the same error again. For any input it yields frames or raises
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from upr_cli.errors import RemoteProtocolError
 from upr_cli.protocol import leb128
@@ -92,6 +92,23 @@ class DcpRecord(NamedTuple):
 
 
 ROW_FIELDS = DcpRecord._fields
+# Field positions, for the few loops that read records by index (a read by name is an
+# attribute lookup a field): `rec[R_VBUCKET]`, never `rec[1]` (Final: mypy knows each
+# field's type).
+R_OPCODE: Final = 0
+R_VBUCKET: Final = 1
+R_BY_SEQNO: Final = 2
+R_REV_SEQNO: Final = 3
+R_CAS: Final = 4
+R_FLAGS: Final = 5
+R_EXPIRATION: Final = 6
+R_DELETE_TIME: Final = 7
+R_DATATYPE: Final = 8
+R_KEY: Final = 9
+R_VALUE: Final = 10
+R_OPAQUE: Final = 11
+R_COLLECTION: Final = 12
+R_XATTRS: Final = 13
 
 
 class Frame(NamedTuple):
