@@ -241,7 +241,7 @@ async def backup(
     restarted from a crash ends each stream at its new branch's high seq, the rollback
     recorded as after a failover (docs/protocol.md §4.5). `compression` is the links'
     Snappy (`--wire-compression`, formats/wire.md "Snappy"). `memory` is the budget for
-    the run's buffers (`--memory-limit`; a Spark task keeps the default).
+    the run's buffers (`--memory-limit`; each Spark task keeps to it in its own process).
     """
     chosen = collection_filter(include, exclude)
     first = await _backup_once(uri, repo_dir, full=full, partitions=partitions,

@@ -25,8 +25,9 @@ from typing import Any
 from upr_cli.collections import Path as CollectionPath
 from upr_cli.dcp.consumer import WireCompression
 from upr_cli.failover import FailoverLog
-from upr_cli.jobs.backup_stream import PartitionResult, stream_to_segments
+from upr_cli.jobs.backup_stream import DEFAULT_MEMORY, PartitionResult, stream_to_segments
 from upr_cli.jobs.restore import RestoreSummary, restore_to_node
+from upr_cli.memory import MemoryLimit
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
 
@@ -53,6 +54,7 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                      followed_ids: dict[int, set[int]] | None = None,
                      wait: float = 120.0,
                      compression: WireCompression = "auto",
+                     memory: MemoryLimit = DEFAULT_MEMORY,
                      **_ignored: Any) -> dict[int, PartitionResult]:  # fmt: skip
         logs = failover_logs or {}
         ends = end_seqs or {}
@@ -72,6 +74,7 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                 {p: followed_ids[p] for p in share if p in followed_ids},
                 wait=wait,  # each task waits for a lost node as the command says (--wait)
                 compression=compression,  # and sets Snappy as it says (--wire-compression)
+                memory=memory,  # and keeps to --memory-limit, each in its own process
             ))  # fmt: skip
             return sorted(got.items())
 
@@ -125,7 +128,7 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
                 by[c.source_id].documents += c.documents
                 by[c.source_id].deletions += c.deletions
         for name in ("partitions", "documents", "deletions", "written", "conflicts",
-                     "absent_deletes", "xattrs", "xattrs_left_out"):  # fmt: skip
+                     "absent_deletes", "xattrs", "xattrs_left_out", "bytes"):  # fmt: skip
             setattr(total, name, getattr(total, name) + getattr(s, name))
         for k, v in s.errors.items():
             total.errors[k] = total.errors.get(k, 0) + v
