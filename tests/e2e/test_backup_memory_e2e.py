@@ -7,50 +7,16 @@ each goes through alone); each process's peak RSS stays under 300 MB."""
 from __future__ import annotations
 
 import base64
-import os
 import random
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from tests.e2e.conftest import Node
 from tests.e2e.e2e_helpers import run, set_keys, wait_persisted
+from tests.e2e.memory_helpers import peak_mb
 
 DOCS, SIZE = 20, 5 * 1024 * 1024
 LIMIT_MB = 300
-
-
-# A small Python runs the command and writes its peak RSS (ru_maxrss, KiB) to the fd in
-# argv[1]: a child forked from this test process would start from its high-water mark.
-WRAPPER = """
-import os, subprocess, sys
-proc = subprocess.Popen(sys.argv[2:])
-_pid, status, usage = os.wait4(proc.pid, 0)
-os.write(int(sys.argv[1]), str(usage.ru_maxrss).encode())
-sys.exit(os.waitstatus_to_exitcode(status))
-"""
-
-
-def peak_mb(*args: str) -> tuple[float, str]:
-    """(peak RSS in MB, stdout) of one `upr ARGS` process that must succeed, its peak
-    from its own rusage, so that no sample can miss it."""
-    env = dict(os.environ)
-    env.pop("UPR_PASSWORD", None)
-    read, write = os.pipe()
-    try:
-        proc = subprocess.run([sys.executable, "-c", WRAPPER, str(write), sys.executable, "-m",
-                               "upr_cli", *args], stdin=subprocess.DEVNULL, capture_output=True,
-                              env=env, pass_fds=(write,), timeout=120)  # fmt: skip
-        os.close(write)
-        write = -1
-        peak = os.read(read, 64)
-    finally:
-        os.close(read)
-        if write >= 0:
-            os.close(write)
-    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
-    return int(peak) / 1024, proc.stdout.decode()
 
 
 def test_backup_verify_and_tail_of_large_documents_stay_under_300_mb(

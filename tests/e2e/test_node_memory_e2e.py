@@ -11,24 +11,16 @@ from __future__ import annotations
 import base64
 import random
 from collections.abc import Callable
-from pathlib import Path
 
 from tests.e2e.conftest import Node
 from tests.e2e.e2e_helpers import run, set_keys, wait_persisted
+from tests.e2e.memory_helpers import vm_hwm_mb
 from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.decoder import DcpRecord
 
 DOCS, SIZE = 20, 5 * 1024 * 1024
 LIMIT_MB, GROWTH_MB = 300, 100
-
-
-def vm_hwm_mb(pid: int) -> float:
-    """A running process's peak RSS (VmHWM) in MB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
 
 
 async def drained_bytes(uri: str) -> tuple[int, int]:

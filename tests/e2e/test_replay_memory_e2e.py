@@ -18,26 +18,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.e2e.conftest import Node
 from tests.e2e.e2e_helpers import run, set_keys, wait_persisted
+from tests.e2e.memory_helpers import vm_hwm_mb
 
 DOCS, SIZE = 20, 5 * 1024 * 1024
 LIMIT_MB = 300
 BATCH_MB = 192 / 8  # the rows a replay holds for commit with the default limit
-
-
-def vm_hwm_mb(pid: int) -> float:
-    """A running process's peak RSS (VmHWM) in MB; 0 once it has ended."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0.0
-    for line in status.splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0  # a zombie: its memory is gone
 
 
 def peak_rss_mb(*args: str) -> tuple[float, dict[str, object]]:
@@ -71,7 +61,7 @@ def large_values() -> dict[bytes, bytes]:
             for i in range(DOCS)}  # fmt: skip
 
 
-def test_replay_of_large_documents_stays_under_300_mb(node_factory: type[Node],
+def test_replay_of_large_documents_stays_under_300_mb(node_factory: Callable[..., Node],
                                                        tmp_path: Path) -> None:  # fmt: skip
     src = node_factory("--flush-interval", "0.02", partitions=1).start()
     values = large_values()

@@ -9,49 +9,22 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import random
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import run, set_keys, wait_persisted
+from tests.e2e.memory_helpers import peak_mb, vm_hwm_mb
 
 DOCS, SIZE = 20, 5 * 1024 * 1024
 LIMIT_MB = 300
 
 
 def measured(*args: str) -> tuple[float, dict[str, object]]:
-    """(peak RSS in MB, the --json summary) of one `upr ARGS` process, its peak taken
-    from its own rusage (os.wait4: ru_maxrss in KiB) so that no sample can miss it."""
-    env = dict(os.environ)
-    env.pop("UPR_PASSWORD", None)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-m", "upr_cli", *args, "--json",
-                                 "--no-progress"], stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=err, env=env)  # fmt: skip
-        try:
-            _pid, status, usage = os.wait4(proc.pid, 0)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        assert proc.returncode == 0, err.read().decode(errors="replace")
-        return usage.ru_maxrss / 1024, json.loads(out.read())
-
-
-def vm_hwm_mb(pid: int) -> float:
-    """A running process's peak RSS (VmHWM) in MB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
+    """(peak RSS in MB, the --json summary) of one `upr ARGS` process."""
+    peak, out = peak_mb(*args, "--json", "--no-progress")
+    return peak, json.loads(out)
 
 
 def large_values() -> dict[bytes, bytes]:
