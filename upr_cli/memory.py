@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -74,7 +76,8 @@ class ByteWindow:
 
     async def acquire(self, n: int) -> None:
         async with self._changed:
-            await self._changed.wait_for(lambda: self.fits(n))
+            while not self.fits(n):
+                await self._changed.wait()
             self.bytes += n
             self.items += 1
 
@@ -118,9 +121,7 @@ class ByteQueue(Generic[T]):
         """Queue `item` of `n` bytes; False when the queue was closed (or `timeout`
         passed) first."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._closed or self._room(n), timeout):
-                return False
-            if self._closed:
+            if not self._until(lambda: self._closed or self._room(n), timeout) or self._closed:
                 return False
             self._items.append((item, n))
             self.bytes += n
@@ -130,7 +131,7 @@ class ByteQueue(Generic[T]):
     def get(self, timeout: float | None = None) -> T | None:
         """The next item; None when the queue is closed and empty (or `timeout` passed)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._closed or bool(self._items), timeout):
+            if not self._until(lambda: self._closed or bool(self._items), timeout):
                 return None
             if not self._items:
                 return None
@@ -138,6 +139,17 @@ class ByteQueue(Generic[T]):
             self.bytes -= n
             self._cond.notify_all()
             return item
+
+    def _until(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait (holding the condition) until `ready()`; False if `timeout` passed first.
+        (Condition.wait_for in a loop of its own: the library never calls a wait_for.)"""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ready():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._cond.wait(left)
+        return True
 
     def close(self) -> None:
         with self._cond:

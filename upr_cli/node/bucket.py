@@ -673,7 +673,10 @@ class Bucket:
     def prefetch(self, keys: list[tuple[int, bytes]]) -> None:
         """Read the disk versions of a batch of keys in one query (the write path's lookups)."""
         parts = self.partitions
-        want = [(vb, k) for vb, k in keys if vb in parts and parts[vb].queue.get(k) is None]
+        # each pair once: a read of many writes to one key must not fetch its value as
+        # many times (120 of a 1 MB document held 114 MB at once)
+        want = [(vb, k) for vb, k in dict.fromkeys(keys)
+                if vb in parts and parts[vb].queue.get(k) is None]  # fmt: skip
         if not want:
             return
         found = self._lookup.get_many(want)

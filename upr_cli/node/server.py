@@ -136,7 +136,9 @@ log = logging.getLogger(__name__)
 FAST_STORE: dict[int, str] = {Opcode.SET: "set", Opcode.ADD: "add", Opcode.REPLACE: "replace"}
 # KV requests the read loop answers in its synchronous pass, through their messages
 SYNC_KV = frozenset({Opcode.SET_WITH_META, Opcode.DEL_WITH_META, Opcode.DELETE, Opcode.GET})
-LOOKS_UP = frozenset(FAST_STORE) | SYNC_KV  # their keys' disk versions read in one query
+# the writes whose keys' disk versions are read in one query a read; not GET, whose
+# values (up to 20 MB each) would all be held at once for a read of many small requests
+LOOKS_UP = frozenset(FAST_STORE) | (SYNC_KV - {Opcode.GET})
 # a TLS peer that does not finish its handshake (a plain client, a stalled one) is dropped
 TLS_HANDSHAKE_TIMEOUT = 10.0
 UNAUTH_MAX_BODY = 16 * 1024  # bytes a peer may send in one frame before authenticating
@@ -696,6 +698,8 @@ class ClientSession:
                 size = 0
                 self.sync_kv(frame)
                 out = self._out
+                if self._out_bytes > OUT_HIGH_WATER:
+                    break  # a GET's answer can be megabytes: the session waits for the socket
                 continue
             i += 1
             try:
@@ -715,7 +719,7 @@ class ClientSession:
                 data = encode_store_response(frame.opcode, frame.opaque, doc.cas)
             out.append(data)
             size += len(data)
-            if size > OUT_HIGH_WATER:
+            if size + self._out_bytes > OUT_HIGH_WATER:
                 break
         self._out_bytes += size
         return i
