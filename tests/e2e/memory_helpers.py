@@ -7,7 +7,9 @@ from a pytest worker that holds some hundred MB would report the worker's peak."
 
 from __future__ import annotations
 
+import base64
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +55,12 @@ def vm_hwm_mb(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return 0.0  # a zombie: its memory is gone
+
+
+def large_values(docs: int = 20, size: int = 5 * 1024 * 1024) -> dict[bytes, bytes]:
+    """`docs` JSON documents of about `size` bytes each, of base64 random bytes (barely
+    compressible), the same for every run."""
+    rng = random.Random(27)
+    raw = size * 3 // 4
+    return {f"big-{i:02d}".encode(): b'{"v":"' + base64.b64encode(rng.randbytes(raw)) + b'"}'
+            for i in range(docs)}  # fmt: skip

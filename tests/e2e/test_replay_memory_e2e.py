@@ -9,10 +9,8 @@ across fork and exec, and this test's process holds every value.)"""
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import random
 import sqlite3
 import subprocess
 import sys
@@ -23,7 +21,7 @@ from pathlib import Path
 
 from tests.e2e.conftest import Node
 from tests.e2e.e2e_helpers import run, set_keys, wait_persisted
-from tests.e2e.memory_helpers import vm_hwm_mb
+from tests.e2e.memory_helpers import large_values, vm_hwm_mb
 
 DOCS, SIZE = 20, 5 * 1024 * 1024
 LIMIT_MB = 300
@@ -53,18 +51,10 @@ def peak_rss_mb(*args: str) -> tuple[float, dict[str, object]]:
         return peak, json.loads(out.read())
 
 
-def large_values() -> dict[bytes, bytes]:
-    """DOCS JSON documents of about SIZE bytes each, of base64 random bytes."""
-    rng = random.Random(27)
-    raw = SIZE * 3 // 4
-    return {f"big-{i:02d}".encode(): b'{"v":"' + base64.b64encode(rng.randbytes(raw)) + b'"}'
-            for i in range(DOCS)}  # fmt: skip
-
-
 def test_replay_of_large_documents_stays_under_300_mb(node_factory: Callable[..., Node],
                                                        tmp_path: Path) -> None:  # fmt: skip
     src = node_factory("--flush-interval", "0.02", partitions=1).start()
-    values = large_values()
+    values = large_values(DOCS, SIZE)
     sizes = {k: len(v) for k, v in values.items()}
     run(set_keys(src.uri, values))
     del values

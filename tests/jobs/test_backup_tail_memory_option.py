@@ -16,7 +16,9 @@ ARGV = [["backup", "upr://127.0.0.1:1/default", "--repo", "/nonexistent/repo"],
 
 
 @pytest.mark.parametrize("value", ["lots", "1KB", "-5MB"])
-@pytest.mark.parametrize("argv", ARGV)
+@pytest.mark.parametrize("argv", [*ARGV, ["load", "upr://127.0.0.1:1/default", "--docs", "1"],
+                                  ["restore", "--repo", "/nonexistent/repo",
+                                   "upr://127.0.0.1:1/default"]])  # fmt: skip
 def test_a_bad_memory_limit_is_a_usage_error(
     capsys: pytest.CaptureFixture[str], argv: list[str], value: str
 ) -> None:

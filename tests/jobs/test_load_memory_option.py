@@ -8,22 +8,6 @@ import pytest
 from upr_cli.cli.app import main
 
 
-@pytest.mark.parametrize("value", ["lots", "1KB", "-5MB"])
-@pytest.mark.parametrize(
-    "argv",
-    [["load", "upr://127.0.0.1:1/default", "--docs", "1"],
-     ["restore", "--repo", "/nonexistent/repo", "upr://127.0.0.1:1/default"]],
-)  # fmt: skip
-def test_a_bad_memory_limit_is_a_usage_error(
-    capsys: pytest.CaptureFixture[str], argv: list[str], value: str
-) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main([*argv, "--memory-limit", value])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert "--memory-limit" in err and "Traceback" not in err
-
-
 @pytest.mark.parametrize(
     ("argv", "failure"),
     [(["load", "upr://127.0.0.1:1/default", "--docs", "1"], "cannot connect"),
