@@ -65,6 +65,16 @@ def _start(cl: Cluster, tmp: Path, *, backup_from: str) -> tuple[Any, BackupLoop
     return replay, backups, load
 
 
+def _until_writing(cl: Cluster, name: str, more: int = 300, timeout: float = 60) -> None:
+    """Wait until node `name`'s partitions have taken `more` writes since now (the
+    load started in the background is writing there)."""
+    start = sum(high for _uuid, high, _persisted in cl.seqnos(name).values())
+    deadline = time.monotonic() + timeout
+    while sum(high for _uuid, high, _persisted in cl.seqnos(name).values()) < start + more:
+        assert time.monotonic() < deadline, f"the load wrote nothing to {name} in {timeout}s"
+        time.sleep(0.05)
+
+
 def _tail_during(cl: Cluster, bootstrap: str, *change: str) -> None:
     """`tail --until-end` from the beginning while the cluster changes: it ends, and the
     newest version of every key it printed is the final cluster's."""
@@ -128,7 +138,7 @@ def test_tail_replay_backup_through_failovers(tmp_path: Path) -> None:
     cl = Cluster(tmp_path / "cl", nodes=3, replicas=1, partitions=16)
     try:
         replay, backups, load = _start(cl, tmp_path, backup_from="n1")
-        time.sleep(0.8)
+        _until_writing(cl, "n0")  # a fixed pause lost the race to a slow start of the load
         cl.kill("n0")  # its unreplicated writes are lost: replay and backup roll back
         cl.cli("failover", "n0")
         out, _err = load.communicate(timeout=120)
