@@ -12,6 +12,7 @@ a few hostile bytes cannot make a peer allocate gigabytes.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import cramjam
@@ -75,14 +76,12 @@ def inflate_all(values: Sequence[bytes | memoryview], keys: Sequence[bytes | mem
     """`inflate` for a batch of values at once (the consumer's hot path: one call per
     batch, not three per record); the first value that does not inflate, or declares
     more than `limit` bytes, raises CorruptValueError naming its key, as `inflate` does."""
-    try:
+    with contextlib.suppress(cramjam.DecompressionError):  # then the loop names the key
         sizes = list(map(_length, values))
         if max(sizes, default=0) <= limit:
             out = [bytes(_inflate(v)) for v in values]
             if list(map(len, out)) == sizes:
                 return out
-    except cramjam.DecompressionError:
-        pass
     for value, key in zip(values, keys, strict=True):  # find the culprit, and name it
         inflate(value, key, limit)
     raise CorruptValueError(keys[0], "a value of its batch does not inflate")
