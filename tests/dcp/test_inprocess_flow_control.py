@@ -22,7 +22,7 @@ def test_a_small_window_is_acknowledged_and_never_overrun(
 ) -> None:
     peaks: list[tuple[int, int, int]] = []  # (window, outstanding, bytes of the write)
     acks: list[int] = []
-    write, ack = DcpSender.send, DcpSender.ack
+    write, ack = DcpSender._send_locked, DcpSender.ack  # every counted send goes through it
 
     async def observed_send(self: DcpSender, msgs: list[bytes]) -> None:
         await write(self, msgs)
@@ -33,7 +33,7 @@ def test_a_small_window_is_acknowledged_and_never_overrun(
             acks.append(nbytes)
         ack(self, nbytes)
 
-    monkeypatch.setattr(DcpSender, "send", observed_send)
+    monkeypatch.setattr(DcpSender, "_send_locked", observed_send)
     monkeypatch.setattr(DcpSender, "ack", observed_ack)
 
     async def scenario() -> Received:

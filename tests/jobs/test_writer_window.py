@@ -30,6 +30,7 @@ class Router:
         self.submitted = 0
         self.unsent: list[tuple[asyncio.Future[Frame], int]] = []
         self.refreshes = 0
+        self.drains = 0  # waits for the sockets to take what was written
         self.window: ByteWindow | None = None
         self.seen: list[tuple[int, int]] = []  # (bytes, items) in flight at each submit
 
@@ -48,6 +49,9 @@ class Router:
             frame = Frame(0x81, 0, 0, status, 1, 0, EMPTY, EMPTY, EMPTY, EMPTY)
             loop.call_soon(_answer, fut, frame)
         self.unsent.clear()
+
+    async def drain(self) -> None:
+        self.drains += 1
 
     async def settle(self, fut: asyncio.Future[Frame], vb: int, make: Any) -> Frame:
         return await fut

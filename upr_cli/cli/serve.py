@@ -42,7 +42,8 @@ at a time per --data DIR: a second one exits 1 naming the node that holds the di
 
 --memory-limit (default 192MB) bounds the node's buffers: half of it for the write
 queue (writes acknowledged and not yet on disk), an eighth for what the DCP backfills
-of one connection read from disk at a time. A write that would take the queue past its
+of one connection read from disk at a time, a twenty-fourth each for the page caches
+of the bucket's two SQLite connections. A write that would take the queue past its
 half is answered ETMPFAIL (0x86, temporary failure, as Couchbase answers when it has
 no memory for a write); clients retry once the flusher has made room. A document
 larger than the queue's half still goes in, alone, when the queue is empty.

@@ -89,12 +89,20 @@ class WriteWindow(Generic[T]):
         self._unflushed += 1
         self._unflushed_bytes += nbytes
         if self._unflushed >= FLUSH_ITEMS or self._unflushed_bytes >= FLUSH_BYTES:
-            self.flush()
+            await self._flush_drained()
 
     def flush(self) -> None:
         """Write every request queued so far."""
         self._unflushed = self._unflushed_bytes = 0
         self.router.flush()
+
+    async def _flush_drained(self) -> None:
+        """Write every request queued so far, then wait until the sockets have taken
+        them: what the transports hold unsent stays near their high-water mark, not a
+        window of copies (measured: a restore of 5 MiB documents into a cluster held
+        100 MB of them)."""
+        self.flush()
+        await self.router.drain()
 
     async def drain(self) -> None:
         """Wait for every answer in flight."""
@@ -141,6 +149,8 @@ class WriteWindow(Generic[T]):
                             self.resent += 1
                             inflight.append((router.submit(vb, make), vb, make, nbytes, tag,
                                              self._round))  # fmt: skip
+                            if nbytes >= FLUSH_BYTES:  # large: one at a time to the socket
+                                await self._flush_drained()
                             continue
                     elif status == _NOT_MY_VBUCKET:
                         frame = await router.settle(fut, vb, make)

@@ -39,6 +39,8 @@ from upr_cli.protocol.status import Status, error_context, status_error
 log = logging.getLogger(__name__)
 
 READ_SIZE = 256 * 1024
+# deferred requests are joined into one write up to this many bytes
+JOIN_BYTES = 256 * 1024
 ServerItems = list[DcpRecord | Frame]  # data records and `Frame`s, in wire order
 # A peer that is not TLS resets or closes during the handshake (docs/protocol.md §13.3).
 _HANDSHAKE_ERRORS = (ssl.SSLError, ConnectionResetError, BrokenPipeError)
@@ -199,10 +201,26 @@ class Connection:
         return fut
 
     def flush_writes(self) -> None:
-        """Write every deferred request in one call."""
-        if self._wbuf:
-            buf, self._wbuf = self._wbuf, []
-            self._writer.write(b"".join(buf))
+        """Write every deferred request: small ones joined, a few system calls for many
+        of them; a large one (a value of megabytes) on its own, so that no joined copy
+        of a window of large values is ever made (the transport copies again what the
+        socket does not take at once)."""
+        if not self._wbuf:
+            return
+        buf, self._wbuf = self._wbuf, []
+        write = self._writer.write
+        if len(buf) == 1:
+            write(buf[0])
+            return
+        run: list[bytes] = []
+        size = 0
+        for data in buf:
+            if size + len(data) > JOIN_BYTES and run:
+                write(b"".join(run))
+                run, size = [], 0
+            run.append(data)
+            size += len(data)
+        write(b"".join(run))
 
     async def request(
         self, msg: Request, *, timeout: float | None = 30.0, check: bool = True

@@ -205,6 +205,15 @@ class Router:
             if not conn.closed:
                 conn.flush_writes()
 
+    async def drain(self) -> None:
+        """Wait until no connection holds more unsent bytes than its transport's
+        high-water mark. A connection that fails meanwhile is left to its requests'
+        answers (`settle` sends them again)."""
+        for conn in list(self._conns.values()):
+            if not conn.closed:
+                with contextlib.suppress(UprError, OSError):
+                    await conn.drain()
+
     async def _retry(self, vb: int, make: Make, body: bytes | None, reason: str,
                      frame: Frame | None = None) -> Frame:  # fmt: skip
         # Paced by the retry policy only while no answer carries a newer map (the map is

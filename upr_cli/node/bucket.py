@@ -85,7 +85,13 @@ from upr_cli.node.partition import (
     Partition,
     QueueBytes,
 )
-from upr_cli.node.storage import DocRow, NodeStorage, PartitionRecord, StorageError
+from upr_cli.node.storage import (
+    WRITER_CACHE_KIB,
+    DocRow,
+    NodeStorage,
+    PartitionRecord,
+    StorageError,
+)
 from upr_cli.protocol import leb128, snappy, xattrs
 from upr_cli.protocol.status import (
     InvalidArguments,
@@ -239,9 +245,10 @@ class Bucket:
         sync_full: bool = False,
         expiry_pager_interval: float | None = EXPIRY_PAGER_INTERVAL,
         queue_limit: int | None = None,
+        cache_kib: int = WRITER_CACHE_KIB,
     ) -> None:
         self.data_dir = data_dir
-        self.storage = NodeStorage(data_dir, name, sync_full=sync_full)
+        self.storage = NodeStorage(data_dir, name, sync_full=sync_full, cache_kib=cache_kib)
         self.name = name
         self.num_partitions = self._partition_count(num_partitions)
         self.flush_interval = flush_interval
@@ -253,7 +260,7 @@ class Bucket:
         self.queued = QueueBytes()
         self.queue_limit = queue_limit
         self._room: list[asyncio.Future[None]] = []  # replication waiting for room
-        self._lookup = NodeStorage(data_dir, name)  # loop-thread point reads
+        self._lookup = NodeStorage(data_dir, name, cache_kib=cache_kib)  # loop-thread point reads
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flush-{name}")
         self._flush_lock = asyncio.Lock()
         self._work: set[asyncio.Task[Any]] = set()  # storage work under way (`_unbroken`)

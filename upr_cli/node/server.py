@@ -149,6 +149,7 @@ OUT_CORK = 1 << 18  # queued DCP output written at once, without waiting for the
 # together; the rest is for what is in flight on the sockets
 WRITE_QUEUE_SHARE = 0.5
 BACKFILL_SHARE = 0.125
+PAGE_CACHE_SHARE = 1 / 24  # each of a bucket's two SQLite connections (8 MiB of 192)
 GRANTABLE = {
     Feature.TCP_NODELAY,
     Feature.XERROR,
@@ -349,6 +350,7 @@ class NodeServer:
             purge_age=cfg.purge_age,
             expiry_pager_interval=cfg.expiry_pager_interval,
             queue_limit=cfg.memory_limit.share(WRITE_QUEUE_SHARE),
+            cache_kib=cfg.memory_limit.share(PAGE_CACHE_SHARE) // 1024,
         )
         await bucket.start()
         self.buckets[cfg.bucket] = bucket

@@ -71,7 +71,10 @@ SCHEMA_VERSION = 2  # 2: qualified keys (formats/collections.md §1)
 PARTITION_STATES = frozenset({"active", "replica", "pending", "dead"})
 _BUCKET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.%-]{0,99}")
 _DECIMAL = re.compile(r"[0-9]{1,20}")
-_WRITER_CACHE_KIB = 32 * 1024
+# each connection's SQLite page cache unless the node gives it a share of --memory-limit
+# (32 MiB for each of a bucket's two connections once held 80 MB of a cluster node's
+# peak, for no measured speed: loads of 200,000 documents ran level at 8 MiB)
+WRITER_CACHE_KIB = 8 * 1024
 
 _SCHEMA = (
     """CREATE TABLE meta (
@@ -325,7 +328,8 @@ class NodeStorage(sqlite.Closing):
     other threads use `open_reader`.
     """
 
-    def __init__(self, data_dir: Path, bucket: str, *, sync_full: bool = False) -> None:
+    def __init__(self, data_dir: Path, bucket: str, *, sync_full: bool = False,
+                 cache_kib: int = WRITER_CACHE_KIB) -> None:  # fmt: skip
         if not _BUCKET_NAME.fullmatch(bucket):
             raise UsageError(f"invalid bucket name {bucket!r}")
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -338,7 +342,7 @@ class NodeStorage(sqlite.Closing):
             raise StorageError(f"cannot open {self.path}: {exc}") from exc
         try:
             sqlite.set_writer_pragmas(conn, self.path, synchronous=self._sync,
-                                      cache_kib=_WRITER_CACHE_KIB, error=StorageError)  # fmt: skip
+                                      cache_kib=cache_kib, error=StorageError)  # fmt: skip
             self._bucket_uuid = self._init_schema(conn)
         except sqlite3.Error as exc:
             conn.close()
