@@ -166,6 +166,10 @@ def test_a_collection_filter_gets_its_collection_and_seqno_advanced(tmp_path: Pa
     async def scenario() -> tuple[list[Message], list[Message]]:
         async with nodes(node):
             await _three_collections(node)
+            # both streams read one snapshot from disk: a flush that fell between the
+            # writes (the flusher's timer, on a busy machine) would otherwise split the
+            # first stream's at that point, and the two streams would differ
+            await node.bucket.flush()
             users = cid(node.bucket, "app.users")
             async with raw_dcp(node.config.port, collections=True) as c:
                 opaque, answer = await c.stream(VB, {"collections": [f"{users:x}"]})
