@@ -6,17 +6,14 @@ by collection id, and the `collections` and `scopes` tables name the ids. `conte
 computes, from any holder's documents, the hash `Store.content_hash` returns.
 """
 
+from upr_cli.store.apply import Row
 from upr_cli.store.content import ContentHasher, Document, HashedDoc, content_hash_of, xattrs_json
+from upr_cli.store.manifests import StoredCollection
+from upr_cli.store.partitions import PartitionState
+from upr_cli.store.queries import LostWrite
+from upr_cli.store.rollback import RollbackResult
 from upr_cli.store.schema import FORMAT, SCHEMA_VERSION, StoreError
-from upr_cli.store.store import (
-    DEFAULT_UNDO_WINDOW,
-    LostWrite,
-    PartitionState,
-    RollbackResult,
-    Row,
-    Store,
-    StoredCollection,
-)
+from upr_cli.store.store import DEFAULT_UNDO_WINDOW, Store
 
 __all__ = [
     "DEFAULT_UNDO_WINDOW",
