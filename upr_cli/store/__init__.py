@@ -4,6 +4,11 @@
 logs, and a bounded mutation log that undoes changes on a rollback; documents are keyed
 by collection id, and the `collections` and `scopes` tables name the ids. `content_hash_of`
 computes, from any holder's documents, the hash `Store.content_hash` returns.
+
+Modules, by job: `store` (`Store`: the connection, its transactions, the public calls),
+`schema` (creation and migrations), `apply` (the write path), `partitions` (positions
+and snapshot boundaries), `manifests` (collections), `rollback` (undo, reset, lost
+writes), `queries` (reads) and `content` (documents, the content hash, xattrs as JSON).
 """
 
 from upr_cli.store.apply import Row
