@@ -1,6 +1,6 @@
 """Collections in the store (formats/store.md §3.8, §5.5): the names a source's manifest
 gives its ids, the manifest changes applied between a partition's rows, and the
-collections filter a store follows (§3.1).
+collections filter a store follows (formats/store.md §3.1).
 
 Theory of operation
 -------------------

@@ -1,5 +1,5 @@
 """Each partition's saved state in the store (formats/store.md §3.3 `partitions`) and its
-snapshot boundaries (§3.6 `boundaries`).
+snapshot boundaries (formats/store.md §3.6 `boundaries`).
 
 Theory of operation
 -------------------

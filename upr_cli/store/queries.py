@@ -1,6 +1,6 @@
 """Reads of a store's documents and lost writes (formats/store.md §3.2, §3.5, §7) and its
-content hash (§6), as `Document` values: 64-bit values back to unsigned, xattrs back
-to their blob.
+content hash (formats/store.md §6), as `Document` values: 64-bit values back to
+unsigned, xattrs back to their blob.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Rollback and reset of a store's partition (formats/store.md §5.3, §5.4), from the
-mutation log (§3.4), keeping what they take back as lost writes (§3.5).
+mutation log (formats/store.md §3.4), keeping what they take back as lost writes
+(formats/store.md §3.5).
 
 Theory of operation
 -------------------
