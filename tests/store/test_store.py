@@ -822,7 +822,7 @@ def test_boundaries_below_a_risen_log_floor_are_dropped(tmp_path: Path) -> None:
 def test_boundaries_kept_per_partition_are_bounded(tmp_path: Path) -> None:
     """New keys write no undo entries, so the log floor never rises: the boundaries are
     trimmed to the newest KEEP_BOUNDARIES (and a few more between trims)."""
-    from upr_cli.store.store import KEEP_BOUNDARIES
+    from upr_cli.store.partitions import KEEP_BOUNDARIES
 
     with Store(tmp_path / "s.db", undo_window=100) as s:
         for seq in range(1, 3 * KEEP_BOUNDARIES + 2):
