@@ -3,6 +3,7 @@ local directory today), and the local backend's commit at every step of a crash.
 
 from __future__ import annotations
 
+import ast
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -160,3 +161,62 @@ def test_local_write_is_old_or_new_at_every_crash(tmp_path: Path, at: int) -> No
         LocalStorage(CrashAt(at)).write(p, b"new")
     assert LocalStorage().read(p) == (b"old" if at < 2 else b"new")  # renamed, not synced
     assert [q.name for q in tmp_path.iterdir() if parse_temp_name(q.name)] == []
+
+
+# -- the repository reaches its files only through its storage ------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+THROUGH_STORAGE = [
+    "upr_cli/repo/layout.py",
+    "upr_cli/repo/manifests.py",
+    "upr_cli/repo/sweep.py",
+    "upr_cli/repo/lock.py",
+    "upr_cli/segments/reader.py",
+    "upr_cli/segments/writer.py",
+]
+# file-system calls of pathlib, os and shutil: a call by one of these names must be made
+# on a storage (`self.storage.stat(…)`, `store.create(…)`)
+FS_CALLS = {
+    "exists", "is_dir", "is_file", "iterdir", "glob", "rglob", "mkdir", "rmdir", "unlink",
+    "read_bytes", "read_text", "write_bytes", "write_text", "touch", "rename", "replace",
+    "lstat", "scandir", "listdir", "link", "remove", "rmtree", "makedirs", "lexists",
+}  # fmt: skip
+# what the lock does on the descriptor `Storage.open_lock` hands out, and the writer on
+# the file objects of `Storage.create`
+ON_DESCRIPTORS = {"kill", "pread", "pwrite", "ftruncate", "fsync", "fstat", "close"}
+
+
+def fs_calls_outside_storage(source: str) -> list[str]:
+    """Calls a module makes to the file system other than through a storage."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name) and f.id == "open":
+                out.append(f"open() at line {node.lineno}")
+            elif isinstance(f, ast.Attribute):
+                receiver = ast.unparse(f.value)
+                if receiver == "os" and f.attr not in ON_DESCRIPTORS:
+                    out.append(f"os.{f.attr} at line {node.lineno}")
+                elif f.attr in FS_CALLS and not receiver.endswith(("storage", "store")):
+                    out.append(f"{receiver}.{f.attr} at line {node.lineno}")
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if "shutil" in names or (isinstance(node, ast.ImportFrom) and node.module == "shutil"):
+                out.append(f"shutil imported at line {node.lineno}")
+    return out
+
+
+def test_the_checker_finds_file_system_calls() -> None:
+    found = fs_calls_outside_storage("p.exists()\nos.scandir(d)\nopen(p)\nimport shutil\n")
+    assert sorted(found) == [
+        "open() at line 3", "os.scandir at line 2", "p.exists at line 1",
+        "shutil imported at line 4",
+    ]  # fmt: skip
+    fine = "self.storage.stat(p)\nstore.replace(a, b)\nos.fstat(fd)\nlayout.storage.list(d)\n"
+    assert fs_calls_outside_storage(fine) == []
+
+
+@pytest.mark.parametrize("module", THROUGH_STORAGE)
+def test_repository_files_are_reached_through_storage(module: str) -> None:
+    assert fs_calls_outside_storage((ROOT / module).read_text()) == []
