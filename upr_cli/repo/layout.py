@@ -145,6 +145,8 @@ class Repository:
         self, path: str | os.PathLike[str], *, ops: FileOps | None = None,
         storage: Storage | None = None,
     ) -> None:  # fmt: skip
+        """`storage` is the backend (default: the local directory, making its system
+        calls through `ops`, which tests subclass to fail any of them)."""
         self.path = Path(path)
         self.storage: Storage = storage or LocalStorage(ops)
         self.manifest_store = ManifestStore(self)
@@ -154,6 +156,7 @@ class Repository:
         return f"Repository({str(self.path)!r})"
 
     def _is_dir(self, path: Path) -> bool:
+        """A directory is at `path` (a link to one counts)."""
         st = self.storage.stat(path, follow_links=True)
         return st is not None and st.is_dir
 
