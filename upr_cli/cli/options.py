@@ -18,6 +18,7 @@ from upr_cli.dcp.consumer import WIRE_COMPRESSION, WireCompression
 from upr_cli.errors import ExitCode, UprError, UsageError, check_file_path, is_network_error
 from upr_cli.memory import MIB, MIN_MEMORY_LIMIT, MemoryLimit, parse_size
 from upr_cli.source import parse_source
+from upr_cli.storage import UnknownScheme, local_root
 
 if TYPE_CHECKING:
     from upr_cli.net.tls import ClientTls
@@ -32,7 +33,23 @@ Partitions = Annotated[
     str | None,
     typer.Option("--partitions", metavar="LIST", help="Only these partitions, e.g. 0-15,40."),
 ]
-Repo = Annotated[Path, typer.Option("--repo", metavar="DIR", help="The backup repository.")]
+
+
+def repo_location(value: str | Path) -> Path:
+    """`--repo`: a local directory; a `scheme://` location (s3://…) is a usage error until
+    a storage backend serves it (`upr_cli.storage.local_root`)."""
+    if isinstance(value, Path):
+        return value
+    try:
+        return local_root(value)
+    except UnknownScheme as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+Repo = Annotated[
+    Path,
+    typer.Option("--repo", metavar="DIR", parser=repo_location, help="The backup repository."),
+]
 Bucket = Annotated[
     str | None,
     typer.Option("--bucket", metavar="NAME", help="The bucket in the repository (if several)."),

@@ -21,6 +21,7 @@ from upr_cli.cli.options import (
     Partitions,
     Wait,
     one_is_an_answer,
+    repo_location,
     tls_source,
 )
 from upr_cli.cli.output import (
@@ -117,7 +118,8 @@ def salvage_cmd(
         ),
     ] = None,
     repo: Annotated[
-        Path | None, typer.Option("--repo", metavar="DIR", help="A backup repository.")
+        Path | None,
+        typer.Option("--repo", metavar="DIR", parser=repo_location, help="A backup repository."),
     ] = None,
     store: Annotated[
         Path | None, typer.Option("--store", metavar="PATH", help="A replay store.")

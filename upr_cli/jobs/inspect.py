@@ -285,17 +285,18 @@ def _check_segment(
     name = name or seg.file
     path = repo.segment_path(bucket, bid, name)
     where = f"{bucket}/{bid}/{name}"
-    if not path.exists():
+    st = repo.storage.stat(path, follow_links=True)
+    if st is None:
         rep.problems.append(Problem("missing", where, "segment file is missing"))
         return None
-    size = path.stat().st_size
+    size = st.size
     if size != seg.bytes:
         kind = "truncated" if size < seg.bytes else "mismatch"
         rep.problems.append(Problem(kind, where, f"{size} bytes, the manifest says {seg.bytes}"))
         return None
     odd: list[str] = []  # keys whose xattrs hold a value that is not JSON
     try:
-        with SegmentReader(path) as r:
+        with SegmentReader(path, repo.storage) as r:
             info = r.verify(functools.partial(_not_json_xattrs, odd=odd))
     except SegmentError as exc:
         kind = "checksum" if "checksum" in exc.reason else "corrupt"
@@ -442,7 +443,8 @@ def _segment_counts(repo: Repository, bucket: str, m: Manifest) -> list[tuple[in
     totals: dict[int, list[int]] = {}
     for e in m.partitions:
         for seg in e.segments:
-            with SegmentReader(repo.segment_path(bucket, m.backup_id, seg.file)) as r:
+            path = repo.segment_path(bucket, m.backup_id, seg.file)
+            with SegmentReader(path, repo.storage) as r:
                 for rec in r.records():
                     t = totals.setdefault(rec.collection, [0, 0])
                     t[rec.op != OP_MUTATION] += 1

@@ -1,9 +1,11 @@
 """The backup repository: layout, manifests, chains, locks (formats/repository.md).
 
 `names` holds every on-disk name as a format/parse pair; `manifest` the validated
-manifest dataclasses; `layout` the `Repository` (listing, atomic commit, sweep); `lock`
-the per-bucket `RepositoryLock`; `chain` the pure chain semantics of
-formats/repository.md §8.
+manifest dataclasses; `layout` the `Repository` (repo.json, directories, listing, paths);
+`manifests` the reading, commit and repair of manifest files and the chain check;
+`sweep` the removal of what interrupted runs left; `lock` the per-bucket
+`RepositoryLock`; `chain` the pure chain semantics of formats/repository.md §8. Every
+file is reached through the repository's `upr_cli.storage.Storage`.
 """
 
 from upr_cli.fsio import FileOps, atomic_write
@@ -25,17 +27,7 @@ from upr_cli.repo.chain import (
     snapshot_boundaries,
 )
 from upr_cli.repo.errors import BrokenChain, RepositoryError, RepositoryLocked
-from upr_cli.repo.layout import (
-    LOCK_FILE,
-    MANIFEST_COPY,
-    MANIFEST_FILE,
-    REPO_FILE,
-    ManifestFile,
-    RepoInfo,
-    Repository,
-    altered_twin,
-    load_manifest_file,
-)
+from upr_cli.repo.layout import LOCK_FILE, REPO_FILE, RepoInfo, Repository
 from upr_cli.repo.lock import RepositoryLock
 from upr_cli.repo.manifest import (
     CutBack,
@@ -45,6 +37,14 @@ from upr_cli.repo.manifest import (
     SegmentEntry,
     Totals,
     checksum_hex,
+)
+from upr_cli.repo.manifests import (
+    MANIFEST_COPY,
+    MANIFEST_FILE,
+    ManifestFile,
+    ManifestStore,
+    altered_twin,
+    load_manifest_file,
 )
 from upr_cli.repo.names import (
     BackupId,
@@ -60,6 +60,7 @@ from upr_cli.repo.names import (
     parse_time,
     temp_name,
 )
+from upr_cli.repo.sweep import Sweeper
 
 __all__ = [
     "LOCK_FILE",
@@ -74,6 +75,7 @@ __all__ = [
     "LockHolder",
     "Manifest",
     "ManifestFile",
+    "ManifestStore",
     "ParentMismatch",
     "PartitionEntry",
     "PlanStep",
@@ -87,6 +89,7 @@ __all__ = [
     "SegmentEntry",
     "SegmentName",
     "SeqRange",
+    "Sweeper",
     "Totals",
     "altered_twin",
     "atomic_write",

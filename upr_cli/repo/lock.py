@@ -21,6 +21,10 @@ exclusive: the kernel drops it when the holder dies, whatever way it dies, so
 After the flock, the holder checks that the path still names the file it locked (a
 releasing holder unlinks the file before closing it), and retries otherwise, so two
 processes can never both hold locks on different files for one path.
+
+The lock file is reached through the repository's storage (`Storage.open_lock`, `stat`,
+`delete`, `make_dir`, `sync_dir`); the flock, and the reads and writes of the holder
+record, work on the descriptor it hands out.
 """
 
 from __future__ import annotations
@@ -85,6 +89,14 @@ def _holder(fd: int) -> LockHolder | None:
     return holder
 
 
+def require_held(lock: RepositoryLock, path: Path, why: str = "this needs the bucket's lock, held"
+                 ) -> None:  # fmt: skip
+    """RepositoryError naming `path` unless `lock` is held and is the lock at `path`: the
+    changes a run makes under its bucket's lock (repair, discard, sweep) check it."""
+    if not lock.held or lock.path != path:
+        raise RepositoryError(f"{path}: {why}")
+
+
 class RepositoryLock:
     """Exclusive lock on one bucket of a repository; use as a context manager."""
 
@@ -115,10 +127,12 @@ class RepositoryLock:
         if self._fd is not None:
             raise RepositoryError(f"{self.path}: this lock object already holds the lock")
         self.repo.info()  # a lock is taken only inside an existing repository
-        if not self.path.parent.is_dir():
+        storage = self.repo.storage
+        parent = storage.stat(self.path.parent, follow_links=True)
+        if parent is None or not parent.is_dir:
             with contextlib.suppress(FileExistsError):
-                self.repo.ops.mkdir(self.path.parent)
-                self.repo.ops.fsync_dir(self.path.parent.parent)
+                storage.make_dir(self.path.parent)
+                storage.sync_dir(self.path.parent.parent)
         busy = False
         attempts = 0
         deadline = time.monotonic() + FRESH_SECONDS + 1.0
@@ -146,7 +160,7 @@ class RepositoryLock:
                 os.pwrite(fd, data, 0)
                 os.fsync(fd)
                 if created:
-                    self.repo.ops.fsync_dir(self.path.parent)
+                    storage.sync_dir(self.path.parent)
             except BaseException:
                 os.close(fd)
                 raise
@@ -158,17 +172,17 @@ class RepositoryLock:
 
     def _open(self) -> tuple[int | None, bool]:
         """Create the lock file exclusively, or open the existing one."""
-        flags = os.O_RDWR | os.O_CLOEXEC
+        storage = self.repo.storage
         try:
-            return os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+            return storage.open_lock(self.path, create=True), True
         except FileExistsError:
             pass  # another holder created it first: open the existing file below
         except FileNotFoundError:  # a failed first run removed the empty bucket directory
             with contextlib.suppress(FileExistsError):
-                self.repo.ops.mkdir(self.path.parent)
+                storage.make_dir(self.path.parent)
             return None, False
         try:
-            return os.open(self.path, flags), False
+            return storage.open_lock(self.path, create=False), False
         except FileNotFoundError:
             return None, False  # released between the two opens
 
@@ -188,12 +202,11 @@ class RepositoryLock:
             time.sleep(0.01)
 
     def _same_file(self, fd: int) -> bool:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
+        st = self.repo.storage.stat(self.path, follow_links=True)
+        if st is None:
             return False
         mine = os.fstat(fd)
-        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+        return st.ident == (mine.st_dev, mine.st_ino)
 
     def _may_take_over(self, fd: int) -> bool:
         """An existing lock file whose flock we got: decide stale (True) or busy."""
@@ -231,8 +244,8 @@ class RepositoryLock:
             return
         try:
             if self._same_file(fd):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path)  # before the flock goes: see the module docstring
+                # before the flock goes: see the module docstring
+                self.repo.storage.delete(self.path)
         finally:
             os.close(fd)
 

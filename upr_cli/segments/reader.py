@@ -3,7 +3,8 @@
 Opening reads only the preamble, header, trailer and footer (checks 1-3 of
 formats/segment.md); blocks are read, CRC-checked, decompressed and parsed one at a time
 (checks 4-5), so a reader streams files of any size in bounded memory and can start at
-any seq through the block index.
+any seq through the block index. The file is read through a file object that the
+repository's storage hands out (`Storage.open_read`; the local file system by default).
 
 Version 1 files (before collections) read as files whose records are all in collection 0
 and that hold no system event; version 1 and 2 files (before xattrs) as files whose
@@ -48,15 +49,16 @@ from upr_cli.segments.format import (
     parse_block,
     tally_counts,
 )
+from upr_cli.storage import LOCAL, Storage
 
 
 class SegmentReader:
     """A verified view of one segment file."""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, storage: Storage = LOCAL) -> None:
         self.path = Path(path)
         try:
-            self._f: IO[bytes] = open(self.path, "rb")  # noqa: SIM115 - closed in close()
+            self._f: IO[bytes] = storage.open_read(self.path)
         except OSError as exc:
             raise SegmentError(self.path, f"cannot open: {exc.strerror or exc}") from None
         try:

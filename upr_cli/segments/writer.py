@@ -7,9 +7,11 @@ pass the pinned end to finish a snapshot, and the markers covered), so `finish()
 assembles the file then: preamble and header, the body copied by the kernel (compressed
 bytes: about an eighth of the raw size), footer, trailer; fsync, rename to the final
 name, fsync the directory (docs/design.md "Reliability"). Before that nothing is visible
-under the final name. All file-system calls go through `upr_cli.fsio.FileOps`, so tests
-can fail any of them; a caller that finishes many segments without syncing makes them
-durable together with `upr_cli.fsio.sync_files`.
+under the final name. Every file is written through the repository's storage
+(`upr_cli.storage.Storage`: `create`, `append`, `copy`, `sync`, `replace`, `sync_dir`,
+`delete`), whose local backend makes its system calls through `upr_cli.fsio.FileOps`, so
+tests can fail any of them; a caller that finishes many segments without syncing makes
+them durable together with `Storage.sync_all`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from upr_cli.segments.format import (
     parse_block,
     tally_counts,
 )
+from upr_cli.storage import LocalStorage, Storage
 
 __all__ = ["DEFAULT_LEVEL", "SegmentWriter", "new_compressor"]
 
@@ -86,11 +89,13 @@ class SegmentWriter:
         *,
         level: int = DEFAULT_LEVEL,
         fs: FileOps | None = None,
+        storage: Storage | None = None,
         compressor: zstandard.ZstdCompressor | None = None,
     ) -> None:
         self.path = path
         self.header = header
-        self.fs = fs or FileOps()
+        # `fs`: the system calls of a local storage (tests fail them one by one)
+        self.storage: Storage = storage or LocalStorage(fs)
         self._block_size = header.block_size
         # A compression context costs about half a megabyte: writers used from one thread
         # (a backup has one per partition) share one (`new_compressor`).
@@ -255,8 +260,8 @@ class SegmentWriter:
             self._flush_block()
             if self._frames:
                 if self._body is None:
-                    self._body = self.fs.open(self._body_path)
-                self.fs.write(self._body, b"".join(self._frames))
+                    self._body = self.storage.create(self._body_path)
+                self.storage.append(self._body, b"".join(self._frames))
                 self._spilled += self._frames_len
                 self._frames, self._frames_len = [], 0
         except BaseException:
@@ -379,7 +384,7 @@ class SegmentWriter:
         `failover_log` replaces the header's when the stream returned a newer one (a
         reopened stream: the same history, newer entries). With `sync` (the default) the
         file and its directory are fsynced; a caller that writes many segments may pass
-        False and make them durable together before its commit point (`sync_files`).
+        False and make them durable together before its commit point (`Storage.sync_all`).
         """
         if self._done:
             raise LocalProtocolError("segment already finished")
@@ -410,26 +415,27 @@ class SegmentWriter:
             )  # fmt: skip
             tail = footer + TRAILER.pack(base + body_len, len(footer), zlib.crc32(footer),
                                          END_MAGIC)  # fmt: skip
-            self._out = out = self.fs.open(self._tmp)
-            self.fs.write(out, pre)
+            store = self.storage
+            self._out = out = store.create(self._tmp)
+            store.append(out, pre)
             digest.update(pre)
             if self._body is not None:  # spilled blocks first, in order
                 self._body.seek(0)
-                self.fs.copy(self._body, out)
+                store.copy(self._body, out)
                 self._body.seek(0)
                 while chunk := self._body.read(1 << 20):
                     digest.update(chunk)
                 self._body.close()
-                self.fs.remove(self._body_path)
+                store.delete(self._body_path)
             rest = b"".join(self._frames) + tail
-            self.fs.write(out, rest)
+            store.append(out, rest)
             digest.update(rest)
             if sync:
-                self.fs.fsync(out)
+                store.sync(out)
             out.close()
-            self.fs.rename(self._tmp, self.path)
+            store.replace(self._tmp, self.path)
             if sync:
-                self.fs.fsync_dir(self.path.parent)
+                store.sync_dir(self.path.parent)
         except BaseException:
             self.abort()
             raise
@@ -452,7 +458,7 @@ class SegmentWriter:
                 f.close()
         for p in (self._body_path, self._tmp):
             with contextlib.suppress(OSError):  # a sweep removes `.NAME.tmp-*` leftovers later
-                self.fs.remove(p)
+                self.storage.delete(p)
 
     def __enter__(self) -> SegmentWriter:
         return self

@@ -1,0 +1,60 @@
+"""`--repo`: a local directory; a location with a scheme no storage backend serves
+(`s3://…`) is a usage error on every command that takes it, and nothing is created
+(it used to make a local directory named `s3:`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import typer
+
+from upr_cli.cli.app import main
+from upr_cli.cli.options import repo_location
+from upr_cli.errors import ExitCode
+from upr_cli.storage import UnknownScheme, local_root
+
+DEAD = "upr://127.0.0.1:1/default"  # nothing listens: the option is refused before
+REPO_COMMANDS = [
+    ["backup", DEAD],
+    ["restore", "sqlite:/tmp/never.db"],
+    ["info"],
+    ["verify"],
+    ["examine", "some-key"],
+    ["salvage", "--to", DEAD],
+    ["spark", "export", "--to", "/tmp/never-export"],
+    ["spark", "merge"],
+]
+
+
+def test_a_plain_path_is_the_local_directory() -> None:
+    assert local_root("/backups/cb") == Path("/backups/cb")
+    assert local_root("rel/dir") == Path("rel/dir")
+    assert local_root("odd:name") == Path("odd:name")  # a colon without // is a file name
+    assert repo_location("/backups/cb") == Path("/backups/cb")
+    assert repo_location(Path("/x")) == Path("/x")
+
+
+@pytest.mark.parametrize("location", ["s3://bucket/x", "gs://b", "file:///tmp/r", "S3://B"])
+def test_a_scheme_no_backend_serves_is_refused(location: str) -> None:
+    with pytest.raises(UnknownScheme, match="repositories are not supported"):
+        local_root(location)
+    with pytest.raises(typer.BadParameter, match=f"{location!r}"):
+        repo_location(location)
+
+
+@pytest.mark.parametrize("args", REPO_COMMANDS, ids=lambda a: " ".join(a[:2]))
+def test_every_command_refuses_s3_repo_and_creates_nothing(
+    args: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main([*args, "--repo", "s3://bucket/x"])
+    _out, err = capsys.readouterr()
+    assert info.value.code == ExitCode.USAGE
+    assert err.count("\n") == 1, err
+    assert "Invalid value for '--repo': 's3://bucket/x': s3:// repositories" in err
+    assert list(tmp_path.iterdir()) == []  # no directory named `s3:`
