@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# the HELLO features the node grants (docs/protocol.md §5.1); others asked for are left out
 GRANTABLE = {
     Feature.TCP_NODELAY,
     Feature.XERROR,
