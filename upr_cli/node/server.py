@@ -9,6 +9,11 @@ SELECT_BUCKET → NO_BUCKET (0x08); SELECT_BUCKET or DCP_OPEN before authenticat
 EACCESS (0x24). A peer sending bytes that do not frame (bad magic, huge lengths) is
 disconnected; the node keeps serving everyone else.
 
+A session owns the connection: its read loop, the output queue and the connection's
+state (login, bucket, features, DCP producer). It applies the classic stores of the load
+and restore path itself, without message objects; every other request goes to its
+family's handler through the dispatch table (`node/dispatch.py`, `node/handlers_*.py`).
+
 Collections (formats/collections.md §4): a connection that negotiated them (HELLO 0x12)
 names every document by a key that starts with its collection id (LEB128); on any
 other connection a key is in the default collection. The bucket is handed the
@@ -26,109 +31,43 @@ import contextlib
 import ipaddress
 import json
 import logging
-import os
 import ssl
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from upr_cli.collections import CollectionsError, Manifest
 from upr_cli.errors import ExitCode, PathError, RemoteProtocolError, UprError, UsageError, os_error
 from upr_cli.memory import MemoryLimit
 from upr_cli.net.certdates import date_warning
-from upr_cli.net.scram import (
-    AuthenticationFailed,
-    ScramServer,
-    StoredCredential,
-    make_credential,
-    parse_plain,
-)
+from upr_cli.net.scram import ScramServer, StoredCredential, make_credential
 from upr_cli.net.tls import DEFAULT_TLS_PORT, server_context
-from upr_cli.node import subdoc, subdoc_kv
 from upr_cli.node.bucket import EXPIRY_PAGER_INTERVAL, Bucket, StaleCas
 from upr_cli.node.collections import UnknownCollectionError, parse_specs, with_specs
+from upr_cli.node.dispatch import HANDLERS, KV, unknown
 from upr_cli.node.lock import DataDirLock
-from upr_cli.node.partition import ACTIVE, DEAD, STATE_CODES
+from upr_cli.node.partition import ACTIVE, STATE_CODES
 from upr_cli.node.producer import (
     BACKFILLS_PER_CONNECTION,
-    OPEN_PRODUCER,
     DcpProducer,
     DcpSender,
     RollbackTo,
     error_response,
-    open_flags_problem,
 )
 from upr_cli.node.replication import Replicator
 from upr_cli.node.storage import DocRow
 from upr_cli.protocol import Frame, FrameDecoder, decode_message, leb128, snappy, xattrs
 from upr_cli.protocol.fast import encode_store_response, parse_set
-from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, FrameId, Magic, Opcode
-from upr_cli.protocol.messages import (
-    Add,
-    AddStream,
-    Barrier,
-    BufferAck,
-    CloseStream,
-    CollectionsGetId,
-    CollectionsGetManifest,
-    CollectionsGetScopeId,
-    CollectionsIdResponse,
-    CollectionsSetManifest,
-    Control,
-    DcpOpen,
-    Delete,
-    DelWithMeta,
-    DisableTraffic,
-    EnableTraffic,
-    FailoverLogResponse,
-    Get,
-    GetAllVbSeqnos,
-    GetAllVbSeqnosResponse,
-    GetClusterConfig,
-    GetErrorMap,
-    GetFailoverLog,
-    GetResponse,
-    Hello,
-    HelloResponse,
-    Message,
-    Noop,
-    ObserveSeqno,
-    ObserveSeqnoResponse,
-    Replace,
-    Response,
-    SaslAuth,
-    SaslListMechs,
-    SaslListMechsResponse,
-    SaslStep,
-    SelectBucket,
-    Set,
-    SetClusterConfig,
-    SetParam,
-    SetVbucket,
-    SetWithMeta,
-    Stat,
-    StatResponse,
-    StreamRequest,
-    StreamRequestOk,
-    StreamRequestRollback,
-    UnknownRequest,
-)
+from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, Magic, Opcode
+from upr_cli.protocol.messages import Message, Response, StreamRequestRollback
 from upr_cli.protocol.status import (
     AccessDenied,
-    AuthError,
     InvalidArguments,
-    KeyNotFound,
     NoBucket,
-    NotMyVbucket,
-    NotSupported,
     Status,
     StatusError,
     TemporaryFailure,
-    UnknownCommand,
-    registered_statuses,
 )
 
 log = logging.getLogger(__name__)
@@ -150,32 +89,8 @@ OUT_CORK = 1 << 18  # queued DCP output written at once, without waiting for the
 WRITE_QUEUE_SHARE = 0.5
 BACKFILL_SHARE = 0.125
 PAGE_CACHE_SHARE = 1 / 24  # each of a bucket's two SQLite connections (8 MiB of 192)
-GRANTABLE = {
-    Feature.TCP_NODELAY,
-    Feature.XERROR,
-    Feature.SELECT_BUCKET,
-    Feature.JSON,
-    Feature.MUTATION_SEQNO,
-    Feature.ALT_REQUEST_SUPPORT,
-    Feature.COLLECTIONS,
-    Feature.SNAPPY,  # values kept as they come, compressed or not (formats/wire.md "Snappy")
-    Feature.XATTR,  # documents keep extended attributes (formats/wire.md "Xattrs")
-}
-# KV commands the official SDK sends that upr's message layer does not model: answered
-# from the raw request (formats/collections.md §5)
-TOUCH, GAT, GET_META = Opcode.TOUCH, Opcode.GAT, Opcode.GET_META
-SUBDOC_MULTI_LOOKUP = Opcode.SUBDOC_MULTI_LOOKUP
-SUBDOC_MULTI_MUTATION = Opcode.SUBDOC_MULTI_MUTATION
-SUBDOC = frozenset({SUBDOC_MULTI_LOOKUP, SUBDOC_MULTI_MUTATION})  # formats/subdoc.md
-RAW_KV = frozenset({TOUCH, GAT, GET_META, *SUBDOC})
-_U32 = struct.Struct(">I")
-_META_V2 = struct.Struct(">IIIQB")  # deleted, flags, expiry, rev seq, datatype
-_MUTATION_TOKEN = struct.Struct(">QQ")  # vbucket uuid, seqno
 # what a single node's terse config says it can do (docs/protocol.md §5.5); the SDK
 # addresses named collections only on a bucket that lists "collections"
-# the parts of a bucket config that describe the cluster rather than the bucket
-GLOBAL_CONFIG_KEYS = ("rev", "revEpoch", "nodesExt", "clusterCapabilitiesVer",
-                      "clusterCapabilities")  # fmt: skip
 CAPABILITIES = ["couchapi", "collections", "dcp", "cbhello", "touch", "cccp", "nodesExt"]
 MECHANISMS = "SCRAM-SHA512 PLAIN"
 # --no-auth takes any login over PLAIN, which carries the password. SCRAM cannot succeed
@@ -184,10 +99,6 @@ MECHANISMS = "SCRAM-SHA512 PLAIN"
 NO_AUTH_MECHANISMS = "PLAIN"
 # --tls-client-auth: Couchbase's client-certificate states other than "disable"
 CLIENT_AUTH_MODES = ("enable", "mandatory")
-
-
-COLLECTIONS_COMMANDS = (CollectionsSetManifest, CollectionsGetManifest, CollectionsGetId,
-                        CollectionsGetScopeId)  # fmt: skip
 
 
 class ServeError(UprError):
@@ -482,7 +393,8 @@ class NodeServer:
 
 
 class ClientSession:
-    """One client connection."""
+    """One client connection: the read loop, the fast paths, output corking and the
+    connection's state; the handlers of `node/dispatch.py` answer through it."""
 
     def __init__(
         self, server: NodeServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -626,7 +538,11 @@ class ClientSession:
             self.send(error_response(frame.opcode, frame.opaque, Status.EINVAL, str(exc)))
             return
         try:
-            await self.dispatch(msg)
+            # the handler by the request's type (node/dispatch.py); one that awaits
+            # returns its coroutine
+            pending = HANDLERS.get(type(msg), unknown)(self, msg)
+            if pending is not None:
+                await pending
         except RollbackTo as rb:
             self.send(StreamRequestRollback(opaque=msg.opaque, rollback_seqno=rb.seq))
         except StatusError as exc:
@@ -734,8 +650,7 @@ class ClientSession:
             self.send(error_response(frame.opcode, frame.opaque, Status.EINVAL, str(exc)))
             return
         try:
-            self.check_traffic()
-            self.kv(msg)
+            KV.get(type(msg), unknown)(self, msg)
         except StatusError as exc:
             self.error_reply(frame, exc)
 
@@ -776,43 +691,6 @@ class ClientSession:
             raise AccessDenied("authenticate before changing partition states")
         return self.need_bucket()
 
-    async def set_vbucket(self, msg: SetVbucket) -> None:
-        """SET_VBUCKET (formats/cluster.md): bucket CAS and map revision checked, the state
-        persisted before the answer, whose header carries the new bucket CAS."""
-        bucket = self.need_admin_bucket()
-        states = {code: name for name, code in STATE_CODES.items()}
-        if msg.state not in states:
-            raise InvalidArguments(f"partition state {msg.state} is not 1..4")
-        try:
-            args = json.loads(msg.value) if msg.value else {}
-            rev = int(args.get("rev", 0))
-            failover = bool(args.get("failover", False))
-        except (ValueError, TypeError, AttributeError):
-            raise InvalidArguments('SET_VBUCKET value: {"rev": N, "failover": bool}') from None
-        cas = await bucket.set_partition_state(msg.vbucket, states[msg.state], cas=msg.cas,
-                                               rev=rev, failover=failover)  # fmt: skip
-        self.send(Response(opcode=Opcode.SET_VBUCKET, opaque=msg.opaque, cas=cas))
-
-    def set_param(self, msg: SetParam) -> None:
-        """SET_PARAM (formats/cluster.md §6): replication_pause / replication_resume with
-        a JSON value {"partitions": [..] | null, "after": seq | null}; the answer lists
-        the partitions affected."""
-        self.need_admin_bucket()
-        rep = self.server.replicator
-        if msg.name not in ("replication_pause", "replication_resume") or rep is None:
-            raise InvalidArguments(f"unknown parameter {msg.name!r}")
-        try:
-            args = json.loads(msg.value) if msg.value else {}
-            vbs = args.get("partitions")
-            vbs = None if vbs is None else [int(v) for v in vbs]
-            after = args.get("after")
-            after = None if after is None else int(after)
-        except (ValueError, TypeError, AttributeError):
-            raise InvalidArguments('value: {"partitions": [..], "after": N}') from None
-        done = rep.pause(vbs, after) if msg.name == "replication_pause" else rep.resume(vbs)
-        self.send(Response(opcode=Opcode.SET_PARAM, opaque=msg.opaque,
-                           value=json.dumps(done).encode(), datatype=1))  # fmt: skip
-
     def check_traffic(self) -> None:
         """ETMPFAIL while front-end traffic is off: a cluster node that restarted serves
         no data until its orchestrator has given it the current map and states (the UPR
@@ -824,500 +702,11 @@ class ClientSession:
                 "traffic is off until the cluster's orchestrator turns it on (upr cluster start)"
             )
 
-    def cluster_config(self) -> dict[str, Any]:
-        """The selected bucket's config; without one, once authenticated, the global
-        config (GCCCP): without it the SDK takes the plain port for the TLS one and
-        cannot open a bucket over TLS (docs/protocol.md §13.2)."""
-        if self.bucket is not None or not self.authenticated:
-            return self.server.cluster_config(self.need_bucket())
-        bucket = next(iter(self.server.buckets.values()))
-        full = self.server.cluster_config(bucket)
-        return {k: full[k] for k in GLOBAL_CONFIG_KEYS if k in full}
-
     def need_bucket(self) -> Bucket:
         """The selected bucket, or NO_BUCKET."""
         if self.bucket is None:
             raise NoBucket("no bucket selected")
         return self.bucket
-
-    async def dispatch(self, msg: Message) -> None:
-        """Route a request by type."""
-        op = type(msg)
-        if op is Hello:
-            assert isinstance(msg, Hello)
-            granted = tuple(dict.fromkeys(f for f in msg.features if f in GRANTABLE))
-            self.features = set(granted)
-            self.send(HelloResponse(opaque=msg.opaque, features=granted))
-        elif op is SaslListMechs:
-            self.send(SaslListMechsResponse(opaque=msg.opaque, mechanisms=self.server.mechanisms))
-        elif op in (SaslAuth, SaslStep):
-            self.sasl(msg)  # type: ignore[arg-type]
-        elif op is GetErrorMap:
-            errors = {
-                f"{code:x}": {
-                    "name": cls.__name__,
-                    "desc": (cls.__doc__ or "").strip(),
-                    "attrs": ["temp"] if cls.retriable else ["item-only"],
-                }
-                for code, cls in registered_statuses().items()
-            }
-            body = json.dumps({"version": 2, "revision": 1, "errors": errors}).encode()
-            self.send(
-                Response(opcode=Opcode.GET_ERROR_MAP, opaque=msg.opaque, value=body, datatype=1)
-            )
-        elif op is SelectBucket:
-            assert isinstance(msg, SelectBucket)
-            if not self.authenticated:
-                raise AccessDenied("authenticate before selecting a bucket")
-            bucket = self.server.buckets.get(msg.bucket)
-            if bucket is None:
-                raise AccessDenied(f"no bucket {msg.bucket!r}")
-            self.bucket = bucket
-            self.send(Response(opcode=Opcode.SELECT_BUCKET, opaque=msg.opaque))
-        elif op is GetClusterConfig:
-            body = json.dumps(self.cluster_config()).encode()
-            self.send(
-                Response(
-                    opcode=Opcode.GET_CLUSTER_CONFIG, opaque=msg.opaque, value=body, datatype=1
-                )
-            )
-        elif op is Stat:
-            assert isinstance(msg, Stat)
-            self.stats(msg)
-        elif op is SetVbucket:
-            assert isinstance(msg, SetVbucket)
-            await self.set_vbucket(msg)
-        elif op is SetParam:
-            assert isinstance(msg, SetParam)
-            self.set_param(msg)
-        elif op is EnableTraffic or op is DisableTraffic:
-            self.need_admin_bucket().traffic = op is EnableTraffic
-            code = Opcode.ENABLE_TRAFFIC if op is EnableTraffic else Opcode.DISABLE_TRAFFIC
-            self.send(Response(opcode=code, opaque=msg.opaque))
-        elif op is SetClusterConfig:
-            assert isinstance(msg, SetClusterConfig)
-            bucket = self.need_admin_bucket()
-            try:
-                config = json.loads(msg.value)
-            except ValueError:
-                raise InvalidArguments("the cluster map is not JSON") from None
-            if not isinstance(config, dict):
-                raise InvalidArguments("the cluster map is not a JSON object")
-            cas = bucket.set_cluster_map(msg.cas, config)
-            self.server.rev = max(self.server.rev, bucket.map_rev)
-            self.send(Response(opcode=Opcode.SET_CLUSTER_CONFIG, opaque=msg.opaque, cas=cas))
-        elif op in (
-            Get,
-            Set,
-            Add,
-            Replace,
-            Delete,
-            SetWithMeta,
-            DelWithMeta,
-            ObserveSeqno,
-            GetAllVbSeqnos,
-        ):
-            if op is not GetAllVbSeqnos:
-                self.check_traffic()
-            self.kv(msg)
-        elif op in COLLECTIONS_COMMANDS:
-            await self.collections_request(msg)
-        elif isinstance(msg, UnknownRequest) and msg.opcode in RAW_KV:
-            self.check_traffic()
-            self.kv_raw(msg)
-        elif op in (
-            DcpOpen,
-            Control,
-            StreamRequest,
-            CloseStream,
-            GetFailoverLog,
-            BufferAck,
-            AddStream,
-            Noop,
-            Barrier,
-        ):
-            await self.dcp_request(msg)
-        else:
-            raise UnknownCommand(f"opcode 0x{getattr(msg, 'opcode', 0):02x} is not supported")
-
-    def sasl(self, msg: SaslAuth | SaslStep) -> None:
-        """SASL PLAIN and SCRAM-SHA512 (docs/protocol.md §5.2); refused after DCP_OPEN (§2.1).
-        With --no-auth, PLAIN takes any user and password (SCRAM only the node's users)."""
-        if self.dcp is not None:
-            raise InvalidArguments("SASL is not accepted after DCP_OPEN")
-        if self.cert_user is not None:  # as kv_engine: no change of identity
-            raise NotSupported(
-                f"this connection is logged in as {self.cert_user!r} by its client "
-                "certificate; SASL cannot change that"
-            )
-        creds = self.server.credentials
-        try:
-            if isinstance(msg, SaslAuth) and msg.mechanism == "PLAIN":
-                user, password = parse_plain(msg.payload)
-                stored = creds.get(user)
-                if not self.server.config.no_auth and (
-                    stored is None
-                    or make_credential(
-                        "SCRAM-SHA512", password, salt=stored.salt, iterations=stored.iterations
-                    )
-                    != stored
-                ):
-                    raise AuthenticationFailed("bad credentials")
-                self._authenticated(user, msg, b"")
-            elif isinstance(msg, SaslAuth) and msg.mechanism == "SCRAM-SHA512":
-                self.scram = ScramServer("SCRAM-SHA512", creds.get)
-                challenge = self.scram.first(msg.payload)
-                self.send(
-                    Response(
-                        opcode=Opcode.SASL_AUTH,
-                        opaque=msg.opaque,
-                        status=Status.AUTH_CONTINUE,
-                        value=challenge,
-                    )
-                )
-            elif isinstance(msg, SaslStep) and self.scram is not None:
-                final = self.scram.final(msg.payload)
-                self._authenticated(self.scram.username or "", msg, final)
-                self.scram = None
-            else:
-                raise AuthenticationFailed(f"unsupported mechanism {msg.mechanism!r}")
-        except AuthenticationFailed:
-            self.scram = None
-            if self.server.config.no_auth and msg.mechanism != "PLAIN":
-                # the official SDK uses SCRAM on a plain connection unless told
-                # otherwise: say once what works instead
-                if not self.server.warned_no_auth_scram:
-                    self.server.warned_no_auth_scram = True
-                    log.warning(
-                        "a client failed SCRAM on this --no-auth node: it takes any user and "
-                        "password with SASL PLAIN (the Couchbase SDKs: "
-                        "allowed_sasl_mechanisms=PLAIN), SCRAM only for --user"
-                    )
-                raise AuthError(
-                    "authentication failed: a --no-auth node takes any user and password "
-                    "with PLAIN, SCRAM only for its own users"
-                ) from None
-            raise AuthError("authentication failed") from None
-
-    def _authenticated(self, user: str, msg: SaslAuth | SaslStep, payload: bytes) -> None:
-        self.authenticated, self.user = True, user
-        self.decoder.max_body = self.server.config.max_body
-        opcode = Opcode.SASL_AUTH if isinstance(msg, SaslAuth) else Opcode.SASL_STEP
-        self.send(Response(opcode=opcode, opaque=msg.opaque, value=payload))
-
-    def stats(self, msg: Stat) -> None:
-        """STAT groups `""`, `vbucket [vb]`, `vbucket-seqno [vb]` and `failovers [vb]`.
-
-        As docs/protocol.md §5.7 lists them.
-        """
-        bucket = self.need_bucket()
-        group, _, arg = msg.group.partition(" ")
-        parts = sorted(bucket.partitions.items())
-        if arg:
-            if not arg.isdigit() or int(arg) not in bucket.partitions:
-                raise InvalidArguments(f"no partition {arg!r}")
-            parts = [(int(arg), bucket.partitions[int(arg)])]
-        pairs: list[tuple[str, str]] = []
-        if group == "":
-            pairs = [
-                ("pid", str(os.getpid())),
-                ("curr_connections", str(len(self.server.sessions))),
-                ("ep_num_vbuckets", str(len(bucket.partitions))),
-                ("bucket", bucket.name),
-                ("ep_traffic_enabled", "true" if bucket.traffic else "false"),
-            ]
-        elif group == "vbucket":  # each partition's state, as Couchbase Server names it
-            pairs = [(f"vb_{vb}", p.state) for vb, p in parts]
-        elif group == "vbucket-seqno":
-            for vb, p in parts:
-                pairs += [
-                    (f"vb_{vb}:high_seqno", str(p.high_seq)),
-                    (f"vb_{vb}:abs_high_seqno", str(p.high_seq)),
-                    (f"vb_{vb}:last_persisted_seqno", str(p.persisted_seq)),
-                    (f"vb_{vb}:uuid", str(p.uuid)),
-                    (f"vb_{vb}:purge_seqno", str(p.purge_seq)),
-                    (f"vb_{vb}:last_persisted_snap_start", str(p.snap_start)),
-                    (f"vb_{vb}:last_persisted_snap_end", str(p.snap_end)),
-                ]
-        elif group == "replication":  # formats/cluster.md §5: links, pauses, errors
-            rep = self.server.replicator
-            status = rep.status() if rep is not None else {}
-            pairs = [(k, json.dumps(v)) for k, v in status.items()]
-            pairs += [(f"vb_{vb}:complete_seqno", str(p.complete_seq)) for vb, p in parts]
-        elif group == "failovers":
-            for vb, p in parts:
-                pairs.append((f"vb_{vb}:num_entries", str(len(p.failover))))
-                for i, e in enumerate(p.failover.entries):
-                    pairs += [(f"vb_{vb}:{i}:id", str(e.uuid)), (f"vb_{vb}:{i}:seq", str(e.seq))]
-        else:
-            raise KeyNotFound(f"unknown stat group {group!r}")
-        out = [StatResponse(opaque=msg.opaque, name=k, value=v).encode() for k, v in pairs]
-        out.append(StatResponse(opaque=msg.opaque).encode())
-        self.send(b"".join(out))
-
-    def kv(self, msg: Message) -> None:
-        """GET/SET/ADD/REPLACE/DELETE/*_WITH_META, OBSERVE_SEQNO, GET_ALL_VB_SEQNOS."""
-        bucket = self.need_bucket()
-        if isinstance(msg, GetAllVbSeqnos):
-            want = {1: "active", 2: "replica", 3: "pending", 4: "dead"}.get(msg.state or 0)
-            seqnos = tuple(
-                (vb, p.high_seq)
-                for vb, p in sorted(bucket.partitions.items())
-                if (p.state == want if want else p.state != "dead")
-            )
-            self.send(GetAllVbSeqnosResponse(opaque=msg.opaque, seqnos=seqnos))
-            return
-        vb = getattr(msg, "vbucket", 0)
-        if isinstance(msg, Get):
-            doc = bucket.get(vb, self.qualified(msg.key))
-            self.send(
-                GetResponse(
-                    opaque=msg.opaque,
-                    cas=doc.cas,
-                    flags=doc.flags,
-                    value=doc.value,
-                    datatype=doc.datatype,
-                )
-            )
-            return
-        if isinstance(msg, ObserveSeqno):
-            # a replica answers too, so a client can wait for replica persistence (the UPR
-            # design specification, "How front end clients ensure mutations are replicated
-            # or persisted on a replica"; formats/cluster.md §5)
-            part = bucket.partition(vb, active=False)
-            if part.state == DEAD:
-                raise NotMyVbucket(f"partition {vb} is dead here")
-            idx = part.failover.find(msg.vbucket_uuid)
-            if idx is None:
-                raise KeyNotFound(f"uuid {msg.vbucket_uuid:x} is not in partition {vb}'s history")
-            hard = idx > 0  # a hard failover happened since: format 1
-            # formats/cluster.md §5 "What OBSERVE_SEQNO tells a client": a replica (or
-            # pending) copy reports as persisted the end of its last complete snapshot
-            # persisted. Mid-snapshot, the seqs it persisted are not a state the active
-            # had: a version deduplicated away (a key written again later in the same
-            # snapshot) is on neither copy, and the copy's promotion would not hold it.
-            # The current seqno stays the high seqno, as kv_engine reports it.
-            persisted = part.persisted_seq if part.state == ACTIVE else part.complete_seq
-            self.send(
-                ObserveSeqnoResponse(
-                    opaque=msg.opaque,
-                    format=1 if hard else 0,
-                    observed_vbucket=vb,
-                    vbucket_uuid=part.uuid,
-                    persisted_seqno=persisted,
-                    current_seqno=part.high_seq,
-                    old_vbucket_uuid=msg.vbucket_uuid if hard else None,
-                    last_received_seqno=part.failover.entries[idx - 1].seq if hard else None,
-                )
-            )
-            return
-        if isinstance(msg, Set | SetWithMeta):
-            self.check_datatype(msg.datatype, with_meta=isinstance(msg, SetWithMeta))
-        if isinstance(msg, SetWithMeta):  # DelWithMeta is a subclass
-            doc = bucket.store_with_meta(
-                vb,
-                self.qualified(msg.key),
-                msg.value,
-                deleted=isinstance(msg, DelWithMeta),
-                flags=msg.flags,
-                expiry=msg.expiration,
-                rev_seq=msg.rev_seqno,
-                item_cas=msg.item_cas,
-                datatype=msg.datatype,
-                options=msg.options or 0,
-                cas=msg.cas,
-            )
-        elif isinstance(msg, Set):  # Add and Replace are subclasses
-            op = "add" if isinstance(msg, Add) else "replace" if isinstance(msg, Replace) else "set"
-            doc = bucket.store(
-                op,
-                vb,
-                self.qualified(msg.key),
-                msg.value,
-                flags=msg.flags,
-                expiry=msg.expiration,
-                datatype=msg.datatype,
-                cas=msg.cas,
-            )
-        elif isinstance(msg, Delete):
-            doc = bucket.delete(vb, self.qualified(msg.key), cas=msg.cas)
-        else:
-            raise UnknownCommand("unsupported KV request")
-        # StoreResponse's bytes, packed in one call (the restore path's answer)
-        opcode = int(msg.SCHEMA.opcodes[0])
-        if Feature.MUTATION_SEQNO in self.features:
-            uuid = bucket.partitions[vb].uuid
-            self.send(encode_store_response(opcode, msg.opaque, doc.cas, uuid, doc.seq))
-        else:
-            self.send(encode_store_response(opcode, msg.opaque, doc.cas))
-
-    def kv_raw(self, msg: UnknownRequest) -> None:
-        """TOUCH and GAT (extras u32 expiry), GET_META (extras: none, or u8 version 1 or
-        2) and the sub-document commands, as the official SDK sends them
-        (formats/collections.md §5, formats/subdoc.md)."""
-        if msg.opcode in SUBDOC:
-            self.subdoc(msg)
-            return
-        bucket = self.need_bucket()
-        key = self.qualified(msg.key)
-        if msg.opcode == GET_META:
-            if len(msg.extras) > 1 or (msg.extras and msg.extras[0] not in (1, 2)):
-                raise InvalidArguments("GET_META extras: none, or a u8 version 1 or 2")
-            doc = bucket.get_meta(msg.vbucket, key)
-            # the XATTR bit to a connection that negotiated it (formats/wire.md "Xattrs")
-            shown = doc.datatype if Feature.XATTR in self.features else doc.datatype & ~xattrs.XATTR
-            extras = _META_V2.pack(int(doc.deleted), doc.flags, doc.expiry, doc.rev_seq,
-                                   shown)  # fmt: skip
-            if msg.extras != b"\x02":
-                extras = extras[:-1]  # the datatype only for version 2
-            self.send(Response(opcode=msg.opcode, opaque=msg.opaque, cas=doc.cas, extras=extras))
-            return
-        if len(msg.extras) != 4 or msg.value:
-            raise InvalidArguments("TOUCH/GAT: extras are a u32 expiry, and no value")
-        (expiry,) = _U32.unpack(msg.extras)
-        doc = bucket.touch(msg.vbucket, key, expiry)
-        if msg.opcode == TOUCH:
-            self.send(Response(opcode=TOUCH, opaque=msg.opaque, cas=doc.cas))
-        else:  # GAT answers as GET does
-            self.send(Response(opcode=GAT, opaque=msg.opaque, cas=doc.cas,
-                               extras=_U32.pack(doc.flags), value=doc.value,
-                               datatype=doc.datatype))  # fmt: skip
-
-    def subdoc(self, msg: UnknownRequest) -> None:
-        """SUBDOC_MULTI_LOOKUP and SUBDOC_MULTI_MUTATION (formats/subdoc.md): validated
-        as kv_engine validates them, then run against the bucket; a spec's failure is in
-        the body, a request's in the header status."""
-        bucket = self.need_bucket()
-        mutation = msg.opcode == SUBDOC_MULTI_MUTATION
-        if msg.datatype or not msg.key:
-            raise InvalidArguments("a sub-document request has a key and datatype RAW")
-        preserve = [data for fid, data in msg.frame_infos if fid == FrameId.PRESERVE_TTL]
-        if preserve and (preserve[0] or not mutation):
-            raise InvalidArguments("PreserveTTL takes no value, on a mutation only")
-        xattr = Feature.XATTR in self.features
-        req = subdoc.parse_request(mutation=mutation, extras=msg.extras, value=msg.value,
-                                   cas=msg.cas, xattrs_enabled=xattr)  # fmt: skip
-        key, vb = self.qualified(msg.key), msg.vbucket
-        if not mutation:
-            status, cas, body = subdoc_kv.lookup_in(bucket, vb, key, req, msg.cas)
-            self.send(Response(opcode=msg.opcode, opaque=msg.opaque, status=status, cas=cas,
-                               value=body))  # fmt: skip
-            return
-        try:
-            status, doc, body = subdoc_kv.mutate_in(bucket, vb, key, req, cas=msg.cas,
-                                                    preserve_ttl=bool(preserve))  # fmt: skip
-        except subdoc.SpecFailed as failed:
-            self.send(Response(opcode=msg.opcode, opaque=msg.opaque,
-                               status=subdoc.Code.MULTI_PATH_FAILURE,
-                               value=subdoc.failure_body(failed)))  # fmt: skip
-            return
-        extras = b""
-        if Feature.MUTATION_SEQNO in self.features:
-            extras = _MUTATION_TOKEN.pack(bucket.partitions[vb].uuid, doc.seq)
-        self.send(Response(opcode=msg.opcode, opaque=msg.opaque, status=status, cas=doc.cas,
-                           extras=extras, value=body))  # fmt: skip
-
-    async def collections_request(self, msg: Message) -> None:
-        """COLLECTIONS_SET_MANIFEST (authenticated), _GET_MANIFEST, _GET_ID and
-        _GET_SCOPE_ID (kv_engine's docs/Collections.md; formats/collections.md §4)."""
-        bucket = self.need_bucket()
-        if isinstance(msg, CollectionsSetManifest):
-            self.need_admin_bucket()
-            try:
-                manifest = Manifest.from_json(msg.value)
-            except CollectionsError as exc:
-                raise InvalidArguments(str(exc)) from None
-            await bucket.set_manifest(manifest)
-            self.send(Response(opcode=Opcode.COLLECTIONS_SET_MANIFEST, opaque=msg.opaque))
-        elif isinstance(msg, CollectionsGetManifest):
-            self.send(Response(opcode=Opcode.COLLECTIONS_GET_MANIFEST, opaque=msg.opaque,
-                               value=bucket.manifest.dumps(), datatype=1))  # fmt: skip
-        elif isinstance(msg, CollectionsGetId | CollectionsGetScopeId):
-            # the documented form has the path in the value; the SDK sends it as the key
-            raw = msg.value or msg.key
-            try:
-                path = bytes(raw).decode()
-                if isinstance(msg, CollectionsGetId):
-                    uid, ident = bucket.collections.collection_id(path)
-                else:
-                    uid, ident = bucket.collections.scope_id(path)
-            except (UnicodeDecodeError, CollectionsError) as exc:
-                raise InvalidArguments(f"collection path: {exc}") from None
-            self.send(CollectionsIdResponse(opcode=msg.SCHEMA.opcodes[0], opaque=msg.opaque,
-                                            manifest_uid=uid, id=ident))  # fmt: skip
-
-    async def dcp_request(self, msg: Message) -> None:
-        """DCP_OPEN, CONTROL, STREAM_REQ, CLOSE_STREAM, GET_FAILOVER_LOG, BUFFER_ACK."""
-        if isinstance(msg, GetFailoverLog) and msg.opcode == Opcode.GET_FAILOVER_LOG:
-            part = self.need_bucket().partition(msg.vbucket, active=False)
-            self.send(
-                FailoverLogResponse(
-                    opaque=msg.opaque, opcode=msg.opcode, failover_log=part.failover.pairs()
-                )
-            )
-            return
-        if isinstance(msg, DcpOpen):
-            if not self.authenticated:
-                raise AccessDenied("authenticate before DCP_OPEN")
-            bucket = self.need_bucket()
-            if self.dcp is not None:
-                raise InvalidArguments("DCP_OPEN was already sent on this connection")
-            problem = open_flags_problem(msg.flags)
-            if problem:
-                raise InvalidArguments(problem)
-            if not msg.flags & OPEN_PRODUCER:
-                raise NotSupported("upr serve accepts producer (client) DCP connections only")
-            if msg.value:
-                raise InvalidArguments("a producer DCP_OPEN takes no value")
-            self.dcp = DcpProducer(
-                bucket,
-                msg.name,
-                msg.flags,
-                self.sender,
-                self.server.backfill_pool,
-                self.server.backfill_slots,
-                self.fatal,
-                self.server.config.idle_timeout,
-                collections=self.collections,
-                snappy=Feature.SNAPPY in self.features,
-                batch_bytes=self.server.backfill_batch_bytes,
-            )
-            self.send(Response(opcode=Opcode.DCP_OPEN, opaque=msg.opaque))
-            return
-        dcp = self.dcp
-        if isinstance(msg, Barrier):
-            if dcp is None or not dcp.barriers_enabled:
-                raise UnknownCommand("barrier cookies need the upr_barrier_cookies control")
-            dcp.register_barrier(msg.cookie, msg.opaque)
-            self.send(Response(opcode=Opcode.UPR_BARRIER, opaque=msg.opaque))
-            self.flush_out()
-            await dcp.check_barriers()
-            return
-        if dcp is None:
-            raise InvalidArguments("send DCP_OPEN first")
-        if isinstance(msg, BufferAck):
-            dcp.sender.ack(msg.acked)  # no response on success (docs/protocol.md §2.13)
-        elif isinstance(msg, Control):
-            dcp.control(msg.name, msg.value)
-            self.send(Response(opcode=Opcode.DCP_CONTROL, opaque=msg.opaque))
-        elif isinstance(msg, StreamRequest):
-            self.check_traffic()
-            spec, log_pairs = dcp.stream_request(msg)
-            self.send(StreamRequestOk(opaque=msg.opaque, failover_log=log_pairs))
-            dcp.start_stream(spec)
-        elif isinstance(msg, CloseStream):
-            if not dcp.has_stream(msg.vbucket):
-                raise KeyNotFound(f"no stream for partition {msg.vbucket}")
-            self.send(Response(opcode=Opcode.DCP_CLOSE_STREAM, opaque=msg.opaque))
-            self.flush_out()
-            await dcp.close_stream(msg.vbucket)
-        elif isinstance(msg, GetFailoverLog):
-            part = dcp.bucket.partition(msg.vbucket, active=False)
-            self.send(FailoverLogResponse(opaque=msg.opaque, failover_log=part.failover.pairs()))
-        elif isinstance(msg, Noop):
-            self.send(Response(opcode=Opcode.DCP_NOOP, opaque=msg.opaque))
-        else:
-            raise NotSupported("ADD_STREAM is for consumer connections, which upr serve lacks")
 
 
 __all__ = ["STATE_CODES", "NodeConfig", "NodeServer", "ServeError", "is_loopback"]
