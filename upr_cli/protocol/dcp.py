@@ -1,9 +1,10 @@
 """The DCP flag words and stream-end statuses, defined once for the consumer and the node.
 
 DCP_OPEN flags follow docs/protocol.md §2.1, stream-request flags (ADD_STREAM and
-STREAM_REQ) §2.2, STREAM_END statuses §2.6 and SNAPSHOT_MARKER flags §2.7. They are
-plain ints, not enum members, because they are tested against a message's flags on
-every frame and `int & IntFlag` builds a new enum member each time.
+STREAM_REQ) docs/protocol.md §2.2, STREAM_END statuses docs/protocol.md §2.6 and
+SNAPSHOT_MARKER flags docs/protocol.md §2.7. They are plain ints, not enum members:
+they are tested against a message's flags on every frame, and `int & IntFlag` builds
+a new enum member each time.
 """
 
 from __future__ import annotations
