@@ -1,4 +1,4 @@
-"""Structure checks over `upr_cli/` (issue 17, "Done when"), AST based and fast.
+"""Structure checks over `upr_cli/` (issues 17 and 28, "Done when"), AST based and fast.
 
 1. No function or method is over 100 lines, except spec-shaped ones that say so: a
    comment containing `spec-shaped` on the def line or in the first lines of the body.
@@ -20,6 +20,33 @@
    key or member of an opcode table (`OPS = {...}`), assigned to such a name
    (`OP_MUTATION = 0x57`, a second definition), or passed as `opcode=`; and any
    hex literal in 0x50-0x65 (the DCP range) written in a comparison.
+4. No second definition of the wire vocabulary outside `upr_cli/protocol/` (issue 28):
+   the DCP flags and stream-end statuses of `protocol/dcp.py`, the `Status` codes and
+   the `Datatype` bits. A constant is `NAME = <int>` at module level or in a class body
+   (enum members included; tuple assignments too), where `<int>` is an int literal or
+   an expression of int literals (`0x04 | 0x100`); a value computed from a name
+   (`Status.KEY_EEXISTS`, `OPEN_XATTRS | OPEN_DELETED_USER_XATTRS`) is a use, not a
+   definition. Leading underscores are ignored. A constant re-declares an entry when
+     a. it has the entry's name (`END_OK = 0`, `XATTR_EINVAL = 0x87`, `JSON = 0x01`),
+        whatever its value; or
+     b. it has the entry's value and the same stem, the words of the name after any
+        leading family words (OPEN, S, FLAG, STREAM, END, MARKER, SNAPSHOT, STATUS,
+        SUBDOC, DATATYPE, DCP), provided the stem has two words or more or the
+        constant's name starts with a family word too: `FLAG_FROM_LATEST = 0x40` is
+        `S_FROM_LATEST`, `PATH_ENOENT = 0xC0` is `SUBDOC_PATH_ENOENT` and
+        `STREAM_CLOSED = 1` is `END_CLOSED`, but `CLOSED = 1` in a connection's state
+        enum or `BATCH_ITEMS = 512` (0x200, a DCP_OPEN flag) is left alone; or
+     c. it is a `status` attribute (`status = 0x87` in a `StatusError` subclass)
+        holding a non-zero status code.
+   A value alone (0, 1, 0x40…) is never enough: ordinary constants share them.
+5. No datatype bit written as a literal outside `upr_cli/protocol/`: a non-zero int
+   literal combined by `&`, `|` or `^` (or `&=`, `|=`), or compared, with an operand
+   whose name ends in `datatype` (`rec.datatype & 0x01`, `datatype & 0x03 == 0x01`,
+   `rec[R_DATATYPE] | 4`), passed as `datatype=` or assigned to such a name. 0 (raw) is
+   allowed. Literals reaching a datatype through another name (a table of bits, a
+   variable named `dt`) are not seen. The files other helpers of issue 28 restructure
+   in parallel still hold a few such literals; `PENDING_DATATYPE_LITERALS` counts them
+   (at most), to be emptied when they land.
 
 Each check reports `path:line` of its offenders. The checkers themselves are tested
 below on small snippets, so a check that passes does so for the right reason.
@@ -36,7 +63,9 @@ from pathlib import Path
 
 import pytest
 
-from upr_cli.protocol.header import Opcode
+from upr_cli.protocol import dcp
+from upr_cli.protocol.header import Datatype, Opcode
+from upr_cli.protocol.status import Status
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "upr_cli"
@@ -52,6 +81,17 @@ NON_RECORD_ANNOTATION = re.compile(r"^(list|Sequence|tuple)\[(int|str)|^(str|byt
 OPCODE_NAME = re.compile(r"(^|_)(op|opcode|cmd)s?($|_)", re.IGNORECASE)
 OPCODES = frozenset(int(o) for o in Opcode)
 DCP_RANGE = range(0x50, 0x66)
+
+FAMILY_WORDS = frozenset({"OPEN", "S", "FLAG", "STREAM", "END", "MARKER", "SNAPSHOT", "STATUS",
+                          "SUBDOC", "DATATYPE", "DCP"})  # fmt: skip
+DATATYPE_NAME = re.compile(r"datatype$", re.IGNORECASE)
+# node/bucket.py, node/producer.py and node/server.py: only their constant definitions may
+# change on the vocabulary branch (issue 28 restructures them in parallel)
+PENDING_DATATYPE_LITERALS = {
+    "upr_cli/node/bucket.py": 3,
+    "upr_cli/node/producer.py": 2,
+    "upr_cli/node/server.py": 6,
+}
 
 Func = ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
 
@@ -264,6 +304,141 @@ def literal_opcodes(source: str, where: str = "<snippet>") -> list[str]:
     return [f"{where}:{line}" for line in sorted(found)]
 
 
+# -- 4. the wire vocabulary defined twice ------------------------------------------------
+
+
+def vocabulary() -> dict[str, int]:
+    """Name → value of every DCP flag, stream-end status, status code and datatype bit
+    that protocol/ defines."""
+    out = {n: v for n, v in vars(dcp).items() if n.isupper() and type(v) is int}
+    out.update((s.name, int(s)) for s in Status)
+    out.update((name, int(bit)) for name, bit in Datatype.__members__.items())
+    return out
+
+
+def _words(name: str) -> list[str]:
+    return [w for w in name.upper().split("_") if w]
+
+
+def _stem(words: list[str]) -> tuple[str, ...]:
+    i = 0
+    while i < len(words) and words[i] in FAMILY_WORDS:
+        i += 1
+    return tuple(words[i:])
+
+
+def _int_value(expr: ast.expr | None) -> int | None:
+    """The value of an int literal or of an expression of int literals, else None."""
+    if isinstance(expr, ast.Constant):
+        return expr.value if type(expr.value) is int else None
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub | ast.Invert):
+        inner = _int_value(expr.operand)
+        return None if inner is None else (-inner if isinstance(expr.op, ast.USub) else ~inner)
+    if isinstance(expr, ast.BinOp):
+        left, right = _int_value(expr.left), _int_value(expr.right)
+        if left is None or right is None:
+            return None
+        ops = {ast.BitOr: int.__or__, ast.BitAnd: int.__and__, ast.BitXor: int.__xor__,
+               ast.Add: int.__add__, ast.Sub: int.__sub__, ast.Mult: int.__mul__,
+               ast.LShift: int.__lshift__}  # fmt: skip
+        op = ops.get(type(expr.op))
+        return None if op is None else op(left, right)
+    return None
+
+
+def _int_constants(tree: ast.Module) -> Iterator[tuple[str, int, int]]:
+    """(name, value, line) of each `NAME = <int>` at module level or in a class body."""
+    bodies = [tree.body] + [c.body for c in ast.walk(tree) if isinstance(c, ast.ClassDef)]
+    for body in bodies:
+        for stmt in body:
+            if isinstance(stmt, ast.Assign):
+                pairs = [(t, stmt.value) for t in stmt.targets]
+            elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+                pairs = [(stmt.target, stmt.value)]
+            else:
+                continue
+            while pairs:
+                target, value = pairs.pop()
+                if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) \
+                        and len(target.elts) == len(value.elts):  # fmt: skip
+                    pairs.extend(zip(target.elts, value.elts, strict=True))
+                elif isinstance(target, ast.Name) and (v := _int_value(value)) is not None:
+                    yield target.id, v, stmt.lineno
+
+
+def vocabulary_redeclarations(source: str, where: str = "<snippet>",
+                              vocab: dict[str, int] | None = None) -> list[str]:  # fmt: skip
+    """`where:line NAME (re-declares ENTRY)` for each int constant that defines again a
+    name or a named value of the wire vocabulary (rules 4a-c of the module docstring)."""
+    vocab = vocabulary() if vocab is None else vocab
+    stems: dict[tuple[str, ...], dict[int, str]] = {}
+    for name, value in vocab.items():
+        stems.setdefault(_stem(_words(name)), {}).setdefault(value, name)
+    statuses = {int(s) for s in Status} - {0}
+    out = []
+    for name, value, line in _int_constants(ast.parse(source)):
+        bare = name.lstrip("_")
+        words = _words(bare)
+        stem = _stem(words)
+        if bare.upper() == bare and bare in vocab:
+            entry: str | None = bare
+        elif bare.upper() == bare and (len(stem) > 1 or (stem and len(stem) < len(words))):
+            entry = stems.get(stem, {}).get(value)
+        elif words and words[-1] == "STATUS" and value in statuses:
+            entry = Status(value).name
+        else:
+            entry = None
+        if entry is not None:
+            out.append(f"{where}:{line} {name} (re-declares {entry})")
+    return out
+
+
+# -- 5. datatype bits as literals --------------------------------------------------------
+
+
+def _is_datatype(expr: ast.AST) -> bool:
+    """An operand that holds a datatype: a name or attribute ending in `datatype`, or a
+    subscript by one (`rec[R_DATATYPE]`), or an operation on one."""
+    for sub in ast.walk(expr):
+        ident = sub.id if isinstance(sub, ast.Name) else getattr(sub, "attr", None)
+        if isinstance(ident, str) and DATATYPE_NAME.search(ident):
+            return True
+    return False
+
+
+def _bit_literal(expr: ast.expr) -> bool:
+    value = _int_value(expr)
+    return value is not None and value != 0
+
+
+def datatype_literals(source: str, where: str = "<snippet>") -> list[str]:
+    """`where:line` of non-zero int literals used as datatype bits (rule 5)."""
+    found: set[int] = set()
+    bit_ops = ast.BitAnd | ast.BitOr | ast.BitXor
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, bit_ops):
+            for side, other in ((node.left, node.right), (node.right, node.left)):
+                if _bit_literal(side) and _is_datatype(other):
+                    found.add(side.lineno)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.op, bit_ops):
+            if _bit_literal(node.value) and _is_datatype(node.target):
+                found.add(node.value.lineno)
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_is_datatype(s) for s in sides):
+                found.update(s.lineno for s in sides if _bit_literal(s))
+        elif isinstance(node, ast.keyword) and node.arg is not None:
+            if DATATYPE_NAME.search(node.arg) and _bit_literal(node.value):
+                found.add(node.value.lineno)
+        elif (
+            isinstance(node, ast.Assign)
+            and _bit_literal(node.value)
+            and any(isinstance(t, ast.Name) and DATATYPE_NAME.search(t.id) for t in node.targets)
+        ):
+            found.add(node.lineno)
+    return [f"{where}:{line}" for line in sorted(found)]
+
+
 # -- the checkers on snippets -----------------------------------------------------------
 
 _LONG_BODY = "".join(f"    x{i} = {i}\n" for i in range(101))
@@ -340,6 +515,55 @@ def test_literal_opcode_checker(source: str, flagged: int) -> None:
     assert len(literal_opcodes(source)) == flagged, literal_opcodes(source)
 
 
+@pytest.mark.parametrize(
+    ("source", "flagged"),
+    [
+        ("END_OK, END_CLOSED, END_FILTER_EMPTY = 0, 1, 7\n", 3),
+        ("OPEN_XATTRS = 0x04 | 0x100\nOPEN_PRODUCER: Final = 0x01\n", 2),
+        ("FLAG_FROM_LATEST = 0x40\nFLAG_ACTIVE_ONLY = 0x10\n", 2),  # S_FROM_LATEST...
+        ("STREAM_CLOSED = 1\n", 1),  # a family word and END_CLOSED's stem and value
+        ("class Code(IntEnum):\n    SUCCESS = 0x00\n    PATH_ENOENT = 0xC0\n", 2),
+        ("_JSON = 0x01\nclass Dt(IntFlag):\n    SNAPPY = 2\n", 2),
+        ("ROLLBACK = 3\n", 1),  # the name alone: another meaning for a protocol name
+        ("class XattrInvalid(StatusError):\n    status = 0x87\n", 1),
+        # legitimate: uses of the vocabulary, ordinary constants that share a value
+        ("OPEN_XATTRS = OPEN_INCLUDE_XATTRS | OPEN_DELETED_USER_XATTRS\n", 0),
+        ("class Code(IntEnum):\n    PATH_ENOENT = Status.SUBDOC_PATH_ENOENT\n", 0),
+        ("class E(StatusError):\n    status = int(Status.KEY_EEXISTS)\n", 0),
+        ("class Link(IntEnum):\n    OPEN = 0\n    CLOSED = 1\n", 0),
+        ("class Exit(IntEnum):\n    OK = 0\n    FAILED = 1\n    USAGE = 2\n", 0),
+        ("BATCH_ITEMS = 512\nKEEP_BOUNDARIES = 256\nMAX_TTL = 0x7FFF_FFFF\n", 0),
+        ("ACTIVE, REPLICA, PENDING, DEAD = 1, 2, 3, 4\nFORCE = 0x01\n", 0),
+        ("def f():\n    END_OK = 0\n    return END_OK\n", 0),  # a local, not a definition
+    ],
+)  # fmt: skip
+def test_vocabulary_redeclaration_checker(source: str, flagged: int) -> None:
+    found = vocabulary_redeclarations(source)
+    assert len(found) == flagged, found
+
+
+@pytest.mark.parametrize(
+    ("source", "flagged"),
+    [
+        ("def f(rec):\n    return rec.datatype & 0x01\n", 1),
+        ("def f(datatype):\n    return datatype & 0x03 == 0x01\n", 1),
+        ("def f(rec):\n    return rec[R_DATATYPE] | 4\n", 1),
+        ("def f(d):\n    d.datatype |= 0x04\n", 1),
+        ("def f():\n    return Response(opcode=op, value=b'{}', datatype=1)\n", 1),
+        ("datatype = 0x02\n", 1),
+        ("def f(a, b):\n    if a.datatype == 1:\n        return b.datatype ^ 2\n", 2),
+        # legitimate: named bits, raw (0), literals on other fields
+        ("def f(rec):\n    return rec.datatype & DATATYPE_JSON\n", 0),
+        ("def f(datatype):\n    return datatype & ~SNAPPY, datatype | xattrs.XATTR\n", 0),
+        ("def f():\n    return Response(opcode=op, datatype=0)\n", 0),
+        ("def f(flags, rec):\n    return flags & 0x01, len(rec.value) & 1\n", 0),
+    ],
+)  # fmt: skip
+def test_datatype_literal_checker(source: str, flagged: int) -> None:
+    found = datatype_literals(source)
+    assert len(found) == flagged, found
+
+
 # -- the checks over upr_cli/ -------------------------------------------------------------
 
 
@@ -358,3 +582,21 @@ def test_no_numeric_index_of_a_record_outside_protocol() -> None:
 def test_no_literal_opcode_outside_protocol() -> None:
     found = [x for p, s in _sources() for x in literal_opcodes(s, _rel(p))]
     assert not found, f"{len(found)} literal opcodes (use Opcode or OP_*):\n" + "\n".join(found)
+
+
+def test_no_wire_vocabulary_defined_outside_protocol() -> None:
+    vocab = vocabulary()
+    found = [x for p, s in _sources() for x in vocabulary_redeclarations(s, _rel(p), vocab)]
+    assert not found, f"{len(found)} DCP flags, statuses or datatype bits defined again " \
+        "(import them from upr_cli/protocol/):\n" + "\n".join(found)  # fmt: skip
+
+
+def test_no_datatype_bit_as_literal_outside_protocol() -> None:
+    found = []
+    for path, source in _sources():
+        where = _rel(path)
+        lines = datatype_literals(source, where)
+        if len(lines) > PENDING_DATATYPE_LITERALS.get(where, 0):
+            found.extend(lines)
+    assert not found, f"{len(found)} datatype bits as literals (use Datatype, DATATYPE_JSON, " \
+        "snappy.SNAPPY or xattrs.XATTR):\n" + "\n".join(found)  # fmt: skip

@@ -13,8 +13,9 @@ import pytest
 
 from tests.dcp.inprocess import InProcessNode, nodes, run
 from upr_cli.node.bucket import Bucket
-from upr_cli.node.producer import OPEN_NO_VALUE_DT, OPEN_PRODUCER, DcpProducer, DcpSender
+from upr_cli.node.producer import DcpProducer, DcpSender
 from upr_cli.protocol import FrameDecoder, snappy
+from upr_cli.protocol.dcp import OPEN_NO_VALUE_DT, OPEN_PRODUCER
 from upr_cli.protocol.messages import Mutation, StreamEnd, StreamRequest, decode_message
 from upr_cli.protocol.status import InvalidArguments
 

@@ -16,22 +16,18 @@ import pytest
 from tests.dcp.inprocess import InProcessNode, nodes, run
 from upr_cli.node import subdoc, subdoc_kv
 from upr_cli.node.bucket import unpacked
-from upr_cli.node.subdoc import (
+from upr_cli.node.subdoc import Code, Document, Spec, SpecFailed, SubdocError
+from upr_cli.protocol import xattrs
+from upr_cli.protocol.status import KeyExists, KeyNotFound
+from upr_cli.protocol.subdoc import (
     ACCESS_DELETED,
     ADD,
     EXPAND_MACROS,
     MKDIR_P,
     MKDOC,
     XATTR_PATH,
-    Code,
-    Document,
-    Spec,
-    SpecFailed,
     SpecOp,
-    SubdocError,
 )
-from upr_cli.protocol import xattrs
-from upr_cli.protocol.status import KeyExists, KeyNotFound
 
 X = XATTR_PATH
 MACRO = X | MKDIR_P | EXPAND_MACROS  # what the SDK sends for MutationMacro.cas()

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from upr_cli.node import subdoc
-from upr_cli.node.subdoc import Document, SpecFailed, SpecOp, SubdocError
+from upr_cli.node.subdoc import Document, SpecFailed, SubdocError
 from upr_cli.protocol import xattrs
+from upr_cli.protocol.subdoc import SpecOp
 
 STATUSES = {int(c) for c in subdoc.Code}
 FAST = settings(max_examples=600, deadline=None,

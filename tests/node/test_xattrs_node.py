@@ -23,19 +23,17 @@ from upr_cli.net.bootstrap import WANTED, connect
 from upr_cli.node import subdoc as subdoc_engine
 from upr_cli.node.bucket import Bucket, XattrInvalid
 from upr_cli.node.partition import REPLICA
-from upr_cli.node.producer import (
+from upr_cli.node.producer import DcpProducer, DcpSender, open_flags_problem
+from upr_cli.node.storage import DocRow
+from upr_cli.node.subdoc import Code, Document, SpecFailed
+from upr_cli.protocol import FrameDecoder, snappy, xattrs
+from upr_cli.protocol.dcp import (
     OPEN_DELETED_USER_XATTRS,
     OPEN_NO_VALUE,
     OPEN_NO_VALUE_DT,
     OPEN_PRODUCER,
     OPEN_XATTRS,
-    DcpProducer,
-    DcpSender,
-    open_flags_problem,
 )
-from upr_cli.node.storage import DocRow
-from upr_cli.node.subdoc import Code, Document, SpecFailed, SpecOp
-from upr_cli.protocol import FrameDecoder, snappy, xattrs
 from upr_cli.protocol.header import Feature, Opcode
 from upr_cli.protocol.messages import (
     Deletion,
@@ -50,7 +48,7 @@ from upr_cli.protocol.messages import (
     decode_message,
 )
 from upr_cli.protocol.status import InvalidArguments, NotSupported, Status
-from upr_cli.protocol.subdoc import XATTR_PATH
+from upr_cli.protocol.subdoc import XATTR_PATH, SpecOp
 
 VB = 0
 JSON, SNAPPY, XATTR = 0x01, 0x02, 0x04

@@ -59,3 +59,11 @@ def test_specific_classes_can_be_caught() -> None:
     with pytest.raises(RollbackRequired):
         raise status_error(0x23)
     assert NotMyVbucket.retriable
+
+
+def test_every_status_has_a_class_and_the_subdoc_ones_are_named_as_kv_engine() -> None:
+    reg = registered_statuses()
+    assert set(reg) == {int(s) for s in Status} - {Status.SUCCESS}
+    assert reg[0x87].__name__ == "XattrEinval" and reg[0xC0].__name__ == "SubdocPathEnoent"
+    assert reg[0xD7].__name__ == "SubdocDeletedDocumentCantHaveValue"
+    assert not any(reg[code].retriable for code in (0x87, *range(0xC0, 0xD6), 0xD7))

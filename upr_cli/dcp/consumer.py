@@ -106,6 +106,17 @@ from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.protocol import Frame, Message, decode_message, snappy, xattrs
+from upr_cli.protocol.dcp import (
+    END_CLOSED,
+    END_FILTER_EMPTY,
+    END_OK,
+    MARKER_ACK,
+    OPEN_DELETED_USER_XATTRS,
+    OPEN_PRODUCER,
+    S_ACTIVE_ONLY,
+    S_FROM_LATEST,
+)
+from upr_cli.protocol.dcp import OPEN_XATTRS as OPEN_INCLUDE_XATTRS
 from upr_cli.protocol.decoder import R_BY_SEQNO, R_COLLECTION, R_DATATYPE, R_VBUCKET, DcpRecord
 from upr_cli.protocol.header import Feature, Magic, Opcode
 from upr_cli.protocol.messages import (
@@ -134,21 +145,18 @@ from upr_cli.protocol.status import Status, status_error
 
 log = logging.getLogger(__name__)
 
-OPEN_PRODUCER = 0x01
 # DCP_OPEN flags for xattrs (formats/wire.md "Xattrs"): every data message carries the
 # document's xattrs, and a deletion keeps its user xattrs where the server still has them
-OPEN_XATTRS = 0x04 | 0x100
+OPEN_XATTRS = OPEN_INCLUDE_XATTRS | OPEN_DELETED_USER_XATTRS
 _CODED = snappy.SNAPPY | xattrs.XATTR
 # --wire-compression (formats/wire.md "Snappy"): negotiate Snappy without forcing it,
 # force every value compressed (a slow link), or not negotiate it
 WireCompression = Literal["auto", "force", "off"]
 WIRE_COMPRESSION: tuple[WireCompression, ...] = ("auto", "force", "off")
-FLAG_FROM_LATEST = 0x40
+FLAG_FROM_LATEST = S_FROM_LATEST
 # docs/protocol.md §2.2 ActiveVbOnly: a client wants the history of the active copy; a
 # replica copy (possibly behind, possibly on another branch) is refused with NOT_MY_VBUCKET.
-FLAG_ACTIVE_ONLY = 0x10
-MARKER_ACK = 0x08
-END_OK, END_CLOSED, END_FILTER_EMPTY = 0, 1, 7
+FLAG_ACTIVE_ONLY = S_ACTIVE_ONLY
 _SYSTEM_EXTRAS = struct.Struct(">QIB")  # DCP_SYSTEM_EVENT: seq, event, version
 Item = DcpRecord | Event
 

@@ -36,6 +36,7 @@ from upr_cli.errors import UsageError
 from upr_cli.net.bootstrap import partition_of
 from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION
+from upr_cli.protocol.header import DATATYPE_JSON
 from upr_cli.repo import Manifest, lost_cut
 from upr_cli.repo.manifest import collection_history
 from upr_cli.segments import SegmentReader
@@ -76,7 +77,9 @@ class Version:
         val: Any = None
         if self.op == "mutation":
             try:
-                val = json.loads(self.value) if self.datatype & 1 else self.value.decode()
+                val = (
+                    json.loads(self.value) if self.datatype & DATATYPE_JSON else self.value.decode()
+                )
             except (ValueError, UnicodeDecodeError):
                 val = self.value.hex()
         return {

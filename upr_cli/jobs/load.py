@@ -42,7 +42,7 @@ from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame, leb128, subdoc
 from upr_cli.protocol.fast import encode_set
-from upr_cli.protocol.header import Feature, Opcode
+from upr_cli.protocol.header import DATATYPE_JSON, Feature, Opcode
 from upr_cli.protocol.messages import CollectionsGetManifest, Delete
 from upr_cli.protocol.status import Status, status_error
 from upr_cli.protocol.subdoc import Spec
@@ -66,10 +66,6 @@ WORDS = (
     "papa",
 )
 
-
-# kv_engine's NoCollectionsManifest (0x89): the cluster manager has not set a manifest
-# yet (kv_engine docs/Collections.md, 0xba), so only the default collection exists
-_NO_MANIFEST = 0x89
 
 #: a new document's (wire key, value), while its ADD is in flight
 Added = tuple[bytes, bytes] | None
@@ -276,7 +272,9 @@ async def fetch_manifest(router: Router) -> Manifest:
     every node holds the same one)."""
     reply = await router.request(0, lambda opaque: CollectionsGetManifest(opaque=opaque).encode())
     status = reply.vbucket_or_status
-    if status == _NO_MANIFEST:  # none set yet: the default collection only
+    # kv_engine's NoCollectionsManifest: the cluster manager has not set a manifest yet
+    # (kv_engine docs/Collections.md, 0xba), so only the default collection exists
+    if status == Status.NO_COLLECTIONS_MANIFEST:
         return Manifest()
     if status != Status.SUCCESS:
         err = status_error(status, body=bytes(reply.value))
@@ -337,7 +335,7 @@ class _Operations:
 
 
 def _set(opcode: int, vb: int, key: bytes, doc: bytes, opaque: int) -> bytes:
-    return encode_set(opcode, vb, opaque, key, doc, datatype=1)
+    return encode_set(opcode, vb, opaque, key, doc, datatype=DATATYPE_JSON)
 
 
 def _with_xattrs(i: int) -> Callable[[int, int, bytes, bytes, int], bytes]:

@@ -322,9 +322,6 @@ _RESTORE_BATCH_ROWS = 32_768
 # FORCE_WITH_META_OP: the target skips its conflict resolution (docs/protocol.md
 # "SET_WITH_META and DEL_WITH_META")
 FORCE = 0x01
-# kv_engine's answer to a with-meta write whose xattrs are invalid (formats/wire.md
-# "Xattrs", point 5): the target refuses that key, the restore goes on
-XATTR_EINVAL = 0x87
 
 
 @dataclass
@@ -825,7 +822,9 @@ class _NodeWriter:
             summary.conflicts += 1
         elif status == Status.KEY_ENOENT and kind == "delete":
             summary.absent_deletes += 1
-        elif status == XATTR_EINVAL:  # an xattr value that is not JSON (formats/wire.md)
+        elif status == Status.XATTR_EINVAL:
+            # kv_engine's answer to a with-meta write whose xattrs are invalid (formats/wire.md
+            # "Xattrs", point 5): the target refuses that key, the restore goes on
             summary.refused.append(self._key_text(key))
         elif status in _GAVE_UP:
             raise RestoreTargetError(

@@ -42,6 +42,8 @@ from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
 from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION, DcpRecord
+from upr_cli.protocol.header import DATATYPE_JSON
+from upr_cli.protocol.snappy import SNAPPY
 
 OPS = {OP_MUTATION: "mutation", OP_DELETION: "deletion", OP_EXPIRATION: "expiration"}
 
@@ -119,6 +121,7 @@ class CollectionNames:
 
 
 _DEFAULT_NAMES = CollectionNames()
+_JSON_OR_SNAPPY = DATATYPE_JSON | SNAPPY
 
 
 def _json_key(kb: memoryview | bytes) -> str:
@@ -149,7 +152,7 @@ def json_line(rec: DcpRecord, names: CollectionNames = _DEFAULT_NAMES) -> str:
     jkey = _json_key(key)
     if op != OP_MUTATION:
         body = ""
-    elif datatype & 0x03 == 0x01:  # JSON, not Snappy
+    elif datatype & _JSON_OR_SNAPPY == DATATYPE_JSON:  # JSON, not Snappy
         body = ',"value":' + str(value, "utf-8")  # checked on write
     else:
         body = ',"value_b64":"' + base64.b64encode(value).decode() + '"'
@@ -168,7 +171,7 @@ def text_line(rec: DcpRecord, names: CollectionNames = _DEFAULT_NAMES) -> str:
     if rec.collection:
         k = f"{names.path(rec.collection)}:{k}"
     v = bytes(rec.value)
-    shown = v.decode(errors="replace") if rec.datatype & 0x01 else repr(v)
+    shown = v.decode(errors="replace") if rec.datatype & DATATYPE_JSON else repr(v)
     if len(shown) > 120:
         shown = shown[:117] + "..."
     tail = f" value={shown}" if rec.opcode == OP_MUTATION else ""

@@ -137,7 +137,7 @@ class XattrInvalid(StatusError):
     value that is not JSON (kv_engine's validator answers it for a with-meta write;
     formats/wire.md "Xattrs")."""
 
-    status = 0x87
+    status = int(Status.XATTR_EINVAL)
 
 
 def checked_datatype(datatype: int, value: bytes, key: bytes = b"") -> int:

@@ -82,6 +82,31 @@ from upr_cli.node.storage import (
 )
 from upr_cli.node.sysevents import event_of, is_system_key, system_key
 from upr_cli.protocol import leb128, snappy
+from upr_cli.protocol.dcp import (
+    END_CLOSED,
+    END_FILTER_EMPTY,
+    END_OK,
+    END_STATE_CHANGED,
+    MARKER_DISK_CHECKPOINT,
+    MARKER_MEMORY,
+    OPEN_DELETE_TIMES,
+    OPEN_DELETED_USER_XATTRS,
+    OPEN_NO_VALUE,
+    OPEN_NO_VALUE_DT,
+    OPEN_NOTIFIER,
+    OPEN_SKIP_DELETES,
+    OPEN_XATTRS,
+    S_ACTIVE_ONLY,
+    S_CACHE_TRANSFER,
+    S_DISK_ONLY,
+    S_FROM_LATEST,
+    S_IGNORE_PURGED,
+    S_KNOWN,
+    S_STRICT_UUID,
+    S_TAKEOVER,
+    S_TO_LATEST,
+)  # DCP flags and stream-end statuses (docs/protocol.md §2)
+from upr_cli.protocol.dcp import OPEN_PRODUCER as OPEN_PRODUCER  # node/server.py imports it here
 from upr_cli.protocol.fast import encode_mutation
 from upr_cli.protocol.messages import (
     Barrier,
@@ -111,19 +136,6 @@ from upr_cli.protocol.xattrs import XATTR, join, system_only
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-
-# DCP_OPEN flags (docs/protocol.md §2.1)
-OPEN_PRODUCER, OPEN_NOTIFIER, OPEN_XATTRS, OPEN_NO_VALUE = 0x01, 0x02, 0x04, 0x08
-OPEN_DELETE_TIMES, OPEN_NO_VALUE_DT, OPEN_DELETED_USER_XATTRS = 0x20, 0x40, 0x100
-OPEN_SKIP_DELETES = 0x200
-# Stream-request flags (docs/protocol.md §2.2)
-S_TAKEOVER, S_DISK_ONLY, S_TO_LATEST, S_ACTIVE_ONLY = 0x01, 0x02, 0x04, 0x10
-S_STRICT_UUID, S_FROM_LATEST, S_IGNORE_PURGED, S_CACHE_TRANSFER = 0x20, 0x40, 0x80, 0x100
-S_KNOWN = 0x1F7  # every defined bit but the removed 0x08
-# Snapshot marker flags (docs/protocol.md §2.7) and stream-end statuses (§2.6)
-MARKER_MEMORY, MARKER_DISK_CHECKPOINT = 0x01, 0x06
-END_OK, END_CLOSED, END_STATE_CHANGED, END_DISCONNECTED = 0, 1, 2, 3
-END_FILTER_EMPTY = 7  # collections connections only (docs/protocol.md §2.6)
 
 BACKFILLS_PER_CONNECTION = 6  # open disk snapshots per DCP connection
 BATCH_ITEMS = 512

@@ -34,15 +34,33 @@ from __future__ import annotations
 import json
 import re
 import string
-import struct
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
 from upr_cli.protocol import xattrs
-from upr_cli.protocol.status import StatusError
-from upr_cli.protocol.subdoc import ACCESS_DELETED, ADD, EXPAND_MACROS, MKDIR_P, MKDOC, XATTR_PATH
+from upr_cli.protocol.header import Datatype
+from upr_cli.protocol.status import Status, StatusError
+from upr_cli.protocol.subdoc import (
+    ACCESS_DELETED,
+    ADD,
+    CREATE_AS_DELETED,
+    DOC_FLAGS,
+    EXPAND_MACROS,
+    EXPIRY,
+    LOOKUP_RESULT,
+    LOOKUP_SPEC,
+    MKDIR_P,
+    MKDOC,
+    MUTATION_FAILURE,
+    MUTATION_RESULT,
+    MUTATION_SPEC,
+    REPLICA_READ,
+    REVIVE_DOCUMENT,
+    XATTR_PATH,
+    SpecOp,
+)
 
 MAX_PATHS = 16  # specs in one request (kv_engine's SUBDOC_MULTI_MAX_PATHS)
 MAX_PATH_LEN = 1024  # bytes of one path
@@ -50,44 +68,43 @@ MAX_COMPONENTS = 32  # components of one path
 MAX_DEPTH = 32  # nesting of a document a path may reach
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
-# the document flags upr serve refuses (the others come with the client's encoder,
-# protocol/subdoc.py; docs/SubDocument.md "Flags")
-CREATE_AS_DELETED, REVIVE_DOCUMENT, REPLICA_READ = 0x08, 0x10, 0x20
+# the document flags upr serve refuses (docs/SubDocument.md "Flags")
 _UNIMPLEMENTED_DOC_FLAGS = CREATE_AS_DELETED | REVIVE_DOCUMENT | REPLICA_READ
 
 
 class Code(IntEnum):
-    """The statuses the engine answers (kv_engine's include/mcbp/protocol/status.h)."""
+    """The statuses the engine answers, by the short names it uses (each is defined in
+    protocol/status.py, as kv_engine's include/mcbp/protocol/status.h has it)."""
 
-    SUCCESS = 0x00
-    KEY_ENOENT = 0x01
-    KEY_EEXISTS = 0x02
-    EINVAL = 0x04
-    NOT_SUPPORTED = 0x83
-    XATTR_EINVAL = 0x87
-    PATH_ENOENT = 0xC0
-    PATH_MISMATCH = 0xC1
-    PATH_EINVAL = 0xC2
-    PATH_E2BIG = 0xC3
-    DOC_E2DEEP = 0xC4
-    VALUE_CANTINSERT = 0xC5
-    DOC_NOT_JSON = 0xC6
-    NUM_ERANGE = 0xC7
-    DELTA_EINVAL = 0xC8
-    PATH_EEXISTS = 0xC9
-    VALUE_ETOODEEP = 0xCA
-    INVALID_COMBO = 0xCB
-    MULTI_PATH_FAILURE = 0xCC
-    SUCCESS_DELETED = 0xCD
-    XATTR_INVALID_FLAG_COMBO = 0xCE
-    XATTR_INVALID_KEY_COMBO = 0xCF
-    XATTR_UNKNOWN_MACRO = 0xD0
-    XATTR_UNKNOWN_VATTR = 0xD1
-    XATTR_CANT_MODIFY_VATTR = 0xD2
-    MULTI_PATH_FAILURE_DELETED = 0xD3
-    INVALID_XATTR_ORDER = 0xD4
-    XATTR_UNKNOWN_VATTR_MACRO = 0xD5
-    DELETED_DOCUMENT_CANT_HAVE_VALUE = 0xD7
+    SUCCESS = Status.SUCCESS
+    KEY_ENOENT = Status.KEY_ENOENT
+    KEY_EEXISTS = Status.KEY_EEXISTS
+    EINVAL = Status.EINVAL
+    NOT_SUPPORTED = Status.NOT_SUPPORTED
+    XATTR_EINVAL = Status.XATTR_EINVAL
+    PATH_ENOENT = Status.SUBDOC_PATH_ENOENT
+    PATH_MISMATCH = Status.SUBDOC_PATH_MISMATCH
+    PATH_EINVAL = Status.SUBDOC_PATH_EINVAL
+    PATH_E2BIG = Status.SUBDOC_PATH_E2BIG
+    DOC_E2DEEP = Status.SUBDOC_DOC_E2DEEP
+    VALUE_CANTINSERT = Status.SUBDOC_VALUE_CANTINSERT
+    DOC_NOT_JSON = Status.SUBDOC_DOC_NOT_JSON
+    NUM_ERANGE = Status.SUBDOC_NUM_ERANGE
+    DELTA_EINVAL = Status.SUBDOC_DELTA_EINVAL
+    PATH_EEXISTS = Status.SUBDOC_PATH_EEXISTS
+    VALUE_ETOODEEP = Status.SUBDOC_VALUE_ETOODEEP
+    INVALID_COMBO = Status.SUBDOC_INVALID_COMBO
+    MULTI_PATH_FAILURE = Status.SUBDOC_MULTI_PATH_FAILURE
+    SUCCESS_DELETED = Status.SUBDOC_SUCCESS_DELETED
+    XATTR_INVALID_FLAG_COMBO = Status.SUBDOC_XATTR_INVALID_FLAG_COMBO
+    XATTR_INVALID_KEY_COMBO = Status.SUBDOC_XATTR_INVALID_KEY_COMBO
+    XATTR_UNKNOWN_MACRO = Status.SUBDOC_XATTR_UNKNOWN_MACRO
+    XATTR_UNKNOWN_VATTR = Status.SUBDOC_XATTR_UNKNOWN_VATTR
+    XATTR_CANT_MODIFY_VATTR = Status.SUBDOC_XATTR_CANT_MODIFY_VATTR
+    MULTI_PATH_FAILURE_DELETED = Status.SUBDOC_MULTI_PATH_FAILURE_DELETED
+    INVALID_XATTR_ORDER = Status.SUBDOC_INVALID_XATTR_ORDER
+    XATTR_UNKNOWN_VATTR_MACRO = Status.SUBDOC_XATTR_UNKNOWN_VATTR_MACRO
+    DELETED_DOCUMENT_CANT_HAVE_VALUE = Status.SUBDOC_DELETED_DOCUMENT_CANT_HAVE_VALUE
 
 
 class SubdocError(StatusError):
@@ -117,27 +134,6 @@ class _PathError(Exception):
     def __init__(self, status: Code) -> None:
         super().__init__(status.name)
         self.status = status
-
-
-class SpecOp(IntEnum):
-    """The opcodes a spec may carry (docs/SubDocument.md; 0x00, 0x01 and 0x04 are the
-    whole-document GET, SET and DELETE)."""
-
-    GET_DOC = 0x00
-    SET_DOC = 0x01
-    DELETE_DOC = 0x04
-    GET = 0xC5
-    EXISTS = 0xC6
-    DICT_ADD = 0xC7
-    DICT_UPSERT = 0xC8
-    DELETE = 0xC9
-    REPLACE = 0xCA
-    ARRAY_PUSH_LAST = 0xCB
-    ARRAY_PUSH_FIRST = 0xCC
-    ARRAY_INSERT = 0xCD
-    ARRAY_ADD_UNIQUE = 0xCE
-    COUNTER = 0xCF
-    GET_COUNT = 0xD2
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,9 +301,6 @@ def xattr_path(path: str) -> list[Component]:
 
 # -- requests -----------------------------------------------------------------------
 
-_MUTATION_SPEC = struct.Struct(">BBHI")  # opcode, path flags, path length, value length
-_LOOKUP_SPEC = struct.Struct(">BBH")  # opcode, path flags, path length
-_EXPIRY = struct.Struct(">I")
 _DOCUMENT_MACRO = re.compile(r'"\$\{\$document(.*)\}"', re.DOTALL)
 
 
@@ -346,7 +339,7 @@ def parse_request(*, mutation: bool, extras: bytes, value: bytes, cas: int = 0,
     """Validate a request as kv_engine's daemon/subdocument_validators.cc does; a
     request it refuses raises SubdocError with the status it answers."""
     expiry, doc_flags = _extras(mutation, extras)
-    if doc_flags & ~0x3F:
+    if doc_flags & ~DOC_FLAGS:
         raise SubdocError(Code.EINVAL, f"unknown document flags 0x{doc_flags:02x}")
     if doc_flags & _UNIMPLEMENTED_DOC_FLAGS:
         raise SubdocError(Code.NOT_SUPPORTED, "CreateAsDeleted, ReviveDocument and ReplicaRead "
@@ -383,18 +376,18 @@ def _extras(mutation: bool, extras: bytes) -> tuple[int | None, int]:
     if n == 1:
         return None, extras[0]
     if mutation and n in (4, 5):
-        return _EXPIRY.unpack_from(extras)[0], extras[4] if n == 5 else 0
+        return EXPIRY.unpack_from(extras)[0], extras[4] if n == 5 else 0
     raise SubdocError(Code.EINVAL, f"extras of {n} bytes")
 
 
 def _read_spec(mutation: bool, value: bytes, pos: int) -> tuple[Spec, int]:
-    head = _MUTATION_SPEC if mutation else _LOOKUP_SPEC
+    head = MUTATION_SPEC if mutation else LOOKUP_SPEC
     if pos + head.size > len(value):
         raise SubdocError(Code.EINVAL, "a truncated spec")
     if mutation:
-        op, flags, plen, vlen = _MUTATION_SPEC.unpack_from(value, pos)
+        op, flags, plen, vlen = MUTATION_SPEC.unpack_from(value, pos)
     else:
-        (op, flags, plen), vlen = _LOOKUP_SPEC.unpack_from(value, pos), 0
+        (op, flags, plen), vlen = LOOKUP_SPEC.unpack_from(value, pos), 0
     start = pos + head.size
     end = start + plen + vlen
     if end > len(value):
@@ -686,8 +679,8 @@ class Document:
 
 def document_vattr(doc: Document, *, crc: bool = True) -> dict[str, Any]:
     """The `$document` virtual xattr (kv_engine's `get_document_vattr`)."""
-    names = [n for bit, n in ((0x01, "json"), (0x02, "snappy"), (0x04, "xattr"))
-             if doc.datatype & bit] or ["raw"]  # fmt: skip
+    bits = ((Datatype.JSON, "json"), (Datatype.SNAPPY, "snappy"), (Datatype.XATTR, "xattr"))
+    names = [n for bit, n in bits if doc.datatype & bit] or ["raw"]
     out: dict[str, Any] = {
         "CAS": f"0x{doc.cas:016x}", "vbucket_uuid": f"0x{doc.vbucket_uuid:016x}",
         "seqno": f"0x{doc.seqno:016x}", "revid": str(doc.rev_seq), "exptime": doc.expiry,
@@ -887,10 +880,6 @@ def _xattr_phase(specs: list[tuple[int, Spec]], blob: bytes, mkdir: bool, macros
 
 # -- responses ------------------------------------------------------------------------
 
-_LOOKUP_RESULT = struct.Struct(">HI")
-_MUTATION_RESULT = struct.Struct(">BHI")
-_MUTATION_FAILURE = struct.Struct(">BH")
-
 
 def lookup_status(results: list[tuple[int, bytes]], deleted: bool) -> int:
     """The header status of a lookup: SUCCESS or SubdocMultiPathFailure, their Deleted
@@ -902,14 +891,14 @@ def lookup_status(results: list[tuple[int, bytes]], deleted: bool) -> int:
 
 def lookup_body(results: list[tuple[int, bytes]]) -> bytes:
     """`u16 status, u32 length, value` per spec."""
-    return b"".join(_LOOKUP_RESULT.pack(st, len(v)) + v for st, v in results)
+    return b"".join(LOOKUP_RESULT.pack(st, len(v)) + v for st, v in results)
 
 
 def mutation_body(results: list[tuple[int, bytes]]) -> bytes:
     """`u8 index, u16 status, u32 length, value` per spec that returns a value."""
-    return b"".join(_MUTATION_RESULT.pack(i, Code.SUCCESS, len(v)) + v for i, v in results)
+    return b"".join(MUTATION_RESULT.pack(i, Code.SUCCESS, len(v)) + v for i, v in results)
 
 
 def failure_body(failed: SpecFailed) -> bytes:
     """`u8 index, u16 status` of the spec a mutation failed on."""
-    return _MUTATION_FAILURE.pack(failed.index, failed.status)
+    return MUTATION_FAILURE.pack(failed.index, failed.status)

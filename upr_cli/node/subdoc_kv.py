@@ -24,10 +24,9 @@ from upr_cli.node import subdoc
 from upr_cli.node.bucket import Bucket, unpacked
 from upr_cli.node.storage import DocRow
 from upr_cli.protocol import xattrs
+from upr_cli.protocol.header import DATATYPE_JSON as JSON
 from upr_cli.protocol.status import KeyExists, KeyNotFound
 from upr_cli.protocol.subdoc import ADD, MKDOC
-
-JSON = 0x01
 
 
 def document(bucket: Bucket, doc: DocRow) -> subdoc.Document:

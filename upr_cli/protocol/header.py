@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from enum import IntEnum, IntFlag
+from typing import Final
 
 from upr_cli.errors import LocalProtocolError, RemoteProtocolError
 
@@ -97,6 +98,11 @@ class Datatype(IntFlag):
     JSON = 0x01
     SNAPPY = 0x02
     XATTR = 0x04
+
+
+# The bits as plain ints for tests made per record, where `int & IntFlag` would build an
+# enum member each time: this one, `snappy.SNAPPY` and `xattrs.XATTR`.
+DATATYPE_JSON: Final = int(Datatype.JSON)
 
 
 class Feature(IntEnum):

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Final
 
 import cramjam
 
 from upr_cli.errors import RemoteProtocolError
+from upr_cli.protocol.header import Datatype
 
-SNAPPY = 0x02  # datatype bit (docs/protocol.md §1.4)
+SNAPPY: Final = int(Datatype.SNAPPY)  # datatype bit (docs/protocol.md §1.4)
 #: the largest inflated value accepted: kv_engine's largest item (20 MiB)
 MAX_VALUE = 20 * 1024 * 1024
 

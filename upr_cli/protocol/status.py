@@ -44,6 +44,31 @@ class Status(IntEnum):
     COLLECTIONS_MANIFEST_IS_AHEAD = 0x8B
     UNKNOWN_SCOPE = 0x8C
     DCP_STREAMID_INVALID = 0x8D
+    # the sub-document statuses (formats/subdoc.md; kv_engine's include/mcbp/protocol/status.h)
+    XATTR_EINVAL = 0x87
+    SUBDOC_PATH_ENOENT = 0xC0
+    SUBDOC_PATH_MISMATCH = 0xC1
+    SUBDOC_PATH_EINVAL = 0xC2
+    SUBDOC_PATH_E2BIG = 0xC3
+    SUBDOC_DOC_E2DEEP = 0xC4
+    SUBDOC_VALUE_CANTINSERT = 0xC5
+    SUBDOC_DOC_NOT_JSON = 0xC6
+    SUBDOC_NUM_ERANGE = 0xC7
+    SUBDOC_DELTA_EINVAL = 0xC8
+    SUBDOC_PATH_EEXISTS = 0xC9
+    SUBDOC_VALUE_ETOODEEP = 0xCA
+    SUBDOC_INVALID_COMBO = 0xCB
+    SUBDOC_MULTI_PATH_FAILURE = 0xCC
+    SUBDOC_SUCCESS_DELETED = 0xCD
+    SUBDOC_XATTR_INVALID_FLAG_COMBO = 0xCE
+    SUBDOC_XATTR_INVALID_KEY_COMBO = 0xCF
+    SUBDOC_XATTR_UNKNOWN_MACRO = 0xD0
+    SUBDOC_XATTR_UNKNOWN_VATTR = 0xD1
+    SUBDOC_XATTR_CANT_MODIFY_VATTR = 0xD2
+    SUBDOC_MULTI_PATH_FAILURE_DELETED = 0xD3
+    SUBDOC_INVALID_XATTR_ORDER = 0xD4
+    SUBDOC_XATTR_UNKNOWN_VATTR_MACRO = 0xD5
+    SUBDOC_DELETED_DOCUMENT_CANT_HAVE_VALUE = 0xD7
 
 
 class StatusError(UprError):
@@ -146,6 +171,42 @@ DcpStreamIdInvalid = _status_error(
     Status.DCP_STREAMID_INVALID,
     "Stream-id present/missing against the control.",
 )
+# The sub-document statuses (formats/subdoc.md), named as kv_engine names them; a header
+# status for a whole request, or one spec's status in a multi-path response body.
+_SUBDOC_DOCS = {
+    Status.XATTR_EINVAL: ("XattrEinval", "An xattr name or value is not valid."),
+    Status.SUBDOC_PATH_ENOENT: ("SubdocPathEnoent", "The path does not exist in the document."),
+    Status.SUBDOC_PATH_MISMATCH: ("SubdocPathMismatch", "A path component meets the wrong type."),
+    Status.SUBDOC_PATH_EINVAL: ("SubdocPathEinval", "The path does not parse."),
+    Status.SUBDOC_PATH_E2BIG: ("SubdocPathE2big", "The path has too many components."),
+    Status.SUBDOC_DOC_E2DEEP: ("SubdocDocE2deep", "The document nests too deeply."),
+    Status.SUBDOC_VALUE_CANTINSERT: ("SubdocValueCantinsert", "The value cannot be inserted."),
+    Status.SUBDOC_DOC_NOT_JSON: ("SubdocDocNotJson", "The document is not JSON."),
+    Status.SUBDOC_NUM_ERANGE: ("SubdocNumErange", "The number at the path is out of range."),
+    Status.SUBDOC_DELTA_EINVAL: ("SubdocDeltaEinval", "The counter delta is not valid."),
+    Status.SUBDOC_PATH_EEXISTS: ("SubdocPathEexists", "The path already exists."),
+    Status.SUBDOC_VALUE_ETOODEEP: ("SubdocValueEtoodeep", "The value would nest too deeply."),
+    Status.SUBDOC_INVALID_COMBO: ("SubdocInvalidCombo", "The specs do not combine."),
+    Status.SUBDOC_MULTI_PATH_FAILURE: ("SubdocMultiPathFailure", "At least one spec failed."),
+    Status.SUBDOC_SUCCESS_DELETED: ("SubdocSuccessDeleted", "Success, on a deleted document."),
+    Status.SUBDOC_XATTR_INVALID_FLAG_COMBO: (
+        "SubdocXattrInvalidFlagCombo", "The path flags do not combine."),
+    Status.SUBDOC_XATTR_INVALID_KEY_COMBO: (
+        "SubdocXattrInvalidKeyCombo", "The specs name more than one xattr."),
+    Status.SUBDOC_XATTR_UNKNOWN_MACRO: ("SubdocXattrUnknownMacro", "An unknown macro."),
+    Status.SUBDOC_XATTR_UNKNOWN_VATTR: ("SubdocXattrUnknownVattr", "An unknown virtual xattr."),
+    Status.SUBDOC_XATTR_CANT_MODIFY_VATTR: (
+        "SubdocXattrCantModifyVattr", "A virtual xattr cannot change."),
+    Status.SUBDOC_MULTI_PATH_FAILURE_DELETED: (
+        "SubdocMultiPathFailureDeleted", "At least one spec failed, on a deleted document."),
+    Status.SUBDOC_INVALID_XATTR_ORDER: (
+        "SubdocInvalidXattrOrder", "An xattr spec after a body spec."),
+    Status.SUBDOC_XATTR_UNKNOWN_VATTR_MACRO: (
+        "SubdocXattrUnknownVattrMacro", "An unknown virtual-xattr macro."),
+    Status.SUBDOC_DELETED_DOCUMENT_CANT_HAVE_VALUE: (
+        "SubdocDeletedDocumentCantHaveValue", "A deleted document cannot have a value."),
+}  # fmt: skip
+_SUBDOC_ERRORS = [_status_error(name, code, doc) for code, (name, doc) in _SUBDOC_DOCS.items()]
 
 _REGISTRY: dict[int, type[StatusError]] = {
     cls.status: cls
@@ -176,6 +237,7 @@ _REGISTRY: dict[int, type[StatusError]] = {
         ManifestAhead,
         UnknownScope,
         DcpStreamIdInvalid,
+        *_SUBDOC_ERRORS,
     )
 }
 

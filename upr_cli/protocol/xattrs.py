@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Final
 
 from upr_cli.errors import RemoteProtocolError
 from upr_cli.protocol import snappy
+from upr_cli.protocol.header import Datatype
 
-XATTR = 0x04  # datatype bit (docs/protocol.md §1.4)
+XATTR: Final = int(Datatype.XATTR)  # datatype bit (docs/protocol.md §1.4)
 #: kv_engine's limit on an xattr name (a longer key fails validation)
 MAX_NAME = 15
 
