@@ -61,45 +61,31 @@ import json
 import logging
 import math
 import random
-import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
-from upr_cli.collections import CollectionsError, Manifest, Path
+from upr_cli.collections import Manifest, Path
 from upr_cli.dcp.events import Item
 from upr_cli.dcp.filter import CollectionFilter
 from upr_cli.dcp.links import WIRE_COMPRESSION, Addr, Link, Links, Lost, WireCompression
+from upr_cli.dcp.opening import ConsumerError, Opener, parse_manifest
 from upr_cli.dcp.streams import Part, Streams
-from upr_cli.errors import RemoteProtocolError, UprError, UsageError
+from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog
 from upr_cli.net.bootstrap import WANTED, Session, connect, map_nodes
 from upr_cli.net.connection import ConnectionError_, ServerItems, raise_for_status
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
-from upr_cli.protocol import Message
-from upr_cli.protocol.decoder import DcpRecord
-from upr_cli.protocol.header import Feature, Opcode
+from upr_cli.protocol.header import Feature
 from upr_cli.protocol.messages import (
     Barrier,
     CollectionsGetManifest,
-    FailoverLogResponse,
-    GetAllVbSeqnos,
-    GetAllVbSeqnosResponse,
     GetClusterConfig,
-    GetFailoverLog,
-    Response,
-    StreamRequest,
-    StreamRequestOk,
-    StreamRequestRollback,
 )
-from upr_cli.protocol.status import Status, status_error
+from upr_cli.protocol.status import Status
 
 log = logging.getLogger(__name__)
-
-
-class ConsumerError(UprError):
-    """The stream cannot continue (a partition refused, retries exhausted)."""
 
 
 class DcpConsumer:
@@ -156,7 +142,6 @@ class DcpConsumer:
         # (the commands' --wait; math.inf: for ever), and at least how many attempts
         self.follow_for = follow_for
         self.on_notice = on_notice  # a line when a link is lost and when it is back
-        self.waiting: set[int] = set()  # partitions with no reachable active node yet
         self.name = f"{name}:{random.getrandbits(32):08x}"
         self.links = Links(name=self.name, buffer_size=buffer_size, noop_interval=noop_interval,
                            features=(*WANTED, *extra, *((Feature.XATTR,) if with_xattrs else ())),
@@ -168,14 +153,10 @@ class DcpConsumer:
         self._events, self._links = self.streams.events, self.links.by_addr
         self._queue = self.links.queue
         self._config: dict[str, Any] = {}
-        self._follow = False  # the map lists several nodes: follow it
-        self._tmpfail: dict[int, float] = {}  # partition → first ETMPFAIL of a stream request
         self._tasks: set[asyncio.Task[None]] = set()
-        self._moving: set[int] = set()
-        # A stream being opened: its data may be queued before the task that asked sees
-        # the answer; it waits here so that StreamOpened always comes first (`_process`).
-        self._opening: dict[int, Addr] = {}
-        self._held: dict[int, list[Item]] = {}
+        self.opener = Opener(uri, self.links, self.streams, follow_for=follow_for,
+                             start_seq=start_seq, spawn=self._spawn,
+                             locate=self._locate)  # fmt: skip
         self.collections_enabled = False  # HELLO granted Collections (set by open())
 
     @property
@@ -187,6 +168,11 @@ class DcpConsumer:
     def filter(self) -> CollectionFilter | None:
         """The `collections` filter resolved against the manifest (None: every collection)."""
         return self.streams.filter
+
+    @property
+    def waiting(self) -> set[int]:
+        """Partitions with no reachable active node yet (streamed once one answers)."""
+        return self.opener.waiting
 
     @property
     def session(self) -> Session | None:
@@ -213,7 +199,7 @@ class DcpConsumer:
                 failures.append(f"{home[0]}:{home[1]}: {exc}")
         else:
             raise ConnectionError_(f"no bootstrap host answers ({'; '.join(failures)})")
-        self.uri = self.uri.rebase(*home)  # `$HOST` in the map means this one
+        self.uri = self.opener.uri = self.uri.rebase(*home)  # `$HOST` in the map means this one
         session = self.links.session
         assert session is not None
         self._config = session.config
@@ -226,7 +212,9 @@ class DcpConsumer:
         if bad:
             raise UsageError(f"partition {bad[0]} does not exist (the bucket has {n})")
         actives = self._actives()
-        self._follow = len({a for a in actives if a is not None}) > 1 or (len(self._servers()) > 1)
+        self.opener.follow = len({a for a in actives if a is not None}) > 1 or (
+            len(self._servers()) > 1
+        )
         for p in want:
             self.streams.add(p, (actives[p] if p < len(actives) else None) or home,
                              self._logs.get(p))  # fmt: skip
@@ -236,19 +224,19 @@ class DcpConsumer:
         for part in self.parts.values():
             if part.addr not in self._links:
                 part.addr = home
-        unpinned = await self._pin_highs(list(self.parts.values()))
+        unpinned = await self.opener.pin_highs(list(self.parts.values()))
         waiting = {part.partition for part in unpinned}
         for part in self.parts.values():
             if part.partition not in waiting:
-                await self._settle_start(part)
+                await self.opener.settle_start(part)
             self.streams.settled(part, pinned=part.partition not in waiting)
         # A degraded cluster (a node down, not yet failed over) must not hold back the
         # partitions that can be streamed: they start now, and the others wait for an
         # active node in the background for up to `follow_for` seconds (`waiting` says
         # which, so that the caller can warn at once), then fail the stream.
-        self.waiting = waiting
+        self.opener.waiting = waiting
         try:
-            await self._open_streams([part for part in self.parts.values() if part.partition
+            await self.opener.open([part for part in self.parts.values() if part.partition
                                       not in waiting])  # fmt: skip
         except ConnectionError_:
             if not any(link.session.conn.closed for link in self._links.values()):
@@ -257,7 +245,7 @@ class DcpConsumer:
             # queued, and batches() reconnects as after any other (docs/protocol.md §4.5).
             log.info("a connection closed while the streams opened: reconnecting")
         for part in unpinned:
-            self._spawn(self._move(part, delay=0.1))
+            self._spawn(self.opener.move(part, delay=0.1))
 
     async def _read_manifest(self, session: Session) -> None:
         """The source's manifest, when it granted Collections, and the filter resolved
@@ -270,79 +258,13 @@ class DcpConsumer:
             resp = await conn.request(CollectionsGetManifest(opaque=conn.next_opaque()),
                                       check=False)  # fmt: skip
             if resp.status == Status.SUCCESS:
-                manifest = self._parse_manifest(resp)
+                manifest = parse_manifest(self.uri, resp)
             # no manifest set yet, or no collections at all: the default collection only
             elif resp.status in (Status.NO_COLLECTIONS_MANIFEST, Status.UNKNOWN_COMMAND):
                 manifest = Manifest()
             else:
                 raise_for_status(resp)
         self.streams.resolve(manifest)
-
-    def _parse_manifest(self, resp: Message) -> Manifest:
-        try:
-            return Manifest.from_json(getattr(resp, "value", b""))
-        except CollectionsError as exc:
-            raise RemoteProtocolError(f"{self.uri.redacted()}: {exc}") from None
-
-    async def _settle_start(self, part: Part) -> None:
-        """A partition whose high seq is pinned: its start (`start_seq`) and end
-        (`until_end`, capped at what the source holds now)."""
-        p = part.partition
-        if self.start_seq is not None and p not in self.streams.start:
-            seq = min(self.start_seq, self.highs.get(p, 0))
-            entry = (await self.failover_log(p)).entry_at(seq)
-            self.streams.start_at(part, entry.uuid if entry else 0, seq)
-        if self.until_end:
-            self.streams.pin_end(part)
-
-    async def _pin_highs(self, parts: list[Part]) -> list[Part]:
-        """Each partition's high seq, from the node streaming it (GET_ALL_VB_SEQNOS; in a
-        cluster only active copies count). Returns the partitions not active there."""
-        missing = []
-        for addr in sorted({part.addr for part in parts}):
-            link = self._links.get(addr)
-            mine = [part for part in parts if part.addr == addr]
-            if link is None:
-                missing += mine
-                continue
-            try:
-                got = await self._seqnos(link)
-            except ConnectionError_:
-                if not self._follow:
-                    raise
-                missing += mine  # the node went away: wait for the map to move them
-                continue
-            for part in mine:
-                if part.partition in got or not self._follow:
-                    self.highs[part.partition] = got.get(part.partition, 0)
-                else:
-                    missing.append(part)
-        return missing
-
-    async def _seqnos(self, link: Link) -> dict[int, int]:
-        """A node's high seq per partition (in a cluster, of its active copies)."""
-        conn = link.session.conn
-        req = (GetAllVbSeqnos(opaque=conn.next_opaque(), state=1) if self._follow
-               else GetAllVbSeqnos(opaque=conn.next_opaque()))  # fmt: skip
-        resp = await conn.request(req)
-        assert isinstance(resp, GetAllVbSeqnosResponse)
-        return dict(resp.seqnos)
-
-    async def _cap_ends(self, parts: list[Part]) -> list[Part]:
-        """Finite streams after a reconnect or a move: each end becomes the lower of the
-        end pinned at the start and the high seq the node holds now (`Streams.cap_end`).
-        Returns the partitions not active there."""
-        before = {part.partition: self.highs.get(part.partition) for part in parts}
-        missing = await self._pin_highs(parts)
-        for part in parts:
-            if not any(part is m for m in missing):
-                self.streams.cap_end(part, before[part.partition])
-        return missing
-
-    def _following(self, first: float) -> RetryPolicy:
-        """Waiting for a map to name a partition's new active node: for up to
-        `follow_for` seconds, first after `first` seconds, then at most every half second."""
-        return RetryPolicy(within=self.follow_for, first=first, cap=max(first, 0.5))
 
     def _servers(self) -> list[Addr]:
         return map_nodes(self.uri, self._config)[0]
@@ -375,129 +297,14 @@ class DcpConsumer:
 
     # -- streams ------------------------------------------------------------------------
 
-    async def _open_streams(self, parts: list[Part]) -> None:
-        """Send every STREAM_REQ pipelined; follow ROLLBACKs (docs/protocol.md §4.4) until accepted.
-        A NOT_MY_VBUCKET while following a map moves the partition (`_move`)."""
-        pending = [p for p in parts if not p.done]
-        while pending:
-            await self._pin_catchups(pending)
-            pending = [part for part in pending if not self.streams.filter_ended(part)]
-            if not pending:
-                return
-            sent = self._request_streams(pending)
-            try:
-                pending = [part for part, fut, req in sent if await self._answered(part, fut, req)]
-            except BaseException:
-                for part, _fut, _req in sent:
-                    self._opening.pop(part.partition, None)
-                raise
-
-    async def _pin_catchups(self, parts: list[Part]) -> None:
-        """The seq up to which each partition with vanished ids streams unfiltered: its
-        high seq now, read after the manifest that lacks them (docs/protocol.md §12.4)."""
-        need = self.streams.need_catchup(parts)
-        for addr in sorted({part.addr for part in need}):
-            got = await self._seqnos(self.links.open_conn(addr))
-            for part in need:
-                if part.addr == addr:
-                    # None (not active there): unfiltered to the end, until a move to
-                    # its active node pins it (safe, if costly)
-                    part.catchup = got.get(part.partition)
-
-    def _request_streams(
-        self, pending: list[Part]
-    ) -> list[tuple[Part, asyncio.Future[list[Message]], StreamRequest]]:
-        """Send a STREAM_REQ for each partition from where it stands, on its node's link."""
-        sent = []
-        for part in pending:
-            session = self.links.open_conn(part.addr).session
-            if part.filter is not None and not session.collections:
-                # a filter there is EINVAL (docs/protocol.md §2.4)
-                raise ConsumerError(
-                    f"{session.uri.redacted()}: does not support collections, cannot filter "
-                    f"on {', '.join(map(str, self.streams.paths or []))}"
-                )
-            req = self.streams.request(part)
-            self._opening[part.partition] = part.addr
-            self._begin_stream(part)
-            sent.append((part, session.conn.start_request(req), req))
-        return sent
-
     @staticmethod
     def _begin_stream(part: Part) -> None:
         """What arrives from now on belongs to the stream requested (`Part.begin`)."""
         part.begin()
 
-    async def _answered(
-        self, part: Part, fut: asyncio.Future[list[Message]], sent: StreamRequest
-    ) -> bool:
-        """Act on one stream request's answer; True when it must be sent again (after a
-        ROLLBACK, from the rollback point)."""
-        try:
-            resp = (await fut)[0]
-        except ConnectionError_:
-            self._opening.pop(part.partition, None)
-            if self._follow:
-                return False  # its link's loss is queued: batches() reopens it there
-            raise
-        if isinstance(resp, StreamRequestOk):
-            self.streams.accepted(part, resp.failover_log, sent)
-            self._tmpfail.pop(part.partition, None)
-            self._events.extend(self._held.pop(part.partition, []))
-            self._opening.pop(part.partition, None)
-            log.debug("partition %d: stream open from %d on %s:%d",
-                      part.partition, sent.start_seqno, *part.addr)  # fmt: skip
-            return False
-        if isinstance(resp, StreamRequestRollback):
-            self._rollback(part, resp.rollback_seqno)
-            return True
-        self._opening.pop(part.partition, None)
-        assert isinstance(resp, Response)
-        if resp.status == Status.NOT_MY_VBUCKET and self._follow:
-            self._spawn(self._move(part, resp.value))
-            return False
-        unknown = resp.status in (Status.UNKNOWN_COLLECTION, Status.UNKNOWN_SCOPE)
-        verdict = await self._refilter(part) if unknown and part.filter is not None else ""
-        if verdict == "changed":
-            return not part.done  # a collection dropped meanwhile: ask without it
-        if resp.status == Status.ETMPFAIL or verdict == "behind":
-            # a cluster node that restarted serves nothing until its orchestrator turns
-            # traffic on (formats/cluster.md §3), and one the newest manifest has not
-            # reached yet does not know its collections: ask again shortly
-            since = self._tmpfail.setdefault(part.partition, time.monotonic())
-            if time.monotonic() - since > self.follow_for:
-                why = "ETMPFAIL" if verdict != "behind" else "an older collections manifest"
-                raise ConsumerError(
-                    f"partition {part.partition}: {part.addr[0]}:{part.addr[1]} "
-                    f"refused streams ({why}) for {self.follow_for:g}s"
-                )
-            self._spawn(self._move(part, delay=0.25))
-            return False
-        err = status_error(resp.status, body=resp.value, opcode=Opcode.DCP_STREAM_REQ)
-        paths = ",".join(map(str, self.streams.paths or []))
-        what = f" (collections {paths})" if unknown else ""
-        raise ConsumerError(f"partition {part.partition}: stream request refused{what}: {err}")
-
-    async def _refilter(self, part: Part) -> str:
-        """A stream refused for an unknown collection or scope, judged by the node's
-        manifest now (`Streams.refilter`); "stands" without a link to ask."""
-        link = self._links.get(part.addr)
-        if link is None or link.session.conn.closed:
-            return "stands"
-        conn = link.session.conn
-        now = self._parse_manifest(
-            await conn.request(CollectionsGetManifest(opaque=conn.next_opaque()))
-        )
-        return self.streams.refilter(part, now)
-
     def _rollback(self, part: Part, r: int) -> None:
-        """ROLLBACK(r), as the state machine applies it (`Streams.rollback`)."""
-        ev = self.streams.rollback(part, r)
-        if ev.to_seq < r:
-            log.info("partition %d: rollback from %d to %d (asked %d, inside a snapshot)",
-                     part.partition, ev.previous.seq, ev.to_seq, r)  # fmt: skip
-        else:
-            log.info("partition %d: rollback from %d to %d", part.partition, ev.previous.seq, r)
+        """ROLLBACK(r) answered for a partition (`Opener.rollback`)."""
+        self.opener.rollback(part, r)
 
     def _reset(self, part: Part) -> None:
         """Back to the committed position, as a reconnect resumes (`Streams.reset`)."""
@@ -519,57 +326,11 @@ class DcpConsumer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _move(self, part: Part, body: bytes = b"", delay: float = 0.05) -> None:
-        """Reopen a partition on the node the newest map names its active (a rebalance
-        or failover moved it); waits up to `follow_for` seconds for such a map."""
-        p = part.partition
-        if p in self._moving:
-            return
-        self._moving.add(p)
-        retry = self._following(delay).start()
-        try:
-            await retry.wait()  # a map being changed: give it a moment
-            while True:
-                await self._refresh_map(body)
-                body = b""
-                actives = self._actives()
-                addr = actives[p] if p < len(actives) else None
-                if addr is not None:
-                    try:
-                        await self._link(addr)
-                        part.addr = addr
-                        if p in self.waiting:  # never pinned: no high, no start yet
-                            if await self._pin_highs([part]):
-                                raise ConsumerError(f"{addr[0]}:{addr[1]} is not active yet")
-                            await self._settle_start(part)
-                            self.waiting.discard(p)
-                        elif self.until_end and await self._cap_ends([part]):
-                            # the new active may hold less than the end pinned
-                            raise ConsumerError(f"{addr[0]}:{addr[1]} is not active yet")
-                        # Opened even when nothing is left to send: only the new
-                        # active's producer rule says whether what was streamed is
-                        # still its history (a hard failover: ROLLBACK,
-                        # docs/protocol.md §4.2).
-                        log.info("partition %d: streaming from %s:%d", p, *addr)
-                        self._moving.discard(p)
-                        await self._open_streams([part])
-                        self._queue.put_nowait((addr, -1, [], 0))  # wake batches()
-                        return
-                    except (ConnectionError_, OSError, UprError) as exc:
-                        log.info("partition %d: %s:%d unusable: %s", p, *addr, exc)
-                if retry.spent:
-                    stuck = sorted(self.waiting) if p in self.waiting else [p]
-                    more = f",… {len(stuck) - 8} more" if len(stuck) > 8 else ""
-                    shown = ",".join(map(str, stuck[:8])) + more
-                    raise ConsumerError(
-                        f"partition{'s' if len(stuck) > 1 else ''} {shown}: no reachable "
-                        f"active node for {self.follow_for:g}s"
-                    )
-                await retry.wait()
-        except (ConsumerError, ConnectionError_) as exc:
-            self._queue.put_nowait(exc)
-        finally:
-            self._moving.discard(p)
+    async def _locate(self, p: int, body: bytes) -> Addr | None:
+        """The address of a partition's active node in the newest map (None: none)."""
+        await self._refresh_map(body)
+        actives = self._actives()
+        return actives[p] if p < len(actives) else None
 
     async def _refresh_map(self, body: bytes = b"") -> None:
         """Take the newest map: a NOT_MY_VBUCKET body's, or the one any node serves."""
@@ -604,17 +365,6 @@ class DcpConsumer:
                 best = cfg
         self._config = best
 
-    async def _reopen(self, part: Part) -> None:
-        try:
-            await self._open_streams([part])
-            self._queue.put_nowait((part.addr, -1, [], 0))  # wake batches(): held data
-        except ConnectionError_:
-            if self._follow:
-                await self._move(part)  # its node went away meanwhile: follow the map
-            # else the lost link is reconnected by batches(), which reopens the stream
-        except ConsumerError as exc:
-            self._queue.put_nowait(exc)
-
     def _reconnecting(self) -> RetryPolicy:
         """The one reconnect policy, single node or cluster: capped exponential backoff
         with jitter (at most a second apart, so a node back is found at once) for up to
@@ -635,7 +385,7 @@ class DcpConsumer:
         instead (it may restart or fail over). Returns the attempts made."""
         parts = [
             p for p in self.parts.values()
-            if p.addr == addr and not p.done and p.partition not in self._moving
+            if p.addr == addr and not p.done and p.partition not in self.opener.moving
         ]  # fmt: skip
         link = self._links.pop(addr, None)
         if link is not None:
@@ -656,7 +406,7 @@ class DcpConsumer:
             await retry.wait()
             for part in parts:
                 self._reset(part)
-            if self._follow:
+            if self.opener.follow:
                 with contextlib.suppress(UprError, OSError):
                     await self._refresh_map()
                 actives = self._actives()
@@ -664,7 +414,7 @@ class DcpConsumer:
                     new = actives[part.partition] if part.partition < len(actives) else None
                     if new is not None and new != addr:
                         parts.remove(part)
-                        self._spawn(self._move(part))
+                        self._spawn(self.opener.move(part))
                 if not parts:
                     self._notice(f"the partitions of {where} moved to other nodes; streaming "
                                  "from there")  # fmt: skip
@@ -672,10 +422,10 @@ class DcpConsumer:
             try:
                 await self._link(addr)
                 if self.until_end:
-                    for part in await self._cap_ends(parts):  # not active there (a cluster)
+                    for part in await self.opener.cap_ends(parts):  # not active there (a cluster)
                         parts.remove(part)
-                        self._spawn(self._move(part))
-                await self._open_streams(parts)
+                        self._spawn(self.opener.move(part))
+                await self.opener.open(parts)
             except (ConnectionError_, OSError) as exc:
                 reason = str(exc)
                 log.info("reconnect failed: %s", exc)
@@ -727,9 +477,8 @@ class DcpConsumer:
 
         A stream being opened is not finished even when its end already arrived: the
         data and the end it sent are held until its StreamOpened is handed over
-        (`_answered`), which may run after `batches()` decoded them."""
-        return (not self._moving and not self._opening and not self._held
-                and all(p.done for p in self.parts.values()))  # fmt: skip
+        (`Opener.hold`), which may run after `batches()` decoded them."""
+        return not self.opener.busy and all(p.done for p in self.parts.values())
 
     async def batches(self) -> AsyncIterator[list[Item]]:
         """Rows and events in wire order, batch by batch, until every stream ended."""
@@ -777,17 +526,8 @@ class DcpConsumer:
 
     def _process(self, items: ServerItems, addr: Addr | None = None) -> list[Item]:
         out = self._decode(items)
-        if self._opening and out:
-            opening = {p for p, a in self._opening.items() if a == addr}
-            if opening:
-                keep: list[Item] = []
-                for it in out:
-                    p = it.vbucket if type(it) is DcpRecord else getattr(it, "partition", None)
-                    if p in opening:
-                        self._held.setdefault(p, []).append(it)
-                    else:
-                        keep.append(it)
-                out = keep
+        if self.opener.opening and out:
+            out = self.opener.hold(out, addr)
         return out
 
     def _decode(self, items: ServerItems) -> list[Item]:
@@ -799,7 +539,7 @@ class DcpConsumer:
             self.links.send(streams.outbox)
         if streams.reopen:
             for part in streams.reopen:
-                self._spawn(self._reopen(part))
+                self._spawn(self.opener.reopen(part))
             streams.reopen.clear()
         return out
 
@@ -820,14 +560,7 @@ class DcpConsumer:
 
     async def failover_log(self, partition: int) -> FailoverLog:
         """The server's failover log for a partition (GET_FAILOVER_LOG), from its node."""
-        part = self.parts.get(partition)
-        link = self._links.get(part.addr) if part is not None else None
-        session = link.session if link is not None else self.session
-        assert session is not None
-        conn = session.conn
-        resp = await conn.request(GetFailoverLog(vbucket=partition, opaque=conn.next_opaque()))
-        assert isinstance(resp, FailoverLogResponse)
-        return FailoverLog.sanitised(resp.failover_log)
+        return await self.opener.failover_log(partition)
 
 
 # `Item` and `WireCompression` are imported from here by the jobs, the CLI options, the

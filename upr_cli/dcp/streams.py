@@ -141,6 +141,63 @@ class Part:
         """Where the partition stands now."""
         return StreamPosition(self.partition, self.uuid, self.seq, self.snap_start, self.snap_end)
 
+    def hand_over(self, change: ManifestChange) -> bool:
+        """Whether a change goes to the caller (a catch-up stream keeps the changes of
+        what the partition follows); a drop handed over waits to be forgotten."""
+        f = self.filter
+        if f is None:
+            return True
+        keep = self.keep
+        if keep is not None:
+            cid = change.collection_id
+            if cid is not None:
+                wanted = cid in keep or (change.kind == "collection-created"
+                                         and change.scope_id == f.scope)  # fmt: skip
+            else:  # a scope's own events: for a scope filter, its scope or a dropped one's
+                wanted = f.scope is not None and (change.scope_id == f.scope or any(
+                    d.scope_id == change.scope_id for d in self.delivered))  # fmt: skip
+            if not wanted:
+                return False
+            if cid is not None and change.kind == "collection-created":
+                keep.add(cid)
+        f.admit(change)
+        if change.dropped:
+            self.delivered.append(change)
+        return True
+
+    def settle(self, seq: int) -> bool:
+        """The caller committed up to `seq`: forget the drops at or below it; a catch-up
+        committed past is over (its vanished ids' drops were at or below it). True when
+        nothing is left to settle."""
+        assert self.filter is not None
+        left = []
+        for change in self.delivered:
+            if change.seq > seq:
+                left.append(change)
+                continue
+            self.filter.forget(change)
+            if change.collection_id is not None:
+                self.pending.discard(change.collection_id)
+                self.forgotten[change.collection_id] = change.seq
+        self.delivered = left
+        if self.catchup is not None and seq >= self.catchup:
+            self.pending.clear()
+            self.catchup = None
+        return not left and not self.pending
+
+    def unforget(self, b: int) -> bool:
+        """A rollback to b takes back the drops above it: they come again, and those
+        already forgotten can no longer be asked for by id, so the partition catches up
+        unfiltered on them (docs/protocol.md §12.4). True when some were forgotten."""
+        self.delivered = [c for c in self.delivered if c.seq <= b]
+        back = {cid for cid, seq in self.forgotten.items() if seq > b}
+        for cid in back:
+            del self.forgotten[cid]
+        if back:
+            self.pending |= back
+            self.catchup = None
+        return bool(back)
+
     def begin(self) -> None:
         """A stream is requested from where the partition stands: what arrives from now on
         belongs to it. Boundaries an earlier stream passed above that point are not this
@@ -358,26 +415,14 @@ class Streams:
         part.uuid, part.seq, part.snap_start, part.snap_end = uuid, b, b, b
         self.stale = True
         part.bounds = [x for x in part.bounds if x < b] + [b]
-        self._unforget(part, b)
+        if part.unforget(b):
+            self.settling.add(part.partition)
         if part.partition in self.bounds:  # the caller's: those above b are gone with it
             self.bounds[part.partition] = [x for x in self.bounds[part.partition] if x <= b]
         self.committed[part.partition] = (part.uuid, part.seq, part.snap_start, part.snap_end)
         event = Rollback(part.partition, previous, b, uuid, r)
         self.events.append(event)
         return event
-
-    def _unforget(self, part: Part, b: int) -> None:
-        """A rollback to b takes back the drops above it: they come again, and those
-        already forgotten can no longer be asked for by id, so the partition catches up
-        unfiltered on them (docs/protocol.md §12.4)."""
-        part.delivered = [c for c in part.delivered if c.seq <= b]
-        back = {cid for cid, seq in part.forgotten.items() if seq > b}
-        if back:
-            for cid in back:
-                del part.forgotten[cid]
-            part.pending |= back
-            part.catchup = None
-            self.settling.add(part.partition)
 
     def _boundaries(self, part: Part) -> list[int]:
         """The boundaries a partition standing where it stands can go back to: the
@@ -558,27 +603,11 @@ class Streams:
         return change
 
     def _hand_over(self, part: Part, change: ManifestChange) -> bool:
-        """Whether a change goes to the caller (a catch-up stream keeps the changes of
-        what the partition follows); a drop handed over is forgotten once committed."""
-        f = part.filter
-        if f is None:
-            return True
-        keep = part.keep
-        if keep is not None:
-            cid = change.collection_id
-            if cid is not None:
-                wanted = cid in keep or (change.kind == "collection-created"
-                                         and change.scope_id == f.scope)  # fmt: skip
-            else:  # a scope's own events: for a scope filter, its scope or a dropped one's
-                wanted = f.scope is not None and (change.scope_id == f.scope or any(
-                    d.scope_id == change.scope_id for d in part.delivered))  # fmt: skip
-            if not wanted:
-                return False
-            if cid is not None and change.kind == "collection-created":
-                keep.add(cid)
-        f.admit(change)
-        if change.dropped:
-            part.delivered.append(change)
+        """Whether a change goes to the caller (`Part.hand_over`); a drop handed over
+        is forgotten once committed."""
+        if not part.hand_over(change):
+            return False
+        if change.dropped and part.filter is not None:
             self.settling.add(part.partition)
         return True
 
@@ -608,28 +637,11 @@ class Streams:
             self._settle_filters()
 
     def _settle_filters(self) -> None:
-        """Forget the drops the caller committed past, per partition; a catch-up the
-        caller committed past is over (its vanished ids' drops were at or below it)."""
+        """Forget the drops the caller committed past, per partition (`Part.settle`)."""
         for p in list(self.settling):
             part = self.parts.get(p)
-            if part is None or part.filter is None or p not in self.committed:
-                self.settling.discard(p)
-                continue
-            seq = self.committed[p][1]
-            left = []
-            for change in part.delivered:
-                if change.seq > seq:
-                    left.append(change)
-                    continue
-                part.filter.forget(change)
-                if change.collection_id is not None:
-                    part.pending.discard(change.collection_id)
-                    part.forgotten[change.collection_id] = change.seq
-            part.delivered = left
-            if part.catchup is not None and seq >= part.catchup:
-                part.pending.clear()
-                part.catchup = None
-            if not left and not part.pending:
+            if (part is None or part.filter is None or p not in self.committed
+                    or part.settle(self.committed[p][1])):  # fmt: skip
                 self.settling.discard(p)
 
     def followed(self, partition: int) -> set[int]:
