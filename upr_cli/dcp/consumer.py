@@ -1,18 +1,19 @@
 """The DCP consumer: stream a set of partitions from positions, in batches.
 
-Theory of operation. Each link's reader task hands every batch of server frames to
-`Links.on_server` (dcp/links.py), which answers NOOPs at once (docs/protocol.md §2.12)
-and queues the rest; the flow-control window (docs/protocol.md §7.1) bounds what can be
-queued. `batches()` feeds each batch to the stream state machine (dcp/streams.py),
-which turns frames into row tuples (`DcpRecord` order) and events, and sends what it
-asks for (snapshot marker acknowledgements) and reopens the streams it ends; a batch's
-bytes are acknowledged only when the caller asks for the next one, i.e. after the sink
-took the items. Positions advance as items arrive; `commit()` marks what the caller has
-made durable, and a reconnect resumes from the committed positions (at-least-once
-delivery). Rollbacks, stream ends and the collections filter are the state machine's
-(dcp/streams.py): the consumer sends the requests it builds and hands it the answers.
-A connection silent for longer than `dead_after` seconds is treated as dead (the server
-sends NOOPs every `noop_interval`) and reconnected.
+Theory of operation. Three layers, the h11 way. The links (dcp/links.py): each node's
+reader task hands every batch of server frames to `Links.on_server`, which answers
+NOOPs at once (docs/protocol.md §2.12) and queues the rest; the flow-control window
+(docs/protocol.md §7.1) bounds what can be queued. The stream state machine
+(dcp/streams.py, no I/O): `batches()` feeds it each batch, and it turns frames into row
+tuples (`DcpRecord` order) and events; the consumer sends what it asks for (snapshot
+marker acknowledgements) and reopens the streams it ends. The opener (dcp/opening.py):
+stream requests out, their answers (accepted, ROLLBACK, refused) back to the state
+machine, partitions moved to their active node. A batch's bytes are acknowledged only
+when the caller asks for the next one, i.e. after the sink took the items. Positions
+advance as items arrive; `commit()` marks what the caller has made durable, and a
+reconnect resumes from the committed positions (at-least-once delivery). A connection
+silent for longer than `dead_after` seconds is treated as dead (the server sends NOOPs
+every `noop_interval`) and reconnected.
 
 Reconnects (docs/protocol.md §4.5). One policy for a single node and a cluster alike:
 capped exponential backoff with jitter (net/retry.py) for up to `follow_for` seconds
@@ -147,7 +148,8 @@ class DcpConsumer:
                            features=(*WANTED, *extra, *((Feature.XATTR,) if with_xattrs else ())),
                            compression=compression, want_barriers=barriers,
                            connect_timeout=connect_timeout)  # fmt: skip
-        # the state machine's own tables and the links' (shared, never rebound)
+        # the state machine's tables and the links', under the consumer's own names
+        # (shared, never rebound; `_bounds` is the caller's boundaries, for the tests)
         self.parts, self.highs = self.streams.parts, self.streams.highs
         self._committed, self._bounds = self.streams.committed, self.streams.bounds
         self._events, self._links = self.streams.events, self.links.by_addr
@@ -297,6 +299,9 @@ class DcpConsumer:
 
     # -- streams ------------------------------------------------------------------------
 
+    # The steps a stream request takes, by the names the consumer's boundary tests drive
+    # its decode path with (tests/dcp/test_consumer_boundaries.py): the opener takes
+    # them itself.
     @staticmethod
     def _begin_stream(part: Part) -> None:
         """What arrives from now on belongs to the stream requested (`Part.begin`)."""
