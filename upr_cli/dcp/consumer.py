@@ -385,7 +385,7 @@ class DcpConsumer:
 
     async def _reconnect(self, addr: Addr, attempts: int, reason: str) -> int:
         """Reconnect a link through `_reconnecting`; its partitions resume from their
-        committed positions, finite ones with their ends capped (`_cap_ends`). While
+        committed positions, finite ones with their ends capped (`Opener.cap_ends`). While
         following a map, partitions the newest map moved elsewhere are reopened there
         instead (it may restart or fail over). Returns the attempts made."""
         parts = [

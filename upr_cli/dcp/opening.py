@@ -6,10 +6,11 @@ machine's (`Streams.request`, dcp/streams.py), and so are the answers' effects o
 partition's state: an accepted stream (`Streams.accepted`), ROLLBACK(r)
 (`Streams.rollback`, sent again from the rollback point), a filter that a drop
 emptied. What is left here is I/O and time: the high seqs pinned from the node
-(GET_ALL_VB_SEQNOS), a NOT_MY_VBUCKET or ETMPFAIL turned into a move to the partition's
-active node (`move`, the consumer's), an unknown collection judged by the node's manifest
-now. A stream's data may be queued before its answer is seen: it is held (`hold`) so
-that `StreamOpened` always reaches the caller first.
+(GET_ALL_VB_SEQNOS) and each partition's start and end settled on them, a
+NOT_MY_VBUCKET or ETMPFAIL turned into a move to the partition's active node (`move`,
+formats/cluster.md §4, with the map the consumer keeps: `locate`), an unknown collection
+judged by the node's manifest now. A stream's data may be queued before its answer is
+seen: it is held (`hold`) so that `StreamOpened` always reaches the caller first.
 """
 
 from __future__ import annotations
