@@ -3,9 +3,15 @@ rows, events and decisions out; no consumer, no node, no socket, no event loop."
 
 from __future__ import annotations
 
+import ast
+import inspect
+from types import ModuleType
+
 import pytest
 
 from upr_cli.collections import Manifest, ManifestChange, Path, encode_event
+from upr_cli.dcp import filter as filter_module
+from upr_cli.dcp import streams as streams_module
 from upr_cli.dcp.events import Snapshot, StreamEnded, StreamOpened
 from upr_cli.dcp.filter import CollectionFilter
 from upr_cli.dcp.streams import KEEP_BOUNDARIES, Part, Streams
@@ -328,3 +334,14 @@ def test_positions_advance_as_items_arrive_and_commit_copies_the_moved_ones() ->
     s.commit()
     assert s.committed[0] == (NEW, 6, 0, 9)
     assert s.dirty == set()
+
+
+@pytest.mark.parametrize("module", [streams_module, filter_module])
+def test_the_state_machine_does_no_io(module: ModuleType) -> None:
+    """Sans-IO (the h11 shape): no asyncio, socket or network layer below it."""
+    tree = ast.parse(inspect.getsource(module))
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    io = {n for n in names if n.split(".")[0] in ("asyncio", "socket", "ssl", "selectors")
+          or n.startswith(("upr_cli.net", "upr_cli.dcp.links", "upr_cli.dcp.opening"))}  # fmt: skip
+    assert names and not io

@@ -16,6 +16,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Literal
 
+from upr_cli.dcp.streams import Addr
 from upr_cli.net.bootstrap import Session, connect
 from upr_cli.net.connection import ConnectionClosed, ConnectionError_, ServerItems, aclose_all
 from upr_cli.net.uri import SourceUri
@@ -32,9 +33,6 @@ OPEN_XATTRS = 0x04 | 0x100
 # force every value compressed (a slow link), or not negotiate it
 WireCompression = Literal["auto", "force", "off"]
 WIRE_COMPRESSION: tuple[WireCompression, ...] = ("auto", "force", "off")
-
-Addr = tuple[str, int]
-
 
 class Lost:
     """Queue marker: a link's connection closed or went silent."""
