@@ -34,6 +34,7 @@ OPEN_XATTRS = 0x04 | 0x100
 WireCompression = Literal["auto", "force", "off"]
 WIRE_COMPRESSION: tuple[WireCompression, ...] = ("auto", "force", "off")
 
+
 class Lost:
     """Queue marker: a link's connection closed or went silent."""
 
