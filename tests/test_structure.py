@@ -90,7 +90,6 @@ DATATYPE_NAME = re.compile(r"datatype$", re.IGNORECASE)
 PENDING_DATATYPE_LITERALS = {
     "upr_cli/node/bucket.py": 3,
     "upr_cli/node/producer.py": 2,
-    "upr_cli/node/server.py": 6,
 }
 
 Func = ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda

@@ -3,8 +3,9 @@ through its real decode path with encoded DCP messages: no node, no socket."""
 
 from __future__ import annotations
 
-from upr_cli.dcp.consumer import DcpConsumer, _Part
+from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Rollback
+from upr_cli.dcp.streams import Part as _Part
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import FrameDecoder
 from upr_cli.protocol.messages import Mutation, SnapshotMarker

@@ -28,8 +28,9 @@ from upr_cli.collections import (
     encode_event,
     parse_paths,
 )
-from upr_cli.dcp.consumer import DcpConsumer, resolve_filter
+from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Rollback, StreamEnded
+from upr_cli.dcp.filter import resolve_filter
 from upr_cli.errors import UprError
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition

@@ -11,7 +11,7 @@ from typing import cast
 import pytest
 
 from tests.dcp.inprocess import InProcessNode, Received, consume_until, nodes, run
-from upr_cli.dcp import consumer as consumer_module
+from upr_cli.dcp import streams as consumer_module
 from upr_cli.dcp.consumer import DcpConsumer, Item, WireCompression
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import snappy

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from upr_cli.dcp.consumer import Item, plain_records
+from upr_cli.dcp.consumer import Item
+from upr_cli.dcp.streams import plain_records
 from upr_cli.errors import RemoteProtocolError
 from upr_cli.protocol import FrameDecoder, snappy, xattrs
 from upr_cli.protocol.decoder import DcpRecord

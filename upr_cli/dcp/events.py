@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from upr_cli.collections import ManifestChange
 from upr_cli.position import StreamPosition
+from upr_cli.protocol.decoder import DcpRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,8 @@ class BarrierReached:
 
 
 Event = StreamOpened | Snapshot | Rollback | StreamEnded | BarrierReached | ManifestChange
+#: what `DcpConsumer.batches()` yields: data rows (`DcpRecord` order) and events
+Item = DcpRecord | Event
 
-__all__ = ["BarrierReached", "Event", "ManifestChange", "Rollback", "Snapshot", "StreamEnded",
-           "StreamOpened"]  # fmt: skip
+__all__ = ["BarrierReached", "Event", "Item", "ManifestChange", "Rollback", "Snapshot",
+           "StreamEnded", "StreamOpened"]  # fmt: skip

@@ -15,7 +15,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from upr_cli.node.partition import STATE_CODES
-from upr_cli.protocol.header import Opcode
+from upr_cli.protocol.header import DATATYPE_JSON, Opcode
 from upr_cli.protocol.messages import (
     DisableTraffic,
     EnableTraffic,
@@ -53,7 +53,9 @@ def get_cluster_config(session: ClientSession, msg: GetClusterConfig) -> None:
     """GET_CLUSTER_CONFIG: `cluster_config` as JSON."""
     body = json.dumps(cluster_config(session)).encode()
     session.send(
-        Response(opcode=Opcode.GET_CLUSTER_CONFIG, opaque=msg.opaque, value=body, datatype=1)
+        Response(
+            opcode=Opcode.GET_CLUSTER_CONFIG, opaque=msg.opaque, value=body, datatype=DATATYPE_JSON
+        )
     )
 
 
@@ -144,7 +146,7 @@ def set_param(session: ClientSession, msg: SetParam) -> None:
         raise InvalidArguments('value: {"partitions": [..], "after": N}') from None
     done = rep.pause(vbs, after) if msg.name == "replication_pause" else rep.resume(vbs)
     session.send(Response(opcode=Opcode.SET_PARAM, opaque=msg.opaque,
-                          value=json.dumps(done).encode(), datatype=1))  # fmt: skip
+                          value=json.dumps(done).encode(), datatype=DATATYPE_JSON))  # fmt: skip
 
 
 def enable_traffic(session: ClientSession, msg: EnableTraffic) -> None:

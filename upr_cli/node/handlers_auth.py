@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from upr_cli.net.scram import AuthenticationFailed, ScramServer, make_credential, parse_plain
-from upr_cli.protocol.header import Feature, Opcode
+from upr_cli.protocol.header import DATATYPE_JSON, Feature, Opcode
 from upr_cli.protocol.messages import (
     GetErrorMap,
     Hello,
@@ -77,7 +77,9 @@ def get_error_map(session: ClientSession, msg: GetErrorMap) -> None:
         for code, cls in registered_statuses().items()
     }
     body = json.dumps({"version": 2, "revision": 1, "errors": errors}).encode()
-    session.send(Response(opcode=Opcode.GET_ERROR_MAP, opaque=msg.opaque, value=body, datatype=1))
+    session.send(
+        Response(opcode=Opcode.GET_ERROR_MAP, opaque=msg.opaque, value=body, datatype=DATATYPE_JSON)
+    )
 
 
 def select_bucket(session: ClientSession, msg: SelectBucket) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from upr_cli.collections import CollectionsError, Manifest
-from upr_cli.protocol.header import Opcode
+from upr_cli.protocol.header import DATATYPE_JSON, Opcode
 from upr_cli.protocol.messages import (
     CollectionsGetId,
     CollectionsGetManifest,
@@ -40,7 +40,7 @@ def get_manifest(session: ClientSession, msg: CollectionsGetManifest) -> None:
     """COLLECTIONS_GET_MANIFEST: the bucket's manifest as JSON."""
     bucket = session.need_bucket()
     session.send(Response(opcode=Opcode.COLLECTIONS_GET_MANIFEST, opaque=msg.opaque,
-                          value=bucket.manifest.dumps(), datatype=1))  # fmt: skip
+                          value=bucket.manifest.dumps(), datatype=DATATYPE_JSON))  # fmt: skip
 
 
 def get_id(session: ClientSession, msg: CollectionsGetId | CollectionsGetScopeId) -> None:

@@ -59,7 +59,7 @@ from upr_cli.node.replication import Replicator
 from upr_cli.node.storage import DocRow
 from upr_cli.protocol import Frame, FrameDecoder, decode_message, leb128, snappy, xattrs
 from upr_cli.protocol.fast import encode_store_response, parse_set
-from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, Magic, Opcode
+from upr_cli.protocol.header import DATATYPE_JSON, RESPONSE_MAGICS, Feature, Magic, Opcode
 from upr_cli.protocol.messages import Message, Response, StreamRequestRollback
 from upr_cli.protocol.status import (
     AccessDenied,
@@ -576,7 +576,7 @@ class ClientSession:
             body = json.dumps({"error": {"context": str(exc)},
                                "manifest_uid": f"{exc.manifest_uid:x}"}).encode()  # fmt: skip
             self.send(Response(opcode=frame.opcode, opaque=frame.opaque, status=exc.code,
-                               value=body, datatype=1))  # fmt: skip
+                               value=body, datatype=DATATYPE_JSON))  # fmt: skip
         elif isinstance(exc, StaleCas) and self.bucket is not None:
             # the right bucket CAS in the header: the orchestrator retries with it
             # (formats/cluster.md §1)
@@ -586,7 +586,7 @@ class ClientSession:
             # the cluster map travels with NOT_MY_VBUCKET (docs/protocol.md §3)
             body = json.dumps(self.server.cluster_config(self.bucket)).encode()
             self.send(Response(opcode=frame.opcode, opaque=frame.opaque, status=exc.code,
-                               value=body, datatype=1))  # fmt: skip
+                               value=body, datatype=DATATYPE_JSON))  # fmt: skip
         else:
             self.send(error_response(frame.opcode, frame.opaque, exc.code, str(exc)))
 

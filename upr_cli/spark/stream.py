@@ -47,8 +47,9 @@ from upr_cli.collections import (
     apply_change,
     parse_paths,
 )
-from upr_cli.dcp.consumer import DcpConsumer, resolve_filter
+from upr_cli.dcp.consumer import DcpConsumer
 from upr_cli.dcp.events import Event, Rollback
+from upr_cli.dcp.filter import resolve_filter
 from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.dcp.states import partition_states
 from upr_cli.errors import UprError, UsageError
