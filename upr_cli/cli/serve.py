@@ -22,9 +22,9 @@ from upr_cli.cli.options import (
     either,
     num_partitions_option,
 )
-from upr_cli.cluster.collections import parse_specs
 from upr_cli.errors import UsageError
 from upr_cli.memory import MemoryLimit
+from upr_cli.net.collections_manifest import parse_specs
 from upr_cli.net.tls import DEFAULT_TLS_PORT
 from upr_cli.node.server import NodeConfig, NodeServer
 

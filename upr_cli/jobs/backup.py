@@ -41,9 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from upr_cli.cluster.collections import fetch_manifest
-from upr_cli.collections import CollectionsError, ManifestChange
-from upr_cli.collections import Manifest as Collections
+from upr_cli.collections import CollectionsError, CollectionsManifest, ManifestChange
 from upr_cli.collections import Path as CollectionPath
 from upr_cli.dcp.consumer import WireCompression
 from upr_cli.dcp.states import partition_states
@@ -58,6 +56,7 @@ from upr_cli.jobs.backup_stream import (
     stream_to_segments,
 )
 from upr_cli.memory import MemoryLimit
+from upr_cli.net.collections_manifest import fetch_collections_manifest
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.repo import (
@@ -403,7 +402,7 @@ class _BackupRun:
         self.cuts: dict[int, list[tuple[int, int, SegmentInfo]]] = {}  # left, streamed on
         self.kept_cuts: dict[int, list[tuple[int, int, SegmentInfo]]] = {}  # left, reused
         self.to_stream: list[int] = []
-        self.collections: Collections | None = None  # the source's, at the start
+        self.collections: CollectionsManifest | None = None  # the source's, at the start
         self.filter: CollectionFilter | None = None
         self.stream_paths: list[CollectionPath] | None = None  # None: every collection
         self.followed: dict[int, set[int]] | None = None  # per partition (`followed_ids`)
@@ -443,7 +442,7 @@ class _BackupRun:
                    warnings=warnings, started=started)  # fmt: skip
 
     def read_collections(
-        self, chosen: CollectionFilter | None, collections: Collections | None
+        self, chosen: CollectionFilter | None, collections: CollectionsManifest | None
     ) -> None:
         """Take the source's manifest (read by `_check_source`) and turn the filter into
         the paths to stream, against the chain as checked under the lock."""
@@ -454,7 +453,7 @@ class _BackupRun:
     @property
     def collection_count(self) -> int:
         """How many collections this backup streams (at its start)."""
-        m = self.collections or Collections()
+        m = self.collections or CollectionsManifest()
         f = self.filter
         return sum(1 for s, c in m.collections() if f is None or f.covers(s.name, c.name))
 
@@ -615,12 +614,12 @@ class _BackupRun:
 
 async def _check_source(
     uri: SourceUri, repo: Repository, bucket: str, *, full: bool, chosen: CollectionFilter | None
-) -> Collections | None:
+) -> CollectionsManifest | None:
     """Connect, authenticate, select the bucket, read its collections manifest and check
     the filter (against the chain too, read without the lock), before the repository
     is touched; the source's manifest. A chain with a damaged manifest is checked under
     the lock, where its repair or its error comes first."""
-    collections = await fetch_manifest(uri)
+    collections = await fetch_collections_manifest(uri)
     manifests: list[Manifest] = []
     if not full and repo.repo_file.exists():
         manifests, damaged = repo.readable(bucket)
@@ -633,7 +632,7 @@ async def _check_source(
 def checked_filter(
     bucket: str,
     chosen: CollectionFilter | None,
-    collections: Collections | None,
+    collections: CollectionsManifest | None,
     manifests: Sequence[Manifest],
 ) -> list[CollectionPath] | None:
     """The paths to stream (`stream_paths`) for the chain an incremental backup continues
@@ -673,7 +672,9 @@ def _key(f: CollectionFilter | None) -> tuple[str, tuple[str, ...]] | None:
 
 
 def stream_paths(
-    f: CollectionFilter | None, m: Collections | None, chain: Sequence[Collections] = ()
+    f: CollectionFilter | None,
+    m: CollectionsManifest | None,
+    chain: Sequence[CollectionsManifest] = (),
 ) -> list[CollectionPath] | None:
     """What the stream filter asks for: the include list, or every collection of the
     source's manifest an exclude list leaves (None: every collection). A path the
@@ -685,7 +686,7 @@ def stream_paths(
     if f is None:
         return None
     paths = [CollectionPath.parse(t) for t in f.paths]
-    have = m or Collections()
+    have = m or CollectionsManifest()
     unknown = [str(p) for p in paths if not _known(have, p)]
     unknown = [t for t in unknown if not any(_known(c, CollectionPath.parse(t)) for c in chain)]
     if unknown:
@@ -708,7 +709,7 @@ def stream_paths(
     return left
 
 
-def _known(m: Collections, p: CollectionPath) -> bool:
+def _known(m: CollectionsManifest, p: CollectionPath) -> bool:
     return (m.scope(p.scope) if p.collection is None else m.lookup(p)) is not None
 
 
@@ -726,7 +727,7 @@ def followed_ids(
     took the position below it) must come again, so its id stays."""
     if not chain:
         return {}
-    start = chain[-1].collections or Collections()
+    start = chain[-1].collections or CollectionsManifest()
     later = [c for segs in (reused or {}).values() for s in segs for c in s.changes]
     since = [*chain[-1].manifest_changes, *later]  # after the start manifest was read
     scopes = {

@@ -69,7 +69,7 @@ from upr_cli.collections import DEFAULT_ID, Manifest, ManifestChange, decode_eve
 from upr_cli.failover import needs_rollback
 from upr_cli.net.aio import cancel_and_wait
 from upr_cli.node.bucket import Bucket, unpacked
-from upr_cli.node.collections import UnknownCollectionError, UnknownScopeError
+from upr_cli.node.collection_state import UnknownCollectionError, UnknownScopeError
 from upr_cli.node.partition import ACTIVE, DEAD, REPLICA, Partition
 from upr_cli.node.storage import (
     ROW_DELETED,

@@ -49,7 +49,7 @@ from upr_cli.net.scram import (
 from upr_cli.net.tls import DEFAULT_TLS_PORT, server_context
 from upr_cli.node import subdoc, subdoc_kv
 from upr_cli.node.bucket import EXPIRY_PAGER_INTERVAL, Bucket, StaleCas
-from upr_cli.node.collections import UnknownCollectionError, parse_specs, with_specs
+from upr_cli.node.collection_state import UnknownCollectionError, parse_specs, with_specs
 from upr_cli.node.lock import DataDirLock
 from upr_cli.node.partition import ACTIVE, DEAD, STATE_CODES
 from upr_cli.node.producer import (
