@@ -23,6 +23,7 @@ from upr_cli.net.bootstrap import connect
 from upr_cli.net.collections_manifest import get_collections_manifest, give
 from upr_cli.net.connection import Connection
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition
 from upr_cli.protocol.messages import (
     EnableTraffic,
     GetClusterConfig,
@@ -297,9 +298,10 @@ def rollback_points(statuses: list[NodeStatus]) -> dict[int, dict[str, int]]:
         if not s0 <= start <= s1:
             s0 = s1 = start
         decision = needs_rollback(
-            FailoverLog.sanitised(tuple(act.logs.get(p, []))), start=start,
-            uuid=st.uuids.get(p, 0), snap_start=s0, snap_end=s1, high=act.highs.get(p, 0),
-        )  # fmt: skip
+            FailoverLog.sanitised(tuple(act.logs.get(p, []))),
+            StreamPosition(p, st.uuids.get(p, 0), start, s0, s1),
+            high=act.highs.get(p, 0),
+        )
         if decision.rollback:
             out.setdefault(p, {})[st.name] = decision.rollback_seq
     return out

@@ -228,8 +228,7 @@ async def plan_ranges(uri: SourceUri, start: Mapping[int, StreamPosition],
         s = start.get(p, StreamPosition(p))
         rollback = None
         if p in logs:
-            d = needs_rollback(logs[p], start=s.seq, uuid=s.uuid, snap_start=s.snap_start,
-                               snap_end=s.snap_end, high=current[p][1])  # fmt: skip
+            d = needs_rollback(logs[p], s, high=current[p][1])
             if d.rollback:
                 # A rollback must land on a snapshot boundary the rows' consumer reached
                 # (docs/design.md, "Snapshot boundaries"). An offset is not one (a
