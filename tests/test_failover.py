@@ -20,6 +20,7 @@ from upr_cli.failover import (
     new_uuid,
     rollback_point,
 )
+from upr_cli.position import StreamPosition
 
 EXAMPLES = json.loads(
     (Path(__file__).parents[1] / "examples" / "seed-rollback-examples.json").read_text()
@@ -139,7 +140,10 @@ def test_new_uuid_is_48_bits_and_never_zero() -> None:
 def dcp(lg: FailoverLog, **kw: int | bool) -> tuple[bool, int, str]:
     args: dict[str, int | bool] = {"snap_start": kw.get("start", 0), "snap_end": kw.get("start", 0)}
     args.update(kw)
-    d = needs_rollback(lg, **args)  # type: ignore[arg-type]
+    pos = StreamPosition(
+        0, *(int(args.pop(k)) for k in ("uuid", "start", "snap_start", "snap_end"))
+    )
+    d = needs_rollback(lg, pos, **args)  # type: ignore[arg-type]
     return d.rollback, d.rollback_seq, d.step
 
 
@@ -161,12 +165,12 @@ def test_producer_rule_steps() -> None:
 
 def test_producer_rule_refuses_inconsistent_snapshots() -> None:
     with pytest.raises(UsageError, match="ERANGE"):
-        needs_rollback(log((C, 0)), start=5, uuid=C, snap_start=6, snap_end=9, high=10)
+        needs_rollback(log((C, 0)), StreamPosition(0, C, 5, 6, 9), high=10)
 
 
 @given(st.integers(0, 50), st.integers(0, 50), st.integers(0, 50))
 def test_producer_rule_never_rolls_back_above_start(a: int, b: int, c: int) -> None:
     snap_start, start, snap_end = sorted((a, b, c))
-    d = needs_rollback(log((D, 20), (C, 0)), start=start, uuid=C, snap_start=snap_start,
-                       snap_end=snap_end, high=40)  # fmt: skip
+    d = needs_rollback(log((D, 20), (C, 0)), StreamPosition(0, C, start, snap_start, snap_end),
+                       high=40)  # fmt: skip
     assert d.rollback_seq <= start

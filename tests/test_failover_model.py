@@ -65,6 +65,7 @@ from upr_cli.failover import (
     needs_rollback,
     rollback_point,
 )
+from upr_cli.position import StreamPosition
 
 U64_MAX = 2**64 - 1
 
@@ -268,10 +269,7 @@ class PartitionHistories(RuleBasedStateMachine):
         a = agree(consumer, p)
         d = needs_rollback(
             p.log,
-            start=req.start,
-            uuid=req.uuid,
-            snap_start=req.snap_start,
-            snap_end=req.snap_end,
+            StreamPosition(0, req.uuid, req.start, req.snap_start, req.snap_end),
             high=p.high,
         )
         spec = spec_needs_rollback(
@@ -528,10 +526,7 @@ def test_producer_rule_matches_spec(
     snap_start, start, snap_end = bounds
     d = needs_rollback(
         FailoverLog.of(table),
-        start=start,
-        uuid=uuid,
-        snap_start=snap_start,
-        snap_end=snap_end,
+        StreamPosition(0, uuid, start, snap_start, snap_end),
         high=high,
         purge_seq=purge,
         client_purge_seq=client_purge,
@@ -563,9 +558,6 @@ def test_producer_rule_refuses_snapshots_not_around_start(
     with pytest.raises(UsageError, match="ERANGE"):
         needs_rollback(
             FailoverLog.of([(1, 0)]),
-            start=start,
-            uuid=uuid,
-            snap_start=snap_start,
-            snap_end=snap_end,
+            StreamPosition(0, uuid, start, snap_start, snap_end),
             high=high,
         )

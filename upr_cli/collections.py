@@ -1,6 +1,6 @@
 """Scopes and collections: the manifest, names and paths, and the changes DCP reports.
 
-One model for every layer. The node keeps a `Manifest` per bucket and answers with its
+One model for every layer. The node keeps a `CollectionsManifest` per bucket and answers with its
 JSON (GET_COLLECTIONS_MANIFEST); `upr collections` edits it and pushes it to every node
 (COLLECTIONS_SET_MANIFEST, as the cluster manager does); a backup records it; a restore
 maps collections by name through it. The JSON is kv_engine's: ids and the uid are hex
@@ -158,8 +158,9 @@ class Scope:
 
 
 @dataclass(frozen=True, slots=True)
-class Manifest:
-    """A bucket's collections: the uid (only grows) and the scopes in order."""
+class CollectionsManifest:
+    """A bucket's collections: the uid (only grows) and the scopes in order. Named apart
+    from a backup's manifest (`upr_cli.repo.manifest.Manifest`), which records one."""
 
     uid: int = 0
     scopes: tuple[Scope, ...] = field(
@@ -211,14 +212,16 @@ class Manifest:
         id), so uid + 8 was never used, even by a dropped collection."""
         return max(self.uid + FIRST_ID, self.max_id + 1)
 
-    def with_scope(self, name: str) -> Manifest:
+    def with_scope(self, name: str) -> CollectionsManifest:
         check_user_name(name, "scope")
         if self.scope(name) is not None:
             raise CollectionsError(f"scope {name!r} already exists")
         sid = self.next_id()
         return replace(self, uid=sid - FIRST_ID + 1, scopes=(*self.scopes, Scope(name, sid)))
 
-    def with_collection(self, scope: str, name: str, max_ttl: int | None = None) -> Manifest:
+    def with_collection(
+        self, scope: str, name: str, max_ttl: int | None = None
+    ) -> CollectionsManifest:
         check_user_name(name, "collection")
         s = self.scope(scope)
         if s is None:
@@ -232,7 +235,7 @@ class Manifest:
         scopes = tuple(new if x is s else x for x in self.scopes)
         return replace(self, uid=cid - FIRST_ID + 1, scopes=scopes)
 
-    def without(self, path: Path) -> Manifest:
+    def without(self, path: Path) -> CollectionsManifest:
         """The manifest with a scope (and all its collections) or a collection dropped."""
         s = self.scope(path.scope)
         if s is None:
@@ -269,7 +272,7 @@ class Manifest:
         return json.dumps(self.to_json(), separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, doc: object) -> Manifest:
+    def from_json(cls, doc: object) -> CollectionsManifest:
         """A manifest from kv_engine's JSON, validated as COLLECTIONS_SET_MANIFEST does:
         CollectionsError says what is wrong."""
         if isinstance(doc, bytes | str):
@@ -317,6 +320,12 @@ class Manifest:
         if not any(s.name == DEFAULT for s in scopes):
             raise CollectionsError("manifest: the _default scope is missing")
         return cls(uid, tuple(scopes))
+
+
+# The former name, still imported by dcp/consumer.py, node/bucket.py, node/producer.py,
+# node/server.py, store/store.py and repo/manifest.py (issue 28: their owners move them
+# to CollectionsManifest; then this line goes).
+Manifest = CollectionsManifest
 
 
 def _hex(value: object, what: str) -> int:
@@ -401,7 +410,7 @@ def encode_event(change: ManifestChange) -> tuple[int, int, bytes, bytes]:
     raise ValueError(f"unknown manifest change {change.kind!r}")
 
 
-def changes_between(old: Manifest, new: Manifest) -> list[ManifestChange]:
+def changes_between(old: CollectionsManifest, new: CollectionsManifest) -> list[ManifestChange]:
     """What going from `old` to `new` creates and drops, as changes without a partition
     or seq (the node gives each its seq per partition): drops first (collections, then
     scopes), then creations (scopes, then collections), each in manifest order."""
@@ -420,7 +429,7 @@ def changes_between(old: Manifest, new: Manifest) -> list[ManifestChange]:
     return out
 
 
-def apply_change(manifest: Manifest, change: ManifestChange) -> Manifest:
+def apply_change(manifest: CollectionsManifest, change: ManifestChange) -> CollectionsManifest:
     """The manifest after one change seen on a stream (a consumer that follows a
     partition's system events keeps its names this way)."""
     uid = max(manifest.uid, change.manifest_uid)
@@ -442,7 +451,7 @@ def apply_change(manifest: Manifest, change: ManifestChange) -> Manifest:
         scopes = [replace(s, collections=tuple(c for c in s.collections
                                                if c.id != change.collection_id))
                   for s in scopes]  # fmt: skip
-    return Manifest(uid, tuple(scopes))
+    return CollectionsManifest(uid, tuple(scopes))
 
 
 # -- specs: `upr serve --collections` and `upr cluster init --collections` ------------
@@ -487,12 +496,20 @@ def spec_item(text: str) -> tuple[Path, int | None]:
     return path, ttl
 
 
-def with_specs(manifest: Manifest, specs: Iterable[str]) -> Manifest:
+def with_specs(manifest: CollectionsManifest, specs: Iterable[str]) -> CollectionsManifest:
     """`manifest` with every scope and collection the specs name that it lacks (a
     collection's scope too), created in spec order; those it has are left as they are
     (`spec_differences` says where a spec and the manifest disagree)."""
-    for text in parse_specs(specs):
-        path, ttl = spec_item(text)
+    return with_collections(manifest, (spec_item(text) for text in parse_specs(specs)))
+
+
+def with_collections(
+    manifest: CollectionsManifest, wanted: Iterable[tuple[Path, int | None]]
+) -> CollectionsManifest:
+    """`manifest` with every scope and collection of `wanted` (paths, each with its max
+    TTL) that it lacks, a collection's scope too, created in order; those it has are
+    left as they are. `manifest` itself when it lacks none."""
+    for path, ttl in wanted:
         if manifest.scope(path.scope) is None:
             manifest = manifest.with_scope(path.scope)
         if path.collection is not None and manifest.lookup(path) is None:
@@ -500,7 +517,7 @@ def with_specs(manifest: Manifest, specs: Iterable[str]) -> Manifest:
     return manifest
 
 
-def spec_differences(manifest: Manifest, specs: Iterable[str]) -> list[str]:
+def spec_differences(manifest: CollectionsManifest, specs: Iterable[str]) -> list[str]:
     """The collections `manifest` has with another max TTL than the specs give: a spec
     only creates, so these keep theirs (one message each)."""
     out = []

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from upr_cli.errors import UprError, UsageError
+from upr_cli.position import StreamPosition
 
 MAX_ENTRIES = 25
 U64_MAX = (1 << 64) - 1
@@ -408,11 +409,8 @@ def _rows(rows: list[_Row]) -> str:
 
 def needs_rollback(  # spec-shaped: the rule of docs/protocol.md §4.2, step by step
     server_log: FailoverLog,
+    position: StreamPosition,
     *,
-    start: int,
-    uuid: int,
-    snap_start: int,
-    snap_end: int,
     high: int,
     purge_seq: int = 0,
     client_purge_seq: int = 0,
@@ -421,11 +419,14 @@ def needs_rollback(  # spec-shaped: the rule of docs/protocol.md §4.2, step by 
 ) -> RollbackDecision:
     """The producer rule for a STREAM_REQ (docs/protocol.md §4.2), with its explanation.
 
+    `position` is what the request sends: start (its `seq`), uuid and snapshot bounds.
     `rollback` is False when the stream may start at `start`. The caller has already
     checked `snap_start ≤ start ≤ snap_end` (docs/protocol.md §4.1 step 5); this function
     refuses arguments that break it, since a server answers ERANGE before reaching the
     rule.
     """
+    start, uuid = position.seq, position.uuid
+    snap_start, snap_end = position.snap_start, position.snap_end
     for name, v in (
         ("start", start),
         ("snap start", snap_start),

@@ -11,11 +11,12 @@ SIGTERM takes the path of Ctrl-C (`handling`): its handler notes it and raises S
 that asyncio.run cancels the running task and every `finally` and `async with` runs (a
 backup releases its repository lock and keeps the segments it finished, a tail saves
 its state) before KeyboardInterrupt ends the command; outside asyncio.run the
-KeyboardInterrupt is raised where the command is. A job that installs its own handlers
-(replay, serve) notes the signal it got (`note`) and, once its results are out, its
-command raises `Stopped`. Each command says beforehand what an interrupted run keeps
-(`keeps`) or that it follows (`follows`); the CLI's error funnel asks `ending` for the
-line and the exit status.
+KeyboardInterrupt is raised where the command is. A job that ends its run itself takes
+the signals on its event loop with `on_signals` (serve: a clean stop) or
+`cancel_on_signals` (replay: its task cancelled, then a last checkpoint), which note the
+signal for the exit status; once its results are out, its command raises `Stopped`.
+Each command says beforehand what an interrupted run keeps (`keeps`) or that it follows
+(`follows`); the CLI's error funnel asks `ending` for the line and the exit status.
 """
 
 from __future__ import annotations
@@ -83,6 +84,50 @@ def note(sig: int) -> None:
     """Remember the signal stopping the run (a job that handles the signals itself)."""
     if _run.signal is None:
         _run.signal = sig
+
+
+@contextlib.contextmanager
+def on_signals(act: Callable[[int], None]) -> Iterator[None]:
+    """While the block runs in an event loop, SIGINT and SIGTERM are noted (`note`) and
+    handed to `act` on the loop, instead of stopping the command the Ctrl-C way. Where
+    the loop cannot install a handler (not the main thread, not Unix) they are left as
+    they are: Ctrl-C then ends the run as any KeyboardInterrupt does."""
+    import asyncio  # here: `upr --help` imports this module, and no asyncio (a test checks)
+
+    loop = asyncio.get_running_loop()
+
+    def handle(sig: int) -> None:
+        note(sig)
+        act(sig)
+
+    handled = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, handle, sig)
+            handled.append(sig)
+    try:
+        yield
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+
+
+@contextlib.contextmanager
+def cancel_on_signals() -> Iterator[Callable[[], bool]]:
+    """SIGINT and SIGTERM cancel the running task (once, `on_signals`); yields 'did one?'."""
+    import asyncio  # as in on_signals
+
+    task = asyncio.current_task()
+    stopping = False
+
+    def stop(sig: int) -> None:
+        nonlocal stopping
+        if not stopping and task is not None:
+            stopping = True
+            task.cancel()
+
+    with on_signals(stop):
+        yield lambda: stopping
 
 
 def keeps(words: Callable[[], str]) -> None:

@@ -24,7 +24,7 @@ from upr_cli.cli import rollback_point as rollback_cli
 from upr_cli.cli import salvage as salvage_cli
 from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverEntry, RollbackDecision
-from upr_cli.jobs.backup import BackupSummary
+from upr_cli.jobs.backup import BackupSummary, PartitionRollback
 from upr_cli.jobs.diff import DiffReport, PartitionDiff
 from upr_cli.jobs.examine import Version
 from upr_cli.jobs.inspect import Problem, VerifyReport
@@ -112,8 +112,7 @@ def test_info_kind_is_whole_at_80_columns() -> None:
 
 
 def backup_summary(rollbacks: int) -> BackupSummary:
-    rbs = [{"partition": p, "from": str(10**9 + p), "to": "999", "seed_rule_seq": "999",
-            "producer_seq": "999", "during_run": p % 2 == 0, "cut_records": p}
+    rbs = [PartitionRollback(p, 10**9 + p, 999, 999, 999, p % 2 == 0, p)
            for p in range(rollbacks)]  # fmt: skip
     return BackupSummary(BACKUP, "default", False, 123_456, 10**9, 10**8, 1024, rbs,
                          seconds=12.5)  # fmt: skip

@@ -1,5 +1,5 @@
 """The decisions behind pushing a collections manifest to a cluster
-(upr_cli/cluster/collections.py): which node is the arbiter, which manifest is newest,
+(upr_cli/net/collections_manifest.py): which node is the arbiter, which manifest is newest,
 what a change pushes, which nodes diverge and with which conflicts, the `--collections`
 specs, and the status of nodes that disagree."""
 
@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from upr_cli.cluster.collections import (
+from upr_cli.cluster.control import NodeStatus
+from upr_cli.cluster.health import judge
+from upr_cli.cluster.spec import ClusterSpec, NodeSpec
+from upr_cli.collections import CollectionsManifest
+from upr_cli.collections import Path as CPath
+from upr_cli.collections import parse_specs as common_parse
+from upr_cli.errors import UsageError
+from upr_cli.net.collections_manifest import (
     NodeManifest,
     _diverged,
     arbiter,
@@ -19,28 +26,21 @@ from upr_cli.cluster.collections import (
     parse_specs,
     with_specs,
 )
-from upr_cli.cluster.collections import parse_specs as cluster_parse
-from upr_cli.cluster.control import NodeStatus
-from upr_cli.cluster.health import judge
-from upr_cli.cluster.spec import ClusterSpec, NodeSpec
-from upr_cli.collections import Manifest
-from upr_cli.collections import Path as CPath
-from upr_cli.collections import parse_specs as common_parse
-from upr_cli.errors import UsageError
-from upr_cli.node.collections import parse_specs as node_parse
+from upr_cli.net.collections_manifest import parse_specs as cluster_parse
+from upr_cli.node.collection_state import parse_specs as node_parse
 
-APP = Manifest().with_scope("app")  # uid 1
+APP = CollectionsManifest().with_scope("app")  # uid 1
 USERS = APP.with_collection("app", "users")  # uid 2
 LOGS = APP.with_collection("app", "logs")  # uid 2 too: a concurrent change
 
 
-def at(*manifests: Manifest | None) -> list[NodeManifest]:
+def at(*manifests: CollectionsManifest | None) -> list[NodeManifest]:
     return [NodeManifest(f"127.0.0.1:{1000 + i}", m, supported=m is not None)
             for i, m in enumerate(manifests)]  # fmt: skip
 
 
 def test_the_newest_manifest_is_the_highest_uid() -> None:
-    assert newest(at(APP, USERS, Manifest())) == USERS
+    assert newest(at(APP, USERS, CollectionsManifest())) == USERS
     assert newest(at(None, None)) is None
     assert newest([]) is None
 
@@ -93,8 +93,8 @@ def test_conflicts_name_every_id_held_otherwise() -> None:
     found = conflicts(theirs.with_collection("app", "d").with_collection("app", "e"), mine)
     assert {c.id for c in found} >= {9, 10}
     # a scope id under two names
-    s1 = Manifest().with_scope("one")
-    s2 = Manifest().with_scope("two")
+    s1 = CollectionsManifest().with_scope("one")
+    s2 = CollectionsManifest().with_scope("two")
     assert [(c.kind, c.id) for c in conflicts(s2, s1)] == [("scope", 8)]
     assert conflicts(X, X) == []
 
@@ -143,7 +143,7 @@ def test_one_spec_parser_serves_node_and_cluster() -> None:
 
 
 def test_specs_create_what_is_missing_and_keep_what_exists() -> None:
-    m = with_specs(Manifest(), parse_specs("app.users:60,app.logs,inv"))
+    m = with_specs(CollectionsManifest(), parse_specs("app.users:60,app.logs,inv"))
     users = m.lookup(CPath("app", "users"))
     assert users is not None and users.max_ttl == 60
     assert m.scope("inv") is not None and m.scope("app") is not None

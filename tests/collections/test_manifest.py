@@ -10,7 +10,7 @@ import pytest
 from upr_cli.collections import (
     DEFAULT,
     CollectionsError,
-    Manifest,
+    CollectionsManifest,
     Path,
     apply_change,
     changes_between,
@@ -23,14 +23,14 @@ from upr_cli.errors import UsageError
 
 
 def test_the_default_manifest_has_the_default_collection_only() -> None:
-    m = Manifest()
+    m = CollectionsManifest()
     default = {"name": "_default", "uid": "0", "collections": [{"name": "_default", "uid": "0"}]}
     assert m.to_json() == {"uid": "0", "scopes": [default]}
-    assert Manifest.from_json(m.dumps()) == m
+    assert CollectionsManifest.from_json(m.dumps()) == m
 
 
 def test_ids_start_at_8_and_a_dropped_id_is_never_given_again() -> None:
-    m = Manifest().with_scope("app").with_collection("app", "users", max_ttl=60)
+    m = CollectionsManifest().with_scope("app").with_collection("app", "users", max_ttl=60)
     users = m.lookup(Path("app", "users"))
     assert users is not None and users.id == 9 and users.max_ttl == 60
     assert m.scope("app") is not None and m.scope("app").id == 8  # type: ignore[union-attr]
@@ -38,7 +38,7 @@ def test_ids_start_at_8_and_a_dropped_id_is_never_given_again() -> None:
     new = again.lookup(Path("app", "users"))
     assert new is not None and new.id > users.id
     assert again.uid > m.uid
-    assert Manifest.from_json(again.dumps()) == again
+    assert CollectionsManifest.from_json(again.dumps()) == again
 
 
 @pytest.mark.parametrize(
@@ -57,7 +57,7 @@ def test_ids_start_at_8_and_a_dropped_id_is_never_given_again() -> None:
 )
 def test_invalid_manifests_are_refused(doc: bytes) -> None:
     with pytest.raises(CollectionsError):
-        Manifest.from_json(doc)
+        CollectionsManifest.from_json(doc)
 
 
 def test_paths() -> None:
@@ -72,14 +72,14 @@ def test_paths() -> None:
 
 
 def test_changes_become_system_events_and_back() -> None:
-    old = Manifest().with_scope("app")
+    old = CollectionsManifest().with_scope("app")
     new = old.with_collection("app", "users", max_ttl=5).with_collection("app", "orders")
     new = new.without(Path(DEFAULT, DEFAULT))
     changes = changes_between(old, new)
     assert [c.kind for c in changes] == ["collection-dropped", "collection-created",
                                          "collection-created"]  # fmt: skip
-    seen = Manifest()
-    seen = apply_change(seen, changes_between(Manifest(), old)[0])
+    seen = CollectionsManifest()
+    seen = apply_change(seen, changes_between(CollectionsManifest(), old)[0])
     for i, c in enumerate(changes):
         event, version, key, value = encode_event(c)
         back = decode_event(3, 10 + i, event, version, key, value)

@@ -12,7 +12,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from upr_cli.collections import Manifest, Path
+from upr_cli.collections import CollectionsManifest, Path
 from upr_cli.node.bucket import Bucket
 from upr_cli.protocol import Frame, FrameDecoder, decode_message
 from upr_cli.protocol.header import RESPONSE_MAGICS, Feature, Opcode
@@ -144,7 +144,7 @@ async def raw_dcp(port: int, *, collections: bool, noop: bool = True) -> AsyncIt
         await conn.aclose()
 
 
-async def create(bucket: Bucket, *paths: str, max_ttl: int | None = None) -> Manifest:
+async def create(bucket: Bucket, *paths: str, max_ttl: int | None = None) -> CollectionsManifest:
     """Create scopes and collections (`S` or `S.C`, a missing scope too) in the bucket."""
     m = bucket.manifest
     for text in paths:
@@ -157,7 +157,7 @@ async def create(bucket: Bucket, *paths: str, max_ttl: int | None = None) -> Man
     return m
 
 
-async def drop(bucket: Bucket, path: str) -> Manifest:
+async def drop(bucket: Bucket, path: str) -> CollectionsManifest:
     """Drop a scope or collection in the bucket."""
     m = bucket.manifest.without(Path.parse(path))
     await bucket.set_manifest(m)

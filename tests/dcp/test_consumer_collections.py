@@ -22,7 +22,7 @@ import pytest
 from tests.dcp.inprocess import run
 from upr_cli.collections import (
     CollectionsError,
-    Manifest,
+    CollectionsManifest,
     ManifestChange,
     Path,
     encode_event,
@@ -62,7 +62,7 @@ from upr_cli.protocol.status import Status
 
 UUID = 0xC0FFEE
 # ids chosen so that one needs a two-byte LEB128 prefix (0x90)
-MANIFEST = Manifest.from_json({
+MANIFEST = CollectionsManifest.from_json({
     "uid": "5",
     "scopes": [
         {"name": "_default", "uid": "0", "collections": [{"name": "_default", "uid": "0"}]},
@@ -82,7 +82,7 @@ class RawNode:
     status or a message instead (and change the node's manifest meanwhile)."""
 
     collections: bool = True
-    manifest: Manifest | None = MANIFEST  # None: GET_COLLECTIONS_MANIFEST fails (0x89)
+    manifest: CollectionsManifest | None = MANIFEST  # None: GET_COLLECTIONS_MANIFEST fails (0x89)
     partitions: int = 1
     highs: dict[int, int] = field(default_factory=dict)
     script: dict[int, list[Message]] = field(default_factory=dict)
@@ -324,7 +324,7 @@ def test_filter_empty_ends_the_stream_and_a_reopen_asks_without_dropped_ids() ->
     # partition 0: orders is dropped, then users; the node ends the stream (FilterEmpty).
     # partition 1: its first request is refused (the node dropped orders meanwhile),
     # and asked again without it.
-    gone = Manifest.from_json(MANIFEST.without(Path("app", "orders")).dumps())
+    gone = CollectionsManifest.from_json(MANIFEST.without(Path("app", "orders")).dumps())
     script0: list[Message] = [
         SnapshotMarker(start_seqno=0, end_seqno=3, flags=0x06),
         mutation(1, 9, b"u1"),
@@ -378,7 +378,7 @@ def test_a_filter_empty_end_is_final_even_without_the_drop_seen() -> None:
 
 def test_a_node_behind_the_manifest_is_asked_again_with_the_same_filter() -> None:
     # a cluster node the newest manifest has not reached yet does not know app.orders
-    behind = Manifest.from_json({**MANIFEST.to_json(), "uid": "4", "scopes": [
+    behind = CollectionsManifest.from_json({**MANIFEST.to_json(), "uid": "4", "scopes": [
         {"name": "_default", "uid": "0", "collections": [{"name": "_default", "uid": "0"}]},
         {"name": "app", "uid": "8", "collections": [{"name": "users", "uid": "9"}]}]})  # fmt: skip
 
@@ -446,7 +446,7 @@ def test_a_server_without_a_manifest_has_the_default_collection_only() -> None:
     async def scenario() -> None:
         node = RawNode(manifest=None, script={0: [StreamEnd(status=0)]})
         async with serving(node), DcpConsumer(node.uri, until_end=True) as consumer:
-            assert consumer.collections_enabled and consumer.manifest == Manifest()
+            assert consumer.collections_enabled and consumer.manifest == CollectionsManifest()
             await drain(consumer)
 
     run(scenario())
@@ -505,11 +505,11 @@ def test_a_partition_forgets_an_id_only_once_it_handed_over_its_own_drop() -> No
 
 
 OLD, NEW = 0x1C, 0x1E  # crash.c1 before and after a drop and a re-create
-RECREATED = Manifest.from_json({"uid": "16", "scopes": [
+RECREATED = CollectionsManifest.from_json({"uid": "16", "scopes": [
     {"name": "_default", "uid": "0", "collections": [{"name": "_default", "uid": "0"}]},
     {"name": "crash", "uid": "8", "collections": [{"name": "c1", "uid": "1e"}]},
 ]})  # fmt: skip
-GONE = Manifest.from_json({"uid": "16", "scopes": [
+GONE = CollectionsManifest.from_json({"uid": "16", "scopes": [
     {"name": "_default", "uid": "0", "collections": [{"name": "_default", "uid": "0"}]},
     {"name": "crash", "uid": "8", "collections": []},
 ]})  # fmt: skip
@@ -622,7 +622,9 @@ def test_a_rollback_below_a_forgotten_drop_hands_it_over_again() -> None:
 
     def rollback_once(node: RawNode, req: StreamRequest) -> Message | None:
         if req.start_seqno == 3 and len(node.streams) == 2:
-            node.manifest = Manifest.from_json(MANIFEST.without(Path("app", "orders")).dumps())
+            node.manifest = CollectionsManifest.from_json(
+                MANIFEST.without(Path("app", "orders")).dumps()
+            )
             return StreamRequestRollback(rollback_seqno=1)
         return None
 

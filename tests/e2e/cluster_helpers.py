@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.e2e.conftest import upr
-from tests.e2e.e2e_helpers import background, run, seqnos
+from tests.e2e.e2e_helpers import background, run, seqnos, spawn
 from upr_cli.cluster import spec
 from upr_cli.cluster.control import STATE_CODES
 from upr_cli.net.bootstrap import connect, partition_of
@@ -229,20 +229,20 @@ def on_terminal(*args: str, columns: int = 80) -> str:
     main, child = pty.openpty()
     env = os.environ | {"COLUMNS": str(columns), "LINES": "50"}
     env.pop("UPR_PASSWORD", None)
-    proc = subprocess.Popen([sys.executable, "-m", "upr_cli", *args], stdout=child,
-                            stderr=child, stdin=subprocess.DEVNULL, env=env)  # fmt: skip
-    os.close(child)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(main, 1 << 16)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(main)
-    proc.wait(timeout=120)
+    with spawn(sys.executable, "-m", "upr_cli", *args, stdout=child, stderr=child,
+               stdin=subprocess.DEVNULL, env=env) as proc:  # fmt: skip
+        os.close(child)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(main, 1 << 16)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(main)
+        proc.wait(timeout=120)
     text = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
 

@@ -4,23 +4,23 @@ calls (GET/SET_COLLECTIONS_MANIFEST) as the cluster manager makes them, on one n
 from __future__ import annotations
 
 from tests.e2e.e2e_helpers import run
-from upr_cli.collections import Manifest, Path
+from upr_cli.collections import CollectionsManifest, Path
 from upr_cli.net.bootstrap import connect
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.messages import CollectionsGetManifest, CollectionsSetManifest
 
 
-async def _get(uri: str) -> Manifest:
+async def _get(uri: str) -> CollectionsManifest:
     session = await connect(SourceUri.parse(uri))
     try:
         conn = session.conn
         resp = await conn.request(CollectionsGetManifest(opaque=conn.next_opaque()))
-        return Manifest.from_json(getattr(resp, "value", b""))
+        return CollectionsManifest.from_json(getattr(resp, "value", b""))
     finally:
         await session.conn.aclose()
 
 
-async def _set(uri: str, manifest: Manifest) -> None:
+async def _set(uri: str, manifest: CollectionsManifest) -> None:
     session = await connect(SourceUri.parse(uri))
     try:
         conn = session.conn
@@ -31,17 +31,17 @@ async def _set(uri: str, manifest: Manifest) -> None:
         await session.conn.aclose()
 
 
-def get_manifest(uri: str) -> Manifest:
+def get_manifest(uri: str) -> CollectionsManifest:
     """The node's manifest (GET_COLLECTIONS_MANIFEST)."""
     return run(_get(uri))  # type: ignore[no-any-return]
 
 
-def set_manifest(uri: str, manifest: Manifest) -> None:
+def set_manifest(uri: str, manifest: CollectionsManifest) -> None:
     """Push a manifest to one node (COLLECTIONS_SET_MANIFEST)."""
     run(_set(uri, manifest))
 
 
-def create(uri: str, *paths: str, max_ttl: int | None = None) -> Manifest:
+def create(uri: str, *paths: str, max_ttl: int | None = None) -> CollectionsManifest:
     """Create scopes and collections (`S` or `S.C`; a missing scope too) on one node."""
     m = get_manifest(uri)
     for text in paths:
@@ -54,7 +54,7 @@ def create(uri: str, *paths: str, max_ttl: int | None = None) -> Manifest:
     return m
 
 
-def drop(uri: str, path: str) -> Manifest:
+def drop(uri: str, path: str) -> CollectionsManifest:
     """Drop a scope or collection on one node."""
     m = get_manifest(uri).without(Path.parse(path))
     set_manifest(uri, m)

@@ -97,7 +97,7 @@ def test_a_backup_through_a_hard_failover_cuts_its_segments_back(tmp_path: Path)
         upr("load", cl.uri("n1"), "--docs", "30000", "--seed", "2", "--prefix", "ahead")
         repo = tmp_path / "repo"
         summary = _backup_through_failover(cl, repo, parts)
-        during = [rb for rb in summary.rollbacks if rb["during_run"]]
+        during = [rb for rb in summary.to_json()["rollbacks"] if rb["during_run"]]
         assert during and all(int(rb["from"]) > int(rb["to"]) for rb in during), summary
         assert {rb["partition"] for rb in during} <= set(parts)
         man = json.loads(next(repo.glob("*/*/manifest.json")).read_text())
@@ -119,7 +119,7 @@ def test_a_backup_through_a_hard_failover_below_its_start_starts_again(tmp_path:
         upr("backup", cl.uri("n1"), "--repo", str(repo), "--no-progress")
         upr("load", cl.uri("n1"), "--docs", "30000", "--seed", "4", "--prefix", "ahead")
         summary = _backup_through_failover(cl, repo, parts)
-        recorded = {rb["partition"]: rb for rb in summary.rollbacks}
+        recorded = {rb["partition"]: rb for rb in summary.to_json()["rollbacks"]}
         assert set(recorded) == set(parts), summary
         assert all(int(rb["from"]) > int(rb["to"]) for rb in recorded.values())
         _restored_equals_cluster(cl, repo, tmp_path, parts)
@@ -148,7 +148,7 @@ def test_a_failover_after_a_partition_ended_gets_a_follow_up_backup(tmp_path: Pa
         repo = tmp_path / "repo"
         summary = _backup_through_failover(cl, repo, parts[:1], after_end=True)
         assert len(summary.follow_ups) == 1, summary
-        recorded = [rb for rb in summary.rollbacks if rb["partition"] == parts[0]]
+        recorded = [rb for rb in summary.to_json()["rollbacks"] if rb["partition"] == parts[0]]
         assert recorded and int(recorded[0]["from"]) > int(recorded[0]["to"]), summary
         _restored_equals_cluster(cl, repo, tmp_path, parts[:1])
         out = upr("salvage", "--repo", str(repo), "--to", cl.uri("n1"), "--json", check=False)

@@ -15,13 +15,13 @@ from typing import Any
 from tests.e2e.cluster_helpers import Cluster, on_terminal
 from tests.e2e.collections_helpers import get_manifest, set_manifest
 from tests.e2e.conftest import upr
-from upr_cli.collections import Manifest
+from upr_cli.collections import CollectionsManifest
 from upr_cli.collections import Path as CPath
 
 Spawn = Callable[..., subprocess.Popen[Any]]
 
 
-def manifests(cl: Cluster, *names: str) -> dict[str, Manifest]:
+def manifests(cl: Cluster, *names: str) -> dict[str, CollectionsManifest]:
     spec = cl.spec
     return {n.name: get_manifest(spec.uri(n)) for n in spec.nodes if not names or n.name in names}
 

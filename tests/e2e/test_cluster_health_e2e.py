@@ -17,6 +17,7 @@ from pathlib import Path
 from tests.cli.json_convention import problems
 from tests.e2e.cluster_helpers import Cluster, on_terminal
 from tests.e2e.conftest import upr
+from tests.e2e.e2e_helpers import spawn_upr
 from upr_cli.protocol.messages import DcpOpen, SaslAuth, SelectBucket, StreamRequest
 
 
@@ -174,14 +175,12 @@ def test_node_logs_no_traceback_when_a_client_leaves(tmp_path: Path) -> None:
             _leave_mid_stream(node.port, cl.spec.password, 20_000 * (i + 1) ** 2, 16)
             time.sleep(0.02 * (i % 3))
         # a real consumer killed mid-stream
-        tail = subprocess.Popen([sys.executable, "-m", "upr_cli", "tail", cl.uri(), "--until-end",
-                                 "--format", "json"], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL)  # fmt: skip
-        assert tail.stdout is not None
-        tail.stdout.read(300_000)
-        tail.send_signal(signal.SIGKILL)
-        tail.wait(timeout=30)
-        tail.stdout.close()
+        with spawn_upr("tail", cl.uri(), "--until-end", "--format", "json",
+                       stderr=subprocess.DEVNULL, text=False) as tail:  # fmt: skip
+            assert tail.stdout is not None
+            tail.stdout.read(300_000)
+            tail.send_signal(signal.SIGKILL)
+            tail.wait(timeout=30)
         time.sleep(0.5)
         # the node still serves, then stops cleanly (tasks left behind are reported then)
         assert json.loads(cl.cli("status", "--json").stdout)["nodes"][0]["state"] == "up"

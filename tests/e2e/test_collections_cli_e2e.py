@@ -13,8 +13,8 @@ import threading
 from tests.e2e.collections_helpers import get_manifest, set_manifest
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import run
-from upr_cli.cluster.collections import change, fetch_manifest
-from upr_cli.collections import Manifest, Path
+from upr_cli.collections import CollectionsManifest, Path
+from upr_cli.net.collections_manifest import change, fetch_collections_manifest
 from upr_cli.net.uri import SourceUri
 
 
@@ -178,7 +178,7 @@ def test_a_change_is_made_again_on_a_concurrent_one(node: Node) -> None:
     uri = SourceUri.parse(node.uri)
     calls: list[int] = []
 
-    def edit(m: Manifest) -> Manifest:
+    def edit(m: CollectionsManifest) -> CollectionsManifest:
         calls.append(m.uid)
         if len(calls) == 1:  # another manager's change lands between our read and push
             other = threading.Thread(target=set_manifest, args=(node.uri, m.with_scope("theirs")))
@@ -188,7 +188,7 @@ def test_a_change_is_made_again_on_a_concurrent_one(node: Node) -> None:
 
     done = run(change(uri, edit))
     assert done.attempts == 2 and calls == [0, 1]  # made again on their manifest (uid 1)
-    m = run(fetch_manifest(uri))
+    m = run(fetch_collections_manifest(uri))
     assert m == done.manifest and {s.name for s in m.scopes} == {"_default", "theirs", "ours"}
     assert m.uid == 2
 
@@ -199,7 +199,7 @@ def test_a_retry_that_finds_its_change_made_succeeds(node: Node) -> None:
     uri = SourceUri.parse(node.uri)
     calls: list[int] = []
 
-    def edit(m: Manifest) -> Manifest:
+    def edit(m: CollectionsManifest) -> CollectionsManifest:
         calls.append(m.uid)
         if len(calls) == 1:  # the same collection, and more, lands before our push
             theirs = m.with_scope("race").with_collection("race", "a1").with_scope("other")
@@ -212,7 +212,7 @@ def test_a_retry_that_finds_its_change_made_succeeds(node: Node) -> None:
 
     done = run(change(uri, edit, done=lambda m: m.lookup(Path("race", "a1")) is not None))
     assert done.attempts == 2 and calls == [0]  # not edited again: the result holds
-    held = run(fetch_manifest(uri))
+    held = run(fetch_collections_manifest(uri))
     assert done.manifest == held and {s.name for s in held.scopes} == {"_default", "race", "other"}
     # a retry whose target does not hold (another max TTL) is still an error
     r = upr("collections", "create", node.uri, "race.a1", "--max-ttl", "5", check=False)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.e2e.conftest import Node
-from tests.e2e.e2e_helpers import run, set_keys, wait_persisted
+from tests.e2e.e2e_helpers import run, set_keys, spawn, wait_persisted
 from tests.e2e.memory_helpers import large_values, vm_hwm_mb
 
 DOCS, SIZE = 20, 5 * 1024 * 1024
@@ -34,17 +34,11 @@ def peak_rss_mb(*args: str) -> tuple[float, dict[str, object]]:
     env.pop("UPR_PASSWORD", None)
     peak = 0.0
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-m", "upr_cli", *args, "--json",
-                                 "--no-progress"], stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=err, env=env)  # fmt: skip
-        try:
+        with spawn(sys.executable, "-m", "upr_cli", *args, "--json", "--no-progress",
+                   stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env) as proc:  # fmt: skip
             while proc.poll() is None:
                 peak = max(peak, vm_hwm_mb(proc.pid))  # VmHWM only rises: the last is the peak
                 time.sleep(0.01)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
         out.seek(0)
         err.seek(0)
         assert proc.returncode == 0, err.read().decode(errors="replace")

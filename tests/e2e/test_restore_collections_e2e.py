@@ -12,7 +12,7 @@ from typing import Any
 from tests.e2e.collections_helpers import create, drop, get_manifest
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import drain, run, wait_persisted
-from upr_cli.collections import Manifest
+from upr_cli.collections import CollectionsManifest
 from upr_cli.collections import Path as CPath
 from upr_cli.net.bootstrap import connect, partition_of
 from upr_cli.net.uri import SourceUri
@@ -54,8 +54,8 @@ async def _get_all(uri: str, docs: Docs) -> None:
         await s.conn.aclose()
 
 
-async def _manifest(conn: Any) -> Manifest:
-    from upr_cli.cluster.collections import get_manifest as read
+async def _manifest(conn: Any) -> CollectionsManifest:
+    from upr_cli.net.collections_manifest import get_collections_manifest as read
 
     m = await read(conn)
     assert m is not None

@@ -18,7 +18,7 @@ from tests.cli.json_convention import problems
 from tests.e2e import collections_helpers as coll
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import run, spawn_upr, wait_persisted
-from upr_cli.collections import Manifest, ManifestChange
+from upr_cli.collections import CollectionsManifest, ManifestChange
 from upr_cli.jobs.tail import (
     CollectionNames,
     Followed,
@@ -35,7 +35,7 @@ from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.protocol.messages import Set
 
-APP = Manifest().with_scope("app").with_collection("app", "users")  # scope 8, users 9
+APP = CollectionsManifest().with_scope("app").with_collection("app", "users")  # scope 8, users 9
 
 
 def rec(key: bytes, collection: int) -> DcpRecord:

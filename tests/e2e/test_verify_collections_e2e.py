@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import Node, upr
-from upr_cli.collections import Manifest as Collections
+from upr_cli.collections import CollectionsManifest
 from upr_cli.repo import Repository
 from upr_cli.repo.layout import MANIFEST_COPY, MANIFEST_FILE
 
@@ -55,7 +55,7 @@ def test_counts_that_differ_from_the_manifest_are_reported(repo: Path) -> None:
 
 
 def test_records_of_a_collection_nothing_names_are_reported(repo: Path) -> None:
-    _rewrite(repo, collections=Collections(), manifest_changes=())  # names forgotten
+    _rewrite(repo, collections=CollectionsManifest(), manifest_changes=())  # names forgotten
     problems = _problems(repo)
     assert [p["kind"] for p in problems] == ["collection"]
     assert "records of collection ids no manifest names: 0x" in str(problems[0]["detail"])

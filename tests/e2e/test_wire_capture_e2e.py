@@ -33,6 +33,7 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import PASSWORD, USER, Node, upr
-from tests.e2e.e2e_helpers import reap, wait_persisted
+from tests.e2e.e2e_helpers import reap, spawn, wait_persisted
 from upr_cli.net.bootstrap import WANTED
 from upr_cli.protocol import Feature, leb128, snappy, xattrs
 
@@ -295,15 +296,8 @@ class Tshark:
     written, so every packet from then on is in the file.
     """
 
-    def __init__(self, port: int, pcap: Path) -> None:
-        assert TSHARK is not None
-        self.pcap = pcap
-        self.proc = subprocess.Popen(
-            # -B: a kernel buffer larger than the default 2 MB holds a whole burst
-            [TSHARK, "-n", "-i", "lo", "-B", "64", "-f", f"tcp port {port}", "-w", str(pcap)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
+    def __init__(self, proc: subprocess.Popen[str], pcap: Path) -> None:
+        self.proc, self.pcap = proc, pcap
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.stderr: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -352,6 +346,22 @@ class Tshark:
                 self.stderr.append(line)
 
 
+@contextlib.contextmanager
+def capturing(port: int, pcap: Path) -> Iterator[Tshark]:
+    """A `Tshark` capturing `port` into `pcap` for the block, stopped at its end (and
+    reaped: nothing outlives the test)."""
+    assert TSHARK is not None
+    # -B: a kernel buffer larger than the default 2 MB holds a whole burst
+    with spawn(TSHARK, "-n", "-i", "lo", "-B", "64", "-f", f"tcp port {port}", "-w", str(pcap),
+               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+               text=True) as proc:  # fmt: skip
+        tshark = Tshark(proc, pcap)
+        try:
+            yield tshark
+        finally:
+            tshark.stop()
+
+
 def _tail(node: Node, *args: str) -> list[dict[str, Any]]:
     out = upr("tail", node.uri, "--format", "json", "-v", *args, timeout=60)
     return [json.loads(line) for line in out.stdout.splitlines()]
@@ -361,16 +371,13 @@ def _capture_sessions(node: Node, tmp: Path) -> tuple[Path, list[Any], list[Any]
     """Capture both `upr tail` sessions; return the capture file and what they printed."""
     pcap = tmp / "tail.pcapng"
     pcap.unlink(missing_ok=True)
-    tshark = Tshark(node.port, pcap)
-    try:
+    with capturing(node.port, pcap) as tshark:
         tshark.wait_ready()
         # the first forces Snappy (compressed values on the wire), the second has the
         # default (negotiated, not forced: values as the node stores them, plain here)
         until_end = _tail(node, "--until-end", "--wire-compression", "force")
         counted = _tail(node, "--count", "5")
         time.sleep(0.3)  # the last FIN/ACKs
-    finally:
-        tshark.stop()
     assert pcap.exists(), f"tshark wrote no capture: {''.join(tshark.stderr)}"
     return pcap, until_end, counted
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from upr_cli.cli.app import app
-from upr_cli.collections import Manifest
+from upr_cli.collections import CollectionsManifest
 from upr_cli.failover import FailoverLog
 from upr_cli.jobs.diff import diff_sources
 from upr_cli.position import StreamPosition
@@ -33,7 +33,7 @@ def diverged_store(tmp_path: Path) -> tuple[Path, Path]:
                                    "seq": "60"}}))  # fmt: skip
     b = tmp_path / "b.db"
     with Store(b) as s:
-        s.record_manifest(Manifest().with_scope("app").with_collection("app", "users"))
+        s.record_manifest(CollectionsManifest().with_scope("app").with_collection("app", "users"))
         s.apply(0, [rec(1, b"d", USERS), rec(40, b"k")], StreamPosition(0, OLD, 40, 40, 40),
                 FailoverLog.of([(OLD, 0)]))  # fmt: skip
         s.apply(0, [rec(41, b"k"), rec(42, b"k", USERS), rec(44, b"d", USERS, OP_DELETION)],

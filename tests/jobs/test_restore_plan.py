@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from upr_cli.collections import Manifest, Path
+from upr_cli.collections import CollectionsManifest, Path, with_collections
 from upr_cli.errors import UsageError
 from upr_cli.jobs.restore import RestoreSummary, RestoreTargetError, _NodeWriter, store_names
 from upr_cli.jobs.restore_plan import (
@@ -21,7 +21,6 @@ from upr_cli.jobs.restore_plan import (
     MapRule,
     RestorePlan,
     RestorePlanError,
-    creation,
     map_path,
     parse_map_data,
     plan_collections,
@@ -41,9 +40,9 @@ def P(text: str) -> Path:
     return Path.parse(text)
 
 
-def manifest(*paths: str, ttl: dict[str, int] | None = None) -> Manifest:
+def manifest(*paths: str, ttl: dict[str, int] | None = None) -> CollectionsManifest:
     """A manifest holding these scopes and collections, created in order."""
-    m = Manifest()
+    m = CollectionsManifest()
     for text in paths:
         p = P(text)
         if m.scope(p.scope) is None:
@@ -137,7 +136,7 @@ def test_a_target_without_collections_takes_only_the_default_collection() -> Non
     mapped = plan_collections(source, None, parse_map_data("app.users=_default._default"))
     assert [(c.target_id, c.status) for c in mapped] == [(0, EXISTS), (0, EXISTS)]
     # a backup of the default collection alone restores into any target
-    assert [c.status for c in plan_collections(Manifest(), None)] == [EXISTS]
+    assert [c.status for c in plan_collections(CollectionsManifest(), None)] == [EXISTS]
 
 
 def test_rules_are_applied_and_must_name_something_in_the_backup() -> None:
@@ -155,7 +154,7 @@ def test_rules_are_applied_and_must_name_something_in_the_backup() -> None:
 
 def test_collections_a_filtered_backup_left_out_are_not_planned() -> None:
     source = manifest("app.users", "app.orders")
-    plans = plan_collections(source, Manifest(), covers=lambda s, c: c != "orders")
+    plans = plan_collections(source, CollectionsManifest(), covers=lambda s, c: c != "orders")
     assert [str(c.source) for c in plans] == ["_default._default", "app.users"]
 
 
@@ -163,7 +162,11 @@ def test_one_change_creates_every_missing_collection_and_its_scope() -> None:
     source = manifest("app.users", "app.orders", "logs.web", ttl={"logs.web": 3600})
     target = manifest("app.users")
     plans = plan_collections(source, target)
-    edit = creation(c for c in plans if c.status == CREATE)
+    wanted = RestorePlan(16, 16, plans).creations()
+
+    def edit(m: CollectionsManifest) -> CollectionsManifest:
+        return with_collections(m, wanted)
+
     made = edit(target)
     assert made.uid > target.uid
     web = made.lookup(P("logs.web"))
@@ -249,7 +252,7 @@ def test_the_summary_counts_each_collection_and_reports_the_plan() -> None:
 def test_a_store_records_the_names_a_restore_maps_to_under_the_source_ids() -> None:
     source = manifest("app.users", "app.orders", "shop.users")
     rules = parse_map_data("app.users=crm.people,app.orders=shop.orders")
-    plan = RestorePlan(16, None, plan_collections(source, Manifest(), rules))
+    plan = RestorePlan(16, None, plan_collections(source, CollectionsManifest(), rules))
     names = store_names(plan, source)
     got = {c.id: str(names.path_of(c.id)) for _s, c in names.collections()}
     ids = {str(Path(s.name, c.name)): c.id for s, c in source.collections()}
@@ -323,13 +326,13 @@ def test_each_key_goes_to_its_hash_over_the_target_count_under_the_target_id() -
         assert msg.key == leb128.join_key(tid if r.collection else 0, r.key)
     # without Collections on the connection only the default collection is written, bare
     bare = Router(16, collections=False)
-    plain = RestorePlan(1024, 16, plan_collections(Manifest(), None))
+    plain = RestorePlan(1024, 16, plan_collections(CollectionsManifest(), None))
     write(bare, plain, records[:2:2])
     assert [m.key for m in bare.sent] == [b"key-0"]
 
 
 def test_a_partition_the_cluster_keeps_refusing_stops_the_restore_in_one_error() -> None:
-    plan = RestorePlan(16, 16, plan_collections(Manifest(), Manifest()))
+    plan = RestorePlan(16, 16, plan_collections(CollectionsManifest(), CollectionsManifest()))
     records = [rec(OP_MUTATION, i + 1, f"k{i}".encode(), 0) for i in range(20)]
     with pytest.raises(RestoreTargetError, match=r"NOT_MY_VBUCKET for 60s after 0 writes"):
         write(Router(16, Status.NOT_MY_VBUCKET), plan, records)
@@ -341,8 +344,9 @@ def test_requests_left_in_flight_by_an_error_are_not_reported_by_asyncio() -> No
     async def go() -> None:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+        empty = CollectionsManifest()
         w = _NodeWriter(Router(16), RestoreSummary("b", "t", False), 8, 0,
-                        RestorePlan(16, 16, plan_collections(Manifest(), Manifest())))  # type: ignore[arg-type]  # fmt: skip
+                        RestorePlan(16, 16, plan_collections(empty, empty)))  # type: ignore[arg-type]  # fmt: skip
         failed: asyncio.Future[Frame] = loop.create_future()
         failed.set_exception(OSError("connection lost"))
         pending: asyncio.Future[Frame] = loop.create_future()

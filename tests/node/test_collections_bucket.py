@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from upr_cli.collections import CollectionsError, Manifest, changes_between, decode_event
+from upr_cli.collections import CollectionsError, CollectionsManifest, changes_between, decode_event
 from upr_cli.collections import Path as CPath
 from upr_cli.errors import UsageError
 from upr_cli.node import sysevents
 from upr_cli.node.bucket import Bucket
-from upr_cli.node.collections import (
+from upr_cli.node.collection_state import (
     NodeCollections,
     UnknownCollectionError,
     UnknownScopeError,
@@ -35,9 +35,11 @@ from upr_cli.node.storage import (
 )
 from upr_cli.protocol.status import InvalidArguments, KeyNotFound, OutOfRange
 
-USERS = Manifest().with_scope("app").with_collection("app", "users")  # uid 2: scope 8, users 9
+USERS = (
+    CollectionsManifest().with_scope("app").with_collection("app", "users")
+)  # uid 2: scope 8, users 9
 USERS_ID = 9
-APP_ONLY = Manifest().with_scope("app").dumps().decode()  # uid 1: scope 8
+APP_ONLY = CollectionsManifest().with_scope("app").dumps().decode()  # uid 1: scope 8
 
 
 def _run(tmp: Path, body: Callable[[Bucket], Awaitable[None]], partitions: int = 4) -> None:
@@ -94,7 +96,7 @@ def test_a_schema_1_directory_is_migrated_to_qualified_keys(tmp_path: Path) -> N
 
     async def body(bucket: Bucket) -> None:
         assert bucket.get(0, b"\x00a").value == b"A"
-        assert bucket.manifest == Manifest()  # no manifest stored: the default one
+        assert bucket.manifest == CollectionsManifest()  # no manifest stored: the default one
 
     _run(tmp_path, body, partitions=1)
 
@@ -155,11 +157,13 @@ def test_manifest_uid_rules(tmp_path: Path) -> None:
         await bucket.set_manifest(USERS)  # the same manifest again: nothing happens
         assert bucket.partitions[0].high_seq == high
         with pytest.raises(OutOfRange, match="below"):
-            await bucket.set_manifest(Manifest().with_scope("x"))  # uid 1 < 2
+            await bucket.set_manifest(CollectionsManifest().with_scope("x"))  # uid 1 < 2
         with pytest.raises(InvalidArguments, match="other content"):
-            await bucket.set_manifest(Manifest().with_scope("x").with_scope("y"))  # uid 2
-        renamed = Manifest.from_json(USERS.dumps().replace(b'"users"', b'"people"'))
-        renamed = Manifest(3, renamed.scopes)
+            await bucket.set_manifest(
+                CollectionsManifest().with_scope("x").with_scope("y")
+            )  # uid 2
+        renamed = CollectionsManifest.from_json(USERS.dumps().replace(b'"users"', b'"people"'))
+        renamed = CollectionsManifest(3, renamed.scopes)
         with pytest.raises(InvalidArguments, match="cannot change"):
             await bucket.set_manifest(renamed)
         assert bucket.manifest == USERS and bucket.partitions[0].high_seq == high
@@ -299,17 +303,17 @@ def test_a_dropped_id_never_comes_back() -> None:
     dropped = USERS.without(CPath("app", "users"))  # uid 3
     state.check(dropped)
     state.replace(dropped)
-    back = Manifest.from_json(USERS.dumps().replace(b'"uid":"2"', b'"uid":"4"', 1))
+    back = CollectionsManifest.from_json(USERS.dumps().replace(b'"uid":"2"', b'"uid":"4"', 1))
     assert back.uid == 4 and back.lookup(CPath("app", "users")) is not None
     with pytest.raises(CollectionsError, match=r"collection id 0x9 \(app.users\) was used"):
         state.check(back)
-    renamed = Manifest.from_json(back.dumps().replace(b'"users"', b'"people"'))
+    renamed = CollectionsManifest.from_json(back.dumps().replace(b'"users"', b'"people"'))
     with pytest.raises(CollectionsError, match="0x9"):
         state.check(renamed)  # under another name too
     # a scope id too, once its scope is dropped
     state.replace(dropped.without(CPath("app")))
     with pytest.raises(CollectionsError, match=r"scope id 0x8 \(app\) was used"):
-        state.check(Manifest.from_json(APP_ONLY.replace('"uid":"1"', '"uid":"9"')))
+        state.check(CollectionsManifest.from_json(APP_ONLY.replace('"uid":"1"', '"uid":"9"')))
     # new ids above the highest are taken
     state.check(dropped.without(CPath("app")).with_scope("app").with_collection("app", "u"))
     # the default collection, once dropped, does not come back either
@@ -317,7 +321,7 @@ def test_a_dropped_id_never_comes_back() -> None:
     gone = USERS.without(CPath("_default", "_default"))
     nodefault.replace(gone)
     with pytest.raises(CollectionsError, match="0x0"):
-        nodefault.check(Manifest(gone.uid + 1, USERS.scopes))
+        nodefault.check(CollectionsManifest(gone.uid + 1, USERS.scopes))
 
 
 def test_the_highest_ids_survive_a_restart_and_are_derived_for_older_nodes(
@@ -337,7 +341,7 @@ def test_the_highest_ids_survive_a_restart_and_are_derived_for_older_nodes(
             held = again.collections
             assert (held.high_collection, held.high_scope, held.dropped) == (9, 8, set())
             with pytest.raises(CollectionsError, match="0x9"):
-                held.check(Manifest(9, USERS.scopes))
+                held.check(CollectionsManifest(9, USERS.scopes))
         finally:
             await again.stop()
 
@@ -379,7 +383,7 @@ def test_a_replica_purges_what_a_drop_row_from_its_active_drops(tmp_path: Path) 
         await bucket.set_partition_state(0, "replica", cas=bucket.state_cas, rev=0)
         create, drop = USERS, USERS.without(CPath("app", "users"))
         bucket.replica_marker(0, 1, 4)
-        rows = [*changes_between(Manifest(), create), *changes_between(create, drop)]
+        rows = [*changes_between(CollectionsManifest(), create), *changes_between(create, drop)]
         seq = 0
         for change in rows:
             seq += 1
@@ -419,19 +423,21 @@ def test_collection_and_scope_ids_by_path() -> None:
 
 
 def test_serve_collection_specs(caplog: pytest.LogCaptureFixture) -> None:
-    m = with_specs(Manifest(), ["app.users,app.orders:60", "logs", " "])
+    m = with_specs(CollectionsManifest(), ["app.users,app.orders:60", "logs", " "])
     assert [(s.name, [(c.name, c.max_ttl) for c in s.collections]) for s in m.scopes] == [
         ("_default", [("_default", None)]),
         ("app", [("users", None), ("orders", 60)]),
         ("logs", []),
     ]
     assert with_specs(m, ["app.users", "logs"]) == m  # present: kept as they are
-    assert with_specs(Manifest(), ["app.users"]) == with_specs(Manifest(), ["app.users"])
+    assert with_specs(CollectionsManifest(), ["app.users"]) == with_specs(
+        CollectionsManifest(), ["app.users"]
+    )
     assert parse_specs(["_default.c:5"]) == ("_default.c:5",)
     for bad in ("app:60", "app.users:x", "a.b.c", "app.users:99999999999", "$x",
                 "app.users:3600,app.users:60"):  # fmt: skip
         with pytest.raises(UsageError):
-            with_specs(Manifest(), [bad])
+            with_specs(CollectionsManifest(), [bad])
     # a restart with another max TTL: the spec only creates, and says so (it was silent)
     with caplog.at_level(logging.WARNING):
         assert with_specs(m, ["app.orders:3600", "app.users"]) == m
@@ -490,7 +496,7 @@ def test_the_bucket_refuses_a_dropped_id(tmp_path: Path) -> None:
             await bucket.set_manifest(USERS)
             await bucket.set_manifest(USERS.without(CPath("app", "users")))
             with pytest.raises(InvalidArguments, match=r"collection id 0x9 \(app.users\) was used"):
-                await bucket.set_manifest(Manifest(4, USERS.scopes))
+                await bucket.set_manifest(CollectionsManifest(4, USERS.scopes))
             assert bucket.manifest.lookup(CPath("app", "users")) is None
         finally:
             await bucket.stop()

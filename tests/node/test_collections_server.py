@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from upr_cli.collections import Manifest
+from upr_cli.collections import CollectionsManifest
 from upr_cli.collections import Path as CPath
 from upr_cli.node.server import NodeConfig, NodeServer
 from upr_cli.protocol import Frame, FrameDecoder
@@ -35,7 +35,9 @@ from upr_cli.protocol.messages import (
 )
 from upr_cli.protocol.status import Status
 
-USERS = Manifest().with_scope("app").with_collection("app", "users")  # users: id 9, uid 2
+USERS = (
+    CollectionsManifest().with_scope("app").with_collection("app", "users")
+)  # users: id 9, uid 2
 
 
 class Client:
@@ -154,14 +156,18 @@ def test_set_and_get_manifest(tmp_path: Path) -> None:
     async def body(server: NodeServer) -> None:
         async with _client(server, collections=False) as c:
             first = await c.ok(CollectionsGetManifest())
-            assert Manifest.from_json(bytes(first.value)) == Manifest()  # before any set
+            assert (
+                CollectionsManifest.from_json(bytes(first.value)) == CollectionsManifest()
+            )  # before any set
             await c.ok(CollectionsSetManifest(value=USERS.dumps()))
             got = await c.ok(CollectionsGetManifest())
-            assert Manifest.from_json(bytes(got.value)) == USERS and got.datatype == 1
+            assert CollectionsManifest.from_json(bytes(got.value)) == USERS and got.datatype == 1
             bad = await c.call(CollectionsSetManifest(value=b"{not json"))
             assert bad.vbucket_or_status == Status.EINVAL
             assert "not JSON" in json.loads(bytes(bad.value))["error"]["context"]
-            lower = await c.call(CollectionsSetManifest(value=Manifest().with_scope("x").dumps()))
+            lower = await c.call(
+                CollectionsSetManifest(value=CollectionsManifest().with_scope("x").dumps())
+            )
             assert lower.vbucket_or_status == Status.ERANGE
             await c.ok(CollectionsSetManifest(value=USERS.dumps()))  # the same again: fine
 

@@ -19,7 +19,7 @@ from upr_cli.collections import (
     EVENT_COLLECTION_DROPPED,
     EVENT_SCOPE_CREATED,
     EVENT_SCOPE_DROPPED,
-    Manifest,
+    CollectionsManifest,
     ManifestChange,
 )
 from upr_cli.collections import Path as CPath
@@ -402,7 +402,7 @@ def test_a_collection_created_and_dropped_is_one_drop_event(tmp_path: Path) -> N
 class _Bucket:
     """What a StreamView reads of a bucket: its current manifest."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: CollectionsManifest) -> None:
         self.manifest = manifest
 
 
@@ -412,7 +412,7 @@ def _system_doc(change: ManifestChange) -> DocRow:
 
 
 def test_rows_of_a_dropped_collection_are_never_sent() -> None:
-    m = Manifest().with_scope("app").with_collection("app", "users")
+    m = CollectionsManifest().with_scope("app").with_collection("app", "users")
     users = m.lookup(CPath("app", "users"))
     assert users is not None
     bucket = _Bucket(m)

@@ -11,7 +11,7 @@ from typing import Any
 
 from tests.dcp.collections_helpers import create, drop, put
 from tests.dcp.inprocess import InProcessNode, nodes, run
-from upr_cli.collections import Manifest
+from upr_cli.collections import CollectionsManifest
 from upr_cli.node.partition import REPLICA
 from upr_cli.node.sysevents import is_system_key
 
@@ -41,9 +41,9 @@ def _rows(node: InProcessNode) -> dict[bytes, tuple[object, ...]]:
         return out
 
 
-async def _everywhere(nodes_: tuple[InProcessNode, ...], edit: Any) -> Manifest:
+async def _everywhere(nodes_: tuple[InProcessNode, ...], edit: Any) -> CollectionsManifest:
     """Push a manifest change to every node, as `upr collections` does."""
-    m: Manifest | None = None
+    m: CollectionsManifest | None = None
     for n in nodes_:
         m = await edit(n.bucket)
     assert m is not None

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from tests.repo.test_repo_collections import APP, backup, created, dropped
-from upr_cli.collections import CollectionsError, Manifest, Path, parse_paths
+from upr_cli.collections import CollectionsError, CollectionsManifest, Path, parse_paths
 from upr_cli.errors import UsageError
 from upr_cli.jobs.backup import collection_filter, followed_ids, stream_paths
 from upr_cli.position import StreamPosition
 from upr_cli.segments import SegmentInfo
 
-M = (Manifest().with_scope("app").with_collection("app", "users")
+M = (CollectionsManifest().with_scope("app").with_collection("app", "users")
      .with_collection("app", "logs").with_scope("other").with_collection("other", "x"))  # fmt: skip
 
 

@@ -13,8 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.repo.test_repo_manifest import B1, B2, T0, manifest, part
-from upr_cli.collections import Manifest as Collections
-from upr_cli.collections import ManifestChange, Path
+from upr_cli.collections import CollectionsManifest, ManifestChange, Path
 from upr_cli.repo import BackupId, Manifest, RepositoryError, checksum_hex
 from upr_cli.repo.manifest import (
     BackupManifest,
@@ -25,7 +24,7 @@ from upr_cli.repo.manifest import (
     collection_history,
 )
 
-APP = Collections().with_scope("app").with_collection("app", "users")  # scope 8, users 9
+APP = CollectionsManifest().with_scope("app").with_collection("app", "users")  # scope 8, users 9
 USERS = APP.lookup(Path("app", "users"))
 assert USERS is not None
 
@@ -94,7 +93,7 @@ def test_a_version_1_manifest_reads_as_the_default_collection() -> None:
     old = Manifest.loads(v1(m))
     assert old == m and old.collections is None and not old.manifest_changes
     assert old.collection_filter is None and not old.filtered
-    assert chain_manifest([old]) == Collections()  # _default._default holds everything
+    assert chain_manifest([old]) == CollectionsManifest()  # _default._default holds everything
     assert collection_history([old]) == {0: (Path("_default", "_default"), False)}
     obj = json.loads(v1(m))
     obj["collections"] = None  # a version 1 manifest has no collection keys
@@ -137,7 +136,7 @@ def test_rejects(mutate: Any, match: str) -> None:
     assert "\n" not in str(info.value)
 
 
-def backup(n: int, start: Collections | None, *changes: ManifestChange) -> Manifest:
+def backup(n: int, start: CollectionsManifest | None, *changes: ManifestChange) -> Manifest:
     """Backup n of a chain holding partitions 0 and 1 over seqs (100(n-1), 100n]."""
     bid = BackupId(T0 + timedelta(hours=n))
     parent = None if n == 1 else BackupId(T0 + timedelta(hours=n - 1))

@@ -126,8 +126,7 @@ def _stream(
 def _reconnect(client: Client, src: Branch, rule: str) -> None:
     """A stream request to a new source: the producer rule, then the client's rollback."""
     pos = client.pos
-    d = needs_rollback(src.log, start=pos.seq, uuid=pos.uuid, snap_start=pos.snap_start,
-                       snap_end=pos.snap_end, high=src.high)  # fmt: skip
+    d = needs_rollback(src.log, pos, high=src.high)
     if not d.rollback:
         return
     asked = d.rollback_seq

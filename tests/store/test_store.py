@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from upr_cli.collections import Manifest
+from upr_cli.collections import CollectionsManifest
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog
 from upr_cli.position import StreamPosition
@@ -745,7 +745,7 @@ def test_spec_example_queries_run(store: Store) -> None:
                 pos(5, 1001), FailoverLog.of([(UUID, 0)]))  # fmt: skip
     store.apply(5, [row(5, 1002, b"user::2", b'{"name": "Bo"}', datatype=JSON)._replace(
         collection=9)], pos(5, 1002))  # fmt: skip
-    store.record_manifest(Manifest().with_scope("app").with_collection("app", "users"))
+    store.record_manifest(CollectionsManifest().with_scope("app").with_collection("app", "users"))
     sg = xattrs.encode({"_sync": '{"rev":"2-b"}', "app": "[1]"})
     sync = xattrs.encode({"_sync": '{"rev":"3-c"}'})
     store.apply(5, [row(5, 1003, b"sg", b'{"n": 1}', datatype=JSON, blob=sg),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from upr_cli.collections import Manifest, ManifestChange
+from upr_cli.collections import CollectionsManifest, ManifestChange
 from upr_cli.collections import Path as CPath
 from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog
@@ -41,9 +41,9 @@ def dropped(seq: int, cid: int, p: int = 0) -> ManifestChange:
     return ManifestChange(p, seq, "collection-dropped", seq, APP, cid)
 
 
-def app_manifest() -> Manifest:
+def app_manifest() -> CollectionsManifest:
     return (
-        Manifest()
+        CollectionsManifest()
         .with_scope("app")
         .with_collection("app", "users")
         .with_collection("app", "orders", max_ttl=60)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -44,7 +44,7 @@ from upr_cli.cli.output import (
     table,
 )
 from upr_cli.collections import parse_paths
-from upr_cli.jobs.backup import BackupSummary, backup
+from upr_cli.jobs.backup import BackupSummary, PartitionRollback, backup
 from upr_cli.jobs.backup_stream import DEFAULT_MEMORY, StreamStats
 from upr_cli.net.uri import SourceUri
 from upr_cli.source import selected
@@ -241,15 +241,15 @@ def summary_table(summary: BackupSummary) -> Table:
     return keep_whole(t)
 
 
-def rollback_table(rollbacks: Sequence[dict[str, Any]]) -> Table:
+def rollback_table(rollbacks: Sequence[PartitionRollback]) -> Table:
     """One row a rolled-back partition: from, to, and the records kept as lost writes."""
     t = table()
     for col in ("partition", "rolled back from", "to", "when", "lost writes kept"):
         t.add_column(col, justify="left" if col == "when" else "right", no_wrap=True)
     for rb in rollbacks:
-        t.add_row(str(rb["partition"]), str(rb["from"]), str(rb["to"]),
-                  "during the run" if rb["during_run"] else "at the start",
-                  f"{rb['cut_records']:,}" if rb["cut_records"] else "-")  # fmt: skip
+        t.add_row(str(rb.partition), str(rb.from_seq), str(rb.to_seq),
+                  "during the run" if rb.during_run else "at the start",
+                  f"{rb.cut_records:,}" if rb.cut_records else "-")  # fmt: skip
     return keep_whole(t)
 
 
@@ -263,7 +263,7 @@ def render(summary: BackupSummary, show_all: bool, repo: str) -> None:
                      highlight=False)  # fmt: skip
     rollbacks = summary.rollbacks
     if rollbacks:
-        during = sum(1 for rb in rollbacks if rb["during_run"])
+        during = sum(1 for rb in rollbacks if rb.during_run)
         also = f" ({during:,} during the run)" if during else ""
         stdout.print(f"{len(rollbacks):,} partitions rolled back{also}", markup=False,
                      highlight=False)  # fmt: skip

@@ -162,7 +162,7 @@ def init_cmd(
 ) -> None:
     """Create a cluster."""
     from upr_cli.cluster import lifecycle
-    from upr_cli.cluster.collections import parse_specs
+    from upr_cli.net.collections_manifest import parse_specs
 
     partitions = partition_count(num_partitions, old_partitions, 64)
     specs = parse_specs(collections)

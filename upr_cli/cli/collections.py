@@ -1,6 +1,6 @@
 """`upr collections …`: create, drop and list a bucket's scopes and collections.
 
-The commands parse their arguments, call `upr_cli.cluster.collections` (which reads and
+The commands parse their arguments, call `upr_cli.net.collections_manifest` (which reads and
 pushes the manifest on every node of the cluster the URI reaches) and render the result.
 """
 
@@ -28,8 +28,8 @@ from upr_cli.cli.output import hint, keep_whole, plural, print_json, stdout, tab
 from upr_cli.errors import UsageError
 
 if TYPE_CHECKING:
-    from upr_cli.cluster.collections import Change, NodeManifest
-    from upr_cli.collections import Manifest, ManifestChange
+    from upr_cli.collections import CollectionsManifest, ManifestChange
+    from upr_cli.net.collections_manifest import Change, NodeManifest
     from upr_cli.net.uri import SourceUri
 
 _T = TypeVar("_T")
@@ -119,14 +119,14 @@ def create_cmd(
     if max_ttl is not None and path.collection is None:
         raise UsageError("--max-ttl belongs to a collection: give SCOPE.COLLECTION")
 
-    def edit(m: Manifest) -> Manifest:
+    def edit(m: CollectionsManifest) -> CollectionsManifest:
         if path.collection is None:
             return m.with_scope(path.scope)
         if m.scope(path.scope) is None:
             m = m.with_scope(path.scope)  # a collection's new scope is created with it
         return m.with_collection(path.scope, path.collection, max_ttl)
 
-    def done(m: Manifest) -> bool:
+    def done(m: CollectionsManifest) -> bool:
         if path.collection is None:
             return m.scope(path.scope) is not None
         held = m.lookup(path)
@@ -172,7 +172,7 @@ def drop_cmd(
                          "back, and clients without collections then see nothing; add --force "
                          "to drop it")  # fmt: skip
 
-    def gone(m: Manifest) -> bool:
+    def gone(m: CollectionsManifest) -> bool:
         return m.scope(path.scope) is None or (
             path.collection is not None and m.lookup(path) is None
         )
@@ -206,20 +206,20 @@ def list_cmd(
     key: ClientKey = None,
 ) -> None:
     """List the scopes and collections."""
-    from upr_cli.cluster.collections import cluster_manifests, newest
-    from upr_cli.collections import Manifest
+    from upr_cli.collections import CollectionsManifest
+    from upr_cli.net.collections_manifest import cluster_manifests, newest
 
     source = _uri(uri, cacert, no_verify, cert, key)
     nodes = _run(source, cluster_manifests(source))
     answered = [n for n in nodes if not n.error]
     if not answered:
-        from upr_cli.cluster.collections import ManifestPushError
+        from upr_cli.net.collections_manifest import ManifestPushError
 
         raise ManifestPushError(f"no node answers: {nodes[0].node}: {nodes[0].error}")
     manifest = newest(answered)
     if manifest is None:
         hint("the server does not support collections: everything is in _default._default")
-        manifest = Manifest()
+        manifest = CollectionsManifest()
     if json_out:
         print_json(manifest_json(manifest) | {"nodes": [_node_json(n) for n in nodes]})
         return
@@ -259,7 +259,7 @@ def repair_cmd(
     key: ClientKey = None,
 ) -> None:
     """Give every node the arbiter's manifest."""
-    from upr_cli.cluster.collections import repair
+    from upr_cli.net.collections_manifest import repair
 
     source = _uri(uri, cacert, no_verify, cert, key)
     done = _run(source, repair(source, force=force))
@@ -288,7 +288,7 @@ def _uri(text: str, cacert: CaCert, no_verify: bool, cert: ClientCert, key: Clie
 
 
 def _change(uri: SourceUri, edit: Any, done: Any) -> Change:
-    from upr_cli.cluster.collections import change
+    from upr_cli.net.collections_manifest import change
 
     return _run(uri, change(uri, edit, done=done))
 
@@ -317,7 +317,7 @@ def _readable(text: str) -> str:
     return text if at < 0 else text[:at] + error_context(text[at:].encode())
 
 
-def manifest_json(m: Manifest) -> dict[str, Any]:
+def manifest_json(m: CollectionsManifest) -> dict[str, Any]:
     """A manifest as `--json` shows it (docs/output.md: the 64-bit uid a decimal string,
     next to Couchbase's hex)."""
     return {
@@ -354,7 +354,9 @@ def _render(done: Change, json_out: bool) -> None:
         hint(f"upr: warning: not delivered to {warning}")
 
 
-def _describe(c: ManifestChange, new: Manifest, old: Manifest) -> tuple[str, str, int, int | None]:
+def _describe(
+    c: ManifestChange, new: CollectionsManifest, old: CollectionsManifest
+) -> tuple[str, str, int, int | None]:
     """(kind, path, id, max TTL) of a change: a created one named from the new manifest,
     a dropped one from the old."""
     m = old if c.dropped else new
@@ -364,7 +366,7 @@ def _describe(c: ManifestChange, new: Manifest, old: Manifest) -> tuple[str, str
     return c.kind, scope.name if scope is not None else str(c.name), c.scope_id, None
 
 
-def _table(m: Manifest, title: str) -> None:
+def _table(m: CollectionsManifest, title: str) -> None:
     t = table(title)
     for col in ("scope", "collection"):
         t.add_column(col, overflow="fold")  # a 251-byte name folds, never widens the rows
@@ -386,7 +388,7 @@ def _width() -> int:
     return 200
 
 
-def _disagreement(nodes: list[NodeManifest], shown: Manifest) -> None:
+def _disagreement(nodes: list[NodeManifest], shown: CollectionsManifest) -> None:
     """Warn about nodes that hold another manifest or do not answer."""
     other = [f"{n.node} uid 0x{n.manifest.uid:x}" for n in nodes
              if n.manifest is not None and n.manifest != shown]  # fmt: skip

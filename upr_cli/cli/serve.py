@@ -7,7 +7,6 @@ import contextlib
 import ctypes
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -22,9 +21,9 @@ from upr_cli.cli.options import (
     either,
     num_partitions_option,
 )
-from upr_cli.cluster.collections import parse_specs
 from upr_cli.errors import UsageError
 from upr_cli.memory import MemoryLimit
+from upr_cli.net.collections_manifest import parse_specs
 from upr_cli.net.tls import DEFAULT_TLS_PORT
 from upr_cli.node.server import NodeConfig, NodeServer
 
@@ -302,14 +301,9 @@ async def _serve(server: NodeServer) -> bool:
     interrupt.follows(lambda: "every write flushed, failover uuids kept; the next start "
                       "goes on from there")  # fmt: skip
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def stopping(sig: int) -> None:
-        interrupt.note(sig)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping, sig)
+    # closed before the clean stop, not around it: a second signal then interrupts it
+    signals = contextlib.ExitStack()
+    signals.enter_context(interrupt.on_signals(lambda _sig: stop.set()))
     await server.start()
     cfg = server.config
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
@@ -320,8 +314,6 @@ async def _serve(server: NodeServer) -> bool:
     try:
         await stop.wait()
     finally:
-        with contextlib.suppress(Exception):
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+        signals.close()
         await server.stop(clean=True)
     return True

@@ -16,13 +16,14 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from upr_cli.cluster.collections import get_manifest, give
 from upr_cli.cluster.spec import HOST, ClusterSpec, NodeSpec
-from upr_cli.collections import CollectionsError, Manifest
+from upr_cli.collections import CollectionsError, CollectionsManifest
 from upr_cli.errors import UprError
 from upr_cli.net.bootstrap import connect
+from upr_cli.net.collections_manifest import get_collections_manifest, give
 from upr_cli.net.connection import Connection
 from upr_cli.net.uri import SourceUri
+from upr_cli.position import StreamPosition
 from upr_cli.protocol.messages import (
     EnableTraffic,
     GetClusterConfig,
@@ -97,7 +98,7 @@ def states_for(vbmap: list[list[int]], index: int) -> dict[int, str]:
 async def push(spec: ClusterSpec, node: NodeSpec, config: dict[str, Any],
                states: dict[int, str], *, failover: Collection[int] = (),
                full: dict[int, str] | None = None,
-               manifest: Manifest | None = None) -> int:  # fmt: skip
+               manifest: CollectionsManifest | None = None) -> int:  # fmt: skip
     """Give one node the map and the states (those that differ); returns commands sent.
 
     A partition in `failover` that becomes active gets a new failover entry (a hard
@@ -240,11 +241,11 @@ async def node_status(spec: ClusterSpec, node: NodeSpec) -> NodeStatus:
     return st
 
 
-async def _manifest_of(conn: Connection) -> Manifest | None:
+async def _manifest_of(conn: Connection) -> CollectionsManifest | None:
     """The node's collections manifest; None without collections or when it is not valid
     (the node answers: `upr collections list` says what is wrong)."""
     try:
-        return await get_manifest(conn)
+        return await get_collections_manifest(conn)
     except CollectionsError:
         return None
 
@@ -297,9 +298,10 @@ def rollback_points(statuses: list[NodeStatus]) -> dict[int, dict[str, int]]:
         if not s0 <= start <= s1:
             s0 = s1 = start
         decision = needs_rollback(
-            FailoverLog.sanitised(tuple(act.logs.get(p, []))), start=start,
-            uuid=st.uuids.get(p, 0), snap_start=s0, snap_end=s1, high=act.highs.get(p, 0),
-        )  # fmt: skip
+            FailoverLog.sanitised(tuple(act.logs.get(p, []))),
+            StreamPosition(p, st.uuids.get(p, 0), start, s0, s1),
+            high=act.highs.get(p, 0),
+        )
         if decision.rollback:
             out.setdefault(p, {})[st.name] = decision.rollback_seq
     return out

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.cluster import procs, spec
-from upr_cli.cluster.collections import change, spread, with_specs
 from upr_cli.cluster.control import balanced_map, map_json, push, states_for
 from upr_cli.cluster.orchestrate import Orchestrator, Report
 from upr_cli.cluster.spec import ClusterSpec, NodeSpec
 from upr_cli.errors import UprError, UsageError
+from upr_cli.net.collections_manifest import change, spread, with_specs
 from upr_cli.net.uri import SourceUri
 
 Progress = Callable[[str], None]

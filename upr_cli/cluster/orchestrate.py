@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.cluster import procs, spec
-from upr_cli.cluster.collections import newest, read_nodes, spread
 from upr_cli.cluster.control import NodeStatus, map_json, node_status, push, states_for
 from upr_cli.cluster.procs import ClusterError
 from upr_cli.cluster.spec import ClusterSpec, NodeSpec
-from upr_cli.collections import Manifest
+from upr_cli.collections import CollectionsManifest
 from upr_cli.errors import UprError, UsageError
 from upr_cli.net.bootstrap import connect
+from upr_cli.net.collections_manifest import newest, read_nodes, spread
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol.messages import SetParam
 
@@ -76,7 +76,9 @@ class Orchestrator:
         self.cl = cl
         self.timeout = timeout
         self.progress = progress or (lambda _line: None)
-        self.manifest: Manifest | None = None  # given to nodes by `publish` (load_manifest)
+        self.manifest: CollectionsManifest | None = (
+            None  # given to nodes by `publish` (load_manifest)
+        )
 
     # -- reading and publishing ---------------------------------------------------------
 

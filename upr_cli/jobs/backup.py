@@ -41,9 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from upr_cli.cluster.collections import fetch_manifest
-from upr_cli.collections import CollectionsError, ManifestChange
-from upr_cli.collections import Manifest as Collections
+from upr_cli.collections import CollectionsError, CollectionsManifest, ManifestChange
 from upr_cli.collections import Path as CollectionPath
 from upr_cli.dcp.consumer import WireCompression
 from upr_cli.dcp.states import partition_states
@@ -58,6 +56,7 @@ from upr_cli.jobs.backup_stream import (
     stream_to_segments,
 )
 from upr_cli.memory import MemoryLimit
+from upr_cli.net.collections_manifest import fetch_collections_manifest
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition, boundary_at
 from upr_cli.repo import (
@@ -99,6 +98,34 @@ class StartDecision:
     warning: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PartitionRollback:
+    """One rollback of a partition a run met (docs/output.md §4): the server moved its
+    start from `from_seq` to `to_seq`, at the start or `during_run`; `cut_records` of
+    this run's records it took back were kept as lost writes."""
+
+    partition: int
+    from_seq: int
+    to_seq: int
+    seed_rule_seq: int | None
+    producer_seq: int
+    during_run: bool
+    cut_records: int
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON object: seqs as decimal strings (`from`, `to`), the rest as they are."""
+        seed = self.seed_rule_seq
+        return {
+            "partition": self.partition,
+            "from": str(self.from_seq),
+            "to": str(self.to_seq),
+            "seed_rule_seq": None if seed is None else str(seed),
+            "producer_seq": str(self.producer_seq),
+            "during_run": self.during_run,
+            "cut_records": self.cut_records,
+        }
+
+
 @dataclass
 class BackupSummary:
     """What a run did (the CLI's summary table and --json)."""
@@ -110,7 +137,7 @@ class BackupSummary:
     bytes_read: int
     bytes_written: int
     partitions: int
-    rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    rollbacks: list[PartitionRollback] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
     reused_segments: int = 0
@@ -131,7 +158,7 @@ class BackupSummary:
             "ratio": round(self.bytes_read / self.bytes_written, 2) if self.bytes_written else None,
             "seconds": round(self.seconds, 3),
             "items_per_s": round(self.items / self.seconds) if self.seconds else None,
-            "rollbacks": self.rollbacks,
+            "rollbacks": [rb.to_json() for rb in self.rollbacks],
             "warnings": self.warnings,
             "reused_segments": self.reused_segments,
             "follow_ups": self.follow_ups,
@@ -165,15 +192,7 @@ def decide_start(
     pos = stored.position
     if live is None or not live.entries:
         return StartDecision(pos, stored.failover_log)
-    producer = needs_rollback(
-        live,
-        start=pos.seq,
-        uuid=pos.uuid,
-        snap_start=pos.snap_start,
-        snap_end=pos.snap_end,
-        high=high,
-        purge_seq=purge,
-    )
+    producer = needs_rollback(live, pos, high=high, purge_seq=purge)
     producer_seq = producer.rollback_seq if producer.rollback else pos.seq
     snapshot = pos.snap_end if pos.complete else pos.snap_start
     warning = None
@@ -297,8 +316,8 @@ async def _overtaken(uri: SourceUri, repo_dir: Path, bucket: str, backup_id: str
         if live is None or not live.entries:
             continue
         high, purge = seqs.get(e.partition, (0, 0))
-        d = needs_rollback(live, start=e.end_seq, uuid=e.uuid, snap_start=e.snap_start,
-                           snap_end=e.snap_end, high=high, purge_seq=purge)  # fmt: skip
+        at = StreamPosition(e.partition, e.uuid, e.end_seq, e.snap_start, e.snap_end)
+        d = needs_rollback(live, at, high=high, purge_seq=purge)
         if d.rollback:
             out.append(e.partition)
     return out
@@ -403,7 +422,7 @@ class _BackupRun:
         self.cuts: dict[int, list[tuple[int, int, SegmentInfo]]] = {}  # left, streamed on
         self.kept_cuts: dict[int, list[tuple[int, int, SegmentInfo]]] = {}  # left, reused
         self.to_stream: list[int] = []
-        self.collections: Collections | None = None  # the source's, at the start
+        self.collections: CollectionsManifest | None = None  # the source's, at the start
         self.filter: CollectionFilter | None = None
         self.stream_paths: list[CollectionPath] | None = None  # None: every collection
         self.followed: dict[int, set[int]] | None = None  # per partition (`followed_ids`)
@@ -443,7 +462,7 @@ class _BackupRun:
                    warnings=warnings, started=started)  # fmt: skip
 
     def read_collections(
-        self, chosen: CollectionFilter | None, collections: Collections | None
+        self, chosen: CollectionFilter | None, collections: CollectionsManifest | None
     ) -> None:
         """Take the source's manifest (read by `_check_source`) and turn the filter into
         the paths to stream, against the chain as checked under the lock."""
@@ -454,7 +473,7 @@ class _BackupRun:
     @property
     def collection_count(self) -> int:
         """How many collections this backup streams (at its start)."""
-        m = self.collections or Collections()
+        m = self.collections or CollectionsManifest()
         f = self.filter
         return sum(1 for s, c in m.collections() if f is None or f.covers(s.name, c.name))
 
@@ -570,14 +589,15 @@ class _BackupRun:
 
     def commit(
         self, results: dict[int, PartitionResult]
-    ) -> tuple[Manifest, list[dict[str, Any]], int]:
+    ) -> tuple[Manifest, list[PartitionRollback], int]:
         """Write the manifest (the backup's commit point); it, the rollbacks, bytes read."""
         # cut-back segments (this run's, an interrupted run's): durable before the commit
         cut_paths = [Path(info.path) for r in results.values() for _f, _t, info in r.cuts]
         if cut_paths:
             sync_files(cut_paths)  # the files, then their cut-K directories
             FileOps().fsync_dir(self.directory)  # the cut-K directories' entries
-        entries, rollbacks, bytes_read = [], [], 0
+        entries, bytes_read = [], 0
+        rollbacks: list[PartitionRollback] = []
         segments: list[SegmentInfo] = []  # every segment the manifest lists
         for p, r in sorted(results.items()):
             decision = self.decisions.get(p)
@@ -587,7 +607,7 @@ class _BackupRun:
             prefix = self.reused[p].segments if p in self.reused else []
             segments += [*prefix, *([r.segment] if r.segment is not None else [])]
             entries.append(_entry(r, rb, prefix))
-            rollbacks += _rollbacks_json(p, r, rb)
+            rollbacks += _rollbacks(p, r, rb)
             bytes_read += sum(s.raw_bytes for s in prefix)
             if r.segment is not None:
                 bytes_read += r.segment.raw_bytes
@@ -615,12 +635,12 @@ class _BackupRun:
 
 async def _check_source(
     uri: SourceUri, repo: Repository, bucket: str, *, full: bool, chosen: CollectionFilter | None
-) -> Collections | None:
+) -> CollectionsManifest | None:
     """Connect, authenticate, select the bucket, read its collections manifest and check
     the filter (against the chain too, read without the lock), before the repository
     is touched; the source's manifest. A chain with a damaged manifest is checked under
     the lock, where its repair or its error comes first."""
-    collections = await fetch_manifest(uri)
+    collections = await fetch_collections_manifest(uri)
     manifests: list[Manifest] = []
     if not full and repo.repo_file.exists():
         manifests, damaged = repo.readable(bucket)
@@ -633,7 +653,7 @@ async def _check_source(
 def checked_filter(
     bucket: str,
     chosen: CollectionFilter | None,
-    collections: Collections | None,
+    collections: CollectionsManifest | None,
     manifests: Sequence[Manifest],
 ) -> list[CollectionPath] | None:
     """The paths to stream (`stream_paths`) for the chain an incremental backup continues
@@ -673,7 +693,9 @@ def _key(f: CollectionFilter | None) -> tuple[str, tuple[str, ...]] | None:
 
 
 def stream_paths(
-    f: CollectionFilter | None, m: Collections | None, chain: Sequence[Collections] = ()
+    f: CollectionFilter | None,
+    m: CollectionsManifest | None,
+    chain: Sequence[CollectionsManifest] = (),
 ) -> list[CollectionPath] | None:
     """What the stream filter asks for: the include list, or every collection of the
     source's manifest an exclude list leaves (None: every collection). A path the
@@ -685,7 +707,7 @@ def stream_paths(
     if f is None:
         return None
     paths = [CollectionPath.parse(t) for t in f.paths]
-    have = m or Collections()
+    have = m or CollectionsManifest()
     unknown = [str(p) for p in paths if not _known(have, p)]
     unknown = [t for t in unknown if not any(_known(c, CollectionPath.parse(t)) for c in chain)]
     if unknown:
@@ -708,7 +730,7 @@ def stream_paths(
     return left
 
 
-def _known(m: Collections, p: CollectionPath) -> bool:
+def _known(m: CollectionsManifest, p: CollectionPath) -> bool:
     return (m.scope(p.scope) if p.collection is None else m.lookup(p)) is not None
 
 
@@ -726,7 +748,7 @@ def followed_ids(
     took the position below it) must come again, so its id stays."""
     if not chain:
         return {}
-    start = chain[-1].collections or Collections()
+    start = chain[-1].collections or CollectionsManifest()
     later = [c for segs in (reused or {}).values() for s in segs for c in s.changes]
     since = [*chain[-1].manifest_changes, *later]  # after the start manifest was read
     scopes = {
@@ -768,31 +790,18 @@ def _counts(segments: Sequence[SegmentInfo]) -> list[CollectionCount]:
     return [CollectionCount(cid, a, b) for cid, (a, b) in sorted(total.items())]
 
 
-def _rollbacks_json(p: int, r: PartitionResult, rb: RollbackRecord | None) -> list[dict[str, Any]]:
+def _rollbacks(p: int, r: PartitionResult, rb: RollbackRecord | None) -> list[PartitionRollback]:
     """The summary's rollbacks of one partition: where it started (or the server rolled
     it back while streaming), and a failover mid-run that took this run's records back."""
-    out: list[dict[str, Any]] = []
+    out: list[PartitionRollback] = []
     cut_records = sum(s.records for *_, s in r.cuts)
     if rb is not None:
-        out.append({
-            "partition": p,
-            "from": str(rb.from_seq),
-            "to": str(rb.to_seq),
-            "seed_rule_seq": None if rb.seed_rule_seq is None else str(rb.seed_rule_seq),
-            "producer_seq": str(rb.producer_seq),
-            "during_run": r.rollback is not None,
-            "cut_records": 0 if r.cut_back else cut_records,
-        })  # fmt: skip
+        out.append(PartitionRollback(p, rb.from_seq, rb.to_seq, rb.seed_rule_seq,
+                                     rb.producer_seq, r.rollback is not None,
+                                     0 if r.cut_back else cut_records))  # fmt: skip
     if r.cut_back is not None:  # a failover mid-run: this run's records above `to` went
-        out.append({
-            "partition": p,
-            "from": str(r.cut_back[0]),
-            "to": str(r.cut_back[1]),
-            "seed_rule_seq": None,
-            "producer_seq": str(r.cut_back[2]),
-            "during_run": True,
-            "cut_records": cut_records,
-        })  # fmt: skip
+        frm, to, producer = r.cut_back
+        out.append(PartitionRollback(p, frm, to, None, producer, True, cut_records))
     return out
 
 
@@ -914,9 +923,7 @@ def _overtaken_reuse(
         if live is None or not live.entries:
             continue
         high, purge = seqs.get(p, (0, 0))
-        pos = ru.position
-        if needs_rollback(live, start=pos.seq, uuid=pos.uuid, snap_start=pos.snap_start,
-                          snap_end=pos.snap_end, high=high, purge_seq=purge).rollback:  # fmt: skip
+        if needs_rollback(live, ru.position, high=high, purge_seq=purge).rollback:
             out.append(p)
     return out
 

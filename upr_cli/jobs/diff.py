@@ -174,8 +174,7 @@ def _rules(partition: int, a: SourceState, b: SourceState) -> tuple[int | str, i
         return seed, "none: A's high seq is unknown (the JSON gives no seq)"
     pos = _position(b, partition)
     try:
-        d = needs_rollback(a.log, start=pos.seq, uuid=pos.uuid, snap_start=pos.snap_start,
-                           snap_end=pos.snap_end, high=a.seen_seq)  # fmt: skip
+        d = needs_rollback(a.log, pos, high=a.seen_seq)
         dcp: int | str = d.rollback_seq
     except UprError as exc:
         dcp = f"none: {exc}"

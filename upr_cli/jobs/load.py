@@ -33,18 +33,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from upr_cli.collections import DEFAULT, CollectionsError, Manifest, Path
+from upr_cli.collections import DEFAULT, CollectionsError, CollectionsManifest, Path
 from upr_cli.errors import UsageError
 from upr_cli.jobs.writer import DEFAULT_LIMIT, FollowUp, WriteWindow
 from upr_cli.memory import ByteWindow, MemoryLimit
 from upr_cli.net.bootstrap import partition_of
+from upr_cli.net.collections_manifest import manifest_from_answer
 from upr_cli.net.router import Make, Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame, leb128, subdoc
 from upr_cli.protocol.fast import encode_set
 from upr_cli.protocol.header import DATATYPE_JSON, Feature, Opcode
 from upr_cli.protocol.messages import CollectionsGetManifest, Delete
-from upr_cli.protocol.status import Status, status_error
+from upr_cli.protocol.status import Status, StatusError, status_error
 from upr_cli.protocol.subdoc import Spec
 
 WORDS = (
@@ -251,7 +252,7 @@ async def _targets(router: Router, paths: list[Path] | None) -> list[CollectionC
             f"{where}: the server does not support collections (HELLO did not grant them); "
             "run without --collections"
         )
-    manifest = await fetch_manifest(router)
+    manifest = await _manifest(router)
     out: dict[int, CollectionCounts] = {}
     for path in paths:
         scope = manifest.scope(path.scope)
@@ -267,21 +268,21 @@ async def _targets(router: Router, paths: list[Path] | None) -> list[CollectionC
     return list(out.values())
 
 
-async def fetch_manifest(router: Router) -> Manifest:
+async def _manifest(router: Router) -> CollectionsManifest:
     """The bucket's collections manifest (GET_COLLECTIONS_MANIFEST on a node of the map;
-    every node holds the same one)."""
+    every node holds the same one), read as every client reads it."""
     reply = await router.request(0, lambda opaque: CollectionsGetManifest(opaque=opaque).encode())
     status = reply.vbucket_or_status
-    # kv_engine's NoCollectionsManifest: the cluster manager has not set a manifest yet
-    # (kv_engine docs/Collections.md, 0xba), so only the default collection exists
-    if status == Status.NO_COLLECTIONS_MANIFEST:
-        return Manifest()
-    if status != Status.SUCCESS:
-        err = status_error(status, body=bytes(reply.value))
+    try:
+        manifest = manifest_from_answer(status, bytes(reply.value))
+        why = "" if manifest is not None else str(status_error(status))
+    except StatusError as err:
+        manifest, why = None, str(err)
+    if manifest is None:
         raise CollectionsError(
-            f"{router.uri.redacted()}: cannot read the collections manifest: {err}"
+            f"{router.uri.redacted()}: cannot read the collections manifest: {why}"
         )
-    return Manifest.from_json(bytes(reply.value))
+    return manifest
 
 
 class _Operations:

@@ -63,13 +63,11 @@ contract)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
-import signal
 import time
 from bisect import bisect_right
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 from pathlib import Path
@@ -333,7 +331,7 @@ async def replay_node(
             raise
         durability = _Durability(uri) if durable_only else None
         try:
-            with _cancel_on_signals() as stopping:
+            with interrupt.cancel_on_signals() as stopping:
                 try:
                     while True:
                         session = await ReplaySession.resume(
@@ -354,34 +352,6 @@ async def replay_node(
             await worker.run(store.close)
     stats.seconds = time.monotonic() - stats.started
     return stats
-
-
-@contextlib.contextmanager
-def _cancel_on_signals() -> Iterator[Callable[[], bool]]:
-    """SIGINT and SIGTERM cancel the running task (once); yields 'did one?'."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    stopping = False
-
-    def stop(sig: int) -> None:
-        nonlocal stopping
-        if not stopping and task is not None:
-            stopping = True
-            interrupt.note(sig)  # for the exit status (upr_cli/interrupt.py)
-            task.cancel()
-
-    handled = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        # no handler where the loop cannot install one (not the main thread, not Unix):
-        # Ctrl-C then ends the run as any KeyboardInterrupt does
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, stop, sig)
-            handled.append(sig)
-    try:
-        yield lambda: stopping
-    finally:
-        for sig in handled:
-            loop.remove_signal_handler(sig)
 
 
 @dataclass(frozen=True)
@@ -1049,10 +1019,7 @@ def _repo_base(
     if held is None or not (held.position.seq or held.position.uuid):
         return 0
     pos = held.position
-    decision = needs_rollback(
-        rp.failover_log, start=pos.seq, uuid=pos.uuid, snap_start=pos.snap_start,
-        snap_end=pos.snap_end, high=rp.position.seq,
-    )  # fmt: skip
+    decision = needs_rollback(rp.failover_log, pos, high=rp.position.seq)
     if not decision.rollback:
         return pos.seq
     before_rollback()  # what was gathered for other partitions goes first

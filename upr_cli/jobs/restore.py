@@ -65,9 +65,7 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from upr_cli.cluster.collections import change_manifest, fetch_manifest
-from upr_cli.collections import DEFAULT, Collection, Scope
-from upr_cli.collections import Manifest as Collections
+from upr_cli.collections import DEFAULT, Collection, CollectionsManifest, Scope
 from upr_cli.errors import UprError
 from upr_cli.jobs.restore_plan import (
     EXISTS,
@@ -76,8 +74,7 @@ from upr_cli.jobs.restore_plan import (
     MapRule,
     RestorePlan,
     RestorePlanError,
-    creation,
-    plan_collections,
+    plan_restore,
     refuse_missing,
     resolve,
     source_partition_count,
@@ -86,6 +83,7 @@ from upr_cli.jobs.state import Precheck, Selection, check_files, precheck, selec
 from upr_cli.jobs.writer import DEFAULT_LIMIT, WriteWindow
 from upr_cli.memory import ByteQueue, ByteWindow, MemoryLimit
 from upr_cli.net.bootstrap import partition_of
+from upr_cli.net.collections_manifest import create_collections, fetch_collections_manifest
 from upr_cli.net.router import Router
 from upr_cli.net.uri import SourceUri
 from upr_cli.protocol import Frame, leb128, xattrs
@@ -436,7 +434,7 @@ class _Source:
     manifests: list[Manifest]  # the chain, up to the selected backup
     sel: Selection
     partitions: int  # the source bucket's partition count
-    names: Collections  # the collections live at the chain's end
+    names: CollectionsManifest  # the collections live at the chain's end
     checked: Precheck | None  # the pre-check (None: `check=False`)
 
     @classmethod
@@ -467,12 +465,12 @@ class _Source:
         f = self.manifests[-1].collection_filter
         return f is None or f.covers(scope, collection)
 
-    def plan(self, target: Collections | None, rules: Sequence[MapRule], target_partitions:
+    def plan(self, target: CollectionsManifest | None, rules: Sequence[MapRule], target_partitions:
              int | None, can_create: bool) -> RestorePlan:  # fmt: skip
         """The restore plan against a target with these collections and partitions."""
-        plans = plan_collections(self.names, target, rules, can_create=can_create,
-                                 covers=self.covers)  # fmt: skip
-        return RestorePlan(self.partitions, target_partitions, plans)
+        return plan_restore(self.names, target, source_partitions=self.partitions,
+                            target_partitions=target_partitions, rules=rules,
+                            can_create=can_create, covers=self.covers)  # fmt: skip
 
     def summary(self, target: str, dry_run: bool) -> RestoreSummary:
         """An empty summary of this restore, with the pre-check and what it left out."""
@@ -606,7 +604,7 @@ async def _plan_node(router: Router, target: SourceUri, src: _Source, rules: Seq
     if count <= 0:
         raise RestorePlanError(f"{target.redacted()}: the target has no partition map "
                                "(GET_CLUSTER_CONFIG): nothing written")  # fmt: skip
-    theirs = await fetch_manifest(target) if router.collections else None
+    theirs = await fetch_collections_manifest(target) if router.collections else None
     plan = src.plan(theirs, rules, count, create and theirs is not None)
     if theirs is None:
         why = ("the target does not support collections; --map-data S.C=_default._default "
@@ -619,7 +617,7 @@ async def _plan_node(router: Router, target: SourceUri, src: _Source, rules: Seq
     todo = plan.to_create()
     if todo:
         try:
-            made = await change_manifest(target, creation(todo))
+            made = await create_collections(target, plan.creations())
         except UprError as exc:
             for c in todo:
                 c.status = MISSING
@@ -916,7 +914,7 @@ def restore_to_store(
     src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt, check)
     summary = src.summary(f"sqlite:{db_path}", dry_run)
     summary.keep_xattrs = keep_xattrs
-    summary.plan = plan = src.plan(Collections(), map_data, None, can_create=True)
+    summary.plan = plan = src.plan(CollectionsManifest(), map_data, None, can_create=True)
     for c in plan.collections:  # a store has every collection it is given
         c.target_id, c.status = c.source_id, EXISTS
     plans = plan.by_source()
@@ -1004,7 +1002,7 @@ def _partitions(
         reader.close()
 
 
-def store_names(plan: RestorePlan, source: Collections) -> Collections:
+def store_names(plan: RestorePlan, source: CollectionsManifest) -> CollectionsManifest:
     """The names a store records for the source's ids: each collection under its target
     name (`--map-data`), a target scope with the id of the source scope of that name,
     else of the first scope mapped into it."""
@@ -1024,4 +1022,4 @@ def store_names(plan: RestorePlan, source: Collections) -> Collections:
             Collection(c.target.collection or DEFAULT, c.source_id, c.max_ttl)
         )
     scopes = tuple(Scope(name, scope_ids[name], tuple(cs)) for name, cs in colls.items())
-    return Collections(source.uid, scopes)
+    return CollectionsManifest(source.uid, scopes)

@@ -19,6 +19,11 @@ id is never used again, so a record whose id is not live at the end is dropped d
 scope `b` under the same name, `a.x=b.y` one collection; a collection rule wins over
 its scope's rule.
 
+The plan is made in one step (`plan_restore`: the backup's manifest and the target's in,
+a plan out); the collections it says to create are made by one call of the client
+library (`create_collections`, with `RestorePlan.creations()`), and `resolve` reads
+their ids from the manifest that call returns.
+
 Each planned collection is `exists` (the target has it), `create` (it will be created:
 a upr target, creation allowed, not yet done), `created`, or `missing` (it cannot be
 created: `--no-create`, a target without collections, or a server that refuses); a
@@ -31,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from upr_cli.collections import DEFAULT, DEFAULT_ID, Manifest, Path
+from upr_cli.collections import DEFAULT, DEFAULT_ID, CollectionsManifest, Path
 from upr_cli.errors import UprError, UsageError
 
 EXISTS, CREATE, CREATED, MISSING = "exists", "create", "created", "missing"
@@ -145,6 +150,11 @@ class RestorePlan:
         """The collections to create on the target."""
         return [c for c in self.collections if c.status == CREATE]
 
+    def creations(self) -> list[tuple[Path, int | None]]:
+        """What to create on the target, each with its source's max TTL: the argument of
+        `upr_cli.net.collections_manifest.create_collections` (one change for all)."""
+        return [(c.target, c.max_ttl) for c in self.to_create()]
+
     def to_json(self) -> dict[str, Any]:
         """JSON form (`source_partitions`, `target_partitions`, `rehash`, `collections`)."""
         return {
@@ -183,8 +193,8 @@ def source_partition_count(held: Iterable[int]) -> int:
 
 
 def plan_collections(
-    source: Manifest,
-    target: Manifest | None,
+    source: CollectionsManifest,
+    target: CollectionsManifest | None,
     rules: Sequence[MapRule] = (),
     *,
     can_create: bool = True,
@@ -219,27 +229,28 @@ def plan_collections(
     return out
 
 
+def plan_restore(
+    source: CollectionsManifest,
+    target: CollectionsManifest | None,
+    *,
+    source_partitions: int,
+    target_partitions: int | None,
+    rules: Sequence[MapRule] = (),
+    can_create: bool = True,
+    covers: Callable[[str, str], bool] | None = None,
+) -> RestorePlan:
+    """The plan of a restore in one step: the backup's collections (`source`, its names
+    at the end of its chain) against the target's (`target`; None: no collections) and
+    its partition count (None: a SQLite store), under `rules` (`plan_collections`)."""
+    plans = plan_collections(source, target, rules, can_create=can_create, covers=covers)
+    return RestorePlan(source_partitions, target_partitions, plans)
+
+
 def _kind(p: Path) -> str:
     return "scope" if p.collection is None else "collection"
 
 
-def creation(plans: Iterable[CollectionPlan]) -> Callable[[Manifest], Manifest]:
-    """The edit that gives a manifest every collection (and scope) of `plans` it lacks,
-    each with its source's max TTL: one change for all of them."""
-    wanted = [(c.target, c.max_ttl) for c in plans]
-
-    def edit(m: Manifest) -> Manifest:
-        for path, ttl in wanted:
-            if m.scope(path.scope) is None:
-                m = m.with_scope(path.scope)
-            if m.lookup(path) is None:
-                m = m.with_collection(path.scope, path.collection or DEFAULT, ttl)
-        return m
-
-    return edit
-
-
-def resolve(plans: Iterable[CollectionPlan], target: Manifest) -> None:
+def resolve(plans: Iterable[CollectionPlan], target: CollectionsManifest) -> None:
     """Fill in the target ids of the collections planned for creation from the manifest
     the creation made (`created`), or mark them `missing` when it lacks them."""
     for c in plans:

@@ -89,12 +89,11 @@ def compute(
             raise UsageError("the dcp rule needs --uuid (or --client-log to take its newest uuid)")
         snap_start = start if dcp.snap_start is None else dcp.snap_start
         snap_end = start if dcp.snap_end is None else dcp.snap_end
+        # the rule reads no partition number: the logs given are one partition's
+        request = StreamPosition(0, uuid, start, snap_start, snap_end)
         return needs_rollback(
             server_log,
-            start=start,
-            uuid=uuid,
-            snap_start=snap_start,
-            snap_end=snap_end,
+            request,
             high=dcp.high,
             purge_seq=dcp.purge_seq,
             client_purge_seq=dcp.client_purge_seq,

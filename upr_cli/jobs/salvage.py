@@ -62,7 +62,7 @@ from upr_cli.failover import FailoverLog, needs_rollback
 from upr_cli.jobs.rollback_point import node_states
 from upr_cli.net.router import Router, RouterError
 from upr_cli.net.uri import SourceUri
-from upr_cli.node.sysevents import is_system_key
+from upr_cli.node_files import DocRow, is_system_key, read_lost_writes
 from upr_cli.position import StreamPosition
 from upr_cli.protocol import leb128, snappy, subdoc, xattrs
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
@@ -79,7 +79,6 @@ from upr_cli.store import Document
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
 
-    from upr_cli.node.storage import DocRow
     from upr_cli.segments import Record
 
 
@@ -260,14 +259,7 @@ async def _master_logs(
 
 def rollback_cut(master_log: FailoverLog, high: int, pos: StreamPosition) -> int | None:
     """Where a holder at `pos` would be rolled back to by the master (None: no rollback)."""
-    d = needs_rollback(
-        master_log,
-        start=pos.seq,
-        uuid=pos.uuid,
-        snap_start=pos.snap_start,
-        snap_end=pos.snap_end,
-        high=high,
-    )
+    d = needs_rollback(master_log, pos, high=high)
     return d.rollback_seq if d.rollback else None
 
 
@@ -650,17 +642,14 @@ def salvage_node_data(
     """Lost writes a replica node's rollbacks kept (its `lost_writes` table, read from
     its data directory; the node may be running): the UPR design specification, "Replica C
     repairs master and rolls back to common snapshot sequence"."""
-    from upr_cli.node.storage import NodeStorage
-
     if not (data_dir / f"{bucket}.sqlite3").exists():
         raise UsageError(f"--node-data {data_dir}: no node database for bucket {bucket!r}")
     report = SalvageReport(f"node-data:{data_dir}", target.redacted(), not apply)
-    with NodeStorage(data_dir, bucket) as storage:
-        lost = storage.lost_writes()
+    lost = read_lost_writes(data_dir, bucket)
     want = None if partitions is None else set(partitions)
     items = []
     for cut, d in lost:
-        # node keys are qualified (upr_cli/node/sysevents.py); system event rows are no
+        # node keys are qualified (upr_cli/node_files.py); system event rows are no
         # document's write
         if (want is not None and d.vbucket not in want) or is_system_key(d.key):
             continue

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, TextIO
 
-from upr_cli.collections import DEFAULT, CollectionsError, Manifest, ManifestChange
+from upr_cli.collections import DEFAULT, CollectionsError, CollectionsManifest, ManifestChange
 from upr_cli.collections import Path as CollectionPath
 from upr_cli.dcp.consumer import DcpConsumer, WireCompression
 from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpened
@@ -85,7 +85,9 @@ class CollectionNames:
     """Collection id → (scope, collection) names, as far as the tail has seen them."""
 
     def __init__(
-        self, manifest: Manifest | None = None, known: dict[int, tuple[str, str]] | None = None
+        self,
+        manifest: CollectionsManifest | None = None,
+        known: dict[int, tuple[str, str]] | None = None,
     ) -> None:
         self.scopes: dict[int, str] = {0: DEFAULT}
         # `known`: names kept from an earlier run (collections dropped since)

@@ -70,7 +70,7 @@ from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog, new_uuid
 from upr_cli.net.aio import cancel_and_wait
 from upr_cli.node import sysevents
-from upr_cli.node.collections import (
+from upr_cli.node.collection_state import (
     DROPPED_KEY,
     MANIFEST_KEY,
     NodeCollections,

@@ -69,7 +69,7 @@ from upr_cli.collections import DEFAULT_ID, Manifest, ManifestChange, decode_eve
 from upr_cli.failover import needs_rollback
 from upr_cli.net.aio import cancel_and_wait
 from upr_cli.node.bucket import Bucket, unpacked
-from upr_cli.node.collections import UnknownCollectionError, UnknownScopeError
+from upr_cli.node.collection_state import UnknownCollectionError, UnknownScopeError
 from upr_cli.node.partition import ACTIVE, DEAD, REPLICA, Partition
 from upr_cli.node.storage import (
     ROW_DELETED,
@@ -81,6 +81,7 @@ from upr_cli.node.storage import (
     StoredRow,
 )
 from upr_cli.node.sysevents import event_of, is_system_key, system_key
+from upr_cli.position import StreamPosition
 from upr_cli.protocol import leb128, snappy
 from upr_cli.protocol.dcp import (
     END_CLOSED,
@@ -590,7 +591,7 @@ class DcpProducer:
             raise KeyExists(f"a stream for partition {vb} is already open")
         # 8. the producer rule (docs/protocol.md §4.2)
         decision = needs_rollback(
-            part.failover, start=start, uuid=uuid, snap_start=snap_start, snap_end=snap_end,
+            part.failover, StreamPosition(vb, uuid, start, snap_start, snap_end),
             high=high, purge_seq=0 if flags & S_IGNORE_PURGED else part.purge_seq,
             strict=bool(flags & S_STRICT_UUID),
         )  # fmt: skip

@@ -44,7 +44,7 @@ from upr_cli.net.certdates import date_warning
 from upr_cli.net.scram import ScramServer, StoredCredential, make_credential
 from upr_cli.net.tls import DEFAULT_TLS_PORT, server_context
 from upr_cli.node.bucket import EXPIRY_PAGER_INTERVAL, Bucket, StaleCas
-from upr_cli.node.collections import UnknownCollectionError, parse_specs, with_specs
+from upr_cli.node.collection_state import UnknownCollectionError, parse_specs, with_specs
 from upr_cli.node.dispatch import HANDLERS, KV, unknown
 from upr_cli.node.lock import DataDirLock
 from upr_cli.node.partition import ACTIVE, STATE_CODES

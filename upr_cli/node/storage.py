@@ -60,6 +60,11 @@ from typing import Any
 
 from upr_cli import sqlite
 from upr_cli.errors import UprError, UsageError
+from upr_cli.node_files import DOC_COLUMNS as _DOC_COLUMNS
+from upr_cli.node_files import SCHEMA_VERSION as SCHEMA_VERSION
+from upr_cli.node_files import DocRow as DocRow
+from upr_cli.node_files import lost_writes_of
+from upr_cli.node_files import rows_to_docs as _rows_to_docs
 from upr_cli.protocol import leb128
 from upr_cli.sqlite import I64_MAX as _I64_MAX
 from upr_cli.sqlite import TWO64 as _TWO64
@@ -67,7 +72,6 @@ from upr_cli.sqlite import U64_MAX
 from upr_cli.sqlite import i64 as _i64
 from upr_cli.sqlite import u64 as _u64
 
-SCHEMA_VERSION = 2  # 2: qualified keys (formats/collections.md §1)
 PARTITION_STATES = frozenset({"active", "replica", "pending", "dead"})
 _BUCKET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.%-]{0,99}")
 _DECIMAL = re.compile(r"[0-9]{1,20}")
@@ -109,9 +113,6 @@ _SCHEMA = (
     )""",
 )
 
-_DOC_COLUMNS = (
-    "vbucket, key, seq, rev_seq, cas, flags, expiry, datatype, deleted, delete_time, value"
-)
 # Replica undo (formats/cluster.md §5): the version a replica's write replaced, keyed by
 # the replacing seq, so a rollback to r restores every key to its version at r. Partitions
 # record undo only while replica or pending; `undo_floor` is the lowest r it can serve.
@@ -184,27 +185,6 @@ class StorageError(UprError):
     """The node's database file is unusable: not SQLite, not ours, too new, or corrupt."""
 
 
-# Not frozen, though never changed once made (a new version is a new DocRow, built or
-# `replace`d): the write path makes one per request, and a frozen dataclass's __init__
-# costs 6x a plain one's (11 object.__setattr__ calls; profiled at a tenth of the node's
-# time taking SETs). Hashable as a frozen one is.
-@dataclass(slots=True, unsafe_hash=True)
-class DocRow:
-    """One document version as stored: a live document or a tombstone."""
-
-    vbucket: int
-    key: bytes
-    seq: int
-    rev_seq: int
-    cas: int
-    flags: int
-    expiry: int
-    datatype: int
-    deleted: bool
-    delete_time: int  # unix seconds when deleted (0 for live docs)
-    value: bytes
-
-
 # Backfill rows (`Backfill.fetch_rows`) are the SQL rows themselves, in _DOC_COLUMNS
 # (DocRow) order, `deleted` as 0/1: the hot path builds no object per row (a NamedTuple
 # a row, read by attribute, measured 1.4 us a row against 0.6 us). The SQL layer reads
@@ -231,27 +211,6 @@ class PartitionRecord:
     purge_seq: int
     snap_start: int  # last complete snapshot persisted
     snap_end: int
-
-
-def _rows_to_docs(rows: list[Any]) -> list[DocRow]:
-    """Turn `_DOC_COLUMNS` rows into DocRows (inlined conversions: this is the hot loop)."""
-    t = _TWO64
-    return [
-        DocRow(
-            vb,
-            k,
-            s if s >= 0 else s + t,
-            r if r >= 0 else r + t,
-            c if c >= 0 else c + t,
-            f,
-            e,
-            dt,
-            d == 1,
-            tm,
-            v,
-        )
-        for vb, k, s, r, c, f, e, dt, d, tm, v in rows
-    ]
 
 
 def _doc_params(docs: Sequence[DocRow]) -> list[tuple[Any, ...]]:
@@ -760,12 +719,7 @@ class NodeStorage(sqlite.Closing):
 
     def lost_writes(self) -> list[tuple[int, DocRow]]:
         """Versions discarded by replica rollbacks, as (the seq rolled back to, version)."""
-        rows = self._db.execute(
-            f"SELECT rolled_back_to, {_DOC_COLUMNS} FROM lost_writes"
-            " ORDER BY rolled_back_at, vbucket, seq"
-        ).fetchall()
-        docs = _rows_to_docs([r[1:] for r in rows])
-        return [(_u64(r[0]), d) for r, d in zip(rows, docs, strict=True)]
+        return lost_writes_of(self._db)
 
 
 def _write_meta(db: sqlite3.Connection, values: Mapping[str, str]) -> None:

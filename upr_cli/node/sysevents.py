@@ -22,16 +22,12 @@ from __future__ import annotations
 import struct
 
 from upr_cli.collections import ManifestChange, encode_event
+from upr_cli.node_files import SYSTEM_NAMESPACE
+from upr_cli.node_files import is_system_key as is_system_key
 from upr_cli.protocol import leb128
 
-SYSTEM_NAMESPACE = 1  # the collection id of system event keys
 _SYSTEM_PREFIX = bytes((SYSTEM_NAMESPACE,))
 _NAME_LEN = struct.Struct(">H")
-
-
-def is_system_key(key: bytes) -> bool:
-    """True for a system event row's key (its collection id is the system namespace)."""
-    return key[:1] == _SYSTEM_PREFIX
 
 
 def system_key(change: ManifestChange) -> bytes:

@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from upr_cli.collections import (
     CollectionsError,
-    Manifest,
+    CollectionsManifest,
     ManifestChange,
     Path,
     apply_change,
@@ -156,10 +156,10 @@ def parse_stream_options(options: Mapping[str, str]) -> StreamOptions:
 async def check_collections(uri: SourceUri, paths: tuple[Path, ...]) -> None:
     """On the driver, before any task: every path names something the source has (the
     tasks' consumers would refuse it too, later and once per task)."""
-    from upr_cli.cluster.collections import fetch_manifest
+    from upr_cli.net.collections_manifest import fetch_collections_manifest
 
     try:
-        resolve_filter(list(paths), await fetch_manifest(uri))
+        resolve_filter(list(paths), await fetch_collections_manifest(uri))
     except CollectionsError as exc:
         raise SparkOptionError(f"option collections: {exc}") from None
 
@@ -229,8 +229,7 @@ async def plan_ranges(uri: SourceUri, start: Mapping[int, StreamPosition],
         s = start.get(p, StreamPosition(p))
         rollback = None
         if p in logs:
-            d = needs_rollback(logs[p], start=s.seq, uuid=s.uuid, snap_start=s.snap_start,
-                               snap_end=s.snap_end, high=current[p][1])  # fmt: skip
+            d = needs_rollback(logs[p], s, high=current[p][1])
             if d.rollback:
                 # A rollback must land on a snapshot boundary the rows' consumer reached
                 # (docs/design.md, "Snapshot boundaries"). An offset is not one (a
@@ -285,17 +284,17 @@ class _RangeSink(SinkBase):
     def __init__(self, consumer: DcpConsumer) -> None:
         self.consumer = consumer
         self.rows: list[Row] = []
-        self.manifest: Manifest | None = None  # the source's at open, then as changed
+        self.manifest: CollectionsManifest | None = None  # the source's at open, then as changed
         self.names: dict[int, Name] = {}
 
-    def _follow(self, manifest: Manifest) -> None:
+    def _follow(self, manifest: CollectionsManifest) -> None:
         self.manifest = manifest
         for scope, coll in manifest.collections():  # a dropped id keeps its name
             self.names.setdefault(coll.id, (scope.name, coll.name))
 
     async def records(self, records: list[DcpRecord]) -> None:
         if self.manifest is None:  # None at open: a source without collections
-            self._follow(self.consumer.manifest or Manifest())
+            self._follow(self.consumer.manifest or CollectionsManifest())
         parts, names = self.consumer.parts, self.names
         for rec in records:
             part = parts[rec.vbucket]
@@ -308,8 +307,8 @@ class _RangeSink(SinkBase):
 
     async def event(self, event: Event) -> None:
         if isinstance(event, ManifestChange):  # a collection created in the range is named
-            self._follow(apply_change(self.manifest or self.consumer.manifest or Manifest(),
-                                      event))  # fmt: skip
+            known = self.manifest or self.consumer.manifest or CollectionsManifest()
+            self._follow(apply_change(known, event))
         if isinstance(event, Rollback):
             raise StreamRolledBack(
                 f"partition {event.partition}: the source rolled back to seq {event.to_seq} "

@@ -20,7 +20,7 @@ from upr_cli.collections import (
     DEFAULT,
     Collection,
     CollectionsError,
-    Manifest,
+    CollectionsManifest,
     ManifestChange,
     Path,
     Scope,
@@ -61,14 +61,14 @@ class NodeCollections:
     ever held (an id at or below them that the manifest lacks was dropped: it never
     comes back, formats/collections.md §2)."""
 
-    def __init__(self, manifest: Manifest | None = None, dropped: Iterable[int] = (), *,
+    def __init__(self, manifest: CollectionsManifest | None = None, dropped: Iterable[int] = (), *,
                  high: tuple[int, int] = (0, 0)) -> None:  # fmt: skip
-        self.manifest = Manifest()
+        self.manifest = CollectionsManifest()
         self._by_id: dict[int, Collection] = {}
         self.dropped: set[int] = set(dropped)
         self.high_collection, self.high_scope = high
         self.high_collection = max(self.high_collection, *self.dropped, 0)
-        self.replace(manifest or Manifest())
+        self.replace(manifest or CollectionsManifest())
 
     @classmethod
     def from_meta(cls, manifest: str | None, dropped: str | None) -> NodeCollections:
@@ -89,7 +89,7 @@ class NodeCollections:
             ids = doc
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise CollectionsError(f"stored dropped collections: {dropped!r}")
-        return cls(Manifest.from_json(manifest) if manifest else None, ids, high=high)
+        return cls(CollectionsManifest.from_json(manifest) if manifest else None, ids, high=high)
 
     def meta(self) -> dict[str, str]:
         """The `meta` rows that persist this state."""
@@ -98,7 +98,7 @@ class NodeCollections:
         return {MANIFEST_KEY: self.manifest.dumps().decode(),
                 DROPPED_KEY: json.dumps(dropped, separators=(",", ":"))}  # fmt: skip
 
-    def check(self, new: Manifest) -> None:
+    def check(self, new: CollectionsManifest) -> None:
         """What COLLECTIONS_SET_MANIFEST refuses beyond the JSON checks (CollectionsError):
         `check_successor`, and an id the current manifest lacks at or below the highest
         the node held. That id was dropped, and its documents may still wait for the
@@ -117,7 +117,7 @@ class NodeCollections:
                     f"scope takes an id above 0x{self.high_scope:x}"
                 )
 
-    def replace(self, manifest: Manifest) -> list[int]:
+    def replace(self, manifest: CollectionsManifest) -> list[int]:
         """Take a new manifest; returns the collection ids it drops (now to purge)."""
         gone = [cid for cid in self._by_id if manifest.by_id(cid) is None]
         self.manifest = manifest
@@ -186,7 +186,7 @@ def expiry_of(coll: Collection, expiry: int, now: int) -> int:
     return expiry
 
 
-def check_successor(old: Manifest, new: Manifest) -> None:
+def check_successor(old: CollectionsManifest, new: CollectionsManifest) -> None:
     """What COLLECTIONS_SET_MANIFEST refuses beyond the JSON checks: an id kept with
     another name, scope or max TTL (upr has no "collection modified" event)."""
     for s, c in new.collections():
@@ -216,7 +216,7 @@ def dropped_id(change: ManifestChange) -> int | None:
     return change.collection_id if change.kind == "collection-dropped" else None
 
 
-def with_specs(manifest: Manifest, specs: Iterable[str]) -> Manifest:
+def with_specs(manifest: CollectionsManifest, specs: Iterable[str]) -> CollectionsManifest:
     """The manifest with every scope and collection the specs name (the missing ones
     created, in order; existing ones kept as they are, with a warning in the log when
     the spec gives another max TTL: `upr serve` logs to stderr)."""

@@ -1,5 +1,7 @@
-"""A bucket's collections manifest across a cluster: read it from every node, change it
-through one arbiter node, push it to every node (formats/cluster.md "Collections").
+"""A bucket's collections manifest as clients see it: read it from a node (the one
+reading of a GET_COLLECTIONS_MANIFEST answer, `manifest_from_answer`), read it from
+every node, change it through one arbiter node, push it to every node
+(formats/cluster.md "Collections"). Not a backup's manifest (`upr_cli.repo.manifest`).
 
 In Couchbase the cluster manager owns the manifest and pushes each new one to every data
 node with COLLECTIONS_SET_MANIFEST (0xb9); a node refuses a manifest whose uid is lower
@@ -32,8 +34,10 @@ from typing import TypeVar
 
 from upr_cli.collections import (
     Collection,
-    Manifest,
+    CollectionsManifest,
+    Path,
     Scope,
+    with_collections,
 )
 from upr_cli.collections import (
     parse_specs as parse_specs,  # `upr cluster init --collections` checks them here
@@ -83,7 +87,7 @@ class NodeManifest:
     """One node of the cluster map and the manifest it holds."""
 
     node: str  # host:port, as the map lists it
-    manifest: Manifest | None = None  # None: no answer, or no collections
+    manifest: CollectionsManifest | None = None  # None: no answer, or no collections
     error: str = ""  # why it did not answer ("" when it did)
     member: bool = True  # the map gives it a partition (active or replica)
     supported: bool = True  # it knows collections
@@ -93,8 +97,8 @@ class NodeManifest:
 class Change:
     """What a manifest change did: the new manifest, the one it was made on, and where."""
 
-    manifest: Manifest
-    base: Manifest
+    manifest: CollectionsManifest
+    base: CollectionsManifest
     took: list[str] = field(default_factory=list)  # nodes that hold the new manifest
     warnings: list[str] = field(default_factory=list)  # nodes outside the map that did not
     attempts: int = 1
@@ -104,22 +108,29 @@ class Change:
 # -- one node -------------------------------------------------------------------------
 
 
-async def get_manifest(conn: Connection) -> Manifest | None:
-    """GET_COLLECTIONS_MANIFEST on a bootstrapped connection; None when the server does
-    not support collections."""
-    resp = await conn.request(CollectionsGetManifest(opaque=conn.next_opaque()), check=False)
-    if resp.status in _UNSUPPORTED:
+def manifest_from_answer(status: int, body: bytes) -> CollectionsManifest | None:
+    """The manifest a GET_COLLECTIONS_MANIFEST answer carries: the one reading of "no
+    manifest" for every client. A node without a manifest set yet
+    (NO_COLLECTIONS_MANIFEST) holds the default collection only; one that does not know
+    the command has no collections (None); any other failure is its status error, and
+    JSON that is not a manifest a CollectionsError."""
+    if status in _UNSUPPORTED:
         return None
-    if resp.status == _NO_MANIFEST:
-        return Manifest()
-    body = bytes(getattr(resp, "value", b""))
-    if resp.status != Status.SUCCESS:
+    if status == _NO_MANIFEST:
+        return CollectionsManifest()
+    if status != Status.SUCCESS:
         text = body.decode(errors="replace")
-        raise error_for_status(resp.status)(f"GET_COLLECTIONS_MANIFEST: {text}".rstrip(": "))
-    return Manifest.from_json(body)
+        raise error_for_status(status)(f"GET_COLLECTIONS_MANIFEST: {text}".rstrip(": "))
+    return CollectionsManifest.from_json(body)
 
 
-async def set_manifest(conn: Connection, manifest: Manifest) -> str:
+async def get_collections_manifest(conn: Connection) -> CollectionsManifest | None:
+    """GET_COLLECTIONS_MANIFEST on a bootstrapped connection (`manifest_from_answer`)."""
+    resp = await conn.request(CollectionsGetManifest(opaque=conn.next_opaque()), check=False)
+    return manifest_from_answer(resp.status, bytes(getattr(resp, "value", b"")))
+
+
+async def set_collections_manifest(conn: Connection, manifest: CollectionsManifest) -> str:
     """COLLECTIONS_SET_MANIFEST on a bootstrapped connection: "" if taken, else the
     node's reason (ERANGE: it holds a newer uid)."""
     msg = CollectionsSetManifest(value=manifest.dumps(), opaque=conn.next_opaque())
@@ -131,11 +142,11 @@ async def set_manifest(conn: Connection, manifest: Manifest) -> str:
     return f"{name} (status 0x{resp.status:02x}){': ' + text if text else ''}"
 
 
-async def fetch_manifest(uri: SourceUri) -> Manifest | None:
+async def fetch_collections_manifest(uri: SourceUri) -> CollectionsManifest | None:
     """The manifest of the node `uri` reaches; None when it does not support collections."""
     session = await connect(uri, name="upr-collections")
     try:
-        return await get_manifest(session.conn)
+        return await get_collections_manifest(session.conn)
     finally:
         await session.conn.aclose()
 
@@ -171,7 +182,7 @@ def _why(exc: BaseException) -> str:
 async def _read(session: Session | None, target: SourceUri, member: bool) -> NodeManifest:
     name = f"{target.host}:{target.port}"
     try:
-        manifest = await _on_node(session, target, get_manifest)
+        manifest = await _on_node(session, target, get_collections_manifest)
     except (UprError, OSError) as exc:
         return NodeManifest(name, error=_why(exc), member=member)
     return NodeManifest(name, manifest, member=member, supported=manifest is not None)
@@ -194,7 +205,7 @@ async def cluster_manifests(uri: SourceUri) -> list[NodeManifest]:
         await session.conn.aclose()
 
 
-def newest(nodes: Iterable[NodeManifest]) -> Manifest | None:
+def newest(nodes: Iterable[NodeManifest]) -> CollectionsManifest | None:
     """The manifest with the highest uid among the nodes' (the one most of them hold on a
     tie, then the first); None when no node has one."""
     held = [n.manifest for n in nodes if n.manifest is not None]
@@ -206,7 +217,9 @@ def newest(nodes: Iterable[NodeManifest]) -> Manifest | None:
     return max(tied, key=lambda m: count[m.dumps()])  # max keeps the first of equals
 
 
-def next_manifest(base: Manifest, edit: Callable[[Manifest], Manifest], top: int) -> Manifest:
+def next_manifest(
+    base: CollectionsManifest, edit: Callable[[CollectionsManifest], CollectionsManifest], top: int
+) -> CollectionsManifest:
     """The manifest to push: `edit(base)` with a uid above every node's (`top`); `base`
     itself when the edit changes nothing."""
     new = edit(base)
@@ -249,7 +262,7 @@ class Conflict:
     text: str  # the id, the node's path and the arbiter's
 
 
-def conflicts(held: Manifest, target: Manifest) -> list[Conflict]:
+def conflicts(held: CollectionsManifest, target: CollectionsManifest) -> list[Conflict]:
     """What giving a node that holds `held` the arbiter's manifest `target` would lose,
     rename or be refused: an id `target` has under another name, scope or max TTL; an
     id `target` lacks when the node is not behind the arbiter (nothing says the arbiter
@@ -310,7 +323,8 @@ async def _read_arbiter(session: Session, uris: list[SourceUri],
 
 
 async def _push(session: Session | None, uris: list[SourceUri], nodes: list[NodeManifest],
-                new: Manifest, *, skip: int | None = None) -> dict[str, str]:  # fmt: skip
+                new: CollectionsManifest, *,
+                skip: int | None = None) -> dict[str, str]:  # fmt: skip
     """Push `new` to every node that answered and holds something else (all but the
     node `skip`); failures by node."""
 
@@ -318,7 +332,7 @@ async def _push(session: Session | None, uris: list[SourceUri], nodes: list[Node
         if held.manifest == new:
             return held.node, ""
         try:
-            why = await _on_node(session, target, lambda c: set_manifest(c, new))
+            why = await _on_node(session, target, lambda c: set_collections_manifest(c, new))
         except (UprError, OSError) as exc:
             why = _why(exc)
         return held.node, why
@@ -329,8 +343,8 @@ async def _push(session: Session | None, uris: list[SourceUri], nodes: list[Node
     return {node: why for node, why in answers if why}
 
 
-async def change(uri: SourceUri, edit: Callable[[Manifest], Manifest], *,
-                 done: Callable[[Manifest], bool] | None = None,
+async def change(uri: SourceUri, edit: Callable[[CollectionsManifest], CollectionsManifest], *,
+                 done: Callable[[CollectionsManifest], bool] | None = None,
                  attempts: int = ATTEMPTS) -> Change:  # fmt: skip
     """Apply `edit` to the arbiter's manifest, push the result to the arbiter, then to
     every other node (the module's doc says why). `done(manifest)` tells a retry that
@@ -367,12 +381,12 @@ async def change(uri: SourceUri, edit: Callable[[Manifest], Manifest], *,
     )
 
 
-async def _arbiter_takes(session: Session, target: SourceUri, base: Manifest,
-                         new: Manifest) -> bool:  # fmt: skip
+async def _arbiter_takes(session: Session, target: SourceUri, base: CollectionsManifest,
+                         new: CollectionsManifest) -> bool:  # fmt: skip
     """Push `new` to the arbiter: True when it took it, False when a concurrent change
     took it first (the arbiter no longer holds `base`); a ManifestPushError otherwise."""
     try:
-        why = await _on_node(session, target, lambda c: set_manifest(c, new))
+        why = await _on_node(session, target, lambda c: set_collections_manifest(c, new))
     except (UprError, OSError) as exc:  # the answer may be lost, not the manifest
         why = _why(exc)
     if not why:
@@ -387,7 +401,7 @@ async def _arbiter_takes(session: Session, target: SourceUri, base: Manifest,
 
 
 async def _excused(session: Session, uris: list[SourceUri], nodes: list[NodeManifest],
-                   failed: dict[str, str], new: Manifest,
+                   failed: dict[str, str], new: CollectionsManifest,
                    judge: int) -> dict[str, str]:  # fmt: skip
     """The failures left once the nodes that refused ours for a later manifest the
     arbiter holds too are excused: that manifest was made on ours."""
@@ -432,17 +446,20 @@ def _outcome(out: Change, nodes: list[NodeManifest], failed: dict[str, str]) -> 
     return out
 
 
-async def change_manifest(uri: SourceUri, edit: Callable[[Manifest], Manifest]) -> Manifest:
-    """Apply `edit` to the manifest of the cluster `uri` reaches and push the result to
-    every node of its map; returns the new manifest."""
-    return (await change(uri, edit)).manifest
+async def create_collections(
+    uri: SourceUri, wanted: Sequence[tuple[Path, int | None]]
+) -> CollectionsManifest:
+    """Create every scope and collection of `wanted` (paths, each with its max TTL) that
+    the cluster `uri` reaches lacks, in one manifest change pushed to every node of its
+    map (`change`); returns the new manifest."""
+    return (await change(uri, lambda m: with_collections(m, wanted))).manifest
 
 
 @dataclass
 class Repair:
     """What `repair` did: the manifest every node holds now, and where it went."""
 
-    manifest: Manifest
+    manifest: CollectionsManifest
     arbiter: str
     gave: list[str] = field(default_factory=list)  # nodes given it (the arbiter first)
     dropped: list[str] = field(default_factory=list)  # conflicts dropped (--force)
@@ -486,7 +503,7 @@ async def repair(uri: SourceUri, *, force: bool = False) -> Repair:
         await session.conn.aclose()
 
 
-def _without(m: Manifest, gone: set[tuple[str, int]]) -> Manifest:
+def _without(m: CollectionsManifest, gone: set[tuple[str, int]]) -> CollectionsManifest:
     """`m` without the scopes and collections `gone` names, by (kind, id)."""
     scopes = tuple(replace(s, collections=tuple(c for c in s.collections
                                                 if ("collection", c.id) not in gone))
@@ -499,19 +516,19 @@ async def read_nodes(uris: Sequence[SourceUri]) -> list[NodeManifest]:
     return list(await asyncio.gather(*(_read(None, u, True) for u in uris)))
 
 
-async def give(conn: Connection, manifest: Manifest, what: str) -> None:
+async def give(conn: Connection, manifest: CollectionsManifest, what: str) -> None:
     """Give one node `manifest` when it holds an older one (it keeps a newer one); a
     ManifestPushError names `what` when it refuses."""
-    held = await get_manifest(conn)
+    held = await get_collections_manifest(conn)
     if held is None or held == manifest or held.uid > manifest.uid:
         return
-    why = await set_manifest(conn, manifest)
+    why = await set_collections_manifest(conn, manifest)
     if why:
         raise ManifestPushError(f"{what}: collections manifest uid {manifest.uid}: {why}",
                                 failed={what: why})  # fmt: skip
 
 
-async def spread(uris: Sequence[SourceUri], targets: Iterable[int]) -> Manifest | None:
+async def spread(uris: Sequence[SourceUri], targets: Iterable[int]) -> CollectionsManifest | None:
     """Give the nodes `targets` (indices into `uris`) the newest manifest any of `uris`
     holds, when theirs is older; the newest manifest, or None when no node has one. A
     target that does not answer or refuses is a ManifestPushError."""
