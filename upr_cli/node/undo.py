@@ -1,5 +1,6 @@
-"""A replica partition's undo and its rollback to a snapshot boundary (formats/cluster.md
-§5; the UPR design specification, "How KV mutations flow into Replicas").
+"""A replica partition's undo and its rollback to a snapshot boundary
+(formats/cluster.md §5; the UPR design specification, "How KV mutations flow into
+Replicas").
 
 A partition fed by a replication stream (replica or pending) keeps every version it
 replaces, from the state it started from (`undo_floor`) on, and the ends of the
