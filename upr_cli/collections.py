@@ -322,12 +322,6 @@ class CollectionsManifest:
         return cls(uid, tuple(scopes))
 
 
-# The former name, still imported by dcp/consumer.py, node/bucket.py, node/producer.py,
-# node/server.py, store/store.py and repo/manifest.py (issue 28: their owners move them
-# to CollectionsManifest; then this line goes).
-Manifest = CollectionsManifest
-
-
 def _hex(value: object, what: str) -> int:
     if not isinstance(value, str) or not re.fullmatch(r"[0-9a-fA-F]{1,16}", value):
         raise CollectionsError(f"manifest: {what} must be a hex string, got {value!r}")

@@ -9,11 +9,11 @@ from types import ModuleType
 
 import pytest
 
-from upr_cli.collections import Manifest, ManifestChange, Path, encode_event
+from upr_cli.collections import CollectionsManifest, ManifestChange, Path, encode_event
 from upr_cli.dcp import filter as filter_module
 from upr_cli.dcp import streams as streams_module
 from upr_cli.dcp.events import Snapshot, StreamEnded, StreamOpened
-from upr_cli.dcp.filter import CollectionFilter
+from upr_cli.dcp.filter import StreamFilter
 from upr_cli.dcp.streams import KEEP_BOUNDARIES, Part, Streams
 from upr_cli.failover import FailoverLog
 from upr_cli.position import StreamPosition
@@ -107,7 +107,7 @@ def test_a_finite_stream_short_of_its_end_is_reopened() -> None:
 
 def test_a_catch_up_stream_that_reached_its_catch_up_seq_reopens_silently() -> None:
     s, part = _streams(seq=2)
-    s.filter = CollectionFilter(ids={9})
+    s.filter = StreamFilter(ids={9})
     part.filter = s.filter.copy()
     part.pending, part.catchup, part.end = {0x90}, 6, 20
     req = s.request(part)
@@ -218,7 +218,7 @@ def test_a_rollback_goes_back_to_a_boundary_on_its_branch(
 
 def test_a_rollback_takes_back_the_drops_above_it() -> None:
     s, part = _streams(seq=10)
-    part.filter = CollectionFilter(ids={9})
+    part.filter = StreamFilter(ids={9})
     part.forgotten = {0x90: 8}
     part.delivered = [ManifestChange(0, 9, "collection-dropped", 3, 8, 0x91)]
     s.rollback(part, 5)
@@ -233,7 +233,7 @@ def test_a_rollback_takes_back_the_drops_above_it() -> None:
 
 def test_the_request_starts_where_the_partition_stands() -> None:
     s, part = _streams(seq=7)
-    part.filter = CollectionFilter(ids={9, 10})
+    part.filter = StreamFilter(ids={9, 10})
     req = s.request(part)
     assert isinstance(req, StreamRequest)
     assert (req.vbucket, req.start_seqno, req.vbucket_uuid, req.snap_end_seqno) == (0, 7, NEW, 7)
@@ -255,7 +255,7 @@ def test_an_accepted_stream_moves_the_position_to_the_newest_branch() -> None:
 
 # -- collections: the filter, its drops and its resume (docs/protocol.md §12.4) ---------
 
-MANIFEST = Manifest.from_json(
+MANIFEST = CollectionsManifest.from_json(
     b'{"uid":"5","scopes":[{"name":"_default","uid":"0","collections":'
     b'[{"name":"_default","uid":"0"}]},{"name":"app","uid":"8","collections":'
     b'[{"name":"users","uid":"9"}]}]}'
@@ -287,7 +287,7 @@ def test_a_resumed_filter_catches_up_on_the_ids_the_source_no_longer_has() -> No
 
 def test_a_drop_is_forgotten_once_the_caller_committed_past_it() -> None:
     s, part = _streams(seq=2)
-    s.filter = CollectionFilter(ids={9, 0x90})
+    s.filter = StreamFilter(ids={9, 0x90})
     part.filter = s.filter.copy()
     out = _feed(s, _marker(3, 5), _dropped(4, 0x90), _mutation(5, 9), collections=True)
     assert [c.collection_id for c in out if isinstance(c, ManifestChange)] == [0x90]
@@ -301,8 +301,8 @@ def test_a_drop_is_forgotten_once_the_caller_committed_past_it() -> None:
 
 def test_a_filter_that_lost_every_collection_ends_its_stream() -> None:
     s, part = _streams(seq=2)
-    part.filter = CollectionFilter(ids=set())
-    s.filter = CollectionFilter(ids={9})
+    part.filter = StreamFilter(ids=set())
+    s.filter = StreamFilter(ids={9})
     assert s.filter_ended(part)
     (ended,) = s.events
     assert isinstance(ended, StreamEnded) and ended.status == 7
@@ -311,7 +311,7 @@ def test_a_filter_that_lost_every_collection_ends_its_stream() -> None:
 
 def test_a_refused_filter_is_judged_by_the_nodes_manifest() -> None:
     s, part = _streams(seq=2)
-    part.filter = CollectionFilter(ids={9, 0x90})
+    part.filter = StreamFilter(ids={9, 0x90})
     s.uid = 6
     assert s.refilter(part, MANIFEST) == "behind"  # uid 5: the newest has not reached it
     s.uid = 5

@@ -23,8 +23,8 @@ from upr_cli.collections import (
     ManifestChange,
 )
 from upr_cli.collections import Path as CPath
-from upr_cli.node.producer import StreamView
 from upr_cli.node.storage import DocRow
+from upr_cli.node.stream_view import StreamView
 from upr_cli.node.sysevents import system_row
 from upr_cli.protocol.leb128 import join_key
 from upr_cli.protocol.messages import (

@@ -65,23 +65,23 @@ import random
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
-from upr_cli.collections import Manifest, Path
+from upr_cli.collections import CollectionsError, CollectionsManifest, Path
 from upr_cli.dcp.events import Item
-from upr_cli.dcp.filter import CollectionFilter
+from upr_cli.dcp.filter import StreamFilter
 from upr_cli.dcp.links import WIRE_COMPRESSION, Addr, Link, Links, Lost, WireCompression
-from upr_cli.dcp.opening import ConsumerError, Opener, parse_manifest
+from upr_cli.dcp.opening import ConsumerError, Opener
 from upr_cli.dcp.streams import Part, Streams
-from upr_cli.errors import UprError, UsageError
+from upr_cli.errors import RemoteProtocolError, UprError, UsageError
 from upr_cli.failover import FailoverLog
 from upr_cli.net.bootstrap import WANTED, Session, connect, map_nodes
-from upr_cli.net.connection import ConnectionError_, ServerItems, raise_for_status
+from upr_cli.net.collections_manifest import get_collections_manifest
+from upr_cli.net.connection import ConnectionError_, ServerItems
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
 from upr_cli.protocol.header import Feature
 from upr_cli.protocol.messages import (
     Barrier,
-    CollectionsGetManifest,
     GetClusterConfig,
 )
 from upr_cli.protocol.status import Status
@@ -162,12 +162,12 @@ class DcpConsumer:
         self.collections_enabled = False  # HELLO granted Collections (set by open())
 
     @property
-    def manifest(self) -> Manifest | None:
+    def manifest(self) -> CollectionsManifest | None:
         """The source's manifest, read at open; None: no collections."""
         return self.streams.manifest
 
     @property
-    def filter(self) -> CollectionFilter | None:
+    def filter(self) -> StreamFilter | None:
         """The `collections` filter resolved against the manifest (None: every collection)."""
         return self.streams.filter
 
@@ -256,16 +256,12 @@ class DcpConsumer:
         self.collections_enabled = session.collections
         manifest = None
         if self.collections_enabled:
-            conn = session.conn
-            resp = await conn.request(CollectionsGetManifest(opaque=conn.next_opaque()),
-                                      check=False)  # fmt: skip
-            if resp.status == Status.SUCCESS:
-                manifest = parse_manifest(self.uri, resp)
-            # no manifest set yet, or no collections at all: the default collection only
-            elif resp.status in (Status.NO_COLLECTIONS_MANIFEST, Status.UNKNOWN_COMMAND):
-                manifest = Manifest()
-            else:
-                raise_for_status(resp)
+            try:
+                held = await get_collections_manifest(session.conn)
+            except CollectionsError as exc:  # not a manifest: the source's fault
+                raise RemoteProtocolError(f"{self.uri.redacted()}: {exc}") from None
+            # no collections at all (the command unknown): the default collection only
+            manifest = CollectionsManifest() if held is None else held
         self.streams.resolve(manifest)
 
     def _servers(self) -> list[Addr]:

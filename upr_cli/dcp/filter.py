@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from upr_cli.collections import DEFAULT, CollectionsError, Manifest, ManifestChange, Path
+from upr_cli.collections import DEFAULT, CollectionsError, CollectionsManifest, ManifestChange, Path
 
 
 @dataclass(slots=True)
-class CollectionFilter:
+class StreamFilter:
     """What a filtered stream asks for (docs/protocol.md "Collections"): one scope's
     id, or a set of collection ids. Each partition holds its own copy and forgets a
     dropped id once the caller committed past that partition's drop
@@ -29,9 +29,9 @@ class CollectionFilter:
         """True once nothing the filter names exists any more."""
         return self.gone if self.scope is not None else not self.ids
 
-    def copy(self) -> CollectionFilter:
+    def copy(self) -> StreamFilter:
         """A partition's own copy."""
-        return CollectionFilter(self.scope, set(self.ids), self.gone)
+        return StreamFilter(self.scope, set(self.ids), self.gone)
 
     def value(self) -> bytes:
         """The STREAM_REQ value, ids as hex strings (kv_engine's form). No `uid`: a
@@ -61,8 +61,8 @@ class CollectionFilter:
 
 
 def resolve_filter(
-    paths: list[Path] | None, manifest: Manifest | None, *, lenient: bool = False
-) -> CollectionFilter | None:
+    paths: list[Path] | None, manifest: CollectionsManifest | None, *, lenient: bool = False
+) -> StreamFilter | None:
     """The filter that streams `paths` from a source with `manifest` (None: a source
     without collections, where only `_default._default` exists); None streams all.
     A path the manifest does not know is a CollectionsError naming it, unless
@@ -90,11 +90,11 @@ def resolve_filter(
     if len(paths) == 1 and paths[0].collection is None and not missing:
         scope = manifest.scope(paths[0].scope)
         assert scope is not None
-        return CollectionFilter(scope=scope.id, ids={c.id for c in scope.collections})
+        return StreamFilter(scope=scope.id, ids={c.id for c in scope.collections})
     ids = manifest.ids(paths)
     if not ids and not lenient:
         raise CollectionsError(f"{', '.join(map(str, paths))}: no collection to stream")
-    return CollectionFilter(ids=ids)
+    return StreamFilter(ids=ids)
 
 
-__all__ = ["CollectionFilter", "resolve_filter"]
+__all__ = ["StreamFilter", "resolve_filter"]

@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from upr_cli.collections import CollectionsError, Manifest
+from upr_cli.collections import CollectionsError, CollectionsManifest
 from upr_cli.dcp.events import Item
 from upr_cli.dcp.links import Addr, Link, Links
 from upr_cli.dcp.streams import Part, Streams
@@ -53,11 +53,11 @@ class ConsumerError(UprError):
     """The stream cannot continue (a partition refused, retries exhausted)."""
 
 
-def parse_manifest(uri: SourceUri, resp: Message) -> Manifest:
+def parse_manifest(uri: SourceUri, resp: Message) -> CollectionsManifest:
     """The manifest a GET_COLLECTIONS_MANIFEST answer carries (a bad one: the source's
     fault, named by `uri`)."""
     try:
-        return Manifest.from_json(getattr(resp, "value", b""))
+        return CollectionsManifest.from_json(getattr(resp, "value", b""))
     except CollectionsError as exc:
         raise RemoteProtocolError(f"{uri.redacted()}: {exc}") from None
 

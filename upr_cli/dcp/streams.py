@@ -37,7 +37,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from upr_cli.collections import CollectionsError, Manifest, ManifestChange, Path, decode_event
+from upr_cli.collections import (
+    CollectionsError,
+    CollectionsManifest,
+    ManifestChange,
+    Path,
+    decode_event,
+)
 from upr_cli.dcp.events import (
     BarrierReached,
     Item,
@@ -46,7 +52,7 @@ from upr_cli.dcp.events import (
     StreamEnded,
     StreamOpened,
 )
-from upr_cli.dcp.filter import CollectionFilter, resolve_filter
+from upr_cli.dcp.filter import StreamFilter, resolve_filter
 from upr_cli.errors import RemoteProtocolError
 from upr_cli.failover import FailoverLog
 from upr_cli.position import StreamPosition, boundary_at
@@ -136,7 +142,7 @@ class Part:
     # their drops or the catch-up seq; the seq up to which it streams unfiltered to find
     # those drops (None: to be pinned); what a catch-up stream hands over (None: all);
     # the drops handed over and not yet committed; the drops committed (id → seq).
-    filter: CollectionFilter | None = None
+    filter: StreamFilter | None = None
     pending: set[int] = field(default_factory=set)
     catchup: int | None = None
     keep: set[int] | None = None
@@ -257,13 +263,15 @@ class Streams:
             self._followed_all = set(followed_ids)
         # partitions with drops handed over and not committed, or vanished ids pending
         self.settling: set[int] = set()
-        self.manifest: Manifest | None = None  # the source's, at open; None: no collections
-        self.filter: CollectionFilter | None = None
+        self.manifest: CollectionsManifest | None = (
+            None  # the source's, at open; None: no collections
+        )
+        self.filter: StreamFilter | None = None
         self.uid = 0  # the newest manifest uid known: at open, then from system events
 
     # -- set up ---------------------------------------------------------------------
 
-    def resolve(self, manifest: Manifest | None) -> None:
+    def resolve(self, manifest: CollectionsManifest | None) -> None:
         """Take the source's manifest (None: no collections) and resolve the filter
         against it. A resume of a filter the caller followed before may find paths
         missing: they were dropped since (their drops may still be to hand over)."""
@@ -292,7 +300,7 @@ class Streams:
         self.parts[p] = part
         return part
 
-    def _vanished(self, p: int, manifest: Manifest) -> set[int]:
+    def _vanished(self, p: int, manifest: CollectionsManifest) -> set[int]:
         """The ids the caller followed on partition p that the source no longer has."""
         known = {c.id for _s, c in manifest.collections()}
         return {c for c in self._followed.get(p, self._followed_all) if c not in known}
@@ -445,7 +453,7 @@ class Streams:
         (ascending): what a rollback of the caller's sink could go back to."""
         return sorted(set(self._boundaries(self.parts[partition])))
 
-    def refilter(self, part: Part, now: Manifest) -> str:
+    def refilter(self, part: Part, now: CollectionsManifest) -> str:
         """A stream refused for an unknown collection or scope, judged by the node's
         manifest `now`: "behind" (it has not received the newest manifest known),
         "changed" (what it no longer has was dropped: it leaves the partition's filter,

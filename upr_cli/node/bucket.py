@@ -2,22 +2,20 @@
 
 Write path (the UPR design specification, "How KV mutations flow into ep-engine and write
 queue"; docs/design.md "Data flows" (1. Write)): CAS check → next per-partition seqno →
-write queue → acknowledged; the flusher commits every queued item in one transaction per
-round (group commit) and only then advances `persisted_seq`, so OBSERVE_SEQNO tells
-clients when a write is durable.
+write queue → acknowledged; the flusher (upr_cli/node/flusher.py) commits every queued
+item in one transaction per round (group commit) and only then advances
+`persisted_seq`, so OBSERVE_SEQNO tells clients when a write is durable. Every other
+storage write runs on the flusher's writer thread too, never cut short.
+
+Around this module: the flusher, a replica partition's undo and rollback
+(upr_cli/node/undo.py), collections changes and the purge of dropped collections
+(upr_cli/node/bucket_manifest.py) and the expiry pager (upr_cli/node/expiry.py).
 
 Failover entries (the UPR design specification, "Failover Log"; docs/protocol.md §4.3):
 one {uuid, 0} at creation; after an unclean shutdown, one per active partition at its
 last persisted complete snapshot (`snap_end` if the high seq equals it, else
 `snap_start`), written to disk before the node serves. A clean shutdown flushes
 everything and keeps the uuids.
-
-Storage work is never cut short: a commit runs in the writer thread whatever happens to
-the coroutine that asked for it, so every flush, state write and rollback runs as its
-own task under the flush lock (`_unbroken`), and its caller only stops waiting when
-cancelled (a replication link restarted by a map change, a client gone). Before, a flush
-cancelled mid-commit left its committed items queued, and every later flush failed on
-them ("seq 1 is not above stored seq 1").
 
 Collections (formats/collections.md): every key here is qualified (its collection id
 first). The KV methods check the collection against the bucket's manifest and apply
@@ -53,38 +51,31 @@ and `write_version` (upr_cli/node/subdoc_kv.py).
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
-import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from time import time_ns
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
-from upr_cli.collections import CollectionsError, Manifest, changes_between
+from upr_cli.collections import CollectionsError, CollectionsManifest
 from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog, new_uuid
 from upr_cli.net.aio import cancel_and_wait
-from upr_cli.node import sysevents
+from upr_cli.node import bucket_manifest, expiry, sysevents, undo
 from upr_cli.node.collection_state import (
     DROPPED_KEY,
     MANIFEST_KEY,
     NodeCollections,
     expiry_of,
 )
-from upr_cli.node.partition import (
-    ACTIVE,
-    ITEM_OVERHEAD,
-    PENDING,
-    REPLICA,
-    Marker,
-    Partition,
-    QueueBytes,
-)
+from upr_cli.node.expiry import expired
+from upr_cli.node.flusher import Flusher
+from upr_cli.node.partition import ACTIVE, ITEM_OVERHEAD, Partition, QueueBytes
+from upr_cli.node.state_control import StaleCas, StateControl
 from upr_cli.node.storage import (
     WRITER_CACHE_KIB,
     DocRow,
@@ -92,13 +83,13 @@ from upr_cli.node.storage import (
     PartitionRecord,
     StorageError,
 )
+from upr_cli.node.undo import FED, UNDO_WINDOW
 from upr_cli.protocol import leb128, snappy, xattrs
 from upr_cli.protocol.status import (
     InvalidArguments,
     KeyExists,
     KeyNotFound,
     NotMyVbucket,
-    OutOfRange,
     Status,
     StatusError,
     TemporaryFailure,
@@ -108,28 +99,10 @@ from upr_cli.protocol.status import (
 _ABSENT: Any = object()
 
 
-class StaleCas(StatusError):
-    """KEY_EEXISTS for a state command whose bucket CAS is stale (formats/cluster.md)."""
-
-    status = int(Status.KEY_EEXISTS)
-    retriable = True
-
-
 log = logging.getLogger(__name__)
 
-FLUSH_CHUNK = 50_000  # docs per transaction at most
-PURGE_CHUNK = 10_000  # rows of a dropped collection deleted per transaction
-EXPIRY_CHUNK = 10_000  # expired documents the pager looks at per storage query
 EXPIRY_PAGER_INTERVAL = 10.0  # seconds (kv_engine's pager waits longer: a test node should not)
 DEFAULT_PARTITIONS = 1024  # a new bucket's partition count, as Couchbase's on Linux
-UNDO_WINDOW = 200_000  # seqs of undo a replica partition keeps (formats/cluster.md §5)
-FED = (REPLICA, PENDING)  # states fed by a replication stream
-_T = TypeVar("_T")
-
-
-def _new_cas() -> int:
-    """A fresh, non-zero bucket CAS."""
-    return random.getrandbits(63) or 1
 
 
 class XattrInvalid(StatusError):
@@ -232,7 +205,8 @@ def with_old_xattrs(old: DocRow, datatype: int, value: bytes) -> tuple[int, byte
 
 
 class Bucket:
-    """One bucket: its partitions, write path and flusher."""
+    """One bucket: its partitions, KV writes and reads, the replica write path, and the
+    parts that own the rest (its flusher, its state control)."""
 
     def __init__(
         self,
@@ -250,7 +224,7 @@ class Bucket:
         self.data_dir = data_dir
         self.storage = NodeStorage(data_dir, name, sync_full=sync_full, cache_kib=cache_kib)
         self.name = name
-        self.num_partitions = self._partition_count(num_partitions)
+        self.num_partitions = _partition_count(self.storage, num_partitions)
         self.flush_interval = flush_interval
         self.purge_age = purge_age
         self.expiry_pager_interval = expiry_pager_interval  # None: only reads expire
@@ -262,22 +236,16 @@ class Bucket:
         self._room: list[asyncio.Future[None]] = []  # replication waiting for room
         self._lookup = NodeStorage(data_dir, name, cache_kib=cache_kib)  # loop-thread point reads
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flush-{name}")
-        self._flush_lock = asyncio.Lock()
-        self._work: set[asyncio.Task[Any]] = set()  # storage work under way (`_unbroken`)
-        self._flusher: asyncio.Task[None] | None = None
+        self.flusher = Flusher(self, self._pool)  # the writer thread: every storage write
         self._last_cas = 0
         self.started_unclean = False
-        # Disk versions prefetched for a batch of writes; valid while no flush intervened.
-        self._disk_gen = 0
+        # Disk versions prefetched for a batch of writes; valid while no flush intervened
+        # (the flusher moves `disk_gen` after every write).
+        self.disk_gen = 0
         self._prefetched: dict[tuple[int, bytes], DocRow | None] = {}
         self._prefetched_gen = -1
-        # Partition-state control (the UPR design specification, "How ns_server and
-        # ep-engine guarantee ordering of partition state transitions"; formats/cluster.md §1):
-        # one CAS for the bucket, new at every start and after every accepted state command;
-        # the cluster map an orchestrator set, with its revision.
-        self.state_cas = _new_cas()
-        self._map_path = data_dir / f"{name}.cluster-map.json"
-        self.cluster_map: dict[str, object] | None = None
+        # the bucket CAS and the cluster map (formats/cluster.md §1)
+        self.control = StateControl(self, data_dir / f"{name}.cluster-map.json")
         # a cluster node starts in its persisted states with front-end traffic off, until
         # its orchestrator turns it on (the same section of the UPR design specification,
         # step 1; formats/cluster.md §3)
@@ -285,22 +253,10 @@ class Bucket:
         self.undo_window = UNDO_WINDOW
         self.listeners: list[Callable[[], None]] = []  # told of map and state changes
         self.collections = NodeCollections()
-        self._manifest_gen = 0  # bumped by every new manifest; the flush persists it
-        self._manifest_saved = 0  # the generation on disk
+        self.manifest_gen = 0  # bumped by every new manifest; the flush persists it
+        self.manifest_saved = 0  # the generation on disk
         self._purger: asyncio.Task[None] | None = None
         self._pager: asyncio.Task[None] | None = None
-
-    def _partition_count(self, wanted: int | None) -> int:
-        """The bucket's partition count: the one on disk, which never changes (a key's
-        partition is its hash modulo the count), else `wanted`, else the default."""
-        stored = self.storage.partition_count()
-        if wanted is None or stored in (0, wanted):
-            return stored or wanted or DEFAULT_PARTITIONS
-        self.storage.close()
-        raise UsageError(
-            f"--num-partitions {wanted}: the bucket in {self.storage.path} has {stored} "
-            f"partitions, which cannot change (give --num-partitions {stored}, or leave it out)"
-        )
 
     # -- life cycle -------------------------------------------------------------
 
@@ -315,62 +271,36 @@ class Bucket:
         records = self.storage.load_partitions()
         clean = self.storage.clean_shutdown()
         fresh = not records
-        changed: list[PartitionRecord] = []
-        for vb in range(self.num_partitions):
-            rec = records.get(vb)
-            if rec is None:
-                part = Partition(vb, ACTIVE, FailoverLog.initial())
-                changed.append(part.record())
-            else:
-                part = Partition.from_record(rec)
-                if not clean and part.state == ACTIVE:
-                    # docs/protocol.md §4.3: at warm-up after an unclean shutdown, an
-                    # entry at the last persisted complete snapshot.
-                    seq = part.snap_end if part.persisted_seq == part.snap_end else part.snap_start
-                    part.failover = part.failover.add_entry(new_uuid(), seq)
-                    changed.append(part.record())
-            part.queue.held = self.queued
-            self.partitions[vb] = part
-        for vb in sorted(set(records) - set(self.partitions)):
+        parts, changed = _partitions(records, self.num_partitions, clean, self.queued)
+        self.partitions.update(parts)
+        for vb in sorted(set(records) - set(parts)):
             log.warning(
                 "bucket %s: partition %d on disk beyond --partitions, ignored", self.name, vb
             )
-        floors = self.storage.undo_floors()
-        bounds = self.storage.boundaries()
-        for vb, part in self.partitions.items():
-            if part.state in FED:
-                if vb not in floors:
-                    whole = part.persisted_seq == part.snap_end
-                    self.storage.start_undo(vb, part.persisted_seq, boundary=whole)
-                    bounds[vb] = [part.persisted_seq] if whole else []
-                part.undo_floor = floors.get(vb, part.persisted_seq)
-                part.bounds = bounds.get(vb, [])
+        undo.load(self.storage, self.partitions)
         self.started_unclean = not clean and not fresh
-        if self._map_path.exists():
-            self.cluster_map = json.loads(self._map_path.read_text(encoding="utf-8"))
+        if self.control.load_map():
             self.traffic = False  # a member of a cluster: ENABLE_TRAFFIC turns it on
         if changed:
             self.storage.save_partitions(changed)
         self.storage.set_clean_shutdown(False)
-        loop = asyncio.get_running_loop()
-        self._flusher = loop.create_task(self._flush_loop(), name="flusher")
+        self.flusher.start()
         if self.expiry_pager_interval:
-            self._pager = loop.create_task(self._expiry_pager(), name="expiry-pager")
+            self._pager = asyncio.get_running_loop().create_task(
+                expiry.pager(self), name="expiry-pager"
+            )
         self._schedule_purge()
 
     async def stop(self, *, clean: bool = True) -> None:
         """Stop flushing; on a clean stop flush everything and mark the shutdown clean."""
-        if self._flusher is not None:
-            await cancel_and_wait([self._flusher])
-            self._flusher = None
+        await self.flusher.stop()
         if self._purger is not None:
             await cancel_and_wait([self._purger])
             self._purger = None
         if self._pager is not None:
             await cancel_and_wait([self._pager])
             self._pager = None
-        while self._work:  # storage work whose callers were cancelled ends first
-            await asyncio.wait(set(self._work))  # not gather: it would cancel them
+        await self.flusher.drain()  # storage work whose callers were cancelled ends first
         if clean:
             await self.flush()
             self.storage.set_clean_shutdown(True)
@@ -381,191 +311,53 @@ class Bucket:
     # -- partition-state control (formats/cluster.md) ---------------------------------
 
     @property
+    def state_cas(self) -> int:
+        """The bucket CAS a state command must carry."""
+        return self.control.cas
+
+    @property
+    def cluster_map(self) -> dict[str, object] | None:
+        """The cluster map an orchestrator set (None: none)."""
+        return self.control.cluster_map
+
+    @property
     def map_rev(self) -> int:
         """The revision of the cluster map held (0: none set)."""
-        rev = (self.cluster_map or {}).get("rev", 0)
-        return rev if isinstance(rev, int) else 0
-
-    def check_control(self, cas: int, rev: int) -> None:
-        """A state command must carry the bucket CAS and a map revision not older than the
-        node's: a stale CAS is KEY_EEXISTS (the response carries the right CAS; retry), an
-        older revision is refused (a newer orchestrator has taken over: fencing)."""
-        if cas != self.state_cas:
-            raise StaleCas(f"bucket CAS {cas} is stale; the current one is in this response")
-        if rev < self.map_rev:
-            raise InvalidArguments(f"map revision {rev} is older than this node's {self.map_rev}")
+        return self.control.map_rev
 
     def set_cluster_map(self, cas: int, config: dict[str, object]) -> int:
         """Store a newer cluster map (persisted atomically); returns the new bucket CAS."""
-        rev = config.get("rev")
-        if not isinstance(rev, int) or isinstance(rev, bool) or rev < 1:
-            raise InvalidArguments("a cluster map needs an integer rev ≥ 1")
-        self.check_control(cas, rev)
-        if rev == self.map_rev:
-            raise InvalidArguments(f"map revision {rev} is not newer than this node's")
-        tmp = self._map_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(config), encoding="utf-8")
-        tmp.replace(self._map_path)
-        self.cluster_map = config
-        self.state_cas = _new_cas()
-        self._changed()
-        return self.state_cas
-
-    def _changed(self) -> None:
-        for fn in self.listeners:
-            fn()
+        return self.control.set_cluster_map(cas, config)
 
     async def set_partition_state(self, vb: int, state: str, *, cas: int, rev: int,
                                   failover: bool = False) -> int:  # fmt: skip
-        """Change a partition's state (persisted before the answer); returns the new CAS.
-
-        `failover` on a promotion to active adds a failover entry at the partition's last
-        persisted complete snapshot (the UPR design specification, "How ns_server
-        performs failover").
-        """
-        if not 0 <= vb < self.num_partitions:
-            raise NotMyVbucket(f"partition {vb} does not exist")
-        self.check_control(cas, rev)
-        # one piece of work: a cancelled caller (a dropped connection) cannot leave the
-        # new state persisted with the CAS not rotated or its streams not told
-        return await self._unbroken(self._set_state(vb, state, failover))
-
-    async def _set_state(self, vb: int, state: str, failover: bool) -> int:
-        part = self.partitions[vb]
-        await self.flush()
-        if failover and state == ACTIVE:
-            part.failover = part.failover.add_entry(new_uuid(), part.complete_seq)
-        if state in FED and part.state not in FED:
-            # from here on every replaced version is kept: a rollback can undo it, back to
-            # a snapshot boundary (the state it starts from is one when it is whole: an
-            # active's persisted data always is)
-            whole = part.complete_seq == part.persisted_seq
-            start_undo = functools.partial(self.storage.start_undo, boundary=whole)
-            await self._in_pool(start_undo, vb, part.persisted_seq)
-            part.undo_floor = part.persisted_seq
-            part.bounds = [part.persisted_seq] if whole else []
-        elif state not in FED:
-            part.undo_floor = None
-            part.bounds, part.broken = [], set()
-        if state != part.state and state == ACTIVE:
-            part.markers.clear()
-            # an active partition's persisted data is one complete snapshot
-            part.snap_start = part.snap_end = part.persisted_seq
-        part.state = state
-        await self.persist_state([part])
-        self.state_cas = _new_cas()
-        part.notify()  # streams of this partition check their state
-        self._changed()
-        return self.state_cas
-
-    def _in_pool(self, fn: Callable[..., _T], *args: object) -> Awaitable[_T]:
-        """Run a storage call on the writer thread, between flushes (never cut short)."""
-        return self._unbroken(self._locked(fn, *args))
-
-    async def _locked(self, fn: Callable[..., _T], *args: object) -> _T:
-        """A storage call on the writer thread under the flush lock; the disk generation
-        moves once it is done, so a prefetch taken meanwhile is not trusted after it."""
-        async with self._flush_lock:
-            try:
-                return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-            finally:
-                self._disk_gen += 1
-
-    def _unbroken(self, work: Coroutine[Any, Any, _T]) -> Awaitable[_T]:
-        """Run storage work as its own task: a cancelled caller stops waiting, while the
-        work (a commit in the writer thread and the in-memory bookkeeping after it)
-        finishes under the flush lock. `stop` waits for what is left."""
-        task = asyncio.ensure_future(work)
-        self._work.add(task)
-        task.add_done_callback(self._work.discard)
-        outer = asyncio.shield(task)
-
-        def left(_: object) -> None:
-            if outer.cancelled():  # nobody will read the outcome: a failure is logged
-                task.add_done_callback(self._report_abandoned)
-
-        outer.add_done_callback(left)
-        return outer
-
-    def _report_abandoned(self, task: asyncio.Task[Any]) -> None:
-        exc = None if task.cancelled() else task.exception()
-        if exc is not None:
-            log.error("bucket %s: storage work failed after its caller left: %s", self.name,
-                      exc, exc_info=exc)  # fmt: skip
+        """Change a partition's state (persisted before the answer); returns the new CAS
+        (`StateControl.set_partition_state`)."""
+        return await self.control.set_partition_state(vb, state, cas=cas, rev=rev,
+                                                      failover=failover)  # fmt: skip
 
     # -- collections (formats/collections.md) -----------------------------------------
 
     @property
-    def manifest(self) -> Manifest:
+    def manifest(self) -> CollectionsManifest:
         """The bucket's current collections manifest."""
         return self.collections.manifest
 
-    async def set_manifest(self, manifest: Manifest) -> None:
+    async def set_manifest(self, manifest: CollectionsManifest) -> None:
         """COLLECTIONS_SET_MANIFEST: take a manifest whose uid is not below the current
         one (an equal uid must come with the same manifest: a no-op). Each change gets
         a system event row in every active partition, with its own seq; the answer
-        waits until the rows and the manifest are on disk, in one transaction.
-
-        As kv_engine does, only the last event of the change carries the new uid; the
-        ones before it carry the uid the partition had, since until the last one is
-        applied the partition has not taken the new manifest whole."""
-        old = self.collections.manifest
-        if manifest.uid < old.uid:
-            raise OutOfRange(f"manifest uid {manifest.uid:x} is below the current {old.uid:x}")
-        if manifest.uid == old.uid and manifest != old:
-            raise InvalidArguments(f"manifest uid {manifest.uid:x} is current, with other content")
-        try:
-            self.collections.check(manifest)
-        except CollectionsError as exc:
-            raise InvalidArguments(str(exc)) from None
-        changes = changes_between(old, manifest)
-        changes[:-1] = [replace(c, manifest_uid=old.uid) for c in changes[:-1]]
-        if changes or manifest != old:
-            now = int(time.time())
-            for vb, part in sorted(self.partitions.items()):
-                if part.state != ACTIVE:
-                    continue  # replicas get the rows through replication
-                for change in changes:
-                    key, flags, expiry, value, deleted = sysevents.system_row(change)
-                    prev = self.lookup(vb, key)
-                    part.append(DocRow(
-                        vb, key, part.high_seq + 1, prev.rev_seq + 1 if prev else 1,
-                        self.next_cas(), flags, expiry, 0, deleted, now if deleted else 0, value,
-                    ))  # fmt: skip
-            self.collections.replace(manifest)
-            self._manifest_gen += 1
-        await self.flush()
-        if self._manifest_saved < self._manifest_gen:  # another flush took the rows first
-            await self.flush()
+        waits until the rows and the manifest are on disk, in one transaction
+        (`bucket_manifest.set_manifest`)."""
+        await bucket_manifest.set_manifest(self, manifest)
         self._schedule_purge()
 
     def _schedule_purge(self) -> None:
         """Start the background purge of dropped collections, unless it is running."""
         if self.collections.dropped and (self._purger is None or self._purger.done()):
             loop = asyncio.get_running_loop()
-            self._purger = loop.create_task(self._purge_dropped(), name="purge-collections")
-
-    async def _purge_dropped(self) -> None:
-        """Delete the documents of dropped collections, partition by partition, in
-        small transactions between flushes (kv_engine purges them lazily too, and sends
-        no deletions for them: formats/collections.md §3)."""
-        try:
-            while todo := sorted(self.collections.dropped):  # a drop may come meanwhile
-                await self.flush()  # the rows queued before the drop are on disk first
-                for cid in todo:
-                    for vb in sorted(self.partitions):
-                        gone = PURGE_CHUNK
-                        while gone == PURGE_CHUNK:  # a short chunk: the partition is clean
-                            gone = await self._in_pool(self.storage.purge_collection, vb, cid,
-                                                       PURGE_CHUNK)  # fmt: skip
-                    self.collections.dropped.discard(cid)
-                    log.info("bucket %s: dropped collection 0x%x purged", self.name, cid)
-                self._manifest_gen += 1  # the shorter list of ids to purge goes to disk
-                await self.flush()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("bucket %s: purging dropped collections failed", self.name)
+            self._purger = loop.create_task(bucket_manifest.purge_dropped(self),
+                                            name="purge-collections")  # fmt: skip
 
     # -- the replica side ------------------------------------------------------------
     # (the UPR design specification, "How KV mutations flow into Replicas")
@@ -592,20 +384,13 @@ class Bucket:
             # a collection dropped on the active: its rows here are purged too (the
             # node's own manifest may have dropped it before this copy had them)
             self.collections.dropped.add(leb128.decode(doc.key, 2)[0])
-            self._manifest_gen += 1
+            self.manifest_gen += 1
             self._schedule_purge()
         return True
 
     def replica_marker(self, vb: int, start: int, end: int) -> None:
-        """A snapshot marker for a replica partition: its items up to `end` are one cut.
-        A snapshot not received whole before a new one begins (its stream was cut short:
-        a pause, a link restarted) never completes: the new stream deduplicates on its
-        own, so the old snapshot's end is no boundary (nor a complete snapshot)."""
-        part = self.fed_partition(vb)
-        markers = part.markers
-        while markers and markers[-1].end > part.high_seq:  # only the newest can be cut short
-            markers.pop()
-        markers.append(Marker(start, end))
+        """A snapshot marker for a replica partition (`undo.marker`)."""
+        undo.marker(self.fed_partition(vb), start, end)
 
     async def adopt_failover_log(self, vb: int, pairs: tuple[tuple[int, int], ...]) -> None:
         """A replica takes the active's whole failover log (docs/protocol.md §4.3), durably."""
@@ -618,43 +403,9 @@ class Bucket:
     async def rollback_replica(self, vb: int, to_seq: int, *, asked: int | None = None
                                ) -> int | None:  # fmt: skip
         """Take a replica partition back to the newest snapshot boundary at or below
-        `to_seq` that its undo reaches (formats/cluster.md §5: inside a deduplicated
-        snapshot a seq is not a state the source had); returns that boundary, `to_seq`
-        itself when the stream chose one the undo reaches, else a lower one (the stream
-        must restart from it). None when no boundary serves: the partition was emptied
-        and must stream from 0. `asked` is the server's rollback seq (default `to_seq`):
-        the discarded versions above it go to `lost_writes`; those at or below it are the
-        source's too and come back on the stream."""
-        part = self.fed_partition(vb)
-        await self.flush()
-        asked = to_seq if asked is None else asked
-        reachable = [b for b in part.boundaries() if b <= to_seq]
-        target = reachable[-1] if reachable else None
-        if target is not None and target == part.persisted_seq == part.high_seq:
-            part.markers.clear()  # nothing to undo: the stream restarts from here
-            part.broken.clear()
-            return target
-        seq = 0 if target is None else target
-        part.high_seq = part.persisted_seq = part.snap_start = part.snap_end = seq
-        part.markers.clear()
-        part.broken.clear()
-        part.failover = part.failover.prune_above(seq)
-        if not part.failover.entries:
-            part.failover = FailoverLog.initial()
-        rec = part.record()
-        if target is not None:
-            part.bounds = sorted({b for b in part.bounds if b < seq} | {seq})
-            undo = functools.partial(self.storage.rollback_replica, lost_above=asked)
-            lost = await self._in_pool(undo, vb, seq, rec)
-        else:
-            part.undo_floor, part.bounds = 0, []
-            reset = functools.partial(self.storage.reset_partition, lost_above=asked)
-            lost = await self._in_pool(reset, rec)
-        log.warning("bucket %s: replica partition %d rolled back to %d (asked %d; %s, %d "
-                    "versions undone, those above %d kept in lost_writes)", self.name, vb, seq,
-                    asked, "undo" if target is not None else "reset: no snapshot boundary "
-                    "the undo reaches", lost, asked)  # fmt: skip
-        return target
+        `to_seq` that its undo reaches, and return it (None: emptied; `undo.rollback`).
+        `asked` (default `to_seq`): the server's rollback seq."""
+        return await undo.rollback(self, vb, to_seq, to_seq if asked is None else asked)
 
     # -- reads ---------------------------------------------------------------------
 
@@ -670,7 +421,7 @@ class Bucket:
         doc = self.partitions[vb].queue.get(key)
         if doc is None:
             # a prefetched None means known to be absent: one dict probe on the KV path
-            if self._prefetched_gen == self._disk_gen:
+            if self._prefetched_gen == self.disk_gen:
                 hit = self._prefetched.get((vb, key), _ABSENT)
                 if hit is not _ABSENT:
                     return cast("DocRow | None", hit)
@@ -688,14 +439,14 @@ class Bucket:
             return
         found = self._lookup.get_many(want)
         self._prefetched = {pair: found.get(pair) for pair in want}
-        self._prefetched_gen = self._disk_gen
+        self._prefetched_gen = self.disk_gen
 
     def current(self, vb: int, key: bytes) -> DocRow | None:
         """The latest version of a key of an active partition, after expiring it if it
         is a live document whose expiry has passed (the read that finds it expires it)."""
         doc = self.lookup(vb, key)
-        if doc is not None and _expired(doc, time.time()):
-            doc = self._expire(self.partitions[vb], doc)
+        if doc is not None and expired(doc, time.time()):
+            doc = self.expire(self.partitions[vb], doc)
         return doc
 
     def get(self, vb: int, key: bytes) -> DocRow:
@@ -724,7 +475,7 @@ class Bucket:
 
     # -- expiry ----------------------------------------------------------------------
 
-    def _expire(self, part: Partition, old: DocRow) -> DocRow:
+    def expire(self, part: Partition, old: DocRow) -> DocRow:
         """The expiration of a live document: a tombstone with a new seq, CAS and rev
         seq whose expiry is its delete time, as kv_engine's tombstones have (a deletion's
         is 0 here: DCP tells the two apart by it, and a replica can store the same from
@@ -739,44 +490,10 @@ class Bucket:
         part.append(doc)
         return doc
 
-    async def _expiry_pager(self) -> None:
-        assert self.expiry_pager_interval
-        while True:
-            await asyncio.sleep(self.expiry_pager_interval)
-            try:
-                await self.expire_due()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("bucket %s: the expiry pager failed; will retry", self.name)
-
     async def expire_due(self) -> int:
         """The expiry pager's round: expire every live document of an active partition
         whose expiry has passed, in the write queue or on disk; returns how many."""
-        now = time.time()
-        count = 0
-        for part in self.partitions.values():  # unflushed versions first
-            if part.state == ACTIVE:
-                for queued in part.queue.snapshot():
-                    if _expired(queued, now) and part.get(queued.key) is queued:
-                        self._expire(part, queued)
-                        count += 1
-        while True:
-            active = [vb for vb, p in self.partitions.items() if p.state == ACTIVE]
-            if not active:
-                return count
-            found = await self._in_pool(self.storage.expired, active, int(now), EXPIRY_CHUNK)
-            done = 0
-            for row in found:
-                part = self.partitions[row.vbucket]
-                latest = self.lookup(row.vbucket, row.key)  # a newer version may have come
-                if part.state == ACTIVE and latest is not None and _expired(latest, now):
-                    self._expire(part, latest)
-                    done += 1
-            count += done
-            if len(found) < EXPIRY_CHUNK or not done:
-                return count
-            await self.flush()  # the next query must not find these again
+        return await expiry.expire_due(self)
 
     # -- writes --------------------------------------------------------------------
 
@@ -802,7 +519,10 @@ class Bucket:
             self._room.append(fut)
             await fut
 
-    def _made_room(self) -> None:
+    def made_room(self) -> None:
+        """A flush made room in the write queue: wake the replication streams waiting."""
+        if not self._room:
+            return
         waiters, self._room = self._room, []
         for fut in waiters:
             if not fut.done():
@@ -834,7 +554,7 @@ class Bucket:
         now = time.time()
         expiry = expiry_of(self.collections.collection(key), expiry, int(now))
         old = self.lookup(vb, key)
-        live = old is not None and not old.deleted and not _expired(old, now)
+        live = old is not None and not old.deleted and not expired(old, now)
         if op == "add" and live:
             raise KeyExists("key exists")
         if op == "replace" and not live:
@@ -963,104 +683,21 @@ class Bucket:
 
     # -- flushing -------------------------------------------------------------------
 
-    async def _flush_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.flush_interval)
-            try:
-                await self.flush()
-                await self._prune_undo()
-                if self.purge_age is not None:
-                    await self.purge(self.purge_age)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("bucket %s: flush failed; will retry", self.name)
-
     def flush(self) -> Awaitable[int]:
         """Commit every queued item (group commit) and advance persisted seqnos; returns count."""
-        return self._unbroken(self._flush())
+        return self.flusher.flush()
 
-    async def _flush(self) -> int:
-        async with self._flush_lock:
-            total = 0
-            loop = asyncio.get_running_loop()
-            while True:
-                batches: list[tuple[Partition, list[DocRow]]] = []
-                size = 0
-                for part in self.partitions.values():
-                    if len(part.queue) and size < FLUSH_CHUNK:
-                        docs = part.queue.snapshot()
-                        batches.append((part, docs))
-                        size += len(docs)
-                gen = self._manifest_gen
-                meta = self.collections.meta() if gen != self._manifest_saved else None
-                if not batches and meta is None:
-                    return total
-                records = []
-                bounds: dict[int, list[int]] = {}
-                for part, docs in batches:
-                    top = docs[-1].seq
-                    start, end = _replica_snapshot(part, top) if part.state in FED else (top, top)
-                    records.append(part.record_at(top, start, end))
-                    if part.state in FED and part.undo_floor is not None:
-                        # the ends of snapshots this round completes: the undo reaches the
-                        # state at each, unless the queue broke it
-                        bounds[part.vbucket] = sorted({
-                            m.end for m in part.markers
-                            if part.persisted_seq < m.end <= top and m.end not in part.broken
-                        })  # fmt: skip
-                docs_all = [d for _, docs in batches for d in docs]
-                await loop.run_in_executor(self._pool, self.storage.write_batch, docs_all,
-                                           records, set(bounds), bounds, meta)  # fmt: skip
-                self._disk_gen += 1
-                self._manifest_saved = gen
-                for (part, docs), rec in zip(batches, records, strict=True):
-                    part.persisted_seq = rec.high_seq
-                    part.snap_start, part.snap_end = rec.snap_start, rec.snap_end
-                    if part.markers:
-                        part.markers = [m for m in part.markers if m.end > rec.high_seq]
-                    if part.vbucket in bounds:
-                        part.bounds = sorted(set(part.bounds).union(bounds[part.vbucket]))
-                        part.broken = {e for e in part.broken if e > rec.high_seq}
-                    part.queue.remove_flushed(docs)
-                    part.notify()
-                if self._room:
-                    self._made_room()
-                total += len(docs_all)
-
-    async def _prune_undo(self) -> None:
-        """Keep about `undo_window` seqs of undo per replica partition (bounded disk)."""
-        for vb, part in self.partitions.items():
-            floor = part.undo_floor
-            if floor is not None and part.persisted_seq - floor > 2 * self.undo_window:
-                new_floor = part.persisted_seq - self.undo_window
-                part.undo_floor = new_floor  # first: a floor too high is only conservative
-                part.bounds = [b for b in part.bounds if b >= new_floor]
-                await self._in_pool(self.storage.prune_undo, vb, new_floor)
-
-    async def persist_state(self, parts: list[Partition]) -> None:
+    def persist_state(self, parts: list[Partition]) -> Awaitable[None]:
         """Write partition records (failover log or state changed) durably."""
+        return self.flusher.persist_state(parts)
 
-        async def save() -> None:
-            async with self._flush_lock:
-                recs = [p.record() for p in parts]
-                await asyncio.get_running_loop().run_in_executor(
-                    self._pool, self.storage.save_partitions, recs
-                )
-
-        await self._unbroken(save())
-
-    async def purge(self, older_than: float) -> dict[int, int]:
+    def purge(self, older_than: float) -> Awaitable[dict[int, int]]:
         """Purge tombstones older than `older_than` seconds; raise purge seqnos."""
-        await self.flush()
+        return self.flusher.purge(older_than)
 
-        async def run() -> dict[int, int]:
-            purged = await self._locked(self.storage.purge_tombstones, older_than)
-            for vb, seq in purged.items():
-                self.partitions[vb].purge_seq = max(self.partitions[vb].purge_seq, seq)
-            return purged
-
-        return await self._unbroken(run())
+    def _prune_undo(self) -> Awaitable[None]:
+        """Keep about `undo_window` seqs of undo per replica partition (`undo.prune`)."""
+        return undo.prune(self)
 
 
 def _deleted_value(datatype: int, value: bytes, key: bytes) -> tuple[int, bytes]:
@@ -1075,23 +712,43 @@ def _deleted_value(datatype: int, value: bytes, key: bytes) -> tuple[int, bytes]
     return (xattrs.XATTR, blob) if blob else (0, b"")
 
 
-def _expired(doc: DocRow, now: float) -> bool:
-    """True for a live document whose expiry has passed (a system row's `expiry` is its
-    event version, never an expiry)."""
-    return (not doc.deleted and 0 < doc.expiry <= now
-            and not sysevents.is_system_key(doc.key))  # fmt: skip
+def _partitions(
+    records: dict[int, PartitionRecord], count: int, clean: bool, queued: QueueBytes
+) -> tuple[dict[int, Partition], list[PartitionRecord]]:
+    """A bucket's `count` partitions made from their stored records (or new), their
+    write queues counted in `queued`, and the records to save: the new partitions', and
+    after an unclean shutdown every active's, with a failover entry at its last
+    persisted complete snapshot (docs/protocol.md §4.3)."""
+    parts: dict[int, Partition] = {}
+    changed: list[PartitionRecord] = []
+    for vb in range(count):
+        rec = records.get(vb)
+        if rec is None:
+            part = Partition(vb, ACTIVE, FailoverLog.initial())
+            changed.append(part.record())
+        else:
+            part = Partition.from_record(rec)
+            if not clean and part.state == ACTIVE:
+                seq = part.snap_end if part.persisted_seq == part.snap_end else part.snap_start
+                part.failover = part.failover.add_entry(new_uuid(), seq)
+                changed.append(part.record())
+        part.queue.held = queued
+        parts[vb] = part
+    return parts, changed
 
 
-def _replica_snapshot(part: Partition, top: int) -> tuple[int, int]:
-    """(snap_start, snap_end) to record when a replica partition is persisted up to `top`:
-    (top, top) if `top` ends a snapshot; else (the last complete snapshot's end, the end
-    of the snapshot holding `top`), so `complete_seq` names the last complete snapshot
-    (the UPR design specification's walkthrough, "UPR in action on a Cluster": B persisted
-    through 7 of snapshot 6-8 and promotes at 5)."""
-    complete, current = part.complete_seq, top
-    for start, end in part.markers:
-        if end <= top:
-            complete = max(complete, end)
-        elif start <= top:
-            current = max(current, end)
-    return (top, top) if complete >= top else (complete, current)
+def _partition_count(storage: NodeStorage, wanted: int | None) -> int:
+    """A bucket's partition count: the one on disk, which never changes (a key's
+    partition is its hash modulo the count), else `wanted`, else the default."""
+    stored = storage.partition_count()
+    if wanted is None or stored in (0, wanted):
+        return stored or wanted or DEFAULT_PARTITIONS
+    storage.close()
+    raise UsageError(
+        f"--num-partitions {wanted}: the bucket in {storage.path} has {stored} "
+        f"partitions, which cannot change (give --num-partitions {stored}, or leave it out)"
+    )
+
+
+# StaleCas: the node answers it with the bucket CAS (upr_cli/node/server.py imports it here)
+__all__ = ["EXPIRY_PAGER_INTERVAL", "Bucket", "StaleCas", "XattrInvalid", "unpacked"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from upr_cli.collections import CollectionsError, Manifest
+from upr_cli.collections import CollectionsError, CollectionsManifest
 from upr_cli.protocol.header import DATATYPE_JSON, Opcode
 from upr_cli.protocol.messages import (
     CollectionsGetId,
@@ -29,7 +29,7 @@ async def set_manifest(session: ClientSession, msg: CollectionsSetManifest) -> N
     bucket = session.need_bucket()
     session.need_admin_bucket()
     try:
-        manifest = Manifest.from_json(msg.value)
+        manifest = CollectionsManifest.from_json(msg.value)
     except CollectionsError as exc:
         raise InvalidArguments(str(exc)) from None
     await bucket.set_manifest(manifest)

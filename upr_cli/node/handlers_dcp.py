@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from upr_cli.node.producer import OPEN_PRODUCER, DcpProducer, open_flags_problem
+from upr_cli.node.producer import DcpProducer, open_flags_problem
+from upr_cli.protocol.dcp import OPEN_PRODUCER
 from upr_cli.protocol.header import Feature, Opcode
 from upr_cli.protocol.messages import (
     AddStream,

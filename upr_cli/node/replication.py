@@ -60,10 +60,11 @@ from upr_cli.dcp.sink import SinkBase, drive
 from upr_cli.errors import UprError
 from upr_cli.net.aio import cancel_and_wait
 from upr_cli.net.uri import SourceUri
-from upr_cli.node.bucket import FED, Bucket
+from upr_cli.node.bucket import Bucket
 from upr_cli.node.partition import Partition
 from upr_cli.node.storage import DocRow
 from upr_cli.node.sysevents import system_row
+from upr_cli.node.undo import FED
 from upr_cli.position import StreamPosition
 from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.protocol.leb128 import join_key

@@ -33,11 +33,11 @@ from typing import Any
 
 from upr_cli.collections import (
     CollectionsError,
+    CollectionsManifest,
     ManifestChange,
     Path,
     apply_change,
 )
-from upr_cli.collections import Manifest as Collections
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog, InvalidFailoverLog
 from upr_cli.repo.errors import RepositoryError
@@ -538,11 +538,11 @@ def change_from_json(data: Any, where: str) -> ManifestChange:
                           ttl)  # fmt: skip
 
 
-def _collections(data: Any) -> Collections | None:
+def _collections(data: Any) -> CollectionsManifest | None:
     if data is None:
         return None
     try:
-        return Collections.from_json(data)
+        return CollectionsManifest.from_json(data)
     except CollectionsError as exc:
         raise _fail(f"collections: {exc}") from None
 
@@ -564,7 +564,7 @@ class Manifest:
     merged_through: BackupId | None = None
     # the source's collections at the start (None: written before collections, or a
     # source without them: everything is in the default collection), formats/repository.md §5.9
-    collections: Collections | None = None
+    collections: CollectionsManifest | None = None
     manifest_changes: tuple[ManifestChange, ...] = ()  # the system events met
     collection_filter: CollectionFilter | None = None  # None: every collection
     collection_items: tuple[CollectionCount, ...] = ()  # data records per collection id
@@ -635,7 +635,7 @@ class Manifest:
             )
 
     def _check_collections(self) -> None:
-        if self.collections is not None and not isinstance(self.collections, Collections):
+        if self.collections is not None and not isinstance(self.collections, CollectionsManifest):
             raise _fail("collections must be a collections Manifest or None")
         if self.collection_filter is not None and not isinstance(
             self.collection_filter, CollectionFilter
@@ -786,7 +786,7 @@ def _collection_fields(o: _Obj) -> tuple[Any, ...]:
 # -- collections over a chain ---------------------------------------------------------
 
 
-def _after(m: Manifest, start: Collections) -> Collections:
+def _after(m: Manifest, start: CollectionsManifest) -> CollectionsManifest:
     """The collections at the end of backup `m`, from those at its start: the changes
     its streams met, newer than the start manifest, in uid order (each partition reports
     every change: the first application counts, the repeats change nothing)."""
@@ -797,12 +797,12 @@ def _after(m: Manifest, start: Collections) -> Collections:
     return start
 
 
-def chain_manifest(backups: Sequence[Manifest]) -> Collections:
+def chain_manifest(backups: Sequence[Manifest]) -> CollectionsManifest:
     """The collections as they stand at the end of the chain `backups` (in chain order):
     the newest backup's start manifest with the changes its streams met applied. A
     chain written before collections gives the default collection alone, which holds
     every record."""
-    m = Collections()
+    m = CollectionsManifest()
     for b in backups:
         m = _after(b, b.collections if b.collections is not None else m)
     return m
@@ -816,7 +816,7 @@ def collection_history(backups: Sequence[Manifest]) -> dict[int, tuple[Path, boo
     with its last known name and whether it is dropped at the chain's end. A collection
     dropped and created again under the same name has a new id: two entries."""
     names: dict[int, Path] = {0: Path("_default", "_default")}
-    m = Collections()
+    m = CollectionsManifest()
     for b in backups:
         m = b.collections if b.collections is not None else m
         steps = [m]

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from upr_cli.collections import Manifest, ManifestChange
+from upr_cli.collections import CollectionsManifest, ManifestChange
 from upr_cli.errors import UsageError
 from upr_cli.sqlite import i64 as _i64
 from upr_cli.store.apply import PREV_COLUMNS
@@ -133,7 +133,7 @@ def claim_filter(db: sqlite3.Connection, path: Path, collections: str) -> None:
         set_meta(db, "collections", collections)
 
 
-def record_manifest(db: sqlite3.Connection, manifest: Manifest) -> None:
+def record_manifest(db: sqlite3.Connection, manifest: CollectionsManifest) -> None:
     """`Store.record_manifest` inside its transaction."""
     row = db.execute("SELECT value FROM meta WHERE key = 'manifest_uid'").fetchone()
     newer = row is None or manifest.uid >= int(row[0])

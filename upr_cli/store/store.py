@@ -34,7 +34,7 @@ from typing import Self
 import sqlite_utils
 
 from upr_cli import sqlite
-from upr_cli.collections import Manifest, ManifestChange
+from upr_cli.collections import CollectionsManifest, ManifestChange
 from upr_cli.errors import UsageError
 from upr_cli.failover import FailoverLog
 from upr_cli.position import StreamPosition
@@ -314,7 +314,7 @@ class Store(sqlite.Closing):
         with self._write() as db:
             manifests.claim_filter(db, self.path, collections)
 
-    def record_manifest(self, manifest: Manifest) -> None:
+    def record_manifest(self, manifest: CollectionsManifest) -> None:
         """Record the names of a source's scopes and collections (by id), for the `scope`
         and `collection` columns of the views. Idempotent; a manifest older (lower uid)
         than one recorded only adds names of ids the store does not know."""
