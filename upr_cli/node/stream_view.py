@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from upr_cli.collections import DEFAULT_ID, CollectionsManifest, ManifestChange, decode_event
 from upr_cli.node.bucket import Bucket
-from upr_cli.node.collections import UnknownCollectionError, UnknownScopeError
+from upr_cli.node.collection_state import UnknownCollectionError, UnknownScopeError
 from upr_cli.node.storage import DocRow
 from upr_cli.node.sysevents import event_of, system_key
 from upr_cli.protocol import leb128
