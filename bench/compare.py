@@ -18,7 +18,12 @@ with `upr load`, waits until they are persisted, then times each benchmark:
   items/s; skipped with a message when the consumer's constructor refuses the call on
   either commit;
 * `replay`: `upr replay` from the node into a new SQLite file, items/s as its own
-  summary counts them (as bench/replay.py).
+  summary counts them (as bench/replay.py);
+* `backup`: `upr backup` of the node into a new repository, end to end (process start
+  included), items/s;
+* `decode`: the codec alone, no node: --docs mutations of 150-200 B values in 1024
+  partitions encoded once, then decoded by `FrameDecoder.read_rows` in 256 KiB reads
+  (as bench/codec.py), best of three, frames/s.
 
 The node runs the client's commit (`--node same`, the default), or always the base's or
 the head's (`--node base|head`), to tell a client-side cost from a node-side one. The
@@ -38,6 +43,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import math
 import os
 import shutil
 import signal
@@ -54,7 +60,7 @@ from urllib.parse import urlsplit
 # the worktree named in PYTHONPATH, never from the repository this script lives in.
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
-BENCHES = ("drain", "library", "replay")
+BENCHES = ("drain", "library", "replay", "backup", "decode")
 PARTITIONS = 1024
 
 
@@ -218,6 +224,14 @@ def measure(run: Run, benches: list[str], docs: int, scratch: Path) -> None:
                 if items != docs:
                     print(f"    library: {items:,} records counted, not {docs:,}")
                 run.rates[bench] = items / float(str(answer["seconds"]))
+            elif bench == "backup":
+                t = time.perf_counter()
+                run.client.run("backup", node.uri, "--repo", str(scratch / "repo"), "--json",
+                               capture_output=True)  # fmt: skip
+                run.rates[bench] = docs / (time.perf_counter() - t)
+            elif bench == "decode":
+                answer = run.client.child("decode", str(docs))
+                run.rates[bench] = float(str(answer["frames_per_s"]))
             else:
                 db = scratch / "replay.db"
                 out = run.client.run("replay", node.uri, "--into", str(db), "--json",
@@ -356,6 +370,8 @@ def child(mode: str, uri: str, tree: Path) -> None:
         print(json.dumps({"persisted": True}))
     elif mode == "library":
         print(json.dumps(library_drain(uri)))
+    elif mode == "decode":
+        print(json.dumps(decode_rate(int(uri))))
     else:
         raise SystemExit(f"unknown child mode {mode}")
 
@@ -379,6 +395,37 @@ def wait_persisted(uri: str, timeout: float = 600.0) -> None:
         if time.monotonic() > deadline:
             raise SystemExit("the node did not persist its writes in time")
         time.sleep(0.2)
+
+
+def decode_rate(frames: int) -> dict[str, object]:
+    """`frames` mutations (150-200 B values, 1024 partitions) encoded once with the
+    commit's encoder, then decoded by its FrameDecoder in 256 KiB reads: the best of
+    three runs, frames/s."""
+    import random
+
+    from upr_cli.protocol import FrameDecoder
+    from upr_cli.protocol.fast import encode_mutation
+
+    rng = random.Random(7)
+    parts = []
+    for i in range(frames):
+        value = b'{"v":"' + rng.randbytes(rng.randrange(70, 95)).hex().encode() + b'"}'
+        parts.append(encode_mutation(i % 1024, 1, 0x16 << 56 | i, 1, i // 1024 + 1, 1, 0, 0,
+                                     f"user::{i:08d}".encode(), value))  # fmt: skip
+    buf = b"".join(parts)
+    del parts
+    best = math.inf
+    for _ in range(3):
+        t = time.perf_counter()
+        dec, mv, count = FrameDecoder(), memoryview(buf), 0
+        for pos in range(0, len(buf), 256 * 1024):
+            dec.feed(mv[pos : pos + 256 * 1024])
+            while rows := dec.read_rows():
+                count += len(rows)
+        best = min(best, time.perf_counter() - t)
+        if count != frames:
+            raise SystemExit(f"decoded {count} frames, not {frames}")
+    return {"frames_per_s": frames / best}
 
 
 def library_drain(uri: str) -> dict[str, object]:

@@ -44,9 +44,11 @@
    whose name ends in `datatype` (`rec.datatype & 0x01`, `datatype & 0x03 == 0x01`,
    `rec[R_DATATYPE] | 4`), passed as `datatype=` or assigned to such a name. 0 (raw) is
    allowed. Literals reaching a datatype through another name (a table of bits, a
-   variable named `dt`) are not seen. The files other helpers of issue 28 restructure
-   in parallel still hold a few such literals; `PENDING_DATATYPE_LITERALS` counts them
-   (at most), to be emptied when they land.
+   variable named `dt`) are not seen.
+
+6. No class is over 500 lines (issue 28): a class that grows past it holds more than
+   one job; split it by job (as the consumer's state machine, the node's handler
+   families and the repository's manifests and sweep were).
 
 Each check reports `path:line` of its offenders. The checkers themselves are tested
 below on small snippets, so a check that passes does so for the right reason.
@@ -71,6 +73,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "upr_cli"
 PROTOCOL = PACKAGE / "protocol"
 MAX_LINES = 100
+MAX_CLASS_LINES = 500
 MARK_LINES = 3  # the def line and this many lines after it may carry the mark
 
 RECORD_NAMES = frozenset({"item", "it", "rec", "record", "row", "r"})
@@ -85,12 +88,6 @@ DCP_RANGE = range(0x50, 0x66)
 FAMILY_WORDS = frozenset({"OPEN", "S", "FLAG", "STREAM", "END", "MARKER", "SNAPSHOT", "STATUS",
                           "SUBDOC", "DATATYPE", "DCP"})  # fmt: skip
 DATATYPE_NAME = re.compile(r"datatype$", re.IGNORECASE)
-# node/bucket.py, node/producer.py and node/server.py: only their constant definitions may
-# change on the vocabulary branch (issue 28 restructures them in parallel)
-PENDING_DATATYPE_LITERALS = {
-    "upr_cli/node/bucket.py": 3,
-    "upr_cli/node/producer.py": 2,
-}
 
 Func = ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
 
@@ -106,6 +103,18 @@ def _rel(path: Path | str) -> str:
 
 
 # -- 1. function length ------------------------------------------------------------
+
+
+def long_classes(source: str, where: str = "<snippet>") -> list[str]:
+    """`where:line name (N lines)` for every class over MAX_CLASS_LINES lines, nested
+    classes included."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > MAX_CLASS_LINES:
+                out.append(f"{where}:{node.lineno} {node.name} ({length} lines)")
+    return out
 
 
 def long_functions(source: str, where: str = "<snippet>") -> list[str]:
@@ -462,6 +471,19 @@ def test_long_functions_checker(source: str, flagged: int) -> None:
 @pytest.mark.parametrize(
     ("source", "flagged"),
     [
+        ("class C:\n" + "".join(f"    x{i} = {i}\n" for i in range(499)), 0),  # 500 lines
+        ("class C:\n" + "".join(f"    x{i} = {i}\n" for i in range(500)), 1),  # 501
+        ("def f():\n    class C:\n" + "".join(f"        x{i} = {i}\n" for i in range(520)), 1),
+        ("".join(f"x{i} = {i}\n" for i in range(900)), 0),  # a long module is not a class
+    ],
+)  # fmt: skip
+def test_long_classes_checker(source: str, flagged: int) -> None:
+    assert len(long_classes(source)) == flagged, long_classes(source)
+
+
+@pytest.mark.parametrize(
+    ("source", "flagged"),
+    [
         ("def f(batch):\n    for item in batch:\n        k = item[9]\n", 1),
         ("def f(batch):\n    for x in batch:\n        k = x[9]\n", 1),
         ("def f(rows):\n    return [r[1] for r in rows]\n", 1),
@@ -571,6 +593,12 @@ def test_no_function_over_100_lines_unless_marked_spec_shaped() -> None:
     assert not found, f"{len(found)} functions over {MAX_LINES} lines:\n" + "\n".join(found)
 
 
+def test_no_class_over_500_lines() -> None:
+    found = [x for p, s in _sources() for x in long_classes(s, _rel(p))]
+    assert not found, f"{len(found)} classes over {MAX_CLASS_LINES} lines (split them by " \
+        "job):\n" + "\n".join(found)  # fmt: skip
+
+
 def test_no_numeric_index_of_a_record_outside_protocol() -> None:
     found = [x for p, s in _sources() for x in record_indexes(s, _rel(p))]
     assert not found, f"{len(found)} numeric record indexes (read fields by name):\n" + "\n".join(
@@ -591,11 +619,6 @@ def test_no_wire_vocabulary_defined_outside_protocol() -> None:
 
 
 def test_no_datatype_bit_as_literal_outside_protocol() -> None:
-    found = []
-    for path, source in _sources():
-        where = _rel(path)
-        lines = datatype_literals(source, where)
-        if len(lines) > PENDING_DATATYPE_LITERALS.get(where, 0):
-            found.extend(lines)
+    found = [x for p, s in _sources() for x in datatype_literals(s, _rel(p))]
     assert not found, f"{len(found)} datatype bits as literals (use Datatype, DATATYPE_JSON, " \
         "snappy.SNAPPY or xattrs.XATTR):\n" + "\n".join(found)  # fmt: skip

@@ -16,6 +16,7 @@ import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from upr_cli.protocol.header import DATATYPE_JSON
 from upr_cli.protocol.messages import Barrier
 from upr_cli.protocol.status import InvalidArguments
 
@@ -101,7 +102,7 @@ class BarrierCookies:
                 b = self._pending.pop(0)
                 cut = {str(vb): str(seq) for vb, seq in sorted(b.cut.items())}
                 body = json.dumps({"cut": cut}, separators=(",", ":")).encode()
-                msg = Barrier(opaque=b.opaque, cookie=b.cookie, datatype=0x01, value=body)
+                msg = Barrier(opaque=b.opaque, cookie=b.cookie, datatype=DATATYPE_JSON, value=body)
                 await self._send([msg.encode()])
         except (ConnectionError, OSError):
             return  # the connection is gone, and its pending cookies with it

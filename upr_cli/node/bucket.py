@@ -85,6 +85,7 @@ from upr_cli.node.storage import (
 )
 from upr_cli.node.undo import FED, UNDO_WINDOW
 from upr_cli.protocol import leb128, snappy, xattrs
+from upr_cli.protocol.header import DATATYPE_JSON
 from upr_cli.protocol.status import (
     InvalidArguments,
     KeyExists,
@@ -94,6 +95,10 @@ from upr_cli.protocol.status import (
     StatusError,
     TemporaryFailure,
 )
+
+# the datatype bits of a value's body (compressed, with xattrs), and every bit a node keeps
+_BODY_BITS = snappy.SNAPPY | xattrs.XATTR
+_KNOWN_BITS = DATATYPE_JSON | _BODY_BITS
 
 # not in the prefetched map (a prefetched None means the key is known to be absent)
 _ABSENT: Any = object()
@@ -132,9 +137,9 @@ def checked_datatype(datatype: int, value: bytes, key: bytes = b"") -> int:
         bad = xattrs.not_json(blob, key)
         if bad:
             raise XattrInvalid(f"key {bytes(key)!r}: xattr {bad[0]!r} is not JSON")
-    if datatype & 0x01 and not is_json(body):
-        return datatype & 0x06
-    return datatype & 0x07
+    if datatype & DATATYPE_JSON and not is_json(body):
+        return datatype & _BODY_BITS
+    return datatype & _KNOWN_BITS
 
 
 # the C scanner json.loads ends in: (value, end) of the JSON value at an index

@@ -57,6 +57,7 @@ from upr_cli.protocol.dcp import (
     S_TAKEOVER,
     S_TO_LATEST,
 )  # DCP flags (docs/protocol.md §2)
+from upr_cli.protocol.header import DATATYPE_JSON
 from upr_cli.protocol.messages import Noop, Response, StreamEnd, StreamRequest
 from upr_cli.protocol.status import (
     DcpStreamIdInvalid,
@@ -473,7 +474,8 @@ def open_flags_problem(flags: int) -> str | None:
 def error_response(opcode: int, opaque: int, status: int, message: str) -> bytes:
     """A response with a status and an XERROR-style JSON context (docs/protocol.md §1.5)."""
     body = json.dumps({"error": {"context": message}}).encode()
-    return Response(opcode=opcode, opaque=opaque, status=status, value=body, datatype=1).encode()
+    return Response(opcode=opcode, opaque=opaque, status=status, value=body,
+                    datatype=DATATYPE_JSON).encode()  # fmt: skip
 
 
 # BACKFILLS_PER_CONNECTION: the node sizes its backfill pool by it (upr_cli/node/server.py)
