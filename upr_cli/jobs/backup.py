@@ -3,7 +3,9 @@
 One run (`_BackupRun`): take the bucket's lock, sweep leftovers, read where every
 partition's newest committed backup ended, decide each partition's start against the
 live source, stream into a new backup directory (`stream_to_segments`), then commit the
-manifest last.
+manifest last. Every repository file (the segments an interrupted run left, the
+cut-back directories, the syncs before the commit) is reached through the repository's
+storage (docs/design.md "Storage").
 
 Where a partition starts (docs/design.md "The two rollback rules"): from the stored end,
 unless the source's branch no longer holds it. Both rules are evaluated against the
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -47,7 +48,6 @@ from upr_cli.dcp.consumer import WireCompression
 from upr_cli.dcp.states import partition_states
 from upr_cli.errors import UprError, UsageError
 from upr_cli.failover import FailoverLog, ImpossibleHistory, needs_rollback, rollback_point
-from upr_cli.fsio import FileOps, sync_files
 from upr_cli.jobs.backup_stream import (
     DEFAULT_MEMORY,
     BackupInterrupted,
@@ -80,6 +80,7 @@ from upr_cli.repo import (
 )
 from upr_cli.repo.manifest import CollectionCount, CollectionFilter
 from upr_cli.segments import SegmentError, SegmentHeader, SegmentInfo, SegmentReader
+from upr_cli.storage import LOCAL, Storage
 
 log = logging.getLogger(__name__)
 
@@ -350,7 +351,8 @@ async def _backup_once(
     repo.init()
     warn = on_warning or log.warning
     started = now_utc(), time.monotonic()
-    new_bucket = not repo.bucket_dir(bucket).is_dir()
+    st = repo.storage.stat(repo.bucket_dir(bucket), follow_links=True)
+    new_bucket = st is None or not st.is_dir
     try:
         with RepositoryLock(repo, bucket, on_stale=warn) as lock:
             run = _BackupRun.open(uri, bucket, repo_dir, repo, lock, full=full, warn=warn,
@@ -500,7 +502,7 @@ class _BackupRun:
 
         def snapshots_of(bid: BackupId, seg: SegmentEntry) -> tuple[tuple[int, int], ...]:
             try:
-                with SegmentReader(repo.segment_path(bucket, bid, seg.file)) as r:
+                with SegmentReader(repo.segment_path(bucket, bid, seg.file), repo.storage) as r:
                     return r.header.snapshots
             except (SegmentError, OSError):
                 return ()  # verify names the damage; the backup ends cover the rest
@@ -521,15 +523,16 @@ class _BackupRun:
         goes on from there to this run's high seq in a follow-on segment, so that the
         backup holds every write acknowledged before it started
         (formats/repository.md §4.5)."""
-        reused = self.reused = _reusable(self.directory, wanted, self.positions)
+        storage = self.repo.storage
+        reused = self.reused = _reusable(self.directory, wanted, self.positions, storage)
         for p in _overtaken_reuse(reused, live_logs, self.seqs):
             log.warning("partition %d: the source no longer holds the end of the segments an "
                         "interrupted run left; streamed again", p)  # fmt: skip
-            reused.pop(p).remove()
+            _remove(storage, reused.pop(p).segments)  # streamed again
         self.follow = [p for p, ru in reused.items() if self.seqs.get(p, (0, 0))[0] > ru.end_seq]
         for p in self.follow:
             self.positions[p], self.logs[p] = reused[p].position, reused[p].failover_log
-        self.cuts = _leftover_cuts(self.directory)
+        self.cuts = _leftover_cuts(self.directory, storage)
         self.kept_cuts = {p: self.cuts.pop(p, []) for p in reused if p not in self.follow}
         self.to_stream = [p for p in wanted if p not in reused or p in self.follow]
 
@@ -567,6 +570,7 @@ class _BackupRun:
                     on_notice=on_notice,
                     compression=compression,
                     memory=memory,
+                    storage=self.repo.storage,
                 )
             )  # fmt: skip
         for p, ru in self.reused.items():
@@ -581,7 +585,7 @@ class _BackupRun:
         cuts = self.kept_cuts.get(p, []) if r is None else r.cuts
         if r is not None:  # the follow-up after the commit records the rollback (`backup`)
             if r.segment is not None:  # this run's records on the new branch go
-                _remove([r.segment])
+                _remove(self.repo.storage, [r.segment])
             self.note(f"partition {p}: a failover took back records of the segments an "
                       "interrupted run left; a follow-up backup records it")  # fmt: skip
         return PartitionResult(p, ru.failover_log, ru.start_seq, ru.end_seq, ru.snapshot, None,
@@ -594,8 +598,9 @@ class _BackupRun:
         # cut-back segments (this run's, an interrupted run's): durable before the commit
         cut_paths = [Path(info.path) for r in results.values() for _f, _t, info in r.cuts]
         if cut_paths:
-            sync_files(cut_paths)  # the files, then their cut-K directories
-            FileOps().fsync_dir(self.directory)  # the cut-K directories' entries
+            storage = self.repo.storage
+            storage.sync_all(cut_paths)  # the files, then their cut-K directories
+            storage.sync_dir(self.directory)  # the cut-K directories' entries
         entries, bytes_read = [], 0
         rollbacks: list[PartitionRollback] = []
         segments: list[SegmentInfo] = []  # every segment the manifest lists
@@ -642,7 +647,7 @@ async def _check_source(
     the lock, where its repair or its error comes first."""
     collections = await fetch_collections_manifest(uri)
     manifests: list[Manifest] = []
-    if not full and repo.repo_file.exists():
+    if not full and repo.storage.stat(repo.repo_file, follow_links=True) is not None:
         manifests, damaged = repo.readable(bucket)
         if damaged:
             return collections
@@ -843,19 +848,18 @@ class _Reused:
         uuid = self.failover_log.latest.uuid if self.failover_log.entries else 0
         return StreamPosition(self.partition, uuid, self.end_seq, *self.snapshot)
 
-    def remove(self) -> None:
-        """Delete the segment files (they will be streamed again)."""
-        _remove(self.segments)
 
-
-def _remove(segments: Sequence[SegmentInfo]) -> None:
+def _remove(storage: Storage, segments: Sequence[SegmentInfo]) -> None:
     """Delete segment files of this uncommitted run that its manifest will not list."""
     for seg in segments:
-        Path(seg.path).unlink(missing_ok=True)
+        storage.delete(Path(seg.path))
 
 
 def _reusable(
-    directory: Path, wanted: list[int], positions: dict[int, StreamPosition]
+    directory: Path,
+    wanted: list[int],
+    positions: dict[int, StreamPosition],
+    storage: Storage = LOCAL,
 ) -> dict[int, _Reused]:
     """Segments an interrupted run finished: kept if they verify and, per partition, make
     a run from where this run starts it, each on the branch the one before went on
@@ -863,22 +867,23 @@ def _reusable(
     streamed again (formats/repository.md §4.5)."""
     found: dict[int, list[tuple[SegmentHeader, SegmentInfo]]] = {}
     want = set(wanted)
-    for path in sorted(directory.glob("p*.seg")):
+    names = sorted(e.name for e in storage.list(directory))
+    for path in [directory / n for n in names if n.startswith("p") and n.endswith(".seg")]:
         try:
             name = parse_segment_name(path.name)
         except RepositoryError:
             continue
         p = name.partition
         try:
-            with SegmentReader(path) as reader:
+            with SegmentReader(path, storage) as reader:
                 info = reader.verify()
                 header = reader.header
         except SegmentError as exc:
             log.warning("%s: not reused: %s", path.name, exc.reason)
-            path.unlink(missing_ok=True)
+            storage.delete(path)
             continue
         if p not in want or header.partition != p or not info.records:
-            path.unlink(missing_ok=True)
+            storage.delete(path)
             continue
         found.setdefault(p, []).append((header, info))
     out: dict[int, _Reused] = {}
@@ -898,7 +903,7 @@ def _reusable(
         kept = {info.path for _h, info in run}
         for _h, info in segs:
             if info.path not in kept:
-                Path(info.path).unlink(missing_ok=True)
+                storage.delete(Path(info.path))
         if not run:
             continue
         header = run[-1][0]
@@ -928,12 +933,17 @@ def _overtaken_reuse(
     return out
 
 
-def _leftover_cuts(directory: Path) -> dict[int, list[tuple[int, int, SegmentInfo]]]:
+def _leftover_cuts(
+    directory: Path, storage: Storage = LOCAL
+) -> dict[int, list[tuple[int, int, SegmentInfo]]]:
     """Cut-back segments an interrupted run wrote (formats/repository.md §5.6): lost
     writes still, so this run lists them again, per partition in their old order and
     numbered again 1..n (a file that does not verify stays where it is, unlisted)."""
     found: dict[int, list[tuple[int, str, Path]]] = {}
-    for path in directory.glob("cut-*/p*.seg"):
+    # cut-*/p*.seg (a cut-* that is no directory lists nothing)
+    cut_dirs = [directory / e.name for e in storage.list(directory) if e.name.startswith("cut-")]
+    for path in [d / e.name for d in cut_dirs for e in storage.list(d)
+                 if e.name.startswith("p") and e.name.endswith(".seg")]:  # fmt: skip
         try:
             k, name = parse_cut_path(f"{path.parent.name}/{path.name}")
         except RepositoryError:
@@ -944,15 +954,15 @@ def _leftover_cuts(directory: Path) -> dict[int, list[tuple[int, int, SegmentInf
         cuts = out.setdefault(p, [])
         for _k, _name, path in sorted(paths):
             try:
-                with SegmentReader(path) as reader:
+                with SegmentReader(path, storage) as reader:
                     info, to = reader.verify(), reader.header.start_seq
             except SegmentError as exc:
                 log.warning("%s: not listed: %s", path, exc.reason)
                 continue
             want = directory / f"cut-{len(cuts) + 1}" / path.name
             if want != path:
-                want.parent.mkdir(exist_ok=True)
-                os.replace(path, want)
+                storage.make_dirs(want.parent)  # its parent, the backup's, is there
+                storage.replace(path, want)
                 info = replace(info, path=str(want))
             cuts.append((info.last_seq, to, info))
     return out

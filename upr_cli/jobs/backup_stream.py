@@ -12,7 +12,8 @@ to the worker and not yet written (`MAX_INFLIGHT` of them, and a share in bytes)
 the records held across open segments (raw, or compressed blocks not yet on disk; when
 exceeded, the largest are spilled to their body files), plus one shared zstd context.
 Segments become durable together (parallel fsyncs, one directory fsync) when every
-stream has ended.
+stream has ended. Every file, the cut-back directories too, is written through the
+repository's storage (`storage`; docs/design.md "Storage").
 
 A ROLLBACK met when a stream opens is recorded and the partition continues from the
 rollback seq on the new branch (never mixing branches: the segment's failover log is the
@@ -58,7 +59,6 @@ from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpe
 from upr_cli.dcp.sink import drive
 from upr_cli.errors import UprError
 from upr_cli.failover import FailoverLog
-from upr_cli.fsio import sync_files
 from upr_cli.jobs.worker import Worker
 from upr_cli.memory import ByteWindow, MemoryLimit
 from upr_cli.net.uri import SourceUri
@@ -68,6 +68,7 @@ from upr_cli.protocol.messages import STREAM_FOREVER
 from upr_cli.segments import SegmentHeader, SegmentInfo, SegmentWriter
 from upr_cli.segments.format import event_record
 from upr_cli.segments.writer import new_compressor
+from upr_cli.storage import LOCAL, Storage
 
 MAX_INFLIGHT = 4  # batches queued on the segment worker before the stream waits
 DEFAULT_MEMORY = MemoryLimit()  # --memory-limit's default
@@ -169,6 +170,7 @@ async def stream_to_segments(
     compression: WireCompression = "auto",
     wait: float = 120.0,
     on_notice: Callable[[str], None] | None = None,
+    storage: Storage = LOCAL,
 ) -> dict[int, PartitionResult]:
     """Stream each partition from its position to the pinned high seqno into a segment.
 
@@ -199,6 +201,8 @@ async def stream_to_segments(
     record seq).
 
     `memory` is the budget for the run's buffers (`--memory-limit`), shared by `budget`.
+
+    `storage` is the repository's, which every segment file is written through.
     """
     shares = budget(memory)
     consumer = DcpConsumer(uri, partitions=partitions, positions=positions,
@@ -212,7 +216,7 @@ async def stream_to_segments(
         stream = BackupStream(
             consumer, worker, directory, bucket=bucket, segment_name=segment_name,
             block_size=block_size, memory_budget=shares.held, on_progress=on_progress,
-            cuts=cuts, queued_bytes=shares.queued,
+            cuts=cuts, queued_bytes=shares.queued, storage=storage,
         )  # fmt: skip
         try:
             await consumer.open()
@@ -255,10 +259,12 @@ class BackupStream:
         on_progress: Callable[[StreamStats], None] | None = None,
         cuts: dict[int, list[tuple[int, int, SegmentInfo]]] | None = None,
         queued_bytes: int = 24 * 1024 * 1024,
+        storage: Storage = LOCAL,
     ) -> None:
         self.consumer = consumer
         self.worker = worker
         self.directory = directory
+        self.storage = storage  # the repository's: every segment file goes through it
         self.bucket = bucket
         self.segment_name = segment_name
         self.block_size = block_size
@@ -354,7 +360,7 @@ class BackupStream:
         results = {p: fut.result() for p, fut in self._finishing.items()}
         # durable together (parallel fsyncs, one directory fsync), before the caller commits
         paths = [Path(r.segment.path) for r in results.values() if r.segment is not None]
-        await asyncio.get_running_loop().run_in_executor(None, sync_files, paths)
+        await asyncio.get_running_loop().run_in_executor(None, self.storage.sync_all, paths)
         return results
 
     async def abort(self) -> None:
@@ -454,13 +460,15 @@ class BackupStream:
         header = SegmentHeader(self.bucket, p, st.log, st.start,
                                max(st.start, self.consumer.highs.get(p, 0)), (), self._created,
                                self._source, self.block_size)  # fmt: skip
-        return SegmentWriter(self.directory / f"p{p:04x}.open", header, compressor=self._zstd)
+        return SegmentWriter(self.directory / f"p{p:04x}.open", header, storage=self.storage,
+                             compressor=self._zstd)  # fmt: skip
 
     def _open_cut(self, p: int, log: FailoverLog, r: int, k: int) -> SegmentWriter:
         """The K-th cut-back segment of p: what a mid-run rollback to r took back."""
         header = SegmentHeader(self.bucket, p, log, r, r, (), self._created, self._source,
                                self.block_size)  # fmt: skip
-        return SegmentWriter(self.directory / f"p{p:04x}.cut-{k}", header, compressor=self._zstd)
+        return SegmentWriter(self.directory / f"p{p:04x}.cut-{k}", header,
+                             storage=self.storage, compressor=self._zstd)  # fmt: skip
 
     def _add_all(self, work: list[tuple[_Open, list[DcpRecord]]]) -> None:
         """Append records, then keep the bytes buffered within the memory budget (the
@@ -526,8 +534,9 @@ def _cut(
         if r < asked:
             w.truncate(r)
         held[0] += w.buffered - before
-        (w.path.parent / f"cut-{k}").mkdir(exist_ok=True)
-        path = w.path.parent / f"cut-{k}" / name(st.partition, into.first_seq, into.last_seq)
+        cut_dir = w.path.parent / f"cut-{k}"
+        into.storage.make_dirs(cut_dir)  # its parent, the backup's directory, is there
+        path = cut_dir / name(st.partition, into.first_seq, into.last_seq)
         info = into.finish(end_seq=into.last_seq, sync=False, path=path)
     except BaseException:
         into.abort()
