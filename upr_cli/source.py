@@ -141,12 +141,13 @@ def _not_a_source(
 
 
 def open_repo(path: Path) -> Repository:
-    """An existing repository (its repo.json is checked); a missing one is a usage error."""
+    """An existing repository (its repo.json is checked, through its storage); a missing
+    one is a usage error."""
     from upr_cli.repo import Repository
 
-    if not (path / "repo.json").exists():
-        raise UsageError(f"{path}: not a upr repository (no repo.json)")
     repo = Repository(path)
+    if repo.storage.stat(repo.repo_file, follow_links=True) is None:
+        raise UsageError(f"{path}: not a upr repository (no repo.json)")
     repo.info()
     return repo
 

@@ -41,6 +41,7 @@ from upr_cli.repo import Manifest, lost_cut
 from upr_cli.repo.manifest import collection_history
 from upr_cli.segments import SegmentReader
 from upr_cli.source import MAX_PARTITIONS, open_bucket
+from upr_cli.storage import Storage
 
 OPS = {OP_MUTATION: "mutation", OP_DELETION: "deletion", OP_EXPIRATION: "expiration"}
 
@@ -174,7 +175,7 @@ def examine(
             files += [(name, 0) for name, _seg in entry.cut_files()]
             for name, cut in files:
                 path = repo.segment_path(b, m.backup_id, name)
-                out += _versions(path, key, str(m.backup_id), p, cut, ids)
+                out += _versions(repo.storage, path, key, str(m.backup_id), p, cut, ids)
     kept = [v for v in out if not v.lost and not v.dropped]
     if kept:
         newest = max(kept, key=lambda v: v.seq)
@@ -197,12 +198,12 @@ def collection_ids(
     return ids
 
 
-def _versions(path: Path, key: bytes, backup_id: str, p: int, cut: int,
+def _versions(storage: Storage, path: Path, key: bytes, backup_id: str, p: int, cut: int,
               ids: dict[int, bool]) -> list[Version]:  # fmt: skip
     """The versions of `key` in the collections `ids` in one segment file (lost: above
-    `cut`)."""
+    `cut`), read through the repository's `storage`."""
     out = []
-    with SegmentReader(path) as reader:
+    with SegmentReader(path, storage) as reader:
         for r in reader.records():
             if r.key == key and r.collection in ids:
                 out.append(Version(backup_id, p, r.seq, OPS[r.op], r.cas, r.rev_seq, r.flags,

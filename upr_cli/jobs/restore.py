@@ -158,7 +158,7 @@ def partition_state(
     latest: dict[tuple[int, bytes], Record] = {}
     for step in plan_state(manifests, at=at, partition=partition):
         path = repo.segment_path(bucket, step.backup_id, step.segment.file)
-        with SegmentReader(path) as reader:
+        with SegmentReader(path, repo.storage) as reader:
             for rec in reader.records():
                 if rec.seq > step.max_seq:
                     break
@@ -209,8 +209,10 @@ def partition_chunks(
     latest: dict[tuple[int, bytes], Record] = {}
     later: dict[tuple[int, bytes], tuple[int, int]] = {}  # read again: (step, seq)
     held = 0
+    storage = repo.storage
     for i, step in enumerate(steps):
-        with SegmentReader(repo.segment_path(bucket, step.backup_id, step.segment.file)) as r:
+        with SegmentReader(repo.segment_path(bucket, step.backup_id, step.segment.file),
+                           storage) as r:  # fmt: skip
             for rec in r.records():
                 if rec.seq > step.max_seq:
                     break
@@ -233,7 +235,8 @@ def partition_chunks(
     latest.clear()
     for i in sorted({i for i, _seq in later.values()}):
         step = steps[i]
-        with SegmentReader(repo.segment_path(bucket, step.backup_id, step.segment.file)) as r:
+        with SegmentReader(repo.segment_path(bucket, step.backup_id, step.segment.file),
+                           storage) as r:  # fmt: skip
             for rec in r.records():
                 if rec.seq > step.max_seq:
                     break
