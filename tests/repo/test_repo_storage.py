@@ -173,6 +173,9 @@ THROUGH_STORAGE = [
     "upr_cli/repo/lock.py",
     "upr_cli/segments/reader.py",
     "upr_cli/segments/writer.py",
+    "upr_cli/jobs/backup.py",
+    "upr_cli/jobs/backup_stream.py",
+    "upr_cli/source.py",
 ]
 # file-system calls of pathlib, os and shutil: a call by one of these names must be made
 # on a storage (`self.storage.stat(…)`, `store.create(…)`)
@@ -184,6 +187,8 @@ FS_CALLS = {
 # what the lock does on the descriptor `Storage.open_lock` hands out, and the writer on
 # the file objects of `Storage.create`
 ON_DESCRIPTORS = {"kill", "pread", "pwrite", "ftruncate", "fsync", "fstat", "close"}
+# called by bare name: the builtin, and fsio's helpers that reach files beside a storage
+BY_NAME = {"open", "FileOps", "sync_files", "atomic_write"}
 
 
 def fs_calls_outside_storage(source: str) -> list[str]:
@@ -192,8 +197,8 @@ def fs_calls_outside_storage(source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call):
             f = node.func
-            if isinstance(f, ast.Name) and f.id == "open":
-                out.append(f"open() at line {node.lineno}")
+            if isinstance(f, ast.Name) and f.id in BY_NAME:
+                out.append(f"{f.id}() at line {node.lineno}")
             elif isinstance(f, ast.Attribute):
                 receiver = ast.unparse(f.value)
                 if receiver == "os" and f.attr not in ON_DESCRIPTORS:
@@ -208,10 +213,12 @@ def fs_calls_outside_storage(source: str) -> list[str]:
 
 
 def test_the_checker_finds_file_system_calls() -> None:
-    found = fs_calls_outside_storage("p.exists()\nos.scandir(d)\nopen(p)\nimport shutil\n")
+    found = fs_calls_outside_storage(
+        "p.exists()\nos.scandir(d)\nopen(p)\nimport shutil\nsync_files(ps)\nFileOps().sync(d)\n"
+    )
     assert sorted(found) == [
-        "open() at line 3", "os.scandir at line 2", "p.exists at line 1",
-        "shutil imported at line 4",
+        "FileOps() at line 6", "open() at line 3", "os.scandir at line 2",
+        "p.exists at line 1", "shutil imported at line 4", "sync_files() at line 5",
     ]  # fmt: skip
     fine = "self.storage.stat(p)\nstore.replace(a, b)\nos.fstat(fd)\nlayout.storage.list(d)\n"
     assert fs_calls_outside_storage(fine) == []
