@@ -175,6 +175,10 @@ THROUGH_STORAGE = [
     "upr_cli/segments/writer.py",
     "upr_cli/jobs/backup.py",
     "upr_cli/jobs/backup_stream.py",
+    "upr_cli/jobs/state.py",
+    "upr_cli/jobs/restore.py",
+    "upr_cli/jobs/examine.py",
+    "upr_cli/jobs/inspect.py",
     "upr_cli/source.py",
 ]
 # file-system calls of pathlib, os and shutil: a call by one of these names must be made

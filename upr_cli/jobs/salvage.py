@@ -504,7 +504,8 @@ def _repo_items(
             for seg in entry.segments:
                 if seg.last_seq <= rng.from_seq:
                     continue
-                with SegmentReader(repo.segment_path(b, rng.backup_id, seg.file)) as reader:
+                with SegmentReader(repo.segment_path(b, rng.backup_id, seg.file),
+                                   repo.storage) as reader:  # fmt: skip
                     for cid, key, v in _seg_versions(reader.records()):
                         if rng.from_seq < v.seq <= rng.to_seq:
                             origin = f"backup {rng.backup_id}"
@@ -514,7 +515,7 @@ def _repo_items(
             for k, c in enumerate(entry.cut_backs if entry is not None else (), 1):
                 for seg in c.segments:
                     path = repo.segment_path(b, m.backup_id, format_cut_path(k, seg.file))
-                    with SegmentReader(path) as reader:
+                    with SegmentReader(path, repo.storage) as reader:
                         items += [LostItem(p, key, c.to_seq, v,
                                            f"backup {m.backup_id} (cut back mid-run)",
                                            collection=cid)
@@ -531,7 +532,8 @@ def _repo_items(
         latest: dict[tuple[int, bytes], Version] = {}
         at = manifests[-1].backup_id
         for step in plan_state(manifests, at=at, partition=p):
-            with SegmentReader(repo.segment_path(b, step.backup_id, step.segment.file)) as reader:
+            with SegmentReader(repo.segment_path(b, step.backup_id, step.segment.file),
+                               repo.storage) as reader:  # fmt: skip
                 for cid, key, v in _seg_versions(reader.records()):
                     if v.seq > step.max_seq:
                         break

@@ -20,7 +20,6 @@ the pass costs a CRC32 per byte and holds one block at a time.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from upr_cli.repo import (
 )
 from upr_cli.segments import SegmentError, SegmentReader
 from upr_cli.source import backup_named
+from upr_cli.storage import Storage
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,27 +121,29 @@ def precheck(
     for p in selection.partitions:
         for step in plan_state(manifests, at=selection.backup_id, partition=p):
             path = repo.segment_path(bucket, step.backup_id, step.segment.file)
-            why = _check_segment(path, p, step, out)
+            why = _check_segment(repo.storage, path, p, step, out)
             if why is not None:
                 out.damage.setdefault(p, []).append(why)
     out.seconds = time.monotonic() - t0
     return out
 
 
-def _check_segment(path: Path, partition: int, step: PlanStep, out: Precheck) -> str | None:
+def _check_segment(storage: Storage, path: Path, partition: int, step: PlanStep,
+                   out: Precheck) -> str | None:  # fmt: skip
     """One segment against its manifest entry and its checksums: None when sound, else
     one line saying what is wrong."""
     seg = step.segment
     try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        return f"{path}: missing (listed by backup {step.backup_id})"
+        st = storage.stat(path, follow_links=True)
     except OSError as exc:
         return f"{path}: cannot read: {exc.strerror}"
+    if st is None:
+        return f"{path}: missing (listed by backup {step.backup_id})"
+    size = st.size
     if size != seg.bytes:
         return f"{path}: {size} bytes, the manifest of backup {step.backup_id} says {seg.bytes}"
     try:
-        with SegmentReader(path) as r:
+        with SegmentReader(path, storage) as r:
             out.segments += 1
             h = r.header
             if h.partition != partition:
