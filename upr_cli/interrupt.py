@@ -102,6 +102,8 @@ def on_signals(act: Callable[[int], None]) -> Iterator[None]:
 
     handled = []
     for sig in (signal.SIGINT, signal.SIGTERM):
+        # not the main thread (RuntimeError, ValueError) or not Unix (NotImplementedError):
+        # no handler, and the signal keeps its default path (the docstring's last sentence)
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, handle, sig)
             handled.append(sig)
