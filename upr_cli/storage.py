@@ -154,6 +154,12 @@ class Storage(Protocol):
         """Make many published files, and their directories, durable at once."""
         ...
 
+    def link(self, src: Path, dst: Path) -> None:
+        """Give the new file `dst` the content of the file `src`, without copying its
+        bytes where the backend can (a hard link; a copy inside the store); `dst` must
+        not exist. Not durable until `sync_all` (or `sync_dir` of its directory)."""
+        ...
+
     def open_lock(self, path: Path, *, create: bool) -> int:
         """A descriptor, for reading and writing, of the lock file at `path`, created
         exclusively with `create` (FileExistsError when it exists): the bucket lock
@@ -267,6 +273,24 @@ class LocalStorage:
     def sync_all(self, paths: Iterable[Path]) -> None:
         """fsync many files concurrently, then each of their directories once."""
         sync_files(paths)
+
+    def link(self, src: Path, dst: Path) -> None:
+        """A hard link; a copy (temp name, rename) on a file system without them."""
+        try:
+            os.link(src, dst)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP):
+                raise
+            tmp = temp_path(dst)
+            try:
+                with open(src, "rb") as f, self.ops.open(tmp) as out:
+                    self.ops.copy(f, out)
+                    self.ops.fsync(out)
+                self.ops.rename(tmp, dst)
+            finally:
+                tmp.unlink(missing_ok=True)
 
     def open_lock(self, path: Path, *, create: bool) -> int:
         """The lock file's descriptor (O_RDWR), created with O_CREAT|O_EXCL on `create`."""

@@ -48,7 +48,9 @@ from upr_cli.repo.names import (
     BackupId,
     SegmentName,
     check_bucket,
+    format_backup_dir,
     format_time,
+    parse_backup_dir,
     parse_cut_path,
     parse_time,
 )
@@ -62,8 +64,12 @@ REPO_FILE = "repo.json"
 """The repository-level file, created by `Repository.init`."""
 REPO_FORMAT = "upr-repository"
 """The `format` value of repo.json."""
-REPO_VERSION = 1
-"""The repository layout version this code writes and reads."""
+REPO_VERSION = 2
+"""The repository layout version this code writes (formats/repository.md §9): 2 added
+backup revisions (`<id>-rNNNNNNNN` directories), removals in progress and readers' files."""
+REPO_VERSIONS = (1, 2)
+"""The layout versions this code reads; `upgrade` raises a version 1 repository to 2
+before the first change only version 2 describes."""
 LOCK_FILE = "lock"
 """The bucket's lock file (see `upr_cli.repo.lock`)."""
 
@@ -110,10 +116,10 @@ class RepoInfo:
         version = data["version"]
         if isinstance(version, bool) or not isinstance(version, int):
             raise RepositoryError(f"{where}: version {version!r} is not an integer")
-        if version != REPO_VERSION:
+        if version not in REPO_VERSIONS:
             raise RepositoryError(
                 f"{where}: repository version {version} is not supported (this upr reads "
-                f"version {REPO_VERSION})"
+                f"versions {', '.join(map(str, REPO_VERSIONS))})"
             )
         try:
             created = parse_time(data["created"])
@@ -130,6 +136,7 @@ class Scan:
     path: Path
     has_manifest: bool
     has_copy: bool
+    revision: int = 1
 
     @property
     def committed(self) -> bool:
@@ -151,6 +158,9 @@ class Repository:
         self.storage: Storage = storage or LocalStorage(ops)
         self.manifest_store = ManifestStore(self)
         self.sweeper = Sweeper(self)
+        # (bucket, id) -> the directory of the backup's current revision, as the last
+        # scan of the bucket found it (formats/repository.md §4.6)
+        self._current: dict[tuple[str, BackupId], Path] = {}
 
     def __repr__(self) -> str:
         return f"Repository({str(self.path)!r})"
@@ -181,7 +191,9 @@ class Repository:
                 raise os_error(exc, self.path, "cannot create the repository") from None
             if created_dir:
                 self.storage.sync_dir(self.path.parent)
-            info = RepoInfo(REPO_VERSION, datetime.now(UTC))
+            # the lowest version that describes it: a repository becomes version 2 at its
+            # first revision (`upgrade`), so older upr reads every repository it can
+            info = RepoInfo(REPO_VERSIONS[0], datetime.now(UTC))
             data = (json.dumps(info.to_json(), indent=2) + "\n").encode()
             with contextlib.suppress(FileExistsError):  # another process won: validate theirs
                 self.storage.write_if_absent(self.repo_file, data)
@@ -240,6 +252,16 @@ class Repository:
         except RepositoryError as exc:  # not one this upr reads: wrong keys, format, version
             raise NotARepository(str(exc)) from None
 
+    def upgrade(self) -> RepoInfo:
+        """Raise a version 1 repository to version 2 (formats/repository.md §9) before
+        the first change only version 2 describes: repo.json rewritten atomically, its
+        creation time kept. Version 1 readers then refuse it rather than misread it."""
+        info = self.info()
+        if info.version < REPO_VERSION:
+            info = RepoInfo(REPO_VERSION, info.created)
+            self.storage.write(self.repo_file, (json.dumps(info.to_json(), indent=2) + "\n").encode())
+        return info
+
     def buckets(self) -> list[str]:
         """Bucket directories present, sorted."""
         out = []
@@ -258,8 +280,17 @@ class Repository:
         return self.path / check_bucket(bucket)
 
     def backup_dir(self, bucket: str, backup_id: BackupId) -> Path:
-        """`<repo>/<bucket>/<backup-id>`."""
-        return self.bucket_dir(bucket) / backup_id.format()
+        """`<repo>/<bucket>/<backup-id>`, or the directory of its newest committed
+        revision `<backup-id>-rNNNNNNNN` (formats/repository.md §4.6)."""
+        found = self._current.get((bucket, backup_id))
+        if found is None:
+            self.scan(bucket)
+            found = self._current.get((bucket, backup_id))
+        return found if found is not None else self.revision_dir(bucket, backup_id, 1)
+
+    def revision_dir(self, bucket: str, backup_id: BackupId, revision: int) -> Path:
+        """`<repo>/<bucket>/<backup-id>[-rNNNNNNNN]`: one revision's directory."""
+        return self.bucket_dir(bucket) / format_backup_dir(backup_id, revision)
 
     def manifest_path(self, bucket: str, backup_id: BackupId) -> Path:
         """`<repo>/<bucket>/<backup-id>/manifest.json`."""
@@ -282,24 +313,59 @@ class Repository:
 
     # -- listing ---------------------------------------------------------------------
 
-    def scan(self, bucket: str) -> list[Scan]:
-        """Backup directories of `bucket`, oldest first (names that parse as backup ids)."""
+    def scan_all(self, bucket: str) -> list[Scan]:
+        """Every backup directory of `bucket`, every revision, in (id, revision) order."""
         d = self.bucket_dir(bucket)
         stat = self.storage.stat
         out = []
         for entry in self.storage.list(d):
-            if not entry.is_dir or not BackupId.is_valid(entry.name):
+            if not entry.is_dir:
+                continue
+            try:
+                backup_id, revision = parse_backup_dir(entry.name)
+            except RepositoryError:
                 continue
             path = d / entry.name
-            out.append(Scan(BackupId.parse(entry.name), path,
-                            stat(path / MANIFEST_FILE) is not None,
-                            stat(path / MANIFEST_COPY) is not None))  # fmt: skip
-        return sorted(out, key=lambda s: s.backup_id)
+            out.append(Scan(backup_id, path, stat(path / MANIFEST_FILE) is not None,
+                            stat(path / MANIFEST_COPY) is not None, revision))  # fmt: skip
+        return sorted(out, key=lambda s: (s.backup_id, s.revision))
+
+    def scan(self, bucket: str) -> list[Scan]:
+        """Backup directories of `bucket`, one per id, oldest first: the newest committed
+        revision of each (its first directory while none is committed). The other
+        revisions are superseded or unfinished (`stale_revisions`)."""
+        current: dict[BackupId, Scan] = {}
+        for s in self.scan_all(bucket):
+            had = current.get(s.backup_id)
+            if had is None or s.committed:
+                current[s.backup_id] = s
+        for key in [k for k in self._current if k[0] == bucket]:
+            del self._current[key]
+        self._current.update(((bucket, b), s.path) for b, s in current.items())
+        return sorted(current.values(), key=lambda s: s.backup_id)
+
+    def stale_revisions(self, bucket: str) -> list[Scan]:
+        """The revision directories that are not their backup's current one: older
+        revisions a newer committed one replaced, and a revision whose writer was
+        interrupted before it committed. `sweep` removes them (formats/repository.md §4.4)."""
+        current = {s.path for s in self.scan(bucket)}
+        return [s for s in self.scan_all(bucket) if s.path not in current]
+
+    def committed_all(self, bucket: str) -> list[BackupId]:
+        """Ids of backups whose `manifest.json` or copy is present (valid or not), oldest
+        first, those a revision absorbed included (until the sweep removes them)."""
+        return [s.backup_id for s in self.scan(bucket) if s.committed]
 
     def committed(self, bucket: str) -> list[BackupId]:
-        """Ids of backups whose `manifest.json` or copy is present (valid or not), oldest
-        first."""
-        return [s.backup_id for s in self.scan(bucket) if s.committed]
+        """Ids of committed backups (valid or not), oldest first: `committed_all` less
+        the backups a committed revision absorbed (removed, formats/repository.md §4.6)."""
+        ids = self.committed_all(bucket)
+        gone = self.absorbed(bucket) if ids else set()
+        return [b for b in ids if b not in gone]
+
+    def absorbed(self, bucket: str) -> set[BackupId]:
+        """The backups committed revisions absorbed: removed, whatever is left of them."""
+        return self.manifest_store.absorbed(bucket)
 
     def backups(self, bucket: str) -> list[BackupId]:
         """Committed backups with a valid manifest (or copy), oldest first."""

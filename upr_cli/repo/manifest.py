@@ -43,6 +43,7 @@ from upr_cli.failover import FailoverLog, InvalidFailoverLog
 from upr_cli.repo.errors import RepositoryError
 from upr_cli.repo.names import (
     PARTITION_MAX,
+    REVISION_MAX,
     U64_MAX,
     BackupId,
     SegmentName,
@@ -56,8 +57,12 @@ MANIFEST_FORMAT = "upr-backup-manifest"
 """The `format` value of every manifest."""
 MANIFEST_VERSION = 2
 """The manifest version this code writes; it reads every version of `MANIFEST_VERSIONS`."""
-MANIFEST_VERSIONS = (1, 2)
-"""1: before collections (every record in the default collection); 2: collections."""
+MANIFEST_VERSIONS = (1, 2, 3)
+"""1: before collections (every record in the default collection); 2: collections;
+3: a revision written by `upr prune` (`revision`, `absorbed`), formats/repository.md §5.10.
+A manifest is written in the lowest version that describes it: 3 only for a revision."""
+REVISION_VERSION = 3
+"""The manifest version of a revision (`revision` > 1 or `absorbed` not empty)."""
 CHANGE_KINDS = ("collection-created", "collection-dropped", "scope-created", "scope-dropped")
 MAX_MANIFEST_BYTES = 64 << 20
 """Readers refuse larger manifests instead of allocating for them."""
@@ -568,6 +573,10 @@ class Manifest:
     manifest_changes: tuple[ManifestChange, ...] = ()  # the system events met
     collection_filter: CollectionFilter | None = None  # None: every collection
     collection_items: tuple[CollectionCount, ...] = ()  # data records per collection id
+    # version 3 (formats/repository.md §5.10): which revision of the backup this is, and
+    # the removed backups whose records it took over (every one, over all its revisions)
+    revision: int = 1
+    absorbed: tuple[BackupId, ...] = ()
     _index: dict[int, PartitionEntry] = field(
         init=False, repr=False, compare=False, hash=False, default_factory=dict
     )
@@ -626,6 +635,7 @@ class Manifest:
                 )
             self._index[e.partition] = e
         self._check_collections()
+        self._check_revision()
         if not isinstance(self.totals, Totals):
             raise _fail("totals must be a Totals")
         derived = Totals.derive(self.partitions, self.totals.bytes_read)
@@ -633,6 +643,28 @@ class Manifest:
             raise _fail(
                 f"totals {self.totals.to_json()} disagree with the partitions {derived.to_json()}"
             )
+
+    def _check_revision(self) -> None:
+        if isinstance(self.revision, bool) or not isinstance(self.revision, int) or not (
+            1 <= self.revision <= REVISION_MAX
+        ):
+            raise _fail(f"revision {self.revision!r} is not an integer in 1..{REVISION_MAX}")
+        object.__setattr__(self, "absorbed", tuple(self.absorbed))
+        last: BackupId | None = None
+        for b in self.absorbed:
+            if not isinstance(b, BackupId):
+                raise _fail("absorbed must hold backup ids")
+            if (last is not None and b <= last) or not b < self.backup_id:
+                raise _fail(
+                    f"absorbed: {b} is out of order, repeated or not older than backup "
+                    f"{self.backup_id}"
+                )
+            last = b
+
+    @property
+    def version(self) -> int:
+        """The manifest version this manifest is written in (the lowest describing it)."""
+        return REVISION_VERSION if self.revision > 1 or self.absorbed else MANIFEST_VERSION
 
     def _check_collections(self) -> None:
         if self.collections is not None and not isinstance(self.collections, CollectionsManifest):
@@ -687,7 +719,7 @@ class Manifest:
         """JSON object without the checksum (see `dumps`)."""
         return {
             "format": MANIFEST_FORMAT,
-            "version": MANIFEST_VERSION,
+            "version": self.version,
             "backup_id": self.backup_id.format(),
             "bucket": self.bucket,
             "source": self.source,
@@ -705,7 +737,10 @@ class Manifest:
             "collection_items": [c.to_json() for c in self.collection_items],
         } | (
             {} if self.merged_through is None else {"merged_through": self.merged_through.format()}
-        )
+        ) | (
+            {} if self.version < REVISION_VERSION else {
+                "revision": self.revision, "absorbed": [b.format() for b in self.absorbed]}
+        )  # fmt: skip
 
     @classmethod
     def from_json(cls, data: Any) -> Manifest:
@@ -721,6 +756,8 @@ class Manifest:
         if not (known and version == 1):  # collections (formats/repository.md §5.9)
             keys = (*keys, "collections", "manifest_changes", "collection_filter",
                     "collection_items")  # fmt: skip
+        if known and version == REVISION_VERSION:  # formats/repository.md §5.10
+            keys = (*keys, "revision", "absorbed")
         # format and version first: a newer manifest's keys are not unknown, it is newer
         if "format" in obj and obj["format"] != MANIFEST_FORMAT:
             raise _fail(f"format {obj['format']!r} is not {MANIFEST_FORMAT!r}")
@@ -747,7 +784,8 @@ class Manifest:
             partitions,
             Totals.from_json(o.get("totals")),
             BackupId.parse(o.string("merged_through")) if "merged_through" in keys else None,
-            *(_collection_fields(o) if version != 1 else ()),
+            *(_collection_fields(o) if version != 1 else (None, (), None, ())),
+            *(_revision_fields(o) if version == REVISION_VERSION else ()),
         )
 
     def dumps(self) -> bytes:
@@ -771,6 +809,17 @@ class Manifest:
 
 
 BackupManifest = Manifest  # the name the collections contract uses
+
+
+def _revision_fields(o: _Obj) -> tuple[int, tuple[BackupId, ...]]:
+    """The version 3 fields (formats/repository.md §5.10); a revision 1 without absorbed
+    backups is written as version 2, so version 3 always says something."""
+    revision = o.small_int("revision", REVISION_MAX)
+    absorbed = tuple(BackupId.parse(b if isinstance(b, str) else repr(b))
+                     for b in o.array("absorbed"))  # fmt: skip
+    if revision == 1 and not absorbed:
+        raise _fail("a version 3 manifest is a revision: revision > 1 or absorbed backups")
+    return revision, absorbed
 
 
 def _collection_fields(o: _Obj) -> tuple[Any, ...]:

@@ -27,7 +27,7 @@ from upr_cli.repo.chain import broken_parents, coverage_gaps, needed_from, order
 from upr_cli.repo.errors import BrokenChain, RepositoryError
 from upr_cli.repo.lock import require_held
 from upr_cli.repo.manifest import MAX_MANIFEST_BYTES, Manifest
-from upr_cli.repo.names import BackupId
+from upr_cli.repo.names import BackupId, format_backup_dir
 from upr_cli.storage import LOCAL, Storage
 
 if TYPE_CHECKING:
@@ -94,6 +94,11 @@ def _read(storage: Storage, path: Path) -> bytes | str:
         return "missing"
     except OSError as exc:
         return f"cannot read: {exc.strerror}"
+
+
+def absorbed_ids(manifests: Iterable[Manifest]) -> set[BackupId]:
+    """The backups that committed revisions took over (removed by `upr prune`)."""
+    return {b for m in manifests for b in m.absorbed}
 
 
 class ManifestStore:
@@ -167,6 +172,11 @@ class ManifestStore:
                     f"the manifest is for backup {m.backup_id} of bucket {m.bucket!r}, "
                     f"not {backup_id} of {bucket!r}"
                 )
+            if format_backup_dir(m.backup_id, m.revision) != path.parent.name:
+                raise RepositoryError(
+                    f"the manifest is revision {m.revision} of backup {m.backup_id}, "
+                    f"not the one of directory {path.parent.name}"
+                )
         except RepositoryError as exc:
             return ManifestFile(path, data if with_data else None, None, str(exc))
         self._parsed[st.version] = m
@@ -175,13 +185,27 @@ class ManifestStore:
     def readable(self, bucket: str) -> tuple[list[Manifest], dict[BackupId, str]]:
         """Every committed backup's manifest that can be read (oldest first), and the
         damaged ones with the reason: no check of the chain (`verify`, a new chain)."""
+        manifests, damaged = self._read_all(bucket)
+        # a backup a committed revision took over is removed, whatever is left of its
+        # directory until the sweep (formats/repository.md §4.6)
+        gone = absorbed_ids(manifests)
+        if gone:
+            manifests = [m for m in manifests if m.backup_id not in gone]
+            damaged = {b: why for b, why in damaged.items() if b not in gone}
+        return manifests, damaged
+
+    def _read_all(self, bucket: str) -> tuple[list[Manifest], dict[BackupId, str]]:
         manifests, damaged = [], {}
-        for bid in self.layout.committed(bucket):
+        for bid in self.layout.committed_all(bucket):
             try:
                 manifests.append(self.read(bucket, bid))
             except RepositoryError as exc:
                 damaged[bid] = str(exc)
         return manifests, damaged
+
+    def absorbed(self, bucket: str) -> set[BackupId]:
+        """The backups that the readable committed revisions absorbed."""
+        return absorbed_ids(self._read_all(bucket)[0])
 
     # -- writing ---------------------------------------------------------------------
 
@@ -206,6 +230,41 @@ class ManifestStore:
             )
         if manifest.parent is not None:  # never on top of a parent that cannot be read
             self.read(bucket, manifest.parent)
+        self._check_files(d, manifest)
+        data = manifest.dumps()
+        self.storage.write(d / MANIFEST_COPY, data)  # the commit point
+        self.storage.write(path, data)
+        return path
+
+    def write_revision(self, manifest: Manifest, lock: RepositoryLock) -> Path:
+        """Commit a revision of a committed backup (formats/repository.md §4.6): its
+        directory is `<id>-rNNNNNNNN` for the manifest's revision, which must be one more
+        than the current revision's; every file it lists is present at its size; the
+        backups it absorbs are committed and older. Copy first, then the manifest: the
+        copy's rename is the commit point, as for a backup (§4.3). Needs the lock."""
+        require_held(lock, self.layout.lock_path(manifest.bucket))
+        bucket, bid = manifest.bucket, manifest.backup_id
+        d = self.layout.revision_dir(bucket, bid, manifest.revision)
+        current = self.read(bucket, bid)
+        if manifest.revision != current.revision + 1:
+            raise RepositoryError(
+                f"{d}: revision {manifest.revision} does not follow the current revision "
+                f"{current.revision} of backup {bid}"
+            )
+        if self._committed_mark(d):
+            raise RepositoryError(f"{d}: revision {manifest.revision} is already committed")
+        committed = set(self.layout.committed(bucket))
+        stray = [b for b in manifest.absorbed if b not in committed and b not in current.absorbed]
+        if stray:
+            raise RepositoryError(f"{d}: absorbs backup {stray[0]}, which is not committed")
+        self._check_files(d, manifest)
+        data = manifest.dumps()
+        self.storage.write(d / MANIFEST_COPY, data)  # the commit point
+        self.storage.write(d / MANIFEST_FILE, data)
+        return d / MANIFEST_FILE
+
+    def _check_files(self, d: Path, manifest: Manifest) -> None:
+        """Every segment file the manifest lists is a regular file of its recorded size."""
         files = [(s.file, s) for e in manifest.partitions for s in e.segments]
         files += [f for e in manifest.partitions for f in e.cut_files()]
         for name, entry in files:
@@ -217,10 +276,6 @@ class ManifestStore:
                 raise RepositoryError(
                     f"{seg}: size {found.size} differs from the manifest's {entry.bytes} bytes"
                 )
-        data = manifest.dumps()
-        self.storage.write(d / MANIFEST_COPY, data)
-        self.storage.write(path, data)  # the commit point
-        return path
 
     def repair(self, bucket: str, backup_id: BackupId, lock: RepositoryLock) -> list[Path]:
         """Rewrite a backup's missing or damaged manifest file from its valid twin

@@ -27,6 +27,9 @@ U64_MAX = (1 << 64) - 1
 PARTITION_MAX = 0xFFFF
 
 _BACKUP_ID = re.compile(r"(\d{4})(\d{2})(\d{2})T(\d{2})(\d{2})(\d{2})\.(\d{6})Z", re.ASCII)
+_REVISION = re.compile(r"-r([0-9]{8})")
+REVISION_MAX = 99_999_999
+"""The highest revision of a backup (formats/repository.md §2.2)."""
 _TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})Z", re.ASCII)
 _SEGMENT = re.compile(r"p([0-9a-f]{4})-s([0-9a-f]{16})-e([0-9a-f]{16})\.seg")
 _CUT = re.compile(r"cut-([1-9][0-9]{0,3})/([^/]+)")
@@ -115,6 +118,30 @@ class BackupId:
 
     def __str__(self) -> str:
         return self.format()
+
+
+def format_backup_dir(backup_id: BackupId, revision: int = 1) -> str:
+    """A backup directory's name: the id, then `-rNNNNNNNN` from revision 2 on (a
+    replacement written by `upr prune`, formats/repository.md §2.2)."""
+    if not 1 <= revision <= REVISION_MAX:
+        raise RepositoryError(f"revision {revision} is not in 1..{REVISION_MAX}")
+    return backup_id.format() + ("" if revision == 1 else f"-r{revision:08d}")
+
+
+def parse_backup_dir(text: str) -> tuple[BackupId, int]:
+    """Inverse of `format_backup_dir`; anything else raises RepositoryError."""
+    if not isinstance(text, str):
+        raise RepositoryError(f"backup directory name {text!r} is not a string")
+    head, tail = text[:23], text[23:]
+    backup_id = BackupId.parse(head)
+    if not tail:
+        return backup_id, 1
+    m = _REVISION.fullmatch(tail)
+    if m is None or int(m.group(1)) < 2:
+        raise RepositoryError(
+            f"backup directory name {text!r} is not BACKUP-ID or BACKUP-ID-rNNNNNNNN (N ≥ 2)"
+        )
+    return backup_id, int(m.group(1))
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -19,11 +19,14 @@ from typing import TYPE_CHECKING
 
 from upr_cli.repo.errors import RepositoryError
 from upr_cli.repo.lock import require_held
-from upr_cli.repo.names import BackupId, is_temp_name
+from upr_cli.repo.names import BackupId, is_temp_name, temp_name
 
 if TYPE_CHECKING:
     from upr_cli.repo.layout import Repository
     from upr_cli.repo.lock import RepositoryLock
+
+REMOVED_SUFFIX = "-removed"
+"""The temp-name suffix of a directory being removed (`Sweeper.discard`)."""
 
 
 class Sweeper:
@@ -64,16 +67,40 @@ class Sweeper:
                     and (unreadable is None or s.backup_id > unreadable)):  # fmt: skip
                 self.storage.delete_tree(s.path)
                 removed.append(s.path)
+        # what a prune left when it stopped between its commits and its removals
+        # (formats/repository.md §4.6): revisions replaced or never committed, and the
+        # directories of the backups a committed revision absorbed
+        gone = layout.absorbed(bucket)
+        stale = layout.stale_revisions(bucket)
+        stale += [s for s in layout.scan_all(bucket) if s.backup_id in gone and s not in stale]
+        for s in stale:
+            removed.append(self.discard(s.path))
         if removed:
             self.storage.sync_dir(bdir)
         return removed
 
+    def discard(self, path: Path) -> Path:
+        """Remove a directory of the bucket so that no reader ever sees part of it: a
+        rename to a temp name (`.NAME.tmp-RANDOM-removed`, which no reader lists and the
+        sweep removes), then the removal of its content. Needs the bucket's lock, held
+        by the caller. Returns `path`."""
+        tmp = path.with_name(temp_name(path.name) + REMOVED_SUFFIX)
+        self.storage.replace(path, tmp)
+        self.storage.sync_dir(path.parent)
+        self.storage.delete_tree(tmp)
+        return path
+
     def _sweep_temp(self, d: Path, removed: list[Path]) -> None:
-        """Remove regular files named like temp files directly inside `d`."""
+        """Remove regular files named like temp files directly inside `d`, and the
+        directories a removal renamed (`discard`) and did not finish removing."""
         found = False
         for entry in self.storage.list(d):
-            if is_temp_name(entry.name) and entry.is_file:
-                self.storage.delete(d / entry.name)
+            removal = entry.is_dir and entry.name.endswith(REMOVED_SUFFIX)
+            if is_temp_name(entry.name) and (entry.is_file or removal):
+                if entry.is_dir:
+                    self.storage.delete_tree(d / entry.name)
+                else:
+                    self.storage.delete(d / entry.name)
                 removed.append(d / entry.name)
                 found = True
         if found:
