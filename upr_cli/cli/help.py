@@ -41,6 +41,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "info": ("inspect", "Show a repository's backups: items, bytes, ratio, rollbacks, the chain."),
     "verify": ("inspect", "Read everything in a repository and check it."),
+    "prune": ("prune", "Remove the backups no keep rule keeps; what the kept ones restore stays."),
+    "remove": ("prune", "Remove the named backups; what the other backups restore stays."),
     "examine": ("examine", "Show every version of a key stored in a repository."),
     "replay": ("replay", "Replay a source into a SQLite store that follows it like a UPR replica."),
     "diff": ("diff", "Compare the failover histories of A and B, partition by partition."),

@@ -13,7 +13,8 @@ block by block through the repository's storage (`repo.storage`; every block's
 checksum verified as it is read, a damaged piece raises `SegmentError`).
 
 1. Pass 1 maps every wanted document to its latest seq: `(collection, key) -> seq`,
-   ints and keys only, never a value.
+   ints and keys only, never a value (per interval between `bounds`, when the caller
+   must keep the state exact at some seqs inside the range: see `write_latest`).
 2. Pass 2 reads the pieces again and writes each record whose seq is its document's
    latest (it pops the entry, so the map shrinks as the file grows). The writer's
    compressed blocks are spilled to its body file every few blocks, so it never holds
@@ -34,6 +35,7 @@ records up to an inner marker are no longer a state the source had (§8.4).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,12 +86,19 @@ def _records(repo: Repository, bucket: str, pieces: Sequence[Piece],
 
 def write_latest(repo: Repository, bucket: str, partition: int, pieces: Sequence[Piece],
                  *, keep: Callable[[int], bool] | None, header: SegmentHeader,
-                 directory: Path) -> Written | None:  # fmt: skip
+                 directory: Path, bounds: Sequence[int] = ()) -> Written | None:  # fmt: skip
     """Write the latest record of every document of `pieces` as one segment in
-    `directory`; None (no file) when no record is left."""
-    latest: dict[tuple[int, bytes], int] = {}
+    `directory`; None (no file) when no record is left.
+
+    `bounds` are seqs at which the state must stay exact: the start seqs of later
+    backups that rolled back into the pieces' range (a state at such a backup takes
+    the records up to its start, formats/repository.md §8.1). A record is then dropped
+    only for a later record of its document between the same two bounds, so the
+    latest record at or below each bound is still there."""
+    cuts = sorted(set(bounds))
+    latest: dict[tuple[int, bytes, int], int] = {}
     for rec in _records(repo, bucket, pieces, keep):  # pass 1: seqs only
-        latest[rec.collection, bytes(rec.key)] = rec.seq
+        latest[rec.collection, bytes(rec.key), bisect_left(cuts, rec.seq)] = rec.seq
     if not latest:
         return None
     writer = SegmentWriter(directory / f"p{partition:04x}.open", header, storage=repo.storage)
@@ -99,7 +108,7 @@ def write_latest(repo: Repository, bucket: str, partition: int, pieces: Sequence
     batch: list[DcpRecord] = []
     with writer:  # aborted (temp files removed) unless finished
         for rec in _records(repo, bucket, pieces, keep):  # pass 2: the winners
-            doc = rec.collection, bytes(rec.key)
+            doc = rec.collection, bytes(rec.key), bisect_left(cuts, rec.seq)
             if latest.get(doc) != rec.seq:
                 continue
             del latest[doc]

@@ -254,8 +254,12 @@ class _Revision:
         header = SegmentHeader(self.bucket, p, last_e.failover_log, start, end_state, (),
                                _now(), f"prune: merged into {k.backup_id}")  # fmt: skip
         segments: list[SegmentEntry] = []
+        # later backups that rolled back into the merged range read it up to their start
+        bounds = [e.start_seq for m in chain if m.backup_id > k.backup_id
+                  and (e := m.partition(p)) is not None and e.start_seq < end_state]  # fmt: skip
         got = write_latest(self.repo, self.bucket, p, pieces, keep=alive.__contains__,
-                           header=header, directory=self.directory) if pieces else None  # fmt: skip
+                           header=header, directory=self.directory,
+                           bounds=bounds) if pieces else None  # fmt: skip
         if got is not None:
             segments.append(got.entry)
             self.written.append(self.directory / got.entry.file)
