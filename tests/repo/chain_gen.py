@@ -33,7 +33,7 @@ from upr_cli.repo import (
 from upr_cli.segments import SegmentHeader, SegmentWriter
 from upr_cli.store import Store
 
-from .repo_helpers import BUCKET, T0
+from tests.repo.repo_helpers import BUCKET, T0
 
 PARTITIONS = (0, 1, 2)
 KEYS = 12

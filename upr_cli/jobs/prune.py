@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -275,7 +275,8 @@ class _Revision:
                 self.link(k, seg.file)
         return PartitionEntry(p, owner.uuid, owner.failover_log, start, owner.end_seq,
                               owner.snap_start, owner.snap_end, tuple(segments),
-                              self._rollback(members, ek, start), tuple(cut_backs))  # fmt: skip
+                              self._rollback(members, ek, start), tuple(cut_backs),
+                              self._lost_bound(members, ek, start))  # fmt: skip
 
     def _link_entry(self, k: Manifest, e: PartitionEntry) -> None:
         for s in e.segments:
@@ -285,17 +286,27 @@ class _Revision:
 
     def _rollback(self, members: list[tuple[Manifest, PartitionEntry]],
                   ek: PartitionEntry | None, start: int) -> RollbackRecord | None:  # fmt: skip
-        """A record whose agreement (formats/repository.md §8.3) is the lowest of the
-        run's and K's: the backups before the run lose what they lost before."""
+        """The rollback record of the entry the merged range starts with (its `to` is
+        that start), when it has one."""
         entries = [e for _m, e in members] + ([ek] if ek is not None else [])
-        if start == 0:
+        return next(e for e in entries if e.start_seq == start).rollback
+
+    def _lost_bound(self, members: list[tuple[Manifest, PartitionEntry]],
+                    ek: PartitionEntry | None, start: int) -> int | None:  # fmt: skip
+        """How far the merged entry may agree with the backups before the run (§8.3):
+        no further than the run's and K's entries did, the lowest of them. None when
+        the merged entry's own start, rollback record or failover log says as much."""
+        entries = [e for _m, e in members] + ([ek] if ek is not None else [])
+        bounds = [_agreement(e) for e in entries if e.start_seq > 0]
+        bounds += [e.lost_bound for e in entries if e.lost_bound is not None]
+        if not bounds:
             return None
-        agree = min(_agreement(e) for e in entries)
-        if agree == start:
-            return None
-        base = next(e for e in entries if e.start_seq == start).rollback
-        assert base is not None  # an entry starting at `start` without one agrees there
-        return RollbackRecord(agree, start, base.seed_rule_seq, base.producer_seq)
+        bound = min(bounds)
+        if start > 0:
+            first = next(e for e in entries if e.start_seq == start)
+            if _agreement(replace(first, lost_bound=None)) <= bound:
+                return None
+        return bound
 
     def _cut_backs(self, p: int, ek: PartitionEntry | None) -> list[CutBack]:
         """The revision's cut-back records on p, numbered in order: the run's own
@@ -392,9 +403,10 @@ class _Revision:
 
 def _agreement(e: PartitionEntry) -> int:
     """How far a backup starting above 0 agrees with the history before it."""
+    found = e.start_seq
     if e.rollback is not None:
-        return max(e.start_seq, min(e.rollback.branch_seq, e.rollback.from_seq))
-    return e.start_seq
+        found = max(e.start_seq, min(e.rollback.branch_seq, e.rollback.from_seq))
+    return found if e.lost_bound is None else min(found, e.lost_bound)
 
 
 def _now() -> str:

@@ -145,6 +145,13 @@ def _agreement(j: PartitionEntry, later: PartitionEntry) -> int:
     branch (j's uuid) followed until the next newer entry, or for ever when it is still
     the latest. A branch the log does not know agrees nowhere (0).
     """
+    found = _agreement_by_start(j, later)
+    # a revision that took over removed backups agrees no further than they did
+    # (formats/repository.md §5.10)
+    return found if later.lost_bound is None else min(found, later.lost_bound)
+
+
+def _agreement_by_start(j: PartitionEntry, later: PartitionEntry) -> int:
     if later.start_seq > 0:
         # a rollback onto a snapshot boundary starts below where the histories part:
         # the records up to the rule's answer are streamed again, not lost

@@ -297,6 +297,9 @@ class PartitionEntry:
     segments: tuple[SegmentEntry, ...] = ()
     rollback: RollbackRecord | None = None
     cut_backs: tuple[CutBack, ...] = ()
+    # version 3 (formats/repository.md §5.10): at most how far this entry's history
+    # agrees with every earlier backup's (§8.3), when it took over removed backups
+    lost_bound: int | None = None
 
     def __post_init__(self) -> None:
         p = self.partition
@@ -321,6 +324,8 @@ class PartitionEntry:
                 f"end_seq {self.end_seq}"
             )
         _check_segments(self.segments, w, self.start_seq, self.end_seq, p)
+        if self.lost_bound is not None:
+            _u64(self.lost_bound, f"{w}: lost_bound")
         object.__setattr__(self, "cut_backs", tuple(self.cut_backs))
         for c in self.cut_backs:
             if not isinstance(c, CutBack):
@@ -367,7 +372,8 @@ class PartitionEntry:
             "last_snapshot": {"start": str(self.snap_start), "end": str(self.snap_end)},
             "segments": [s.to_json() for s in self.segments],
             "rollback": None if self.rollback is None else self.rollback.to_json(),
-        } | ({"cut_back": [c.to_json() for c in self.cut_backs]} if self.cut_backs else {})
+        } | ({"cut_back": [c.to_json() for c in self.cut_backs]} if self.cut_backs else {}) | (
+            {} if self.lost_bound is None else {"lost_bound": str(self.lost_bound)})  # fmt: skip
 
     @classmethod
     def from_json(cls, data: Any, where: str = "partition") -> PartitionEntry:
@@ -376,6 +382,8 @@ class PartitionEntry:
                                  "last_snapshot", "segments", "rollback")  # fmt: skip
         if isinstance(data, dict) and "cut_back" in data:  # optional: only when not empty
             keys += ("cut_back",)
+        if isinstance(data, dict) and "lost_bound" in data:  # optional: revisions only
+            keys += ("lost_bound",)
         o = _Obj(data, where, keys)
         partition = o.small_int("partition", PARTITION_MAX)
         where = o.where = f"partition {partition}"
@@ -401,6 +409,7 @@ class PartitionEntry:
             segments,
             rollback,
             _cut_backs(o, where) if "cut_back" in keys else (),
+            o.u64("lost_bound") if "lost_bound" in keys else None,
         )
 
 
@@ -636,6 +645,8 @@ class Manifest:
             self._index[e.partition] = e
         self._check_collections()
         self._check_revision()
+        if self.version < REVISION_VERSION and any(e.lost_bound is not None for e in self.partitions):
+            raise _fail("lost_bound appears only in a revision (formats/repository.md §5.10)")
         if not isinstance(self.totals, Totals):
             raise _fail("totals must be a Totals")
         derived = Totals.derive(self.partitions, self.totals.bytes_read)
