@@ -151,6 +151,6 @@ def test_piped_output_has_every_column(repo: Path) -> None:
     row = next(line for line in out.splitlines() if line.startswith(str(bid(1))))
     assert "2026-11-21 07:15:01" in row and str(bid(0))[:15] in row, out
     assert out.splitlines()[-1].startswith(f"{repo}: ") and "on disk" in out.splitlines()[-1]
-    assert json.loads(subprocess.run(
-        [sys.executable, "-m", "upr_cli", "info", "--repo", str(repo), "--json"],
-        capture_output=True, env=env, timeout=60, check=True).stdout)["bytes_on_disk"] > 0
+    args = [sys.executable, "-m", "upr_cli", "info", "--repo", str(repo), "--json"]
+    proc = subprocess.run(args, capture_output=True, env=env, timeout=60, check=True)
+    assert json.loads(proc.stdout)["bytes_on_disk"] == info(repo)["bytes_on_disk"]
