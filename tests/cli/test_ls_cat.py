@@ -229,6 +229,8 @@ def test_deleted_updated_rolled_back_and_dropped(repo: Path, run: Run) -> None:
     old = run("ls", "--repo", r, "--at", str(bid(0)), "--collection", "app").stdout.decode()
     assert "app.logs l0" in old.splitlines() and "_default" not in old
     assert run("ls", "--repo", r, "--collection", "app.logs").stdout == b""
+    empty = json.loads(run("ls", "--repo", r, "--collection", "app.logs", "--json").stdout)
+    assert (empty["keys"], empty["items"], empty["bucket"]) == ([], 0, BUCKET)
     # an update, then the rollback: partition 0's update in backup 1 above seq 2 is lost
     p0 = sorted(k for k in (b"k%d" % i for i in range(8)) if partition_of(k, PARTITIONS) == 0)
     assert p0
