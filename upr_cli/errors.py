@@ -31,7 +31,8 @@ class ExitCode(IntEnum):
     FAILED = 1
     """The operation failed (the source or target, the network, damaged data, a held lock,
     writes that failed), or the command's documented "no": diff: the histories differ;
-    verify: problems found; salvage: lost writes remain; examine: no version of the key."""
+    verify: problems found; salvage: lost writes remain; examine: no version of the key;
+    cat: no such document in the state."""
     USAGE = 2
     """Bad input or usage: options, values, URIs, specs, partitions the bucket cannot have,
     and paths or files that are not what they should be. diff and salvage, whose 1 is an

@@ -104,11 +104,13 @@ def test_diff_statuses_are_whole_at_80_columns() -> None:
 
 
 def test_info_kind_is_whole_at_80_columns() -> None:
-    backups = [{"backup_id": BACKUP, "full": full, "items": 12_345_678, "bytes_read": 9 * 10**9,
-                "bytes_written": 2 * 10**9, "ratio": 4.5, "rollback_count": 1024}
-               for full in (True, False)]  # fmt: skip
+    backups = [{"backup_id": BACKUP, "full": kind == "full", "type": kind, "items": 12_345_678,
+                "bytes_read": 9 * 10**9, "bytes_written": 2 * 10**9, "ratio": 4.5,
+                "rollback_count": 1024, "bytes_on_disk": 3 * 10**9, "parent": BACKUP,
+                "finished": "2026-11-21T06:15:09.123456Z"}
+               for kind in ("full", "incremental", "merged")]  # fmt: skip
     lines = at_80(inspect_cli.backups_table("/backups/cb: bucket default", backups, wide=False))
-    whole(lines, BACKUP, "incremental", "full", "12,345,678", "2.0 GB", "1024")
+    whole(lines, BACKUP, "incremental", "full", "merged", "12,345,678", "3.0 GB", "1024")
 
 
 def backup_summary(rollbacks: int) -> BackupSummary:

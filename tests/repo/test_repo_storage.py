@@ -180,6 +180,8 @@ THROUGH_STORAGE = [
     "upr_cli/jobs/restore.py",
     "upr_cli/jobs/examine.py",
     "upr_cli/jobs/inspect.py",
+    "upr_cli/jobs/ls.py",
+    "upr_cli/jobs/cat.py",
     "upr_cli/source.py",
 ]
 # file-system calls of pathlib, os and shutil: a call by one of these names must be made

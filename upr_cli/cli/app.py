@@ -91,6 +91,8 @@ KEPT = {
     "verify": "verify changes nothing; run it again to check the whole repository",
     "info": "info changes nothing; run it again",
     "examine": "examine changes nothing; run it again",
+    "ls": "ls changes nothing; run it again",
+    "cat": "cat changes nothing; run it again",
     "diff": "diff changes nothing; run it again",
     "load": "the documents written so far stay; run the same command to write the whole "
     "workload (from its first document)",

@@ -44,6 +44,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prune": ("prune", "Remove the backups no keep rule keeps; what the kept ones restore stays."),
     "remove": ("prune", "Remove the named backups; what the other backups restore stays."),
     "examine": ("examine", "Show every version of a key stored in a repository."),
+    "ls": ("ls", "List the keys a restore of a backup's state would write."),
+    "cat": ("cat", "Print one document of a backup's state, as a restore would write it."),
     "replay": ("replay", "Replay a source into a SQLite store that follows it like a UPR replica."),
     "diff": ("diff", "Compare the failover histories of A and B, partition by partition."),
     "salvage": (

@@ -27,6 +27,12 @@ from upr_cli.source import selected
 
 INFO_HELP = """Show a repository's backups: items, bytes, ratio, rollbacks, the chain.
 
+Each backup with when it committed (UTC), its type (full, incremental, or merged: a
+backup `upr spark merge` wrote), its parent, its items and its size on disk (its
+segments, cut-back ones included, and both manifest files), with the bytes read and
+written and their ratio on a wide terminal; then the size of the repository on disk.
+--json has every field; times are RFC 3339 UTC.
+
 With --partitions, each partition's range in every backup, its rollbacks and the lost
 writes (records above a rollback point, still readable).
 
@@ -105,6 +111,7 @@ def info_cmd(
             stdout.print(collections_table(entry["collections"]))
         for p, chain in entry.get("partitions", {}).items():
             _print_chain(p, chain)
+    stdout.print(total_line(data), markup=False)
 
 
 def interrupted_lines(resumable: str | None, leftovers: list[str]) -> list[str]:
@@ -122,26 +129,51 @@ def interrupted_lines(resumable: str | None, leftovers: list[str]) -> list[str]:
 
 
 def backups_table(title: str, backups: list[dict[str, Any]], *, wide: bool) -> Table:
-    """One row a backup. The id and the kind never wrap; the bytes read (the written
-    bytes times the ratio) come when the terminal is `wide`, and are always in --json."""
+    """One row a backup. The id and the type never wrap; when it committed (UTC) folds
+    into two lines when short of room; the parent (its id to the second, a prefix
+    `--at` takes), the bytes read and written and the ratio come when the terminal is
+    `wide`, and are always in --json."""
     t = table(title)
     t.add_column("backup", no_wrap=True)
-    t.add_column("kind", no_wrap=True, min_width=len("incremental"))
-    cols = ("items", "read", "written", "ratio", "rollbacks") if wide else (
-        "items", "written", "ratio", "rollbacks")  # fmt: skip
+    t.add_column("type", no_wrap=True, min_width=len("incremental"))
+    t.add_column("finished (UTC)", overflow="fold", min_width=len("2026-11-21"))
+    if wide:
+        t.add_column("parent", no_wrap=True)
+    cols = ("items", "on disk", "read", "written", "ratio", "rollbacks") if wide else (
+        "items", "on disk", "rollbacks")  # fmt: skip
     for col in cols:
         t.add_column(col, justify="right", no_wrap=True)
     for bk in backups:
         cells = {
             "items": f"{bk['items']:,}",
+            "on disk": human_bytes(bk["bytes_on_disk"]),
             "read": human_bytes(bk["bytes_read"]),
             "written": human_bytes(bk["bytes_written"]),
             "ratio": str(bk["ratio"] or "-"),
             "rollbacks": str(bk["rollback_count"]),
         }
-        t.add_row(bk["backup_id"], "full" if bk["full"] else "incremental",
-                  *(cells[c] for c in cols))  # fmt: skip
-    return keep_whole(t)
+        row = [bk["backup_id"], bk["type"], _utc(bk["finished"])]
+        if wide:
+            row.append(bk["parent"][:15] if bk["parent"] else "-")
+        t.add_row(*row, *(cells[c] for c in cols))
+    return keep_whole(t, "backup", "type", *cols)
+
+
+def _utc(time: str) -> str:
+    """An RFC 3339 UTC time (`2026-11-21T06:15:00.123456Z`) to the second, for people:
+    `2026-11-21 06:15:00` (the space is where it folds)."""
+    return time[:19].replace("T", " ")
+
+
+def total_line(data: dict[str, Any]) -> str:
+    """The repository's size on disk, every bucket's, and the selected buckets'."""
+    line = f"{data['repository']}: {human_bytes(data['bytes_on_disk'])} on disk"
+    if len(data["buckets"]) > 1:
+        each = ", ".join(
+            f"{b} {human_bytes(e['bytes_on_disk'])}" for b, e in data["buckets"].items()
+        )
+        line += f" ({each})"
+    return line
 
 
 def collections_table(collections: list[dict[str, Any]]) -> Table:

@@ -17,6 +17,13 @@ and expirations as `deleted`, over the chain's backups; a collection dropped sin
 left out by a filtered backup, says so. Backups written before collections count as
 the default collection's, from their segments.
 
+Each backup's row says when it committed (`finished`, UTC), its `type` (`full`,
+`incremental`, or `merged`: a backup `upr spark merge` wrote, which stands in for the
+ones it merges), its parent, and its `bytes_on_disk`: the sizes of the files in its
+directory as the repository's storage stats them (segments, cut-back segments and
+both manifest files), one listing per backup. Each bucket and the repository (every
+bucket, whatever `--bucket` selects, and repo.json) have their total on disk too.
+
 `source.open_bucket` is how every reader gets its manifests: the chain it reads is checked
 whole first (`Repository.chain`, formats/repository.md §8.8). It is also importable from
 here until every reader imports it from `upr_cli.source`.
@@ -46,8 +53,10 @@ from upr_cli.repo import (
     lost_ranges,
 )
 from upr_cli.repo.manifest import UNNAMED_SCOPE, Manifest, collection_history
+from upr_cli.repo.names import format_time
 from upr_cli.segments import Record, SegmentError, SegmentInfo, SegmentReader
 from upr_cli.source import open_bucket, open_repo
+from upr_cli.storage import Storage
 
 __all__ = ["Problem", "VerifyReport", "info", "open_bucket", "open_repo", "verify"]
 
@@ -338,9 +347,14 @@ _XATTRS = attrgetter("xattrs")
 def info(
     path: Path, bucket: str | None = None, partitions: list[int] | None = None
 ) -> dict[str, Any]:
-    """Backups per bucket with items, bytes, ratio, rollbacks; the chain; per-partition ranges."""
+    """Backups per bucket with their type, dates, parent, items, bytes (read, written,
+    on disk), ratio and rollbacks; the chain; per-partition ranges; what the repository
+    and each bucket take on disk."""
     repo = open_repo(path)
-    out: dict[str, Any] = {"repository": str(path), "buckets": {}}
+    total = sum(tree_bytes(repo.storage, repo.bucket_dir(b)) for b in repo.buckets())
+    st = repo.storage.stat(repo.repo_file, follow_links=True)
+    total += st.size if st is not None else 0
+    out: dict[str, Any] = {"repository": str(path), "bytes_on_disk": total, "buckets": {}}
     for b in _buckets(repo, bucket):
         try:
             manifests = repo.chain(b)
@@ -354,18 +368,22 @@ def info(
                 {
                     "backup_id": str(m.backup_id),
                     "full": m.full,
+                    "type": backup_type(m),
                     "parent": None if m.parent is None else str(m.parent),
-                    "started": m.started.isoformat(),
+                    "started": format_time(m.started),
+                    "finished": format_time(m.finished),
                     "items": t.items,
                     "bytes_read": t.bytes_read,
                     "bytes_written": t.bytes_written,
                     "ratio": round(t.bytes_read / t.bytes_written, 2) if t.bytes_written else None,
                     "rollback_count": t.rollbacks,  # `rollbacks` elsewhere is their list
                     "partitions": len(m.partitions),
+                    "bytes_on_disk": tree_bytes(repo.storage, repo.backup_dir(b, m.backup_id)),
                 }
             )
         resumable = repo.resumable(b)
         entry: dict[str, Any] = {
+            "bytes_on_disk": tree_bytes(repo.storage, repo.bucket_dir(b)),
             "backups": backups,
             "incomplete": [str(x) for x in repo.incomplete(b)],
             "resumable": None if resumable is None else str(resumable),
@@ -406,6 +424,30 @@ def info(
             entry["partitions"] = ranges
         out["buckets"][b] = entry
     return out
+
+
+def backup_type(m: Manifest) -> str:
+    """`merged` for a backup `upr spark merge` wrote (through an older backup it has
+    `merged_through`; through the newest, its source says so; a merge that absorbed
+    backups lists them), else `full` or `incremental`."""
+    if m.merged_through is not None or m.source.startswith("merge of"):
+        return "merged"
+    if getattr(m, "absorbed", ()):
+        return "merged"
+    return "full" if m.full else "incremental"
+
+
+def tree_bytes(storage: Storage, path: Path) -> int:
+    """The sizes of the regular files under the directory `path` (its subdirectories'
+    too), as `storage` stats them: what it takes on disk, blocks aside. 0 when absent."""
+    total = 0
+    for e in storage.list(path):
+        if e.is_dir:
+            total += tree_bytes(storage, path / e.name)
+        elif e.is_file:
+            st = storage.stat(path / e.name)
+            total += st.size if st is not None else 0  # removed meanwhile: not there
+    return total
 
 
 def collection_counts(
