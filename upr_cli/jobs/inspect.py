@@ -46,6 +46,7 @@ from upr_cli.repo import (
     lost_ranges,
 )
 from upr_cli.repo.manifest import UNNAMED_SCOPE, Manifest, collection_history
+from upr_cli.repo.readers import read_lock
 from upr_cli.segments import Record, SegmentError, SegmentInfo, SegmentReader
 from upr_cli.source import open_bucket, open_repo
 
@@ -152,54 +153,55 @@ def verify(
                         done[2] + rep.bytes)  # fmt: skip
 
     for b in names:
-        rep = VerifyReport(b)
-        reports.append(rep)
-        if repair:
-            with RepositoryLock(repo, b) as lock:
-                _check_manifests(repo, b, rep, lock)
-        else:
-            _check_manifests(repo, b, rep, None)
-        manifests, damaged = repo.readable(b)
-        rep.backups = len(manifests)
-        resumable = repo.resumable(b)
-        rep.resumable = None if resumable is None else str(resumable)
-        rep.leftovers = [str(x) for x in repo.leftovers(b)]
-        for mm in broken_parents(manifests):
-            rep.problems.append(
-                Problem(
-                    "chain",
-                    f"{b}/{mm.backup_id}",
-                    repo.describe_parent(b, mm.backup_id, mm.recorded, mm.expected, damaged),
-                )
-            )
-        named = collection_history(manifests)
-        for m in manifests:
-            counts: dict[int, list[int]] = {}
-            for e in m.partitions:
-                for seg in e.segments:
-                    rep.segments += 1
-                    got = _check_segment(repo, b, m.backup_id, e.partition, seg, rep)
-                    for cid, items, deleted in got.counts if got is not None else ():
-                        t = counts.setdefault(cid, [0, 0])
-                        t[0], t[1] = t[0] + items, t[1] + deleted
-                    tick(rep)
-                for name, seg in e.cut_files():  # lost writes kept from a mid-run rollback
-                    rep.segments += 1
-                    _check_segment(repo, b, m.backup_id, e.partition, seg, rep, name)
-                    tick(rep)
-            _check_collections(f"{b}/{m.backup_id}", m, counts, named, rep)
-        for p in sorted({e.partition for m in manifests for e in m.partitions}):
-            for gap in coverage_gaps(manifests, p):
+        with read_lock(repo, b, "verify"):
+            rep = VerifyReport(b)
+            reports.append(rep)
+            if repair:
+                with RepositoryLock(repo, b) as lock:
+                    _check_manifests(repo, b, rep, lock)
+            else:
+                _check_manifests(repo, b, rep, None)
+            manifests, damaged = repo.readable(b)
+            rep.backups = len(manifests)
+            resumable = repo.resumable(b)
+            rep.resumable = None if resumable is None else str(resumable)
+            rep.leftovers = [str(x) for x in repo.leftovers(b)]
+            for mm in broken_parents(manifests):
                 rep.problems.append(
                     Problem(
-                        "gap",
-                        f"{b}/{gap.backup_id} partition {p}",
-                        f"seqs ({gap.from_seq}, {gap.to_seq}] are in no backup",
+                        "chain",
+                        f"{b}/{mm.backup_id}",
+                        repo.describe_parent(b, mm.backup_id, mm.recorded, mm.expected, damaged),
                     )
                 )
-        done[0] += rep.segments
-        done[1] += rep.records
-        done[2] += rep.bytes
+            named = collection_history(manifests)
+            for m in manifests:
+                counts: dict[int, list[int]] = {}
+                for e in m.partitions:
+                    for seg in e.segments:
+                        rep.segments += 1
+                        got = _check_segment(repo, b, m.backup_id, e.partition, seg, rep)
+                        for cid, items, deleted in got.counts if got is not None else ():
+                            t = counts.setdefault(cid, [0, 0])
+                            t[0], t[1] = t[0] + items, t[1] + deleted
+                        tick(rep)
+                    for name, seg in e.cut_files():  # lost writes kept from a mid-run rollback
+                        rep.segments += 1
+                        _check_segment(repo, b, m.backup_id, e.partition, seg, rep, name)
+                        tick(rep)
+                _check_collections(f"{b}/{m.backup_id}", m, counts, named, rep)
+            for p in sorted({e.partition for m in manifests for e in m.partitions}):
+                for gap in coverage_gaps(manifests, p):
+                    rep.problems.append(
+                        Problem(
+                            "gap",
+                            f"{b}/{gap.backup_id} partition {p}",
+                            f"seqs ({gap.from_seq}, {gap.to_seq}] are in no backup",
+                        )
+                    )
+            done[0] += rep.segments
+            done[1] += rep.records
+            done[2] += rep.bytes
     return reports
 
 
@@ -339,6 +341,9 @@ def info(
     path: Path, bucket: str | None = None, partitions: list[int] | None = None
 ) -> dict[str, Any]:
     """Backups per bucket with items, bytes, ratio, rollbacks; the chain; per-partition ranges."""
+    # No shared lock (formats/repository.md §7.2): info reads manifests only, each whole
+    # (a rename publishes it), never a segment, so it never waits for a prune or a sweep.
+    # Run while one removes backups, it can report one it removed as missing: run again.
     repo = open_repo(path)
     out: dict[str, Any] = {"repository": str(path), "buckets": {}}
     for b in _buckets(repo, bucket):
