@@ -275,3 +275,16 @@ def test_a_spark_task_reads_under_the_shared_lock(repo: Repository) -> None:
     Path(group.pieces[0].path).unlink()
     with pytest.raises(RepositoryError, match=r"pruned meanwhile; run the read again$"):
         list(read_group(group))
+
+
+def test_a_dead_readers_half_written_registration_goes_once_old(repo: Repository) -> None:
+    d = repo.bucket_dir(BUCKET) / READERS_DIR
+    d.mkdir()
+    old, young = d / ".1-h-00000000.json.tmp-0a1b2c3d", d / ".2-h-00000000.json.tmp-1a2b3c4d"
+    old.write_bytes(b"")
+    young.write_bytes(b"")
+    os.utime(old, (time.time() - 60, time.time() - 60))
+    notes = d / "notes.txt"  # not ours: left alone
+    notes.write_text("mine")
+    with RepositoryLock(repo, BUCKET), ExclusiveAccess(repo, BUCKET):
+        assert registrations(repo) == sorted([young.name, notes.name])

@@ -201,7 +201,7 @@ def live_readers(repo: Repository, bucket: str) -> list[Reader]:
 def describe_readers(readers: list[Reader]) -> str:
     """`2 readers: restore (pid …), verify (pid …)`."""
     if not readers:
-        return "readers that did not register (another upr version?)"
+        return "a reader that did not register"
     noun = "reader" if len(readers) == 1 else "readers"
     return f"{len(readers)} {noun}: " + ", ".join(r.describe() for r in readers)
 
@@ -302,7 +302,9 @@ class ReadLock:
             except (FileNotFoundError, FileExistsError):
                 continue  # the directory was removed by a reader leaving: again
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: always granted
+                # blocking: a writer's scan may hold it for a moment (it leaves a young
+                # temp file alone)
+                fcntl.flock(fd, fcntl.LOCK_EX)
                 os.pwrite(fd, data, 0)
                 storage.replace(tmp, final)
             except FileNotFoundError:
@@ -346,26 +348,29 @@ class ReadLock:
             time.sleep(_POLL)
 
     def release(self) -> None:
-        """Drop the shared lock and remove the registration; a no-op when not held. The
-        last reader out removes `lock.shared` and the empty `readers/` directory."""
+        """Drop the shared lock, then remove the registration (so a reader holding the
+        flock is always registered); a no-op when not held. The last reader out removes
+        `lock.shared` and the empty `readers/` directory."""
         fd, self._fd = self._fd, None
         reg_fd, self._reg_fd = self._reg_fd, None
         reg, self.registration = self.registration, None
         storage = self.repo.storage
         try:
+            if fd is not None:
+                try:
+                    last = _try_flock(fd, fcntl.LOCK_EX)  # no other reader left
+                    if last and _same_file(self.repo, self.path, fd):
+                        storage.delete(self.path)
+                finally:
+                    os.close(fd)
             if reg is not None:
                 with contextlib.suppress(FileNotFoundError):
                     storage.delete(reg)
                 with contextlib.suppress(OSError):
                     storage.remove_dir(reg.parent)  # only an empty one
-            last = fd is not None and _try_flock(fd, fcntl.LOCK_EX)  # the last reader out
-            if last and fd is not None and _same_file(self.repo, self.path, fd):
-                storage.delete(self.path)
         finally:
             if reg_fd is not None:
                 os.close(reg_fd)
-            if fd is not None:
-                os.close(fd)
 
     def __enter__(self) -> ReadLock:
         self.acquire()
