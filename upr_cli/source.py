@@ -11,8 +11,9 @@ nothing heavy, so the CLI can use it before it knows which command runs.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
@@ -153,20 +154,31 @@ def open_repo(path: Path) -> Repository:
 
 
 def open_bucket(
-    path: Path, bucket: str | None, at: str = "latest"
-) -> tuple[Repository, str, list[Manifest]]:
+    path: Path, bucket: str | None, at: str = "latest", *,
+    held: contextlib.ExitStack | None = None, command: str = "read",
+    on_warning: Callable[[str], None] | None = None,
+) -> tuple[Repository, str, list[Manifest]]:  # fmt: skip
     """The repository, the bucket (given, or the only one it holds) and the manifests of
     its committed backups up to `at` (a backup id or a unique prefix of one, latest or
     oldest: `backup_named`), oldest first, once
     the chain the state at `at` reads is checked whole (`Repository.chain`: a damaged
     manifest, a missing parent or a seq gap is a `BrokenChain` naming it). An ambiguous
     or missing bucket is a usage error; an `at` that names no committed backup is left
-    to `jobs.state.select` to report."""
+    to `jobs.state.select` to report.
+
+    With `held`, the bucket's shared lock (formats/repository.md §7.2: a `ReadLock` for
+    `command`) is taken before the chain is read and entered into `held`: the caller
+    reads the segments before it closes `held`, so no prune or sweep removes them
+    meanwhile."""
     repo = open_repo(path)
     names = repo.buckets()
     b = bucket or (names[0] if len(names) == 1 else None)
     if b is None:
         raise UsageError(f"{path}: holds buckets {', '.join(names) or 'none'}; give --bucket")
+    if held is not None:
+        from upr_cli.repo.readers import read_lock
+
+        held.enter_context(read_lock(repo, b, command, on_warning))
     committed = repo.committed(b)
     if not committed:
         return repo, b, []

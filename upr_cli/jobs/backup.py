@@ -79,6 +79,7 @@ from upr_cli.repo import (
     snapshot_boundaries,
 )
 from upr_cli.repo.manifest import CollectionCount, CollectionFilter
+from upr_cli.repo.readers import sweep_unless_read
 from upr_cli.segments import SegmentError, SegmentHeader, SegmentInfo, SegmentReader
 from upr_cli.storage import LOCAL, Storage
 
@@ -448,6 +449,8 @@ class _BackupRun:
         # incremental backup goes on only from a chain that is whole
         # (formats/repository.md §8.8): never on top of a damaged manifest, a missing
         # parent, a seq gap or a missing segment file.
+        # (An atomic rewrite from the valid twin: a reader sees either file whole, so the
+        # heal needs no exclusion of readers, like `upr verify --repair`.)
         for path, why in repo.heal(bucket, lock):
             note = f"{path}: {why}; rewritten from its twin"
             warnings.append(note)
@@ -459,7 +462,8 @@ class _BackupRun:
         newest = committed[-1] if committed else None
         leftovers = [b for b in repo.incomplete(bucket) if newest is None or b > newest]
         backup_id = leftovers[-1] if leftovers else repo.next_backup_id(bucket)
-        repo.sweep(bucket, backup_id, lock)
+        # only when no reader is there (formats/repository.md §7.2): else the next run does
+        sweep_unless_read(repo, bucket, backup_id, lock)
         return cls(uri, bucket, repo_dir, repo, manifests=manifests, backup_id=backup_id, warn=warn,
                    warnings=warnings, started=started)  # fmt: skip
 

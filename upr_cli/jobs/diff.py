@@ -225,8 +225,8 @@ def diff_sources(
 ) -> DiffReport:
     """Load both sources (upr://, repo:, sqlite:, JSON; `tls` for uprs:// ones) and
     compare every partition."""
-    sa = load_source(a, partitions, tls)
-    sb = load_source(b, partitions, tls)
+    sa = load_source(a, partitions, tls, "diff")
+    sb = load_source(b, partitions, tls, "diff")
     report = DiffReport(_redact(a), _redact(b))
     for p in sorted(set(sa) | set(sb)):
         if p not in sb:

@@ -24,6 +24,7 @@ the whole object in `--json`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -157,30 +158,31 @@ def examine(
     """Every version of `key` in `collection` (default `_default._default`), oldest
     first. `partitions` selects partitions (default: the key's, from the bucket's
     partition count: `key_partitions`)."""
-    repo, b, manifests = open_bucket(repo_dir, bucket)
-    if not manifests:
-        raise UsageError(f"{repo_dir}: no committed backup of bucket {b!r}")
-    where = f"bucket {b!r} in {repo_dir}"
-    ids = collection_ids(manifests, collection or CollectionPath(DEFAULT, DEFAULT), where)
-    latest = manifests[-1].backup_id
-    out: list[Version] = []
-    for p in key_partitions(key, manifests, partitions, where):
-        for m in manifests:
-            entry = m.partition(p)
-            if entry is None:
-                continue
-            c = lost_cut(manifests, p, m.backup_id, latest)
-            # its segments, then the records mid-run rollbacks took back (lost: seq above 0)
-            files = [(seg.file, c) for seg in entry.segments]
-            files += [(name, 0) for name, _seg in entry.cut_files()]
-            for name, cut in files:
-                path = repo.segment_path(b, m.backup_id, name)
-                out += _versions(repo.storage, path, key, str(m.backup_id), p, cut, ids)
-    kept = [v for v in out if not v.lost and not v.dropped]
-    if kept:
-        newest = max(kept, key=lambda v: v.seq)
-        out = [replace(v, in_latest=v is newest) for v in out]
-    return out
+    with contextlib.ExitStack() as held:
+        repo, b, manifests = open_bucket(repo_dir, bucket, held=held, command="examine")
+        if not manifests:
+            raise UsageError(f"{repo_dir}: no committed backup of bucket {b!r}")
+        where = f"bucket {b!r} in {repo_dir}"
+        ids = collection_ids(manifests, collection or CollectionPath(DEFAULT, DEFAULT), where)
+        latest = manifests[-1].backup_id
+        out: list[Version] = []
+        for p in key_partitions(key, manifests, partitions, where):
+            for m in manifests:
+                entry = m.partition(p)
+                if entry is None:
+                    continue
+                c = lost_cut(manifests, p, m.backup_id, latest)
+                # its segments, then the records mid-run rollbacks took back (lost: seq above 0)
+                files = [(seg.file, c) for seg in entry.segments]
+                files += [(name, 0) for name, _seg in entry.cut_files()]
+                for name, cut in files:
+                    path = repo.segment_path(b, m.backup_id, name)
+                    out += _versions(repo.storage, path, key, str(m.backup_id), p, cut, ids)
+        kept = [v for v in out if not v.lost and not v.dropped]
+        if kept:
+            newest = max(kept, key=lambda v: v.seq)
+            out = [replace(v, in_latest=v is newest) for v in out]
+        return out
 
 
 def collection_ids(

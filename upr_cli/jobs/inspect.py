@@ -54,6 +54,7 @@ from upr_cli.repo import (
 )
 from upr_cli.repo.manifest import UNNAMED_SCOPE, Manifest, collection_history
 from upr_cli.repo.names import format_time
+from upr_cli.repo.readers import read_lock
 from upr_cli.segments import Record, SegmentError, SegmentInfo, SegmentReader
 from upr_cli.source import open_bucket, open_repo
 from upr_cli.storage import Storage
@@ -161,54 +162,55 @@ def verify(
                         done[2] + rep.bytes)  # fmt: skip
 
     for b in names:
-        rep = VerifyReport(b)
-        reports.append(rep)
-        if repair:
-            with RepositoryLock(repo, b) as lock:
-                _check_manifests(repo, b, rep, lock)
-        else:
-            _check_manifests(repo, b, rep, None)
-        manifests, damaged = repo.readable(b)
-        rep.backups = len(manifests)
-        resumable = repo.resumable(b)
-        rep.resumable = None if resumable is None else str(resumable)
-        rep.leftovers = [str(x) for x in repo.leftovers(b)]
-        for mm in broken_parents(manifests):
-            rep.problems.append(
-                Problem(
-                    "chain",
-                    f"{b}/{mm.backup_id}",
-                    repo.describe_parent(b, mm.backup_id, mm.recorded, mm.expected, damaged),
-                )
-            )
-        named = collection_history(manifests)
-        for m in manifests:
-            counts: dict[int, list[int]] = {}
-            for e in m.partitions:
-                for seg in e.segments:
-                    rep.segments += 1
-                    got = _check_segment(repo, b, m.backup_id, e.partition, seg, rep)
-                    for cid, items, deleted in got.counts if got is not None else ():
-                        t = counts.setdefault(cid, [0, 0])
-                        t[0], t[1] = t[0] + items, t[1] + deleted
-                    tick(rep)
-                for name, seg in e.cut_files():  # lost writes kept from a mid-run rollback
-                    rep.segments += 1
-                    _check_segment(repo, b, m.backup_id, e.partition, seg, rep, name)
-                    tick(rep)
-            _check_collections(f"{b}/{m.backup_id}", m, counts, named, rep)
-        for p in sorted({e.partition for m in manifests for e in m.partitions}):
-            for gap in coverage_gaps(manifests, p):
+        with read_lock(repo, b, "verify"):
+            rep = VerifyReport(b)
+            reports.append(rep)
+            if repair:
+                with RepositoryLock(repo, b) as lock:
+                    _check_manifests(repo, b, rep, lock)
+            else:
+                _check_manifests(repo, b, rep, None)
+            manifests, damaged = repo.readable(b)
+            rep.backups = len(manifests)
+            resumable = repo.resumable(b)
+            rep.resumable = None if resumable is None else str(resumable)
+            rep.leftovers = [str(x) for x in repo.leftovers(b)]
+            for mm in broken_parents(manifests):
                 rep.problems.append(
                     Problem(
-                        "gap",
-                        f"{b}/{gap.backup_id} partition {p}",
-                        f"seqs ({gap.from_seq}, {gap.to_seq}] are in no backup",
+                        "chain",
+                        f"{b}/{mm.backup_id}",
+                        repo.describe_parent(b, mm.backup_id, mm.recorded, mm.expected, damaged),
                     )
                 )
-        done[0] += rep.segments
-        done[1] += rep.records
-        done[2] += rep.bytes
+            named = collection_history(manifests)
+            for m in manifests:
+                counts: dict[int, list[int]] = {}
+                for e in m.partitions:
+                    for seg in e.segments:
+                        rep.segments += 1
+                        got = _check_segment(repo, b, m.backup_id, e.partition, seg, rep)
+                        for cid, items, deleted in got.counts if got is not None else ():
+                            t = counts.setdefault(cid, [0, 0])
+                            t[0], t[1] = t[0] + items, t[1] + deleted
+                        tick(rep)
+                    for name, seg in e.cut_files():  # lost writes kept from a mid-run rollback
+                        rep.segments += 1
+                        _check_segment(repo, b, m.backup_id, e.partition, seg, rep, name)
+                        tick(rep)
+                _check_collections(f"{b}/{m.backup_id}", m, counts, named, rep)
+            for p in sorted({e.partition for m in manifests for e in m.partitions}):
+                for gap in coverage_gaps(manifests, p):
+                    rep.problems.append(
+                        Problem(
+                            "gap",
+                            f"{b}/{gap.backup_id} partition {p}",
+                            f"seqs ({gap.from_seq}, {gap.to_seq}] are in no backup",
+                        )
+                    )
+            done[0] += rep.segments
+            done[1] += rep.records
+            done[2] += rep.bytes
     return reports
 
 
@@ -350,6 +352,9 @@ def info(
     """Backups per bucket with their type, dates, parent, items, bytes (read, written,
     on disk), ratio and rollbacks; the chain; per-partition ranges; what the repository
     and each bucket take on disk."""
+    # No shared lock (formats/repository.md §7.2): info reads manifests only, each whole
+    # (a rename publishes it), never a segment, so it never waits for a prune or a sweep.
+    # Run while one removes backups, it can report one it removed as missing: run again.
     repo = open_repo(path)
     total = sum(tree_bytes(repo.storage, repo.bucket_dir(b)) for b in repo.buckets())
     st = repo.storage.stat(repo.repo_file, follow_links=True)

@@ -63,6 +63,7 @@ contract)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import time
@@ -901,40 +902,43 @@ def replay_repo(
     from upr_cli.source import open_bucket
 
     say = on_event or (lambda _m: None)
-    repo, b, manifests = open_bucket(repo_dir, bucket)
-    sel = select(manifests, at, partitions)
-    chain = [m for m in manifests if m.backup_id <= sel.backup_id]
-    stats = ReplayStats(f"repo:{repo_dir}@{sel.backup_id}", str(db_path), "snapshot")
-    stats.partitions = len(sel.partitions)
-    with Store(db_path, undo_window=undo_window, source=stats.source) as store, rare_gc():
-        store.claim_filter("")
-        store.record_manifest(chain_manifest(chain))
-        batch = _RepoBatch(store, stats, on_progress,
-                           (memory_limit or MemoryLimit()).share(_BATCH_SHARE))  # fmt: skip
-        for p, records in states_ahead(repo, b, manifests, sel):
-            if isinstance(records, SegmentError):
-                raise records
-            rp = resume_point(chain, p)
-            if rp is None:
-                continue
-            base = _repo_base(store, p, rp, stats, say, before_rollback=batch.flush)
-            # a segment record is (op, seq, rev, cas, flags, exp, delete_time, datatype,
-            # key, value, collection, xattrs) (formats/segment.md); a store row has
-            # DcpRecord's fields in order. System events come from the manifests' changes.
-            rows: list[Row] = [
-                (op, p, seq, rev, cas, flags, exp, dtime, datatype, key, value, 0, cid, xa)
-                for op, seq, rev, cas, flags, exp, dtime, datatype, key, value, cid, xa in records
-                if seq > base and op != OP_SYSTEM_EVENT
-            ]
-            stats.items += len(rows)
-            if rp.position.seq < base:  # nothing newer in the backup than the store holds
-                continue
-            data = {r.seq for r in records if r.op != OP_SYSTEM_EVENT}
-            mine = _chain_changes(chain, p, base, rp.position.seq, data)
-            batch.add(p, rows, rp.position, rp.failover_log, mine)
-        batch.flush()
-    stats.seconds = time.monotonic() - stats.started
-    return stats
+    with contextlib.ExitStack() as held:
+        repo, b, manifests = open_bucket(
+            repo_dir, bucket, held=held, command="replay", on_warning=on_event
+        )
+        sel = select(manifests, at, partitions)
+        chain = [m for m in manifests if m.backup_id <= sel.backup_id]
+        stats = ReplayStats(f"repo:{repo_dir}@{sel.backup_id}", str(db_path), "snapshot")
+        stats.partitions = len(sel.partitions)
+        with Store(db_path, undo_window=undo_window, source=stats.source) as store, rare_gc():
+            store.claim_filter("")
+            store.record_manifest(chain_manifest(chain))
+            batch = _RepoBatch(store, stats, on_progress,
+                               (memory_limit or MemoryLimit()).share(_BATCH_SHARE))  # fmt: skip
+            for p, records in states_ahead(repo, b, manifests, sel):
+                if isinstance(records, SegmentError):
+                    raise records
+                rp = resume_point(chain, p)
+                if rp is None:
+                    continue
+                base = _repo_base(store, p, rp, stats, say, before_rollback=batch.flush)
+                # a segment record is (op, seq, rev, cas, flags, exp, delete_time, datatype,
+                # key, value, collection, xattrs) (formats/segment.md); a store row has
+                # DcpRecord's fields in order. System events come from the manifests' changes.
+                rows: list[Row] = [
+                    (op, p, seq, rev, cas, flags, exp, dtime, dtype, key, value, 0, cid, xa)
+                    for op, seq, rev, cas, flags, exp, dtime, dtype, key, value, cid, xa in records
+                    if seq > base and op != OP_SYSTEM_EVENT
+                ]
+                stats.items += len(rows)
+                if rp.position.seq < base:  # nothing newer in the backup than the store holds
+                    continue
+                data = {r.seq for r in records if r.op != OP_SYSTEM_EVENT}
+                mine = _chain_changes(chain, p, base, rp.position.seq, data)
+                batch.add(p, rows, rp.position, rp.failover_log, mine)
+            batch.flush()
+        stats.seconds = time.monotonic() - stats.started
+        return stats
 
 
 def _chain_changes(

@@ -442,11 +442,13 @@ class _Source:
 
     @classmethod
     def open(cls, repo_dir: Path, bucket: str | None, at: str, partitions: list[int] | None,
-             skip_corrupt: bool, check: bool = True) -> _Source:  # fmt: skip
+             skip_corrupt: bool, check: bool = True, held: contextlib.ExitStack | None = None,
+             command: str = "restore") -> _Source:  # fmt: skip
         """The checked source (a broken chain, a missing file or, unless `check` is off,
         a damaged segment is an error naming it; `skip_corrupt` leaves the partitions
-        of damaged segments out instead)."""
-        repo, b, manifests = open_bucket(repo_dir, bucket, at)
+        of damaged segments out instead). With `held`, the bucket's shared lock is
+        entered into it (`open_bucket`)."""
+        repo, b, manifests = open_bucket(repo_dir, bucket, at, held=held, command=command)
         sel = select(manifests, at, partitions)
         chain = [m for m in manifests if m.backup_id <= sel.backup_id]
         checked = None
@@ -549,52 +551,53 @@ async def restore_to_node(
     failure once writing began is returned in `failure`, with what was done. Up to
     `window` requests and a quarter of `memory` are in flight, an eighth of it read
     ahead (`ChunksAhead`)."""
-    src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt, check)
-    summary = src.summary(target.redacted(), dry_run)
-    summary.keep_xattrs = keep_xattrs
-    t0 = time.monotonic()
-    router = await Router.open(target, name="upr-restore")
-    writer: _NodeWriter | None = None
-    try:
-        _check_actives(router)  # before the plan, which may change the target's manifest
-        summary.target_xattrs = router.xattrs
-        if not dry_run:
-            refuse_without_xattrs(summary)
-        summary.plan = plan = await _plan_node(router, target, src, map_data, create, dry_run)
-        if not dry_run:
-            writer = _NodeWriter(router, summary, ByteWindow(memory.share(0.25), window),
-                                 FORCE if force_updates else 0, plan)  # fmt: skip
-        plans = plan.by_source()
-        reader = ChunksAhead(src, memory)
+    with contextlib.ExitStack() as held:
+        src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt, check, held)
+        summary = src.summary(target.redacted(), dry_run)
+        summary.keep_xattrs = keep_xattrs
+        t0 = time.monotonic()
+        router = await Router.open(target, name="upr-restore")
+        writer: _NodeWriter | None = None
         try:
+            _check_actives(router)  # before the plan, which may change the target's manifest
+            summary.target_xattrs = router.xattrs
+            if not dry_run:
+                refuse_without_xattrs(summary)
+            summary.plan = plan = await _plan_node(router, target, src, map_data, create, dry_run)
+            if not dry_run:
+                writer = _NodeWriter(router, summary, ByteWindow(memory.share(0.25), window),
+                                     FORCE if force_updates else 0, plan)  # fmt: skip
+            plans = plan.by_source()
+            reader = ChunksAhead(src, memory)
             try:
-                while (got := await reader.next(writer)) is not None:
-                    p, records, last = got
-                    todo = _take(p, records, last, keys, plans, summary, skip_corrupt)
-                    if todo is None:
-                        continue
-                    if writer is not None:
-                        await writer.partition(todo, include_tombstones, p, last)
-                    if on_progress is not None:
-                        on_progress(summary)
-            finally:
-                reader.close()
-            if writer is not None:
-                await writer.drain()
-        except (UprError, OSError) as exc:
-            if writer is None or not writer.sent:
-                raise  # nothing written: one error, as before the first write
-            summary.failure = str(exc) if isinstance(exc, UprError) else f"network error: {exc}"
-            if isinstance(exc, SegmentError):  # the source failed, not the target: the
-                with contextlib.suppress(UprError, OSError):  # writes sent still count
+                try:
+                    while (got := await reader.next(writer)) is not None:
+                        p, records, last = got
+                        todo = _take(p, records, last, keys, plans, summary, skip_corrupt)
+                        if todo is None:
+                            continue
+                        if writer is not None:
+                            await writer.partition(todo, include_tombstones, p, last)
+                        if on_progress is not None:
+                            on_progress(summary)
+                finally:
+                    reader.close()
+                if writer is not None:
                     await writer.drain()
-    finally:
-        if writer is not None:
-            writer.abandon()
-        await router.aclose()
-    summary.complete.sort()
-    summary.seconds = time.monotonic() - t0
-    return summary
+            except (UprError, OSError) as exc:
+                if writer is None or not writer.sent:
+                    raise  # nothing written: one error, as before the first write
+                summary.failure = str(exc) if isinstance(exc, UprError) else f"network error: {exc}"
+                if isinstance(exc, SegmentError):  # the source failed, not the target: the
+                    with contextlib.suppress(UprError, OSError):  # writes sent still count
+                        await writer.drain()
+        finally:
+            if writer is not None:
+                writer.abandon()
+            await router.aclose()
+        summary.complete.sort()
+        summary.seconds = time.monotonic() - t0
+        return summary
 
 
 async def _plan_node(router: Router, target: SourceUri, src: _Source, rules: Sequence[MapRule],
@@ -914,56 +917,57 @@ def restore_to_store(
     from upr_cli.store import Store
 
     del create
-    src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt, check)
-    summary = src.summary(f"sqlite:{db_path}", dry_run)
-    summary.keep_xattrs = keep_xattrs
-    summary.plan = plan = src.plan(CollectionsManifest(), map_data, None, can_create=True)
-    for c in plan.collections:  # a store has every collection it is given
-        c.target_id, c.status = c.source_id, EXISTS
-    plans = plan.by_source()
-    t0 = time.monotonic()
-    chain = src.manifests
-    store = None if dry_run else Store(db_path, source=f"repo:{repo_dir}@{src.sel.backup_id}")
-    # rows in ROW_FIELDS order, plain: the store's restore path binds them as they are
-    pending: list[tuple[Any, ...]] = []
-    pending_parts: list[int] = []
-    batch_bytes, flushed_at = memory.share(0.25), 0
+    with contextlib.ExitStack() as held:
+        src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt, check, held)
+        summary = src.summary(f"sqlite:{db_path}", dry_run)
+        summary.keep_xattrs = keep_xattrs
+        summary.plan = plan = src.plan(CollectionsManifest(), map_data, None, can_create=True)
+        for c in plan.collections:  # a store has every collection it is given
+            c.target_id, c.status = c.source_id, EXISTS
+        plans = plan.by_source()
+        t0 = time.monotonic()
+        chain = src.manifests
+        store = None if dry_run else Store(db_path, source=f"repo:{repo_dir}@{src.sel.backup_id}")
+        # rows in ROW_FIELDS order, plain: the store's restore path binds them as they are
+        pending: list[tuple[Any, ...]] = []
+        pending_parts: list[int] = []
+        batch_bytes, flushed_at = memory.share(0.25), 0
 
-    def flush() -> None:
-        # Several partitions' rows and their positions in one transaction: one
-        # transaction per partition measured at 2/3 the rate on 1024 small partitions.
-        # A partition's position goes with its last chunk's rows.
-        nonlocal flushed_at
-        flushed_at = summary.bytes
-        if store is not None and (pending_parts or pending):
-            with store.batch():
-                summary.written += store.restore_rows(pending)
-                for q in pending_parts:
-                    rp = resume_point(chain, q)
-                    if rp is not None and keys is None:
-                        store.set_position(rp.position, rp.failover_log)
-        pending.clear()
-        pending_parts.clear()
-        if on_progress is not None:
-            on_progress(summary)
+        def flush() -> None:
+            # Several partitions' rows and their positions in one transaction: one
+            # transaction per partition measured at 2/3 the rate on 1024 small partitions.
+            # A partition's position goes with its last chunk's rows.
+            nonlocal flushed_at
+            flushed_at = summary.bytes
+            if store is not None and (pending_parts or pending):
+                with store.batch():
+                    summary.written += store.restore_rows(pending)
+                    for q in pending_parts:
+                        rp = resume_point(chain, q)
+                        if rp is not None and keys is None:
+                            store.set_position(rp.position, rp.failover_log)
+            pending.clear()
+            pending_parts.clear()
+            if on_progress is not None:
+                on_progress(summary)
 
-    try:
-        if store is not None:
-            store.record_manifest(store_names(plan, src.names))
-        for p, records, last in _partitions(src, keys, plans, summary, skip_corrupt, memory):
-            pending += [(r.op, p, r.seq, r.rev_seq, r.cas, r.flags, r.expiry, r.delete_time,
-                         r.datatype, r.key, r.value, 0, r.collection, r.xattrs)
-                        for r in records]  # fmt: skip
-            if last:
-                pending_parts.append(p)
-            if len(pending) >= _RESTORE_BATCH_ROWS or summary.bytes - flushed_at >= batch_bytes:
-                flush()
-        flush()
-    finally:
-        if store is not None:
-            store.close()
-    summary.seconds = time.monotonic() - t0
-    return summary
+        try:
+            if store is not None:
+                store.record_manifest(store_names(plan, src.names))
+            for p, records, last in _partitions(src, keys, plans, summary, skip_corrupt, memory):
+                pending += [(r.op, p, r.seq, r.rev_seq, r.cas, r.flags, r.expiry, r.delete_time,
+                             r.datatype, r.key, r.value, 0, r.collection, r.xattrs)
+                            for r in records]  # fmt: skip
+                if last:
+                    pending_parts.append(p)
+                if len(pending) >= _RESTORE_BATCH_ROWS or summary.bytes - flushed_at >= batch_bytes:
+                    flush()
+            flush()
+        finally:
+            if store is not None:
+                store.close()
+        summary.seconds = time.monotonic() - t0
+        return summary
 
 
 def _take(p: int, records: list[Record] | SegmentError, last: bool,

@@ -141,15 +141,18 @@ async def _node_logs(
     return (await node_states(uri if tls is None else uri.with_tls(tls), partitions))[0]
 
 
-def _repo_states(path: str, at: str | None, partitions: list[int] | None) -> dict[int, SourceState]:
+def _repo_states(path: str, at: str | None, partitions: list[int] | None,
+                 command: str) -> dict[int, SourceState]:  # fmt: skip
     from upr_cli.repo import resume_point
+    from upr_cli.repo.readers import read_lock
     from upr_cli.source import open_repo
 
     repo = open_repo(Path(path))
     names = repo.buckets()
     if len(names) != 1:
         raise UsageError(f"{path}: holds buckets {', '.join(names) or 'none'}; one expected")
-    manifests = repo.manifests(names[0])
+    with read_lock(repo, names[0], command):
+        manifests = repo.manifests(names[0])
     if at:
         manifests = [m for m in manifests if str(m.backup_id) <= at]
         if not manifests or str(manifests[-1].backup_id) != at:
@@ -215,11 +218,13 @@ def _json_states(path: str, partitions: list[int] | None) -> dict[int, SourceSta
 
 
 def load_source(
-    spec: str, partitions: list[int] | None, tls: ClientTls | None = None
-) -> dict[int, SourceState]:
+    spec: str, partitions: list[int] | None, tls: ClientTls | None = None,
+    command: str = "rollback-point",
+) -> dict[int, SourceState]:  # fmt: skip
     """Per-partition states from `upr://…` (a live node; `tls`: how a uprs:// one is
     checked, else from the environment), `repo:DIR[@BACKUP]`, `sqlite:PATH` (a replay
-    store) or a JSON file of failover logs (`json:PATH` or a path ending in .json)."""
+    store) or a JSON file of failover logs (`json:PATH` or a path ending in .json). A
+    repository is read under its bucket's shared lock, taken for `command`."""
     from upr_cli.source import parse_source
 
     source = parse_source(spec, ("node", "repo", "sqlite", "json"))
@@ -229,7 +234,7 @@ def load_source(
         return asyncio.run(_node_logs(spec, partitions, tls))
     assert source.path is not None  # parse_source: every local form has a path
     if source.kind == "repo":
-        return _repo_states(str(source.path), source.at, partitions)
+        return _repo_states(str(source.path), source.at, partitions, command)
     if source.kind == "sqlite":
         return _store_states(str(source.path), partitions)
     return _json_states(str(source.path), partitions)

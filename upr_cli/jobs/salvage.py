@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -560,20 +561,21 @@ def salvage_repo(
     (as every salvage: `on_notice` hears when the link is lost and when it is back)."""
     from upr_cli.source import open_bucket
 
-    _repo, _b, manifests = open_bucket(repo_dir, bucket)
-    held = sorted({e.partition for m in manifests for e in m.partitions})
-    if partitions is not None:
-        held = [p for p in held if p in set(partitions)]
-    report = SalvageReport(f"repo:{repo_dir}", target.redacted(), not apply)
+    with contextlib.ExitStack() as reading:
+        _repo, _b, manifests = open_bucket(repo_dir, bucket, held=reading, command="salvage")
+        held = sorted({e.partition for m in manifests for e in m.partitions})
+        if partitions is not None:
+            held = [p for p in held if p in set(partitions)]
+        report = SalvageReport(f"repo:{repo_dir}", target.redacted(), not apply)
 
-    async def go() -> None:
-        logs, highs, n = await _master_logs(target, held)
-        items, _ = _repo_items(repo_dir, bucket, logs, highs)
-        report.items = [it for it in items if it.partition in set(held)]
-        await _resolve(target, report, logs, n, apply, wait, on_notice, compression)
+        async def go() -> None:
+            logs, highs, n = await _master_logs(target, held)
+            items, _ = _repo_items(repo_dir, bucket, logs, highs)
+            report.items = [it for it in items if it.partition in set(held)]
+            await _resolve(target, report, logs, n, apply, wait, on_notice, compression)
 
-    asyncio.run(go())
-    return report
+        asyncio.run(go())
+        return report
 
 
 # -- from a replay store ---------------------------------------------------------------------

@@ -4,8 +4,10 @@
 manifest dataclasses; `layout` the `Repository` (repo.json, directories, listing, paths);
 `manifests` the reading, commit and repair of manifest files and the chain check;
 `sweep` the removal of what interrupted runs left; `lock` the per-bucket
-`RepositoryLock`; `chain` the pure chain semantics of formats/repository.md §8. Every
-file is reached through the repository's `upr_cli.storage.Storage`.
+`RepositoryLock`; `readers` the readers' shared `ReadLock` and the `ExclusiveAccess`
+that removes or rewrites under them; `chain` the pure chain semantics of
+formats/repository.md §8. Every file is reached through the repository's
+`upr_cli.storage.Storage`.
 """
 
 from upr_cli.fsio import FileOps, atomic_write

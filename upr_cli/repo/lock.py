@@ -1,6 +1,6 @@
 """The bucket lock: one backup (or sweep, or remove) at a time per bucket of a repository.
 
-Theory of operation (formats/repository.md "Lock"): the lock is the file
+Theory of operation (formats/repository.md §7.1, "Writer lock"): the lock is the file
 `<repo>/<bucket>/lock`, created with `O_CREAT|O_EXCL`, holding the holder's pid, host
 name and start time as JSON (`upr_cli/lockholder.py`), and held with
 `fcntl.flock(LOCK_EX)` for as long as the holder runs. The flock is what makes the lock

@@ -12,6 +12,8 @@ the JSON text the store keeps (formats/spark.md §4), NULL for none.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from operator import attrgetter
 from typing import Any
@@ -19,7 +21,8 @@ from typing import Any
 import pyarrow as pa
 
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION
-from upr_cli.segments import Record, SegmentReader
+from upr_cli.repo.errors import RepositoryError
+from upr_cli.segments import Record, SegmentError, SegmentReader
 from upr_cli.spark.arrow import (
     OPS,
     XATTRS_COLUMN,
@@ -143,14 +146,39 @@ def wanted(rec: Record, keep: frozenset[int] | None) -> bool:
 
 
 def read_group(group: Group) -> Iterator[pa.RecordBatch]:
-    """Every RecordBatch of one planned group."""
+    """Every RecordBatch of one planned group, read under the bucket's shared lock
+    (formats/repository.md §7.2) when the group names its repository. A segment gone
+    since the plan (a prune between the plan and this task) is a one-line error."""
+    with contextlib.ExitStack() as held:
+        if group.repo and group.bucket:
+            from upr_cli.repo import Repository
+            from upr_cli.repo.readers import read_lock
+
+            held.enter_context(read_lock(Repository(group.repo), group.bucket, "spark read"))
+        yield from _read_group(group)
+
+
+def _segment(piece: Piece) -> SegmentReader:
+    """The piece's segment file, opened; gone since the plan: `RepositoryError`."""
+    try:
+        return SegmentReader(piece.path)
+    except SegmentError:
+        if os.path.lexists(piece.path):
+            raise
+        raise RepositoryError(
+            f"{piece.path}: gone since the read was planned: the repository was pruned "
+            "meanwhile; run the read again"
+        ) from None
+
+
+def _read_group(group: Group) -> Iterator[pa.RecordBatch]:
     cols = _Columns(group.view, group.names)
     keep = group.keep
     if group.view == "state":
         for p, pieces in _by_partition(group.pieces).items():
             latest: dict[tuple[int, bytes], Record] = {}  # a document is (collection, key)
             for piece in pieces:  # in chain order: later records win
-                with SegmentReader(piece.path) as reader:
+                with _segment(piece) as reader:
                     for rec in reader.records():
                         if rec.seq > piece.max_seq:
                             break
@@ -165,7 +193,7 @@ def read_group(group: Group) -> Iterator[pa.RecordBatch]:
                     yield cols.take()
     else:
         for piece in group.pieces:
-            with SegmentReader(piece.path) as reader:
+            with _segment(piece) as reader:
                 for rec in reader.records():
                     if rec.op not in _DATA_OPS or (keep is not None and rec.collection not in keep):
                         continue  # not wanted()

@@ -18,6 +18,7 @@ trust with those credentials.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,46 +97,50 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
     from upr_cli.source import open_bucket
 
     t0 = time.monotonic()
-    repo, b, manifests = open_bucket(repo_dir, kw.get("bucket"), kw.get("at", "latest"))
-    sel = select(manifests, kw.get("at", "latest"), partitions)
-    # The driver checks every segment of every task's share before any task writes (a
-    # task checking its own share would find damage after others wrote theirs);
-    # --skip-corrupt hands no task a damaged partition.
-    checked = precheck(repo, b, manifests, sel) if kw.get("check", True) else None
-    if checked is not None and not kw.get("skip_corrupt", False):
-        checked.refuse()
-    damage = checked.damage if checked is not None else {}
-    groups = shares([p for p in sel.partitions if p not in damage], tasks)
-    # The driver checks the target and creates the missing collections once, reading no
-    # partition (only the plan), so the tasks never race to change the manifest.
-    first = asyncio.run(restore_to_node(repo_dir, target, partitions=[], **kw))
+    with contextlib.ExitStack() as held:
+        # The driver holds the bucket's shared lock for the whole run, each task its own
+        # (`restore_to_node` takes it): no prune or sweep removes a segment meanwhile.
+        repo, b, manifests = open_bucket(repo_dir, kw.get("bucket"), kw.get("at", "latest"),
+                                         held=held, command="spark restore")  # fmt: skip
+        sel = select(manifests, kw.get("at", "latest"), partitions)
+        # The driver checks every segment of every task's share before any task writes (a
+        # task checking its own share would find damage after others wrote theirs);
+        # --skip-corrupt hands no task a damaged partition.
+        checked = precheck(repo, b, manifests, sel) if kw.get("check", True) else None
+        if checked is not None and not kw.get("skip_corrupt", False):
+            checked.refuse()
+        damage = checked.damage if checked is not None else {}
+        groups = shares([p for p in sel.partitions if p not in damage], tasks)
+        # The driver checks the target and creates the missing collections once, reading no
+        # partition (only the plan), so the tasks never race to change the manifest.
+        first = asyncio.run(restore_to_node(repo_dir, target, partitions=[], **kw))
 
-    def run(share: list[int]) -> list[RestoreSummary]:
-        return [asyncio.run(restore_to_node(repo_dir, target, partitions=share, **kw))]
+        def run(share: list[int]) -> list[RestoreSummary]:
+            return [asyncio.run(restore_to_node(repo_dir, target, partitions=share, **kw))]
 
-    parts = spark.sparkContext.parallelize(groups, max(1, len(groups))).flatMap(run).collect()
-    total = RestoreSummary(str(sel.backup_id), target.redacted(), kw.get("dry_run", False),
-                           precheck=checked, left_out=sorted(damage))  # fmt: skip
-    total.skipped += [f"partition {p}: {why}" for p in sorted(damage) for why in damage[p]]
-    total.plan = first.plan
-    # each task writes its records' xattrs as `keep_xattrs` says, as a local restore does
-    total.keep_xattrs, total.target_xattrs = first.keep_xattrs, first.target_xattrs
-    by = total.plan.by_source() if total.plan else {}
-    for s in parts:
-        total.dropped += s.dropped
-        for c in s.plan.collections if s.plan else ():
-            if c.source_id in by:
-                by[c.source_id].documents += c.documents
-                by[c.source_id].deletions += c.deletions
-        for name in ("partitions", "documents", "deletions", "written", "conflicts",
-                     "absent_deletes", "xattrs", "xattrs_left_out", "bytes"):  # fmt: skip
-            setattr(total, name, getattr(total, name) + getattr(s, name))
-        for k, v in s.errors.items():
-            total.errors[k] = total.errors.get(k, 0) + v
-        total.skipped += s.skipped
-        total.left_out += s.left_out
-        total.refused += s.refused
-        total.complete += s.complete
-        total.failure = total.failure or s.failure
-    total.seconds = time.monotonic() - t0
+        parts = spark.sparkContext.parallelize(groups, max(1, len(groups))).flatMap(run).collect()
+        total = RestoreSummary(str(sel.backup_id), target.redacted(), kw.get("dry_run", False),
+                               precheck=checked, left_out=sorted(damage))  # fmt: skip
+        total.skipped += [f"partition {p}: {why}" for p in sorted(damage) for why in damage[p]]
+        total.plan = first.plan
+        # each task writes its records' xattrs as `keep_xattrs` says, as a local restore does
+        total.keep_xattrs, total.target_xattrs = first.keep_xattrs, first.target_xattrs
+        by = total.plan.by_source() if total.plan else {}
+        for s in parts:
+            total.dropped += s.dropped
+            for c in s.plan.collections if s.plan else ():
+                if c.source_id in by:
+                    by[c.source_id].documents += c.documents
+                    by[c.source_id].deletions += c.deletions
+            for name in ("partitions", "documents", "deletions", "written", "conflicts",
+                         "absent_deletes", "xattrs", "xattrs_left_out", "bytes"):  # fmt: skip
+                setattr(total, name, getattr(total, name) + getattr(s, name))
+            for k, v in s.errors.items():
+                total.errors[k] = total.errors.get(k, 0) + v
+            total.skipped += s.skipped
+            total.left_out += s.left_out
+            total.refused += s.refused
+            total.complete += s.complete
+            total.failure = total.failure or s.failure
+        total.seconds = time.monotonic() - t0
     return total

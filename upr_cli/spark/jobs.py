@@ -167,6 +167,8 @@ def export(spark: Any, repo: Path, to: Path, *, fmt: str = "parquet", at: str = 
     """The state at `at` (of the `collections` only, when given: `S.C,S2`), written to
     `to` as Parquet or JSON lines, partitioned by partition id (`to/partition=N/…`) or
     by collection (`to/scope=S/collection=C/…`)."""
+    from upr_cli.repo import Repository
+    from upr_cli.repo.readers import read_lock
     from upr_cli.spark.plan import parse_options
 
     if fmt not in FORMATS:
@@ -178,21 +180,24 @@ def export(spark: Any, repo: Path, to: Path, *, fmt: str = "parquet", at: str = 
     opts = {"path": str(repo), "at": at} | ({"bucket": bucket} if bucket else {})
     opts |= {"collections": collections} if collections else {}
     resolved, _ = parse_options(opts)  # fail fast, with upr's message, before Spark starts
-    t0 = time.monotonic()
-    try:
-        from pyspark.sql import functions as F
+    # The driver holds the bucket's shared lock for the run, each task its own
+    # (`batch.read_group`): no prune or sweep removes a segment meanwhile.
+    with read_lock(Repository(resolved.repo), resolved.bucket, "spark export"):
+        t0 = time.monotonic()
+        try:
+            from pyspark.sql import functions as F
 
-        df = spark.read.format("upr").options(**opts).load()
-        df.write.mode("overwrite" if overwrite else "errorifexists").partitionBy(
-            *PARTITION_BY[partition_by]
-        ).format(fmt).save(str(to))
-        back = spark.read.format(fmt).load(str(to))
-        got = back.agg(F.count(F.lit(1)), F.countDistinct("partition"),
-                       F.countDistinct("scope", "collection")).first()  # fmt: skip
-        rows, parts, colls = (int(v) for v in got) if got is not None else (0, 0, 0)
-    except UprError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - Spark wraps everything; report one line
-        raise spark_error(exc) from None
+            df = spark.read.format("upr").options(**opts).load()
+            df.write.mode("overwrite" if overwrite else "errorifexists").partitionBy(
+                *PARTITION_BY[partition_by]
+            ).format(fmt).save(str(to))
+            back = spark.read.format(fmt).load(str(to))
+            got = back.agg(F.count(F.lit(1)), F.countDistinct("partition"),
+                           F.countDistinct("scope", "collection")).first()  # fmt: skip
+            rows, parts, colls = (int(v) for v in got) if got is not None else (0, 0, 0)
+        except UprError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Spark wraps everything; report one line
+            raise spark_error(exc) from None
     return ExportSummary(str(repo), resolved.at, str(to), fmt, rows, parts,
                          time.monotonic() - t0, colls, partition_by)  # fmt: skip

@@ -44,6 +44,7 @@ from upr_cli.repo import (
     resume_point,
 )
 from upr_cli.repo.manifest import CollectionCount, chain_manifest
+from upr_cli.repo.readers import sweep_unless_read
 from upr_cli.segments import Record, SegmentHeader, SegmentReader, SegmentWriter
 from upr_cli.spark.batch import wanted
 from upr_cli.spark.plan import Group, parse_options, plan
@@ -146,7 +147,7 @@ def merge(spark: Any, repo_dir: Path, *, through: str = "latest",
         else:  # right after B, before the backups continuing from B (formats/repository.md §8.9)
             backup_id = BackupId(b_id.time + timedelta(microseconds=1))
             after = b_id
-        repo.sweep(opts.bucket, backup_id, lock)
+        sweep_unless_read(repo, opts.bucket, backup_id, lock)  # not under a reader
         directory = repo.new_backup_dir(opts.bucket, backup_id, after=after)
         specs: dict[int, PartitionSpec] = {}
         for p in opts.partitions:

@@ -70,6 +70,10 @@ class Group:
     # has no name (NULL)
     names: tuple[tuple[int, str, str], ...] = ((DEFAULT_ID, DEFAULT, DEFAULT),)
     keep: frozenset[int] | None = None  # the collection ids to read (None: all)
+    # the repository and bucket read: a task holds the bucket's shared lock while it
+    # reads (formats/repository.md §7.2); "" (a group built by hand): no lock
+    repo: str = ""
+    bucket: str = ""
 
     @property
     def bytes(self) -> int:
@@ -182,7 +186,8 @@ def plan(opts: ReadOptions, manifests: list[Manifest]) -> list[Group]:
     groups = balance(units, opts.num_partitions, opts.view)
     named = tuple((cid, *n) for cid, n in sorted(names.items()))
     frozen = frozenset(keep) if keep is not None else None
-    return [replace(g, names=named, keep=frozen) for g in groups]
+    return [replace(g, names=named, keep=frozen, repo=str(opts.repo), bucket=opts.bucket)
+            for g in groups]  # fmt: skip
 
 
 def balance(units: list[tuple[Piece, ...]], n: int, view: str) -> list[Group]:
