@@ -57,9 +57,33 @@ class Step:
 
 @dataclass
 class _Part:
-    end: int = 0
+    """The model source of one partition: its history on the current branch."""
+
+    hist: list[DcpRecord] = field(default_factory=list)
+    seq: int = 0  # the high seqno
     uuid: int = 0
     log: list[tuple[int, int]] = field(default_factory=list)
+
+    def branch(self, uuid: int, at: int) -> None:
+        """A failover to a replica that has the history up to `at`: the rest is gone."""
+        self.hist = [r for r in self.hist if r.by_seqno <= at]
+        self.seq = at
+        self.uuid = uuid
+        self.log = [(uuid, at), *[e for e in self.log if e[1] <= at]][:8]
+
+    def write(self, n: int, rnd: random.Random, p: int, dropped: bool) -> list[DcpRecord]:
+        rows = _rows(p, self.seq + 1, n, rnd, dropped)
+        self.hist += rows
+        self.seq += n
+        return rows
+
+    def state(self, dropped: bool) -> list[DcpRecord]:
+        """What a stream from 0 sends: the latest record of each document, by seq."""
+        latest: dict[tuple[int, bytes], DcpRecord] = {}
+        for r in self.hist:
+            if not (dropped and r.collection == USERS):
+                latest[r.collection, bytes(r.key)] = r
+        return sorted(latest.values(), key=lambda r: r.by_seqno)
 
 
 def _rows(p: int, first: int, n: int, rnd: random.Random, dropped: bool) -> list[DcpRecord]:
@@ -107,39 +131,32 @@ def build(repo: Repository, steps: list[Step]) -> list[Manifest]:
         entries = []
         for i, p in enumerate(PARTITIONS):
             writes = st.writes[i]
-            if writes == 0 and not full:
-                continue
             part = parts[p]
+            if writes == 0 and not full and part.log:
+                continue
             if not part.log:
                 part.uuid = next(uuids)
                 part.log = [(part.uuid, 0)]
-            start = 0 if full else part.end
+            prev_end = part.seq
+            start = 0 if full or not out or all(m.partition(p) is None for m in out) else prev_end
             rollback = None
-            if not full and st.rollback[i] and part.end > 0:
-                start = max(0, part.end - st.rollback[i])
-                branch = min(part.end, start + rnd.randrange(0, 3))
-                part.uuid = next(uuids)
-                part.log = [(part.uuid, max(branch, part.log[0][1])), *part.log][:8]
-                rollback = RollbackRecord(part.end, start, branch, branch + rnd.randrange(0, 2))
-            log = FailoverLog.of(part.log)
-            segs: list[SegmentEntry] = []
+            if start and st.rollback[i]:  # the source failed over: a new branch
+                branch = max(0, prev_end - st.rollback[i])
+                part.branch(next(uuids), branch)
+                start = branch
+                rollback = RollbackRecord(prev_end, start, branch, branch)
             cut_backs: list[CutBack] = []
-            first = start + 1
-            if st.cut_back[i] and writes:
-                lost_rows = _rows(p, first, 3, rnd, dropped)
-                cb_seg = _segment(d, p, FailoverLog.of(part.log), start, lost_rows, sub="cut-1")
-                cut_backs.append(CutBack(lost_rows[-1].by_seqno, start, (cb_seg,)))
-                part.uuid = next(uuids)
-                part.log = [(part.uuid, max(start, part.log[0][1])), *part.log][:8]
-                log = FailoverLog.of(part.log)
-            if writes:
-                rows = _rows(p, first, writes, rnd, dropped)
-                segs.append(_segment(d, p, log, start, rows))
-                end = rows[-1].by_seqno
-            else:
-                end = start
-            part.end = end
-            entries.append(PartitionEntry(p, part.uuid, log, start, end, end, end, tuple(segs),
+            if st.cut_back[i]:  # streamed, then taken back by a failover in mid-run
+                lost_rows = part.write(3, rnd, p, dropped)
+                seg = _segment(d, p, FailoverLog.of(part.log), start, lost_rows, sub="cut-1")
+                cut_backs.append(CutBack(lost_rows[-1].by_seqno, start, (seg,)))
+                part.branch(next(uuids), start)
+            rows = part.state(dropped) if start == 0 else []
+            rows += part.write(writes, rnd, p, dropped)
+            log = FailoverLog.of(part.log)
+            segs = (_segment(d, p, log, start, rows),) if rows else ()
+            end = part.seq
+            entries.append(PartitionEntry(p, part.uuid, log, start, end, end, end, segs,
                                           rollback, tuple(cut_backs)))
         coll = DROPPED if dropped else APP
         m = Manifest(b, BUCKET, "upr://h/default", b.time, b.time + timedelta(seconds=1),

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from upr_cli.jobs.prune import run
@@ -71,13 +71,18 @@ def _check(chain_steps: list[Step], rules: KeepRules | None, names: list[int],
             assert _lost(root / "repo") == lost_before
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# no shrinking: a failing chain is printed as drawn (shrinking one takes minutes)
+FAST = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow],
+        "phases": [Phase.explicit, Phase.reuse, Phase.generate]}
+
+
+@settings(max_examples=25, **FAST)
 @given(st.lists(steps_st, min_size=2, max_size=8), rules_st)
 def test_prune_keeps_every_kept_state(chain_steps: list[Step], rules: KeepRules) -> None:
     _check(chain_steps, rules, [], False)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, **FAST)
 @given(st.lists(steps_st, min_size=2, max_size=8), st.lists(st.integers(0, 7), max_size=6),
        st.booleans())
 def test_remove_keeps_every_kept_state(chain_steps: list[Step], names: list[int],
