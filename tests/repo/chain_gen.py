@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from tests.repo.repo_helpers import BUCKET, T0
 from upr_cli.collections import CollectionsManifest
 from upr_cli.collections import Path as CPath
 from upr_cli.failover import FailoverLog
@@ -32,8 +33,6 @@ from upr_cli.repo import (
 )
 from upr_cli.segments import SegmentHeader, SegmentWriter
 from upr_cli.store import Store
-
-from tests.repo.repo_helpers import BUCKET, T0
 
 PARTITIONS = (0, 1, 2)
 KEYS = 12
@@ -92,20 +91,48 @@ def _rows(p: int, first: int, n: int, rnd: random.Random, dropped: bool) -> list
         key = f"k{rnd.randrange(KEYS)}".encode()
         coll = 0 if dropped or rnd.random() < 0.6 else USERS
         if rnd.random() < 0.25:
-            out.append(DcpRecord(OP_DELETION, p, seq, seq, seq * 1000 + p, 0, 0, 1700000000, 0,
-                                 key, b"", 0, coll))
+            out.append(
+                DcpRecord(
+                    OP_DELETION, p, seq, seq, seq * 1000 + p, 0, 0, 1700000000, 0, key, b"", 0, coll
+                )
+            )
         else:
             value = b'{"v":%d,"p":%d}' % (seq, p)
-            out.append(DcpRecord(OP_MUTATION, p, seq, seq, seq * 1000 + p, rnd.randrange(4),
-                                 rnd.choice((0, 0, 1800000000)), 0, 1, key, value, 0, coll))
+            out.append(
+                DcpRecord(
+                    OP_MUTATION,
+                    p,
+                    seq,
+                    seq,
+                    seq * 1000 + p,
+                    rnd.randrange(4),
+                    rnd.choice((0, 0, 1800000000)),
+                    0,
+                    1,
+                    key,
+                    value,
+                    0,
+                    coll,
+                )
+            )
     return out
 
 
-def _segment(d: Path, p: int, log: FailoverLog, start: int, rows: list[DcpRecord],
-             sub: str = "") -> SegmentEntry:
+def _segment(
+    d: Path, p: int, log: FailoverLog, start: int, rows: list[DcpRecord], sub: str = ""
+) -> SegmentEntry:
     high = rows[-1].by_seqno
-    hdr = SegmentHeader(BUCKET, p, log, start, high, ((start, high),),
-                        "2026-11-26T00:00:00.000000Z", "upr://h/default", 256)
+    hdr = SegmentHeader(
+        BUCKET,
+        p,
+        log,
+        start,
+        high,
+        ((start, high),),
+        "2026-11-26T00:00:00.000000Z",
+        "upr://h/default",
+        256,
+    )
     target = d / sub if sub else d
     target.mkdir(exist_ok=True)
     w = SegmentWriter(target / f"p{p}.open", hdr)
@@ -156,12 +183,24 @@ def build(repo: Repository, steps: list[Step]) -> list[Manifest]:
             log = FailoverLog.of(part.log)
             segs = (_segment(d, p, log, start, rows),) if rows else ()
             end = part.seq
-            entries.append(PartitionEntry(p, part.uuid, log, start, end, end, end, segs,
-                                          rollback, tuple(cut_backs)))
+            entries.append(
+                PartitionEntry(
+                    p, part.uuid, log, start, end, end, end, segs, rollback, tuple(cut_backs)
+                )
+            )
         coll = DROPPED if dropped else APP
-        m = Manifest(b, BUCKET, "upr://h/default", b.time, b.time + timedelta(seconds=1),
-                     full, None if full else parent, tuple(entries), Totals.derive(entries, 1),
-                     collections=coll)
+        m = Manifest(
+            b,
+            BUCKET,
+            "upr://h/default",
+            b.time,
+            b.time + timedelta(seconds=1),
+            full,
+            None if full else parent,
+            tuple(entries),
+            Totals.derive(entries, 1),
+            collections=coll,
+        )
         repo.write_manifest(m)
         out.append(m)
         if st.kind == "drop":
@@ -175,6 +214,17 @@ def restored(repo_dir: Path, at: BackupId, db: Path) -> dict[Any, tuple[Any, ...
 
     restore_to_store(repo_dir, db, at=str(at))
     with Store(db, create=False) as s:
-        return {(d.partition, d.collection, d.key): (d.seq, d.deleted, d.value, d.cas, d.rev_seq,
-                                                     d.flags, d.expiry, d.datatype, d.xattrs)
-                for d in s.documents(include_deleted=True)}
+        return {
+            (d.partition, d.collection, d.key): (
+                d.seq,
+                d.deleted,
+                d.value,
+                d.cas,
+                d.rev_seq,
+                d.flags,
+                d.expiry,
+                d.datatype,
+                d.xattrs,
+            )
+            for d in s.documents(include_deleted=True)
+        }

@@ -16,12 +16,11 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from tests.repo.chain_gen import PARTITIONS, Step, build, restored
 from upr_cli.jobs.prune import run
 from upr_cli.jobs.retention import Duration, KeepRules
 from upr_cli.jobs.salvage import _repo_items
 from upr_cli.repo import Repository
-
-from tests.repo.chain_gen import PARTITIONS, Step, build, restored
 
 N = len(PARTITIONS)
 
@@ -44,24 +43,30 @@ rules_st = st.one_of(
 
 def _lost(repo_dir: Path) -> set[Any]:
     items, _held = _repo_items(repo_dir, None, None, {})
-    return {(it.partition, it.collection, it.key, it.lost.seq, it.lost.deleted, it.lost.value)
-            for it in items}
+    return {
+        (it.partition, it.collection, it.key, it.lost.seq, it.lost.deleted, it.lost.value)
+        for it in items
+    }
 
 
-def _check(chain_steps: list[Step], rules: KeepRules | None, names: list[int],
-           drop_lost: bool) -> None:
+def _check(
+    chain_steps: list[Step], rules: KeepRules | None, names: list[int], drop_lost: bool
+) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         repo = Repository(root / "repo")
         ms = build(repo, chain_steps)
-        before = {m.backup_id: restored(root / "repo", m.backup_id, root / f"b{i}.db")
-                  for i, m in enumerate(ms)}
+        before = {
+            m.backup_id: restored(root / "repo", m.backup_id, root / f"b{i}.db")
+            for i, m in enumerate(ms)
+        }
         lost_before = _lost(root / "repo")
         ids = [str(ms[i].backup_id) for i in sorted(set(names)) if i < len(ms)]
         if rules is None and not ids:
             return
-        res = run(root / "repo", bucket=None, rules=rules, names=ids, apply_=True,
-                  drop_lost=drop_lost)
+        res = run(
+            root / "repo", bucket=None, rules=rules, names=ids, apply_=True, drop_lost=drop_lost
+        )
         kept = [m.backup_id for m in res.buckets[0].kept]
         assert [m.backup_id for m in Repository(root / "repo").manifests("default")] == kept
         for i, b in enumerate(kept):
@@ -72,8 +77,11 @@ def _check(chain_steps: list[Step], rules: KeepRules | None, names: list[int],
 
 
 # no shrinking: a failing chain is printed as drawn (shrinking one takes minutes)
-FAST = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow],
-        "phases": [Phase.explicit, Phase.reuse, Phase.generate]}
+FAST = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow],
+    "phases": [Phase.explicit, Phase.reuse, Phase.generate],
+}
 
 
 @settings(max_examples=25, **FAST)
@@ -83,8 +91,12 @@ def test_prune_keeps_every_kept_state(chain_steps: list[Step], rules: KeepRules)
 
 
 @settings(max_examples=20, **FAST)
-@given(st.lists(steps_st, min_size=2, max_size=8), st.lists(st.integers(0, 7), max_size=6),
-       st.booleans())
-def test_remove_keeps_every_kept_state(chain_steps: list[Step], names: list[int],
-                                       drop_lost: bool) -> None:
+@given(
+    st.lists(steps_st, min_size=2, max_size=8),
+    st.lists(st.integers(0, 7), max_size=6),
+    st.booleans(),
+)
+def test_remove_keeps_every_kept_state(
+    chain_steps: list[Step], names: list[int], drop_lost: bool
+) -> None:
     _check(chain_steps, None, names, drop_lost)

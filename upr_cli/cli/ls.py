@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import Iterable
@@ -68,7 +69,14 @@ def ls_cmd(
     json_out: JsonOutput = False,
 ) -> None:
     """List the keys of the state at a backup."""
-    state = open_state(repo, bucket, at, parse_paths(collection) if collection else ())
+    with contextlib.ExitStack() as held:  # the shared lock, while the segments are read
+        state = open_state(
+            repo, bucket, at, parse_paths(collection) if collection else (), held=held
+        )
+        _list(state, prefix, deleted, json_out)
+
+
+def _list(state: StateAt, prefix: str | None, deleted: bool, json_out: bool) -> None:
     start = prefix.encode() if prefix else b""
     keys = (k for k in list_keys(state, deleted=deleted) if k.key.startswith(start))
     if json_out:

@@ -92,32 +92,53 @@ Apply = Annotated[
 ]
 DropLost = Annotated[
     bool,
-    typer.Option("--drop-lost-writes", help="Drop the removed backups' lost writes "
-                 "instead of merging them forward."),  # fmt: skip
+    typer.Option(
+        "--drop-lost-writes",
+        help="Drop the removed backups' lost writes instead of merging them forward.",
+    ),
 ]
 LockWait = Annotated[
     float,
-    typer.Option("--wait", metavar="SECONDS", parser=wait_seconds,
-                 help="With --apply, wait this long for readers of the bucket (0: refuse)."),  # fmt: skip
+    typer.Option(
+        "--wait",
+        metavar="SECONDS",
+        parser=wait_seconds,
+        help="With --apply, wait this long for readers of the bucket (0: refuse).",
+    ),
+]
+
+
+def _count(flag: str, what: str) -> Any:
+    return typer.Option(flag, min=0, metavar="N", help=what)
+
+
+KeepLast = Annotated[int, _count("--keep-last", "Keep the N newest.")]
+KeepHourly = Annotated[int, _count("--keep-hourly", "Newest of each of N hours.")]
+KeepDaily = Annotated[int, _count("--keep-daily", "Newest of each of N days.")]
+KeepWeekly = Annotated[int, _count("--keep-weekly", "Newest of each of N ISO weeks.")]
+KeepMonthly = Annotated[int, _count("--keep-monthly", "Newest of each of N months.")]
+KeepWithin = Annotated[
+    str | None,
+    typer.Option(
+        "--keep-within",
+        metavar="DURATION",
+        help="Keep those at most DURATION older than the newest (36h, 14d).",
+    ),
+]
+Backups = Annotated[
+    list[str], typer.Argument(metavar="BACKUP...", help="Ids, prefixes or ranges A..B.")
 ]
 
 
 def prune_cmd(
     repo: Repo,
     bucket: Bucket = None,
-    keep_last: Annotated[int, typer.Option("--keep-last", min=0, metavar="N",
-                                           help="Keep the N newest.")] = 0,  # fmt: skip
-    keep_within: Annotated[str | None, typer.Option(
-        "--keep-within", metavar="DURATION",
-        help="Keep those at most DURATION older than the newest (36h, 14d).")] = None,  # fmt: skip
-    keep_hourly: Annotated[int, typer.Option("--keep-hourly", min=0, metavar="N",
-                                             help="Newest of each of N hours.")] = 0,  # fmt: skip
-    keep_daily: Annotated[int, typer.Option("--keep-daily", min=0, metavar="N",
-                                            help="Newest of each of N days.")] = 0,  # fmt: skip
-    keep_weekly: Annotated[int, typer.Option("--keep-weekly", min=0, metavar="N",
-                                             help="Newest of each of N weeks.")] = 0,  # fmt: skip
-    keep_monthly: Annotated[int, typer.Option("--keep-monthly", min=0, metavar="N",
-                                              help="Newest of each of N months.")] = 0,  # fmt: skip
+    keep_last: KeepLast = 0,
+    keep_within: KeepWithin = None,
+    keep_hourly: KeepHourly = 0,
+    keep_daily: KeepDaily = 0,
+    keep_weekly: KeepWeekly = 0,
+    keep_monthly: KeepMonthly = 0,
     apply: Apply = False,
     drop_lost: DropLost = False,
     wait: LockWait = 0.0,
@@ -125,8 +146,8 @@ def prune_cmd(
     json_out: JsonOutput = False,
 ) -> None:
     """Prune by keep rules."""
-    rules = KeepRules(keep_last, Duration.parse(keep_within) if keep_within else None,
-                      keep_hourly, keep_daily, keep_weekly, keep_monthly)  # fmt: skip
+    within = Duration.parse(keep_within) if keep_within else None
+    rules = KeepRules(keep_last, within, keep_hourly, keep_daily, keep_weekly, keep_monthly)
     if not rules.given:
         raise UsageError(
             "give at least one keep rule (--keep-last, --keep-within, --keep-hourly, "
@@ -136,8 +157,7 @@ def prune_cmd(
 
 
 def remove_cmd(
-    backups: Annotated[list[str], typer.Argument(metavar="BACKUP...",
-                                                 help="Ids, prefixes or ranges A..B.")],  # fmt: skip
+    backups: Backups,
     repo: Repo,
     bucket: Bucket = None,
     apply: Apply = False,

@@ -18,6 +18,7 @@ the xattrs are not part of it. `Document.to_json` gives the whole record.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,14 @@ def cat(
     path = collection or CollectionPath("_default", "_default")
     if path.collection is None:
         raise UsageError(f"--collection {path}: give SCOPE.COLLECTION")
-    state = open_state(repo_dir, bucket, at)
+    with contextlib.ExitStack() as held:
+        state = open_state(repo_dir, bucket, at, held=held, command="cat")
+        return _document(state, path, key, repo_dir)
+
+
+def _document(state: StateAt, path: CollectionPath, key: bytes, repo_dir: Path) -> Document:
+    """The document `key` of `path` in `state` (see `cat`)."""
+    assert path.collection is not None
     name = (path.scope, path.collection)
     ids = {cid for cid, n in state.names.items() if n == name}
     if not ids:

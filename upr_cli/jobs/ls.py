@@ -24,6 +24,7 @@ the whole listing is in partition then seq order.
 from __future__ import annotations
 
 import base64
+import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,9 +74,14 @@ def open_state(
     at: str = "latest",
     collections: Sequence[CollectionPath] = (),
     option: str = "--collection",
+    *,
+    held: contextlib.ExitStack | None = None,
+    command: str = "ls",
 ) -> StateAt:
-    """The state at `at` (module doc); `collections` keeps only what those paths name."""
-    repo, b, manifests = open_bucket(repo_dir, bucket, at)
+    """The state at `at` (module doc); `collections` keeps only what those paths name.
+    With `held`, the bucket's shared lock is entered into it (`source.open_bucket`):
+    the caller reads the state before it closes `held`."""
+    repo, b, manifests = open_bucket(repo_dir, bucket, at, held=held, command=command)
     sel = select(manifests, at)
     check_files(repo, b, manifests, sel)
     chain = [m for m in manifests if m.backup_id <= sel.backup_id]

@@ -238,7 +238,7 @@ class _Revision:
             assert ek is not None
             self._link_entry(k, ek)
             return ek
-        last_m, last_e = members[-1]
+        last_e = members[-1][1]
         owner = ek if ek is not None else last_e
         start = min([e.start_seq for _m, e in members] + ([ek.start_seq] if ek else []))
         end_state = ek.start_seq if ek is not None else last_e.end_seq
@@ -320,7 +320,8 @@ class _Revision:
             if self.drop_lost:
                 self.lost_dropped += sum(s.records for c in e.cut_backs for s in c.segments)
                 if m.backup_id in lost:
-                    self.lost_dropped += sum(1 for _ in self._records_above(m, e, lost[m.backup_id]))
+                    above = self._records_above(m, e, lost[m.backup_id])
+                    self.lost_dropped += sum(1 for _ in above)
                 continue
             for i, c in enumerate(e.cut_backs, 1):
                 self._link_cut(m, i, c, len(out) + 1)
@@ -396,7 +397,8 @@ class _Revision:
             partitions=entries, totals=Totals.derive(entries, k.totals.bytes_read),
             merged_through=k.merged_through if full else None, collections=k.collections,
             manifest_changes=k.manifest_changes, collection_filter=k.collection_filter,
-            collection_items=tuple(CollectionCount(i, a, d) for i, (a, d) in sorted(counts.items())),
+            collection_items=tuple(CollectionCount(i, a, d)
+                                   for i, (a, d) in sorted(counts.items())),
             revision=k.revision + 1, absorbed=self.step.absorbed,
         )  # fmt: skip
 
@@ -562,8 +564,11 @@ def _plan(repo: Repository, bucket: str, rules: KeepRules | None,
         remove = {d.backup_id for d in decisions if not d.keep}
     else:
         remove = resolve_backups(ids, names)
-        decisions = [Decision(m.backup_id, m.finished.astimezone(),
-                              [] if m.backup_id in remove else ["not named"]) for m in chain]  # fmt: skip
+        decisions = [
+            Decision(m.backup_id, m.finished.astimezone(),
+                     [] if m.backup_id in remove else ["not named"])
+            for m in chain
+        ]  # fmt: skip
     return plan_bucket(repo, bucket, remove, decisions)
 
 
@@ -573,5 +578,13 @@ def revisions_to(repo: Repository, bucket: str) -> Iterable[tuple[BackupId, int]
         yield s.backup_id, s.revision
 
 
-__all__ = ["NO_CUT", "BucketPlan", "PruneResult", "Step", "apply", "plan_bucket",
-           "resolve_backups", "run"]
+__all__ = [
+    "NO_CUT",
+    "BucketPlan",
+    "PruneResult",
+    "Step",
+    "apply",
+    "plan_bucket",
+    "resolve_backups",
+    "run",
+]

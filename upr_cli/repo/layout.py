@@ -259,7 +259,8 @@ class Repository:
         info = self.info()
         if info.version < REPO_VERSION:
             info = RepoInfo(REPO_VERSION, info.created)
-            self.storage.write(self.repo_file, (json.dumps(info.to_json(), indent=2) + "\n").encode())
+            data = (json.dumps(info.to_json(), indent=2) + "\n").encode()
+            self.storage.write(self.repo_file, data)
         return info
 
     def buckets(self) -> list[str]:

@@ -645,7 +645,8 @@ class Manifest:
             self._index[e.partition] = e
         self._check_collections()
         self._check_revision()
-        if self.version < REVISION_VERSION and any(e.lost_bound is not None for e in self.partitions):
+        bounded = any(e.lost_bound is not None for e in self.partitions)
+        if bounded and self.version < REVISION_VERSION:
             raise _fail("lost_bound appears only in a revision (formats/repository.md §5.10)")
         if not isinstance(self.totals, Totals):
             raise _fail("totals must be a Totals")
@@ -656,8 +657,10 @@ class Manifest:
             )
 
     def _check_revision(self) -> None:
-        if isinstance(self.revision, bool) or not isinstance(self.revision, int) or not (
-            1 <= self.revision <= REVISION_MAX
+        if (
+            isinstance(self.revision, bool)
+            or not isinstance(self.revision, int)
+            or not (1 <= self.revision <= REVISION_MAX)
         ):
             raise _fail(f"revision {self.revision!r} is not an integer in 1..{REVISION_MAX}")
         object.__setattr__(self, "absorbed", tuple(self.absorbed))
