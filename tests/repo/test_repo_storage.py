@@ -175,6 +175,7 @@ THROUGH_STORAGE = [
     "upr_cli/segments/writer.py",
     "upr_cli/jobs/backup.py",
     "upr_cli/jobs/backup_stream.py",
+    "upr_cli/jobs/compact.py",
     "upr_cli/jobs/state.py",
     "upr_cli/jobs/restore.py",
     "upr_cli/jobs/examine.py",
