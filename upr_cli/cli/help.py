@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("inspect", "Show a repository's backups: items, bytes, ratio, rollbacks, the chain."),
     "verify": ("inspect", "Read everything in a repository and check it."),
     "examine": ("examine", "Show every version of a key stored in a repository."),
+    "merge": ("merge", "Merge a repository's chain into one full backup, on one machine."),
     "replay": ("replay", "Replay a source into a SQLite store that follows it like a UPR replica."),
     "diff": ("diff", "Compare the failover histories of A and B, partition by partition."),
     "salvage": (
