@@ -167,10 +167,12 @@ def _prepare(repo: Repository, bucket: str, through: str, lock: RepositoryLock) 
     _clear(repo, directory)
     work = []
     held = sorted({e.partition for m in manifests for e in m.partitions})
+    later = [m for m in repo.manifests(bucket) if m.backup_id > b_id]
     for p in held:
         rp = resume_point(manifests, p)
         if rp is None:
             continue
+        _check_later(later, p, rp.position.seq, through)
         steps = plan_state(manifests, at=b_id, partition=p)
         pos = rp.position
         work.append(PartitionWork(
@@ -182,6 +184,25 @@ def _prepare(repo: Repository, bucket: str, through: str, lock: RepositoryLock) 
     return MergeRun(repo.path, bucket, b_id, backup_id, after, directory,
                     f"merge of {manifests[0].backup_id}..{through}", created, alive,
                     len(manifests), tuple(work))  # fmt: skip
+
+
+def _check_later(later: list[Manifest], partition: int, end: int, through: str) -> None:
+    """Refuse a merge through B that would change a later state: the merge holds only the
+    latest version of each document at B, so a later backup that cuts it inside, starting
+    above 0 and below B's end (a rollback), would find the versions below its start gone
+    (formats/repository.md §8.9). A later full start (0) first makes the merge unused."""
+    for m in later:
+        e = m.partition(partition)
+        if e is None or e.start_seq >= end:
+            continue
+        if e.start_seq == 0:
+            return
+        raise UsageError(
+            f"--through {through}: backup {m.backup_id} rolled partition {partition} back "
+            f"to seq {e.start_seq}, below the end of {through} ({end}); a merge through "
+            f"{through} would change the state at {m.backup_id}: merge through it or a "
+            "later backup"
+        )
 
 
 def _clear(repo: Repository, directory: Path) -> None:
