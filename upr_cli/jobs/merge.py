@@ -145,9 +145,9 @@ def _resolve(repo_dir: Path, bucket: str | None, through: str) -> tuple[Reposito
     try:
         repo, name, manifests = open_bucket(repo_dir, bucket, through)
         return repo, name, str(select(manifests, through).backup_id)
-    except UsageError as exc:
+    except UsageError as exc:  # the option is --through here
         msg = str(exc)
-        raise UsageError(msg.replace("--at", "--through", 1) if "--at" in msg else msg) from None
+        raise UsageError(f"--through{msg[4:]}" if msg.startswith("--at") else msg) from None
 
 
 def _prepare(repo: Repository, bucket: str, through: str, lock: RepositoryLock) -> MergeRun:
