@@ -29,7 +29,8 @@ when a pass fails (a sweep removes the temp files a killed process leaves).
 The header is the caller's. Its snapshot list should name only the caller's snapshot
 (for a merge, the last snapshot of the chain's resume point): the markers inside the
 compacted pieces are gone, since the records between them were compacted and the
-records up to an inner marker are no longer a state the source had (§8.4).
+records up to an inner marker are no longer a state the source had
+(formats/repository.md §8.4).
 """
 
 from __future__ import annotations

@@ -2,14 +2,15 @@
 and the driver `upr spark merge` shares with it.
 
 Theory of operation (formats/repository.md §8.9; docs/design.md "Data flows"). The
-driver (`run`) resolves `--through` against the chain, checked whole (§8.8), takes the
-bucket's lock, sweeps what interrupted runs left, picks the new backup's id and
-directory and plans, for every partition any backup up to B holds, the pieces of its
-state at B (`plan_state`) and its resume point at B (§8.4: uuid, failover log, end seq
-and last snapshot): a `MergeRun`, small and picklable. A writer then turns each
-partition's pieces into one segment with `jobs.compact.write_latest` (the latest record
-of every document, tombstones kept, system events and the collections dropped by B left
-out, in two streamed passes: memory does not grow with the chain). `upr merge` writes
+driver (`run`) resolves `--through` against the chain, checked whole
+(formats/repository.md §8.8), takes the bucket's lock, sweeps what interrupted runs
+left, picks the new backup's id and directory and plans, for every partition any backup
+up to B holds, the pieces of its state at B (`plan_state`) and its resume point at B
+(formats/repository.md §8.4: uuid, failover log, end seq and last snapshot): a
+`MergeRun`, small and picklable. A writer then turns each partition's pieces into one
+segment with `jobs.compact.write_latest` (the latest record of every document,
+tombstones kept, system events and the collections dropped by B left out, in two
+streamed passes: memory does not grow with the chain). `upr merge` writes
 the partitions one after the other here (`write_local`); `upr spark merge` hands them to
 Spark tasks (`upr_cli.spark.merge`). Only after every partition is written does the
 driver write the manifest (`commit`, the commit point): full, no parent, the collections
@@ -21,7 +22,9 @@ segment files are removed first.
 Through the newest backup, the merge is simply the newest backup. Through an older one
 B it sorts right after B (B's id plus one microsecond) and records `merged_through: B`:
 the backups after B continue from it as they did from B, so the chain's state at every
-later backup is unchanged. The backups merged stay.
+later backup is unchanged; when a later backup rolled a partition back inside B's
+range, it would not be, and the merge is refused (`_check_later`). The backups merged
+stay.
 """
 
 from __future__ import annotations
