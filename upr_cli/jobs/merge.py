@@ -1,8 +1,8 @@
 """`upr merge`: one full backup equal to the chain's state through a backup, on one machine;
 and the driver `upr spark merge` shares with it.
 
-Theory of operation (formats/repository.md §8.9; docs/design.md "Data flows"). The
-driver (`run`) resolves `--through` against the chain, checked whole
+Theory of operation (formats/repository.md §8.9; docs/design.md "Data flows" (7.
+Merge)). The driver (`run`) resolves `--through` against the chain, checked whole
 (formats/repository.md §8.8), takes the bucket's lock, sweeps what interrupted runs
 left, picks the new backup's id and directory and plans, for every partition any backup
 up to B holds, the pieces of its state at B (`plan_state`) and its resume point at B
