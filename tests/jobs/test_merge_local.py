@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 
 from tests.repo.repo_helpers import BUCKET, commit_backup
-from upr_cli.errors import UprError, UsageError
+from upr_cli.errors import UprError
 from upr_cli.jobs.inspect import verify
 from upr_cli.jobs.merge import merge
 from upr_cli.jobs.restore import restore_to_store
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
-from upr_cli.repo import Repository
+from upr_cli.repo import BackupId, Repository
 from upr_cli.store import Store
 
 PARTS = (0, 1, 2, 3, 5)
@@ -99,18 +99,22 @@ def test_merge_restores_to_the_chains_state_through_newest_and_older(tmp_path: P
     assert merged.merged_through is None
     assert sum(e.records for e in merged.partitions) == out["items"]
     assert state(root, out["backup_id"], tmp_path / "m.db") == states[before[-1]]
-    # not through backup 1: backup 2 rolled partition 0 back inside it, and would find
-    # the versions below its start gone (only the latest at backup 1 is merged)
-    with pytest.raises(UsageError, match="rolled partition 0 back to seq 90, below the end"):
-        merge(root, through=before[1])
-    assert ids(root) == [*before, out["backup_id"]]
+    # through backup 1, which backup 2 cuts at 90 (a rollback): partition 0 is merged in
+    # two segments, the latest of each document up to 90 and above, so the state at
+    # backup 2 and later (the merge cut at 90) stays the chain's
+    cut = merge(root, through=before[1]).to_json()
+    m = Repository(root).read_manifest(BUCKET, BackupId.parse(cut["backup_id"]))
+    assert [(s.first_seq <= 90, s.last_seq <= 90) for s in m.partition(0).segments] == [
+        (True, True), (False, False)]  # fmt: skip
+    assert [len(e.segments) for e in m.partitions[1:]] == [1] * (len(PARTS) - 1)
+    assert state(root, cut["backup_id"], tmp_path / "c.db") == states[before[1]]
     # through an older backup: right after it, and every state stays what it was
     older = merge(root, through=before[2][:15]).to_json()
-    assert older["through"] == before[2] and older["merged"] == 3
+    assert older["through"] == before[2] and older["merged"] == 4  # the merge through 1 too
     now = ids(root)
     assert now.index(older["backup_id"]) == now.index(before[2]) + 1
-    m = Repository(root).read_manifest(BUCKET, Repository(root).committed(BUCKET)[3])
-    assert str(m.backup_id) == older["backup_id"] and str(m.merged_through) == before[2]
+    m = Repository(root).read_manifest(BUCKET, BackupId.parse(older["backup_id"]))
+    assert str(m.merged_through) == before[2]
     assert state(root, older["backup_id"], tmp_path / "o.db") == states[before[2]]
     first = merge(root, through="oldest").to_json()
     assert first["through"] == before[0] and first["merged"] == 1

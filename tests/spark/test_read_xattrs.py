@@ -92,8 +92,7 @@ def test_a_merge_keeps_the_xattrs_of_each_latest_record(tmp_path: Path) -> None:
     work = PartitionWork(3, FailoverLog.of([(7, 0)]).to_json(), 5, (5, 5), (Cut(b, name, 5),), 1)
     plan = MergeRun(repo.path, "default", b, b, None, out, "test", "2026-11-26T00:00:00.000000Z",
                     frozenset({0}), 1, (work,))  # fmt: skip
-    info = write_partition(repo, plan, work)
-    assert info is not None
+    (info,) = write_partition(repo, plan, work)
     with SegmentReader(out / info.entry.file) as reader:
         got = {(r.key, r.op): r.xattrs for r in reader.records()}
     assert got == {(b"a", OP_MUTATION): b"", (b"c", OP_MUTATION): SYNC,

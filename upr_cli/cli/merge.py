@@ -22,7 +22,8 @@ merge leaves nothing visible (the next backup or merge sweeps its directory). Th
 merged backup is a full backup: `upr info` lists it, and restoring it equals restoring
 the chain at --through. The older backups stay (nothing is deleted). Through an older
 backup B, the merge sorts right after B and the backups after B go on from it
-(formats/repository.md §8.9): every state is unchanged.
+(formats/repository.md §8.9): every state is unchanged (a partition a later backup
+rolled back inside B's range is split there into more segments).
 
 The same as `upr spark merge`, on one machine; use that one for a repository too large
 for one.

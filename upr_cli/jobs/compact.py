@@ -54,11 +54,13 @@ _SPILL_BLOCKS = 4
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Records of one segment of a backup with seq ≤ `max_seq` (`NO_CUT`: all)."""
+    """Records of one segment of a backup with `min_seq` < seq ≤ `max_seq` (`NO_CUT`:
+    all)."""
 
     backup_id: BackupId
     file: str  # the manifest's segment `file` (may be "cut-K/NAME")
     max_seq: int
+    min_seq: int = 0  # and seq > min_seq (a merge cut where a later rollback cuts it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +78,8 @@ def _records(repo: Repository, bucket: str, pieces: Sequence[Piece],
     for piece in pieces:
         path = repo.segment_path(bucket, piece.backup_id, piece.file)
         with SegmentReader(path, repo.storage) as reader:
-            for rec in reader.records():  # data records only: no system event
+            # data records only (no system event), from the block holding min_seq + 1 on
+            for rec in reader.records(piece.min_seq + 1):
                 if rec.seq > piece.max_seq:
                     break
                 if rec.op in DATA_OPS and (keep is None or keep(rec.collection)):

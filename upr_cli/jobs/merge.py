@@ -22,17 +22,19 @@ segment files are removed first.
 Through the newest backup, the merge is simply the newest backup. Through an older one
 B it sorts right after B (B's id plus one microsecond) and records `merged_through: B`:
 the backups after B continue from it as they did from B, so the chain's state at every
-later backup is unchanged; when a later backup rolled a partition back inside B's
-range, it would not be, and the merge is refused (`_check_later`). The backups merged
-stay.
+later backup is unchanged. A later backup that rolled a partition back inside B's
+range reads the merge only up to its rollback seq: that partition is written as one
+segment per range between such seqs (`_later_cuts`, formats/repository.md §8.9). The
+backups merged stay.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +69,15 @@ class PartitionWork:
     snapshot: tuple[int, int]
     pieces: tuple[Piece, ...]
     bytes: int  # the segment bytes the pieces read (Spark balances its tasks by them)
+    # where later backups cut the merge inside (0, end_seq), ascending (a rollback after B)
+    cuts: tuple[int, ...] = ()
 
-    def entry(self, written: Written | None) -> PartitionEntry:
+    def entry(self, written: Sequence[Written]) -> PartitionEntry:
         """The merged backup's entry for the partition: full (start 0), B's resume point."""
         log = FailoverLog.from_json(self.failover_log)
-        segs = () if written is None else (written.entry,)
         return PartitionEntry(self.partition, log.latest.uuid if log.entries else 0, log, 0,
-                              self.end_seq, *self.snapshot, segs)  # fmt: skip
+                              self.end_seq, *self.snapshot,
+                              tuple(w.entry for w in written))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,27 +118,42 @@ class MergeSummary:
                 "items_per_s": rate}  # fmt: skip
 
 
-def write_partition(repo: Repository, run: MergeRun, work: PartitionWork) -> Written | None:
-    """Write one partition's merged segment into the run's directory (None: no record).
+def write_partition(repo: Repository, run: MergeRun, work: PartitionWork) -> tuple[Written, ...]:
+    """Write one partition's merged segments into the run's directory (none: no record).
 
-    Its header lists only B's last snapshot: the markers inside the pieces are gone
-    with the records between them (jobs/compact.py)."""
-    header = SegmentHeader(run.bucket, work.partition, FailoverLog.from_json(work.failover_log),
-                           0, work.end_seq, (work.snapshot,), run.created, run.source)  # fmt: skip
-    return write_latest(repo, run.bucket, work.partition, work.pieces,
-                        keep=run.keep.__contains__, header=header,
-                        directory=run.directory)  # fmt: skip
+    One segment, or one per range between the cuts later backups make inside it (a
+    rollback after B, formats/repository.md §8.9): each holds the latest record of
+    every document among the records of its range, so the merge cut at any of them is
+    the chain's state there. The last one's header lists only B's last snapshot: the
+    markers inside the pieces are gone with the records between them (jobs/compact.py).
+    """
+    log = FailoverLog.from_json(work.failover_log)
+    bounds = (0, *work.cuts, work.end_seq)
+    out = []
+    for lo, hi in pairwise(bounds):
+        last = hi == work.end_seq
+        pieces = [replace(pc, max_seq=min(pc.max_seq, hi), min_seq=lo)
+                  for pc in work.pieces if pc.max_seq > lo]  # fmt: skip
+        header = SegmentHeader(run.bucket, work.partition, log, lo, hi,
+                               (work.snapshot,) if last else (), run.created,
+                               run.source)  # fmt: skip
+        written = write_latest(repo, run.bucket, work.partition, pieces,
+                               keep=run.keep.__contains__, header=header,
+                               directory=run.directory)  # fmt: skip
+        if written is not None:
+            out.append(written)
+    return tuple(out)
 
 
 def write_local(repo: Repository, run: MergeRun,
                 progress: Callable[[int, int, int], None] | None = None,
-                ) -> Iterator[tuple[int, Written | None]]:  # fmt: skip
+                ) -> Iterator[tuple[int, tuple[Written, ...]]]:  # fmt: skip
     """`upr merge`'s writer: the partitions one after the other, in this process;
     `progress(partitions done, of how many, items written)` after each."""
     items = 0
     for i, work in enumerate(run.work, 1):
         written = write_partition(repo, run, work)
-        items += written.entry.records if written is not None else 0
+        items += sum(w.entry.records for w in written)
         yield work.partition, written
         if progress is not None:
             progress(i, len(run.work), items)
@@ -175,13 +194,12 @@ def _prepare(repo: Repository, bucket: str, through: str, lock: RepositoryLock) 
         rp = resume_point(manifests, p)
         if rp is None:
             continue
-        _check_later(later, p, rp.position.seq, through)
         steps = plan_state(manifests, at=b_id, partition=p)
         pos = rp.position
         work.append(PartitionWork(
             p, rp.failover_log.to_json(), pos.seq, (pos.snap_start, pos.snap_end),
             tuple(Piece(s.backup_id, s.segment.file, s.max_seq) for s in steps),
-            sum(s.segment.bytes for s in steps)))  # fmt: skip
+            sum(s.segment.bytes for s in steps), _later_cuts(later, p, pos.seq)))  # fmt: skip
     alive = frozenset(coll.id for _scope, coll in chain_manifest(manifests).collections())
     created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     return MergeRun(repo.path, bucket, b_id, backup_id, after, directory,
@@ -189,23 +207,20 @@ def _prepare(repo: Repository, bucket: str, through: str, lock: RepositoryLock) 
                     len(manifests), tuple(work))  # fmt: skip
 
 
-def _check_later(later: list[Manifest], partition: int, end: int, through: str) -> None:
-    """Refuse a merge through B that would change a later state: the merge holds only the
-    latest version of each document at B, so a later backup that cuts it inside, starting
-    above 0 and below B's end (a rollback), would find the versions below its start gone
-    (formats/repository.md §8.9). A later full start (0) first makes the merge unused."""
+def _later_cuts(later: list[Manifest], partition: int, end: int) -> tuple[int, ...]:
+    """Where the backups after B cut a merge through B inside (0, end): the lowest start
+    seq of the later backups holding the partition, as each one comes, while it is
+    above 0 and below B's end (a rollback after B; formats/repository.md §8.9)."""
+    cuts, low = [], end
     for m in later:
         e = m.partition(partition)
-        if e is None or e.start_seq >= end:
+        if e is None or e.start_seq >= low:
             continue
-        if e.start_seq == 0:
-            return
-        raise UsageError(
-            f"--through {through}: backup {m.backup_id} rolled partition {partition} back "
-            f"to seq {e.start_seq}, below the end of {through} ({end}); a merge through "
-            f"{through} would change the state at {m.backup_id}: merge through it or a "
-            "later backup"
-        )
+        low = e.start_seq
+        if low == 0:
+            break
+        cuts.append(low)
+    return tuple(sorted(cuts))
 
 
 def _clear(repo: Repository, directory: Path) -> None:
@@ -219,21 +234,23 @@ def _clear(repo: Repository, directory: Path) -> None:
             repo.storage.delete(directory / entry.name)
 
 
-def commit(repo: Repository, run: MergeRun, written: Mapping[int, Written | None]) -> Manifest:
+def commit(repo: Repository, run: MergeRun,
+           written: Mapping[int, Sequence[Written]]) -> Manifest:  # fmt: skip
     """Write the manifest (the commit point): full, no parent, `merged_through` B when B
     is not the newest backup, the collections at B and the items written per collection."""
     manifests = [m for m in repo.manifests(run.bucket) if m.backup_id <= run.through]
-    entries = [w.entry(written.get(w.partition)) for w in run.work]
+    entries = [w.entry(written.get(w.partition, ())) for w in run.work]
+    segments = [w for ws in written.values() for w in ws]
     per: dict[int, list[int]] = {}
-    for w in written.values():
-        for cid, (items, deleted) in (w.collections if w is not None else {}).items():
+    for w in segments:
+        for cid, (items, deleted) in w.collections.items():
             got = per.setdefault(cid, [0, 0])
             got[0], got[1] = got[0] + items, got[1] + deleted
     now = datetime.now(UTC)
     manifest = Manifest(
         backup_id=run.backup_id, bucket=run.bucket, source=run.source, started=now,
         finished=now, full=True, parent=None, partitions=tuple(entries),
-        totals=Totals.derive(entries, sum(w.raw_bytes for w in written.values() if w)),
+        totals=Totals.derive(entries, sum(w.raw_bytes for w in segments)),
         merged_through=run.after, collections=chain_manifest(manifests),
         collection_items=tuple(CollectionCount(cid, *n) for cid, n in sorted(per.items())),
     )  # fmt: skip
@@ -242,7 +259,7 @@ def commit(repo: Repository, run: MergeRun, written: Mapping[int, Written | None
 
 
 def run(repo_dir: Path, *, through: str = "latest", bucket: str | None = None,
-        write: Callable[[Repository, MergeRun], Iterable[tuple[int, Written | None]]],
+        write: Callable[[Repository, MergeRun], Iterable[tuple[int, tuple[Written, ...]]]],
         ) -> MergeSummary:  # fmt: skip
     """Resolve, lock, plan, `write` every partition (in this process or on Spark),
     commit; the summary of the merged backup."""
@@ -252,7 +269,7 @@ def run(repo_dir: Path, *, through: str = "latest", bucket: str | None = None,
         plan = _prepare(repo, name, at, lock)
         written = dict(write(repo, plan))
         manifest = commit(repo, plan, written)
-    records = sum(w.entry.records for w in written.values() if w is not None)
+    records = sum(w.entry.records for ws in written.values() for w in ws)
     return MergeSummary(str(plan.backup_id), at, plan.merged, len(plan.work), records,
                         manifest.totals.bytes_written, time.monotonic() - t0)  # fmt: skip
 

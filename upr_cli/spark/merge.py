@@ -44,7 +44,7 @@ def groups(work: tuple[PartitionWork, ...], n: int = DEFAULT_PARTITIONS) -> list
     return [sorted(b) for b in bins if b]
 
 
-def write_group(plan: MergeRun, partitions: list[int]) -> Iterator[tuple[int, Written | None]]:
+def write_group(plan: MergeRun, partitions: list[int]) -> Iterator[tuple[int, tuple[Written, ...]]]:
     """In a task: each partition's merged segment, written into the run's directory."""
     repo = Repository(plan.repo)
     by_p = {w.partition: w for w in plan.work}
@@ -56,13 +56,13 @@ def merge(spark: Any, repo_dir: Path, *, through: str = "latest",
           bucket: str | None = None) -> MergeSummary:  # fmt: skip
     """Write and commit the merged full backup; returns its summary."""
 
-    def write(_repo: Repository, plan: MergeRun) -> list[tuple[int, Written | None]]:
+    def write(_repo: Repository, plan: MergeRun) -> list[tuple[int, tuple[Written, ...]]]:
         from upr_cli.spark.jobs import spark_error
 
         tasks = groups(plan.work)
         try:
             rdd = spark.sparkContext.parallelize(tasks, max(1, len(tasks)))
-            out: list[tuple[int, Written | None]] = rdd.flatMap(
+            out: list[tuple[int, tuple[Written, ...]]] = rdd.flatMap(
                 lambda ps: list(write_group(plan, ps))
             ).collect()
         except Exception as exc:  # noqa: BLE001 - Spark wraps everything; report one line
