@@ -18,6 +18,7 @@ import pytest
 
 from tests.repo.repo_helpers import BUCKET, commit_backup
 from upr_cli.errors import UprError
+from upr_cli.jobs.backup import _reusable
 from upr_cli.jobs.inspect import verify
 from upr_cli.jobs.merge import merge
 from upr_cli.jobs.restore import restore_to_store
@@ -180,6 +181,15 @@ def test_a_killed_merge_leaves_every_state_and_the_next_merge_succeeds(tmp_path:
         verified(root)
         for b in before:
             assert state(root, b, tmp_path / "s.db") == states[b], (point, b)
+    # the next backup never resumes a killed merge's directory with its segments
+    (left,) = Repository(root).incomplete(BUCKET)
+    d = Repository(root).backup_dir(BUCKET, left)
+    assert kill_at(root, ("segments", 2), set(os.listdir(root / BUCKET)))
+    assert Repository(root).resumable(BUCKET) is not None
+    newest = Repository(root).backup_dir(BUCKET, Repository(root).incomplete(BUCKET)[-1])
+    assert sum(n.endswith(".seg") for n in os.listdir(newest)) >= 2 and d != newest
+    assert _reusable(newest, list(PARTS), {}, Repository(root).storage) == {}
+    assert not [n for n in os.listdir(newest) if n.endswith(".seg")]
     out = merge(root).to_json()
     assert ids(root) == [*before, out["backup_id"]]
     assert Repository(root).incomplete(BUCKET) == []  # the killed runs' directories swept

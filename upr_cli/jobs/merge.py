@@ -55,8 +55,16 @@ from upr_cli.repo import (
 from upr_cli.repo.manifest import CollectionCount, chain_manifest
 from upr_cli.segments import SegmentHeader
 
-__all__ = ["MergeRun", "MergeSummary", "PartitionWork", "commit", "run", "write_local",
-           "write_partition"]  # fmt: skip
+__all__ = ["MergeRun", "MergeSummary", "PartitionWork", "commit", "is_merge_source", "run",
+           "write_local", "write_partition"]  # fmt: skip
+
+_SOURCE = "merge of "  # a merged segment's header `source`: "merge of FIRST..B"
+
+
+def is_merge_source(source: str) -> bool:
+    """True for the header `source` of a segment a merge wrote: a backup that resumes an
+    interrupted run's directory never reuses one (a killed merge's is no stream's)."""
+    return source.startswith(_SOURCE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +211,7 @@ def _prepare(repo: Repository, bucket: str, through: str, lock: RepositoryLock) 
     alive = frozenset(coll.id for _scope, coll in chain_manifest(manifests).collections())
     created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     return MergeRun(repo.path, bucket, b_id, backup_id, after, directory,
-                    f"merge of {manifests[0].backup_id}..{through}", created, alive,
+                    f"{_SOURCE}{manifests[0].backup_id}..{through}", created, alive,
                     len(manifests), tuple(work))  # fmt: skip
 
 
