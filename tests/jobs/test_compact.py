@@ -145,3 +145,18 @@ def test_memory_stays_flat_as_the_partition_grows(repo: Repository, tmp_path: Pa
     small, big = peak(1000, 0), peak(2000, 2)
     assert small < 3 << 20, small
     assert big < 3 << 20 and big < small * 1.5, (small, big)
+
+
+def test_min_seq_reads_only_above_it(repo: Repository, tmp_path: Path) -> None:
+    """A merge cut where a later rollback cuts it: each range compacted on its own."""
+    name = segment(repo, bid(0), [rec(1, "a", "a1"), rec(2, "b", "b1"), rec(3, "a", "a2"),
+                                  rec(4, "b", op=OP_DELETION), rec(5, "c", "c1")])  # fmt: skip
+    low, out = run(repo, tmp_path, [Piece(bid(0), name, 2)], end=2)
+    assert low is not None
+    assert read(out / low.entry.file) == [(OP_MUTATION, 1, b"a", b"a1", 0),
+                                          (OP_MUTATION, 2, b"b", b"b1", 0)]  # fmt: skip
+    high, out = run(repo, tmp_path, [Piece(bid(0), name, NO_CUT, 2)])
+    assert high is not None
+    assert read(out / high.entry.file) == [(OP_MUTATION, 3, b"a", b"a2", 0),
+                                           (OP_DELETION, 4, b"b", b"", 0),
+                                           (OP_MUTATION, 5, b"c", b"c1", 0)]  # fmt: skip

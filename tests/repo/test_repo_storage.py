@@ -176,6 +176,7 @@ THROUGH_STORAGE = [
     "upr_cli/jobs/backup.py",
     "upr_cli/jobs/backup_stream.py",
     "upr_cli/jobs/compact.py",
+    "upr_cli/jobs/merge.py",
     "upr_cli/jobs/state.py",
     "upr_cli/jobs/restore.py",
     "upr_cli/jobs/examine.py",

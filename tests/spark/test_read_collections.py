@@ -11,7 +11,7 @@ import pyarrow as pa
 from upr_cli.collections import ManifestChange
 from upr_cli.failover import FailoverLog
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
-from upr_cli.segments import SegmentHeader, SegmentWriter
+from upr_cli.segments import SegmentHeader, SegmentReader, SegmentWriter
 from upr_cli.segments.format import event_record
 from upr_cli.spark.batch import arrow_schema, read_group
 from upr_cli.spark.plan import Group, Piece
@@ -67,10 +67,20 @@ def test_history_keeps_every_record_of_the_kept_collections(tmp_path: Path) -> N
 
 
 def test_a_merge_keeps_each_collections_latest_record_tombstones_too(tmp_path: Path) -> None:
-    from upr_cli.spark.merge import _state_records
+    """The segment a merge task writes (`jobs.compact.write_latest`, both merges')."""
+    from upr_cli.jobs.compact import Piece as Cut
+    from upr_cli.jobs.compact import write_latest
+    from upr_cli.repo import BackupId, Repository, format_segment_name
 
-    path = str(_segment(tmp_path / "p3.seg"))
-    group = Group("state", (Piece(3, "b1", path, 7, 0, 1),), NAMES, frozenset({0, 8, 9}))
-    got = [(r.collection, r.key, r.seq, r.op) for r in _state_records(group, 3)]
+    repo, b = Repository(tmp_path / "repo"), BackupId.parse("20261121T061500.000000Z")
+    name = format_segment_name(3, 1, 7)
+    repo.backup_dir("default", b).mkdir(parents=True)
+    _segment(repo.segment_path("default", b, name))
+    header = SegmentHeader("default", 3, FailoverLog.of([(7, 0)]), 0, 7)
+    w = write_latest(repo, "default", 3, [Cut(b, name, 7)], keep=frozenset({0, 8, 9}).__contains__,
+                     header=header, directory=tmp_path)  # fmt: skip
+    assert w is not None
+    with SegmentReader(tmp_path / w.entry.file) as reader:
+        got = [(r.collection, r.key, r.seq, r.op) for r in reader.records(events=True)]
     assert got == [(0, b"k", 2, OP_MUTATION), (8, b"k", 5, OP_MUTATION),
                    (9, b"k", 6, OP_DELETION)]  # fmt: skip

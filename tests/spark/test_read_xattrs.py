@@ -10,12 +10,14 @@ from pathlib import Path
 import pyarrow as pa
 
 from upr_cli.failover import FailoverLog
+from upr_cli.jobs.compact import Piece as Cut
+from upr_cli.jobs.merge import MergeRun, PartitionWork, write_partition
 from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
+from upr_cli.repo import BackupId, Repository, format_segment_name
 from upr_cli.segments import SegmentHeader, SegmentReader, SegmentWriter
 from upr_cli.spark.arrow import json_of_xattrs
 from upr_cli.spark.batch import arrow_schema, ddl, read_group
-from upr_cli.spark.merge import PartitionSpec, write_group
 from upr_cli.spark.plan import Group, Piece
 from upr_cli.spark.stream import stream_ddl, stream_schema
 
@@ -80,13 +82,18 @@ def test_a_batch_without_xattrs_is_all_null() -> None:
 
 
 def test_a_merge_keeps_the_xattrs_of_each_latest_record(tmp_path: Path) -> None:
-    path = str(_segment(tmp_path / "p3.seg"))
-    group = Group("state", (Piece(3, "b1", path, 5, 0, 1),), NAMES, frozenset({0}))
+    """The segment a merge task writes (`jobs.merge.write_partition`, both merges')."""
+    repo, b = Repository(tmp_path / "repo"), BackupId.parse("20261121T061500.000000Z")
+    name = format_segment_name(3, 1, 5)
+    repo.backup_dir("default", b).mkdir(parents=True)
+    _segment(repo.segment_path("default", b, name))
     out = tmp_path / "merged"
     out.mkdir()
-    spec = PartitionSpec(3, FailoverLog.of([(7, 0)]).to_json(), 5, (5, 5))
-    (info,) = write_group(group, {3: spec}, "default", str(out), "test")
-    with SegmentReader(out / info["file"]) as reader:
+    work = PartitionWork(3, FailoverLog.of([(7, 0)]).to_json(), 5, (5, 5), (Cut(b, name, 5),), 1)
+    plan = MergeRun(repo.path, "default", b, b, None, out, "test", "2026-11-26T00:00:00.000000Z",
+                    frozenset({0}), 1, (work,))  # fmt: skip
+    (info,) = write_partition(repo, plan, work)
+    with SegmentReader(out / info.entry.file) as reader:
         got = {(r.key, r.op): r.xattrs for r in reader.records()}
     assert got == {(b"a", OP_MUTATION): b"", (b"c", OP_MUTATION): SYNC,
                    (b"b", OP_DELETION): xattrs.system_only(BOTH)}  # fmt: skip

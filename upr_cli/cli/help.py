@@ -46,6 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "examine": ("examine", "Show every version of a key stored in a repository."),
     "ls": ("ls", "List the keys a restore of a backup's state would write."),
     "cat": ("cat", "Print one document of a backup's state, as a restore would write it."),
+    "merge": ("merge", "Merge a repository's chain into one full backup, on one machine."),
     "replay": ("replay", "Replay a source into a SQLite store that follows it like a UPR replica."),
     "diff": ("diff", "Compare the failover histories of A and B, partition by partition."),
     "salvage": (

@@ -55,6 +55,7 @@ from upr_cli.jobs.backup_stream import (
     StreamStats,
     stream_to_segments,
 )
+from upr_cli.jobs.merge import is_merge_source
 from upr_cli.memory import MemoryLimit
 from upr_cli.net.collections_manifest import fetch_collections_manifest
 from upr_cli.net.uri import SourceUri
@@ -886,8 +887,9 @@ def _reusable(
             log.warning("%s: not reused: %s", path.name, exc.reason)
             storage.delete(path)
             continue
-        if p not in want or header.partition != p or not info.records:
-            storage.delete(path)
+        if (p not in want or header.partition != p or not info.records
+                or is_merge_source(header.source)):  # fmt: skip
+            storage.delete(path)  # a killed merge's segments are no stream's: not reused
             continue
         found.setdefault(p, []).append((header, info))
     out: dict[int, _Reused] = {}

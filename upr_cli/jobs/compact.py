@@ -13,8 +13,7 @@ block by block through the repository's storage (`repo.storage`; every block's
 checksum verified as it is read, a damaged piece raises `SegmentError`).
 
 1. Pass 1 maps every wanted document to its latest seq: `(collection, key) -> seq`,
-   ints and keys only, never a value (per interval between `bounds`, when the caller
-   must keep the state exact at some seqs inside the range: see `write_latest`).
+   ints and keys only, never a value.
 2. Pass 2 reads the pieces again and writes each record whose seq is its document's
    latest (it pops the entry, so the map shrinks as the file grows). The writer's
    compressed blocks are spilled to its body file every few blocks, so it never holds
@@ -30,12 +29,12 @@ when a pass fails (a sweep removes the temp files a killed process leaves).
 The header is the caller's. Its snapshot list should name only the caller's snapshot
 (for a merge, the last snapshot of the chain's resume point): the markers inside the
 compacted pieces are gone, since the records between them were compacted and the
-records up to an inner marker are no longer a state the source had (§8.4).
+records up to an inner marker are no longer a state the source had
+(formats/repository.md §8.4).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,11 +54,13 @@ _SPILL_BLOCKS = 4
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Records of one segment of a backup with seq ≤ `max_seq` (`NO_CUT`: all)."""
+    """Records of one segment of a backup with `min_seq` < seq ≤ `max_seq` (`NO_CUT`:
+    all)."""
 
     backup_id: BackupId
     file: str  # the manifest's segment `file` (may be "cut-K/NAME")
     max_seq: int
+    min_seq: int = 0  # and seq > min_seq (a merge cut where a later rollback cuts it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,8 @@ def _records(repo: Repository, bucket: str, pieces: Sequence[Piece],
     for piece in pieces:
         path = repo.segment_path(bucket, piece.backup_id, piece.file)
         with SegmentReader(path, repo.storage) as reader:
-            for rec in reader.records():  # data records only: no system event
+            # data records only (no system event), from the block holding min_seq + 1 on
+            for rec in reader.records(piece.min_seq + 1):
                 if rec.seq > piece.max_seq:
                     break
                 if rec.op in DATA_OPS and (keep is None or keep(rec.collection)):
@@ -86,19 +88,12 @@ def _records(repo: Repository, bucket: str, pieces: Sequence[Piece],
 
 def write_latest(repo: Repository, bucket: str, partition: int, pieces: Sequence[Piece],
                  *, keep: Callable[[int], bool] | None, header: SegmentHeader,
-                 directory: Path, bounds: Sequence[int] = ()) -> Written | None:  # fmt: skip
+                 directory: Path) -> Written | None:  # fmt: skip
     """Write the latest record of every document of `pieces` as one segment in
-    `directory`; None (no file) when no record is left.
-
-    `bounds` are seqs at which the state must stay exact: the start seqs of later
-    backups that rolled back into the pieces' range (a state at such a backup takes
-    the records up to its start, formats/repository.md §8.1). A record is then dropped
-    only for a later record of its document between the same two bounds, so the
-    latest record at or below each bound is still there."""
-    cuts = sorted(set(bounds))
-    latest: dict[tuple[int, bytes, int], int] = {}
+    `directory`; None (no file) when no record is left."""
+    latest: dict[tuple[int, bytes], int] = {}
     for rec in _records(repo, bucket, pieces, keep):  # pass 1: seqs only
-        latest[rec.collection, bytes(rec.key), bisect_left(cuts, rec.seq)] = rec.seq
+        latest[rec.collection, bytes(rec.key)] = rec.seq
     if not latest:
         return None
     writer = SegmentWriter(directory / f"p{partition:04x}.open", header, storage=repo.storage)
@@ -108,7 +103,7 @@ def write_latest(repo: Repository, bucket: str, partition: int, pieces: Sequence
     batch: list[DcpRecord] = []
     with writer:  # aborted (temp files removed) unless finished
         for rec in _records(repo, bucket, pieces, keep):  # pass 2: the winners
-            doc = rec.collection, bytes(rec.key), bisect_left(cuts, rec.seq)
+            doc = rec.collection, bytes(rec.key)
             if latest.get(doc) != rec.seq:
                 continue
             del latest[doc]

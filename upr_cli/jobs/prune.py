@@ -37,6 +37,7 @@ one partition, never values.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.errors import UsageError
-from upr_cli.jobs.compact import Piece, write_latest
+from upr_cli.jobs.compact import Piece, Written, write_latest
 from upr_cli.jobs.retention import Decision, KeepRules, decide, local_zone
 from upr_cli.repo import (
     NO_CUT,
@@ -242,32 +243,32 @@ class _Revision:
         owner = ek if ek is not None else last_e
         start = min([e.start_seq for _m, e in members] + ([ek.start_seq] if ek else []))
         end_state = ek.start_seq if ek is not None else last_e.end_seq
-        pieces = []
-        for m, e in members:
-            c = cut(chain, p, m.backup_id, k.backup_id)
-            for s in e.segments:
-                if s.first_seq > c:
-                    break
-                pieces.append(Piece(m.backup_id, s.file, min(s.last_seq, c)))
         alive = {coll.id for _scope, coll in chain_manifest(
             [m for m in chain if m.backup_id <= k.backup_id]).collections()}  # fmt: skip
         header = SegmentHeader(self.bucket, p, last_e.failover_log, start, end_state, (),
                                _now(), f"prune: merged into {k.backup_id}")  # fmt: skip
+        # later backups that rolled back into the merged range read it only up to their
+        # start: the range is merged in parts between those starts, so that the state at
+        # each of them stays exact (as `upr merge` splits, formats/repository.md §8.9)
+        later = [e for m in chain if m.backup_id > k.backup_id and (e := m.partition(p))]
+        cuts = sorted({e.start_seq for e in later if start < e.start_seq < end_state})
         segments: list[SegmentEntry] = []
-        # later backups that rolled back into the merged range read it up to their start
-        bounds = [e.start_seq for m in chain if m.backup_id > k.backup_id
-                  and (e := m.partition(p)) is not None and e.start_seq < end_state]  # fmt: skip
-        got = write_latest(self.repo, self.bucket, p, pieces, keep=alive.__contains__,
-                           header=header, directory=self.directory,
-                           bounds=bounds) if pieces else None  # fmt: skip
-        if got is not None:
-            segments.append(got.entry)
-            self.written.append(self.directory / got.entry.file)
-            self.bytes_written += got.entry.bytes
-            for cid, (mut, dels) in got.collections.items():
-                c2 = self.counts.setdefault(cid, [0, 0])
-                c2[0] += mut
-                c2[1] += dels
+        for low, high in itertools.pairwise([start, *cuts, NO_CUT]):
+            pieces = []
+            for m, e in members:
+                c = min(cut(chain, p, m.backup_id, k.backup_id), high)
+                for seg in e.segments:
+                    if seg.first_seq > c:
+                        break
+                    if seg.last_seq > low:
+                        pieces.append(Piece(m.backup_id, seg.file, min(seg.last_seq, c), low))
+            if not pieces:
+                continue
+            got = write_latest(self.repo, self.bucket, p, pieces, keep=alive.__contains__,
+                               header=header, directory=self.directory)  # fmt: skip
+            if got is not None:
+                self._wrote(got)
+                segments.append(got.entry)
         cut_backs = self._cut_backs(p, ek)
         if ek is not None:
             segments += ek.segments
@@ -277,6 +278,14 @@ class _Revision:
                               owner.snap_start, owner.snap_end, tuple(segments),
                               self._rollback(members, ek, start), tuple(cut_backs),
                               self._lost_bound(members, ek, start))  # fmt: skip
+
+    def _wrote(self, got: Written) -> None:
+        self.written.append(self.directory / got.entry.file)
+        self.bytes_written += got.entry.bytes
+        for cid, (mut, dels) in got.collections.items():
+            counts = self.counts.setdefault(cid, [0, 0])
+            counts[0] += mut
+            counts[1] += dels
 
     def _link_entry(self, k: Manifest, e: PartitionEntry) -> None:
         for s in e.segments:
