@@ -146,8 +146,7 @@ def kill_at(root: Path, point: tuple[str, int], known: set[str]) -> bool:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         while proc.poll() is None:
-            new = [d for d in os.listdir(bdir) if d not in known and not d.startswith(".")
-                   and d != "lock"]  # fmt: skip
+            new = [d for d in os.listdir(bdir) if d not in known and d[:1].isdigit()]
             names = os.listdir(bdir / new[0]) if new else []
             kind, k = point
             published = sum(n.endswith(".seg") and not n.startswith(".") for n in names)

@@ -68,7 +68,7 @@ class _Part:
         self.hist = [r for r in self.hist if r.by_seqno <= at]
         self.seq = at
         self.uuid = uuid
-        self.log = [(uuid, at), *[e for e in self.log if e[1] <= at]][:8]
+        self.log = [(uuid, at), *[e for e in self.log if e[1] <= at]][:64]
 
     def write(self, n: int, rnd: random.Random, p: int, dropped: bool) -> list[DcpRecord]:
         rows = _rows(p, self.seq + 1, n, rnd, dropped)

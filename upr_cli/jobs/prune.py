@@ -64,7 +64,7 @@ from upr_cli.repo import (
     format_segment_name,
     lost_cut,
 )
-from upr_cli.repo.manifest import CollectionCount, chain_manifest
+from upr_cli.repo.manifest import CollectionCount
 from upr_cli.segments import Record, SegmentHeader, SegmentReader, SegmentWriter
 from upr_cli.source import backup_named, open_repo
 
@@ -82,6 +82,7 @@ class Step:
 
     kept: Manifest
     run: list[Manifest]
+    newest: BackupId | None = None  # the newest backup kept: lost writes are as of it
 
     @property
     def absorbed(self) -> tuple[BackupId, ...]:
@@ -136,6 +137,10 @@ def plan_bucket(repo: Repository, bucket: str, remove: set[BackupId],
             steps.append(Step(m, run))
             run = []
     dropped = list(reversed(run))
+    gone = {m.backup_id for m in removed}
+    kept = [m.backup_id for m in chain if m.backup_id not in gone]
+    for step in steps:
+        step.newest = kept[-1]
     plan = BucketPlan(bucket, chain, decisions, removed, steps, dropped,
                       sum(_bytes(m) for m in removed))  # fmt: skip
     plan.lost_writes = sum(_count_lost(repo, plan, s) for s in steps)
@@ -143,14 +148,17 @@ def plan_bucket(repo: Repository, bucket: str, remove: set[BackupId],
 
 
 def _lost_ranges(chain: Sequence[Manifest], step: Step, p: int) -> list[tuple[Manifest, int]]:
-    """(member, low) for each member of the run holding p that has lost writes at K:
-    its records in (low, end] (formats/repository.md §8.3)."""
+    """(member, low) for each member of the run holding p that has lost writes at the
+    newest kept backup: its records in (low, end] (formats/repository.md §8.3), as
+    `salvage` and `examine` find them before the prune. (At K they can be fewer: a
+    later failover's log can know less of the member's branch than K's did.)"""
     out = []
+    upto = step.newest or step.kept.backup_id
     for m in step.run:
         e = m.partition(p)
         if e is None:
             continue
-        low = max(lost_cut(chain, p, m.backup_id, step.kept.backup_id), e.start_seq)
+        low = max(lost_cut(chain, p, m.backup_id, upto), e.start_seq)
         if low < e.end_seq and any(s.last_seq > low for s in e.segments):
             out.append((m, low))
     return out
@@ -243,8 +251,6 @@ class _Revision:
         owner = ek if ek is not None else last_e
         start = min([e.start_seq for _m, e in members] + ([ek.start_seq] if ek else []))
         end_state = ek.start_seq if ek is not None else last_e.end_seq
-        alive = {coll.id for _scope, coll in chain_manifest(
-            [m for m in chain if m.backup_id <= k.backup_id]).collections()}  # fmt: skip
         header = SegmentHeader(self.bucket, p, last_e.failover_log, start, end_state, (),
                                _now(), f"prune: merged into {k.backup_id}")  # fmt: skip
         # later backups that rolled back into the merged range read it only up to their
@@ -264,8 +270,11 @@ class _Revision:
                         pieces.append(Piece(m.backup_id, seg.file, min(seg.last_seq, c), low))
             if not pieces:
                 continue
-            got = write_latest(self.repo, self.bucket, p, pieces, keep=alive.__contains__,
-                               header=header, directory=self.directory)  # fmt: skip
+            # every collection: a dropped one's documents are not restored (the chain's
+            # collections say it is dropped), but a later failover below them can still
+            # make them lost writes that salvage and examine must find
+            got = write_latest(self.repo, self.bucket, p, pieces, keep=None, header=header,
+                               directory=self.directory)  # fmt: skip
             if got is not None:
                 self._wrote(got)
                 segments.append(got.entry)
