@@ -87,3 +87,23 @@ def test_a_cut_below_the_asked_seq_keeps_only_what_the_source_lost(tmp_path: Pat
     # asked at or above everything held: nothing is lost, the segment is only cut back
     _cut(st, 110, 105, 130, held, open_cut, format_segment_name)
     assert w.last_seq == 105 and len(st.cuts) == 1
+
+
+def test_memory_pressure_spills_open_writers_not_finished_ones(tmp_path: Path) -> None:
+    """Over its memory budget the worker spills the largest writers; a partition whose
+    stream ended earlier keeps its finished writer in `_opened` and must be skipped (a CI
+    run backing up 5 MiB documents failed with "segment already finished")."""
+    from upr_cli.failover import FailoverLog
+    from upr_cli.jobs.backup_stream import BackupStream, _Open
+
+    done = SegmentWriter(tmp_path / "a.open", header(start=0, end=5000, part=1))
+    done.add(rows_for(list(range(1, 5001)), 1))
+    done.finish(path=tmp_path / format_segment_name(1, 1, 5000))
+    live = SegmentWriter(tmp_path / "b.open", header(start=0, end=100, part=2))
+    log = FailoverLog.of([(1, 0)])
+    s: Any = object.__new__(BackupStream)
+    s._held, s.memory_budget = [0], 1
+    s._opened = {1: _Open(1, done, log, 0), 2: _Open(2, live, log, 0)}
+    s._add_all([(s._opened[2], rows_for(list(range(1, 50)), 2))])
+    assert live.buffered == 0  # spilled; the finished one was left alone
+    live.abort()

@@ -175,11 +175,10 @@ def _readers_gone(wait: float) -> Any:
 
     @contextlib.contextmanager
     def hold(repo: Repository, bucket: str) -> Iterator[None]:
-        from upr_cli.repo.readers import ExclusiveAccess
+        from upr_cli.repo.readers import ExclusiveAccess, describe_readers
 
         def say(readers: list[Any]) -> None:
-            notice(f"waiting up to {wait:g}s for {plural(len(readers), 'reader')} of "
-                   f"{bucket}: " + ", ".join(map(str, readers)))  # fmt: skip
+            notice(f"{bucket}: waiting up to {wait:g}s for {describe_readers(readers)}")
 
         with ExclusiveAccess(repo, bucket, wait=wait, on_wait=say):
             yield
@@ -211,25 +210,27 @@ def _show(result: PruneResult, b: BucketPlan, show_all: bool) -> None:
     stdout.print(t)
     more_line(left_out, "backups")
     kept = len(b.chain) - len(b.removed)
-    line = (f"{b.bucket}: keep {plural(kept, 'backup')}, remove {len(b.removed)} "
-            f"({human_bytes(b.bytes_removed)})")  # fmt: skip
+    lines = [f"{b.bucket}: keep {plural(kept, 'backup')}, remove {len(b.removed)} "
+             f"({human_bytes(b.bytes_removed)})"]  # fmt: skip
     if b.steps:
-        line += f"; merged forward into {plural(len(b.steps), 'kept backup')}"
+        lines.append(f"  records still needed merged forward into "
+                     f"{plural(len(b.steps), 'kept backup')}")  # fmt: skip
     if b.lost_writes:
-        dropped = "dropped" if b.written.get("lost_writes_dropped") else "kept"
-        line += f"; {b.lost_writes:,} lost-write records {dropped}"
+        fate = "dropped (--drop-lost-writes)" if b.drop_lost else "carried forward"
+        lines.append(f"  {b.lost_writes:,} lost-write records {fate}")
     if result.applied:
-        line += (f"; wrote {human_bytes(b.written.get('bytes_written') or 0)}, "
-                 f"freed {human_bytes(b.written.get('bytes_freed') or 0)}")  # fmt: skip
-    else:
-        line += f"; frees up to {human_bytes(b.bytes_removed)}"
-    stdout.print(line, markup=False, highlight=False)
+        lines.append(f"  wrote {human_bytes(b.written.get('bytes_written') or 0)}, "
+                     f"freed {human_bytes(b.written.get('bytes_freed') or 0)}")  # fmt: skip
+    elif b.removed:
+        lines.append(f"  frees up to {human_bytes(b.bytes_removed)}")
+    for line in lines:
+        stdout.print(line, markup=False, highlight=False)
 
 
 def _table(title: str) -> Table:
     t = table(title)
-    for col in ("backup", "committed", "action", "why"):
-        t.add_column(col, no_wrap=col != "why", overflow="fold")
+    for col in ("backup", "committed", "action", "why (kept) / merged into"):
+        t.add_column(col, no_wrap=col != "why (kept) / merged into", overflow="fold")
     return keep_whole(t, "backup", "action")
 
 
@@ -242,7 +243,7 @@ def _rows(b: BucketPlan) -> list[tuple[str, str, str, str]]:
         if m.backup_id in gone:
             into = b.merged_into(m.backup_id)
             action = "remove"
-            detail = f"merged into {into}" if into is not None else "nothing newer kept"
+            detail = f"into {into}" if into is not None else "nothing newer kept"
         else:
             action = "keep"
             detail = ", ".join(why)

@@ -483,7 +483,8 @@ class BackupStream:
         if held[0] > self.memory_budget:
             # list(): one step under the GIL, while the loop may add a partition
             opened = list(self._opened.values())
-            writers = [st.writer for st in opened if st.writer is not None]
+            # a partition whose stream ended keeps its finished writer: not one to spill
+            writers = [st.writer for st in opened if st.writer is not None and not st.writer.done]
             for w in sorted(writers, key=lambda w: w.buffered, reverse=True):
                 if held[0] <= self.memory_budget // 2:
                     break

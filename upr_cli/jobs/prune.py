@@ -10,17 +10,21 @@ the kept backup K after them, or by nothing (the newest ones).
   the same id (directory `K-rNNNNNNNN`), then committed by its manifest, and only then
   are the run's directories and K's older revision removed. Per partition p the
   revision holds:
-  - one compacted segment: the latest record of every key among the run's records
-    that the state at K takes (seq ≤ cut(R, K), formats/repository.md §8.1), events and
-    dropped collections left out, so that its content up to K's start is the state the
-    run left; followed by K's own segments, linked (a hard link: nothing is copied and
-    K's directory is not touched). Its start is the lowest start of the run and K, so
-    every cut of a later backup is what it was, and so is every state at K and after;
-  - the run's lost writes (records above their lost cut at K, §8.3, and the run's own
-    cut-back records) as cut-back records, so that `salvage` and `examine` still find
-    them; `--drop-lost-writes` is the only way to drop them;
-  - a rollback record that keeps how far K's history agrees with the backups before the
-    run (§8.3: the lowest agreement of the run and K), so their lost writes are unchanged.
+  - the run's records that the state at K takes (seq ≤ cut(R, K),
+    formats/repository.md §8.1), compacted to the latest record of every document
+    (tombstones kept, events and the collections dropped by K left out), in parts between the
+    starts of later backups that rolled back into the range, so the state at each of
+    them stays exact; followed by K's own segments, linked (a hard link: nothing is
+    copied and K's directory is not touched). Its start is the lowest start of the run
+    and K, so every cut of a later backup is what it was, and so is every state at K
+    and after;
+  - the run's lost writes as cut-back records (formats/repository.md §5.6): records
+    above their lost cut at the newest kept backup (formats/repository.md §8.3) and the
+    run's own cut-back records, so that `salvage` and `examine` still find them;
+    `--drop-lost-writes` is the only way to drop them;
+  - a `lost_bound` (formats/repository.md §5.10) that keeps how far K's history agrees
+    with the backups before the run: the lowest agreement of the run's entries and K's,
+    so their lost writes are unchanged.
   The compacted range has no inner snapshot boundary left (its records are the state at
   its end only), so a later rollback below K's start lands lower, never inside it.
 * Crash safety: a revision is invisible until its manifest commits; a run's directories
@@ -64,7 +68,7 @@ from upr_cli.repo import (
     format_segment_name,
     lost_cut,
 )
-from upr_cli.repo.manifest import CollectionCount
+from upr_cli.repo.manifest import CollectionCount, chain_manifest
 from upr_cli.segments import Record, SegmentHeader, SegmentReader, SegmentWriter
 from upr_cli.source import backup_named, open_repo
 
@@ -105,6 +109,7 @@ class BucketPlan:
     dropped: list[Manifest]  # removed with nothing kept after them: newest first
     bytes_removed: int  # segment bytes of the removed backups
     lost_writes: int = 0  # records of lost writes the removed backups hold
+    drop_lost: bool = False  # --drop-lost-writes: they go instead of moving forward
     written: dict[str, Any] = field(default_factory=dict)  # filled by apply
 
     @property
@@ -220,6 +225,7 @@ class _Revision:
     drop_lost: bool
     written: list[Path] = field(default_factory=list)
     bytes_written: int = 0
+    bytes_kept: int = 0  # the run's files linked in (its cut-back records): not freed
     lost_dropped: int = 0
     counts: dict[int, list[int]] = field(default_factory=dict)
 
@@ -253,6 +259,8 @@ class _Revision:
         end_state = ek.start_seq if ek is not None else last_e.end_seq
         header = SegmentHeader(self.bucket, p, last_e.failover_log, start, end_state, (),
                                _now(), f"prune: merged into {k.backup_id}")  # fmt: skip
+        alive = {coll.id for _scope, coll in chain_manifest(
+            [m for m in chain if m.backup_id <= k.backup_id]).collections()}  # fmt: skip
         # later backups that rolled back into the merged range read it only up to their
         # start: the range is merged in parts between those starts, so that the state at
         # each of them stays exact (as `upr merge` splits, formats/repository.md §8.9)
@@ -270,11 +278,10 @@ class _Revision:
                         pieces.append(Piece(m.backup_id, seg.file, min(seg.last_seq, c), low))
             if not pieces:
                 continue
-            # every collection: a dropped one's documents are not restored (the chain's
-            # collections say it is dropped), but a later failover below them can still
-            # make them lost writes that salvage and examine must find
-            got = write_latest(self.repo, self.bucket, p, pieces, keep=None, header=header,
-                               directory=self.directory)  # fmt: skip
+            # the collections dropped by K go (ids are never reused): no state restores
+            # them, and the chain no longer names them
+            got = write_latest(self.repo, self.bucket, p, pieces, keep=alive.__contains__,
+                               header=header, directory=self.directory)  # fmt: skip
             if got is not None:
                 self._wrote(got)
                 segments.append(got.entry)
@@ -311,7 +318,8 @@ class _Revision:
 
     def _lost_bound(self, members: list[tuple[Manifest, PartitionEntry]],
                     ek: PartitionEntry | None, start: int) -> int | None:  # fmt: skip
-        """How far the merged entry may agree with the backups before the run (§8.3):
+        """How far the merged entry may agree with the backups before the run
+        (formats/repository.md §8.3):
         no further than the run's and K's entries did, the lowest of them. None when
         the merged entry's own start, rollback record or failover log says as much."""
         entries = [e for _m, e in members] + ([ek] if ek is not None else [])
@@ -357,6 +365,8 @@ class _Revision:
     def _link_cut(self, m: Manifest, index: int, c: CutBack, k: int) -> None:
         for s in c.segments:
             self.link(m, format_cut_path(index, s.file), format_cut_path(k, s.file))
+            if m is not self.step.kept:
+                self.bytes_kept += s.bytes
 
     def _records_above(self, m: Manifest, e: PartitionEntry, low: int) -> Iterator[Record]:
         for s in e.segments:
@@ -447,7 +457,7 @@ def apply(repo: Repository, plan: BucketPlan, lock: RepositoryLock, *, drop_lost
             continue
         kept_before[m.backup_id] = previous
         previous = m
-    written = lost_dropped = 0
+    written = kept_bytes = lost_dropped = 0
     for step in plan.steps:
         k = step.kept
         d = repo.revision_dir(plan.bucket, k.backup_id, k.revision + 1)
@@ -464,6 +474,7 @@ def apply(repo: Repository, plan: BucketPlan, lock: RepositoryLock, *, drop_lost
         repo.storage.sync_dir(d)
         repo.manifest_store.write_revision(manifest, lock)
         written += rev.bytes_written
+        kept_bytes += rev.bytes_kept
         lost_dropped += rev.lost_dropped
     removed_dirs = 0
     for step in plan.steps:  # committed: what they absorbed is gone for every reader
@@ -480,7 +491,8 @@ def apply(repo: Repository, plan: BucketPlan, lock: RepositoryLock, *, drop_lost
                 repo.sweeper.discard(s.path)
                 removed_dirs += 1
     repo.storage.sync_dir(repo.bucket_dir(plan.bucket))
-    return {"bytes_written": written, "bytes_freed": max(0, plan.bytes_removed - written),
+    freed = max(0, plan.bytes_removed - kept_bytes - written)
+    return {"bytes_written": written, "bytes_freed": freed,
             "lost_writes_dropped": lost_dropped, "directories_removed": removed_dirs}  # fmt: skip
 
 
@@ -557,10 +569,12 @@ def run(repo_dir: Path, *, bucket: str | None, rules: KeepRules | None,
                 if hold is not None:  # the readers' side: none may read while we remove
                     stack.enter_context(hold(repo, b))
                 plan = _plan(repo, b, rules, names)
+                plan.drop_lost = drop_lost
                 repo.sweep(b, _sweep_mark(repo, b), lock)
                 plan.written = apply(repo, plan, lock, drop_lost=drop_lost, on_event=on_event)
         else:
             plan = _plan(repo, b, rules, names)
+            plan.drop_lost = drop_lost
         plans.append(plan)
     desc = rules.describe() if rules is not None else "remove " + " ".join(names)
     return PruneResult(repo.path, apply_, desc, local_zone(), plans, time.monotonic() - t0)

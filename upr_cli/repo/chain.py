@@ -141,9 +141,9 @@ def _agreement(j: PartitionEntry, later: PartitionEntry) -> int:
 
     A later backup that started above 0 says it exactly: its start is where the source
     put it (the previous end, or a rollback point). One that started at 0 (a full backup,
-    a merge, a rollback to 0) says nothing by its start; its failover log does: j's
-    branch (j's uuid) followed until the next newer entry, or for ever when it is still
-    the latest. A branch the log does not know agrees nowhere (0).
+    a merge, a rollback to 0) says nothing by its start; the two failover logs do: the
+    newest branch both hold, followed until either left it (`common_history`). Logs
+    that share no branch agree nowhere (0).
     """
     found = _agreement_by_start(j, later)
     # a revision that took over removed backups agrees no further than they did
@@ -159,11 +159,24 @@ def _agreement_by_start(j: PartitionEntry, later: PartitionEntry) -> int:
         if later.rollback is not None:
             return max(later.start_seq, min(later.rollback.branch_seq, later.rollback.from_seq))
         return later.start_seq
-    entries = later.failover_log.entries
-    i = next((i for i, e in enumerate(entries) if e.uuid == j.uuid), None)
-    if i is None:
-        return 0
-    return NO_CUT if i == 0 else entries[i - 1].seq
+    return common_history(j.failover_log, later.failover_log)
+
+
+def common_history(j: FailoverLog, later: FailoverLog) -> int:
+    """How far two failover logs share their history: the newest branch (uuid) of `j`'s
+    log that `later`'s also holds, followed until either log leaves it (the seq of its
+    next newer entry there; for ever while it is a log's latest); 0 when they share none
+    (formats/repository.md §8.3)."""
+    theirs = {e.uuid: i for i, e in enumerate(later.entries)}
+    mine = j.entries
+    for i, e in enumerate(mine):
+        k = theirs.get(e.uuid)
+        if k is None:
+            continue
+        left_mine = NO_CUT if i == 0 else mine[i - 1].seq
+        left_theirs = NO_CUT if k == 0 else later.entries[k - 1].seq
+        return min(left_mine, left_theirs)
+    return 0
 
 
 def _lost_cuts(held: list[Held]) -> list[int]:

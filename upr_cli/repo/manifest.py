@@ -298,7 +298,8 @@ class PartitionEntry:
     rollback: RollbackRecord | None = None
     cut_backs: tuple[CutBack, ...] = ()
     # version 3 (formats/repository.md §5.10): at most how far this entry's history
-    # agrees with every earlier backup's (§8.3), when it took over removed backups
+    # agrees with every earlier backup's (formats/repository.md §8.3), when it took
+    # over removed backups
     lost_bound: int | None = None
 
     def __post_init__(self) -> None:

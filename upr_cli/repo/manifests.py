@@ -241,7 +241,8 @@ class ManifestStore:
         directory is `<id>-rNNNNNNNN` for the manifest's revision, which must be one more
         than the current revision's; every file it lists is present at its size; the
         backups it absorbs are committed and older. Copy first, then the manifest: the
-        copy's rename is the commit point, as for a backup (§4.3). Needs the lock."""
+        copy's rename is the commit point, as for a backup (formats/repository.md §4.3).
+        Needs the lock."""
         require_held(lock, self.layout.lock_path(manifest.bucket))
         bucket, bid = manifest.bucket, manifest.backup_id
         d = self.layout.revision_dir(bucket, bid, manifest.revision)
@@ -253,8 +254,10 @@ class ManifestStore:
             )
         if self._committed_mark(d):
             raise RepositoryError(f"{d}: revision {manifest.revision} is already committed")
-        committed = set(self.layout.committed(bucket))
-        stray = [b for b in manifest.absorbed if b not in committed and b not in current.absorbed]
+        # a backup it absorbs is committed, or was absorbed already (by K or by one of the
+        # backups it now absorbs, whose directory the sweep may have removed)
+        known = set(self.layout.committed_all(bucket)) | self.absorbed(bucket)
+        stray = [b for b in manifest.absorbed if b not in known]
         if stray:
             raise RepositoryError(f"{d}: absorbs backup {stray[0]}, which is not committed")
         self._check_files(d, manifest)

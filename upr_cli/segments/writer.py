@@ -252,6 +252,11 @@ class SegmentWriter:
         """Bytes held in memory: raw records waiting for a block, plus unspilled blocks."""
         return self._raw_len + self._frames_len
 
+    @property
+    def done(self) -> bool:
+        """Finished or aborted: nothing more can be added, spilled or finished."""
+        return self._done
+
     def spill(self) -> None:
         """Compress buffered records and move every block to the body file (frees memory)."""
         if self._done:
