@@ -48,3 +48,39 @@ def test_the_grammar_examples_parse() -> None:
     assert name in SPEC and SegmentName.parse(name) == SegmentName(0x3FF, 1, 0x4D2)
     assert format_segment_name(3, 81, 150) in SPEC
     assert parse_temp_name(".manifest.json.tmp-1f0c9a3b") == "manifest.json"
+
+
+REVISION = Path(__file__).resolve().parents[2] / "formats" / "vectors" / "revision-manifest.json"
+
+
+def test_the_revision_vector_loads_and_is_specified() -> None:
+    """formats/vectors/revision-manifest.json: a version 3 manifest (§5.10) with a
+    revision, absorbed backups, a lost_bound and a cut-back carried forward."""
+    from upr_cli.repo.names import format_backup_dir, parse_backup_dir
+
+    data = REVISION.read_bytes()
+    m = Manifest.loads(data)
+    assert m.dumps() == data  # the vector is what the writer writes, byte for byte
+    assert m.version == 3 and m.revision == 2 and len(m.absorbed) == 2
+    entry = m.partition(3)
+    assert entry is not None and entry.lost_bound == 55 and entry.cut_backs
+    for obj in (m.to_json(), entry.to_json()):
+        for key in obj:
+            assert f"| `{key}` |" in SPEC, f"formats/repository.md does not specify {key!r}"
+    name = format_backup_dir(m.backup_id, m.revision)
+    assert name == "20261124T061500.123456Z-r00000002"
+    assert parse_backup_dir(name) == (m.backup_id, 2)
+    assert parse_backup_dir(str(m.backup_id)) == (m.backup_id, 1)
+
+
+def test_revision_directory_names_are_strict() -> None:
+    import pytest
+
+    from upr_cli.repo import RepositoryError
+    from upr_cli.repo.names import parse_backup_dir
+
+    for bad in ("20261124T061500.123456Z-r00000001", "20261124T061500.123456Z-r2",
+                "20261124T061500.123456Z-r00000000", "20261124T061500.123456Z.r00000002",
+                "20261124T061500.123456Z-R00000002"):  # fmt: skip
+        with pytest.raises(RepositoryError):
+            parse_backup_dir(bad)
