@@ -384,6 +384,10 @@ def info(
                     "rollback_count": t.rollbacks,  # `rollbacks` elsewhere is their list
                     "partitions": len(m.partitions),
                     "bytes_on_disk": tree_bytes(repo.storage, repo.backup_dir(b, m.backup_id)),
+                    # a prune's revision (formats/repository.md §4.6): which, and the
+                    # removed backups whose records it holds
+                    "revision": m.revision,
+                    "absorbed": [str(x) for x in m.absorbed],
                 }
             )
         resumable = repo.resumable(b)
