@@ -40,7 +40,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from upr_cli.lockholder import LockHolder
 from upr_cli.repo.errors import RepositoryError, RepositoryLocked
@@ -97,7 +97,30 @@ def require_held(lock: RepositoryLock, path: Path, why: str = "this needs the bu
         raise RepositoryError(f"{path}: {why}")
 
 
-class RepositoryLock:
+class Held:
+    """A lock used as a context manager: `acquire` on entry, `release` on exit (the
+    bucket's lock, a reader's shared lock, a remover's exclusive access)."""
+
+    def acquire(self) -> object:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class RepositoryLock(Held):
     """Exclusive lock on one bucket of a repository; use as a context manager."""
 
     def __init__(
@@ -248,15 +271,3 @@ class RepositoryLock:
                 self.repo.storage.delete(self.path)
         finally:
             os.close(fd)
-
-    def __enter__(self) -> RepositoryLock:
-        self.acquire()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()

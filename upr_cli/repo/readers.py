@@ -48,11 +48,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 from upr_cli.lockholder import LockHolder
 from upr_cli.repo.errors import RepositoryError, RepositoryLocked
+from upr_cli.repo.lock import Held
 from upr_cli.repo.names import format_time, parse_temp_name, temp_name
 
 if TYPE_CHECKING:
@@ -228,7 +228,7 @@ def read_lock(repo: Repository, bucket: str, command: str,
     return ReadLock(repo, bucket, command=command, on_wait=waiting)
 
 
-class ReadLock:
+class ReadLock(Held):
     """A shared lock on one bucket, held while a command reads it; a context manager.
 
     `wait` is how long to wait for an exclusive holder (prune, remove, a sweep) to finish;
@@ -372,20 +372,8 @@ class ReadLock:
             if reg_fd is not None:
                 os.close(reg_fd)
 
-    def __enter__(self) -> ReadLock:
-        self.acquire()
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-
-class ExclusiveAccess:
+class ExclusiveAccess(Held):
     """Exclusive access to one bucket against its readers, for removing or rewriting;
     a context manager. The caller already holds the bucket's `RepositoryLock`.
 
@@ -463,18 +451,6 @@ class ExclusiveAccess:
                 self.repo.storage.remove_dir(self.repo.bucket_dir(self.bucket) / READERS_DIR)
         finally:
             os.close(fd)
-
-    def __enter__(self) -> ExclusiveAccess:
-        self.acquire()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
 
 
 def sweep_unless_read(repo: Repository, bucket: str, running: BackupId,
