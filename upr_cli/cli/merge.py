@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
 
 import typer
 
-from upr_cli.cli.options import Bucket, JsonOutput, NoProgress, Repo
+from upr_cli.cli.options import Bucket, JsonOutput, NoProgress, Repo, Through
 from upr_cli.cli.output import Progress, print_json, stdout
 
 HELP = """Merge a repository's chain into one full backup, on one machine.
@@ -45,14 +44,7 @@ def register(app: typer.Typer) -> None:
 
 def merge_cmd(
     repo: Repo,
-    through: Annotated[
-        str,
-        typer.Option(
-            "--through",
-            metavar="BACKUP",
-            help="The backup to merge through (an id, latest, oldest).",
-        ),
-    ] = "latest",
+    through: Through = "latest",
     bucket: Bucket = None,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,

@@ -58,6 +58,12 @@ At = Annotated[
     str,
     typer.Option("--at", metavar="BACKUP", help="A backup id, latest or oldest."),
 ]
+Through = Annotated[
+    str,
+    typer.Option(
+        "--through", metavar="BACKUP", help="The backup to merge through (an id, latest, oldest)."
+    ),
+]
 NodeUri = Annotated[
     str,
     typer.Argument(metavar="URI", help="The node: upr://[user[:password]@]host[:port]/bucket."),

@@ -10,7 +10,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from upr_cli.cli.options import At, Bucket, JsonOutput, NoProgress, Repo, SparkConf
+from upr_cli.cli.options import At, Bucket, JsonOutput, NoProgress, Repo, SparkConf, Through
 from upr_cli.cli.output import Progress, plural, print_json, stderr, stdout
 from upr_cli.source import open_bucket
 
@@ -154,14 +154,7 @@ Example (on a cluster, the repository on shared storage):
 @app.command("merge", help=MERGE_HELP, no_args_is_help=True)
 def merge_cmd(
     repo: Repo,
-    through: Annotated[
-        str,
-        typer.Option(
-            "--through",
-            metavar="BACKUP",
-            help="The backup to merge through (an id, latest, oldest).",
-        ),
-    ] = "latest",
+    through: Through = "latest",
     bucket: Bucket = None,
     master: Master = "local[*]",
     conf: SparkConf = None,
