@@ -31,6 +31,7 @@ from upr_cli.repo import (
     Totals,
     format_segment_name,
 )
+from upr_cli.repo.manifest import CollectionCount
 from upr_cli.segments import SegmentHeader, SegmentWriter
 from upr_cli.store import Store
 
@@ -156,6 +157,7 @@ def build(repo: Repository, steps: list[Step]) -> list[Manifest]:
         full = parent is None or st.kind == "full"
         d = repo.new_backup_dir(BUCKET, b)
         entries = []
+        counts: dict[int, list[int]] = {}  # collection -> [items, deleted]
         for i, p in enumerate(PARTITIONS):
             writes = st.writes[i]
             part = parts[p]
@@ -182,6 +184,8 @@ def build(repo: Repository, steps: list[Step]) -> list[Manifest]:
             rows += part.write(writes, rnd, p, dropped)
             log = FailoverLog.of(part.log)
             segs = (_segment(d, p, log, start, rows),) if rows else ()
+            for r in rows:  # what `verify` counts: mutations, and deletions
+                counts.setdefault(r.collection, [0, 0])[r.opcode != OP_MUTATION] += 1
             end = part.seq
             entries.append(
                 PartitionEntry(
@@ -200,6 +204,9 @@ def build(repo: Repository, steps: list[Step]) -> list[Manifest]:
             tuple(entries),
             Totals.derive(entries, 1),
             collections=coll,
+            collection_items=tuple(
+                CollectionCount(c, a, x) for c, (a, x) in sorted(counts.items())
+            ),
         )
         repo.write_manifest(m)
         out.append(m)
