@@ -179,7 +179,7 @@ def _readers_gone(wait: float) -> Any:
 
         def say(readers: list[Any]) -> None:
             notice(f"waiting up to {wait:g}s for {plural(len(readers), 'reader')} of "
-                   f"{bucket}: " + ", ".join(map(str, readers)))  # fmt: skip
+                   f"{bucket}: " + ", ".join(r.describe() for r in readers))  # fmt: skip
 
         with ExclusiveAccess(repo, bucket, wait=wait, on_wait=say):
             yield
