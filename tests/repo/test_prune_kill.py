@@ -53,6 +53,8 @@ def _commands(ids: list[str]) -> dict[str, tuple[list[str], list[str], str | Non
             [ids[0], ids[3], ids[4], ids[6]],
             None,
         ),
+        # the newest three dropped outright, newest first: nothing kept after them
+        "remove-newest": (["remove", f"{ids[5]}..", "--apply"], ids[:5], None),
         # a range from the oldest, a full backup among them
         "remove-range": (["remove", f"..{ids[3]}", "--apply"], ids[4:], None),
         # through an older backup that a later rollback cuts inside
@@ -156,7 +158,7 @@ def kill_run(chain: Chain, seed: int, tmp: Path) -> None:
     # manifest.json, which leaves the copy alone until the next run rewrites the other
     # (formats/repository.md §4.3, §6: verify names the redundancy lost)
     found = problems(repo, tmp / "verify.log")
-    if name_of(ran.changes[-1]) == "manifest.json":
+    if ran.changes[-1].kind == "manifest":
         where = "/".join(Path(ran.changes[-1].path).parts[-3:-1])
         missing = (
             "missing (its twin manifest.json.copy is valid; `upr verify --repair` rewrites it)"
@@ -170,14 +172,10 @@ def kill_run(chain: Chain, seed: int, tmp: Path) -> None:
     args = chain.args(name, repo)
     if name.startswith("remove"):
         there = {str(b) for b in Repository(repo).committed(BUCKET)}
-        named = [
-            a
-            for a in args[1:-3]
-            if any(b <= a[2:] if a.startswith("..") else b.startswith(a) for b in there)
-        ]
+        named = [a for a in args[1:-3] if any(_names(a, b) for b in there)]
         args = ["remove", *named] if named else ["prune", "--keep-last", "99"]
         args += ["--apply", "--repo", str(repo)]
-    elif name == "merge-older" and len(check_states("committed?")) > len(chain.ids):
+    elif name == "merge-older" and len(Repository(repo).committed(BUCKET)) > len(chain.ids):
         # the killed merge committed: the same merge again is refused (it is there)
         again = run_upr(repo, args, tmp / "refused.log")
         assert again.rc == 1 and "must sort right after it" in again.err, what
@@ -194,8 +192,12 @@ def kill_run(chain: Chain, seed: int, tmp: Path) -> None:
     assert leftovers(repo) == [], what
 
 
-def name_of(c: Change) -> str:
-    return Path(c.path).name
+def _names(spec: str, backup: str) -> bool:
+    """`upr remove`'s BACKUP `spec` (an id, a prefix or a range A..B) names `backup`."""
+    if ".." not in spec:
+        return backup.startswith(spec)
+    lo, hi = spec.split("..", 1)
+    return (not lo or lo <= backup) and (not hi or backup <= hi)
 
 
 @pytest.mark.timeout(120)
