@@ -218,7 +218,8 @@ def _check_manifests(
     repo: Repository, b: str, rep: VerifyReport, lock: RepositoryLock | None
 ) -> None:
     """Both manifest files of every committed backup, each on its own; with the lock,
-    the bad one of a pair is rewritten from the good one."""
+    the bad one of a pair is rewritten from the good one. A bad file is named by its
+    directory (a revision's is `<id>-rNNNNNNNN`, formats/repository.md §4.6)."""
     for bid in repo.committed(b):
         main, copy = repo.manifest_files(b, bid)
         if not main.valid and not copy.valid:
@@ -230,7 +231,7 @@ def _check_manifests(
             bad, good = pair
             fixed = lock is not None and bad.path in repo.repair_manifest(b, bid, lock)
             rep.problems.append(Problem(
-                "manifest", f"{b}/{bid}/{bad.path.name}",
+                "manifest", f"{b}/{bad.path.parent.name}/{bad.path.name}",
                 f"altered outside its checksum (its twin {good.path.name} is as written"
                 + ("; rewritten from it)" if fixed else "; `upr verify --repair` rewrites it)"),
                 repaired=fixed,
@@ -248,7 +249,7 @@ def _check_manifests(
         rep.problems.append(
             Problem(
                 "manifest",
-                f"{b}/{bid}/{bad.path.name}",
+                f"{b}/{bad.path.parent.name}/{bad.path.name}",
                 f"{bad.error} (its twin {good.path.name} is valid"
                 + ("; rewritten from it)" if fixed else "; `upr verify --repair` rewrites it)"),
                 repaired=fixed,

@@ -30,6 +30,7 @@ backups merged stay.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -59,6 +60,7 @@ from upr_cli.segments import SegmentHeader
 __all__ = ["MergeRun", "MergeSummary", "PartitionWork", "commit", "is_merge_source", "run",
            "write_local", "write_partition"]  # fmt: skip
 
+_log = logging.getLogger(__name__)
 _SOURCE = "merge of "  # a merged segment's header `source`: "merge of FIRST..B"
 
 
@@ -275,6 +277,10 @@ def run(repo_dir: Path, *, through: str = "latest", bucket: str | None = None,
     t0 = time.monotonic()
     repo, name, at = _resolve(repo_dir, bucket, through)
     with RepositoryLock(repo, name) as lock:
+        # a manifest file a killed run left missing is rewritten from its valid twin
+        # (formats/repository.md §4.3), as the next backup does
+        for path, why in repo.heal(name, lock):
+            _log.warning("%s: %s; rewritten from its twin", path, why)
         plan = _prepare(repo, name, at, lock)
         written = dict(write(repo, plan))
         manifest = commit(repo, plan, written)

@@ -568,6 +568,7 @@ def run(repo_dir: Path, *, bucket: str | None, rules: KeepRules | None,
                 lock = stack.enter_context(RepositoryLock(repo, b))
                 if hold is not None:  # the readers' side: none may read while we remove
                     stack.enter_context(hold(repo, b))
+                _heal(repo, b, lock, on_event)
                 plan = _plan(repo, b, rules, names)
                 plan.drop_lost = drop_lost
                 repo.sweep(b, _sweep_mark(repo, b), lock)
@@ -578,6 +579,15 @@ def run(repo_dir: Path, *, bucket: str | None, rules: KeepRules | None,
         plans.append(plan)
     desc = rules.describe() if rules is not None else "remove " + " ".join(names)
     return PruneResult(repo.path, apply_, desc, local_zone(), plans, time.monotonic() - t0)
+
+
+def _heal(repo: Repository, bucket: str, lock: RepositoryLock,
+          on_event: PruneEvent | None) -> None:  # fmt: skip
+    """Rewrite a manifest file a killed run left missing from its valid twin (a crash
+    between the commit point and `manifest.json`, formats/repository.md §4.3), as the
+    next backup does: what this prune commits then verifies whole."""
+    for path, why in repo.heal(bucket, lock):
+        (on_event or (lambda _m: None))(f"{path}: {why}; rewritten from its twin")
 
 
 def _sweep_mark(repo: Repository, bucket: str) -> BackupId:
