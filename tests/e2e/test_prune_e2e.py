@@ -94,7 +94,7 @@ def test_a_prune_waits_for_a_restore_that_reads_its_backups(
 
         pruning = spawned(*upr_cmd, *prune_args, "--wait", "120", "--json", **pipes)
         waiting = pruning.stderr.readline()
-        assert waiting.startswith("upr: waiting up to 120s for 1 reader of default: "), waiting
+        assert waiting.startswith("upr: default: waiting up to 120s for 1 reader: "), waiting
         assert f"restore (pid {rp.pid} " in waiting, waiting
         time.sleep(0.3)
         assert pruning.poll() is None  # still waiting for the restore
