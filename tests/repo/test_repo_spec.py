@@ -54,8 +54,9 @@ REVISION = Path(__file__).resolve().parents[2] / "formats" / "vectors" / "revisi
 
 
 def test_the_revision_vector_loads_and_is_specified() -> None:
-    """formats/vectors/revision-manifest.json: a version 3 manifest (§5.10) with a
-    revision, absorbed backups, a lost_bound and a cut-back carried forward."""
+    """formats/vectors/revision-manifest.json: a version 3 manifest
+    (formats/repository.md §5.10) with a revision, absorbed backups, a lost_bound and a
+    cut-back carried forward."""
     from upr_cli.repo.names import format_backup_dir, parse_backup_dir
 
     data = REVISION.read_bytes()
