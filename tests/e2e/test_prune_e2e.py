@@ -1,8 +1,8 @@
 """A prune applied while a restore into a node reads the same backups
 (formats/repository.md §7.2): with --wait 0 it refuses at once, naming the restore;
-with --wait it waits for the restore, naming it, and goes on once the restore is done. The restore completes
-exactly (the target node holds the source's state at the backup restored), and the
-backup the prune kept restores the same afterwards.
+with --wait it waits for the restore, naming it, and goes on once the restore is done.
+The restore completes exactly (the target node holds the source's state at the backup
+restored), and the backup the prune kept restores the same afterwards.
 
 The restore is held at a known point while the prunes start: once it holds the bucket's
 shared lock it is stopped (SIGSTOP) and continued (SIGCONT) when both prunes have shown
