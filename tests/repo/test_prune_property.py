@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -87,19 +88,39 @@ FAST = {
 }
 
 
-@settings(max_examples=25, **FAST)
+@settings(max_examples=15, **FAST)
 @given(st.lists(steps_st, min_size=2, max_size=8), rules_st)
 def test_prune_keeps_every_kept_state(chain_steps: list[Step], rules: KeepRules) -> None:
     _check(chain_steps, rules, [], False)
 
 
-@settings(max_examples=20, **FAST)
+@pytest.mark.slow
+@settings(max_examples=150, **FAST)
+@given(st.lists(steps_st, min_size=2, max_size=8), rules_st)
+def test_prune_keeps_every_kept_state_slow(chain_steps: list[Step], rules: KeepRules) -> None:
+    _check(chain_steps, rules, [], False)
+
+
+@settings(max_examples=12, **FAST)
 @given(
     st.lists(steps_st, min_size=2, max_size=8),
     st.lists(st.integers(0, 7), max_size=6),
     st.booleans(),
 )
 def test_remove_keeps_every_kept_state(
+    chain_steps: list[Step], names: list[int], drop_lost: bool
+) -> None:
+    _check(chain_steps, None, names, drop_lost)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, **FAST)
+@given(
+    st.lists(steps_st, min_size=2, max_size=8),
+    st.lists(st.integers(0, 7), max_size=6),
+    st.booleans(),
+)
+def test_remove_keeps_every_kept_state_slow(
     chain_steps: list[Step], names: list[int], drop_lost: bool
 ) -> None:
     _check(chain_steps, None, names, drop_lost)
