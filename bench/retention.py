@@ -2,7 +2,7 @@
 
 Builds a repository chain with the library (no node: segments and manifests written
 directly, as tests/repo/repo_helpers.py does) of 30 backups holding --records records in
-total, 1024 partitions, JSON documents of 200-300 bytes: backup 0 is full (250,000
+total, 1024 partitions, JSON documents of 180-290 bytes: backup 0 is full (250,000
 inserts), backup 1 an incremental of 25,000 records, backups 2-29 incrementals that
 share the rest evenly. Every incremental record is an insert of a new key (65%), an
 update of a live key (30%) or a deletion of one (5%). Backups 0 and 1 are the same at
@@ -22,7 +22,7 @@ References measured in the same run, so ratios compare on a noisy machine: a bar
 that reads every record of the chain once with `SegmentReader` (checksums verified, as
 the commands read), and `zstd -3` of the chain's keys and values (one core).
 
-Usage: python bench/retention.py --records 1000000 [--seed 1] [--no-spark] [--keep DIR]
+Usage: python bench/retention.py --records 1000000 [--seed 1] [--no-spark] [--dir DIR]
 Last line: records=… load=… gen_s=… read_s=… zstd_s=… prune5_s=… prune5_rss_mb=… …
 """
 
@@ -84,7 +84,7 @@ def sizes(records: int) -> list[int]:
 
 
 def _value(kid: int, seq: int, rnd: random.Random) -> bytes:
-    """A user document of 200-300 bytes."""
+    """A user document of 180-290 bytes (240 on average)."""
     bio = BIO[: rnd.randrange(40, 140)]
     return (b'{"type":"user","id":%d,"name":"User %d","email":"user%d@example.com",'
             b'"city":"%s","score":%d,"active":%s,"version":%d,"bio":"%s"}'
