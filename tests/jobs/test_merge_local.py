@@ -194,3 +194,16 @@ def test_a_killed_merge_leaves_every_state_and_the_next_merge_succeeds(tmp_path:
     assert Repository(root).incomplete(BUCKET) == []  # the killed runs' directories swept
     verified(root)
     assert state(root, out["backup_id"], tmp_path / "m.db") == states[before[-1]]
+
+
+def test_a_second_merge_through_the_same_backup_says_it_exists(tmp_path: Path) -> None:
+    """The merge through an older B sorts right after B; asked again, upr says that
+    backup already is the merge (exit 1, one line), not a placement error."""
+    root = tmp_path / "repo"
+    build_chain(root)
+    b = ids(root)[1]
+    merged = json.loads(upr("merge", "--repo", str(root), "--through", b, "--json").stdout)
+    again = upr("merge", "--repo", str(root), "--through", b, check=False)
+    assert again.returncode == 1, again.stderr
+    assert again.stderr.count("\n") == 1, again.stderr
+    assert f"backup {merged['backup_id']} already is the merge through it" in again.stderr

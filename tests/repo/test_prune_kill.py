@@ -172,7 +172,7 @@ def kill_run(chain: Chain, seed: int, tmp: Path) -> None:
     elif name == "merge-older" and len(Repository(repo).committed(BUCKET)) > len(chain.ids):
         # the killed merge committed: the same merge again is refused (it is there)
         again = run_upr(repo, args, tmp / "refused.log")
-        assert again.rc == 1 and "must sort right after it" in again.err, what
+        assert again.rc == 1 and "already is the merge through it" in again.err, what
         args = ["prune", "--keep-last", "99", "--apply", "--repo", str(repo)]
     again = run_upr(repo, args, tmp / "again.log")
     assert again.rc == 0, f"{what}; run again: exit {again.rc}: {again.err}"

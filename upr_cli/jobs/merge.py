@@ -47,6 +47,7 @@ from upr_cli.repo import (
     Manifest,
     PartitionEntry,
     Repository,
+    RepositoryError,
     RepositoryLock,
     Totals,
     parse_segment_name,
@@ -195,6 +196,12 @@ def _prepare(repo: Repository, bucket: str, through: str, lock: RepositoryLock) 
     else:  # right after B, before the backups continuing from B (formats/repository.md §8.9)
         backup_id = BackupId(b_id.time + timedelta(microseconds=1))
         after = b_id
+        done = next((m for m in repo.manifests(bucket) if m.backup_id == backup_id), None)
+        if done is not None and done.merged_through == b_id:
+            raise RepositoryError(
+                f"--through {through}: backup {backup_id} already is the merge through it "
+                "(a full backup of that state): restore or list that one"
+            )
     sweep_unless_read(repo, bucket, backup_id, lock)  # it only adds: readers may go on
     directory = repo.new_backup_dir(bucket, backup_id, after=after)
     _clear(repo, directory)

@@ -296,7 +296,7 @@ class _Revision:
                               self._lost_bound(members, ek, start))  # fmt: skip
 
     def _wrote(self, got: Written) -> None:
-        self.written.append(self.directory / got.entry.file)
+        # `write_latest` made the file and its directory durable: not synced again
         self.bytes_written += got.entry.bytes
         for cid, (mut, dels) in got.collections.items():
             counts = self.counts.setdefault(cid, [0, 0])
