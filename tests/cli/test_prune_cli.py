@@ -14,6 +14,7 @@ import pytest
 
 from tests.cli.test_output import at_80, whole
 from tests.repo.chain_gen import Step, build, restored
+from upr_cli.errors import UprError
 from upr_cli.repo import Repository
 
 STEPS = [
@@ -84,7 +85,7 @@ def test_plan_table_is_whole_at_80_columns(chain: tuple[Path, list[Any]]) -> Non
     (["prune", "--keep-within", "soon"], "is not a duration"),
     (["prune", "--keep-last", "-1"], "greater than or equal to 0"),
     (["remove", "29991231"], "no such backup"),
-    (["remove", "20261121T091500.000000Z..20261121T061500.000000Z"], "older than"),
+    (["remove", "20261121T091500.000000Z..20261121T061500.000000Z"], "no backup of this"),
 ])  # fmt: skip
 def test_bad_input_is_one_line(chain: tuple[Path, list[Any]], args: list[str],
                                message: str) -> None:  # fmt: skip
@@ -132,3 +133,20 @@ def test_drop_lost_writes_is_counted(chain: tuple[Path, list[Any]]) -> None:
             "--json")  # fmt: skip
     b = json.loads(r.stdout)["buckets"][0]
     assert b["lost_writes_dropped"] == keep["buckets"][0]["lost_writes"]
+
+
+def test_remove_ranges_take_ids_or_their_starts() -> None:
+    from upr_cli.jobs.prune import resolve_backups
+    from upr_cli.repo import BackupId
+
+    ids = [BackupId.parse(f"202611{d:02d}T061500.000000Z") for d in (21, 29, 30)]
+    ids.append(BackupId.parse("20261201T000000.000000Z"))
+    assert resolve_backups(ids, ["202611..202611"]) == set(ids[:3])  # November
+    assert resolve_backups(ids, ["..20261129"]) == set(ids[:2])
+    assert resolve_backups(ids, ["20261130.."]) == set(ids[2:])
+    assert resolve_backups(ids, [f"{ids[1]}..{ids[2]}"]) == set(ids[1:3])
+    assert resolve_backups(ids, ["202612"]) == {ids[3]}  # a unique prefix
+    with pytest.raises(UprError, match="no backup of this bucket lies in that range"):
+        resolve_backups(ids, ["2027.."])
+    with pytest.raises(UprError, match="start of 4 backups"):
+        resolve_backups(ids, ["20261"])

@@ -64,10 +64,11 @@ Example (apply it, for one bucket, as a cron job):
 
 REMOVE_HELP = """Remove the named backups; what the other backups restore stays.
 
-BACKUP is a backup id, a unique prefix of one (20261121T06), or a range A..B of
-them, inclusive (an open end: the oldest or the newest). As with prune, the records a
-later backup still needs, and the lost writes, are merged forward into the next kept
-backup, and nothing changes without --apply.
+BACKUP is a backup id, a unique prefix of one (20261121T06), or a range A..B,
+inclusive, whose ends are ids or their starts: 202611..202611 is every backup of
+November 2026 (ids are UTC times), and an open end is the oldest or the newest.
+As with prune, the records a later backup still needs, and the lost writes, are
+merged forward into the next kept backup, and nothing changes without --apply.
 
 Exit status: 0 done (or planned), 1 locked or failed, 2 usage error.
 
@@ -77,7 +78,7 @@ Example (plan the removal of one backup):
 
 Example (remove everything of November, for bucket travel):
 
-  upr remove --repo /backups/cb --bucket travel 202611..20261130T235959 --apply
+  upr remove --repo /backups/cb --bucket travel 202611..202611 --apply
 """
 
 
@@ -126,7 +127,7 @@ KeepWithin = Annotated[
     ),
 ]
 Backups = Annotated[
-    list[str], typer.Argument(metavar="BACKUP...", help="Ids, prefixes or ranges A..B.")
+    list[str], typer.Argument(metavar="BACKUP", help="Ids, prefixes or ranges A..B.")
 ]
 
 

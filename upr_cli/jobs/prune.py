@@ -190,19 +190,17 @@ def _count_lost(repo: Repository, plan: BucketPlan, step: Step) -> int:
 
 
 def resolve_backups(ids: Sequence[BackupId], specs: Sequence[str]) -> set[BackupId]:
-    """The backups `upr remove` names: ids, unique prefixes, ranges `A..B` (inclusive;
-    an open end is the oldest or the newest)."""
+    """The backups `upr remove` names: ids, unique prefixes, ranges `A..B`. A range is
+    inclusive and its ends are bounds, whole ids or their starts: `202611..202611` is
+    every backup of November 2026 (UTC), an open end the oldest or the newest."""
     out: set[BackupId] = set()
     for spec in specs:
         if ".." in spec:
             a, b = spec.split("..", 1)
-            lo = backup_named(ids, a or "oldest", "BACKUP") if ids else None
-            hi = backup_named(ids, b or "latest", "BACKUP") if ids else None
-            if lo is None or hi is None:
-                raise UsageError(f"{spec}: {a if lo is None else b!r} names no backup")
-            if hi < lo:
-                raise UsageError(f"{spec}: {hi} is older than {lo}; give OLDER..NEWER")
-            out.update(i for i in ids if lo <= i <= hi)
+            got = [i for i in ids if (not a or str(i) >= a) and (not b or str(i)[: len(b)] <= b)]
+            if not got:
+                raise UsageError(f"{spec}: no backup of this bucket lies in that range")
+            out.update(got)
             continue
         found = backup_named(ids, spec, "BACKUP")
         if found is None:
