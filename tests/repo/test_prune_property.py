@@ -88,39 +88,30 @@ FAST = {
 }
 
 
-@settings(max_examples=15, **FAST)
-@given(st.lists(steps_st, min_size=2, max_size=8), rules_st)
-def test_prune_keeps_every_kept_state(chain_steps: list[Step], rules: KeepRules) -> None:
+CHAINS = st.lists(steps_st, min_size=2, max_size=8)
+NAMES = st.lists(st.integers(0, 7), max_size=6)
+
+
+def _prune(chain_steps: list[Step], rules: KeepRules) -> None:
+    """Prune by generated keep rules."""
     _check(chain_steps, rules, [], False)
 
 
-@pytest.mark.slow
-@settings(max_examples=150, **FAST)
-@given(st.lists(steps_st, min_size=2, max_size=8), rules_st)
-def test_prune_keeps_every_kept_state_slow(chain_steps: list[Step], rules: KeepRules) -> None:
-    _check(chain_steps, rules, [], False)
-
-
-@settings(max_examples=12, **FAST)
-@given(
-    st.lists(steps_st, min_size=2, max_size=8),
-    st.lists(st.integers(0, 7), max_size=6),
-    st.booleans(),
-)
-def test_remove_keeps_every_kept_state(
-    chain_steps: list[Step], names: list[int], drop_lost: bool
-) -> None:
+def _remove(chain_steps: list[Step], names: list[int], drop_lost: bool) -> None:
+    """Remove generated names, dropping lost writes or not."""
     _check(chain_steps, None, names, drop_lost)
 
 
-@pytest.mark.slow
-@settings(max_examples=150, **FAST)
-@given(
-    st.lists(steps_st, min_size=2, max_size=8),
-    st.lists(st.integers(0, 7), max_size=6),
-    st.booleans(),
+# the same properties, few chains in `make test`, many in `make test-slow`
+test_prune_keeps_every_kept_state = settings(max_examples=15, **FAST)(
+    given(CHAINS, rules_st)(_prune)
 )
-def test_remove_keeps_every_kept_state_slow(
-    chain_steps: list[Step], names: list[int], drop_lost: bool
-) -> None:
-    _check(chain_steps, None, names, drop_lost)
+test_remove_keeps_every_kept_state = settings(max_examples=12, **FAST)(
+    given(CHAINS, NAMES, st.booleans())(_remove)
+)
+test_prune_keeps_every_kept_state_slow = pytest.mark.slow(
+    settings(max_examples=150, **FAST)(given(CHAINS, rules_st)(_prune))
+)
+test_remove_keeps_every_kept_state_slow = pytest.mark.slow(
+    settings(max_examples=150, **FAST)(given(CHAINS, NAMES, st.booleans())(_remove))
+)

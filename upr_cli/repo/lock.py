@@ -36,6 +36,7 @@ import logging
 import os
 import socket
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -97,15 +98,17 @@ def require_held(lock: RepositoryLock, path: Path, why: str = "this needs the bu
         raise RepositoryError(f"{path}: {why}")
 
 
-class Held:
+class Held(ABC):
     """A lock used as a context manager: `acquire` on entry, `release` on exit (the
     bucket's lock, a reader's shared lock, a remover's exclusive access)."""
 
+    @abstractmethod
     def acquire(self) -> object:
-        raise NotImplementedError
+        """Take the lock (or raise `RepositoryLocked`)."""
 
+    @abstractmethod
     def release(self) -> None:
-        raise NotImplementedError
+        """Give it back; a no-op when not held."""
 
     def __enter__(self) -> Self:
         self.acquire()

@@ -158,6 +158,27 @@ def _open_shared(repo: Repository, path: Path) -> int | None:
         return None
 
 
+def _flock_named(repo: Repository, path: Path, how: int, wait: float,
+                 refused: Callable[[bool], None]) -> int:  # fmt: skip
+    """A descriptor of `lock.shared` holding `flock(how)`, still the file `path` names
+    (its last user may unlink it meanwhile: then again), polling every `_POLL` for up
+    to `wait` seconds. Each refusal calls `refused(last)`, `last` once the time is up:
+    it raises then."""
+    deadline = time.monotonic() + max(wait, 0.0)
+    while True:
+        fd = _open_shared(repo, path)
+        if fd is None:
+            continue
+        if _try_flock(fd, how):
+            if _same_file(repo, path, fd):
+                return fd
+            os.close(fd)
+            continue
+        os.close(fd)
+        refused(time.monotonic() >= deadline)
+        time.sleep(_POLL)
+
+
 def _scan(repo: Repository, bucket: str, *, remove_dead: bool) -> list[Reader]:
     """The live readers' registrations; with `remove_dead`, dead ones are removed."""
     storage = repo.storage
@@ -320,21 +341,12 @@ class ReadLock(Held):
         raise RepositoryLocked(f"{d}: readers kept changing; try again", pid=None, hostname=None)
 
     def _take_shared(self) -> None:
-        deadline = time.monotonic() + max(self.wait, 0.0)
         told = False
-        while True:
-            fd = _open_shared(self.repo, self.path)
-            if fd is None:
-                continue
-            if _try_flock(fd, fcntl.LOCK_SH):
-                if _same_file(self.repo, self.path, fd):
-                    self._fd = fd
-                    return
-                os.close(fd)  # unlinked by its last user meanwhile: again
-                continue
-            os.close(fd)
+
+        def refused(last: bool) -> None:
+            nonlocal told
             holder = _writer(self.repo, self.bucket)
-            if time.monotonic() >= deadline:
+            if last:
                 who = holder.describe() if holder else "a process that removes or rewrites"
                 raise RepositoryLocked(
                     f"{self.path}: bucket {self.bucket!r} is being changed by {who}; "
@@ -345,7 +357,8 @@ class ReadLock(Held):
             if not told and self.on_wait is not None:
                 told = True
                 self.on_wait(holder)
-            time.sleep(_POLL)
+
+        self._fd = _flock_named(self.repo, self.path, fcntl.LOCK_SH, self.wait, refused)
 
     def release(self) -> None:
         """Drop the shared lock, then remove the registration (so a reader holding the
@@ -406,26 +419,12 @@ class ExclusiveAccess(Held):
         readers; then remove dead readers' registrations."""
         if self.held:
             raise RepositoryError(f"{self.path}: this object already holds exclusive access")
-        deadline = time.monotonic() + max(self.wait, 0.0)
         told = False
-        while True:
-            fd = _open_shared(self.repo, self.path)
-            if fd is None:
-                continue
-            if _try_flock(fd, fcntl.LOCK_EX):
-                if not _same_file(self.repo, self.path, fd):
-                    os.close(fd)
-                    continue
-                self._fd = fd
-                try:
-                    _scan(self.repo, self.bucket, remove_dead=True)
-                except BaseException:
-                    self.release()
-                    raise
-                return
-            os.close(fd)
+
+        def refused(last: bool) -> None:
+            nonlocal told
             readers = live_readers(self.repo, self.bucket)
-            if time.monotonic() >= deadline:
+            if last:
                 waited = f"waited {self.wait:g} s; " if self.wait > 0 else ""
                 first = readers[0] if readers else None
                 raise RepositoryLocked(
@@ -437,7 +436,13 @@ class ExclusiveAccess(Held):
             if not told and self.on_wait is not None:
                 told = True
                 self.on_wait(readers)
-            time.sleep(_POLL)
+
+        self._fd = _flock_named(self.repo, self.path, fcntl.LOCK_EX, self.wait, refused)
+        try:
+            _scan(self.repo, self.bucket, remove_dead=True)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         """Unlink `lock.shared` (only if the path still names it), then drop the flock."""
