@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -612,14 +612,7 @@ def _plan(repo: Repository, bucket: str, rules: KeepRules | None,
     return plan_bucket(repo, bucket, remove, decisions)
 
 
-def revisions_to(repo: Repository, bucket: str) -> Iterable[tuple[BackupId, int]]:
-    """(id, revision) of each backup's current revision (for `info`)."""
-    for s in repo.scan(bucket):
-        yield s.backup_id, s.revision
-
-
 __all__ = [
-    "NO_CUT",
     "BucketPlan",
     "PruneResult",
     "Step",
