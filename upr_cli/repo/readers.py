@@ -148,10 +148,8 @@ def _same_file(repo: Repository, path: Path, fd: int) -> bool:
 def _open_shared(repo: Repository, path: Path) -> int | None:
     """`lock.shared`'s descriptor, created when missing; None: gone meanwhile, try again."""
     storage = repo.storage
-    try:
+    with contextlib.suppress(FileExistsError):  # there already: open that one
         return storage.open_lock(path, create=True)
-    except FileExistsError:
-        pass
     try:
         return storage.open_lock(path, create=False)
     except FileNotFoundError:
