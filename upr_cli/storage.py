@@ -12,8 +12,10 @@ directory: `write` is today's temp name → fsync → rename → fsync of the di
 never replaces), and every system call that publishes goes through `fsio.FileOps`, so
 tests can fail any of them.
 
-`--repo` takes a plain path; any other scheme (`s3://…`) is refused by `local_root`
-until a backend exists for it, instead of naming a local directory `s3:`.
+A location (`--repo`, a `repo:` source) is a plain path or `s3://BUCKET/PREFIX`
+(`parse_location`); an object-store location is carried as the path `s3:/BUCKET/PREFIX`
+(`is_s3`, `s3_parts`, `display_location`), and `open_storage` picks the backend. Any
+other scheme is refused (`UnknownScheme`) instead of naming a local directory `s3:`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,21 @@ from typing import IO, Protocol
 
 from upr_cli.fsio import FileOps, atomic_write, sync_files, temp_path
 
-__all__ = ["LOCAL", "Entry", "LocalStorage", "Stat", "Storage", "UnknownScheme", "local_root"]
+__all__ = [
+    "LOCAL",
+    "S3_ROOT",
+    "Entry",
+    "LocalStorage",
+    "Stat",
+    "Storage",
+    "UnknownScheme",
+    "display_location",
+    "is_s3",
+    "local_root",
+    "open_storage",
+    "parse_location",
+    "s3_parts",
+]
 
 # `scheme://…`: a location some other backend would serve.
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -52,6 +68,55 @@ def local_root(location: str) -> Path:
             f"{location!r}: {m.group(1)}:// repositories are not supported; give a local directory"
         )
     return Path(location)
+
+
+S3_ROOT = "s3:"
+"""The first part of the path an `s3://BUCKET/PREFIX` location is carried as."""
+
+
+def parse_location(location: str) -> Path:
+    """The path a repository location is carried as: a plain path as it is,
+    `s3://BUCKET/PREFIX` as `s3:/BUCKET/PREFIX`; `UnknownScheme` for any other scheme or
+    an `s3://` location without a bucket."""
+    m = _SCHEME.match(location)
+    if m is None or m.group(1).lower() != "s3":
+        return local_root(location)
+    rest = location[m.end() :].strip("/")
+    bucket = rest.split("/", 1)[0]
+    if not bucket:
+        raise UnknownScheme(f"{location!r}: an s3:// repository needs a bucket: s3://BUCKET/PREFIX")
+    return Path(S3_ROOT, *rest.split("/"))
+
+
+def is_s3(path: Path) -> bool:
+    """True if `path` carries an `s3://` location (`parse_location`)."""
+    return bool(path.parts) and path.parts[0] == S3_ROOT
+
+
+def s3_parts(path: Path) -> tuple[str, str]:
+    """(bucket, key prefix) of a path `is_s3` accepts; the prefix has no slash at either end."""
+    parts = path.parts[1:]
+    if not parts:
+        raise UnknownScheme(f"{path}: not an s3:// location")
+    return parts[0], "/".join(parts[1:])
+
+
+def display_location(path: Path) -> str:
+    """The location as a user writes it: `s3://BUCKET/PREFIX/…` or the path."""
+    if is_s3(path):
+        return "s3://" + "/".join(path.parts[1:])
+    return str(path)
+
+
+def open_storage(root: Path, ops: FileOps | None = None) -> Storage:
+    """The backend that serves the repository at `root`: an object store for `s3:` paths
+    (`upr_cli.s3`, with the settings of `upr_cli.repo.access.current`), else the local
+    directory, making its system calls through `ops`."""
+    if is_s3(root):
+        from upr_cli.s3 import S3Storage
+
+        return S3Storage.for_root(root)
+    return LocalStorage(ops)
 
 
 @dataclass(frozen=True, slots=True)

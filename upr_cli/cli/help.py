@@ -23,7 +23,8 @@ import importlib
 import inspect
 import re
 from collections.abc import Iterator, MutableMapping
-from typing import Any, get_args
+from pathlib import Path
+from typing import Annotated, Any, get_args
 
 import typer
 import typer.core
@@ -57,6 +58,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "rollback_point",
         "Compute where a client must roll back to and restart streaming a partition.",
     ),
+    "repo": ("repo", "Manage a repository itself: its keys, its lock, copies of it."),
     "spark": ("spark", "Run upr's data pipeline on Spark, locally or on a Spark cluster."),
     "cluster": ("cluster", "Run a cluster of upr serve nodes on loopback, under one cluster map."),
     "collections": (
@@ -75,8 +77,76 @@ def load_command(name: str) -> typer.core.TyperGroup | typer.core.TyperCommand:
     holder = typer.Typer(add_completion=False)
     module.register(holder)
     command = typer.main.get_group(holder).commands[name]
+    if name in ACCESS_COMMANDS:
+        add_access_options(command)
     polish(command)
     return command  # type: ignore[return-value]
+
+
+# -- repository access options ----------------------------------------------------------
+
+#: the commands (every subcommand of a group) that open repositories, and so take the key
+#: and object-store options (`upr_cli.repo.access`)
+ACCESS_COMMANDS = frozenset({
+    "backup", "restore", "info", "verify", "prune", "remove", "examine", "ls", "cat",
+    "merge", "replay", "diff", "salvage", "rollback-point", "spark", "repo",
+})  # fmt: skip
+ACCESS_PANEL = "Repository access"
+
+
+def _record(field: str) -> Any:
+    def callback(ctx: Any, param: Any, value: Any) -> Any:
+        if value is not None:
+            from upr_cli.repo import access
+
+            access.configure(**{field: value})
+        return value
+
+    return callback
+
+
+def _opt(decl: str, metavar: str, field: str, text: str, **kw: Any) -> Any:
+    return typer.Option(
+        decl, metavar=metavar, expose_value=False, callback=_record(field), help=text,
+        rich_help_panel=ACCESS_PANEL, **kw,
+    )  # fmt: skip
+
+
+def _access(
+    key_file: Annotated[Path | None, _opt(
+        "--key-file", "FILE", "key_file", "The key or passphrase of an encrypted "
+        "repository: the file's bytes, one trailing newline removed (else "
+        "UPR_KEY_FILE, UPR_PASSPHRASE).", dir_okay=False)] = None,
+    key_command: Annotated[str | None, _opt(
+        "--key-command", "CMD", "key_command",
+        "A shell command whose output is the key or passphrase (a secret manager).")] = None,
+    s3_endpoint: Annotated[str | None, _opt(
+        "--s3-endpoint", "URL", "s3_endpoint",
+        "The S3-compatible service of s3:// repositories (else AWS_ENDPOINT_URL).")] = None,
+    transfers: Annotated[int | None, _opt(
+        "--transfers", "N", "transfers", "Parallel object-store requests (default 8).",
+        min=1, max=256)] = None,
+) -> None:  # fmt: skip
+    """The access options' holder (never called: its options are not exposed)."""
+
+
+def access_options() -> list[Any]:
+    """`--key-file`, `--key-command`, `--s3-endpoint`, `--transfers`: recorded in
+    `upr_cli.repo.access` as they are parsed, never passed to the command's function."""
+    holder = typer.Typer(add_completion=False)
+    holder.command("access")(_access)
+    return list(typer.main.get_command(holder).params)
+
+
+def add_access_options(command: Any) -> None:
+    """Give `command` (and each subcommand of a group) the access options."""
+    subcommands = getattr(command, "commands", None)
+    if subcommands:
+        for sub in subcommands.values():
+            add_access_options(sub)
+        return
+    names = {n for p in command.params for n in getattr(p, "opts", ())}
+    command.params.extend(o for o in access_options() if o.opts[0] not in names)
 
 
 class _Commands(MutableMapping[str, Any]):

@@ -18,7 +18,7 @@ from upr_cli.dcp.consumer import WIRE_COMPRESSION, WireCompression
 from upr_cli.errors import ExitCode, UprError, UsageError, check_file_path, is_network_error
 from upr_cli.memory import MIB, MIN_MEMORY_LIMIT, MemoryLimit, parse_size
 from upr_cli.source import parse_source
-from upr_cli.storage import UnknownScheme, local_root
+from upr_cli.storage import UnknownScheme, parse_location
 
 if TYPE_CHECKING:
     from upr_cli.net.tls import ClientTls
@@ -36,19 +36,24 @@ Partitions = Annotated[
 
 
 def repo_location(value: str | Path) -> Path:
-    """`--repo`: a local directory; a `scheme://` location (s3://…) is a usage error until
-    a storage backend serves it (`upr_cli.storage.local_root`)."""
+    """`--repo`: a local directory or `s3://BUCKET/PREFIX`; any other `scheme://` is a
+    usage error (`upr_cli.storage.parse_location`)."""
     if isinstance(value, Path):
         return value
     try:
-        return local_root(value)
+        return parse_location(value)
     except UnknownScheme as exc:
         raise typer.BadParameter(str(exc)) from None
 
 
 Repo = Annotated[
     Path,
-    typer.Option("--repo", metavar="DIR", parser=repo_location, help="The backup repository."),
+    typer.Option(
+        "--repo",
+        metavar="URL",
+        parser=repo_location,
+        help="The backup repository: a directory or s3://BUCKET/PREFIX.",
+    ),
 ]
 Bucket = Annotated[
     str | None,

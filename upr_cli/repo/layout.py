@@ -55,7 +55,7 @@ from upr_cli.repo.names import (
     parse_time,
 )
 from upr_cli.repo.sweep import Sweeper
-from upr_cli.storage import LocalStorage, Storage
+from upr_cli.storage import Storage, open_storage
 
 if TYPE_CHECKING:
     from upr_cli.repo.lock import RepositoryLock
@@ -155,7 +155,7 @@ class Repository:
         """`storage` is the backend (default: the local directory, making its system
         calls through `ops`, which tests subclass to fail any of them)."""
         self.path = Path(path)
-        self.storage: Storage = storage or LocalStorage(ops)
+        self.storage: Storage = storage or open_storage(self.path, ops)
         self.manifest_store = ManifestStore(self)
         self.sweeper = Sweeper(self)
         # (bucket, id) -> the directory of the backup's current revision, as the last
