@@ -45,6 +45,7 @@ __all__ = [
     "open_storage",
     "parse_location",
     "s3_parts",
+    "unwrap",
 ]
 
 # `scheme://…`: a location some other backend would serve.
@@ -106,6 +107,14 @@ def display_location(path: Path) -> str:
     if is_s3(path):
         return "s3://" + "/".join(path.parts[1:])
     return str(path)
+
+
+def unwrap(storage: Storage) -> Storage:
+    """The backend under any layers (`inner`): an encrypting layer seals what it stores in
+    the backend, and lock objects are the backend's own business."""
+    while (inner := getattr(storage, "inner", None)) is not None:
+        storage = inner
+    return storage
 
 
 def open_storage(root: Path, ops: FileOps | None = None) -> Storage:
