@@ -15,6 +15,7 @@ Example (an encrypted repository, its key in a file; keep a second key):
 """
 
 app = typer.Typer(name="repo", help=HELP, no_args_is_help=True)
+__import__("upr_cli.cli.repo_copy", fromlist=["register"]).register(app)
 
 
 def register(root: typer.Typer) -> None:

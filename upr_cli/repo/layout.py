@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING
 
 from upr_cli.errors import ExitCode, os_error
 from upr_cli.fsio import FileOps
+from upr_cli.repo.access import Access
+from upr_cli.repo.access import current as current_access
 from upr_cli.repo.errors import RepositoryError
 from upr_cli.repo.manifest import Manifest, load_json
 from upr_cli.repo.manifests import (
@@ -150,11 +152,15 @@ class Repository:
 
     def __init__(
         self, path: str | os.PathLike[str], *, ops: FileOps | None = None,
-        storage: Storage | None = None,
+        storage: Storage | None = None, access: Access | None = None,
     ) -> None:  # fmt: skip
         """`storage` is the backend (default: the local directory, making its system
-        calls through `ops`, which tests subclass to fail any of them)."""
+        calls through `ops`, which tests subclass to fail any of them). `access` is how
+        the repository is opened (its key, object-store settings): the command's
+        (`upr_cli.repo.access.current`) unless given, as `upr repo copy` gives its
+        source's."""
         self.path = Path(path)
+        self.access: Access = access if access is not None else current_access()
         self.storage: Storage = storage or open_storage(self.path, ops)
         self.manifest_store = ManifestStore(self)
         self.sweeper = Sweeper(self)
