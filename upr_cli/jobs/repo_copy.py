@@ -50,10 +50,11 @@ from pathlib import Path
 from typing import Any
 
 from upr_cli.errors import UsageError
-from upr_cli.fsio import temp_path
+from upr_cli.fsio import parse_temp_name, temp_path
 from upr_cli.repo import (
     MANIFEST_COPY,
     MANIFEST_FILE,
+    REPO_FILE,
     BackupId,
     Manifest,
     Repository,
@@ -63,7 +64,7 @@ from upr_cli.repo import (
     is_temp_name,
 )
 from upr_cli.repo.access import Access, current
-from upr_cli.repo.readers import read_lock
+from upr_cli.repo.readers import read_lock, sweep_unless_read
 from upr_cli.storage import display_location, is_s3, s3_parts, unwrap
 
 __all__ = [
@@ -224,10 +225,24 @@ def _open_source(path: Path, access: Access) -> Repository:
     return src
 
 
+def _drop_killed_init(dst: Repository) -> None:
+    """Remove what a copy killed while it created the destination left: repo.json's
+    temp file, alone in the directory (else `check_init` refuses it as not empty)."""
+    storage = dst.storage
+    if storage.stat(dst.repo_file) is not None:
+        return
+    entries = storage.list(dst.path)
+    if entries and all(e.is_file and parse_temp_name(e.name) == REPO_FILE for e in entries):
+        for e in entries:
+            storage.delete(dst.path / e.name)
+
+
 def _open_destination(path: Path, *, encrypt: bool, dry_run: bool) -> tuple[Repository, bool]:
     """The destination, created when missing or empty (encrypted with `encrypt`); and
     whether it existed as a repository."""
     dst = Repository(path)
+    if not dry_run:
+        _drop_killed_init(dst)
     dst.check_init()  # a non-empty directory that is not a repository: refused
     existed = dst.storage.stat(dst.repo_file) is not None
     if encrypt and existed and not _is_encrypted(dst):
@@ -554,8 +569,8 @@ class _Totals:
 
 def _copy_bucket(src: Repository, dst: Repository, bucket: str, todo: list[Manifest],
                  tally: BucketCopy, state: _Totals) -> None:  # fmt: skip
-    """Copy `todo` into `dst` under the bucket's writer lock; heal what a killed copy
-    left between a backup's two manifest files first."""
+    """Copy `todo` into `dst` under the bucket's writer lock; first heal what a killed
+    copy left between a backup's two manifest files, and sweep its temp files."""
     fresh = bucket not in dst.buckets()
     if fresh and not todo:
         return
@@ -563,6 +578,9 @@ def _copy_bucket(src: Repository, dst: Repository, bucket: str, todo: list[Manif
     try:
         with RepositoryLock(dst, bucket) as lock:
             dst.heal(bucket, lock)
+            # what a killed copy left: temp files, an older run's directories
+            running = todo[0].backup_id if todo else dst.resumable(bucket)
+            sweep_unless_read(dst, bucket, running or dst.next_backup_id(bucket), lock)
             copier = _Copier(src, dst, bucket, lock, tally, state.moved)
             for m in todo:
                 copier.backup(m)
