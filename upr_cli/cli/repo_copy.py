@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from upr_cli.cli.options import Bucket, JsonOutput, NoProgress, repo_location
-from upr_cli.cli.output import Progress, human_bytes, plural, print_json, stdout
+from upr_cli.cli.output import Progress, hint, human_bytes, plural, print_json, stdout
 
 HELP = """Copy a repository's backups into another repository, verified as it goes.
 
@@ -113,7 +113,7 @@ def copy_cmd(
                 markup=False, highlight=False)  # fmt: skip
             for bid in b.copied:
                 say(f"  {bid}", markup=False, highlight=False)
-        say("dry run: nothing changed", markup=False, highlight=False)
+        hint("dry run: nothing changed; run again without --dry-run to copy")
         return
     say(f"copied {plural(result.copied, 'backup')} ({human_bytes(result.bytes)}) of "
         f"{plural(len(result.buckets), 'bucket')} from {result.source} to "
