@@ -11,12 +11,15 @@ merge` merged through an older backup (`merged_through`).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
 import shutil
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -28,14 +31,16 @@ from upr_cli.jobs.inspect import info, verify
 from upr_cli.jobs.merge import merge
 from upr_cli.jobs.prune import run as prune
 from upr_cli.jobs.repo_copy import (
+    CHUNK,
     CorruptSource,
     Diverged,
     SourceAccess,
     copy_repository,
     source_access,
 )
-from upr_cli.repo import MANIFEST_FILE, BackupId, Repository, access
+from upr_cli.repo import MANIFEST_FILE, BackupId, Repository, access, layout
 from upr_cli.repo.layout import NotARepository
+from upr_cli.storage import LocalStorage
 
 STEPS = [
     Step("full", (5, 5, 5), (0, 0, 0), (False, False, False), 1),
@@ -281,3 +286,56 @@ def test_a_copy_killed_at_a_seeded_point_completes_when_run_again(
         # root, as it would in a prune: no sweep looks there)
         stray = [p for p in dst.rglob("*") if ".tmp-" in p.name and p.parent != dst]
         assert stray == [], where
+
+
+class _Counting(LocalStorage):
+    """The source's local storage, counting the files open for reading at once and the
+    largest read asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.guard = threading.Lock()
+        self.open = self.most = self.largest = 0
+
+    def open_read(self, path: Path) -> IO[bytes]:
+        storage = self
+        f = super().open_read(path)
+
+        class Reader(io.BufferedReader):
+            def read(self, n: int | None = -1) -> bytes:
+                with storage.guard:
+                    storage.largest = max(storage.largest, n if n is not None else -1)
+                time.sleep(0.01)  # long enough for the other threads to open theirs
+                return f.read(n)
+
+            def close(self) -> None:
+                if not f.closed:  # once, whoever closes it (`with`, the collector)
+                    with storage.guard:
+                        storage.open -= 1
+                    f.close()
+                super().close()
+
+        with self.guard:
+            self.open += 1
+            self.most = max(self.most, self.open)
+        return Reader(io.BytesIO())
+
+
+def test_files_are_copied_transfers_at_a_time_in_chunks(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counting = _Counting()
+    real = layout.open_storage
+
+    def storage(root: Path, ops: Any = None) -> Any:
+        return counting if root == source else real(root, ops)
+
+    monkeypatch.setattr(layout, "open_storage", storage)
+    access.configure(transfers=2)
+    copy_repository(source, tmp_path / "dst")
+    assert counting.most == 2  # several at once, never more than --transfers
+    assert counting.largest == CHUNK  # never a whole file at once
+    access.configure(transfers=1)
+    counting.most = 0
+    copy_repository(source, tmp_path / "dst1")
+    assert counting.most == 1
