@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from upr_cli import interrupt
 from upr_cli.cli.options import Bucket, JsonOutput, NoProgress, repo_location
 from upr_cli.cli.output import Progress, hint, human_bytes, plural, print_json, stdout
 
@@ -92,6 +93,8 @@ def copy_cmd(
     from upr_cli.jobs.repo_copy import copy_repository, source_access
 
     access = source_access(from_key_file, from_key_command)
+    interrupt.keeps(lambda: "the destination keeps every backup copied whole; run the same "
+                    "command to copy the rest (finished files are reused)")  # fmt: skip
     show = sys.stderr.isatty() and not no_progress and not dry_run
     with Progress("copy", "backups", show=show) as bar:
 

@@ -383,24 +383,27 @@ class _Copier:
         storage.sync_dir(d.parent)
 
     def _copy_files(self, m: Manifest, d: Path, files: list[tuple[str, SegmentEntry]]) -> None:
+        """Copy `files`, `transfers` at a time. The first failure (or a signal) stops the
+        others at their next chunk, each removing its temp file."""
         if not files:
             return
-        with ThreadPoolExecutor(max_workers=min(self.transfers, len(files)),
-                                thread_name_prefix="upr-copy") as pool:  # fmt: skip
-            futures: list[Future[None]] = [
-                pool.submit(self._copy_file, m, d, name, entry) for name, entry in files
-            ]
+        pool = ThreadPoolExecutor(max_workers=min(self.transfers, len(files)),
+                                  thread_name_prefix="upr-copy")  # fmt: skip
+        futures: list[Future[None]] = []
+        try:
+            futures += [pool.submit(self._copy_file, m, d, name, entry) for name, entry in files]
             finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [f for f in finished if f.exception() is not None]
-            if failed:
-                self._stop.set()
-                for f in futures:
-                    f.cancel()
-                wait(futures)
-                self._stop.clear()
-                exc = failed[0].exception()
-                assert exc is not None
-                raise exc
+            failed = [f.exception() for f in futures if f in finished and f.exception()]
+            if failed and failed[0] is not None:
+                raise failed[0]
+        except BaseException:
+            self._stop.set()
+            raise
+        finally:
+            for f in futures:
+                f.cancel()
+            pool.shutdown(wait=True)
+            self._stop.clear()
 
     def _copy_file(self, m: Manifest, d: Path, name: str, entry: SegmentEntry) -> None:
         if self._stop.is_set():
