@@ -190,6 +190,31 @@ def test_a_destination_with_other_backups_is_refused(source: Path, tmp_path: Pat
         copy_repository(fresh, dst)
 
 
+def test_a_copy_follows_a_prune_of_its_source(source: Path, tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    shutil.copytree(source, src)
+    copy_repository(src, dst)
+    # the source is pruned: a third revision of a backup absorbs every older one
+    older = Repository(src).backups(BUCKET)[-3]
+    prune(src, bucket=None, rules=None, names=[f"..{older}"], apply_=True, drop_lost=False)
+    newest = Repository(src).readable(BUCKET)[0]
+    assert [m.revision for m in newest] == [3, 1] and len(newest[0].absorbed) == 7
+    again = copy_repository(src, dst)
+    assert (again.copied, again.skipped) == (1, 1)
+    assert _info(dst) == _info(src)
+    assert _states(dst, tmp_path) == _states(src, tmp_path)
+    _clean(dst)
+    # nothing stale is left: the older revision and the absorbed backups are swept
+    assert sorted(p.name for p in (dst / BUCKET).iterdir()) == sorted(
+        p.name for p in (src / BUCKET).iterdir()
+    )
+    # a backup the source removed outright stays in the destination: refused
+    prune(src, bucket=None, rules=None, names=[str(newest[-1].backup_id)], apply_=True,
+          drop_lost=False)  # fmt: skip
+    with pytest.raises(Diverged, match="which the source does not"):
+        copy_repository(src, dst)
+
+
 def test_bad_locations_are_refused(source: Path, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="are the same repository"):
         copy_repository(source, source)

@@ -22,9 +22,12 @@ an encrypting layer on either) works the same way.
   manifest is skipped (a manifest file its twin can restore is rewritten first, under
   the lock: a copy killed between its two manifest files). A rerun after a kill finds
   the killed run's uncommitted directory and reuses each file that is already there at
-  its size and digest, removing the temp files the kill left. A destination holding a
-  different backup under one of the source's ids, or a backup the source lacks, is
-  refused: the two repositories are not copies of one another.
+  its size and digest, removing the temp files the kill left. After a prune of the
+  source, the next copy writes each new revision (it keeps every file of the revision
+  the destination holds, formats/repository.md §8.10) and sweeps what it replaced and
+  absorbed, as the prune did. A destination holding a different backup under one of
+  the source's ids, or a backup the source neither has nor absorbed (removed outright),
+  is refused: the two repositories are not copies of one another.
 * **Locks.** The source bucket is read under its shared lock (`read_lock`, so no prune
   removes what is being read), the destination bucket written under its writer lock
   (`RepositoryLock`).
@@ -280,8 +283,9 @@ def _source_backups(src: Repository, bucket: str) -> list[Manifest]:
 
 
 def _to_copy(src_ms: list[Manifest], dst: Repository | None, bucket: str) -> list[Manifest]:
-    """The source's backups the destination lacks; `Diverged` when it holds another
-    backup under one of their ids, or one the source does not have."""
+    """The source's backups the destination lacks, or holds in an older revision (the
+    source was pruned since the last copy); `Diverged` when it holds another backup
+    under one of their ids, or one the source neither has nor absorbed."""
     if dst is None or bucket not in dst.buckets():
         return list(src_ms)
     have, damaged = dst.readable(bucket)
@@ -290,22 +294,38 @@ def _to_copy(src_ms: list[Manifest], dst: Repository | None, bucket: str) -> lis
         bid = next(iter(damaged))
         raise Diverged(f"{where}: destination backup {bid} is damaged; `upr verify --repair` it")
     mine = {m.backup_id: m for m in src_ms}
+    absorbed = {b for m in src_ms for b in m.absorbed}
+    done = set()
     for m in have:
         theirs = mine.get(m.backup_id)
         if theirs is None:
+            if m.backup_id in absorbed:
+                continue  # a prune of the source merged it forward: so will the copy
             raise Diverged(
                 f"{where}: the destination holds backup {m.backup_id}, which the source does "
                 "not: not a copy of this repository (copy into a new location)"
             )
-        if theirs != m:
+        if theirs == m:
+            done.add(m.backup_id)
+        elif not _later_revision(m, theirs):
             rev = (f" (revision {m.revision} here, {theirs.revision} in the source)"
                    if theirs.revision != m.revision else "")  # fmt: skip
             raise Diverged(
                 f"{where}: the destination holds a different backup {m.backup_id}{rev}: "
                 "not a copy of this repository (copy into a new location)"
             )
-    done = {m.backup_id for m in have}
     return [m for m in src_ms if m.backup_id not in done]
+
+
+def _later_revision(old: Manifest, new: Manifest) -> bool:
+    """`new` is a later revision of the backup `old` is (formats/repository.md §4.6): the
+    same backup, and every file of `old` is among `new`'s (a revision keeps its
+    predecessor's segments and cut-back records, formats/repository.md §8.10)."""
+    same = (old.backup_id, old.bucket, old.source, old.started, old.finished)
+    if same != (new.backup_id, new.bucket, new.source, new.started, new.finished):
+        return False
+    kept = {s.checksum for _, s in _files(new)}
+    return new.revision > old.revision and all(s.checksum in kept for _, s in _files(old))
 
 
 def _files(m: Manifest) -> list[tuple[str, SegmentEntry]]:
@@ -589,6 +609,9 @@ def _copy_bucket(src: Repository, dst: Repository, bucket: str, todo: list[Manif
                 copier.backup(m)
                 tally.copied.append(str(m.backup_id))
                 state.backup_done()
+            if todo:  # the revisions copied replaced older ones, absorbed backups
+                mark = dst.resumable(bucket) or dst.next_backup_id(bucket)
+                sweep_unless_read(dst, bucket, mark, lock)
         ok = True
     finally:
         if fresh and not ok:
