@@ -22,15 +22,14 @@ checked against its manifest's size and BLAKE2b digest as it is streamed, before
 published; the manifest is written last, so the destination only ever holds whole
 backups. A corrupt source file stops the copy and is named.
 
-Run it again at any time: backups already in the destination are skipped, a copy
-that was killed goes on where it stopped, and the revisions a prune of the source
-wrote replace the destination's (what they absorbed is removed there too). A
-destination holding a different backup under one of the source's ids is refused.
-The destination is a new or empty directory or s3://BUCKET/PREFIX, or a copy made
-before; --encrypt creates it encrypted (with
---key-file, --key-command or UPR_PASSPHRASE): how plaintext backups become encrypted.
-The source's key is --from-key-file, --from-key-command, UPR_FROM_KEY_FILE or
-UPR_FROM_PASSPHRASE. Files are copied --transfers at a time.
+Run it again at any time: backups already in the destination are skipped, a copy that
+was killed goes on where it stopped, and the revisions a prune of the source wrote
+replace the destination's (what they absorbed is removed there too). A destination
+holding a different backup under one of the source's ids is refused. The destination
+is a new or empty directory or s3://BUCKET/PREFIX, or a copy made before; --encrypt
+creates it encrypted (with --key-file, --key-command or UPR_PASSPHRASE): how plaintext
+backups become encrypted. The source's key is --from-key-file, --from-key-command,
+UPR_FROM_KEY_FILE or UPR_FROM_PASSPHRASE. Files are copied --transfers at a time.
 
 Exit status: 0 copied (or nothing to copy), 1 failed (a corrupt source file, a
 destination that is not a copy of the source, a held lock), 2 usage error.
