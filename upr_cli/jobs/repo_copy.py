@@ -411,7 +411,10 @@ class _Copier:
                                   thread_name_prefix="upr-copy")  # fmt: skip
         futures: list[Future[None]] = []
         try:
-            futures += [pool.submit(self._copy_file, m, d, name, entry) for name, entry in files]
+            # the source's paths found here: its layout's cache is not shared with threads
+            paths = [self.src.segment_path(self.bucket, m.backup_id, n) for n, _ in files]
+            futures += [pool.submit(self._copy_file, m, d, name, entry, source)
+                        for (name, entry), source in zip(files, paths, strict=True)]  # fmt: skip
             finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
             failed = [f.exception() for f in futures if f in finished and f.exception()]
             if failed and failed[0] is not None:
@@ -425,11 +428,13 @@ class _Copier:
             pool.shutdown(wait=True)
             self._stop.clear()
 
-    def _copy_file(self, m: Manifest, d: Path, name: str, entry: SegmentEntry) -> None:
+    def _copy_file(self, m: Manifest, d: Path, name: str, entry: SegmentEntry,
+                   source: Path) -> None:  # fmt: skip
+        """Stream the source's file `source` into `d / name`, published only whole and
+        as its manifest entry says (or reuse it there, when a killed copy finished it)."""
         if self._stop.is_set():
             return
         src, dst = self.src, self.dst
-        source = src.segment_path(self.bucket, m.backup_id, name)
         target = d / name
         if self._already(target, entry):
             with self._guard:
