@@ -293,11 +293,17 @@ def check_stored(v: Variant, where: str, tmp: Path) -> None:
         return
     env = {k: x for k, x in os.environ.items() if k not in ("UPR_KEY_FILE", "UPR_PASSPHRASE")}
     db = tmp / "nokey.db"
-    got = subprocess.run([*UPR, "restore", f"sqlite:{db}", "--repo", where, "--json",
-                          "--no-progress"], capture_output=True, text=True, env=env)  # fmt: skip
+    cmd = [*UPR, "restore", f"sqlite:{db}", "--repo", where, "--json", "--no-progress"]
+    try:  # no stdin: a prompt for the key would wait for ever
+        got = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                             stdin=subprocess.DEVNULL, timeout=300).returncode  # fmt: skip
+    except subprocess.TimeoutExpired:
+        got = None
     db.unlink(missing_ok=True)
-    if got.returncode == 0:
+    if got == 0:
         v.fail("a restore without the key succeeded: the repository is not encrypted")
+    elif got is None:
+        v.fail("a restore without the key neither refused nor ended within 300 s")
 
 
 def figures(summary: dict[str, Any], wall: float, size: str) -> Figures:
@@ -358,10 +364,12 @@ def print_variants(variants: list[Variant], pairs: int) -> str:
     s3/local, the cost limit; returns the part's key=value part."""
     by = {v.name: v for v in variants}
     plain = by["plain"]
-    print(f"variants: full backup of the node into a new repository, then `upr restore` "
-          f"of it into a new SQLite file; {pairs} pairs, order reversed every other pair; "
-          f"rates from each command's summary, median (min-max)")  # fmt: skip
-    keys = [f"variants={','.join(by)} pairs={pairs} variant_items={plain.backup[0]['items']}"]
+    items = plain.backup[0]["items"]
+    print(f"variants: a full backup of the node ({items:,.0f} items, 1024 partitions) into a "
+          f"new repository, then `upr restore` of it into a new SQLite file, {pairs} "
+          f"round{'s' if pairs > 1 else ''} (order reversed every other round); rates from "
+          f"each command's summary, median (min-max); plain is the reference")  # fmt: skip
+    keys = [f"variants={','.join(by)} pairs={pairs} variant_items={items:.0f}"]
     for v in variants:
         if v.failed:
             print(f"  {v.name:<9}  skipped: {v.failed}")
@@ -541,6 +549,8 @@ def main() -> None:
     args = ap.parse_args()  # fmt: skip
     skip = csv_of(args.skip, PARTS, "--skip")
     variants = csv_of(args.variants, VARIANTS, "--variants")
+    if args.pairs < 1:
+        raise SystemExit("--pairs: at least 1")
     if "plain" not in variants:
         raise SystemExit("--variants: plain is the reference of every ratio: name it")
     keys: list[str] = []
