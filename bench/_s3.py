@@ -8,7 +8,11 @@ race with another process for it; the log goes to a file, never an unread pipe, 
 moto's request lines would fill). moto keeps every object in memory: the benchmark
 deletes a repository's objects once it is done with it. The credentials are moto's
 any-value test ones; the environment the `upr` commands get carries them and nothing of
-the caller's AWS settings (profile, session token, endpoint)."""
+the caller's AWS settings (profile, session token, endpoint).
+
+The references an s3:// repository is held to (`bare_put`, `bare_get`): the same objects
+moved with nothing else done, one boto3 request each, as many at once as the commands'
+--transfers, so the time a backup or restore spends beyond them is the client's."""
 
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -33,6 +38,14 @@ CREDENTIALS = {
 #: the caller's AWS settings that would otherwise reach the commands
 _DROPPED = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
             "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")  # fmt: skip
+
+
+class Bare(NamedTuple):
+    """A bare transfer: objects, bytes, seconds."""
+
+    objects: int
+    size: int
+    seconds: float
 
 
 def moto_server() -> str:
@@ -70,6 +83,7 @@ class S3Server:
 
     def _client(self) -> Any:
         import boto3
+        from botocore.config import Config
 
         return boto3.client(
             "s3",
@@ -77,7 +91,36 @@ class S3Server:
             aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
             aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
             region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
+            config=Config(max_pool_connections=32),
         )
+
+    def bare_put(self, bucket: str, prefix: str, root: Path, workers: int) -> Bare:
+        """One PutObject per file under the directory `root` (its bytes read before the
+        clock starts), `workers` at once: the server's and the client library's speed
+        with nothing else done, the reference a backup into the bucket is held to."""
+        files = sorted(p for p in root.rglob("*") if p.is_file())
+        bodies = [(f"{prefix}/{p.relative_to(root)}", p.read_bytes()) for p in files]
+
+        def put(item: tuple[str, bytes]) -> None:
+            self.client.put_object(Bucket=bucket, Key=item[0], Body=item[1])
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(put, bodies))
+        return Bare(len(bodies), sum(len(b) for _k, b in bodies), time.perf_counter() - t)
+
+    def bare_get(self, bucket: str, prefix: str, workers: int) -> Bare:
+        """One GetObject of each object under `prefix`, read whole, `workers` at once
+        (the listing before the clock starts): the reference a restore is held to."""
+        keys = [o["Key"] for o in self._objects(bucket, prefix)]
+
+        def get(key: str) -> int:
+            return len(self.client.get_object(Bucket=bucket, Key=key)["Body"].read())
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(workers) as pool:
+            size = sum(pool.map(get, keys))
+        return Bare(len(keys), size, time.perf_counter() - t)
 
     def create_bucket(self, bucket: str) -> None:
         """A new, empty bucket."""

@@ -81,6 +81,8 @@ from _ref import bare_drain, bare_insert_rate
 from _s3 import S3Server
 from _wire import Proxy, make_certs, route_through
 
+from upr_cli.repo.access import DEFAULT_TRANSFERS
+
 TARGET_ITEMS = 200_000  # issue 27: full backup >= 200,000 items/s
 TARGET_RSS_MB = 300
 RESTORE_SHARE = 0.75  # restore into SQLite within 75% of a bare executemany
@@ -235,6 +237,7 @@ class Variant:
     backup: list[Figures] = field(default_factory=list)
     restore: list[Figures] = field(default_factory=list)
     stored: str = ""  # what the first pair's repository holds (files or objects, bytes)
+    bare: list[Figures] = field(default_factory=list)  # s3: bare PUT and GET per pair
 
     def location(self, tmp: Path, k: int) -> str:
         """Pair k's repository: a new directory, or a new prefix of the bucket."""
@@ -310,7 +313,7 @@ def figures(summary: dict[str, Any], wall: float, size: str) -> Figures:
     """A command's figures from its JSON summary (`size`: its field of record bytes)."""
     secs = summary["seconds"]
     return {"rate": summary["items"] / secs, "mbs": int(summary[size]) / 1e6 / secs,
-            "wall": summary["items"] / wall, "items": summary["items"]}  # fmt: skip
+            "wall": summary["items"] / wall, "items": summary["items"], "secs": secs}  # fmt: skip
 
 
 def run_pair(variants: list[Variant], uri: str, k: int, tmp: Path) -> None:
@@ -328,6 +331,16 @@ def run_pair(variants: list[Variant], uri: str, k: int, tmp: Path) -> None:
             v.backup.append(figures(summary, wall, "bytes_read"))
             if k == 0:
                 check_stored(v, where, tmp)
+    plain = next(v for v in variants if v.name == "plain")
+    for v in live:
+        if v.s3 is not None and not v.failed:  # the references of this round's s3 figures
+            put = v.s3.bare_put(S3_BUCKET, f"bare{k}", Path(plain.location(tmp, k)),
+                                DEFAULT_TRANSFERS)  # fmt: skip
+            v.s3.delete_prefix(S3_BUCKET, f"bare{k}")
+            get = v.s3.bare_get(S3_BUCKET, f"pair{k}", DEFAULT_TRANSFERS)
+            v.bare.append({"put": put.seconds, "put_objects": put.objects, "put_mb": put.size / 1e6,
+                           "get": get.seconds, "get_objects": get.objects,
+                           "get_mb": get.size / 1e6})  # fmt: skip
     for v in live:
         where, db = v.location(tmp, k), tmp / f"{v.name}-{k}.db"
         cmd = [*UPR, "restore", f"sqlite:{db}", "--repo", where, "--at", "latest", "--json",
@@ -357,6 +370,22 @@ def spread(values: list[float], fmt: str = ",.0f") -> str:
 def ratios(head: list[Figures], base: list[Figures], what: str) -> list[float]:
     """Per pair, head's `what` over base's."""
     return [h[what] / b[what] for h, b in zip(head, base, strict=True)]
+
+
+def print_bare(v: Variant) -> str:
+    """The s3 commands' seconds beside bare boto3 transfers of the same objects; returns
+    the key=value part."""
+    put, get = [b["put"] for b in v.bare], [b["get"] for b in v.bare]
+    back, rest = [x["secs"] for x in v.backup], [x["secs"] for x in v.restore]
+    b = v.bare[0]
+    print(f"  s3 beside bare boto3 ({DEFAULT_TRANSFERS} requests at once, one per object): "
+          f"PUT of the plain repository's {b['put_objects']:,.0f} files ({b['put_mb']:.1f} MB) "
+          f"{spread(put, '.2f')} s against the s3 backup's {spread(back, '.2f')} s; GET of "
+          f"the s3 repository's {b['get_objects']:,.0f} objects ({b['get_mb']:.1f} MB) "
+          f"{spread(get, '.2f')} s against the s3 restore's {spread(rest, '.2f')} s")  # fmt: skip
+    return (f"s3_bare_put_s={statistics.median(put):.3f} s3_backup_s={statistics.median(back):.3f} "
+            f"s3_bare_get_s={statistics.median(get):.3f} "
+            f"s3_restore_s={statistics.median(rest):.3f}")  # fmt: skip
 
 
 def print_variants(variants: list[Variant], pairs: int) -> str:
@@ -407,6 +436,8 @@ def print_variants(variants: list[Variant], pairs: int) -> str:
                        f"{'MET' if met else 'MISSED'}")  # fmt: skip
             keys.append(f"enc_cost_limit={ENC_COST_LIMIT} enc_cost_met={'yes' if met else 'no'}")
         print(f"  {label:<17}  {'; '.join(parts)}{verdict}")
+        if name == "s3":
+            keys.append(print_bare(v))
     sys.stdout.flush()
     return " ".join(keys)
 
