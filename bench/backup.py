@@ -264,7 +264,7 @@ class Variant:
 
 
 def make_variant(name: str, key: Path, s3: S3Server | None) -> Variant:
-    """The plain, encrypted or s3 variant (formats of the issue 30 command lines)."""
+    """The plain, encrypted or s3 variant (the command lines of issue 30)."""
     if name == "encrypted":
         return Variant(name, ["--key-file", str(key)], create=["--encrypt"])
     if name == "s3":
