@@ -1,4 +1,4 @@
-"""`upr backup` throughput, compression and memory on a local node.
+"""`upr backup` throughput, compression, memory; encrypted and s3:// against plain.
 
 Loads --docs JSON documents (150-200 B, 1024 partitions) into a local `upr serve`, waits
 until they are persisted, then: a full `upr backup` (items/s, MB/s of raw records, peak
