@@ -43,10 +43,27 @@ _LAUNCHER = (
 )
 
 
-def run_measured(cmd: list[str], *, discard: bool = False) -> tuple[float, float, str]:
+class CommandFailed(SystemExit):
+    """A command `run_measured` ran exited non-zero: ends the benchmark with the command
+    and the end of its stderr, unless a caller that can go on without it catches it."""
+
+    def __init__(self, cmd: list[str], returncode: int, tail: str) -> None:
+        super().__init__(f"{' '.join(cmd[2:4])} exited {returncode}: {tail}")
+        self.returncode = returncode
+        self.tail = tail
+
+    @property
+    def last_line(self) -> str:
+        """The last non-empty line of its stderr (its one-line error)."""
+        lines = [line for line in self.tail.splitlines() if line.strip()]
+        return lines[-1].strip() if lines else "(no message)"
+
+
+def run_measured(cmd: list[str], *, discard: bool = False,
+                 env: dict[str, str] | None = None) -> tuple[float, float, str]:  # fmt: skip
     """(seconds, the child's own peak RSS in MB, its stdout) of one command run to its
-    end; `discard` sends its stdout to /dev/null instead. A failure ends the benchmark
-    with the command and the end of its stderr.
+    end; `discard` sends its stdout to /dev/null instead; `env` replaces the environment.
+    A failure raises `CommandFailed`.
 
     The command is started by a small launcher process (`_LAUNCHER`), in a session of
     its own, which reads the peak with wait4: Linux counts the peak RSS of the process
@@ -57,7 +74,8 @@ def run_measured(cmd: list[str], *, discard: bool = False) -> tuple[float, float
             tempfile.NamedTemporaryFile("r", suffix=".rss") as usage:  # fmt: skip
         sink = subprocess.DEVNULL if discard else out
         proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, usage.name, *cmd],
-                                stdout=sink, stderr=err, start_new_session=True)  # fmt: skip
+                                stdout=sink, stderr=err, start_new_session=True,
+                                env=env)  # fmt: skip
         try:
             proc.wait()
         except BaseException:
@@ -68,7 +86,7 @@ def run_measured(cmd: list[str], *, discard: bool = False) -> tuple[float, float
         if proc.returncode != 0:
             err.seek(0)
             tail = err.read()[-2000:].strip()
-            raise SystemExit(f"{' '.join(cmd[2:4])} exited {proc.returncode}: {tail}")
+            raise CommandFailed(cmd, proc.returncode, tail)
         kb, secs = usage.read().split()
         out.seek(0)
         return float(secs), int(kb) / 1024, out.read()
