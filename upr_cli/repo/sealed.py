@@ -181,6 +181,11 @@ class EncryptedStorage:
         return f"EncryptedStorage({self.inner!r})"
 
     @property
+    def data_key(self) -> bytes:
+        """The repository's data key (`Repository.keyed_access` hands it to executors)."""
+        return self._keys.data_key
+
+    @property
     def chunk_size(self) -> int:
         """Plaintext bytes per chunk."""
         return self._keys.chunk
