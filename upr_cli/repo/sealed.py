@@ -461,10 +461,13 @@ class SealedWriter:
         self._pending += data
         c = self._s.chunk
         out = []
-        while len(self._pending) > c:
-            out.append(self._s.seal(self._sealed, memoryview(self._pending)[:c], False))
-            del self._pending[:c]
-            self._sealed += 1
+        full = (len(self._pending) - 1) // c  # the last full chunk stays pending
+        if full > 0:
+            with memoryview(self._pending) as view:
+                for j in range(full):
+                    out.append(self._s.seal(self._sealed + j, view[j * c : (j + 1) * c], False))
+            del self._pending[: full * c]
+            self._sealed += full
         if out:
             self.raw.seek(0, os.SEEK_END)
             self.inner.append(self.raw, b"".join(out))
