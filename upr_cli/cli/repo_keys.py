@@ -232,7 +232,9 @@ def rotate_key_cmd(
     _encrypted(r)
     secret = keys.new_secret(new_key_file, new_key_command)
     info, slot, opened = keys.add_slot(r, secret)
-    assert info.encryption is not None and opened is not None
+    if opened is None:  # a data key handed over (an executor's), not a slot's key
+        raise UsageError(f"{display_location(r.path)}: rotate-key needs the key of a slot")
+    assert info.encryption is not None
     kept = tuple(k for k in info.encryption.keys if k.id != opened.id)
     info = keys.rewrite_slots(r, (*kept, slot))
     _done(r, info, json_out, f"key slot {opened.id} replaced by {slot.id}",
