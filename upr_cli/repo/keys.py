@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
+import os
 import secrets
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,6 +65,9 @@ __all__ = [
     "open_encrypted",
     "read_secret",
     "refuse_plain",
+    "rewrite_slots",
+    "unlock",
+    "with_slots",
 ]
 
 CIPHER = "AES-256-GCM"
@@ -296,8 +299,6 @@ def _from_command(command: str, what: str) -> bytes:
 def read_secret(access: Access) -> bytes | None:
     """The secret of (first found) `--key-file`, `--key-command`, `UPR_KEY_FILE`,
     `UPR_PASSPHRASE`, one trailing newline removed; None when none is given."""
-    import os
-
     if access.key_file is not None:
         return _from_file(access.key_file, "--key-file")
     if access.key_command is not None:
@@ -314,8 +315,6 @@ def read_secret(access: Access) -> bytes | None:
 def new_secret(key_file: Path | None, key_command: str | None) -> bytes:
     """The secret of a new key slot: `--new-key-file`, `--new-key-command` or
     `UPR_NEW_PASSPHRASE`, by the same rule as `read_secret`."""
-    import os
-
     if key_file is not None:
         return _from_file(key_file, "--new-key-file")
     if key_command is not None:
@@ -426,8 +425,6 @@ def create_encrypted(repo: Repository) -> None:
 def rewrite_slots(repo: Repository, keys: tuple[KeySlot, ...]) -> RepoInfo:
     """repo.json with `keys` as its key slots, in one atomic write (the data key and
     everything it sealed unchanged)."""
-    from dataclasses import replace
-
     info = repo.info()
     assert info.encryption is not None
     new = replace(info, encryption=replace(info.encryption, keys=keys))
@@ -462,8 +459,3 @@ def with_slots(repo: Repository) -> tuple[RepoInfo, KeySlot | None]:
     that key opened."""
     info, _key, slot = _unlocked(repo)
     return info, slot
-
-
-def dumps_info(data: dict[str, object]) -> bytes:
-    """repo.json's bytes."""
-    return (json.dumps(data, indent=2) + "\n").encode()
