@@ -70,9 +70,10 @@ Example:
   upr repo remove-key 3f2a9c1e --repo /backups/cb --key-file cb.key
 """
 
-ROTATE_HELP = f"""Replace the key: add a slot for the new key and remove the slot the
-given key opened, in one atomic write of repo.json. The data is not rewritten: the
-data key stays. A leaked data key needs a re-encrypting copy instead (upr repo copy
+ROTATE_HELP = f"""Replace the key given by a new one (its slot by a new slot).
+
+A slot for the new key is added and the slot the given key opened is removed, in one
+atomic write of repo.json. The data is not rewritten: the data key stays. A leaked data key needs a re-encrypting copy instead (upr repo copy
 --from OLD --to NEW --encrypt).
 
 {_KEYS}
