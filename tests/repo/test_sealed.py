@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.repo import test_repo_storage as contract
 from upr_cli.repo.sealed import HEADER, TAG, EncryptedStorage, SealedError, plain_size
 from upr_cli.segments import SegmentHeader, SegmentReader, SegmentWriter
 from upr_cli.segments.format import SegmentError
@@ -20,8 +21,23 @@ REPO_ID = bytes(range(16))
 KEY = bytes(range(32))
 
 
-def store(repo_id: bytes = REPO_ID, key: bytes = KEY) -> EncryptedStorage:
+def sealed(repo_id: bytes = REPO_ID, key: bytes = KEY) -> EncryptedStorage:
     return EncryptedStorage(LocalStorage(), repo_id, key, C)
+
+
+@pytest.fixture
+def store() -> EncryptedStorage:
+    """The storage contract's backend (tests/repo/test_repo_storage.py): sealed."""
+    return sealed()
+
+
+# The storage contract, run over the sealing layer: it is a `Storage` like any backend.
+test_contract_write_read_and_ranges = contract.test_write_read_and_ranges
+test_contract_write_if_absent_never_replaces = contract.test_write_if_absent_never_replaces
+test_contract_list_and_stat = contract.test_list_and_stat
+test_contract_directories = contract.test_directories
+test_contract_streaming_write_then_publish = contract.test_streaming_write_then_publish
+test_contract_lock_file_descriptor = contract.test_lock_file_descriptor
 
 
 def data(n: int) -> bytes:
@@ -30,7 +46,7 @@ def data(n: int) -> bytes:
 
 @pytest.mark.parametrize("n", [0, 1, C - 1, C, C + 1, 3 * C, 3 * C + 17])
 def test_round_trip_sizes(tmp_path: Path, n: int) -> None:
-    s, p = store(), tmp_path / "f.seg"
+    s, p = sealed(), tmp_path / "f.seg"
     s.write(p, data(n))
     raw = p.read_bytes()
     chunks = max(1, -(-n // C))
@@ -47,7 +63,7 @@ def test_round_trip_sizes(tmp_path: Path, n: int) -> None:
 
 
 def test_random_access(tmp_path: Path) -> None:
-    s, p, d = store(), tmp_path / "f.seg", data(5 * C + 100)
+    s, p, d = sealed(), tmp_path / "f.seg", data(5 * C + 100)
     s.write(p, d)
     for off, length in [(0, 10), (C - 3, 6), (2 * C, C), (5 * C + 90, 50), (7 * C, 5),
                         (3 * C + 1, -1), (0, -1), (C, 0)]:  # fmt: skip
@@ -62,7 +78,7 @@ def test_random_access(tmp_path: Path) -> None:
 
 
 def test_plain_files_pass_through(tmp_path: Path) -> None:
-    s = store()
+    s = sealed()
     (tmp_path / "b" / "readers").mkdir(parents=True)
     for rel in ("repo.json", "b/lock", "b/lock.shared", "b/readers/r1"):
         s.write(tmp_path / rel, b"plain")
@@ -72,7 +88,7 @@ def test_plain_files_pass_through(tmp_path: Path) -> None:
 
 
 def test_streaming_writer_reads_back_and_cuts(tmp_path: Path) -> None:
-    s, p, d = store(), tmp_path / "body", data(4 * C + 10)
+    s, p, d = sealed(), tmp_path / "body", data(4 * C + 10)
     f = s.create(p)
     s.append(f, d[:100])
     s.append(f, d[100 : 3 * C])  # chunks 0, 1 sealed; chunk 2 (full) held
@@ -92,7 +108,7 @@ def test_streaming_writer_reads_back_and_cuts(tmp_path: Path) -> None:
 
 
 def test_copy_and_sync(tmp_path: Path) -> None:
-    s, d = store(), data(3 * C)
+    s, d = sealed(), data(3 * C)
     src = s.create(tmp_path / "a")
     s.append(src, d)
     src.seek(0)
@@ -113,7 +129,7 @@ def test_segments_through_sealed_storage(tmp_path: Path) -> None:
     from upr_cli.failover import FailoverLog
     from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 
-    s = store()
+    s = sealed()
     log = FailoverLog.of([(1, 0)])
     hdr = SegmentHeader("b", 0, log, 0, 400, ((0, 400),), "2026-11-26T00:00:00.000000Z",
                         "upr://h/b", 256)  # fmt: skip
@@ -137,7 +153,7 @@ def test_segments_through_sealed_storage(tmp_path: Path) -> None:
 
 
 def _seal3(tmp_path: Path, name: str = "f.seg") -> tuple[EncryptedStorage, Path, bytearray]:
-    s, p = store(), tmp_path / name
+    s, p = sealed(), tmp_path / name
     s.write(p, data(3 * C - 10))
     return s, p, bytearray(p.read_bytes())
 
@@ -185,7 +201,7 @@ def test_truncated_at_a_chunk_boundary(tmp_path: Path) -> None:
 
 def test_chunk_from_another_repository(tmp_path: Path) -> None:
     s, p, raw = _seal3(tmp_path)
-    other = store(repo_id=bytes(16))  # same data key, another repository id
+    other = sealed(repo_id=bytes(16))  # same data key, another repository id
     with pytest.raises(SealedError):
         other.read(p)
     q = tmp_path / "g.seg"
@@ -213,7 +229,7 @@ def test_file_from_another_file(tmp_path: Path) -> None:
 def test_wrong_data_key_and_plain_file(tmp_path: Path) -> None:
     s, p, _ = _seal3(tmp_path)
     with pytest.raises(SealedError, match="chunk 0"):
-        store(key=bytes(32)).read(p)
+        sealed(key=bytes(32)).read(p)
     (tmp_path / "plain.seg").write_bytes(b"P" * 100)
     with pytest.raises(SealedError, match="bad magic"):
         s.read(tmp_path / "plain.seg")
