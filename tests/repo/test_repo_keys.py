@@ -168,6 +168,22 @@ def test_key_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 2 and "not encrypted" in err
 
 
+def test_a_key_command_never_overwrites_a_repo_json_changed_meanwhile(tmp_path: Path) -> None:
+    from upr_cli.repo.keys import EncryptionKeyError, add_slot, rewrite_slots
+
+    key = tmp_path / "k"
+    key.write_bytes(b"pw")
+    repo = Repository(tmp_path / "r", access=Access(key_file=key))
+    create_encrypted(repo)
+    info, slot, _opened = add_slot(repo, b"second")
+    assert info.encryption is not None
+    rewrite_slots(repo, info, (*info.encryption.keys, slot))  # another command's write
+    before = (tmp_path / "r" / "repo.json").read_bytes()
+    with pytest.raises(EncryptionKeyError, match="changed meanwhile"):
+        rewrite_slots(repo, info, (slot,))
+    assert (tmp_path / "r" / "repo.json").read_bytes() == before
+
+
 def test_vector_opens_with_its_key() -> None:
     expected = json.loads((VECTOR / "expected.json").read_text())
     repo = Repository(VECTOR / "repo", access=Access(key_file=VECTOR / "key"))

@@ -73,8 +73,9 @@ Example:
 ROTATE_HELP = f"""Replace the key given by a new one (its slot by a new slot).
 
 A slot for the new key is added and the slot the given key opened is removed, in one
-atomic write of repo.json. The data is not rewritten: the data key stays. A leaked data key needs a re-encrypting copy instead (upr repo copy
---from OLD --to NEW --encrypt).
+atomic write of repo.json. The data is not rewritten: the data key stays. A leaked
+data key needs a re-encrypting copy instead (upr repo copy --from OLD --to NEW
+--encrypt).
 
 {_KEYS}
 
@@ -194,7 +195,7 @@ def add_key_cmd(
     secret = keys.new_secret(new_key_file, new_key_command)
     info, slot, _opened = keys.add_slot(r, secret)
     assert info.encryption is not None
-    info = keys.rewrite_slots(r, (*info.encryption.keys, slot))
+    info = keys.rewrite_slots(r, info, (*info.encryption.keys, slot))
     _done(r, info, json_out, f"added key slot {slot.id}", added=slot.id)
 
 
@@ -218,7 +219,7 @@ def remove_key_cmd(
             f"{where}: slot {slot_id} is the last key slot: add another key first "
             "(upr repo add-key), or the repository cannot be opened again"
         )
-    info = keys.rewrite_slots(r, tuple(k for k in slots if k.id != slot_id))
+    info = keys.rewrite_slots(r, info, tuple(k for k in slots if k.id != slot_id))
     _done(r, info, json_out, f"removed key slot {slot_id}", removed=slot_id)
 
 
@@ -237,7 +238,7 @@ def rotate_key_cmd(
         raise UsageError(f"{display_location(r.path)}: rotate-key needs the key of a slot")
     assert info.encryption is not None
     kept = tuple(k for k in info.encryption.keys if k.id != opened.id)
-    info = keys.rewrite_slots(r, (*kept, slot))
+    info = keys.rewrite_slots(r, info, (*kept, slot))
     _done(r, info, json_out, f"key slot {opened.id} replaced by {slot.id}",
           added=slot.id, removed=opened.id)  # fmt: skip
 

@@ -422,12 +422,17 @@ def create_encrypted(repo: Repository) -> None:
     repo.info()
 
 
-def rewrite_slots(repo: Repository, keys: tuple[KeySlot, ...]) -> RepoInfo:
-    """repo.json with `keys` as its key slots, in one atomic write (the data key and
-    everything it sealed unchanged)."""
-    info = repo.info()
-    assert info.encryption is not None
-    new = replace(info, encryption=replace(info.encryption, keys=keys))
+def rewrite_slots(repo: Repository, before: RepoInfo, keys: tuple[KeySlot, ...]) -> RepoInfo:
+    """repo.json as `before` with `keys` as its key slots, in one atomic write (the data
+    key and everything it sealed unchanged). A repo.json that changed since `before` was
+    read (another key command) is left alone: the command is run again."""
+    assert before.encryption is not None
+    if repo.peek() != before:
+        raise EncryptionKeyError(
+            f"{display_location(repo.path)}: repo.json changed meanwhile (another key "
+            "command?): nothing written; run it again"
+        )
+    new = replace(before, encryption=replace(before.encryption, keys=keys))
     repo.backend.write(repo.repo_file, new.dumps())
     return new
 
