@@ -113,6 +113,12 @@ Example (only scope app, except its collection logs is left out in the second fo
 Example (a new full backup, summary as JSON):
 
   upr backup upr://admin@127.0.0.1/default --repo /backups/cb --full --json
+
+Example (a new repository, encrypted at rest with a random key file; keep a copy of
+the key, or add a second one with upr repo add-key: a lost key loses the backups):
+
+  head -c 32 /dev/urandom > k
+  upr backup upr://admin@127.0.0.1/default --repo /bk/x --encrypt --key-file k
 """
 
 
@@ -159,6 +165,15 @@ def backup_cmd(
     no_verify: NoVerify = False,
     cert: ClientCert = None,
     key: ClientKey = None,
+    encrypt: Annotated[
+        bool,
+        typer.Option(
+            "--encrypt",
+            help="Create a new repository encrypted (its key: --key-file, "
+            "--key-command, UPR_KEY_FILE or UPR_PASSPHRASE); an encrypted one is always "
+            "used encrypted.",
+        ),
+    ] = False,
 ) -> None:
     """Back up a bucket."""
     source = tls_source(SourceUri.parse(uri), cacert, no_verify, cert, key)
@@ -203,6 +218,7 @@ def backup_cmd(
                     on_notice=notice,
                     compression=compression,
                     memory=memory,
+                    encrypt=encrypt,
                 )
             )
         finally:

@@ -74,6 +74,7 @@ from upr_cli.repo import (
     SegmentEntry,
     Totals,
     format_segment_name,
+    keys,
     parse_cut_path,
     parse_segment_name,
     resume_point,
@@ -240,6 +241,7 @@ async def backup(
     on_notice: Callable[[str], None] | None = None,
     compression: WireCompression = "auto",
     memory: MemoryLimit = DEFAULT_MEMORY,
+    encrypt: bool = False,
 ) -> BackupSummary:
     """Run one backup of `uri`'s bucket into the repository; returns its summary.
 
@@ -264,13 +266,15 @@ async def backup(
     recorded as after a failover (docs/protocol.md §4.5). `compression` is the links'
     Snappy (`--wire-compression`, formats/wire.md "Snappy"). `memory` is the budget for
     the run's buffers (`--memory-limit`; each Spark task keeps to it in its own process).
+    `encrypt` creates a new repository encrypted (formats/repository.md §10; an existing
+    plaintext one is refused, an encrypted one used as it is).
     """
     chosen = collection_filter(include, exclude)
     first = await _backup_once(uri, repo_dir, full=full, partitions=partitions,
                                on_progress=on_progress, on_warning=on_warning,
                                streamer=streamer, chosen=chosen, wait=wait,
                                on_notice=on_notice, compression=compression,
-                               memory=memory)  # fmt: skip
+                               memory=memory, encrypt=encrypt)  # fmt: skip
     summary = first
     for _ in range(FOLLOW_UPS):
         try:
@@ -340,16 +344,21 @@ async def _backup_once(
     on_notice: Callable[[str], None] | None = None,
     compression: WireCompression = "auto",
     memory: MemoryLimit = DEFAULT_MEMORY,
+    encrypt: bool = False,
 ) -> BackupSummary:
     """One backup, committed (see `backup`)."""
     if uri.bucket is None:
         raise UsageError("the source URI names no bucket")
     bucket = uri.bucket
     repo = Repository(repo_dir)
-    repo.check_init()
+    if encrypt:
+        keys.refuse_plain(repo)
+    repo.check_init()  # an encrypted repository is unlocked here, or refused
     # Nothing is created before the source has answered (formats/repository.md §4.2): a
     # wrong password, an unknown bucket or filter leaves the repository as it was.
     collections = await _check_source(uri, repo, bucket, full=full, chosen=chosen)
+    if encrypt:
+        keys.ensure_encrypted(repo)
     repo.init()
     warn = on_warning or log.warning
     started = now_utc(), time.monotonic()

@@ -57,7 +57,7 @@ from upr_cli.repo.names import format_time
 from upr_cli.repo.readers import read_lock
 from upr_cli.segments import Record, SegmentError, SegmentInfo, SegmentReader
 from upr_cli.source import open_bucket, open_repo
-from upr_cli.storage import Storage
+from upr_cli.storage import Storage, unwrap
 
 __all__ = ["Problem", "VerifyReport", "info", "open_bucket", "open_repo", "verify"]
 
@@ -449,7 +449,10 @@ def backup_type(m: Manifest) -> str:
 
 def tree_bytes(storage: Storage, path: Path) -> int:
     """The sizes of the regular files under the directory `path` (its subdirectories'
-    too), as `storage` stats them: what it takes on disk, blocks aside. 0 when absent."""
+    too), as the backend under `storage` stats them (an encrypted repository's files as
+    sealed, formats/repository.md §10): what it takes on disk, blocks aside. 0 when
+    absent."""
+    storage = unwrap(storage)
     total = 0
     for e in storage.list(path):
         if e.is_dir:

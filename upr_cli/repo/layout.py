@@ -28,7 +28,7 @@ import contextlib
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING
 
 from upr_cli.errors import ExitCode, os_error
 from upr_cli.fsio import FileOps
+from upr_cli.repo import access as _access
 from upr_cli.repo.access import Access
-from upr_cli.repo.access import current as current_access
 from upr_cli.repo.errors import RepositoryError
+from upr_cli.repo.keys import Encryption, open_encrypted
 from upr_cli.repo.manifest import Manifest, load_json
 from upr_cli.repo.manifests import (
     MANIFEST_COPY,
@@ -69,7 +70,10 @@ REPO_FORMAT = "upr-repository"
 REPO_VERSION = 2
 """The repository layout version this code writes (formats/repository.md §9): 2 added
 backup revisions (`<id>-rNNNNNNNN` directories), removals in progress and readers' files."""
-REPO_VERSIONS = (1, 2)
+REPO_ENCRYPTED = 3
+"""The version of an encrypted repository (formats/repository.md §10): version 2's
+layout, every file but repo.json and the lock files sealed; older upr refuses it."""
+REPO_VERSIONS = (1, 2, 3)
 """The layout versions this code reads; `upgrade` raises a version 1 repository to 2
 before the first change only version 2 describes."""
 LOCK_FILE = "lock"
@@ -95,24 +99,38 @@ class NotARepository(RepositoryError):
 
 @dataclass(frozen=True, slots=True)
 class RepoInfo:
-    """What repo.json says: the layout version and when the repository was created."""
+    """What repo.json says: the layout version and when the repository was created; an
+    encrypted repository's id and `encryption` (formats/repository.md §10)."""
 
     version: int
     created: datetime
+    id: str | None = None
+    encryption: Encryption | None = None
 
     def to_json(self) -> dict[str, object]:
         """The repo.json object."""
-        return {
+        out: dict[str, object] = {
             "format": REPO_FORMAT,
             "version": self.version,
             "created": format_time(self.created),
         }
+        if self.encryption is not None:
+            out["id"] = self.id
+            out["encryption"] = self.encryption.to_json()
+        return out
+
+    def dumps(self) -> bytes:
+        """repo.json's bytes."""
+        return (json.dumps(self.to_json(), indent=2) + "\n").encode()
 
     @classmethod
     def from_json(cls, data: object, where: str) -> RepoInfo:
         """Parse repo.json; anything else raises RepositoryError naming `where`."""
-        if not isinstance(data, dict) or set(data) != {"format", "version", "created"}:
-            raise RepositoryError(f"{where}: expected keys 'format', 'version', 'created'")
+        plain = {"format", "version", "created"}
+        if isinstance(data, dict) and data.get("version") == REPO_ENCRYPTED:
+            plain |= {"id", "encryption"}
+        if not isinstance(data, dict) or set(data) != plain:
+            raise RepositoryError(f"{where}: expected keys {', '.join(map(repr, plain))}")
         if data["format"] != REPO_FORMAT:
             raise RepositoryError(f"{where}: format {data['format']!r} is not {REPO_FORMAT!r}")
         version = data["version"]
@@ -127,7 +145,21 @@ class RepoInfo:
             created = parse_time(data["created"])
         except RepositoryError as exc:
             raise RepositoryError(f"{where}: created: {exc}") from None
-        return cls(version, created)
+        if version != REPO_ENCRYPTED:
+            return cls(version, created)
+        repo_id = data["id"]
+        if not isinstance(repo_id, str) or len(repo_id) != 32 or repo_id != repo_id.lower():
+            raise RepositoryError(f"{where}: id {repo_id!r} is not 16 bytes in hex")
+        try:
+            bytes.fromhex(repo_id)
+        except ValueError:
+            raise RepositoryError(f"{where}: id {repo_id!r} is not 16 bytes in hex") from None
+        return cls(
+            version,
+            created,
+            repo_id,
+            Encryption.from_json(data["encryption"], f"{where}: encryption"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,13 +187,12 @@ class Repository:
         storage: Storage | None = None, access: Access | None = None,
     ) -> None:  # fmt: skip
         """`storage` is the backend (default: the local directory, making its system
-        calls through `ops`, which tests subclass to fail any of them). `access` is how
-        the repository is opened (its key, object-store settings): the command's
-        (`upr_cli.repo.access.current`) unless given, as `upr repo copy` gives its
-        source's."""
+        calls through `ops`, which tests subclass to fail any of them); `access` the key
+        and settings to open it with (default: this command's, `access.current`)."""
         self.path = Path(path)
-        self.access: Access = access if access is not None else current_access()
-        self.storage: Storage = storage or open_storage(self.path, ops)
+        self.access = access if access is not None else _access.current()
+        self.backend: Storage = storage or open_storage(self.path, ops)
+        self._storage: Storage | None = None  # decided once repo.json is read
         self.manifest_store = ManifestStore(self)
         self.sweeper = Sweeper(self)
         # (bucket, id) -> the directory of the backup's current revision, as the last
@@ -170,6 +201,44 @@ class Repository:
 
     def __repr__(self) -> str:
         return f"Repository({str(self.path)!r})"
+
+    @property
+    def storage(self) -> Storage:
+        """What every file is reached through: the backend, or over it the sealing layer
+        of an encrypted repository (formats/repository.md §10), unlocked on first use
+        with the key of `self.access`, before anything else is read or written (no
+        key or a wrong one: `MissingKey`, `WrongKey`). Until repo.json exists, the
+        backend."""
+        if self._storage is not None:
+            return self._storage
+        info = self.peek()
+        if info is None:
+            return self.backend
+        self._storage = self.backend if info.encryption is None else open_encrypted(self, info)
+        return self._storage
+
+    def peek(self) -> RepoInfo | None:
+        """repo.json as it is, read through the backend; None when there is none or it
+        is not valid (`info` says why)."""
+        try:
+            return RepoInfo.from_json(load_json(self.backend.read(self.repo_file)), "")
+        except (OSError, RepositoryError):
+            return None
+
+    def forget_storage(self) -> None:
+        """Read repo.json again on next use (it was just created)."""
+        self._storage = None
+
+    def keyed_access(self) -> Access:
+        """`self.access` carrying this repository's data key when it is encrypted (what
+        a Spark executor opens it with, without the user's key)."""
+        storage = self.storage
+        data_key = getattr(storage, "data_key", None)
+        repo_id = getattr(storage, "repo_id", None)
+        if not isinstance(data_key, bytes) or not isinstance(repo_id, bytes):
+            return self.access
+        keys = {**self.access.data_keys, repo_id.hex(): data_key}
+        return replace(self.access, data_keys=keys)
 
     def _is_dir(self, path: Path) -> bool:
         """A directory is at `path` (a link to one counts)."""

@@ -28,6 +28,7 @@ from upr_cli.repo.errors import BrokenChain, RepositoryError
 from upr_cli.repo.lock import require_held
 from upr_cli.repo.manifest import MAX_MANIFEST_BYTES, Manifest
 from upr_cli.repo.names import BackupId, format_backup_dir
+from upr_cli.segments.format import SegmentError
 from upr_cli.storage import LOCAL, Storage
 
 if TYPE_CHECKING:
@@ -94,6 +95,8 @@ def _read(storage: Storage, path: Path) -> bytes | str:
         return "missing"
     except OSError as exc:
         return f"cannot read: {exc.strerror}"
+    except SegmentError as exc:  # a sealed file that fails to open (formats/repository.md §10)
+        return exc.reason
 
 
 def absorbed_ids(manifests: Iterable[Manifest]) -> set[BackupId]:
@@ -106,10 +109,14 @@ class ManifestStore:
 
     def __init__(self, layout: Repository) -> None:
         self.layout = layout
-        self.storage = layout.storage
         # manifests parsed, by (device, inode, size, mtime) of their file: a file is only
         # ever replaced by a rename (a new inode), so an entry never goes stale
         self._parsed: dict[tuple[int, int, int, int], Manifest] = {}
+
+    @property
+    def storage(self) -> Storage:
+        """The repository's storage (sealing once an encrypted repository is unlocked)."""
+        return self.layout.storage
 
     def _committed_mark(self, d: Path) -> bool:
         """Either manifest file is present in backup directory `d` (valid or not)."""

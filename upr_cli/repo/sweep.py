@@ -24,6 +24,7 @@ from upr_cli.repo.names import BackupId, is_temp_name, temp_name
 if TYPE_CHECKING:
     from upr_cli.repo.layout import Repository
     from upr_cli.repo.lock import RepositoryLock
+    from upr_cli.storage import Storage
 
 REMOVED_SUFFIX = "-removed"
 """The temp-name suffix of a directory being removed (`Sweeper.discard`)."""
@@ -34,7 +35,11 @@ class Sweeper:
 
     def __init__(self, layout: Repository) -> None:
         self.layout = layout
-        self.storage = layout.storage
+
+    @property
+    def storage(self) -> Storage:
+        """The repository's storage (sealing once an encrypted repository is unlocked)."""
+        return self.layout.storage
 
     def sweep(self, bucket: str, running: BackupId, lock: RepositoryLock) -> list[Path]:
         """Remove temp files, and the backup directories older than `running` that an
