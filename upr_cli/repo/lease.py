@@ -241,7 +241,8 @@ def _locked(path: Path, what: str, state: LeaseState) -> RepositoryLocked:
     h = state.holder
     return RepositoryLocked(
         f"{display_location(path)}: {what} {state.describe()}; its lease runs until "
-        f"{state.expires}", pid=h.pid if h else None, hostname=h.hostname if h else None)  # fmt: skip
+        f"{state.expires}", pid=h.pid if h else None,
+        hostname=h.hostname if h else None)  # fmt: skip
 
 
 def _hold(storage: S3Storage, path: Path, record: dict[str, Any], what: str,
@@ -301,7 +302,8 @@ class LeaseRead:
     """A reader's registration in object storage (`ReadLock` delegates)."""
 
     def __init__(self, repo: Repository, storage: S3Storage, bucket: str, command: str,
-                 wait: float, on_wait: Callable[[LockHolder | None], None] | None) -> None:  # fmt: skip
+                 wait: float,
+                 on_wait: Callable[[LockHolder | None], None] | None) -> None:  # fmt: skip
         self.repo, self.storage, self.bucket, self.command = repo, storage, bucket, command
         self.wait, self.on_wait = wait, on_wait
         self.lease: Lease | None = None
@@ -375,8 +377,9 @@ def scan_readers(repo: Repository, storage: S3Storage, bucket: str, *,
         if state.live and state.holder is not None:
             h = state.holder
             command = state.record.get("command")
-            out.append(Reader(h.pid, h.hostname, h.started,
-                              command if isinstance(command, str) and command else "a reader"))  # fmt: skip
+            if not isinstance(command, str) or not command:
+                command = "a reader"
+            out.append(Reader(h.pid, h.hostname, h.started, command))
         elif not state.live and remove_dead:
             with contextlib.suppress(Exception):
                 storage.delete_if(key, state.etag)
@@ -398,7 +401,7 @@ class LeaseExclusive:
         from upr_cli.repo.readers import SHARED_FILE, describe_readers
 
         path = self.repo.bucket_dir(self.bucket) / SHARED_FILE
-        _me_, record = _me()
+        record = _me()[1]
         lease = _hold(self.storage, path, record,
                       f"bucket {self.bucket!r} is being changed by", _log.warning)  # fmt: skip
         lease.start()
