@@ -325,9 +325,9 @@ class S3Storage:
         out: list[Entry] = []
         for page in self._pages(prefix, "/"):
             for p in page.get("CommonPrefixes", []):
-                out.append(Entry(p["Prefix"][len(prefix):].rstrip("/"), True, False))
+                out.append(Entry(p["Prefix"][len(prefix) :].rstrip("/"), True, False))
             for o in page.get("Contents", []):
-                name = o["Key"][len(prefix):]
+                name = o["Key"][len(prefix) :]
                 if name:
                     out.append(Entry(name, False, True))
         return out
@@ -470,7 +470,7 @@ class S3Storage:
         self._delete_keys(keys)
 
     def _delete_keys(self, keys: Sequence[str]) -> None:
-        batches = [keys[i:i + _BATCH] for i in range(0, len(keys), _BATCH)]
+        batches = [keys[i : i + _BATCH] for i in range(0, len(keys), _BATCH)]
 
         def one(batch: Sequence[str]) -> None:
             out = self.call("delete", batch[0], lambda: self.client.delete_objects(
@@ -561,7 +561,7 @@ class S3Storage:
         if not found:
             raise FileNotFoundError(errno.ENOENT, "no such object", display_location(src))
         keys = [k for k, _t, _e in found]
-        self._parallel(lambda k: self._copy(k, dkey + k[len(skey):]), keys)
+        self._parallel(lambda k: self._copy(k, dkey + k[len(skey) :]), keys)
         keys.sort(key=lambda k: (k.count("/"), k))
         for k in keys[:1]:
             self.delete_if(k, None)

@@ -119,8 +119,12 @@ def salvage_cmd(
     ] = None,
     repo: Annotated[
         Path | None,
-        typer.Option("--repo", metavar="URL", parser=repo_location,
-                     help="A backup repository: a directory or s3://BUCKET/PREFIX."),
+        typer.Option(
+            "--repo",
+            metavar="URL",
+            parser=repo_location,
+            help="A backup repository: a directory or s3://BUCKET/PREFIX.",
+        ),
     ] = None,
     store: Annotated[
         Path | None, typer.Option("--store", metavar="PATH", help="A replay store.")
