@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from upr_cli.cli import repo_unlock
+
 HELP = """Manage a repository itself: its keys, its lock, copies of it.
 
 Create a repository encrypted, add, remove and rotate its keys, release the lock of a
@@ -15,6 +17,7 @@ Example (an encrypted repository, its key in a file; keep a second key):
 """
 
 app = typer.Typer(name="repo", help=HELP, no_args_is_help=True)
+repo_unlock.register(app)
 
 
 def register(root: typer.Typer) -> None:
