@@ -149,13 +149,14 @@ def _status(exc: BaseException) -> tuple[int, str]:
 
 def retriable(exc: BaseException) -> bool:
     """5xx, 429/SlowDown, timeouts, connection errors, bodies cut off mid-way."""
-    from botocore.exceptions import ClientError, HTTPClientError
+    from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
     from botocore.exceptions import ConnectionError as BotoConnectionError
 
     if isinstance(exc, ClientError):
         status, code = _status(exc)
         return status >= 500 or status == 429 or code in _RETRIABLE_CODES
-    return isinstance(exc, HTTPClientError | BotoConnectionError | ConnectionError | TimeoutError)
+    return isinstance(exc, HTTPClientError | BotoConnectionError | IncompleteReadError
+                      | ConnectionError | TimeoutError)  # fmt: skip
 
 
 class S3Storage:
