@@ -54,7 +54,8 @@ def test_a_lock_race_is_lost_on_a_412(s3: str, proxy: FaultProxy) -> None:
     url, repo = new_repo(s3)
     first = RepositoryLock(repo, "default")
     first.acquire()
-    with pytest.raises(RepositoryLocked, match=rf"is locked by pid {os.getpid()} .*its lease runs until"):
+    refused = rf"is locked by pid {os.getpid()} .*its lease runs until"
+    with pytest.raises(RepositoryLocked, match=refused):
         RepositoryLock(Repository(parse_location(url)), "default").acquire()
     lock_puts = proxy.requests("PUT", "/repo/default/lock")
     assert [p.status for p in lock_puts] == [200, 412]  # the refusal is the 412, not a 500
