@@ -190,6 +190,7 @@ class S3Storage:
         self.requests = 0
         """Requests sent (attempts included), for the tests and the bench."""
         self._pending: dict[Path, Path] = {}
+        self._made: set[Path] = set()  # empty directories this process made
         self._spool = tempfile.TemporaryDirectory(prefix="upr-s3-")
         self._finalizer = weakref.finalize(self, self._spool.cleanup)
         self._lock = threading.Lock()
@@ -357,15 +358,33 @@ class S3Storage:
         return f"{key}/" if key else ""
 
     def stat(self, path: Path, *, follow_links: bool = False) -> Stat | None:
-        """A HEAD of the object; else a probe of the prefix (a directory)."""
+        """One ListObjectsV2 from the key on (delimiter `/`): the object itself (a file)
+        or the prefix `key/` (a directory); a HEAD and a probe of the prefix only when
+        the key has more than a page of siblings. A directory this process made and
+        left empty exists too (`make_dir`), as it would on disk."""
         if self._above_root(path):
-            return Stat(True, False, 0, (0, 0), (0, 0, 0, 0))
+            return _DIR
         spool = self._pending.get(path)
         if spool is not None:
             st = spool.stat()
             return Stat(False, True, st.st_size, (1, st.st_ino), (1, st.st_ino, st.st_size,
                                                                   st.st_mtime_ns))  # fmt: skip
         key = self.key(path)
+        found: Stat | None = None
+        if key:
+            page = next(self._pages(key, "/"))
+            for o in page.get("Contents", []):
+                if o["Key"] == key:
+                    return _file_stat(o.get("Size", 0), o.get("ETag", ""), o["LastModified"])
+            if any(p["Prefix"] == key + "/" for p in page.get("CommonPrefixes", [])):
+                return _DIR
+            if page.get("IsTruncated"):
+                found = self._stat_slow(key, path)
+        else:
+            found = self._stat_slow(key, path)
+        return found or (_DIR if path in self._made else None)
+
+    def _stat_slow(self, key: str, path: Path) -> Stat | None:
         if key:
             try:
                 head = self.call("stat", key, lambda: self.client.head_object(
@@ -373,13 +392,11 @@ class S3Storage:
             except FileNotFoundError:
                 pass
             else:
-                size = int(head.get("ContentLength", 0))
-                ident = _ident(str(head.get("ETag", "")))
-                mtime = int(head["LastModified"].timestamp() * 1e9)
-                return Stat(False, True, size, (0, ident), (0, ident, size, mtime))
+                return _file_stat(head.get("ContentLength", 0), head.get("ETag", ""),
+                                  head["LastModified"])  # fmt: skip
         for page in self._pages(self._dir_prefix(path), None, limit=1):
             if page.get("KeyCount", len(page.get("Contents", []))):
-                return Stat(True, False, 0, (0, 0), (0, 0, 0, 0))
+                return _DIR
         return None
 
     def read(self, path: Path, offset: int = 0, length: int = -1) -> bytes:
@@ -483,6 +500,7 @@ class S3Storage:
         """Every object under the prefix, in DeleteObjects batches, `transfers` at once."""
         for p in [p for p in self._pending if path in p.parents]:
             self._drop(p)
+        self._made = {p for p in self._made if p != path and path not in p.parents}
         self._guard()
         keys = [k for k, _t, _e in self.list_objects(self._dir_prefix(path))[0]]
         self._delete_keys(keys)
@@ -510,10 +528,12 @@ class S3Storage:
                 f.result()
 
     def make_dir(self, path: Path) -> None:
-        """Nothing to create; FileExistsError when objects are under the prefix."""
+        """Nothing to create in the bucket (this process remembers the empty directory);
+        FileExistsError when objects are under the prefix."""
         st = self.stat(path)
         if st is not None:
             raise FileExistsError(errno.EEXIST, "exists", display_location(path))
+        self._made.add(path)
 
     def make_dirs(self, path: Path) -> None:
         """Nothing to do: a prefix exists once an object is under it."""
@@ -522,6 +542,7 @@ class S3Storage:
         """Nothing to remove; OSError(ENOTEMPTY) when objects are under the prefix."""
         if self._above_root(path):
             return
+        self._made.discard(path)
         st = self.stat(path)
         if st is not None:
             raise OSError(errno.ENOTEMPTY, "not empty", display_location(path))
@@ -641,6 +662,15 @@ def _date(response: dict[str, Any]) -> float:
     with contextlib.suppress(TypeError, ValueError):
         return parsedate_to_datetime(headers["date"]).timestamp()
     return time.time()
+
+
+_DIR = Stat(True, False, 0, (0, 0), (0, 0, 0, 0))
+
+
+def _file_stat(size: object, etag: object, modified: Any) -> Stat:
+    n = int(size)  # type: ignore[call-overload]
+    ident = _ident(str(etag))
+    return Stat(False, True, n, (0, ident), (0, ident, n, int(modified.timestamp() * 1e9)))
 
 
 def _ident(etag: str) -> int:

@@ -11,7 +11,9 @@ path, the status it answered: 0 when it answered nothing) and applies the first
 * `drop`: forward, then pass on only `nbytes` of the answer's body and close (a
   download cut off mid-way), or nothing at all with `nbytes=-1` (the request landed,
   its answer was lost);
-* `delay`: wait `seconds` before forwarding (an answer slower than the read timeout).
+* `delay`: wait `seconds` before forwarding (an answer slower than the read timeout);
+* `hang`: never forward; hold the connection until the client goes away (a process
+  stuck in a request, then killed: its request never lands).
 
 An `Expect: 100-continue` request is answered `100 Continue` at once and forwarded
 without it.
@@ -33,7 +35,7 @@ class Fault:
     """What to do to the next `count` requests that match `method` and `match` (a
     substring of the path; None matches any)."""
 
-    kind: str  # status | close | drop | delay
+    kind: str  # status | close | drop | delay | hang
     count: int = 1
     method: str | None = None
     match: str | None = None
@@ -42,8 +44,10 @@ class Fault:
     seconds: float = 0.0
 
     def matches(self, method: str, path: str) -> bool:
+        """`match` is looked for in the path without its query (a listing whose prefix
+        names a segment is no download of it)."""
         return (self.count > 0 and (self.method is None or self.method == method)
-                and (self.match is None or self.match in path))  # fmt: skip
+                and (self.match is None or self.match in path.split("?", 1)[0]))  # fmt: skip
 
 
 @dataclass
@@ -156,6 +160,12 @@ class FaultProxy:
             seen.status = fault.status
             return
         if fault is not None and fault.kind == "close":
+            return
+        if fault is not None and fault.kind == "hang":
+            conn.settimeout(fault.seconds or 60)
+            with contextlib.suppress(OSError):
+                while conn.recv(65536):
+                    pass
             return
         if fault is not None and fault.kind == "delay":
             time.sleep(fault.seconds)
