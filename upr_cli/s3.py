@@ -54,11 +54,12 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import IO, Any, Protocol, TypeVar
+from typing import IO, Any, Protocol, TypeVar, cast
 
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.repo.errors import RepositoryError
@@ -83,6 +84,10 @@ PART_SIZE = 8 << 20
 """Objects larger than this are uploaded in parts of this size (S3's minimum is 5 MiB)."""
 WINDOW = 1 << 20
 """The read-ahead of one open reader: one ranged GET of at least this much."""
+CACHE_OBJECT = 64 << 20
+"""Objects up to this size are read whole into the local spool and kept (`open_read`)."""
+CACHE_BYTES = 1 << 30
+"""At most this much of the spool holds downloaded objects (`UPR_S3_CACHE_BYTES`)."""
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 30.0
 _BATCH = 1000  # DeleteObjects takes at most 1000 keys
@@ -191,6 +196,8 @@ class S3Storage:
         """Requests sent (attempts included), for the tests and the bench."""
         self._pending: dict[Path, Path] = {}
         self._made: set[Path] = set()  # empty directories this process made
+        self._cache: OrderedDict[tuple[str, object], Path] = OrderedDict()
+        self._cached_bytes = 0
         self._spool = tempfile.TemporaryDirectory(prefix="upr-s3-")
         self._finalizer = weakref.finalize(self, self._spool.cleanup)
         self._lock = threading.Lock()
@@ -446,14 +453,44 @@ class S3Storage:
         return bytes(got)
 
     def open_read(self, path: Path) -> IO[bytes]:
-        """A seekable reader doing ranged GETs, `WINDOW` bytes ahead at most."""
+        """A seekable reader. An object up to `CACHE_OBJECT` bytes is downloaded whole
+        into the spool and kept there (least recently used first out, `CACHE_BYTES` in
+        all), so a second reader of it (restore's write pass after its checksum pass)
+        reads the bytes already checked, not the bucket; a larger one is read in ranged
+        GETs of `WINDOW` bytes."""
         spool = self._pending.get(path)
         if spool is not None:
             return open(spool, "rb")
         st = self.stat(path)
         if st is None or not st.is_file:
             raise FileNotFoundError(errno.ENOENT, "no such object", display_location(path))
-        return io.BufferedReader(_RangeReader(self, self.key(path), st.size), WINDOW)
+        key = self.key(path)
+        if st.size > CACHE_OBJECT or st.size > _cache_bytes():
+            return cast(IO[bytes], _RangeReader(self, key, st.size))
+        return open(self._cached(key, st), "rb")
+
+    def _cached(self, key: str, st: Stat) -> Path:
+        """The spool file of the object `key` as `st` describes it, downloaded once."""
+        ident = (key, st.version)
+        with self._lock:
+            got = self._cache.pop(ident, None)
+            if got is not None:
+                self._cache[ident] = got  # most recently used
+                return got
+        data = self._get_range(key, 0, None)
+        fd, name = tempfile.mkstemp(dir=self._spool.name, suffix=".cache")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        path = Path(name)
+        limit = _cache_bytes()
+        with self._lock:
+            self._cache[ident] = path
+            self._cached_bytes += len(data)
+            while self._cached_bytes > limit and len(self._cache) > 1:
+                _old, victim = self._cache.popitem(last=False)
+                self._cached_bytes -= victim.stat().st_size
+                victim.unlink()  # an open reader keeps reading it (POSIX)
+        return path
 
     def write(self, path: Path, data: bytes) -> None:
         """One PUT, replacing: the object appears whole or not at all."""
@@ -654,6 +691,13 @@ class S3Storage:
                       display_location(path))  # fmt: skip
 
 
+def _cache_bytes() -> int:
+    try:
+        return int(os.environ.get("UPR_S3_CACHE_BYTES", CACHE_BYTES))
+    except ValueError:
+        return CACHE_BYTES
+
+
 def _date(response: dict[str, Any]) -> float:
     """The server's clock at its answer (the Date header), else ours."""
     from email.utils import parsedate_to_datetime
@@ -678,12 +722,15 @@ def _ident(etag: str) -> int:
 
 
 class _RangeReader(io.RawIOBase):
-    """The raw file under `open_read`'s buffer: each read is one ranged GET (resumed when
-    cut off), of at least what the buffer asks for (`WINDOW`)."""
+    """`open_read`'s reader of a large object: a read inside the window it holds is
+    served from memory, any other is one ranged GET (resumed when cut off) of at least
+    `WINDOW` bytes, reaching back from the object's end when near it (so a segment's
+    trailer and footer come in one request)."""
 
     def __init__(self, storage: S3Storage, key: str, size: int) -> None:
         super().__init__()
         self._s, self._key, self._size, self._pos = storage, key, size, 0
+        self._start, self._data = 0, b""
 
     def readable(self) -> bool:
         return True
@@ -699,11 +746,24 @@ class _RangeReader(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
+    def read(self, size: int | None = -1) -> bytes:
+        want = self._size - self._pos if size is None or size < 0 else size
+        n = max(0, min(want, self._size - self._pos))
+        if n == 0:
+            return b""
+        pos, start = self._pos, self._start
+        if not (start <= pos and pos + n <= start + len(self._data)):
+            end = min(self._size, pos + max(n, WINDOW))
+            start = max(0, min(pos, end - WINDOW))
+            self._start, self._data = start, self._s._get_range(self._key, start, end)
+        out = self._data[pos - self._start : pos - self._start + n]
+        self._pos += len(out)
+        return out
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
     def readinto(self, b: Any) -> int:
-        n = min(len(b), self._size - self._pos)
-        if n <= 0:
-            return 0
-        data = self._s._get_range(self._key, self._pos, self._pos + n)
+        data = self.read(len(b))
         b[: len(data)] = data
-        self._pos += len(data)
         return len(data)

@@ -85,9 +85,10 @@ class FaultProxy:
             self.seen.clear()
 
     def requests(self, method: str | None = None, match: str | None = None) -> list[Seen]:
+        """The requests seen, by method and a substring of the path (not its query)."""
         with self._lock:
             return [s for s in self.seen if (method is None or s.method == method)
-                    and (match is None or match in s.path)]  # fmt: skip
+                    and (match is None or match in s.path.split("?", 1)[0])]  # fmt: skip
 
     def _take(self, method: str, path: str) -> Fault | None:
         with self._lock:
