@@ -26,8 +26,15 @@ that exists: `Repository.new_backup_dir` reuses an interrupted run's directory s
   bucket: one-line errors (`S3Error`). Connect and read timeouts (10 s, 30 s) keep
   anything from hanging.
 * **Memory is bounded.** At most `transfers` parts of `PART_SIZE` (8 MiB) in flight per
-  upload, a whole-object PUT only below that size, one `WINDOW` (1 MiB) of read-ahead
-  per open reader (`open_read`), DeleteObjects batches of 1000 keys.
+  upload, a whole-object PUT only below that size, one `WINDOW` (1 MiB) per open reader
+  of a large object, DeleteObjects batches of 1000 keys. Objects up to `CACHE_OBJECT`
+  (64 MiB) are streamed to the local spool on their first `open_read` and kept (at most
+  `CACHE_BYTES`, 1 GiB, of disk): restore's checksum pass and write pass download a
+  segment once, and the write pass restores the bytes that were checked.
+* **Settings** come from `upr_cli.repo.access.current()` (`--s3-endpoint`,
+  `--transfers`) and the standard AWS variables and files (`AWS_ENDPOINT_URL`,
+  `AWS_PROFILE`, …); `UPR_S3_CONNECT_TIMEOUT`, `UPR_S3_READ_TIMEOUT` and
+  `UPR_S3_CACHE_BYTES` tune the above (the tests shorten the timeouts).
 * **Locks** live in `upr_cli.repo.lease` (leases renewed by conditional PUTs); while
   this storage carries a writer's lease (`guards`), every change it makes to the bucket
   first checks that the lease is still this process's, so a holder that lost its lease
@@ -417,17 +424,20 @@ class S3Storage:
             return b""
         return self._get_range(self.key(path), offset, None if length < 0 else offset + length)
 
-    def _get_range(self, key: str, start: int, end: int | None) -> bytes:
-        """Bytes [start, end) of an object (to its end with None); a body cut off mid-way
-        is asked for again from where it stopped, of the same object (If-Match)."""
+    def _get_range(self, key: str, start: int, end: int | None,
+                   sink: IO[bytes] | None = None) -> bytes:  # fmt: skip
+        """Bytes [start, end) of an object (to its end with None), or written to `sink`
+        as they come (b"" returned then); a body cut off mid-way is asked for again from
+        where it stopped, of the same object (If-Match)."""
         from botocore.exceptions import ClientError
 
         got = bytearray()
+        n = 0
         etag: str | None = None
 
         def step() -> None:
-            nonlocal etag
-            at = start + len(got)
+            nonlocal etag, n
+            at = start + n
             if end is not None and at >= end:
                 return
             last = "" if end is None else str(end - 1)
@@ -445,7 +455,11 @@ class S3Storage:
             body = out["Body"]
             try:
                 while chunk := body.read(256 << 10):
-                    got.extend(chunk)
+                    if sink is None:
+                        got.extend(chunk)
+                    else:
+                        sink.write(chunk)
+                    n += len(chunk)
             finally:
                 body.close()
 
@@ -477,15 +491,18 @@ class S3Storage:
             if got is not None:
                 self._cache[ident] = got  # most recently used
                 return got
-        data = self._get_range(key, 0, None)
         fd, name = tempfile.mkstemp(dir=self._spool.name, suffix=".cache")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
         path = Path(name)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                self._get_range(key, 0, None, f)  # streamed to disk: no copy in memory
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         limit = _cache_bytes()
         with self._lock:
             self._cache[ident] = path
-            self._cached_bytes += len(data)
+            self._cached_bytes += path.stat().st_size
             while self._cached_bytes > limit and len(self._cache) > 1:
                 _old, victim = self._cache.popitem(last=False)
                 self._cached_bytes -= victim.stat().st_size
