@@ -12,6 +12,8 @@ path, the status it answered: 0 when it answered nothing) and applies the first
   download cut off mid-way), or nothing at all with `nbytes=-1` (the request landed,
   its answer was lost);
 * `delay`: wait `seconds` before forwarding (an answer slower than the read timeout);
+* `gate`: hold the request until the test sets `gate` (a `threading.Event`), then
+  forward it (a writer held in its commit for as long as the test needs);
 * `hang`: never forward; hold the connection until the client goes away (a process
   stuck in a request, then killed: its request never lands).
 
@@ -35,13 +37,14 @@ class Fault:
     """What to do to the next `count` requests that match `method` and `match` (a
     substring of the path; None matches any)."""
 
-    kind: str  # status | close | drop | delay | hang
+    kind: str  # status | close | drop | delay | gate | hang
     count: int = 1
     method: str | None = None
     match: str | None = None
     status: int = 503
     nbytes: int = 0
     seconds: float = 0.0
+    gate: threading.Event = field(default_factory=threading.Event)
 
     def matches(self, method: str, path: str) -> bool:
         """`match` is looked for in the path without its query (a listing whose prefix
@@ -170,6 +173,8 @@ class FaultProxy:
             return
         if fault is not None and fault.kind == "delay":
             time.sleep(fault.seconds)
+        if fault is not None and fault.kind == "gate":
+            fault.gate.wait(fault.seconds or 60)
         keep = [h for h in headers if h.split(":", 1)[0].strip().lower()
                 not in ("connection", "expect")]  # fmt: skip
         out_head = "\r\n".join([lines[0], *keep, "Connection: close"]) + "\r\n\r\n"

@@ -34,16 +34,6 @@ def backup(node: Node, url: str) -> dict[str, object]:
     return json.loads(out)  # type: ignore[no-any-return]
 
 
-def lock_exists(bucket: str, key: str) -> bool:
-    import boto3
-
-    try:
-        boto3.client("s3").head_object(Bucket=bucket, Key=key)
-    except Exception:  # noqa: BLE001 - a 404 or a fault: not there (yet)
-        return False
-    return True
-
-
 def test_backup_restore_verify_merge_prune_on_s3(
     node_factory: type[Node], s3: str, tmp_path: Path
 ) -> None:
@@ -115,20 +105,22 @@ def test_faults_mid_upload_and_mid_restore_and_retries_that_run_out(
 def test_concurrent_backups_and_a_killed_backups_lease(
     node_factory: type[Node], s3: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("UPR_LEASE_SECONDS", "2")
+    monkeypatch.setenv("UPR_LEASE_SECONDS", "6")
     node = node_factory("--flush-interval", "0.02", partitions=4).start()
     url = f"s3://{s3}/cb"
     upr("load", node.uri, "--docs", "500")
     wait_persisted(node.uri)
-    # two concurrent backups: the first holds the lock (its commit is slow), the other
+    # two concurrent backups: the first holds the lock (held in its commit), the other
     # refuses in one line, naming it
-    proxy.add(Fault("delay", 1, "PUT", "manifest", seconds=1.5))
+    gate = Fault("gate", 1, "PUT", "manifest")
+    proxy.add(gate)
     with spawn_upr("backup", node.uri, "--repo", url, "--no-progress") as first:
-        deadline = time.monotonic() + 20
-        while not lock_exists(s3, "cb/default/lock"):
+        deadline = time.monotonic() + 30
+        while not proxy.requests("PUT", "manifest"):
             assert time.monotonic() < deadline and first.poll() is None
             time.sleep(0.02)
         second = upr("backup", node.uri, "--repo", url, "--no-progress", check=False)
+        gate.gate.set()
         assert first.wait(timeout=60) == 0
     assert second.returncode == 1 and second.stderr.count("\n") == 1, second.stderr
     assert f"is locked by pid {first.pid} " in second.stderr
@@ -147,10 +139,12 @@ def test_concurrent_backups_and_a_killed_backups_lease(
             time.sleep(0.02)
         killed.send_signal(signal.SIGKILL)
         killed.wait()
+        killed_at = time.monotonic()
     refused = upr("backup", node.uri, "--repo", url, "--no-progress", check=False)
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
     assert f"locked by pid {killed.pid} " in refused.stderr
-    time.sleep(3.2)  # the lease (2 s) runs out, by the server's clock (1 s resolution)
+    # the lease (6 s) runs out, by the server's clock (1 s resolution)
+    time.sleep(max(0.0, killed_at + 7.2 - time.monotonic()))
     after = upr("backup", node.uri, "--repo", url, "--json", "--no-progress")
     assert f"taking over a stale lock of pid {killed.pid}" in after.stderr
     assert json.loads(after.stdout)["reused_segments"] > 0  # the killed run's segments
