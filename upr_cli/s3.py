@@ -188,51 +188,18 @@ def retriable(exc: BaseException) -> bool:
                       | ConnectionError | TimeoutError)  # fmt: skip
 
 
-class S3Storage:
-    """A repository under `s3://BUCKET/PREFIX` (see the module docstring)."""
+class S3Bucket:
+    """The requests to one bucket: each through the retry policy (`call`), the
+    conditional ones the leases use, listings, ranged reads, uploads and batch deletes,
+    at most `transfers` at a time."""
 
-    def __init__(self, root: Path, *, endpoint: str | None = None, transfers: int = 8,
-                 client: Any = None) -> None:  # fmt: skip
-        self.root = root
-        self.bucket, self.prefix = s3_parts(root)
+    def __init__(self, bucket: str, client: Any, transfers: int) -> None:
+        self.bucket = bucket
+        self.client = client
         self.transfers = max(1, transfers)
-        self.client = client if client is not None else make_client(endpoint, self.transfers)
-        self.guards: list[Guard] = []
-        """Writers' leases held through this storage: checked before each change."""
         self.requests = 0
         """Requests sent (attempts included), for the tests and the bench."""
-        self._pending: dict[Path, Path] = {}
-        self._made: set[Path] = set()  # empty directories this process made
-        self._cache: OrderedDict[tuple[str, object], Path] = OrderedDict()
-        self._cached_bytes = 0
-        self._spool = tempfile.TemporaryDirectory(prefix="upr-s3-")
-        self._finalizer = weakref.finalize(self, self._spool.cleanup)
         self._lock = threading.Lock()
-
-    @classmethod
-    def for_root(cls, root: Path) -> S3Storage:
-        """The storage of `root` with the settings of `upr_cli.repo.access.current`."""
-        from upr_cli.repo import access
-
-        settings = access.current()
-        return cls(root, endpoint=settings.s3_endpoint, transfers=settings.transfers)
-
-    def __repr__(self) -> str:
-        return f"S3Storage({display_location(self.root)!r})"
-
-    # -- keys and requests ---------------------------------------------------------------
-
-    def key(self, path: Path) -> str:
-        """The object key of `path` (under the root)."""
-        parts = path.parts
-        n = len(self.root.parts)
-        if not is_s3(path) or parts[:n] != self.root.parts:
-            raise S3Error(f"{path}: not under {display_location(self.root)}")
-        return "/".join([p for p in (self.prefix,) if p] + list(parts[n:]))
-
-    def _above_root(self, path: Path) -> bool:
-        """The root's ancestors (`s3:/BUCKET`, `s3:`, `.`): directories that exist."""
-        return path in self.root.parents
 
     def where(self, key: str) -> str:
         """`s3://BUCKET/KEY`, for messages."""
@@ -284,10 +251,6 @@ class S3Storage:
             return S3Error(f"{self.where(key)}: {what} failed after {ATTEMPTS + 1} attempts: "
                            f"{status} {code}")  # fmt: skip
         return S3Error(f"{self.where(key)}: {what}: {status} {code}".rstrip())
-
-    def _guard(self) -> None:
-        for g in list(self.guards):
-            g.check()
 
     # -- the conditional requests the leases use (no guard: they are the guard) ---------
 
@@ -347,6 +310,154 @@ class S3Storage:
             token = page.get("NextContinuationToken")
             if limit or not page.get("IsTruncated") or not token:
                 return
+
+    def _get_range(self, key: str, start: int, end: int | None,
+                   sink: IO[bytes] | None = None) -> bytes:  # fmt: skip
+        """Bytes [start, end) of an object (to its end with None), or written to `sink`
+        as they come (b"" returned then); a body cut off mid-way is asked for again from
+        where it stopped, of the same object (If-Match)."""
+        from botocore.exceptions import ClientError
+
+        got = bytearray()
+        n = 0
+        etag: str | None = None
+
+        def step() -> None:
+            nonlocal etag, n
+            at = start + n
+            if end is not None and at >= end:
+                return
+            last = "" if end is None else str(end - 1)
+            args: dict[str, Any] = {"Bucket": self.bucket, "Key": key,
+                                    "Range": f"bytes={at}-{last}"}  # fmt: skip
+            if etag is not None:
+                args["IfMatch"] = etag
+            try:
+                out = self.client.get_object(**args)
+            except ClientError as exc:
+                if _status(exc)[0] == 416:  # from the end on: nothing
+                    return
+                raise
+            etag = etag or out.get("ETag")
+            body = out["Body"]
+            try:
+                while chunk := body.read(256 << 10):
+                    if sink is None:
+                        got.extend(chunk)
+                    else:
+                        sink.write(chunk)
+                    n += len(chunk)
+            finally:
+                body.close()
+
+        self.call("get", key, step)
+        return bytes(got)
+
+    def _delete_keys(self, keys: Sequence[str]) -> None:
+        batches = [keys[i : i + _BATCH] for i in range(0, len(keys), _BATCH)]
+
+        def one(batch: Sequence[str]) -> None:
+            out = self.call("delete", batch[0], lambda: self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch],
+                                            "Quiet": True}))  # fmt: skip
+            for err in out.get("Errors", []):
+                raise S3Error(f"{self.where(err.get('Key', ''))}: delete: {err.get('Code')}")
+
+        self._parallel(one, batches)
+
+    def _parallel(self, fn: Callable[[Any], object], items: Iterable[Any]) -> None:
+        todo = list(items)
+        if len(todo) <= 1 or self.transfers == 1:
+            for item in todo:
+                fn(item)
+            return
+        with ThreadPoolExecutor(min(self.transfers, len(todo)), "upr-s3") as pool:
+            for f in [pool.submit(fn, item) for item in todo]:
+                f.result()
+
+    def _copy(self, skey: str, dkey: str) -> None:
+        source = {"Bucket": self.bucket, "Key": skey}
+        self.call("copy", skey, lambda: self.client.copy_object(
+            Bucket=self.bucket, Key=dkey, CopySource=source))  # fmt: skip
+
+    def _upload(self, spool: Path, key: str) -> None:
+        size = spool.stat().st_size
+        if size <= PART_SIZE:
+            data = spool.read_bytes()
+            self.call("put", key, lambda: self.client.put_object(Bucket=self.bucket, Key=key,
+                                                                 Body=data))  # fmt: skip
+            return
+        upload = self.call("upload", key, lambda: self.client.create_multipart_upload(
+            Bucket=self.bucket, Key=key))["UploadId"]  # fmt: skip
+        parts: dict[int, str] = {}
+        try:
+            with open(spool, "rb") as f:
+                fd = f.fileno()
+
+                def part(n: int) -> None:
+                    data = os.pread(fd, PART_SIZE, (n - 1) * PART_SIZE)
+                    out = self.call("upload", key, lambda: self.client.upload_part(
+                        Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=n,
+                        Body=data))  # fmt: skip
+                    parts[n] = out["ETag"]
+
+                self._parallel(part, range(1, (size + PART_SIZE - 1) // PART_SIZE + 1))
+            done = {"Parts": [{"PartNumber": n, "ETag": parts[n]} for n in sorted(parts)]}
+            self.call("upload", key, lambda: self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload, MultipartUpload=done))  # fmt: skip
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
+            raise
+
+
+class S3Storage(S3Bucket):
+    """A repository under `s3://BUCKET/PREFIX` (see the module docstring)."""
+
+    def __init__(self, root: Path, *, endpoint: str | None = None, transfers: int = 8,
+                 client: Any = None) -> None:  # fmt: skip
+        self.root = root
+        bucket, self.prefix = s3_parts(root)
+        transfers = max(1, transfers)
+        super().__init__(bucket, client if client is not None else make_client(endpoint, transfers),
+                         transfers)  # fmt: skip
+        self.guards: list[Guard] = []
+        """Writers' leases held through this storage: checked before each change."""
+        self._pending: dict[Path, Path] = {}
+        self._made: set[Path] = set()  # empty directories this process made
+        self._cache: OrderedDict[tuple[str, object], Path] = OrderedDict()
+        self._cached_bytes = 0
+        self._spool = tempfile.TemporaryDirectory(prefix="upr-s3-")
+        self._finalizer = weakref.finalize(self, self._spool.cleanup)
+
+    @classmethod
+    def for_root(cls, root: Path) -> S3Storage:
+        """The storage of `root` with the settings of `upr_cli.repo.access.current`."""
+        from upr_cli.repo import access
+
+        settings = access.current()
+        return cls(root, endpoint=settings.s3_endpoint, transfers=settings.transfers)
+
+    def __repr__(self) -> str:
+        return f"S3Storage({display_location(self.root)!r})"
+
+    # -- keys -------------------------------------------------------------------------------
+
+    def key(self, path: Path) -> str:
+        """The object key of `path` (under the root)."""
+        parts = path.parts
+        n = len(self.root.parts)
+        if not is_s3(path) or parts[:n] != self.root.parts:
+            raise S3Error(f"{path}: not under {display_location(self.root)}")
+        return "/".join([p for p in (self.prefix,) if p] + list(parts[n:]))
+
+    def _above_root(self, path: Path) -> bool:
+        """The root's ancestors (`s3:/BUCKET`, `s3:`, `.`): directories that exist."""
+        return path in self.root.parents
+
+    def _guard(self) -> None:
+        for g in list(self.guards):
+            g.check()
 
     # -- Storage ------------------------------------------------------------------------
 
@@ -423,48 +534,6 @@ class S3Storage:
         if length == 0:
             return b""
         return self._get_range(self.key(path), offset, None if length < 0 else offset + length)
-
-    def _get_range(self, key: str, start: int, end: int | None,
-                   sink: IO[bytes] | None = None) -> bytes:  # fmt: skip
-        """Bytes [start, end) of an object (to its end with None), or written to `sink`
-        as they come (b"" returned then); a body cut off mid-way is asked for again from
-        where it stopped, of the same object (If-Match)."""
-        from botocore.exceptions import ClientError
-
-        got = bytearray()
-        n = 0
-        etag: str | None = None
-
-        def step() -> None:
-            nonlocal etag, n
-            at = start + n
-            if end is not None and at >= end:
-                return
-            last = "" if end is None else str(end - 1)
-            args: dict[str, Any] = {"Bucket": self.bucket, "Key": key,
-                                    "Range": f"bytes={at}-{last}"}  # fmt: skip
-            if etag is not None:
-                args["IfMatch"] = etag
-            try:
-                out = self.client.get_object(**args)
-            except ClientError as exc:
-                if _status(exc)[0] == 416:  # from the end on: nothing
-                    return
-                raise
-            etag = etag or out.get("ETag")
-            body = out["Body"]
-            try:
-                while chunk := body.read(256 << 10):
-                    if sink is None:
-                        got.extend(chunk)
-                    else:
-                        sink.write(chunk)
-                    n += len(chunk)
-            finally:
-                body.close()
-
-        self.call("get", key, step)
-        return bytes(got)
 
     def open_read(self, path: Path) -> IO[bytes]:
         """A seekable reader. An object up to `CACHE_OBJECT` bytes is downloaded whole
@@ -559,28 +628,6 @@ class S3Storage:
         keys = [k for k, _t, _e in self.list_objects(self._dir_prefix(path))[0]]
         self._delete_keys(keys)
 
-    def _delete_keys(self, keys: Sequence[str]) -> None:
-        batches = [keys[i : i + _BATCH] for i in range(0, len(keys), _BATCH)]
-
-        def one(batch: Sequence[str]) -> None:
-            out = self.call("delete", batch[0], lambda: self.client.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch],
-                                            "Quiet": True}))  # fmt: skip
-            for err in out.get("Errors", []):
-                raise S3Error(f"{self.where(err.get('Key', ''))}: delete: {err.get('Code')}")
-
-        self._parallel(one, batches)
-
-    def _parallel(self, fn: Callable[[Any], object], items: Iterable[Any]) -> None:
-        todo = list(items)
-        if len(todo) <= 1 or self.transfers == 1:
-            for item in todo:
-                fn(item)
-            return
-        with ThreadPoolExecutor(min(self.transfers, len(todo)), "upr-s3") as pool:
-            for f in [pool.submit(fn, item) for item in todo]:
-                f.result()
-
     def make_dir(self, path: Path) -> None:
         """Nothing to create in the bucket (this process remembers the empty directory);
         FileExistsError when objects are under the prefix."""
@@ -659,41 +706,6 @@ class S3Storage:
         for k in keys[:1]:
             self.delete_if(k, None)
         self._delete_keys(keys[1:])
-
-    def _copy(self, skey: str, dkey: str) -> None:
-        source = {"Bucket": self.bucket, "Key": skey}
-        self.call("copy", skey, lambda: self.client.copy_object(
-            Bucket=self.bucket, Key=dkey, CopySource=source))  # fmt: skip
-
-    def _upload(self, spool: Path, key: str) -> None:
-        size = spool.stat().st_size
-        if size <= PART_SIZE:
-            data = spool.read_bytes()
-            self.call("put", key, lambda: self.client.put_object(Bucket=self.bucket, Key=key,
-                                                                 Body=data))  # fmt: skip
-            return
-        upload = self.call("upload", key, lambda: self.client.create_multipart_upload(
-            Bucket=self.bucket, Key=key))["UploadId"]  # fmt: skip
-        parts: dict[int, str] = {}
-        try:
-            with open(spool, "rb") as f:
-                fd = f.fileno()
-
-                def part(n: int) -> None:
-                    data = os.pread(fd, PART_SIZE, (n - 1) * PART_SIZE)
-                    out = self.call("upload", key, lambda: self.client.upload_part(
-                        Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=n,
-                        Body=data))  # fmt: skip
-                    parts[n] = out["ETag"]
-
-                self._parallel(part, range(1, (size + PART_SIZE - 1) // PART_SIZE + 1))
-            done = {"Parts": [{"PartNumber": n, "ETag": parts[n]} for n in sorted(parts)]}
-            self.call("upload", key, lambda: self.client.complete_multipart_upload(
-                Bucket=self.bucket, Key=key, UploadId=upload, MultipartUpload=done))  # fmt: skip
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
-            raise
 
     def link(self, src: Path, dst: Path) -> None:
         """CopyObject inside the bucket; FileExistsError when `dst` exists."""

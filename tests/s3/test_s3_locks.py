@@ -97,7 +97,7 @@ def test_a_killed_holders_lease_runs_out_and_the_next_takes_it_over(
 def test_a_holder_that_lost_its_lease_writes_nothing_more(
     s3: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("UPR_LEASE_SECONDS", "1")
+    monkeypatch.setenv("UPR_LEASE_SECONDS", "3")  # renewed every second
     _url, repo = new_repo(s3)
     lock = RepositoryLock(repo, "default")
     lock.acquire()
@@ -105,13 +105,13 @@ def test_a_holder_that_lost_its_lease_writes_nothing_more(
 
     other = LockHolder(1, "elsewhere", "2026-12-06T00:00:00.000000Z").to_bytes()
     boto3.client("s3").put_object(Bucket=s3, Key="repo/default/lock", Body=other)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     manifest = repo.bucket_dir("default") / "20261206T000000.000000Z" / "manifest.json"
     while True:
         try:
             repo.storage.write(manifest, b"{}")
         except RepositoryLocked as exc:
-            assert "lost its lock (another process took it over (412 on renewal))" in str(exc)
+            assert "this process lost its lock" in str(exc)
             break
         assert time.monotonic() < deadline
         repo.storage.delete(manifest)
