@@ -76,7 +76,9 @@ __all__ = [
     "ATTEMPTS",
     "PART_SIZE",
     "WINDOW",
+    "AccessDenied",
     "PreconditionFailed",
+    "S3Bucket",
     "S3Error",
     "S3Storage",
 ]
@@ -105,6 +107,10 @@ _RETRIABLE_CODES = frozenset({
 
 class S3Error(RepositoryError):
     """An object-store request that failed for good: one line naming the object."""
+
+
+class AccessDenied(S3Error):
+    """403: the credentials may not do this (a reader with read-only credentials)."""
 
 
 class PreconditionFailed(Exception):
@@ -245,7 +251,7 @@ class S3Bucket:
         if status == 412 or code == "PreconditionFailed":
             return PreconditionFailed(f"{self.where(key)}: {what}: precondition failed")
         if status == 403:
-            return S3Error(f"{self.where(key)}: {what}: access denied ({code or 403}): check "
+            return AccessDenied(f"{self.where(key)}: {what}: access denied ({code or 403}): check "
                            "the credentials and the bucket's policy")  # fmt: skip
         if status >= 500 or status == 429:
             return S3Error(f"{self.where(key)}: {what} failed after {ATTEMPTS + 1} attempts: "

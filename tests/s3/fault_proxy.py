@@ -153,10 +153,11 @@ class FaultProxy:
         seen = Seen(method, path, 0, kind)  # recorded on arrival, its status once known
         self._record(seen)
         if fault is not None and fault.kind == "status":
-            text = {500: "Internal Server Error", 503: "Service Unavailable"}.get(
-                fault.status, "Error"
-            )
-            code = "ServiceUnavailable" if fault.status == 503 else "InternalError"
+            text, code = {
+                403: ("Forbidden", "AccessDenied"),
+                500: ("Internal Server Error", "InternalError"),
+                503: ("Service Unavailable", "ServiceUnavailable"),
+            }.get(fault.status, ("Error", "InternalError"))
             xml = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
             conn.sendall(f"HTTP/1.1 {fault.status} {text}\r\nContent-Type: application/xml\r\n"
                          f"Content-Length: {len(xml)}\r\nConnection: close\r\n\r\n".encode()

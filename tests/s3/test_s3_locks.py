@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.s3.fault_proxy import FaultProxy
+from tests.s3.fault_proxy import Fault, FaultProxy
 from upr_cli.cli.app import main
 from upr_cli.lockholder import LockHolder
 from upr_cli.repo import Repository
@@ -139,6 +139,17 @@ def test_readers_and_exclusive_access_exclude_each_other(s3: str) -> None:
     access.release()
     with ReadLock(repo, "default", command="verify", wait=0) as again:
         assert again.held
+
+
+def test_a_reader_whose_credentials_cannot_write_reads_without_a_lock(
+    s3: str, proxy: FaultProxy
+) -> None:
+    _url, repo = new_repo(s3)
+    repo.storage.write(repo.bucket_dir("default") / "x", b"")
+    proxy.add(Fault("status", 1, "PUT", "/readers/", status=403))
+    with ReadLock(repo, "default", command="restore", wait=0) as reader:
+        assert reader.unlocked and reader.registration is None
+    assert [r.status for r in proxy.requests("PUT", "/readers/")] == [403]  # not retried
 
 
 def test_repo_unlock_on_s3(s3: str, capsys: pytest.CaptureFixture[str],

@@ -307,6 +307,8 @@ class LeaseRead:
         self.repo, self.storage, self.bucket, self.command = repo, storage, bucket, command
         self.wait, self.on_wait = wait, on_wait
         self.lease: Lease | None = None
+        self.unlocked = False
+        """True when the credentials cannot write: read without a registration."""
 
     def acquire(self) -> Path | None:
         """Register; step back and wait while exclusive access is held. The
@@ -323,9 +325,17 @@ class LeaseRead:
         marker = self.storage.key(bdir / SHARED_FILE)
         deadline = time.monotonic() + max(self.wait, 0.0)
         told = False
+        from upr_cli.s3 import AccessDenied
+
         while True:
             lease = Lease(self.storage, self.storage.key(path), record)
-            if not lease.create():
+            try:
+                created = lease.create()
+            except AccessDenied as exc:  # read-only credentials: nothing can remove or
+                _log.debug("%s: read without a lock: %s", path, exc)  # rewrite through them
+                self.unlocked = True
+                return None
+            if not created:
                 raise RepositoryError(f"{display_location(path)}: exists; try again")
             state = read_lease(self.storage, marker)
             if state is None or not state.live:

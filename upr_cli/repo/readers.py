@@ -300,6 +300,7 @@ class ReadLock(Held):
             raise RepositoryError(f"{self.path}: this reader already holds its lock")
         if self._lease is not None:
             self.registration = self._lease.acquire()
+            self.unlocked = self._lease.unlocked
             return
         self.unlocked = False
         bdir = self.repo.bucket_dir(self.bucket)
