@@ -69,7 +69,7 @@ def test_a_lock_race_is_lost_on_a_412(s3: str, proxy: FaultProxy) -> None:
 def test_a_killed_holders_lease_runs_out_and_the_next_takes_it_over(
     s3: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("UPR_LEASE_SECONDS", "1.5")
+    monkeypatch.setenv("UPR_LEASE_SECONDS", "3")  # LastModified has a 1 s resolution
     url, repo = new_repo(s3)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     with subprocess.Popen([sys.executable, "-c", HOLD, url], stdout=subprocess.PIPE,
@@ -82,7 +82,7 @@ def test_a_killed_holders_lease_runs_out_and_the_next_takes_it_over(
     lock = RepositoryLock(repo, "default", on_stale=warned.append)
     with pytest.raises(RepositoryLocked, match=f"locked by pid {proc.pid} "):
         lock.acquire()  # its lease is still running
-    deadline = time.monotonic() + 6
+    deadline = time.monotonic() + 8
     while True:
         try:
             lock.acquire()
@@ -146,26 +146,33 @@ def test_a_reader_whose_credentials_cannot_write_reads_without_a_lock(
 ) -> None:
     _url, repo = new_repo(s3)
     repo.storage.write(repo.bucket_dir("default") / "x", b"")
-    proxy.add(Fault("status", 1, "PUT", "/readers/", status=403))
+    mine = f"/{s3}/repo/default/readers/"
+    proxy.add(Fault("status", 1, "PUT", mine, status=403))
     with ReadLock(repo, "default", command="restore", wait=0) as reader:
         assert reader.unlocked and reader.registration is None
-    assert [r.status for r in proxy.requests("PUT", "/readers/")] == [403]  # not retried
+    assert [r.status for r in proxy.requests("PUT", mine)] == [403]  # not retried
 
 
 def test_repo_unlock_on_s3(s3: str, capsys: pytest.CaptureFixture[str],
                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    monkeypatch.setenv("UPR_LEASE_SECONDS", "1")
+    monkeypatch.setenv("UPR_LEASE_SECONDS", "3")  # LastModified has a 1 s resolution
     url, repo = new_repo(s3)
     assert cli("repo", "unlock", "--repo", url, "--bucket", "default") == 0
     assert capsys.readouterr().out == "default: not locked\n"
     lock = RepositoryLock(repo, "default")
     lock.acquire()
-    assert cli("repo", "unlock", "--repo", url, "--bucket", "default") == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"held by pid {os.getpid()}" in err and "--force" in err
-    lock._lease.lease._stop.set()  # type: ignore[union-attr]  # as if SIGKILLed
-    time.sleep(2.2)
-    assert cli("repo", "unlock", "--repo", url, "--bucket", "default", "--json") == 0
+    try:
+        assert cli("repo", "unlock", "--repo", url, "--bucket", "default") == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"held by pid {os.getpid()}" in err
+        assert "whose lease runs until" in err and "--force" in err
+    finally:
+        lock._lease.lease._stop.set()  # type: ignore[union-attr]  # as if SIGKILLed
+    deadline = time.monotonic() + 8
+    while cli("repo", "unlock", "--repo", url, "--bucket", "default", "--json") != 0:
+        assert time.monotonic() < deadline, "the lease never ran out"
+        capsys.readouterr()
+        time.sleep(0.3)
     out = json.loads(capsys.readouterr().out)
     assert out["buckets"][0]["state"] == "removed" and not out["buckets"][0]["forced"]
     assert out["buckets"][0]["holder"]["pid"] == os.getpid()
