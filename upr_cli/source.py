@@ -166,10 +166,11 @@ def open_repo(path: Path) -> Repository:
     """An existing repository (its repo.json is checked, through its storage); a missing
     one is a usage error."""
     from upr_cli.repo import Repository
+    from upr_cli.storage import display_location
 
     repo = Repository(path)
     if repo.storage.stat(repo.repo_file, follow_links=True) is None:
-        raise UsageError(f"{path}: not a upr repository (no repo.json)")
+        raise UsageError(f"{display_location(path)}: not a upr repository (no repo.json)")
     repo.info()
     return repo
 
@@ -191,11 +192,15 @@ def open_bucket(
     `command`) is taken before the chain is read and entered into `held`: the caller
     reads the segments before it closes `held`, so no prune or sweep removes them
     meanwhile."""
+    from upr_cli.storage import display_location
+
     repo = open_repo(path)
     names = repo.buckets()
     b = bucket or (names[0] if len(names) == 1 else None)
     if b is None:
-        raise UsageError(f"{path}: holds buckets {', '.join(names) or 'none'}; give --bucket")
+        raise UsageError(
+            f"{display_location(path)}: holds buckets {', '.join(names) or 'none'}; give --bucket"
+        )
     if held is not None:
         from upr_cli.repo.readers import read_lock
 
