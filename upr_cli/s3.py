@@ -100,6 +100,7 @@ CACHE_BYTES = 1 << 30
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 30.0
 _BATCH = 1000  # DeleteObjects takes at most 1000 keys
+_REMOVED = "-removed"  # upr_cli.repo.sweep.REMOVED_SUFFIX: a directory on its way out
 _RETRIABLE_CODES = frozenset({
     "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
 })  # fmt: skip
@@ -682,8 +683,9 @@ class S3Storage(S3Bucket):
 
     def replace(self, src: Path, dst: Path) -> None:
         """Publish a spool file at `dst` (upload, then drop the spool); move an object
-        (CopyObject, Delete) or every object under a prefix (copies first, then the
-        deletes, the shallowest keys first: a backup's manifests are directly in it)."""
+        (CopyObject, Delete) or every object under a prefix (every copy first, then the
+        deletes, `_remove`). A prefix moved to a removal name (`NAME.tmp-…-removed`,
+        formats/repository.md §4.4: removed next) is only removed: nothing is copied."""
         self._guard()
         dkey = self.key(dst)
         spool = self._pending.pop(src, None)
@@ -707,11 +709,20 @@ class S3Storage(S3Bucket):
         if not found:
             raise FileNotFoundError(errno.ENOENT, "no such object", display_location(src))
         keys = [k for k, _t, _e in found]
-        self._parallel(lambda k: self._copy(k, dkey + k[len(skey) :]), keys)
-        keys.sort(key=lambda k: (k.count("/"), k))
-        for k in keys[:1]:
+        if not dst.name.endswith(_REMOVED):
+            self._parallel(lambda k: self._copy(k, dkey + k[len(skey) :]), keys)
+        self._remove(keys)
+
+    def _remove(self, keys: Sequence[str]) -> None:
+        """Delete a directory's objects so that no reader sees part of a backup: its
+        manifest files (the commit points) one by one first, then the rest in batches."""
+        from upr_cli.repo.manifests import MANIFEST_COPY, MANIFEST_FILE
+
+        first = [k for k in keys if k.rsplit("/", 1)[-1] in (MANIFEST_FILE, MANIFEST_COPY)]
+        for k in sorted(first, key=lambda k: (k.count("/"), k)):
             self.delete_if(k, None)
-        self._delete_keys(keys[1:])
+        gone = set(first)
+        self._delete_keys([k for k in keys if k not in gone])
 
     def link(self, src: Path, dst: Path) -> None:
         """CopyObject inside the bucket; FileExistsError when `dst` exists."""

@@ -105,10 +105,26 @@ def test_pieces_replace_link_delete(store: tuple[Storage, Path]) -> None:
     s.delete(root / "b" / "p0.link")
     s.delete(root / "b" / "p0.link")  # missing: nothing
     assert names(s, root / "b") == {"p0.seg": "file"}
-    s.replace(root / "b", root / ".b.tmp-removed")  # a directory moves whole
-    assert names(s, root) == {".b.tmp-removed": "dir"}
-    s.delete_tree(root / ".b.tmp-removed")
+    s.replace(root / "b", root / ".b.tmp-1234abcd")  # a directory moves whole
+    assert names(s, root) == {".b.tmp-1234abcd": "dir"}
+    assert names(s, root / ".b.tmp-1234abcd") == {"p0.seg": "file"}
+    s.delete_tree(root / ".b.tmp-1234abcd")
     assert s.list(root) == []
+
+
+def test_a_directory_on_its_way_out_is_removed_without_copies(s3: str, proxy: FaultProxy) -> None:
+    root = parse_location(f"s3://{s3}/r")
+    s = S3Storage(root)
+    d = root / "default" / "20261206T000000.000000Z"
+    for name in ("manifest.json", "manifest.json.copy", "p0000.seg", "cut-1/p0000.seg"):
+        s.write(d / name, b"x")
+    proxy.clear()
+    s.replace(d, d.with_name(".20261206T000000.000000Z.tmp-1234abcd-removed"))  # the sweep's
+    s.delete_tree(d.with_name(".20261206T000000.000000Z.tmp-1234abcd-removed"))  # discard
+    assert s.list(root / "default") == []
+    assert [r for r in proxy.requests("PUT") if r.status == 200] == []  # nothing copied
+    deletes = [r.path.rsplit("/", 1)[-1] for r in proxy.requests("DELETE")]
+    assert deletes == ["manifest.json", "manifest.json.copy"]  # the commit points first
 
 
 def test_a_dropped_spool_never_reaches_the_bucket(s3: str, proxy: FaultProxy) -> None:
