@@ -1,11 +1,11 @@
 """Where the commands' data comes from: partition lists, repositories, source specifications.
 
 Every command names its sources and targets the same way: `upr://…` or `couchbase://…`
-(a live node or cluster; `uprs://…` and `couchbases://…` over TLS), `repo:DIR[@BACKUP]`
-(a backup repository), `sqlite:PATH` (a replay store) and `json:PATH` (a JSON file of
-failover logs; a bare path ending in .json too). `parse_source` is the one parser of
-those forms; each command says which kinds it takes, and anything else is a usage error
-naming what it does take. The module imports
+(a live node or cluster; `uprs://…` and `couchbases://…` over TLS), `repo:URL[@BACKUP]`
+(a backup repository: a directory or `s3://BUCKET/PREFIX`), `sqlite:PATH` (a replay
+store) and `json:PATH` (a JSON file of failover logs; a bare path ending in .json too).
+`parse_source` is the one parser of those forms; each command says which kinds it
+takes, and anything else is a usage error naming what it does take. The module imports
 nothing heavy, so the CLI can use it before it knows which command runs.
 """
 
@@ -31,7 +31,7 @@ SourceKind = Literal["node", "repo", "sqlite", "json"]
 #: how each kind is written, for the messages that list what a command takes
 FORMS: dict[SourceKind, str] = {
     "node": "upr://…",
-    "repo": "repo:DIR[@BACKUP]",
+    "repo": "repo:URL[@BACKUP]",
     "sqlite": "sqlite:PATH",
     "json": "a JSON file of failover logs",
 }
@@ -102,9 +102,10 @@ def _parse(text: str, *, json_paths: bool) -> Source | None:
     if text.startswith(("upr://", "couchbase://", "uprs://", "couchbases://")):
         return Source("node", text)
     if text.startswith("repo:"):
+        # the last `@` starts the backup id: `repo:s3://bucket/prefix@ID` too
         rest = text[len("repo:") :]
         path, at = rest.rsplit("@", 1) if "@" in rest else (rest, "")
-        return Source("repo", text, Path(path) if path else None, at or None)
+        return Source("repo", text, _repo_path(path) if path else None, at or None)
     if text.startswith("sqlite:"):
         path = text[len("sqlite:") :]
         return Source("sqlite", text, Path(path) if path else None)
@@ -116,16 +117,36 @@ def _parse(text: str, *, json_paths: bool) -> Source | None:
     return None
 
 
+def _repo_path(location: str) -> Path:
+    """A `repo:` location as `--repo` takes it: a directory or `s3://BUCKET/PREFIX`
+    (`upr_cli.storage.parse_location`); any other scheme is a usage error."""
+    from upr_cli.storage import UnknownScheme, parse_location
+
+    try:
+        return parse_location(location)
+    except UnknownScheme as exc:
+        raise UsageError(str(exc)) from None
+
+
 def local_path(text: str) -> Path | None:
-    """The local path a `repo:`, `sqlite:` or `json:` argument names, else None."""
-    source = _parse(text, json_paths=False)
-    return source.path if source is not None and source.kind != "node" else None
+    """The local path a `repo:`, `sqlite:` or `json:` argument names, else None (an
+    object-store repository, a location no backend serves)."""
+    from upr_cli.storage import is_s3
+
+    try:
+        source = _parse(text, json_paths=False)
+    except UsageError:
+        return None
+    if source is None or source.kind == "node" or source.path is None:
+        return None
+    return None if is_s3(source.path) else source.path
 
 
 def _shown(text: str) -> str:
     """`text` as a message may show it: `scheme:…` when it may hold a password."""
     scheme, colon, _rest = text.partition(":")
-    return f"{scheme}:…" if colon and "@" in text and "://" in text else text
+    hidden = colon and scheme != "repo" and "@" in text and "://" in text
+    return f"{scheme}:…" if hidden else text
 
 
 def _not_a_source(
@@ -145,10 +166,11 @@ def open_repo(path: Path) -> Repository:
     """An existing repository (its repo.json is checked, through its storage); a missing
     one is a usage error."""
     from upr_cli.repo import Repository
+    from upr_cli.storage import display_location
 
     repo = Repository(path)
     if repo.storage.stat(repo.repo_file, follow_links=True) is None:
-        raise UsageError(f"{path}: not a upr repository (no repo.json)")
+        raise UsageError(f"{display_location(path)}: not a upr repository (no repo.json)")
     repo.info()
     return repo
 
@@ -170,11 +192,15 @@ def open_bucket(
     `command`) is taken before the chain is read and entered into `held`: the caller
     reads the segments before it closes `held`, so no prune or sweep removes them
     meanwhile."""
+    from upr_cli.storage import display_location
+
     repo = open_repo(path)
     names = repo.buckets()
     b = bucket or (names[0] if len(names) == 1 else None)
     if b is None:
-        raise UsageError(f"{path}: holds buckets {', '.join(names) or 'none'}; give --bucket")
+        raise UsageError(
+            f"{display_location(path)}: holds buckets {', '.join(names) or 'none'}; give --bucket"
+        )
     if held is not None:
         from upr_cli.repo.readers import read_lock
 

@@ -66,7 +66,8 @@ def local_root(location: str) -> Path:
     m = _SCHEME.match(location)
     if m is not None:
         raise UnknownScheme(
-            f"{location!r}: {m.group(1)}:// repositories are not supported; give a local directory"
+            f"{location!r}: {m.group(1)}:// repositories are not supported; give a local "
+            "directory or s3://BUCKET/PREFIX"
         )
     return Path(location)
 

@@ -134,7 +134,7 @@ def test_parse_source_forms() -> None:
     ("text", "kinds", "message"),
     [
         ("ftp://u:pw@h/b", ("node", "repo"), "SOURCE 'ftp:…': unknown kind of source; a source "
-                                             "is upr://… or repo:DIR[@BACKUP]"),
+                                             "is upr://… or repo:URL[@BACKUP]"),
         ("sqlite:/x", ("node", "repo"), "sqlite:PATH is not a source here"),
         ("/x.db", ("node", "sqlite"), "is a path: a SQLite store there is sqlite:/x.db"),
         ("/x.json", ("node", "repo"), "is a path: a repository there is repo:/x.json"),

@@ -1,6 +1,7 @@
-"""`--repo`: a local directory; a location with a scheme no storage backend serves
-(`s3://…`) is a usage error on every command that takes it, and nothing is created
-(it used to make a local directory named `s3:`)."""
+"""`--repo`: a local directory or `s3://BUCKET/PREFIX` (served by the object store,
+tests/s3); a location with a scheme no storage backend serves (`gs://…`, `file://…`) is
+a usage error on every command that takes it, and nothing is created (`s3://` used to
+make a local directory named `s3:`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import typer
 from upr_cli.cli.app import main
 from upr_cli.cli.options import repo_location
 from upr_cli.errors import ExitCode
-from upr_cli.storage import UnknownScheme, local_root
+from upr_cli.source import parse_source
+from upr_cli.storage import UnknownScheme, is_s3, local_root, parse_location, s3_parts
 
 DEAD = "upr://127.0.0.1:1/default"  # nothing listens: the option is refused before
 REPO_COMMANDS = [
@@ -24,6 +26,7 @@ REPO_COMMANDS = [
     ["salvage", "--to", DEAD],
     ["spark", "export", "--to", "/tmp/never-export"],
     ["spark", "merge"],
+    ["repo", "unlock"],
 ]
 
 
@@ -35,16 +38,25 @@ def test_a_plain_path_is_the_local_directory() -> None:
     assert repo_location(Path("/x")) == Path("/x")
 
 
-@pytest.mark.parametrize("location", ["s3://bucket/x", "gs://b", "file:///tmp/r", "S3://B"])
+def test_s3_is_the_object_store() -> None:
+    path = repo_location("s3://bucket/some/prefix/")
+    assert is_s3(path) and s3_parts(path) == ("bucket", "some/prefix")
+    assert parse_location("S3://B") == parse_location("s3://B")
+    src = parse_source("repo:s3://bucket/p@20261121T061500.123456Z")
+    assert src.path == path.parent.parent / "p" and src.at == "20261121T061500.123456Z"
+    assert parse_source("repo:s3://bucket/p").at is None
+
+
+@pytest.mark.parametrize("location", ["gs://b", "file:///tmp/r", "azure://c/x"])
 def test_a_scheme_no_backend_serves_is_refused(location: str) -> None:
     with pytest.raises(UnknownScheme, match="repositories are not supported"):
-        local_root(location)
+        parse_location(location)
     with pytest.raises(typer.BadParameter, match=f"{location!r}"):
         repo_location(location)
 
 
 @pytest.mark.parametrize("args", REPO_COMMANDS, ids=lambda a: " ".join(a[:2]))
-def test_every_command_refuses_s3_repo_and_creates_nothing(
+def test_every_command_refuses_other_schemes_and_creates_nothing(
     args: list[str],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -52,9 +64,9 @@ def test_every_command_refuses_s3_repo_and_creates_nothing(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as info:
-        main([*args, "--repo", "s3://bucket/x"])
+        main([*args, "--repo", "gs://bucket/x"])
     _out, err = capsys.readouterr()
     assert info.value.code == ExitCode.USAGE
     assert err.count("\n") == 1, err
-    assert "Invalid value for '--repo': 's3://bucket/x': s3:// repositories" in err
-    assert list(tmp_path.iterdir()) == []  # no directory named `s3:`
+    assert "Invalid value for '--repo': 'gs://bucket/x': gs:// repositories" in err
+    assert list(tmp_path.iterdir()) == []  # no directory named `gs:`

@@ -102,7 +102,7 @@ KEPT = {
 
 def given_paths(args: Sequence[str]) -> list[Path]:
     """The local paths named on the command line: PATH_OPTIONS' values and the
-    `sqlite:PATH`, `repo:DIR[@BACKUP]` and `json:PATH` sources or targets."""
+    `sqlite:PATH`, `repo:URL[@BACKUP]` and `json:PATH` sources or targets."""
     out: list[Path] = []
     for i, arg in enumerate(args):
         name, eq, value = arg.partition("=")

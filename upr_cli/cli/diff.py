@@ -33,7 +33,7 @@ from upr_cli.source import selected
 
 HELP = """Compare the failover histories of A and B, partition by partition.
 
-A and B are each a live node (upr://…), a repository (repo:DIR[@BACKUP]), a replay
+A and B are each a live node (upr://…), a repository (repo:URL[@BACKUP]), a replay
 store (sqlite:PATH) or a JSON file of failover logs (PATH.json or json:PATH: an object
 of partition -> log, or partition -> {"failover_log": LOG, "seq": N}). For each
 partition: identical; B behind or ahead on the same branch; diverged at seq S (the
@@ -70,7 +70,7 @@ def register(app: typer.Typer) -> None:
 
 def diff_cmd(
     a: Annotated[
-        str, typer.Argument(metavar="A", help="upr://…, repo:DIR[@B], sqlite:PATH or a .json file")
+        str, typer.Argument(metavar="A", help="upr://…, repo:URL[@B], sqlite:PATH or a .json file")
     ],
     b: Annotated[str, typer.Argument(metavar="B", help="The same kinds; compared against A.")],
     partitions: Partitions = None,

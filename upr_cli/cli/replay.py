@@ -35,7 +35,7 @@ from upr_cli.store import DEFAULT_UNDO_WINDOW
 
 HELP = """Replay a source into a SQLite store that follows it like a UPR replica.
 
-SOURCE is a live node or cluster (upr://…) or a repository (repo:DIR[@BACKUP]). The
+SOURCE is a live node or cluster (upr://…) or a repository (repo:URL[@BACKUP]). The
 store (formats/store.md) holds the documents, each partition's position and failover
 log, and a mutation log of the rows changes replaced (--undo-window entries per
 partition). Each snapshot's changes commit with the new position in one transaction;
@@ -124,7 +124,7 @@ def replay_cmd(
     source: Annotated[
         str,
         typer.Argument(
-            metavar="SOURCE", help="upr://[user[:password]@]host[:port]/bucket or repo:DIR[@BACKUP]"
+            metavar="SOURCE", help="upr://[user[:password]@]host[:port]/bucket or repo:URL[@BACKUP]"
         ),
     ],
     into: Annotated[

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from upr_cli.cli import repo_copy, repo_keys
+from upr_cli.cli import repo_copy, repo_keys, repo_unlock
 
 HELP = """Manage a repository itself: its keys, its lock, copies of it.
 
@@ -19,6 +19,7 @@ Example (an encrypted repository, its key in a file; keep a second key):
 app = typer.Typer(name="repo", help=HELP, no_args_is_help=True)
 repo_keys.register(app)
 repo_copy.register(app)
+repo_unlock.register(app)
 
 
 def register(root: typer.Typer) -> None:

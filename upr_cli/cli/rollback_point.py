@@ -118,12 +118,12 @@ Server = Annotated[
     str | None,
     typer.Option("--server", metavar="SOURCE",
                  help="Server logs from a source: upr://… or uprs://… (live node) or "
-                 "repo:DIR[@BACKUP]."),
+                 "repo:URL[@BACKUP]."),
 ]  # fmt: skip
 Client = Annotated[
     str | None,
     typer.Option("--client", metavar="SOURCE",
-                 help="Client logs and positions from a source: repo:DIR[@BACKUP] or upr://…."),
+                 help="Client logs and positions from a source: repo:URL[@BACKUP] or upr://…."),
 ]  # fmt: skip
 
 
@@ -169,7 +169,7 @@ def rollback_point_cmd(
     """Compute where a client must roll back to and restart."""
     if server is not None or client is not None:
         if server is None or client is None:
-            raise UsageError("--server and --client go together (upr://… or repo:DIR[@BACKUP])")
+            raise UsageError("--server and --client go together (upr://… or repo:URL[@BACKUP])")
         secure = any(s.startswith(("uprs://", "couchbases://")) for s in (server, client))
         tls = client_tls(cacert, no_verify, cert, key, secure=secure)
         sources(server, client, selected(partitions), json_out, show_all, tls)

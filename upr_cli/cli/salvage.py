@@ -119,7 +119,12 @@ def salvage_cmd(
     ] = None,
     repo: Annotated[
         Path | None,
-        typer.Option("--repo", metavar="DIR", parser=repo_location, help="A backup repository."),
+        typer.Option(
+            "--repo",
+            metavar="URL",
+            parser=repo_location,
+            help="A backup repository: a directory or s3://BUCKET/PREFIX.",
+        ),
     ] = None,
     store: Annotated[
         Path | None, typer.Option("--store", metavar="PATH", help="A replay store.")
@@ -144,7 +149,7 @@ def salvage_cmd(
 ) -> None:
     """Salvage lost writes."""
     if [repo, store, node_data].count(None) != 2:
-        raise UsageError("give exactly one of --repo DIR, --store PATH.db and --node-data DIR")
+        raise UsageError("give exactly one of --repo URL, --store PATH.db and --node-data DIR")
     target = tls_source(check_target(to), cacert, no_verify, cert, key)
     parts = selected(partitions)
     with one_is_an_answer():  # 1 means "lost writes remain": a failure exits 2

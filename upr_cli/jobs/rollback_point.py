@@ -222,7 +222,7 @@ def load_source(
     command: str = "rollback-point",
 ) -> dict[int, SourceState]:  # fmt: skip
     """Per-partition states from `upr://…` (a live node; `tls`: how a uprs:// one is
-    checked, else from the environment), `repo:DIR[@BACKUP]`, `sqlite:PATH` (a replay
+    checked, else from the environment), `repo:URL[@BACKUP]`, `sqlite:PATH` (a replay
     store) or a JSON file of failover logs (`json:PATH` or a path ending in .json). A
     repository is read under its bucket's shared lock, taken for `command`."""
     from upr_cli.source import parse_source

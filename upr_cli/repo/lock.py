@@ -24,7 +24,9 @@ processes can never both hold locks on different files for one path.
 
 The lock file is reached through the repository's storage (`Storage.open_lock`, `stat`,
 `delete`, `make_dir`, `sync_dir`); the flock, and the reads and writes of the holder
-record, work on the descriptor it hands out.
+record, work on the descriptor it hands out. A repository in object storage has no
+flock: there `RepositoryLock` delegates to a lease (`upr_cli.repo.lease.LeaseLock`,
+formats/repository.md §11.3).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import TYPE_CHECKING, Self
 
 from upr_cli.lockholder import LockHolder
 from upr_cli.repo.errors import RepositoryError, RepositoryLocked
+from upr_cli.repo.lease import LeaseLock, object_storage
 from upr_cli.repo.names import format_time, parse_time
 
 if TYPE_CHECKING:
@@ -139,10 +142,14 @@ class RepositoryLock(Held):
         self.on_stale = on_stale or _log.warning
         self.holder: LockHolder | None = None
         self._fd: int | None = None
+        s3 = object_storage(repo)
+        self._lease = LeaseLock(repo, s3, bucket, self.path, self.on_stale) if s3 else None
 
     @property
     def held(self) -> bool:
         """True while this object holds the lock."""
+        if self._lease is not None:
+            return self._lease.lease is not None
         return self._fd is not None
 
     def acquire(self) -> LockHolder:
@@ -150,6 +157,9 @@ class RepositoryLock(Held):
 
         The repository must exist (`Repository.init`); the bucket directory is created.
         """
+        if self._lease is not None:
+            self.holder = self._lease.acquire()
+            return self.holder
         if self._fd is not None:
             raise RepositoryError(f"{self.path}: this lock object already holds the lock")
         self.repo.info()  # a lock is taken only inside an existing repository
@@ -265,6 +275,10 @@ class RepositoryLock(Held):
 
     def release(self) -> None:
         """Remove the lock file and drop the flock; a no-op when not held."""
+        if self._lease is not None:
+            self.holder = None
+            self._lease.release()
+            return
         fd, self._fd, self.holder = self._fd, None, None
         if fd is None:
             return

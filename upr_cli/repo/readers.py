@@ -27,6 +27,10 @@ on top of the bucket's writer lock (`RepositoryLock`), which it already holds.
   permission: EACCES, EPERM) is read without a lock: nothing can remove or rewrite it
   under the reader either way, and a reader never fails for lack of write permission.
 
+In object storage (no flock) `ReadLock`, `ExclusiveAccess` and `live_readers` delegate
+to leases (`upr_cli.repo.lease`: registrations and the `lock.shared` marker as objects
+with leases, formats/repository.md §11.3).
+
 Every file is reached through the repository's storage (`open_lock`, `stat`, `list`,
 `delete`, `make_dir`, `replace`, `remove_dir`); flocks and reads work on the descriptors
 `open_lock` hands out.
@@ -52,6 +56,7 @@ from typing import TYPE_CHECKING
 
 from upr_cli.lockholder import LockHolder
 from upr_cli.repo.errors import RepositoryError, RepositoryLocked
+from upr_cli.repo.lease import LeaseExclusive, LeaseRead, object_storage, scan_readers
 from upr_cli.repo.lock import Held
 from upr_cli.repo.names import format_time, parse_temp_name, temp_name
 
@@ -214,6 +219,9 @@ def _scan(repo: Repository, bucket: str, *, remove_dead: bool) -> list[Reader]:
 def live_readers(repo: Repository, bucket: str) -> list[Reader]:
     """The readers of `bucket` alive now (their registrations' flocks are held), oldest
     first; dead readers' registrations are skipped."""
+    s3 = object_storage(repo)
+    if s3 is not None:
+        return scan_readers(repo, s3, bucket, remove_dead=False)
     return _scan(repo, bucket, remove_dead=False)
 
 
@@ -275,10 +283,14 @@ class ReadLock(Held):
         """True when the repository cannot be written and is read without a lock."""
         self._fd: int | None = None
         self._reg_fd: int | None = None
+        s3 = object_storage(repo)
+        self._lease = LeaseRead(repo, s3, bucket, command, wait, on_wait) if s3 else None
 
     @property
     def held(self) -> bool:
         """True while this object holds the shared lock."""
+        if self._lease is not None:
+            return self._lease.lease is not None
         return self._fd is not None
 
     def acquire(self) -> None:
@@ -286,6 +298,10 @@ class ReadLock(Held):
         exclusive holder; `RepositoryLocked` when it is still there."""
         if self.held or self._reg_fd is not None:
             raise RepositoryError(f"{self.path}: this reader already holds its lock")
+        if self._lease is not None:
+            self.registration = self._lease.acquire()
+            self.unlocked = self._lease.unlocked
+            return
         self.unlocked = False
         bdir = self.repo.bucket_dir(self.bucket)
         st = self.repo.storage.stat(bdir, follow_links=True)
@@ -362,6 +378,10 @@ class ReadLock(Held):
         """Drop the shared lock, then remove the registration (so a reader holding the
         flock is always registered); a no-op when not held. The last reader out removes
         `lock.shared` and the empty `readers/` directory."""
+        if self._lease is not None:
+            self.registration = None
+            self._lease.release()
+            return
         fd, self._fd = self._fd, None
         reg_fd, self._reg_fd = self._reg_fd, None
         reg, self.registration = self.registration, None
@@ -406,10 +426,14 @@ class ExclusiveAccess(Held):
         self.on_wait = on_wait
         self.path: Path = repo.bucket_dir(bucket) / SHARED_FILE
         self._fd: int | None = None
+        s3 = object_storage(repo)
+        self._lease = LeaseExclusive(repo, s3, bucket, wait, on_wait) if s3 else None
 
     @property
     def held(self) -> bool:
         """True while this object holds the exclusive access."""
+        if self._lease is not None:
+            return self._lease.lease is not None
         return self._fd is not None
 
     def acquire(self) -> None:
@@ -417,6 +441,9 @@ class ExclusiveAccess(Held):
         readers; then remove dead readers' registrations."""
         if self.held:
             raise RepositoryError(f"{self.path}: this object already holds exclusive access")
+        if self._lease is not None:
+            self._lease.acquire()
+            return
         told = False
 
         def refused(last: bool) -> None:
@@ -444,6 +471,9 @@ class ExclusiveAccess(Held):
 
     def release(self) -> None:
         """Unlink `lock.shared` (only if the path still names it), then drop the flock."""
+        if self._lease is not None:
+            self._lease.release()
+            return
         fd, self._fd = self._fd, None
         if fd is None:
             return
