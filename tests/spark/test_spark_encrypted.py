@@ -1,23 +1,24 @@
 """Spark on an encrypted repository (formats/spark.md §6): the `upr` data source, `upr
 spark export`, `upr spark merge` and the distributed backup and restore give what they
-give on a plaintext repository; what the executors write is sealed; without a key a
-read fails with one line; and the key (the passphrase, the data key in any spelling)
-appears in no Spark log, not in the event log (which holds the Environment the UI shows)
+give on a plaintext repository; what the executors write is sealed; without the key a
+read fails with one line; and the key (the passphrase, the key file's bytes, the data
+key in any spelling) appears in no Spark log (log4j at INFO, the Python workers'
+output), not in the event log (which holds the Environment the UI shows and the plans)
 and not in the data source's options.
 
-One module session (event log on) serves every test but one: the export with the
-passphrase in UPR_PASSPHRASE runs as a real `upr spark export` process, since the Python
-worker that plans inherits its environment from the driver that started the JVM.
+One session serves every test. Its JVM, and so every Python worker it starts, has
+UPR_PASSPHRASE in its environment, as `upr spark export` run with UPR_PASSPHRASE set
+gives it: that opens the repository `phrase` only, so a task that opened `enc` (key
+file KEY) with anything but the data key its driver shipped would fail.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,26 +36,43 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::R
 
 MARKERS = {b"sealed-%d" % i: b'{"body":"SPARK-PLAINTEXT-%d"}' % i for i in range(12)}
 PASSPHRASE = b"spark-test-passphrase-" + os.urandom(8).hex().encode()
+KEY = os.urandom(32)  # the key file's bytes
 
 
 class Env:
     def __init__(self, node: Node, base: Path) -> None:
         self.node, self.base = node, base
         self.plain, self.enc, self.key = base / "plain", base / "enc", base / "key"
+        self.phrase = base / "phrase"
 
-    def data_key(self) -> bytes:
-        keys = Repository(self.enc, access=Access(key_file=self.key)).keyed_access().data_keys
-        (key,) = keys.values()
-        return key
+    def data_keys(self) -> list[bytes]:
+        """The data keys of `enc` and `phrase`."""
+        out = [*Repository(self.enc, access=Access(key_file=self.key)).keyed_access()
+               .data_keys.values()]  # fmt: skip
+        with _passphrase():
+            out += Repository(self.phrase, access=Access()).keyed_access().data_keys.values()
+        assert len(out) == 2
+        return out
+
+
+@contextlib.contextmanager
+def _passphrase() -> Iterator[None]:
+    """UPR_PASSPHRASE set in this process's environment for the block."""
+    os.environ["UPR_PASSPHRASE"] = PASSPHRASE.decode()
+    try:
+        yield
+    finally:
+        del os.environ["UPR_PASSPHRASE"]
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """A node, and the same two backups of it (full, incremental) in a plaintext and in
-    an encrypted repository (its key: a key file holding PASSPHRASE)."""
+    an encrypted repository (`enc`, its key the file KEY); a backup of the end state in
+    `phrase`, encrypted with PASSPHRASE."""
     e = Env(Node(tmp_path_factory.mktemp("spark-enc") / "node", "--flush-interval", "0.02",
                  partitions=8).start(), tmp_path_factory.mktemp("repos"))  # fmt: skip
-    e.key.write_bytes(PASSPHRASE + b"\n")
+    e.key.write_bytes(KEY)
     try:
         for seed in (1, 2):
             ok("load", e.node.uri, "--docs", "400", "--update-ratio", "0.3", "--delete-ratio",
@@ -65,6 +83,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             ok("backup", e.node.uri, "--repo", str(e.plain), "--no-progress")
             ok("backup", e.node.uri, "--repo", str(e.enc), "--no-progress", "--encrypt",
                "--key-file", str(e.key))  # fmt: skip
+        with _passphrase():
+            ok("backup", e.node.uri, "--repo", str(e.phrase), "--no-progress", "--encrypt")
         yield e
     finally:
         if e.node.alive():
@@ -79,15 +99,32 @@ def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _event_log(where: Path) -> dict[str, str]:
     """Spark's event log into `where`, one plain-text file (what the history UI shows)."""
     return {"spark.eventLog.enabled": "true", "spark.eventLog.dir": str(where),
-            "spark.eventLog.compress": "false", "spark.eventLog.rolling.enabled": "false"}  # fmt: skip
+            "spark.eventLog.compress": "false",
+            "spark.eventLog.rolling.enabled": "false"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def spark(events: Path) -> Iterator[Any]:
+def jvm_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the session's JVM writes its stdout and stderr (log4j, the Python workers)."""
+    return tmp_path_factory.mktemp("jvm") / "output.log"
+
+
+@pytest.fixture(scope="module")
+def spark(events: Path, jvm_log: Path) -> Iterator[Any]:
+    """The session; its JVM started with UPR_PASSPHRASE set and its output to `jvm_log`."""
     from upr_cli.spark.jobs import session
 
-    s = session("local[2]", {"spark.sql.shuffle.partitions": "4"} | _event_log(events),
-                app="upr-enc-tests")  # fmt: skip
+    saved = [os.dup(1), os.dup(2)]
+    with open(jvm_log, "ab") as f, _passphrase():
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            s = session("local[2]", {"spark.sql.shuffle.partitions": "4"} | _event_log(events),
+                        app="upr-enc-tests")  # fmt: skip
+        finally:
+            for fd, old in ((1, saved[0]), (2, saved[1])):
+                os.dup2(old, fd)
+                os.close(old)
     yield s
     s.stop()
 
@@ -120,45 +157,46 @@ def _spellings(secret: bytes) -> list[bytes]:
             base64.urlsafe_b64encode(secret).rstrip(b"=")]  # fmt: skip
 
 
-def _leaks(blob: bytes, data_key: bytes) -> list[str]:
-    return [f"{what} {s[:6]!r}…" for what, secret in (("passphrase", PASSPHRASE),
-            ("data key", data_key)) for s in _spellings(secret) if s in blob]  # fmt: skip
+@pytest.fixture(scope="module")
+def plain(spark: Any, env: Env) -> set[tuple[Any, ...]]:
+    """The state the plaintext repository's data source gives."""
+    rows = _state(spark, env.plain)
+    assert len(rows) > 150
+    return rows
 
 
 def test_the_source_and_export_read_an_encrypted_repository_as_a_plain_one(
-    spark: Any, env: Env, tmp_path: Path
+    spark: Any, env: Env, plain: set[tuple[Any, ...]], tmp_path: Path
 ) -> None:
     from upr_cli.spark.jobs import export, spark_error
+    from upr_cli.spark.plan import SparkOptionError, parse_options
 
-    plain = _state(spark, env.plain)
-    assert len(plain) > 150
     assert _state(spark, env.enc, keyFile=str(env.key)) == plain
-    history = spark.read.format("upr").option("view", "history")
-    assert (history.option("keyFile", str(env.key)).load(str(env.enc)).count()
-            == history.load(str(env.plain)).count())  # fmt: skip
     access.configure(key_file=env.key)  # as `upr spark export --key-file KEY` does
     try:
         got = export(spark, env.enc, tmp_path / "enc")
     finally:
         access.reset()
-    want = export(spark, env.plain, tmp_path / "plain")
-    assert got.rows == want.rows == len(plain)
-    cols = ["partition", "key", "seq", "value"]
-    tables = [ds.dataset(tmp_path / n, format="parquet", partitioning="hive").to_table(cols)
-              for n in ("enc", "plain")]  # fmt: skip
-    assert tables[0].sort_by([("key", "ascending")]) == tables[1].sort_by([("key", "ascending")])
-    # without a key: one line, from the data source and from the command
+    table = ds.dataset(tmp_path / "enc", format="parquet", partitioning="hive").to_table()
+    cols = ("partition", "key", "seq", "cas", "value", "collection")
+    rows = set(zip(*(table.column(c).to_pylist() for c in cols), strict=True))
+    assert got.rows == len(plain) and rows == plain
+    # without the key: one line, from the data source (its worker has the passphrase
+    # of `phrase` only), from its planner and from the command
     with pytest.raises(Exception) as info:
         spark.read.format("upr").load(str(env.enc)).count()
     msg = str(spark_error(info.value))
-    assert "\n" not in msg and "key" in msg and str(env.enc) in msg, msg
+    assert "\n" not in msg and "key opens none" in msg and str(env.enc) in msg, msg
+    with pytest.raises(SparkOptionError) as err:
+        parse_options({"path": str(env.enc)})
+    assert str(err.value).startswith("option keyFile: ") and "\n" not in str(err.value)
     proc = call("spark", "export", "--repo", str(env.enc), "--to", str(tmp_path / "x"))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "key" in proc.stderr and not (tmp_path / "x").exists()
 
 
 def test_spark_merge_writes_a_sealed_full_backup_equal_to_the_chain(
-    spark: Any, env: Env, tmp_path: Path, keyed: None
+    spark: Any, env: Env, plain: set[tuple[Any, ...]], tmp_path: Path, keyed: None
 ) -> None:
     from upr_cli.spark.merge import merge
 
@@ -168,13 +206,13 @@ def test_spark_merge_writes_a_sealed_full_backup_equal_to_the_chain(
     summary = merge(spark, repo)
     assert summary.merged == 2 and summary.backup_id not in before
     merged = _state(spark, repo, keyFile=str(env.key), at=summary.backup_id)
-    assert merged == _state(spark, env.plain)
+    assert merged == plain
     assert _plaintext(repo) == []
     ok("verify", "--repo", str(repo), "--key-file", str(env.key))
 
 
 def test_distributed_backup_and_restore_of_an_encrypted_repository(
-    spark: Any, env: Env, tmp_path: Path, keyed: None
+    spark: Any, env: Env, plain: set[tuple[Any, ...]], tmp_path: Path, keyed: None
 ) -> None:
     from upr_cli.jobs.backup import backup
     from upr_cli.net.uri import SourceUri
@@ -188,7 +226,8 @@ def test_distributed_backup_and_restore_of_an_encrypted_repository(
     assert got.full and got.items > 150
     segments = list(repo.rglob("*.seg*"))
     assert segments and _plaintext(repo) == []  # the executors wrote sealed files only
-    assert _state(spark, repo, keyFile=str(env.key)) == _state(spark, env.plain)
+    # the node is as the plaintext repository's last backup left it
+    assert _state(spark, repo, keyFile=str(env.key)) == plain
     dst = Node(tmp_path / "dst", "--flush-interval", "0.02", partitions=8).start()
     try:
         summary = spark_restore(spark, repo, SourceUri.parse(dst.uri), tasks=3)
@@ -199,39 +238,32 @@ def test_distributed_backup_and_restore_of_an_encrypted_repository(
 
 
 def test_the_key_is_in_no_spark_log_event_log_or_option(
-    spark: Any, env: Env, events: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    """--key-file in this process's session; UPR_PASSPHRASE in a real `upr` process."""
+    spark: Any, env: Env, plain: set[tuple[Any, ...]], events: Path, jvm_log: Path,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """An export with the passphrase in UPR_PASSPHRASE, one with --key-file."""
     from upr_cli.spark.jobs import access_options, export
 
-    data_key = env.data_key()
-    access.configure(key_file=env.key)
+    data_keys = env.data_keys()
+    spark.sparkContext.setLogLevel("INFO")
     try:
-        options = access_options()
-        summary = export(spark, env.enc, tmp_path / "k", fmt="json")
+        with _passphrase():
+            options = [access_options()]
+            by_phrase = export(spark, env.phrase, tmp_path / "phrase", fmt="json")
+        access.configure(key_file=env.key)
+        options.append(access_options())
+        by_file = export(spark, env.enc, tmp_path / "file", fmt="json")
     finally:
         access.reset()
-    assert summary.rows > 150 and options == {"keyFile": str(env.key)}
-    out, err = capfd.readouterr()
-    logs = sorted(p for p in events.rglob("*") if p.is_file())
-    log = b"".join(p.read_bytes() for p in logs)
-    # the event log holds the Environment the UI shows and the plans of the read
-    assert b"SparkListenerEnvironmentUpdate" in log and b"BatchScan upr" in log, logs
-    blob = log + out.encode() + err.encode() + repr(options).encode()
-    assert _leaks(blob, data_key) == []
-
-    ev = tmp_path / "events"
-    ev.mkdir()
-    envvars = {k: v for k, v in os.environ.items() if not k.startswith("UPR_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "upr_cli", "spark", "export", "--repo", str(env.enc), "--to",
-         str(tmp_path / "p"), "--master", "local[1]", "--json",
-         *(a for k, v in _event_log(ev).items() for a in ("--conf", f"{k}={v}"))],
-        capture_output=True, timeout=300, check=False,
-        env=envvars | {"UPR_PASSPHRASE": PASSPHRASE.decode()},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr.decode()
-    assert b'"items": %d' % summary.rows in proc.stdout
-    log = b"".join(p.read_bytes() for p in ev.rglob("*") if p.is_file())
-    assert b"SparkListenerEnvironmentUpdate" in log and b"BatchScan upr" in log
-    assert _leaks(log + proc.stdout + proc.stderr, data_key) == []
+        spark.sparkContext.setLogLevel("ERROR")
+    assert by_phrase.rows == by_file.rows == len(plain)
+    assert options == [{}, {"keyFile": str(env.key)}]  # a path: no secret
+    log = b"".join(p.read_bytes() for p in events.rglob("*") if p.is_file())
+    # the event log holds the Environment the UI shows and the plans of both reads
+    assert b"SparkListenerEnvironmentUpdate" in log and log.count(b"BatchScan upr") >= 2
+    output = jvm_log.read_bytes()
+    assert b" INFO " in output  # log4j's lines at INFO, the two exports' among them
+    leaks = [f"{what} {s[:6]!r}…" for what, secret in (("passphrase", PASSPHRASE),
+             ("key file", KEY), *(("data key", k) for k in data_keys))
+             for s in _spellings(secret) if s in log + output + repr(options).encode()]  # fmt: skip
+    assert leaks == []

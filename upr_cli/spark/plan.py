@@ -36,6 +36,7 @@ from upr_cli.errors import UprError, UsageError
 from upr_cli.repo import NO_CUT, BackupId, Manifest, Repository, lost_cut, plan_state
 from upr_cli.repo import access as _access
 from upr_cli.repo.access import Access
+from upr_cli.repo.keys import MissingKey
 from upr_cli.repo.manifest import chain_manifest, collection_history
 from upr_cli.storage import parse_location
 
@@ -148,6 +149,12 @@ def parse_options(options: Mapping[str, str]) -> tuple[ReadOptions, list[Manifes
         with _access.using(settings):
             repo, bucket, manifests = open_bucket(parse_location(path),
                                                   get_option(options, "bucket"), at)  # fmt: skip
+    except MissingKey:
+        raise SparkOptionError(
+            f"option keyFile: {path}: the repository is encrypted: give its key with the "
+            "option keyFile or keyCommand, or UPR_KEY_FILE or UPR_PASSPHRASE in the driver's "
+            "environment"
+        ) from None
     except (UprError, ValueError) as exc:  # ValueError: a location no backend serves
         raise SparkOptionError(f"option path: {exc}") from None
     want = None
