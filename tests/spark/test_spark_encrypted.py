@@ -1,4 +1,4 @@
-"""Spark on an encrypted repository (formats/spark.md §6): the `upr` data source, `upr
+"""Spark on an encrypted repository (formats/spark.md §7): the `upr` data source, `upr
 spark export`, `upr spark merge` and the distributed backup and restore give what they
 give on a plaintext repository; what the executors write is sealed; without the key a
 read fails with one line; and the key (the passphrase, the key file's bytes, the data

@@ -11,7 +11,7 @@ the JSON text the store keeps (formats/spark.md §4), NULL for none.
 
 Every segment is read through the repository's storage, opened in the task from the
 repository's location and the `Access` the planner shipped in the group (with the data
-key of an encrypted repository: formats/spark.md §6), so an executor reads an encrypted
+key of an encrypted repository: formats/spark.md §7), so an executor reads an encrypted
 or s3:// repository without the user's key; a group built by hand (no repository)
 reads local files.
 """

@@ -14,7 +14,7 @@ The source URI, credentials included, travels to the executors in the task closu
 (they connect to the cluster themselves); run such jobs only on a Spark cluster you
 trust with those credentials.
 
-The repository travels the same way (formats/spark.md §6): the driver unlocks it once
+The repository travels the same way (formats/spark.md §7): the driver unlocks it once
 and ships its location and an `Access` carrying the data key in the closures; each
 task opens the repository's storage from them (`Repository(root, access=shipped)`) and
 writes its segments through it, sealed in an encrypted repository and as objects in an
@@ -144,7 +144,7 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
         # The driver checks the target and creates the missing collections once, reading no
         # partition (only the plan), so the tasks never race to change the manifest.
         first = asyncio.run(restore_to_node(repo_dir, target, partitions=[], **kw))
-        shipped = repo.keyed_access()  # in the pickled closure only (formats/spark.md §6)
+        shipped = repo.keyed_access()  # in the pickled closure only (formats/spark.md §7)
 
         def run(share: list[int]) -> list[RestoreSummary]:
             with _access.using(shipped):  # restore_to_node opens the repository through it

@@ -11,7 +11,7 @@ Errors raised by the data source come back from the JVM wrapped in a long report
 passphrase or a data key: options show in Spark's UI, plans and event log. The data
 source's planner unlocks the repository with them (or the environment's
 `UPR_KEY_FILE` / `UPR_PASSPHRASE`, inherited by its Python worker) and ships the data
-key to the executors inside the pickled tasks (formats/spark.md §6).
+key to the executors inside the pickled tasks (formats/spark.md §7).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _tasks(tracker: Any, group: str) -> tuple[int, int]:
     return done, total
 
 
-_UPR_MESSAGE = re.compile(r"upr_cli[\w.]*\.(\w+Error): ([^\n]+)")
+_UPR_MESSAGE = re.compile(r"upr_cli(?:\.\w+)+\.([A-Z]\w*): ([^\n]+)")  # any upr error class
 
 
 def spark_error(exc: BaseException) -> SparkJobError:

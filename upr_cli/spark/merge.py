@@ -16,7 +16,7 @@ does the same on one.
 
 Each task opens the repository from its location with the `Access` the driver ships in
 the task's closure: the driver's settings and, for an encrypted repository, the data key
-it unlocked (formats/spark.md §6). The tasks read and write through that repository's
+it unlocked (formats/spark.md §7). The tasks read and write through that repository's
 storage (sealed blocks, or objects in an s3:// repository), never the user's key and
 never a plaintext file of their own.
 """
@@ -70,7 +70,7 @@ def merge(spark: Any, repo_dir: Path, *, through: str = "latest",
         from upr_cli.spark.jobs import spark_error
 
         tasks = groups(plan.work)
-        shipped = repo.keyed_access()  # in the pickled closure only (formats/spark.md §6)
+        shipped = repo.keyed_access()  # in the pickled closure only (formats/spark.md §7)
         try:
             rdd = spark.sparkContext.parallelize(tasks, max(1, len(tasks)))
             out: list[tuple[int, tuple[Written, ...]]] = rdd.flatMap(

@@ -6,7 +6,7 @@ is what one Spark task reads; it is small and picklable (paths, ids, seq cuts, t
 names of the collections it may meet, and the `Access` the task opens the repository
 with).
 
-Keys (formats/spark.md §6). An encrypted (or s3://) repository is opened with the
+Keys (formats/spark.md §7). An encrypted (or s3://) repository is opened with the
 options `keyFile`, `keyCommand`, `s3Endpoint` and `transfers` (a path, a command, an
 endpoint: none of them is a secret, and options show in Spark's UI and plans), else with
 `UPR_KEY_FILE` / `UPR_PASSPHRASE` from the environment, which the Python worker that
