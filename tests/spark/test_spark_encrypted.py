@@ -14,7 +14,6 @@ file KEY) with anything but the data key its driver shipped would fail.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import os
@@ -71,7 +70,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     an encrypted repository (`enc`, its key the file KEY); a backup of the end state in
     `phrase`, encrypted with PASSPHRASE."""
     e = Env(Node(tmp_path_factory.mktemp("spark-enc") / "node", "--flush-interval", "0.02",
-                 partitions=8).start(), tmp_path_factory.mktemp("repos"))  # fmt: skip
+                 partitions=4).start(), tmp_path_factory.mktemp("repos"))  # fmt: skip
     e.key.write_bytes(KEY)
     try:
         for seed in (1, 2):
@@ -211,32 +210,6 @@ def test_spark_merge_writes_a_sealed_full_backup_equal_to_the_chain(
     ok("verify", "--repo", str(repo), "--key-file", str(env.key))
 
 
-def test_distributed_backup_and_restore_of_an_encrypted_repository(
-    spark: Any, env: Env, plain: set[tuple[Any, ...]], tmp_path: Path, keyed: None
-) -> None:
-    from upr_cli.jobs.backup import backup
-    from upr_cli.net.uri import SourceUri
-    from upr_cli.spark.distributed import spark_restore, spark_streamer
-
-    repo = tmp_path / "dist"
-    ok("repo", "init", "--repo", str(repo), "--encrypt", "--key-file", str(env.key))
-    access.configure(key_file=env.key)  # `ok` forgets the settings it ran with
-    uri = SourceUri.parse(env.node.uri)
-    got = asyncio.run(backup(uri, repo, streamer=spark_streamer(spark, 3, repo)))
-    assert got.full and got.items > 150
-    segments = list(repo.rglob("*.seg*"))
-    assert segments and _plaintext(repo) == []  # the executors wrote sealed files only
-    # the node is as the plaintext repository's last backup left it
-    assert _state(spark, repo, keyFile=str(env.key)) == plain
-    dst = Node(tmp_path / "dst", "--flush-interval", "0.02", partitions=8).start()
-    try:
-        summary = spark_restore(spark, repo, SourceUri.parse(dst.uri), tasks=3)
-        assert summary.failure is None and summary.written > 150
-        assert docs(dst.uri) == docs(env.node.uri)
-    finally:
-        dst.kill()
-
-
 def test_the_key_is_in_no_spark_log_event_log_or_option(
     spark: Any, env: Env, plain: set[tuple[Any, ...]], events: Path, jvm_log: Path,
     tmp_path: Path,
@@ -267,3 +240,33 @@ def test_the_key_is_in_no_spark_log_event_log_or_option(
              ("key file", KEY), *(("data key", k) for k in data_keys))
              for s in _spellings(secret) if s in log + output + repr(options).encode()]  # fmt: skip
     assert leaks == []
+
+
+def test_distributed_restore_and_backup_of_an_encrypted_repository(
+    spark: Any, env: Env, plain: set[tuple[Any, ...]], tmp_path: Path, keyed: None
+) -> None:
+    """Last in the module: `upr backup --spark` stops the session it ran on (this one)."""
+    from upr_cli.net.uri import SourceUri
+    from upr_cli.spark.distributed import spark_restore
+    from upr_cli.store import Store
+
+    dst = Node(tmp_path / "dst", "--flush-interval", "0.02", partitions=4).start()
+    try:
+        summary = spark_restore(spark, env.enc, SourceUri.parse(dst.uri), tasks=3)
+        assert summary.failure is None and summary.written == len(plain)
+        assert docs(dst.uri) == docs(env.node.uri)
+    finally:
+        dst.kill()
+    repo, db = tmp_path / "dist", tmp_path / "restored.db"
+    k = ("--key-file", str(env.key))
+    ok("repo", "init", "--repo", str(repo), "--encrypt", *k)
+    ok("backup", env.node.uri, "--repo", str(repo), "--no-progress", "--spark", "local[2]",
+       "--spark-tasks", "3", *k)  # fmt: skip
+    assert list(repo.rglob("*.seg")) and _plaintext(repo) == []  # the executors sealed them
+    ok("verify", "--repo", str(repo), *k)
+    ok("restore", "--repo", str(repo), f"sqlite:{db}", "--no-progress", *k)
+    t = 1 << 64
+    with Store(db, create=False) as store:
+        got = {(d.partition, d.key, d.seq, d.cas - t if d.cas >= 1 << 63 else d.cas, d.value)
+               for d in store.documents(include_deleted=False)}  # fmt: skip
+    assert got == {row[:5] for row in plain}
