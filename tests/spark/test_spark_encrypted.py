@@ -245,7 +245,7 @@ def test_the_key_is_in_no_spark_log_event_log_or_option(
 def test_distributed_restore_and_backup_of_an_encrypted_repository(
     spark: Any, env: Env, plain: set[tuple[Any, ...]], tmp_path: Path, keyed: None
 ) -> None:
-    """Last in the module: `upr backup --spark` stops the session it ran on (this one)."""
+    """The module's last Spark test: `upr backup --spark` stops the session it ran on."""
     from upr_cli.net.uri import SourceUri
     from upr_cli.spark.distributed import spark_restore
     from upr_cli.store import Store
@@ -270,3 +270,14 @@ def test_distributed_restore_and_backup_of_an_encrypted_repository(
         got = {(d.partition, d.key, d.seq, d.cas - t if d.cas >= 1 << 63 else d.cas, d.value)
                for d in store.documents(include_deleted=False)}  # fmt: skip
     assert got == {row[:5] for row in plain}
+
+
+def test_access_using_sets_the_access_of_a_block_and_restores_it() -> None:
+    """What a restore task runs under: the shipped access, the previous one after."""
+    access.reset()
+    shipped = Access(data_keys={"ab": b"k" * 32})
+    before = access.current()
+    with pytest.raises(RuntimeError), access.using(shipped) as got:
+        assert got is shipped and access.current() is shipped
+        raise RuntimeError
+    assert access.current() is before and "kkkk" not in repr(shipped)
