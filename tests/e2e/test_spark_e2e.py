@@ -338,7 +338,7 @@ def test_distributed_backup_and_restore_equal_the_local_ones(
             "--seed", str(seed))  # fmt: skip
         wait_persisted(src.uri)
         a = asyncio.run(backup(uri, local))
-        b = asyncio.run(backup(uri, dist, streamer=spark_streamer(spark, 3)))
+        b = asyncio.run(backup(uri, dist, streamer=spark_streamer(spark, 3, dist)))
         assert (a.items, a.full) == (b.items, b.full) and b.items > 0
     assert _records(local) == _records(dist)
     for m_a, m_b in zip(Repository(local).manifests("default"),

@@ -201,7 +201,7 @@ def backup_cmd(
 
             bar.note(f"starting Spark ({spark})")
             sess = session(spark, parse_conf(conf or []), app="upr backup")
-            streamer = spark_streamer(sess, spark_tasks)
+            streamer = spark_streamer(sess, spark_tasks, repo)
         try:
             summary = asyncio.run(
                 backup(

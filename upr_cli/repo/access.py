@@ -6,7 +6,9 @@ Theory of operation: a command's options (`--key-file`, `--key-command`, `--s3-e
 are recorded once, at parse time, with `configure`; `Repository` reads them through
 `current` when it opens a location, so no job passes keys or endpoints through its
 signatures. A caller that needs other settings for one repository (the source of `upr
-repo copy`, a Spark executor handed the data key) passes an `Access` explicitly.
+repo copy`, a Spark executor handed the data key) passes an `Access` explicitly, or
+runs the job under it with `using` (a Spark task that calls a job which opens the
+repository through `current`, as `restore_to_node` does).
 
 The environment is read here too, in one place: `UPR_KEY_FILE` and `UPR_PASSPHRASE` for
 the key (formats/repository.md §10), `AWS_ENDPOINT_URL` and the rest of the AWS
@@ -15,11 +17,13 @@ settings by the object-store client itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["DEFAULT_TRANSFERS", "Access", "configure", "current", "reset"]
+__all__ = ["DEFAULT_TRANSFERS", "Access", "configure", "current", "reset", "using"]
 
 DEFAULT_TRANSFERS = 8
 """Parallel object-store requests of one process (`--transfers`)."""
@@ -74,3 +78,16 @@ def reset() -> None:
     """Forget every setting (between commands run in one process, as tests do)."""
     global _current
     _current = Access()
+
+
+@contextlib.contextmanager
+def using(settings: Access) -> Iterator[Access]:
+    """Run the block under `settings` (a Spark task under the access its driver shipped
+    with the task, data key included); the previous settings come back after it, even
+    when it raises."""
+    global _current
+    before, _current = _current, settings
+    try:
+        yield settings
+    finally:
+        _current = before

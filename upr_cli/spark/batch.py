@@ -8,14 +8,20 @@ the cut. Both keep the collections the group keeps (the plan drops a collection 
 by `at` from the state) and skip the system events a segment holds among its records:
 they are not documents. A record's xattrs (segment version 3) become the `xattrs` column,
 the JSON text the store keeps (formats/spark.md §4), NULL for none.
+
+Every segment is read through the repository's storage, opened in the task from the
+repository's location and the `Access` the planner shipped in the group (with the data
+key of an encrypted repository: formats/spark.md §7), so an executor reads an encrypted
+or s3:// repository without the user's key; a group built by hand (no repository)
+reads local files.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterable, Iterator
 from operator import attrgetter
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -34,6 +40,7 @@ from upr_cli.spark.arrow import (
     text,
 )
 from upr_cli.spark.plan import Group, Piece
+from upr_cli.storage import LOCAL, Storage, display_location
 
 BATCH_ROWS = 65_536
 _I64_MAX = (1 << 63) - 1
@@ -150,35 +157,40 @@ def read_group(group: Group) -> Iterator[pa.RecordBatch]:
     (formats/repository.md §7.2) when the group names its repository. A segment gone
     since the plan (a prune between the plan and this task) is a one-line error."""
     with contextlib.ExitStack() as held:
-        if group.repo and group.bucket:
+        storage: Storage = LOCAL
+        if group.repo:
             from upr_cli.repo import Repository
-            from upr_cli.repo.readers import read_lock
 
-            held.enter_context(read_lock(Repository(group.repo), group.bucket, "spark read"))
-        yield from _read_group(group)
+            repo = Repository(group.repo, access=group.access)
+            storage = repo.storage  # an encrypted one unlocked with the shipped data key
+            if group.bucket:
+                from upr_cli.repo.readers import read_lock
+
+                held.enter_context(read_lock(repo, group.bucket, "spark read"))
+        yield from _read_group(group, storage)
 
 
-def _segment(piece: Piece) -> SegmentReader:
+def _segment(piece: Piece, storage: Storage) -> SegmentReader:
     """The piece's segment file, opened; gone since the plan: `RepositoryError`."""
     try:
-        return SegmentReader(piece.path)
+        return SegmentReader(piece.path, storage)
     except SegmentError:
-        if os.path.lexists(piece.path):
+        if storage.stat(Path(piece.path)) is not None:
             raise
         raise RepositoryError(
-            f"{piece.path}: gone since the read was planned: the repository was pruned "
-            "meanwhile; run the read again"
+            f"{display_location(Path(piece.path))}: gone since the read was planned: the "
+            "repository was pruned meanwhile; run the read again"
         ) from None
 
 
-def _read_group(group: Group) -> Iterator[pa.RecordBatch]:
+def _read_group(group: Group, storage: Storage = LOCAL) -> Iterator[pa.RecordBatch]:
     cols = _Columns(group.view, group.names)
     keep = group.keep
     if group.view == "state":
         for p, pieces in _by_partition(group.pieces).items():
             latest: dict[tuple[int, bytes], Record] = {}  # a document is (collection, key)
             for piece in pieces:  # in chain order: later records win
-                with _segment(piece) as reader:
+                with _segment(piece, storage) as reader:
                     for rec in reader.records():
                         if rec.seq > piece.max_seq:
                             break
@@ -193,7 +205,7 @@ def _read_group(group: Group) -> Iterator[pa.RecordBatch]:
                     yield cols.take()
     else:
         for piece in group.pieces:
-            with _segment(piece) as reader:
+            with _segment(piece, storage) as reader:
                 for rec in reader.records():
                     if rec.op not in _DATA_OPS or (keep is not None and rec.collection not in keep):
                         continue  # not wanted()

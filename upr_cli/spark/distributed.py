@@ -13,6 +13,14 @@ fails the job: the manifest is never written and the directory is swept by the n
 The source URI, credentials included, travels to the executors in the task closures
 (they connect to the cluster themselves); run such jobs only on a Spark cluster you
 trust with those credentials.
+
+The repository travels the same way (formats/spark.md §7): the driver unlocks it once
+and ships its location and an `Access` carrying the data key in the closures; each
+task opens the repository's storage from them (`Repository(root, access=shipped)`) and
+writes its segments through it, sealed in an encrypted repository and as objects in an
+s3:// one, never as plaintext files beside them. A restore task runs
+`restore_to_node` under the shipped access (`access.using`). The key is in no option,
+SparkConf or environment variable of the executors.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +40,10 @@ from upr_cli.jobs.restore import RestoreSummary, restore_to_node
 from upr_cli.memory import MemoryLimit
 from upr_cli.net.uri import SourceUri
 from upr_cli.position import StreamPosition
+from upr_cli.repo import Repository
+from upr_cli.repo import access as _access
+from upr_cli.repo.access import Access
+from upr_cli.storage import Storage
 
 
 def shares(partitions: list[int], tasks: int) -> list[list[int]]:
@@ -40,8 +53,21 @@ def shares(partitions: list[int], tasks: int) -> list[list[int]]:
     return [partitions[i : i + size] for i in range(0, len(partitions), size)]
 
 
-def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
-    """A `stream_to_segments` stand-in that runs one share of the partitions per task."""
+def shipped_access(root: Path, storage: Storage | None = None) -> Access:
+    """This process's access to the repository at `root` with its data key when it is
+    encrypted: what a task opens it with. `storage`, the driver's storage of it, gives
+    the key when it holds one (no second unlock: no second run of a key command)."""
+    key, repo_id = getattr(storage, "data_key", None), getattr(storage, "repo_id", None)
+    if isinstance(key, bytes) and isinstance(repo_id, bytes):
+        now = _access.current()
+        return replace(now, data_keys={**now.data_keys, repo_id.hex(): key})
+    return Repository(root).keyed_access()
+
+
+def spark_streamer(spark: Any, tasks: int, root: Path) -> Callable[..., Any]:
+    """A `stream_to_segments` stand-in that runs one share of the partitions per task,
+    each writing into the repository at `root` through its storage (opened in the task
+    with the access the driver ships)."""
 
     async def stream(uri: SourceUri, directory: Path, *, bucket: str,
                      positions: dict[int, StreamPosition],
@@ -56,13 +82,16 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                      wait: float = 120.0,
                      compression: WireCompression = "auto",
                      memory: MemoryLimit = DEFAULT_MEMORY,
+                     storage: Storage | None = None,
                      **_ignored: Any) -> dict[int, PartitionResult]:  # fmt: skip
+        shipped = shipped_access(root, storage)  # the driver's storage: not picklable
         logs = failover_logs or {}
         ends = end_seqs or {}
         left = cuts or {}  # an interrupted run's cut-back segments (their lists go on)
         bounds = boundaries or {}  # where a mid-run rollback may land (snapshot boundaries)
 
         def run(share: list[int]) -> list[tuple[int, PartitionResult]]:
+            store = Repository(root, access=shipped).storage  # unlocked with the data key
             got = asyncio.run(stream_to_segments(
                 uri, directory, bucket=bucket,
                 positions={p: positions[p] for p in share if p in positions},
@@ -76,6 +105,7 @@ def spark_streamer(spark: Any, tasks: int) -> Callable[..., Any]:
                 wait=wait,  # each task waits for a lost node as the command says (--wait)
                 compression=compression,  # and sets Snappy as it says (--wire-compression)
                 memory=memory,  # and keeps to --memory-limit, each in its own process
+                storage=store,  # sealed or object storage as the repository is: never plain
             ))  # fmt: skip
             return sorted(got.items())
 
@@ -114,9 +144,11 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
         # The driver checks the target and creates the missing collections once, reading no
         # partition (only the plan), so the tasks never race to change the manifest.
         first = asyncio.run(restore_to_node(repo_dir, target, partitions=[], **kw))
+        shipped = repo.keyed_access()  # in the pickled closure only (formats/spark.md §7)
 
         def run(share: list[int]) -> list[RestoreSummary]:
-            return [asyncio.run(restore_to_node(repo_dir, target, partitions=share, **kw))]
+            with _access.using(shipped):  # restore_to_node opens the repository through it
+                return [asyncio.run(restore_to_node(repo_dir, target, partitions=share, **kw))]
 
         parts = spark.sparkContext.parallelize(groups, max(1, len(groups))).flatMap(run).collect()
         total = RestoreSummary(str(sel.backup_id), target.redacted(), kw.get("dry_run", False),

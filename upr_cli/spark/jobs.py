@@ -5,6 +5,13 @@ passed through, the `upr` source registered, and the executors' Python set to th
 interpreter unless the caller chose one (PYSPARK_PYTHON), so tasks can import upr.
 Errors raised by the data source come back from the JVM wrapped in a long report;
 `spark_error` digs out upr's one-line message.
+
+`export` hands the data source the command's repository access as options
+(`access_options`: `keyFile`, `keyCommand`, `s3Endpoint`, `transfers`), never a
+passphrase or a data key: options show in Spark's UI, plans and event log. The data
+source's planner unlocks the repository with them (or the environment's
+`UPR_KEY_FILE` / `UPR_PASSPHRASE`, inherited by its Python worker) and ships the data
+key to the executors inside the pickled tasks (formats/spark.md §7).
 """
 
 from __future__ import annotations
@@ -120,7 +127,7 @@ def _tasks(tracker: Any, group: str) -> tuple[int, int]:
     return done, total
 
 
-_UPR_MESSAGE = re.compile(r"upr_cli[\w.]*\.(\w+Error): ([^\n]+)")
+_UPR_MESSAGE = re.compile(r"upr_cli(?:\.\w+)+\.([A-Z]\w*): ([^\n]+)")  # any upr error class
 
 
 def spark_error(exc: BaseException) -> SparkJobError:
@@ -161,6 +168,20 @@ class ExportSummary:
                 "seconds": round(self.seconds, 3)}  # fmt: skip
 
 
+def access_options() -> dict[str, str]:
+    """The data-source options of this command's repository access: the key file's
+    absolute path, the key command, the object-store endpoint and transfers. Never a
+    secret: a passphrase stays in the environment, a data key in the tasks."""
+    from upr_cli.repo import access
+    from upr_cli.repo.access import DEFAULT_TRANSFERS
+
+    now = access.current()
+    out = {"keyFile": str(now.key_file.absolute())} if now.key_file is not None else {}
+    out |= {"keyCommand": now.key_command} if now.key_command else {}
+    out |= {"s3Endpoint": now.s3_endpoint} if now.s3_endpoint else {}
+    return out | ({"transfers": str(now.transfers)} if now.transfers != DEFAULT_TRANSFERS else {})
+
+
 def export(spark: Any, repo: Path, to: Path, *, fmt: str = "parquet", at: str = "latest",
            bucket: str | None = None, overwrite: bool = False, partition_by: str = "partition",
            collections: str | None = None) -> ExportSummary:  # fmt: skip
@@ -170,6 +191,7 @@ def export(spark: Any, repo: Path, to: Path, *, fmt: str = "parquet", at: str = 
     from upr_cli.repo import Repository
     from upr_cli.repo.readers import read_lock
     from upr_cli.spark.plan import parse_options
+    from upr_cli.storage import display_location
 
     if fmt not in FORMATS:
         raise UsageError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -177,12 +199,13 @@ def export(spark: Any, repo: Path, to: Path, *, fmt: str = "parquet", at: str = 
         raise UsageError(f"--partition-by: {partition_by!r} is not one of "
                          f"{', '.join(PARTITION_BY)}")  # fmt: skip
     check_target(to, overwrite)
-    opts = {"path": str(repo), "at": at} | ({"bucket": bucket} if bucket else {})
-    opts |= {"collections": collections} if collections else {}
+    opts = {"path": display_location(repo), "at": at} | ({"bucket": bucket} if bucket else {})
+    opts |= ({"collections": collections} if collections else {}) | access_options()
     resolved, _ = parse_options(opts)  # fail fast, with upr's message, before Spark starts
     # The driver holds the bucket's shared lock for the run, each task its own
     # (`batch.read_group`): no prune or sweep removes a segment meanwhile.
-    with read_lock(Repository(resolved.repo), resolved.bucket, "spark export"):
+    opened = Repository(resolved.repo, access=resolved.access)  # with the data key: no unlock
+    with read_lock(opened, resolved.bucket, "spark export"):
         t0 = time.monotonic()
         try:
             from pyspark.sql import functions as F

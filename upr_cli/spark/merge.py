@@ -13,6 +13,12 @@ backup's directory, on storage every executor shares, and returns what it wrote.
 that fails fails the job before the commit: the uncommitted directory is swept by the
 next backup or merge. Use it for a repository too large for one machine; `upr merge`
 does the same on one.
+
+Each task opens the repository from its location with the `Access` the driver ships in
+the task's closure: the driver's settings and, for an encrypted repository, the data key
+it unlocked (formats/spark.md §7). The tasks read and write through that repository's
+storage (sealed blocks, or objects in an s3:// repository), never the user's key and
+never a plaintext file of their own.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 from upr_cli.jobs.compact import Written
 from upr_cli.jobs.merge import MergeRun, MergeSummary, PartitionWork, run, write_partition
 from upr_cli.repo import Repository
+from upr_cli.repo.access import Access
 from upr_cli.spark.plan import DEFAULT_PARTITIONS
 
 __all__ = ["MergeSummary", "groups", "merge", "write_group"]
@@ -44,9 +51,12 @@ def groups(work: tuple[PartitionWork, ...], n: int = DEFAULT_PARTITIONS) -> list
     return [sorted(b) for b in bins if b]
 
 
-def write_group(plan: MergeRun, partitions: list[int]) -> Iterator[tuple[int, tuple[Written, ...]]]:
-    """In a task: each partition's merged segment, written into the run's directory."""
-    repo = Repository(plan.repo)
+def write_group(
+    plan: MergeRun, partitions: list[int], access: Access | None = None
+) -> Iterator[tuple[int, tuple[Written, ...]]]:
+    """In a task: each partition's merged segment, written into the run's directory
+    through the repository opened with `access` (the driver's, shipped with the task)."""
+    repo = Repository(plan.repo, access=access)
     by_p = {w.partition: w for w in plan.work}
     for p in partitions:
         yield p, write_partition(repo, plan, by_p[p])
@@ -56,14 +66,15 @@ def merge(spark: Any, repo_dir: Path, *, through: str = "latest",
           bucket: str | None = None) -> MergeSummary:  # fmt: skip
     """Write and commit the merged full backup; returns its summary."""
 
-    def write(_repo: Repository, plan: MergeRun) -> list[tuple[int, tuple[Written, ...]]]:
+    def write(repo: Repository, plan: MergeRun) -> list[tuple[int, tuple[Written, ...]]]:
         from upr_cli.spark.jobs import spark_error
 
         tasks = groups(plan.work)
+        shipped = repo.keyed_access()  # in the pickled closure only (formats/spark.md §7)
         try:
             rdd = spark.sparkContext.parallelize(tasks, max(1, len(tasks)))
             out: list[tuple[int, tuple[Written, ...]]] = rdd.flatMap(
-                lambda ps: list(write_group(plan, ps))
+                lambda ps: list(write_group(plan, ps, shipped))
             ).collect()
         except Exception as exc:  # noqa: BLE001 - Spark wraps everything; report one line
             raise spark_error(exc) from None

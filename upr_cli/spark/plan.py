@@ -2,8 +2,18 @@
 
 Pure functions of the options and the manifests (no segment is opened, no pyspark
 import), so the driver plans cheaply and the plan is tested without a JVM. A `Group`
-is what one Spark task reads; it is small and picklable (paths, ids, seq cuts, and the
-names of the collections it may meet).
+is what one Spark task reads; it is small and picklable (paths, ids, seq cuts, the
+names of the collections it may meet, and the `Access` the task opens the repository
+with).
+
+Keys (formats/spark.md §7). An encrypted (or s3://) repository is opened with the
+options `keyFile`, `keyCommand`, `s3Endpoint` and `transfers` (a path, a command, an
+endpoint: none of them is a secret, and options show in Spark's UI and plans), else with
+`UPR_KEY_FILE` / `UPR_PASSPHRASE` from the environment, which the Python worker that
+plans inherits from the driver. The planner unlocks the repository once and puts its
+data key in every `Group` (`Access.data_keys`): the key reaches the executors inside
+the pickled tasks only, never in an option, SparkConf or the executors' environment,
+so an executor never needs the user's key and never runs the key command.
 
 Collections (formats/spark.md §4). Records carry a collection id; the names come from
 the backups' manifests: each backup records the source's collections at its start and
@@ -17,14 +27,18 @@ A backup written before collections holds `_default._default` only.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from upr_cli.collections import DEFAULT, DEFAULT_ID, parse_paths
 from upr_cli.collections import Path as CollectionPath
 from upr_cli.errors import UprError, UsageError
 from upr_cli.repo import NO_CUT, BackupId, Manifest, Repository, lost_cut, plan_state
+from upr_cli.repo import access as _access
+from upr_cli.repo.access import Access
+from upr_cli.repo.keys import MissingKey
 from upr_cli.repo.manifest import chain_manifest, collection_history
+from upr_cli.storage import parse_location
 
 VIEWS = ("state", "history")
 DEFAULT_PARTITIONS = 16
@@ -45,6 +59,8 @@ class ReadOptions:
     partitions: tuple[int, ...]  # vbuckets to read
     num_partitions: int
     collections: tuple[CollectionPath, ...] = ()  # only these (none: every collection)
+    # the key and object-store settings, with the data key of an encrypted repository
+    access: Access = field(default_factory=Access)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +90,9 @@ class Group:
     # reads (formats/repository.md §7.2); "" (a group built by hand): no lock
     repo: str = ""
     bucket: str = ""
+    # how the task opens the repository: the planner's settings with the repository's
+    # data key (shipped inside the pickled task; its repr never shows the key)
+    access: Access | None = None
 
     @property
     def bytes(self) -> int:
@@ -86,6 +105,28 @@ def get_option(options: Mapping[str, str], name: str) -> str | None:
         if k.lower() == name.lower():
             return v
     return None
+
+
+def read_access(options: Mapping[str, str]) -> Access:
+    """The settings the options give (`keyFile`, `keyCommand`, `s3Endpoint`,
+    `transfers`) over this process's (`access.current`: the CLI's, or none in a Python
+    worker); the key file and passphrase of the environment apply when no option names
+    a key."""
+    changes: dict[str, object] = {}
+    key_file, key_command = get_option(options, "keyFile"), get_option(options, "keyCommand")
+    if key_file:
+        changes["key_file"] = Path(key_file)
+    if key_command:
+        changes["key_command"] = key_command
+    endpoint = get_option(options, "s3Endpoint")
+    if endpoint:
+        changes["s3_endpoint"] = endpoint
+    transfers = get_option(options, "transfers")
+    if transfers is not None:
+        if not transfers.isdigit() or int(transfers) < 1:
+            raise SparkOptionError(f"option transfers: {transfers!r} is not a positive integer")
+        changes["transfers"] = int(transfers)
+    return replace(_access.current(), **changes)  # type: ignore[arg-type]
 
 
 def parse_options(options: Mapping[str, str]) -> tuple[ReadOptions, list[Manifest]]:
@@ -103,9 +144,18 @@ def parse_options(options: Mapping[str, str]) -> tuple[ReadOptions, list[Manifes
     if view not in VIEWS:
         raise SparkOptionError(f"option view: {view!r} is not one of {', '.join(VIEWS)}")
     at = get_option(options, "at") or "latest"
+    settings = read_access(options)
     try:  # the chain the state at `at` reads is checked whole (formats/repository.md §8.8)
-        repo, bucket, manifests = open_bucket(Path(path), get_option(options, "bucket"), at)
-    except UprError as exc:
+        with _access.using(settings):
+            repo, bucket, manifests = open_bucket(parse_location(path),
+                                                  get_option(options, "bucket"), at)  # fmt: skip
+    except MissingKey:
+        raise SparkOptionError(
+            f"option keyFile: {path}: the repository is encrypted: give its key with the "
+            "option keyFile or keyCommand, or UPR_KEY_FILE or UPR_PASSPHRASE in the driver's "
+            "environment"
+        ) from None
+    except (UprError, ValueError) as exc:  # ValueError: a location no backend serves
         raise SparkOptionError(f"option path: {exc}") from None
     want = None
     spec = get_option(options, "partitions")
@@ -124,7 +174,7 @@ def parse_options(options: Mapping[str, str]) -> tuple[ReadOptions, list[Manifes
         raise SparkOptionError(f"option numPartitions: {n!r} is not a positive integer")
     paths = _paths(get_option(options, "collections"))
     opts = ReadOptions(repo.path, bucket, str(sel.backup_id), view, sel.partitions, int(n),
-                       paths)  # fmt: skip
+                       paths, repo.keyed_access())  # unlocked once, here  # fmt: skip
     if paths:  # a path no backup up to `at` ever met is a typo, not an empty collection
         names = collection_names([m for m in manifests if str(m.backup_id) <= opts.at])
         missing = [str(p) for p in paths if not any(p.covers(*n) for n in names.values())]
@@ -150,10 +200,12 @@ def collection_names(manifests: Sequence[Manifest]) -> dict[int, tuple[str, str]
 
 
 def plan(opts: ReadOptions, manifests: list[Manifest]) -> list[Group]:
-    """The groups (tasks) of a read, balanced by bytes (formats/spark.md §3)."""
+    """The groups (tasks) of a read, balanced by bytes (formats/spark.md §3), each with
+    the repository's data key when it is encrypted (unlocked here, once)."""
     ms = [m for m in manifests if str(m.backup_id) <= opts.at]
     at = next(m.backup_id for m in ms if str(m.backup_id) == opts.at)
-    repo = Repository(opts.repo)
+    repo = Repository(opts.repo, access=opts.access)
+    shipped = repo.keyed_access()
 
     def path(backup_id: BackupId, file: str) -> str:
         return str(repo.segment_path(opts.bucket, backup_id, file))
@@ -186,8 +238,8 @@ def plan(opts: ReadOptions, manifests: list[Manifest]) -> list[Group]:
     groups = balance(units, opts.num_partitions, opts.view)
     named = tuple((cid, *n) for cid, n in sorted(names.items()))
     frozen = frozenset(keep) if keep is not None else None
-    return [replace(g, names=named, keep=frozen, repo=str(opts.repo), bucket=opts.bucket)
-            for g in groups]  # fmt: skip
+    return [replace(g, names=named, keep=frozen, repo=str(opts.repo), bucket=opts.bucket,
+                    access=shipped) for g in groups]  # fmt: skip
 
 
 def balance(units: list[tuple[Piece, ...]], n: int, view: str) -> list[Group]:
