@@ -6,11 +6,11 @@ Theory of operation. A backup is its files (segments, cut-back segments) and its
 manifest, which commits it (formats/repository.md §4.3). The copy writes, per bucket and
 in chain (id) order, every committed backup of the source that the destination lacks:
 the current revision of each (formats/repository.md §4.6), in a directory of the same
-name, its files first and its manifest last, so the destination holds the same backups under the same ids,
-with their rollback and cut-back records, lost writes, failover logs and collections;
-it restores, verifies and `info`s as the source does. Everything goes through the two
-repositories' `Storage`, so any pair of backends (a local directory, an object store,
-an encrypting layer on either) works the same way.
+name, its files first and its manifest last, so the destination holds the same backups
+under the same ids, with their rollback and cut-back records, lost writes, failover
+logs and collections; it restores, verifies and `info`s as the source does. Everything
+goes through the two repositories' `Storage`, so any pair of backends (a local
+directory, an object store, an encrypting layer on either) works the same way.
 
 * **Verified as it goes.** Each file is streamed from the source in chunks (never
   whole in memory) into a temp name in the destination while its BLAKE2b digest and its
