@@ -63,6 +63,24 @@ def test_backup_restore_verify_merge_prune_on_s3(
                        merged["backup_id"]: "keep"}  # fmt: skip
     assert "1 backup, 4 segments" in upr("verify", "--repo", url).stdout
     assert restored(tmp_path, url, "merged") == node_content_hash(node.uri)
+    # encryption and object storage combine: copied into an encrypted repository in the
+    # bucket, it holds no plaintext object and restores the same
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(32))
+    enc = f"s3://{s3}/enc"
+    upr("repo", "copy", "--from", url, "--to", enc, "--encrypt", "--key-file", str(key))
+    import boto3
+
+    bucket = boto3.resource("s3").Bucket(s3)
+    names = [o.key for o in bucket.objects.filter(Prefix="enc/")]
+    assert any(n.endswith(".seg") for n in names) and any("manifest" in n for n in names)
+    plain = [b"default", b"inc-0000", b"\"score\":", key.read_bytes()]
+    for name in names:
+        data = bucket.Object(name).get()["Body"].read()
+        if name != "enc/repo.json":
+            assert data[:8] == b"UPR-SEAL", name
+            assert not [p for p in plain if p in data], name
+    assert restored(tmp_path, enc, "sealed", "--key-file", str(key)) == node_content_hash(node.uri)
 
 
 def test_faults_mid_upload_and_mid_restore_and_retries_that_run_out(
