@@ -1,6 +1,6 @@
 """A repository in object storage: `S3Storage`, the `Storage` of an `s3://BUCKET/PREFIX`
-location on any S3-compatible service (docs/design.md "Storage", formats/repository.md
-§11).
+location on any S3-compatible service (docs/design.md "Storage",
+formats/repository.md §11).
 
 Theory of operation. A path under the repository's root (`s3:/BUCKET/PREFIX/…`, see
 `upr_cli.storage.parse_location`) is the key `PREFIX/…` of BUCKET. Directories are key

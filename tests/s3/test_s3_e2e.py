@@ -74,7 +74,7 @@ def test_backup_restore_verify_merge_prune_on_s3(
     bucket = boto3.resource("s3").Bucket(s3)
     names = [o.key for o in bucket.objects.filter(Prefix="enc/")]
     assert any(n.endswith(".seg") for n in names) and any("manifest" in n for n in names)
-    plain = [b"default", b"inc-0000", b"\"score\":", key.read_bytes()]
+    plain = [b"default", b"inc-0000", b'"score":', key.read_bytes()]
     for name in names:
         data = bucket.Object(name).get()["Body"].read()
         if name != "enc/repo.json":

@@ -108,11 +108,28 @@ def jvm_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("jvm") / "output.log"
 
 
+def _fresh_jvm() -> None:
+    """Shut down a JVM an earlier module of this worker started: PySpark keeps one JVM per
+    process, and this module's must start with UPR_PASSPHRASE in its environment."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
+    gateway = SparkContext._gateway
+    if gateway is not None:
+        gateway.shutdown()
+        SparkContext._gateway = None
+        SparkContext._jvm = None
+
+
 @pytest.fixture(scope="module")
 def spark(events: Path, jvm_log: Path) -> Iterator[Any]:
     """The session; its JVM started with UPR_PASSPHRASE set and its output to `jvm_log`."""
     from upr_cli.spark.jobs import session
 
+    _fresh_jvm()
     saved = [os.dup(1), os.dup(2)]
     with open(jvm_log, "ab") as f, _passphrase():
         os.dup2(f.fileno(), 1)

@@ -6,8 +6,8 @@ manifest dataclasses; `layout` the `Repository` (repo.json, directories, listing
 `sweep` the removal of what interrupted runs left; `lock` the per-bucket
 `RepositoryLock`; `readers` the readers' shared `ReadLock` and the `ExclusiveAccess`
 that removes or rewrites under them; `lease` the same three as leases, for a
-repository in object storage (§11.3); `chain` the pure chain semantics of
-formats/repository.md §8. Every file is reached through the repository's
+repository in object storage (formats/repository.md §11.3); `chain` the pure chain
+semantics of formats/repository.md §8. Every file is reached through the repository's
 `upr_cli.storage.Storage`.
 """
 
