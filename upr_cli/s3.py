@@ -63,7 +63,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar, cast
@@ -431,6 +431,10 @@ class S3Storage(S3Bucket):
         self.guards: list[Guard] = []
         """Writers' leases held through this storage: checked before each change."""
         self._pending: dict[Path, Path] = {}
+        # uploads `replace` started, by destination, oldest first (`_publish`, `settle`)
+        self._uploads: dict[Path, Future[None]] = {}
+        self._uploads_lock = threading.Lock()
+        self._uploader: ThreadPoolExecutor | None = None
         self._made: set[Path] = set()  # empty directories this process made
         self._cache: OrderedDict[tuple[str, object], Path] = OrderedDict()
         self._cached_bytes = 0
@@ -472,6 +476,7 @@ class S3Storage(S3Bucket):
         """The names directly under the prefix `path/`; [] when there is none."""
         if path in self._pending:
             return []
+        self._wait_under(path)
         prefix = self._dir_prefix(path)
         out: list[Entry] = []
         for page in self._pages(prefix, "/"):
@@ -497,7 +502,9 @@ class S3Storage(S3Bucket):
         if self._above_root(path):
             return _DIR
         spool = self._pending.get(path)
-        if spool is not None:
+        if spool is None:
+            self._wait_under(path)
+        else:
             st = spool.stat()
             return Stat(False, True, st.st_size, (1, st.st_ino), (1, st.st_ino, st.st_size,
                                                                   st.st_mtime_ns))  # fmt: skip
@@ -538,6 +545,7 @@ class S3Storage(S3Bucket):
             with open(spool, "rb") as f:
                 f.seek(offset)
                 return f.read(length)
+        self._wait_under(path)
         if length == 0:
             return b""
         return self._get_range(self.key(path), offset, None if length < 0 else offset + length)
@@ -551,7 +559,7 @@ class S3Storage(S3Bucket):
         spool = self._pending.get(path)
         if spool is not None:
             return open(spool, "rb")
-        st = self.stat(path)
+        st = self.stat(path)  # after the upload of `path`, if one is under way
         if st is None or not st.is_file:
             raise FileNotFoundError(errno.ENOENT, "no such object", display_location(path))
         key = self.key(path)
@@ -586,7 +594,9 @@ class S3Storage(S3Bucket):
         return path
 
     def write(self, path: Path, data: bytes) -> None:
-        """One PUT, replacing: the object appears whole or not at all."""
+        """One PUT, replacing: the object appears whole or not at all (after every upload
+        under way: a manifest is written after its segments)."""
+        self.settle()
         self._guard()
         self._drop(path)
         key = self.key(path)
@@ -596,6 +606,7 @@ class S3Storage(S3Bucket):
     def write_if_absent(self, path: Path, data: bytes) -> None:
         """PUT with If-None-Match: *; FileExistsError when the object exists (not when
         it is what an earlier attempt of this call put)."""
+        self.settle()
         self._guard()
         key = self.key(path)
         tries = 0
@@ -616,6 +627,7 @@ class S3Storage(S3Bucket):
         """DELETE (nothing when missing); a pending spool file is dropped."""
         if self._drop(path):
             return
+        self.settle()
         self._guard()
         self.delete_if(self.key(path), None)
 
@@ -631,6 +643,7 @@ class S3Storage(S3Bucket):
         for p in [p for p in self._pending if path in p.parents]:
             self._drop(p)
         self._made = {p for p in self._made if p != path and path not in p.parents}
+        self.settle()
         self._guard()
         keys = [k for k, _t, _e in self.list_objects(self._dir_prefix(path))[0]]
         self._delete_keys(keys)
@@ -656,10 +669,12 @@ class S3Storage(S3Bucket):
             raise OSError(errno.ENOTEMPTY, "not empty", display_location(path))
 
     def sync_dir(self, path: Path) -> None:
-        """Nothing to do: a PUT is durable when it is answered."""
+        """Wait for the uploads under way (a PUT is durable when it is answered)."""
+        self.settle()
 
     def sync_all(self, paths: Iterable[Path]) -> None:
-        """Nothing to do: a PUT is durable when it is answered."""
+        """Wait for the uploads under way (a PUT is durable when it is answered)."""
+        self.settle()
 
     def create(self, path: Path) -> IO[bytes]:
         """A local spool file, uploaded by `replace`; nothing reaches the bucket yet."""
@@ -690,13 +705,9 @@ class S3Storage(S3Bucket):
         dkey = self.key(dst)
         spool = self._pending.pop(src, None)
         if spool is not None:
-            try:
-                self._upload(spool, dkey)
-            except BaseException:
-                self._pending[src] = spool
-                raise
-            spool.unlink(missing_ok=True)
+            self._publish(spool, dst, dkey)
             return
+        self.settle()
         skey = self.key(src)
         try:
             self._copy(skey, dkey)
@@ -713,6 +724,62 @@ class S3Storage(S3Bucket):
             self._parallel(lambda k: self._copy(k, dkey + k[len(skey) :]), keys)
         self._remove(keys)
 
+    def _publish(self, spool: Path, dst: Path, key: str) -> None:
+        """Upload a spool file to `key` in the background, `transfers` at once: the
+        caller goes on writing the next segment meanwhile. At most 2 x `transfers`
+        uploads are under way (their spool files on local disk, each read whole or a part
+        at a time: memory stays within `transfers` x `PART_SIZE`); every other operation
+        waits for them first (`settle`: a manifest is only written after its segments),
+        and reads of `dst` wait for its own."""
+        with self._uploads_lock:
+            if self._uploader is None:
+                self._uploader = ThreadPoolExecutor(self.transfers, "upr-s3-put")
+            uploader = self._uploader
+            full = len(self._uploads) >= 2 * self.transfers
+        if full:
+            self._settle_oldest()
+
+        def run() -> None:
+            try:
+                self._upload(spool, key)
+            finally:
+                spool.unlink(missing_ok=True)
+
+        future = uploader.submit(run)
+        with self._uploads_lock:
+            self._uploads[dst] = future
+
+    def _settle_oldest(self) -> None:
+        with self._uploads_lock:
+            if not self._uploads:
+                return
+            dst = next(iter(self._uploads))
+            future = self._uploads.pop(dst)
+        future.result()
+
+    def _wait_under(self, path: Path) -> None:
+        """Wait for the uploads of `path` and of anything under it."""
+        with self._uploads_lock:
+            mine = [d for d in self._uploads if d == path or path in d.parents]
+            futures = [self._uploads.pop(d) for d in mine]
+        for f in futures:
+            f.result()
+
+    def settle(self) -> None:
+        """Wait for every upload `replace` started; the first failure is raised, after
+        the others have ended (their objects are there for a rerun to reuse)."""
+        with self._uploads_lock:
+            futures = list(self._uploads.values())
+            self._uploads.clear()
+        failure: BaseException | None = None
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as exc:  # noqa: BLE001 - the first is raised below
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
     def _remove(self, keys: Sequence[str]) -> None:
         """Delete a directory's objects so that no reader sees part of a backup: its
         manifest files (the commit points) one by one first, then the rest in batches."""
@@ -726,6 +793,7 @@ class S3Storage(S3Bucket):
 
     def link(self, src: Path, dst: Path) -> None:
         """CopyObject inside the bucket; FileExistsError when `dst` exists."""
+        self.settle()
         self._guard()
         if self.stat(dst) is not None:
             raise FileExistsError(errno.EEXIST, "exists", display_location(dst))

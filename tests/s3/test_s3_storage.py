@@ -5,6 +5,7 @@ multipart uploads from a spool; one-line errors."""
 from __future__ import annotations
 
 import errno
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,6 +147,7 @@ def test_a_large_file_is_uploaded_in_parts_in_parallel(s3: str, proxy: FaultProx
     s.append(f, data)
     f.close()
     s.replace(root / ".big.tmp", root / "big")
+    s.sync_all([root / "big"])  # the upload runs in the background until then
     assert len([r for r in proxy.requests("PUT", "/big") if "partNumber=" in r.path]) == 3
     assert s.read(root / "big") == data
     assert s.read(root / "big", s3mod.PART_SIZE - 2, 4) == data[s3mod.PART_SIZE - 2 :][:4]
@@ -241,3 +243,23 @@ def test_a_second_reader_reads_the_spooled_copy_and_large_objects_come_in_window
         assert f.read(3) == large[:3]
         assert f.read(s3mod.WINDOW) == large[3 : s3mod.WINDOW + 3]
     assert len(proxy.requests("GET", "large.seg")) == 3
+
+
+def test_files_are_uploaded_transfers_at_a_time_and_settled_before_a_write(
+    s3: str, proxy: FaultProxy
+) -> None:
+    root = parse_location(f"s3://{s3}/r")
+    s = S3Storage(root, transfers=3)
+    proxy.add(Fault("delay", 6, "PUT", ".seg", seconds=0.6))
+    t0 = time.monotonic()
+    for i in range(6):
+        f = s.create(root / f".{i}.seg.tmp")
+        s.append(f, b"segment %d" % i)
+        f.close()
+        s.replace(root / f".{i}.seg.tmp", root / f"{i}.seg")  # returns at once
+    assert time.monotonic() - t0 < 0.6
+    s.write(root / "manifest.json", b"{}")  # the commit point: after every segment
+    assert time.monotonic() - t0 < 6 * 0.6 - 0.5  # three at a time, not one by one
+    puts = [r.path.rsplit("/", 1)[-1] for r in proxy.requests("PUT")]
+    assert puts[-1] == "manifest.json" and sorted(puts[:-1]) == [f"{i}.seg" for i in range(6)]
+    assert s.read(root / "3.seg") == b"segment 3"
