@@ -20,8 +20,10 @@ the pass costs a CRC32 per byte and holds one block at a time.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +39,7 @@ from upr_cli.repo import (
 )
 from upr_cli.segments import SegmentError, SegmentReader
 from upr_cli.source import backup_named
-from upr_cli.storage import Storage
+from upr_cli.storage import Storage, is_s3
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +120,26 @@ def precheck(
     collected per partition, never raised (`Precheck.refuse` does)."""
     t0 = time.monotonic()
     out = Precheck()
-    for p in selection.partitions:
-        for step in plan_state(manifests, at=selection.backup_id, partition=p):
-            path = repo.segment_path(bucket, step.backup_id, step.segment.file)
-            why = _check_segment(repo.storage, path, p, step, out)
+    work = [(p, step) for p in selection.partitions
+            for step in plan_state(manifests, at=selection.backup_id, partition=p)]  # fmt: skip
+
+    def check(item: tuple[int, PlanStep]) -> tuple[int, str | None, Precheck]:
+        p, step = item
+        path = repo.segment_path(bucket, step.backup_id, step.segment.file)
+        counts = Precheck()
+        return p, _check_segment(repo.storage, path, p, step, counts), counts
+
+    # In object storage every segment is a download: `--transfers` of them at once (the
+    # storage keeps what it downloaded for the restore's own reads); on disk, one by one.
+    n = repo.access.transfers if is_s3(repo.path) else 1
+    with contextlib.ExitStack() as stack:
+        results: Iterator[tuple[int, str | None, Precheck]] = map(check, work)
+        if n > 1:
+            results = stack.enter_context(ThreadPoolExecutor(n, "upr-precheck")).map(check, work)
+        for p, why, counts in results:
+            out.segments += counts.segments
+            out.blocks += counts.blocks
+            out.bytes += counts.bytes
             if why is not None:
                 out.damage.setdefault(p, []).append(why)
     out.seconds = time.monotonic() - t0
