@@ -435,6 +435,10 @@ class S3Storage(S3Bucket):
         self._uploads: dict[Path, Future[None]] = {}
         self._uploads_lock = threading.Lock()
         self._uploader: ThreadPoolExecutor | None = None
+        # the files `stat` found, for `open_read` (a segment is checked, then read: one
+        # HEAD, not three): a published file is never rewritten in place, and any change
+        # this process makes to one drops it here
+        self._seen: dict[Path, Stat] = {}
         self._made: set[Path] = set()  # empty directories this process made
         self._cache: OrderedDict[tuple[str, object], Path] = OrderedDict()
         self._cached_bytes = 0
@@ -495,10 +499,11 @@ class S3Storage(S3Bucket):
         return f"{key}/" if key else ""
 
     def stat(self, path: Path, *, follow_links: bool = False) -> Stat | None:
-        """One ListObjectsV2 from the key on (delimiter `/`): the object itself (a file)
-        or the prefix `key/` (a directory); a HEAD and a probe of the prefix only when
-        the key has more than a page of siblings. A directory this process made and
-        left empty exists too (`make_dir`), as it would on disk."""
+        """A HEAD of the key (a file), else a probe of the prefix `key/` (a directory):
+        a segment or manifest, what is stat'ed most, costs one HEAD, the cheapest
+        request there is (a listing's price is a dozen HEADs', and a listing's time
+        grows with the objects beside it on some servers). A directory this process
+        made and left empty exists too (`make_dir`), as it would on disk."""
         if self._above_root(path):
             return _DIR
         spool = self._pending.get(path)
@@ -508,19 +513,9 @@ class S3Storage(S3Bucket):
             st = spool.stat()
             return Stat(False, True, st.st_size, (1, st.st_ino), (1, st.st_ino, st.st_size,
                                                                   st.st_mtime_ns))  # fmt: skip
-        key = self.key(path)
-        found: Stat | None = None
-        if key:
-            page = next(self._pages(key, "/"))
-            for o in page.get("Contents", []):
-                if o["Key"] == key:
-                    return _file_stat(o.get("Size", 0), o.get("ETag", ""), o["LastModified"])
-            if any(p["Prefix"] == key + "/" for p in page.get("CommonPrefixes", [])):
-                return _DIR
-            if page.get("IsTruncated"):
-                found = self._stat_slow(key, path)
-        else:
-            found = self._stat_slow(key, path)
+        found = self._stat_slow(self.key(path), path)
+        if found is not None and found.is_file:
+            self._seen[path] = found
         return found or (_DIR if path in self._made else None)
 
     def _stat_slow(self, key: str, path: Path) -> Stat | None:
@@ -559,7 +554,7 @@ class S3Storage(S3Bucket):
         spool = self._pending.get(path)
         if spool is not None:
             return open(spool, "rb")
-        st = self.stat(path)  # after the upload of `path`, if one is under way
+        st = self._seen.get(path) or self.stat(path)  # after its upload, if under way
         if st is None or not st.is_file:
             raise FileNotFoundError(errno.ENOENT, "no such object", display_location(path))
         key = self.key(path)
@@ -599,6 +594,7 @@ class S3Storage(S3Bucket):
         self.settle()
         self._guard()
         self._drop(path)
+        self._seen.pop(path, None)
         key = self.key(path)
         self.call("put", key, lambda: self.client.put_object(Bucket=self.bucket, Key=key,
                                                              Body=data))  # fmt: skip
@@ -608,6 +604,7 @@ class S3Storage(S3Bucket):
         it is what an earlier attempt of this call put)."""
         self.settle()
         self._guard()
+        self._seen.pop(path, None)
         key = self.key(path)
         tries = 0
 
@@ -625,6 +622,7 @@ class S3Storage(S3Bucket):
 
     def delete(self, path: Path) -> None:
         """DELETE (nothing when missing); a pending spool file is dropped."""
+        self._seen.pop(path, None)
         if self._drop(path):
             return
         self.settle()
@@ -643,6 +641,7 @@ class S3Storage(S3Bucket):
         for p in [p for p in self._pending if path in p.parents]:
             self._drop(p)
         self._made = {p for p in self._made if p != path and path not in p.parents}
+        self._seen = {p: st for p, st in self._seen.items() if path not in p.parents}
         self.settle()
         self._guard()
         keys = [k for k, _t, _e in self.list_objects(self._dir_prefix(path))[0]]
@@ -702,6 +701,8 @@ class S3Storage(S3Bucket):
         deletes, `_remove`). A prefix moved to a removal name (`NAME.tmp-…-removed`,
         formats/repository.md §4.4: removed next) is only removed: nothing is copied."""
         self._guard()
+        self._seen.pop(src, None)
+        self._seen.pop(dst, None)
         dkey = self.key(dst)
         spool = self._pending.pop(src, None)
         if spool is not None:
@@ -795,6 +796,7 @@ class S3Storage(S3Bucket):
         """CopyObject inside the bucket; FileExistsError when `dst` exists."""
         self.settle()
         self._guard()
+        self._seen.pop(dst, None)
         if self.stat(dst) is not None:
             raise FileExistsError(errno.EEXIST, "exists", display_location(dst))
         self._copy(self.key(src), self.key(dst))
