@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import secrets
 import struct
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -345,7 +346,60 @@ class EncryptedStorage:
         return self.inner.open_lock(path, create=create)
 
 
-class SealedReader:
+class _Cursor(ABC):
+    """A position in a sealed file's plaintext, read chunk by chunk: what a reader and
+    a writer reading back share."""
+
+    path: Path
+    _pos: int
+    _s: _Sealer
+
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """Plaintext bytes in the file."""
+
+    @abstractmethod
+    def _chunk(self, index: int) -> bytes:
+        """The plaintext of chunk `index` (b"" past the end)."""
+
+    def _read(self, n: int) -> bytes:
+        end = self.size if n < 0 else min(self.size, self._pos + n)
+        out = []
+        c = self._s.chunk
+        while self._pos < end:
+            i, at = divmod(self._pos, c)
+            piece = self._chunk(i)[at : at + end - self._pos]
+            if not piece:
+                break
+            out.append(piece)
+            self._pos += len(piece)
+        return b"".join(out)
+
+    def read(self, n: int = -1) -> bytes:
+        """Up to `n` plaintext bytes from the position (the rest with -1)."""
+        return self._read(n)
+
+    def readinto(self, b: bytearray | memoryview) -> int:
+        """`read` into a buffer."""
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        """Move in the plaintext (a writer writes at the end only)."""
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"{self.path}: negative seek position")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        """The plaintext position."""
+        return self._pos
+
+
+class SealedReader(_Cursor):
     """A read-only, seekable file object of a sealed file's plaintext: chunks opened on
     demand, the current one cached."""
 
@@ -361,7 +415,7 @@ class SealedReader:
         if last < TAG:
             raise SealedError(path, f"truncated: the last chunk has {max(last, 0)} bytes",
                               self._chunks - 1)  # fmt: skip
-        self.size = plain_size(sealed, c)
+        self._size = plain_size(sealed, c)
         self._pos = 0
         self._cached: tuple[int, bytes] | None = None
 
@@ -375,37 +429,10 @@ class SealedReader:
         self._cached = (index, plain)
         return plain
 
-    def read(self, n: int = -1) -> bytes:
-        """Up to `n` plaintext bytes from the position (the rest with -1)."""
-        end = self.size if n < 0 else min(self.size, self._pos + n)
-        out = []
-        c = self._s.chunk
-        while self._pos < end:
-            i, at = divmod(self._pos, c)
-            piece = self._chunk(i)[at : at + end - self._pos]
-            if not piece:
-                break
-            out.append(piece)
-            self._pos += len(piece)
-        return b"".join(out)
-
-    def readinto(self, b: bytearray | memoryview) -> int:
-        """`read` into a buffer."""
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        """Move in the plaintext."""
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"{self.path}: negative seek position")
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        """The plaintext position."""
-        return self._pos
+    @property
+    def size(self) -> int:
+        """Plaintext bytes in the file."""
+        return self._size
 
     def readable(self) -> bool:
         return True
@@ -432,7 +459,7 @@ class SealedReader:
         self.close()
 
 
-class SealedWriter:
+class SealedWriter(_Cursor):
     """A new sealed file written in pieces: full chunks sealed as data arrives, the last
     full one held until more data or `finish` (by `sync` or `close`) seals it as final.
     Writes go at the end; reads go anywhere (the pending chunk from memory); `truncate`
@@ -493,35 +520,7 @@ class SealedWriter:
         """Up to `n` plaintext bytes from the position (reading back before `finish`)."""
         if self._finished:
             raise ValueError(f"{self.path}: finished: reopen it to read it")
-        end = self.size if n < 0 else min(self.size, self._pos + n)
-        out = []
-        c = self._s.chunk
-        while self._pos < end:
-            i, at = divmod(self._pos, c)
-            piece = self._chunk(i)[at : at + end - self._pos]
-            if not piece:
-                break
-            out.append(piece)
-            self._pos += len(piece)
-        return b"".join(out)
-
-    def readinto(self, b: bytearray | memoryview) -> int:
-        """`read` into a buffer."""
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        """Move in the plaintext (writes need the end)."""
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"{self.path}: negative seek position")
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        """The plaintext position."""
-        return self._pos
+        return self._read(n)
 
     def truncate(self, size: int | None = None) -> int:
         """Cut the plaintext to `size` bytes (at most its size)."""
