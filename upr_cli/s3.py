@@ -66,11 +66,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import IO, Any, Protocol, TypeVar, cast
+from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.repo.errors import RepositoryError
 from upr_cli.storage import Entry, Stat, display_location, is_s3, s3_parts
+
+if TYPE_CHECKING:
+    from upr_cli.repo.access import Access
 
 __all__ = [
     "ATTEMPTS",
@@ -446,11 +449,13 @@ class S3Storage(S3Bucket):
         self._finalizer = weakref.finalize(self, self._spool.cleanup)
 
     @classmethod
-    def for_root(cls, root: Path) -> S3Storage:
-        """The storage of `root` with the settings of `upr_cli.repo.access.current`."""
+    def for_root(cls, root: Path, settings: Access | None = None) -> S3Storage:
+        """The storage of `root` with the endpoint and transfers of `settings` (a
+        repository's own, as a Spark task or `upr repo copy`'s source has them), else of
+        `upr_cli.repo.access.current`."""
         from upr_cli.repo import access
 
-        settings = access.current()
+        settings = settings if settings is not None else access.current()
         return cls(root, endpoint=settings.s3_endpoint, transfers=settings.transfers)
 
     def __repr__(self) -> str:

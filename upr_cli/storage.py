@@ -27,9 +27,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISDIR, S_ISREG
-from typing import IO, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
 
 from upr_cli.fsio import FileOps, atomic_write, sync_files, temp_path
+
+if TYPE_CHECKING:
+    from upr_cli.repo.access import Access
 
 __all__ = [
     "LOCAL",
@@ -118,14 +121,15 @@ def unwrap(storage: Storage) -> Storage:
     return storage
 
 
-def open_storage(root: Path, ops: FileOps | None = None) -> Storage:
+def open_storage(root: Path, ops: FileOps | None = None, access: Access | None = None) -> Storage:
     """The backend that serves the repository at `root`: an object store for `s3:` paths
-    (`upr_cli.s3`, with the settings of `upr_cli.repo.access.current`), else the local
-    directory, making its system calls through `ops`."""
+    (`upr_cli.s3`, with the endpoint and transfers of `access`, else of
+    `upr_cli.repo.access.current`), else the local directory, making its system calls
+    through `ops`."""
     if is_s3(root):
         from upr_cli.s3 import S3Storage
 
-        return S3Storage.for_root(root)
+        return S3Storage.for_root(root, access)
     return LocalStorage(ops)
 
 

@@ -361,8 +361,8 @@ def test_files_are_copied_transfers_at_a_time_in_chunks(
     counting = _Counting()
     real = layout.open_storage
 
-    def storage(root: Path, ops: Any = None) -> Any:
-        return counting if root == source else real(root, ops)
+    def storage(root: Path, ops: Any = None, settings: Any = None) -> Any:
+        return counting if root == source else real(root, ops, settings)
 
     monkeypatch.setattr(layout, "open_storage", storage)
     access.configure(transfers=2)

@@ -28,8 +28,11 @@ import pytest
 from tests.e2e.conftest import Node
 from tests.e2e.e2e_helpers import docs, run, set_keys, wait_persisted
 from tests.e2e.test_encrypted_e2e import call, ok
+from tests.s3.conftest import moto
 from upr_cli.repo import Repository, access
 from upr_cli.repo.access import Access
+
+__all__ = ["moto"]  # tests/s3's fixture: moto's server on loopback
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::ResourceWarning")
 
@@ -62,6 +65,26 @@ def _passphrase() -> Iterator[None]:
         yield
     finally:
         del os.environ["UPR_PASSPHRASE"]
+
+
+@contextlib.contextmanager
+def _aws_credentials() -> Iterator[None]:
+    """moto's test credentials in this process's environment for the block (the JVM
+    started in it hands them to its Python workers; the endpoint is an option)."""
+    saved = {k: os.environ.get(k) for k in AWS}
+    os.environ.update(AWS)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+AWS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+       "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +154,7 @@ def spark(events: Path, jvm_log: Path) -> Iterator[Any]:
 
     _fresh_jvm()
     saved = [os.dup(1), os.dup(2)]
-    with open(jvm_log, "ab") as f, _passphrase():
+    with open(jvm_log, "ab") as f, _passphrase(), _aws_credentials():
         os.dup2(f.fileno(), 1)
         os.dup2(f.fileno(), 2)
         try:
@@ -225,6 +248,47 @@ def test_spark_merge_writes_a_sealed_full_backup_equal_to_the_chain(
     assert merged == plain
     assert _plaintext(repo) == []
     ok("verify", "--repo", str(repo), "--key-file", str(env.key))
+
+
+def test_the_source_and_merge_on_an_encrypted_repository_in_s3(
+    spark: Any, env: Env, plain: set[tuple[Any, ...]], moto: tuple[str, int],
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    import boto3
+
+    from upr_cli.spark.merge import merge
+    from upr_cli.storage import parse_location
+
+    endpoint = f"http://{moto[0]}:{moto[1]}"
+    for k, v in (AWS | {"AWS_ENDPOINT_URL": endpoint}).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(tmp_path)
+    boto3.client("s3").create_bucket(Bucket="spark-enc")
+    url = "s3://spark-enc/cb"
+    key = str(env.key)
+    # an encrypted source is copied into a new plaintext one only on purpose
+    refused = call("repo", "copy", "--from", str(env.enc), "--to", url, "--from-key-file", key)
+    assert refused.returncode == 2 and "--decrypt" in refused.stderr, refused.stderr
+    ok("repo", "copy", "--from", str(env.enc), "--to", url, "--from-key-file", key,
+       "--key-file", key, "--encrypt")  # fmt: skip
+    # the executors open the bucket with the endpoint and the data key their tasks carry
+    assert _state(spark, Path(url), keyFile=key, s3Endpoint=endpoint) == plain
+    access.reset()
+    access.configure(key_file=env.key, s3_endpoint=endpoint)
+    try:
+        summary = merge(spark, parse_location(url))
+    finally:
+        access.reset()
+    assert summary.merged == 2
+    got = _state(spark, Path(url), keyFile=key, s3Endpoint=endpoint, at=summary.backup_id)
+    assert got == plain
+    ok("verify", "--repo", url, "--key-file", key)
+    objects = boto3.resource("s3").Bucket("spark-enc").objects.filter(Prefix="cb/")
+    for o in objects:
+        data = o.get()["Body"].read()
+        assert o.key == "cb/repo.json" or data[:8] == b"UPR-SEAL", o.key
+        assert not [v for v in MARKERS.values() if v in data], o.key
+    assert not (tmp_path / "s3:").exists()
 
 
 def test_the_key_is_in_no_spark_log_event_log_or_option(

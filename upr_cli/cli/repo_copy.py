@@ -28,8 +28,10 @@ replace the destination's (what they absorbed is removed there too). A destinati
 holding a different backup under one of the source's ids is refused. The destination
 is a new or empty directory or s3://BUCKET/PREFIX, or a copy made before; --encrypt
 creates it encrypted (with --key-file, --key-command or UPR_PASSPHRASE): how plaintext
-backups become encrypted. The source's key is --from-key-file, --from-key-command,
-UPR_FROM_KEY_FILE or UPR_FROM_PASSPHRASE. Files are copied --transfers at a time.
+backups become encrypted. An encrypted source is copied into a new plaintext
+repository only with --decrypt, never by omission. The source's key is
+--from-key-file, --from-key-command, UPR_FROM_KEY_FILE or UPR_FROM_PASSPHRASE. Files
+are copied --transfers at a time.
 
 Exit status: 0 copied (or nothing to copy), 1 failed (a corrupt source file, a
 destination that is not a copy of the source, a held lock), 2 usage error.
@@ -86,6 +88,12 @@ def copy_cmd(
     from_key_file: FromKeyFile = None,
     from_key_command: FromKeyCommand = None,
     encrypt: Encrypt = False,
+    decrypt: Annotated[
+        bool,
+        typer.Option(
+            "--decrypt", help="Copy an encrypted repository into a new plaintext one, on purpose."
+        ),
+    ] = False,
     dry_run: DryRun = False,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
@@ -105,7 +113,8 @@ def copy_cmd(
                      f"{human_bytes(total_bytes)}")  # fmt: skip
 
         result = copy_repository(source, destination, bucket=bucket, encrypt=encrypt,
-                                 dry_run=dry_run, access=access, on_progress=tick)  # fmt: skip
+                                 decrypt=decrypt, dry_run=dry_run, access=access,
+                                 on_progress=tick)  # fmt: skip
     if json_out:
         print_json(result.to_json())
         return

@@ -240,6 +240,11 @@ def _drop_killed_init(dst: Repository) -> None:
             storage.delete(dst.path / e.name)
 
 
+def _exists(path: Path) -> bool:
+    """A repository is at `path` (its repo.json), whatever it holds."""
+    return Repository(path).backend.stat(path / REPO_FILE) is not None
+
+
 def _open_destination(path: Path, *, encrypt: bool, dry_run: bool) -> tuple[Repository, bool]:
     """The destination, created when missing or empty (encrypted with `encrypt`); and
     whether it existed as a repository."""
@@ -523,13 +528,15 @@ def copy_repository(
     *,
     bucket: str | None = None,
     encrypt: bool = False,
+    decrypt: bool = False,
     dry_run: bool = False,
     access: Access | None = None,
     on_progress: CopyProgress | None = None,
 ) -> CopyResult:
     """Copy every committed backup of `source` (every bucket, or `bucket`) that
     `destination` lacks, in chain order; with `dry_run` only say what would be copied.
-    `access` opens the source (default: `source_access()`)."""
+    `access` opens the source (default: `source_access()`). An encrypted source is never
+    copied into a new plaintext destination unless `decrypt` says so."""
     t0 = time.monotonic()
     _check_locations(source, destination)
     src = _open_source(source, access if access is not None else source_access())
@@ -539,6 +546,13 @@ def copy_repository(
             raise UsageError(f"{display_location(source)}: no bucket {bucket!r} (it holds "
                              f"{', '.join(buckets) or 'none'})")  # fmt: skip
         buckets = [bucket]
+    if encrypt and decrypt:
+        raise UsageError("--encrypt and --decrypt: give one (a copy is encrypted or not)")
+    if _is_encrypted(src) and not (encrypt or decrypt) and not _exists(destination):
+        raise UsageError(
+            f"{display_location(source)} is encrypted: give --encrypt for an encrypted "
+            "copy, or --decrypt to write a plaintext one on purpose"
+        )
     dst, existed = _open_destination(destination, encrypt=encrypt, dry_run=dry_run)
     readable = existed or not dry_run
     result = CopyResult(display_location(source), display_location(destination), dry_run,

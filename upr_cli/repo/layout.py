@@ -191,7 +191,7 @@ class Repository:
         and settings to open it with (default: this command's, `access.current`)."""
         self.path = Path(path)
         self.access = access if access is not None else _access.current()
-        self.backend: Storage = storage or open_storage(self.path, ops)
+        self.backend: Storage = storage or open_storage(self.path, ops, self.access)
         self._storage: Storage | None = None  # decided once repo.json is read
         self.manifest_store = ManifestStore(self)
         self.sweeper = Sweeper(self)
