@@ -39,6 +39,7 @@ from upr_cli.jobs.repo_copy import (
     source_access,
 )
 from upr_cli.repo import MANIFEST_FILE, BackupId, Repository, access, layout
+from upr_cli.repo.access import Access
 from upr_cli.repo.layout import NotARepository
 from upr_cli.storage import LocalStorage
 
@@ -282,6 +283,14 @@ def test_encrypt_creates_an_encrypted_destination(source: Path, tmp_path: Path) 
     access.configure(key_file=key)
     with pytest.raises(UsageError, match="plaintext repository exists"):
         copy_repository(source, plain, encrypt=True)
+    # back from the encrypted copy: never a plaintext one by omission, only on purpose
+    keyed = Access(key_file=key)
+    with pytest.raises(UsageError, match="is encrypted: give --encrypt"):
+        copy_repository(dst, tmp_path / "out", access=keyed)
+    assert not (tmp_path / "out").exists()
+    access.reset()
+    result = copy_repository(dst, tmp_path / "out", decrypt=True, access=keyed)
+    assert not result.encrypted and _states(tmp_path / "out", tmp_path) == _states(source, tmp_path)
 
 
 # -- a copy SIGKILLed at a seeded point, then run again --------------------------------
