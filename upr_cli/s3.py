@@ -529,8 +529,8 @@ class S3Storage(S3Bucket):
                 head = self.call("stat", key, lambda: self.client.head_object(
                     Bucket=self.bucket, Key=key))  # fmt: skip
             except FileNotFoundError:
-                pass
-            else:
+                head = None  # no such object: a directory, or nothing
+            if head is not None:
                 return _file_stat(head.get("ContentLength", 0), head.get("ETag", ""),
                                   head["LastModified"])  # fmt: skip
         for page in self._pages(self._dir_prefix(path), None, limit=1):
@@ -717,9 +717,10 @@ class S3Storage(S3Bucket):
         skey = self.key(src)
         try:
             self._copy(skey, dkey)
+            moved = True
         except FileNotFoundError:
-            pass
-        else:
+            moved = False  # no such object: a directory's objects move below
+        if moved:
             self.delete_if(skey, None)
             return
         found = self.list_objects(self._dir_prefix(src))[0]
