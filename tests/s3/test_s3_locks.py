@@ -107,15 +107,19 @@ def test_a_holder_that_lost_its_lease_writes_nothing_more(
     boto3.client("s3").put_object(Bucket=s3, Key="repo/default/lock", Body=other)
     deadline = time.monotonic() + 10
     manifest = repo.bucket_dir("default") / "20261206T000000.000000Z" / "manifest.json"
-    while True:
+    while True:  # the next renewal meets the other holder's object: a 412
         try:
             repo.storage.write(manifest, b"{}")
+            repo.storage.delete(manifest)
         except RepositoryLocked as exc:
             assert "this process lost its lock" in str(exc)
             break
         assert time.monotonic() < deadline
-        repo.storage.delete(manifest)
         time.sleep(0.1)
+    # (lost between that write and its delete, the object is one written while held)
+    boto3.client("s3").delete_object(Bucket=s3, Key=f"repo/{manifest.relative_to(repo.path)}")
+    with pytest.raises(RepositoryLocked, match="this process lost its lock"):
+        repo.storage.write(manifest, b"{}")  # once lost, nothing more is written
     assert repo.storage.stat(manifest) is None
     assert 412 in [p.status for p in proxy.requests("PUT", "/repo/default/lock")]
     lock.release()  # not ours any more: left alone

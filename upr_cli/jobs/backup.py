@@ -74,7 +74,6 @@ from upr_cli.repo import (
     SegmentEntry,
     Totals,
     format_segment_name,
-    keys,
     parse_cut_path,
     parse_segment_name,
     resume_point,
@@ -351,13 +350,17 @@ async def _backup_once(
         raise UsageError("the source URI names no bucket")
     bucket = uri.bucket
     repo = Repository(repo_dir)
-    if encrypt:
+    if encrypt:  # the ciphers and Argon2 are imported by encrypted backups only
+        from upr_cli.repo import keys
+
         keys.refuse_plain(repo)
     repo.check_init()  # an encrypted repository is unlocked here, or refused
     # Nothing is created before the source has answered (formats/repository.md §4.2): a
     # wrong password, an unknown bucket or filter leaves the repository as it was.
     collections = await _check_source(uri, repo, bucket, full=full, chosen=chosen)
     if encrypt:
+        from upr_cli.repo import keys
+
         keys.ensure_encrypted(repo)
     repo.init()
     warn = on_warning or log.warning

@@ -39,7 +39,6 @@ from upr_cli.fsio import FileOps
 from upr_cli.repo import access as _access
 from upr_cli.repo.access import Access
 from upr_cli.repo.errors import RepositoryError
-from upr_cli.repo.keys import Encryption, open_encrypted
 from upr_cli.repo.manifest import Manifest, load_json
 from upr_cli.repo.manifests import (
     MANIFEST_COPY,
@@ -61,6 +60,7 @@ from upr_cli.repo.sweep import Sweeper
 from upr_cli.storage import Storage, open_storage
 
 if TYPE_CHECKING:
+    from upr_cli.repo.keys import Encryption
     from upr_cli.repo.lock import RepositoryLock
 
 REPO_FILE = "repo.json"
@@ -154,6 +154,8 @@ class RepoInfo:
             bytes.fromhex(repo_id)
         except ValueError:
             raise RepositoryError(f"{where}: id {repo_id!r} is not 16 bytes in hex") from None
+        from upr_cli.repo.keys import Encryption  # here: a plain repository never loads it
+
         return cls(
             version,
             created,
@@ -214,7 +216,12 @@ class Repository:
         info = self.peek()
         if info is None:
             return self.backend
-        self._storage = self.backend if info.encryption is None else open_encrypted(self, info)
+        if info.encryption is None:
+            self._storage = self.backend
+        else:  # the ciphers and Argon2 are imported by encrypted repositories only
+            from upr_cli.repo.keys import open_encrypted
+
+            self._storage = open_encrypted(self, info)
         return self._storage
 
     def peek(self) -> RepoInfo | None:
