@@ -183,6 +183,18 @@ def keys_cmd(repo: Repo, json_out: JsonOutput = False) -> None:
     stdout.print(keep_whole(t))
 
 
+def _new_slot(
+    repo: Path, new_key_file: Path | None, new_key_command: str | None
+) -> tuple[Repository, RepoInfo, keys.KeySlot, keys.KeySlot | None]:
+    """The encrypted repository, its repo.json, a slot for the new key (not yet written)
+    and the slot the given key opened (what add-key and rotate-key start from)."""
+    r = Repository(repo)
+    _encrypted(r)
+    secret = keys.new_secret(new_key_file, new_key_command)
+    info, slot, opened = keys.add_slot(r, secret)
+    return r, info, slot, opened
+
+
 def add_key_cmd(
     repo: Repo,
     new_key_file: NewKeyFile = None,
@@ -190,10 +202,7 @@ def add_key_cmd(
     json_out: JsonOutput = False,
 ) -> None:
     """Add a key slot."""
-    r = Repository(repo)
-    _encrypted(r)
-    secret = keys.new_secret(new_key_file, new_key_command)
-    info, slot, _opened = keys.add_slot(r, secret)
+    r, info, slot, _opened = _new_slot(repo, new_key_file, new_key_command)
     assert info.encryption is not None
     info = keys.rewrite_slots(r, info, (*info.encryption.keys, slot))
     _done(r, info, json_out, f"added key slot {slot.id}", added=slot.id)
@@ -230,10 +239,7 @@ def rotate_key_cmd(
     json_out: JsonOutput = False,
 ) -> None:
     """Replace the key."""
-    r = Repository(repo)
-    _encrypted(r)
-    secret = keys.new_secret(new_key_file, new_key_command)
-    info, slot, opened = keys.add_slot(r, secret)
+    r, info, slot, opened = _new_slot(repo, new_key_file, new_key_command)
     if opened is None:  # a data key handed over (an executor's), not a slot's key
         raise UsageError(f"{display_location(r.path)}: rotate-key needs the key of a slot")
     assert info.encryption is not None
