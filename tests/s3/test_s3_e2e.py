@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -27,6 +28,14 @@ def restored(tmp_path: Path, url: str, name: str, *extra: str) -> tuple[int, str
     upr("restore", "--repo", url, *extra, f"sqlite:{db}")
     with Store(db) as s:
         return s.count(), s.content_hash()
+
+
+def at_commit(proxy: FaultProxy, proc: subprocess.Popen[str]) -> None:
+    """Wait until the backup `proc` sends its manifest (the proxy holds it there)."""
+    deadline = time.monotonic() + 30
+    while not proxy.requests("PUT", "manifest"):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
 
 
 def backup(node: Node, url: str) -> dict[str, object]:
@@ -133,10 +142,7 @@ def test_two_concurrent_backups_one_commits_the_other_refuses(
     gate = Fault("gate", 1, "PUT", "manifest")
     proxy.add(gate)
     with spawn_upr("backup", node.uri, "--repo", url, "--no-progress") as first:
-        deadline = time.monotonic() + 30
-        while not proxy.requests("PUT", "manifest"):
-            assert time.monotonic() < deadline and first.poll() is None
-            time.sleep(0.02)
+        at_commit(proxy, first)
         second = upr("backup", node.uri, "--repo", url, "--no-progress", check=False)
         gate.gate.set()
         assert first.wait(timeout=60) == 0
@@ -163,10 +169,7 @@ def test_a_killed_backups_lease_runs_out_and_the_next_backup_takes_it_over(
     proxy.clear()
     proxy.add(Fault("hang", 1, "PUT", "manifest", seconds=60))
     with spawn_upr("backup", node.uri, "--repo", url, "--no-progress") as killed:
-        deadline = time.monotonic() + 30
-        while not proxy.requests("PUT", "manifest"):
-            assert time.monotonic() < deadline and killed.poll() is None
-            time.sleep(0.02)
+        at_commit(proxy, killed)
         killed.send_signal(signal.SIGKILL)
         killed.wait()
         killed_at = time.monotonic()
