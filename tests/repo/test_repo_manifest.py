@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -248,7 +249,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("missing bucket", deleter(top, "bucket"), "missing key 'bucket'"),
     ("format", setter(top, "format", "other"), "format"),
     ("version string", setter(top, "version", "1"), "version"),
-    ("version 4", setter(top, "version", 4), "version 4 is not supported"),
+    ("version 5", setter(top, "version", 5), "version 5 is not supported"),
     ("version 3 without revision", setter(top, "version", 3), "missing key .revision."),
     ("version bool", setter(top, "version", True), "version"),
     ("backup id", setter(top, "backup_id", "2026-11-21"), "backup id"),
@@ -410,3 +411,33 @@ def test_sequences_are_stored_as_tuples() -> None:
     m = manifest(parts=[part(0)])  # type: ignore[arg-type]
     assert m.partitions == (part(0),) and m == manifest(parts=(part(0),))
     assert isinstance(part(0, segments=[seg(0, 81, 150)]).segments, tuple)
+
+
+def test_a_continuous_commit_is_version_4_and_round_trips() -> None:
+    """A commit of `backup --follow` (formats/repository.md §5.11): `continuous` and
+    per-partition `points` survive dumps/loads, and make the manifest version 4."""
+    m = manifest()
+    t = m.finished
+    parts = []
+    for e in m.partitions:
+        pts = () if e.end_seq == e.start_seq else ((e.end_seq, t),)
+        parts.append(replace(e, points=pts))
+    c = replace(m, partitions=tuple(parts), continuous=m.started)
+    assert c.version == 4
+    back = Manifest.loads(c.dumps())
+    assert back == c and back.continuous == m.started
+    assert [e.points for e in back.partitions] == [e.points for e in c.partitions]
+    assert json.loads(c.dumps())["continuous"] == {"since": json.loads(m.dumps())["started"]}
+
+
+def test_points_are_checked() -> None:
+    m = manifest()
+    e = next(e for e in m.partitions if e.end_seq > e.start_seq)
+    with pytest.raises(RepositoryError, match="outside"):
+        replace(e, points=((e.end_seq + 1, m.finished),))
+    with pytest.raises(RepositoryError, match="ascend"):
+        replace(e, points=((e.end_seq, m.finished), (e.end_seq, m.finished)))
+    parts = tuple(replace(x, points=((x.end_seq, m.finished),)) if x is e else x
+                  for x in m.partitions)  # fmt: skip
+    with pytest.raises(RepositoryError, match="only in a continuous commit"):
+        replace(m, partitions=parts)

@@ -57,12 +57,17 @@ MANIFEST_FORMAT = "upr-backup-manifest"
 """The `format` value of every manifest."""
 MANIFEST_VERSION = 2
 """The manifest version this code writes; it reads every version of `MANIFEST_VERSIONS`."""
-MANIFEST_VERSIONS = (1, 2, 3)
+MANIFEST_VERSIONS = (1, 2, 3, 4)
 """1: before collections (every record in the default collection); 2: collections;
-3: a revision written by `upr prune` (`revision`, `absorbed`), formats/repository.md §5.10.
-A manifest is written in the lowest version that describes it: 3 only for a revision."""
+3: a revision written by `upr prune` (`revision`, `absorbed`), formats/repository.md §5.10;
+4: a commit of `upr backup --follow` (`continuous`, `points`, packed segments),
+formats/repository.md §5.11. A manifest is written in the lowest version that describes
+it: 3 only for a revision, 4 only for a continuous commit (or a revision of one)."""
 REVISION_VERSION = 3
 """The manifest version of a revision (`revision` > 1 or `absorbed` not empty)."""
+CONTINUOUS_VERSION = 4
+"""The manifest version of a continuous commit (`continuous` set); it has every version 3
+key as well."""
 CHANGE_KINDS = ("collection-created", "collection-dropped", "scope-created", "scope-dropped")
 MAX_MANIFEST_BYTES = 64 << 20
 """Readers refuse larger manifests instead of allocating for them."""
@@ -283,6 +288,32 @@ def _check_segments(
         previous = s
 
 
+def _check_points(
+    points: Sequence[tuple[int, datetime]], w: str, start_seq: int, end_seq: int
+) -> None:
+    """Restore points: seqs strictly ascending in (start_seq, end_seq], times in order."""
+    last: tuple[int, datetime] | None = None
+    for point in points:
+        if not isinstance(point, tuple) or len(point) != 2:
+            raise _fail(f"{w}: a point is a (seq, time) pair")
+        seq, when = point
+        _u64(seq, f"{w}: point seq")
+        format_time(when)
+        if not start_seq < seq <= end_seq:
+            raise _fail(f"{w}: point seq {seq} lies outside ({start_seq}, {end_seq}]")
+        if last is not None and (seq <= last[0] or when < last[1]):
+            raise _fail(f"{w}: points must ascend by seq, their times in order")
+        last = point
+
+
+def _points(o: _Obj, where: str) -> tuple[tuple[int, datetime], ...]:
+    out = []
+    for i, raw in enumerate(o.array("points")):
+        p = _Obj(raw, f"{where}: points[{i}]", ("seq", "time"))
+        out.append((p.u64("seq"), parse_time(p.string("time"))))
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class PartitionEntry:
     """What one backup holds for one partition: branch, seq range, snapshot, segments."""
@@ -301,6 +332,9 @@ class PartitionEntry:
     # agrees with every earlier backup's (formats/repository.md §8.3), when it took
     # over removed backups
     lost_bound: int | None = None
+    # version 4 (formats/repository.md §5.11): the snapshot ends a follower received in
+    # this commit, (seq, when received by its clock), ascending: its restore points
+    points: tuple[tuple[int, datetime], ...] = ()
 
     def __post_init__(self) -> None:
         p = self.partition
@@ -325,6 +359,8 @@ class PartitionEntry:
                 f"end_seq {self.end_seq}"
             )
         _check_segments(self.segments, w, self.start_seq, self.end_seq, p)
+        _check_points(self.points, w, self.start_seq, self.end_seq)
+        object.__setattr__(self, "points", tuple(self.points))
         if self.lost_bound is not None:
             _u64(self.lost_bound, f"{w}: lost_bound")
         object.__setattr__(self, "cut_backs", tuple(self.cut_backs))
@@ -374,7 +410,9 @@ class PartitionEntry:
             "segments": [s.to_json() for s in self.segments],
             "rollback": None if self.rollback is None else self.rollback.to_json(),
         } | ({"cut_back": [c.to_json() for c in self.cut_backs]} if self.cut_backs else {}) | (
-            {} if self.lost_bound is None else {"lost_bound": str(self.lost_bound)})  # fmt: skip
+            {} if self.lost_bound is None else {"lost_bound": str(self.lost_bound)}) | (
+            {"points": [{"seq": str(q), "time": format_time(t)} for q, t in self.points]}
+            if self.points else {})  # fmt: skip
 
     @classmethod
     def from_json(cls, data: Any, where: str = "partition") -> PartitionEntry:
@@ -385,6 +423,8 @@ class PartitionEntry:
             keys += ("cut_back",)
         if isinstance(data, dict) and "lost_bound" in data:  # optional: revisions only
             keys += ("lost_bound",)
+        if isinstance(data, dict) and "points" in data:  # optional: continuous commits
+            keys += ("points",)
         o = _Obj(data, where, keys)
         partition = o.small_int("partition", PARTITION_MAX)
         where = o.where = f"partition {partition}"
@@ -411,6 +451,7 @@ class PartitionEntry:
             rollback,
             _cut_backs(o, where) if "cut_back" in keys else (),
             o.u64("lost_bound") if "lost_bound" in keys else None,
+            _points(o, where) if "points" in keys else (),
         )
 
 
@@ -587,6 +628,10 @@ class Manifest:
     # the removed backups whose records it took over (every one, over all its revisions)
     revision: int = 1
     absorbed: tuple[BackupId, ...] = ()
+    # version 4 (formats/repository.md §5.11): a commit of `upr backup --follow`, and
+    # when the stretch of time it watched began (the follower's previous commit, or
+    # when it caught up after starting); None: an ordinary backup
+    continuous: datetime | None = None
     _index: dict[int, PartitionEntry] = field(
         init=False, repr=False, compare=False, hash=False, default_factory=dict
     )
@@ -646,6 +691,12 @@ class Manifest:
             self._index[e.partition] = e
         self._check_collections()
         self._check_revision()
+        if self.continuous is not None:
+            format_time(self.continuous)
+            if not self.continuous <= self.finished:
+                raise _fail("continuous: since must not be after finished")
+        elif any(e.points for e in self.partitions):
+            raise _fail("points appear only in a continuous commit (formats/repository.md §5.11)")
         bounded = any(e.lost_bound is not None for e in self.partitions)
         if bounded and self.version < REVISION_VERSION:
             raise _fail("lost_bound appears only in a revision (formats/repository.md §5.10)")
@@ -679,6 +730,8 @@ class Manifest:
     @property
     def version(self) -> int:
         """The manifest version this manifest is written in (the lowest describing it)."""
+        if self.continuous is not None:
+            return CONTINUOUS_VERSION
         return REVISION_VERSION if self.revision > 1 or self.absorbed else MANIFEST_VERSION
 
     def _check_collections(self) -> None:
@@ -755,6 +808,9 @@ class Manifest:
         ) | (
             {} if self.version < REVISION_VERSION else {
                 "revision": self.revision, "absorbed": [b.format() for b in self.absorbed]}
+        ) | (
+            {} if self.continuous is None else {"continuous": {
+                "since": format_time(self.continuous)}}
         )  # fmt: skip
 
     @classmethod
@@ -771,8 +827,10 @@ class Manifest:
         if not (known and version == 1):  # collections (formats/repository.md §5.9)
             keys = (*keys, "collections", "manifest_changes", "collection_filter",
                     "collection_items")  # fmt: skip
-        if known and version == REVISION_VERSION:  # formats/repository.md §5.10
+        if known and version in (REVISION_VERSION, CONTINUOUS_VERSION):  # §5.10
             keys = (*keys, "revision", "absorbed")
+        if known and version == CONTINUOUS_VERSION:  # formats/repository.md §5.11
+            keys = (*keys, "continuous")
         # format and version first: a newer manifest's keys are not unknown, it is newer
         if "format" in obj and obj["format"] != MANIFEST_FORMAT:
             raise _fail(f"format {obj['format']!r} is not {MANIFEST_FORMAT!r}")
@@ -800,7 +858,8 @@ class Manifest:
             Totals.from_json(o.get("totals")),
             BackupId.parse(o.string("merged_through")) if "merged_through" in keys else None,
             *(_collection_fields(o) if version != 1 else (None, (), None, ())),
-            *(_revision_fields(o) if version == REVISION_VERSION else ()),
+            *(_revision_fields(o, version) if version >= REVISION_VERSION else (1, ())),
+            _continuous(o) if version == CONTINUOUS_VERSION else None,
         )
 
     def dumps(self) -> bytes:
@@ -826,13 +885,19 @@ class Manifest:
 BackupManifest = Manifest  # the name the collections contract uses
 
 
-def _revision_fields(o: _Obj) -> tuple[int, tuple[BackupId, ...]]:
+def _continuous(o: _Obj) -> datetime:
+    """The version 4 field (formats/repository.md §5.11)."""
+    c = _Obj(o.get("continuous"), "continuous", ("since",))
+    return parse_time(c.string("since"))
+
+
+def _revision_fields(o: _Obj, version: int) -> tuple[int, tuple[BackupId, ...]]:
     """The version 3 fields (formats/repository.md §5.10); a revision 1 without absorbed
     backups is written as version 2, so version 3 always says something."""
     revision = o.small_int("revision", REVISION_MAX)
     absorbed = tuple(BackupId.parse(b if isinstance(b, str) else repr(b))
                      for b in o.array("absorbed"))  # fmt: skip
-    if revision == 1 and not absorbed:
+    if version == REVISION_VERSION and revision == 1 and not absorbed:
         raise _fail("a version 3 manifest is a revision: revision > 1 or absorbed backups")
     return revision, absorbed
 
