@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -28,6 +29,8 @@ from upr_cli.cli.options import (
     SparkMaster,
     SparkTasks,
     Wait,
+    duration_seconds,
+    size_bytes,
     tls_source,
 )
 from upr_cli.cli.output import (
@@ -44,8 +47,16 @@ from upr_cli.cli.output import (
     table,
 )
 from upr_cli.collections import parse_paths
+from upr_cli.errors import UsageError
 from upr_cli.jobs.backup import BackupSummary, PartitionRollback, backup
 from upr_cli.jobs.backup_stream import DEFAULT_MEMORY, StreamStats
+from upr_cli.jobs.follow import (
+    COMMIT_BYTES,
+    COMMIT_EVERY,
+    CommitReport,
+    FollowOptions,
+    follow,
+)
 from upr_cli.net.uri import SourceUri
 from upr_cli.source import selected
 
@@ -114,6 +125,21 @@ Example (a new full backup, summary as JSON):
 
   upr backup upr://admin@127.0.0.1/default --repo /backups/cb --full --json
 
+--follow keeps the streams open once the backup has caught up and commits a restore
+point every --commit-every (a duration: 1s, 30s, 5m; default 30s) or once
+--commit-bytes (default 64MB) have arrived, whichever comes first, each at a snapshot
+boundary: the writes at risk are seconds, not hours. Each commit is one pack file and a
+manifest whatever the partition count, crash-safe as a backup; the repository's lock is
+held only while it commits, so prune, remove and readers run meanwhile. SIGINT or
+SIGTERM commits what it holds and exits 0; a SIGKILL loses only the uncommitted tail,
+which the next run streams again (the outage shows in `upr info` as a coarse stretch).
+`upr restore --at-time` then restores any moment of the restorable range.
+
+Example (continuous backup, a restore point every 10 seconds):
+
+  upr backup upr://admin@127.0.0.1/default --repo /backups/cb --follow \
+      --commit-every 10s
+
 Example (a new repository, encrypted at rest with a random key file; keep a copy of
 the key, or add a second one with upr repo add-key: a lost key loses the backups):
 
@@ -130,6 +156,25 @@ IncludeData = Annotated[
         show_default=False,
     ),
 ]
+Follow = Annotated[
+    bool,
+    typer.Option(
+        "--follow",
+        help="Keep streaming after catching up; commit a restore "
+        "point every --commit-every (continuous backup).",
+    ),
+]
+CommitEvery = Annotated[
+    float,
+    typer.Option("--commit-every", metavar="DURATION", parser=duration_seconds,
+                 show_default=False,
+                 help="With --follow: commit at least this often (1s, 30s, 5m; default 30s)."),
+]  # fmt: skip
+CommitBytes = Annotated[
+    int,
+    typer.Option("--commit-bytes", metavar="SIZE", parser=size_bytes, show_default=False,
+                 help="With --follow: commit once this much has arrived (default 64MB)."),
+]  # fmt: skip
 ExcludeData = Annotated[
     list[str] | None,
     typer.Option(
@@ -165,6 +210,9 @@ def backup_cmd(
     no_verify: NoVerify = False,
     cert: ClientCert = None,
     key: ClientKey = None,
+    follow_: Follow = False,
+    commit_every: CommitEvery = COMMIT_EVERY,
+    commit_bytes: CommitBytes = COMMIT_BYTES,
     encrypt: Annotated[
         bool,
         typer.Option(
@@ -178,6 +226,17 @@ def backup_cmd(
     """Back up a bucket."""
     source = tls_source(SourceUri.parse(uri), cacert, no_verify, cert, key)
     include, exclude = parse_paths(include_data), parse_paths(exclude_data)
+    if follow_:
+        if spark is not None:
+            raise UsageError("--follow streams from this process: it cannot take --spark")
+        opts = FollowOptions(commit_every, commit_bytes, full=full,
+                             partitions=selected(partitions), include=tuple(include),
+                             exclude=tuple(exclude), wait=wait, compression=compression,
+                             memory=memory, encrypt=encrypt)  # fmt: skip
+        run_follow(source, repo, opts, json_out=json_out, no_progress=no_progress)
+        return
+    if commit_every != COMMIT_EVERY or commit_bytes != COMMIT_BYTES:
+        raise UsageError("--commit-every and --commit-bytes go with --follow")
     show = sys.stderr.isatty() and not no_progress
     with Progress("backup", "items", show=show) as bar:
         bar.note(f"connecting to {source.redacted()}")
@@ -290,3 +349,45 @@ def render(summary: BackupSummary, show_all: bool, repo: str) -> None:
     for fid in summary.follow_ups:
         stdout.print(f"follow-up backup {fid}: the partitions a failover overtook after their "
                      "streams ended, now as their active holds them", markup=False)  # fmt: skip
+
+
+def run_follow(source: SourceUri, repo: Path, opts: FollowOptions, *, json_out: bool,
+               no_progress: bool) -> None:  # fmt: skip
+    """`backup --follow`: catch up (with the backup's bar), then a line per commit on
+    stderr; the summary once a signal ends it (exit 0: a follower's normal end)."""
+    show = sys.stderr.isatty() and not no_progress
+    interrupt.follows(lambda: "every commit is in the repository; run it again to go on")
+
+    def committed(r: CommitReport) -> None:
+        stderr.print(f"upr: commit {r.backup_id}: {r.partitions:,} partitions, "
+                     f"{r.items:,} items, {human_bytes(r.bytes)}, lag {r.lag:.1f}s",
+                     markup=False, highlight=False)  # fmt: skip
+
+    with Progress("backup", "items", show=show) as bar:
+        bar.note(f"connecting to {source.redacted()}")
+
+        def tick(s: StreamStats) -> None:
+            bar.update(s.items, total=s.items_total or None, done=s.seqs_done,
+                       parts=(s.partitions_done, s.partitions), started=s.started,
+                       nbytes=s.bytes_in)  # fmt: skip
+
+        def caught_up(r: CommitReport) -> None:
+            if show:  # the bar says it, in place
+                bar.note(f"following; last commit {r.backup_id}, lag {r.lag:.1f}s")
+            else:
+                committed(r)
+
+        summary = asyncio.run(follow(source, repo, opts, on_commit=caught_up, on_progress=tick,
+                                     on_warning=lambda w: stderr.print(f"warning: {w}",
+                                                                       markup=False),
+                                     on_notice=notice))  # fmt: skip
+    if json_out:
+        print_json(summary.to_json())
+        return
+    stdout.print(
+        f"followed {summary.bucket}: {summary.commits:,} commits, "
+        f"{summary.items:,} items, {human_bytes(summary.bytes_written)} "
+        f"(last {summary.last_commit or '-'})",
+        markup=False,
+        highlight=False,
+    )

@@ -112,6 +112,34 @@ def wait_seconds(value: str | float) -> float:
     return seconds
 
 
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def duration_seconds(value: str | float) -> float:
+    """A positive duration: `250ms`, `1s`, `30s`, `5m`, `1h`, or plain seconds."""
+    if isinstance(value, int | float):  # the default, already a number
+        return float(value)
+    m = _DURATION.fullmatch(value.lower())
+    seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)] if m else 0.0
+    if not 0 < seconds < math.inf:
+        raise typer.BadParameter(f"{value!r}: takes a duration such as 1s, 30s or 5m")
+    return seconds
+
+
+def size_bytes(value: str | int) -> int:
+    """A positive size: 64MB, 1GiB, 65536."""
+    if isinstance(value, int):
+        return value
+    try:
+        n = parse_size(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if n < 1:
+        raise typer.BadParameter(f"{value!r}: takes a size above 0, such as 64MB")
+    return n
+
+
 # One reconnect policy for every command that streams (docs/protocol.md §4.5).
 Wait = Annotated[
     float,
