@@ -441,3 +441,19 @@ def test_points_are_checked() -> None:
                   for x in m.partitions)  # fmt: skip
     with pytest.raises(RepositoryError, match="only in a continuous commit"):
         replace(m, partitions=parts)
+
+
+def test_points_are_compact_and_checked_when_read() -> None:
+    """formats/repository.md §5.11's example, and damage found on first read."""
+    from upr_cli.repo.manifest import Points
+
+    t0 = datetime(2026, 12, 6, 14, 37, tzinfo=UTC)
+    pts = Points([(81, t0), (90, t0 + timedelta(milliseconds=500))])
+    assert pts.text(80) == "AYC259WAv5gDCaDCHg=="
+    assert list(Points(text="AYC259WAv5gDCaDCHg==", check=("p", 80, 90))) == list(pts)
+    lazy = Points(text="AYC259WAv5gDCaDCHg==", check=("partition 3", 80, 85))
+    assert lazy  # not decoded yet: the manifest parsed without it
+    with pytest.raises(RepositoryError, match="partition 3: point seq 90 lies outside"):
+        list(lazy)
+    with pytest.raises(RepositoryError, match="not base64"):
+        list(Points(text="!!", check=("p", 0, 9)))

@@ -23,13 +23,14 @@ was dropped.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from typing import Any, overload
 
 from upr_cli.collections import (
     CollectionsError,
@@ -306,12 +307,120 @@ def _check_points(
         last = point
 
 
-def _points(o: _Obj, where: str) -> tuple[tuple[int, datetime], ...]:
-    out = []
-    for i, raw in enumerate(o.array("points")):
-        p = _Obj(raw, f"{where}: points[{i}]", ("seq", "time"))
-        out.append((p.u64("seq"), parse_time(p.string("time"))))
-    return tuple(out)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _varints(data: bytes, where: str) -> Iterator[int]:
+    value = shift = 0
+    for b in data:
+        value |= (b & 0x7F) << shift
+        if b & 0x80:
+            shift += 7
+            if shift > 63:
+                raise _fail(f"{where}: points: a number longer than 64 bits")
+            continue
+        yield value
+        value = shift = 0
+    if shift:
+        raise _fail(f"{where}: points: cut in the middle of a number")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+class Points(Sequence[tuple[int, datetime]]):
+    """A partition entry's restore points (formats/repository.md §5.11): (seq, time)
+    pairs, kept in their compact text form until read. A manifest with thousands of
+    points per entry (a rolled-up stretch of commits) then parses as fast as one
+    without; they are checked when first read (and by `upr verify`, which reads them
+    all): `RepositoryError` naming the partition."""
+
+    __slots__ = ("_check", "_items", "_text")
+
+    def __init__(
+        self,
+        items: Iterable[tuple[int, datetime]] = (),
+        *,
+        text: str | None = None,
+        check: tuple[str, int, int] | None = None,
+    ) -> None:
+        self._items: tuple[tuple[int, datetime], ...] | None = None if text else tuple(items)
+        self._text = text or None
+        self._check = check
+
+    def _decoded(self) -> tuple[tuple[int, datetime], ...]:
+        if self._items is None:
+            where, start, end = self._check or ("points", 0, U64_MAX)
+            try:
+                raw = base64.b64decode(self._text or "", validate=True)
+            except ValueError:
+                raise _fail(f"{where}: points are not base64") from None
+            nums = list(_varints(raw, where))
+            if len(nums) % 2:
+                raise _fail(f"{where}: points hold an odd count of numbers")
+            out, seq, us = [], start, 0
+            for i in range(0, len(nums), 2):
+                seq, us = seq + nums[i], us + nums[i + 1]
+                try:
+                    when = _EPOCH + timedelta(microseconds=us)
+                except OverflowError:
+                    raise _fail(f"{where}: a point's time is out of range") from None
+                out.append((seq, when))
+            _check_points(out, where, start, end)
+            self._items = tuple(out)
+        return self._items
+
+    def text(self, start_seq: int) -> str:
+        """The compact form: base64 of varint pairs, each the seq's step up from the one
+        before (the first from `start_seq`) and the time's in microseconds (the first
+        from the Unix epoch)."""
+        if self._text is not None and self._check is not None and self._check[1] == start_seq:
+            return self._text
+        out, seq, us = bytearray(), start_seq, 0
+        for q, t in self._decoded():
+            now = (t - _EPOCH) // timedelta(microseconds=1)
+            out += _varint(q - seq) + _varint(now - us)
+            seq, us = q, now
+        return base64.b64encode(bytes(out)).decode("ascii")
+
+    def __len__(self) -> int:
+        return len(self._decoded())
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[int, datetime]: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[tuple[int, datetime], ...]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        return self._decoded()[i]
+
+    def __iter__(self) -> Iterator[tuple[int, datetime]]:
+        return iter(self._decoded())
+
+    def __bool__(self) -> bool:
+        return bool(self._text) if self._items is None else bool(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Points):
+            return self._decoded() == other._decoded()
+        if isinstance(other, tuple):
+            return self._decoded() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._decoded())
+
+    def __repr__(self) -> str:
+        return f"Points({list(self._decoded())!r})"
+
+
+def _points_text(points: Sequence[tuple[int, datetime]], start_seq: int) -> str:
+    return (points if isinstance(points, Points) else Points(points)).text(start_seq)
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,7 +443,7 @@ class PartitionEntry:
     lost_bound: int | None = None
     # version 4 (formats/repository.md §5.11): the snapshot ends a follower received in
     # this commit, (seq, when received by its clock), ascending: its restore points
-    points: tuple[tuple[int, datetime], ...] = ()
+    points: Sequence[tuple[int, datetime]] = ()
 
     def __post_init__(self) -> None:
         p = self.partition
@@ -359,8 +468,9 @@ class PartitionEntry:
                 f"end_seq {self.end_seq}"
             )
         _check_segments(self.segments, w, self.start_seq, self.end_seq, p)
-        _check_points(self.points, w, self.start_seq, self.end_seq)
-        object.__setattr__(self, "points", tuple(self.points))
+        if not isinstance(self.points, Points):  # given decoded: checked now
+            _check_points(self.points, w, self.start_seq, self.end_seq)
+            object.__setattr__(self, "points", Points(self.points))
         if self.lost_bound is not None:
             _u64(self.lost_bound, f"{w}: lost_bound")
         object.__setattr__(self, "cut_backs", tuple(self.cut_backs))
@@ -411,7 +521,7 @@ class PartitionEntry:
             "rollback": None if self.rollback is None else self.rollback.to_json(),
         } | ({"cut_back": [c.to_json() for c in self.cut_backs]} if self.cut_backs else {}) | (
             {} if self.lost_bound is None else {"lost_bound": str(self.lost_bound)}) | (
-            {"points": [{"seq": str(q), "time": format_time(t)} for q, t in self.points]}
+            {"points": _points_text(self.points, self.start_seq)}
             if self.points else {})  # fmt: skip
 
     @classmethod
@@ -451,7 +561,8 @@ class PartitionEntry:
             rollback,
             _cut_backs(o, where) if "cut_back" in keys else (),
             o.u64("lost_bound") if "lost_bound" in keys else None,
-            _points(o, where) if "points" in keys else (),
+            Points(text=o.string("points"), check=(where, o.u64("start_seq"), o.u64("end_seq")))
+            if "points" in keys else (),
         )
 
 
@@ -840,12 +951,16 @@ class Manifest:
                 f"{', '.join(map(str, MANIFEST_VERSIONS))})"
             )
         o = _Obj(data, "manifest", keys)
-        o.small_int("version", 1 << 31)
+        number = o.small_int("version", 1 << 31)
         parent = o.get("parent")
         partitions = tuple(
             PartitionEntry.from_json(e, f"partitions[{i}]")
             for i, e in enumerate(o.array("partitions"))
         )
+        collections, changes, chosen, items = (
+            _collection_fields(o) if version != 1 else (None, (), None, ())
+        )
+        revision, absorbed = _revision_fields(o, number) if number >= REVISION_VERSION else (1, ())
         return cls(
             BackupId.parse(o.string("backup_id")),
             o.string("bucket"),
@@ -857,9 +972,13 @@ class Manifest:
             partitions,
             Totals.from_json(o.get("totals")),
             BackupId.parse(o.string("merged_through")) if "merged_through" in keys else None,
-            *(_collection_fields(o) if version != 1 else (None, (), None, ())),
-            *(_revision_fields(o, version) if version >= REVISION_VERSION else (1, ())),
-            _continuous(o) if version == CONTINUOUS_VERSION else None,
+            collections=collections,
+            manifest_changes=changes,
+            collection_filter=chosen,
+            collection_items=items,
+            revision=revision,
+            absorbed=absorbed,
+            continuous=_continuous(o) if number == CONTINUOUS_VERSION else None,
         )
 
     def dumps(self) -> bytes:
