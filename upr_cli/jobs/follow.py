@@ -65,6 +65,14 @@ from upr_cli.jobs.backup_stream import (
     budget,
 )
 from upr_cli.jobs.follow_stream import Checkpoint, FollowStream
+from upr_cli.jobs.rollup import (
+    Prepared,
+    Tail,
+    absorbed_dirs,
+    prepare,
+    publish,
+    remove_absorbed,
+)
 from upr_cli.jobs.worker import Worker
 from upr_cli.memory import MemoryLimit
 from upr_cli.net.collections_manifest import fetch_collections_manifest
@@ -277,6 +285,13 @@ class _Session:
         self.filter = newest.collection_filter
         self.manifests = manifests
         self.collections: CollectionsManifest | None = None
+        # rollups (jobs/rollup.py): the tail of commits, the one rollup at work, the
+        # directories it could not remove yet (a reader was there), and the write turn
+        # the commits and the rollups take one at a time
+        self.tail = Tail()
+        self.rolling: asyncio.Task[None] | None = None
+        self.leftover: list[Path] = []
+        self.turn = asyncio.Lock()
 
     async def run(
         self,
@@ -317,6 +332,10 @@ class _Session:
                     await consumer.open()
                     await self._loop(consumer, stream, stop, out, on_commit)
                 finally:
+                    if self.rolling is not None:  # its prepared files go; the tail stays
+                        self.rolling.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await self.rolling
                     await stream.abort()
                     await consumer.aclose()
         finally:
@@ -369,18 +388,64 @@ class _Session:
 
     async def _commit(self, stream: FollowStream, gate: asyncio.Lock) -> CommitReport | None:
         """Take the lock, cut the streams, write the commit; None when the lock is held."""
-        repo = self.repo
-        lock = RepositoryLock(repo, self.bucket, on_stale=self.warn)
+        async with self.turn:
+            lock = RepositoryLock(self.repo, self.bucket, on_stale=self.warn)
+            try:
+                await asyncio.to_thread(lock.__enter__)
+            except RepositoryLocked:
+                return None
+            try:
+                async with gate:
+                    cp = await stream.checkpoint()
+                report, manifest = await asyncio.to_thread(self._write, stream, cp)
+            finally:
+                await asyncio.to_thread(lock.__exit__, None, None, None)
+        self.tail.add(manifest)
+        self._roll_if_due()
+        return report
+
+    def _roll_if_due(self) -> None:
+        """Start the rollup the tail is ready for, unless one is at work."""
+        if self.rolling is not None and not self.rolling.done():
+            return
+        if self.rolling is not None and not self.rolling.cancelled():
+            exc = self.rolling.exception()
+            if exc is not None:  # the commits are safe; the next rollup tries again
+                self.warn(f"rolling up commits failed: {exc}")
+                self.tail = Tail()
+        group = self.tail.due()
+        self.rolling = None if group is None else asyncio.ensure_future(self._roll(group))
+
+    async def _roll(self, group: list[Manifest]) -> None:
+        """Prepare without a lock, publish with it (jobs/rollup.py); cascade upwards."""
+        prepared = await asyncio.to_thread(prepare, self.repo, group)
         try:
-            await asyncio.to_thread(lock.__enter__)
-        except RepositoryLocked:
-            return None
-        try:
-            async with gate:
-                cp = await stream.checkpoint()
-            return await asyncio.to_thread(self._write, stream, cp)
+            while True:
+                async with self.turn:
+                    lock = RepositoryLock(self.repo, self.bucket, on_stale=self.warn)
+                    try:
+                        await asyncio.to_thread(lock.__enter__)
+                    except RepositoryLocked:
+                        pass  # prune, remove: the next tick
+                    else:
+                        try:
+                            await asyncio.to_thread(self._publish, prepared, lock)
+                        finally:
+                            await asyncio.to_thread(lock.__exit__, None, None, None)
+                        break
+                await asyncio.sleep(0.2)
         finally:
-            await asyncio.to_thread(lock.__exit__, None, None, None)
+            prepared.discard()
+        self.rolling = None
+        self._roll_if_due()
+
+    def _publish(self, prepared: Prepared, lock: RepositoryLock) -> None:
+        if not publish(self.repo, prepared, lock):
+            self.tail = Tail()  # the chain moved under it: nothing written
+            return
+        self.tail.rolled(prepared.group, prepared.manifest)
+        stale = self.leftover + absorbed_dirs(self.repo, prepared.group)
+        self.leftover = remove_absorbed(self.repo, self.bucket, stale)
 
     def _newest(self) -> BackupId:
         """The follower's last commit, checked to be still the chain's end (one listing)."""
@@ -399,7 +464,7 @@ class _Session:
                     raise ChainMoved(f"backup {bid} was committed by another run")
         return max(ids)
 
-    def _write(self, stream: FollowStream, cp: Checkpoint) -> CommitReport:
+    def _write(self, stream: FollowStream, cp: Checkpoint) -> tuple[CommitReport, Manifest]:
         """Write the pack and the manifest of one commit (formats/repository.md §4.7)."""
         repo, storage, bucket = self.repo, self.repo.storage, self.bucket
         after = self._newest()
@@ -436,10 +501,11 @@ class _Session:
         self.collections = chain_manifest([manifest])
         first = min((t for pts in cp.points.values() for _q, t in pts), default=None)
         lag = 0.0 if first is None else (manifest.finished - first).total_seconds()
-        return CommitReport(str(backup_id), len(entries), manifest.totals.items,
+        report = CommitReport(str(backup_id), len(entries), manifest.totals.items,
                             manifest.totals.bytes_written,
                             sum(len(p) for p in cp.points.values()), manifest.started,
                             manifest.finished, lag, rollbacks)  # fmt: skip
+        return report, manifest
 
     def _check_sizes(self, d: Path, manifest: Manifest, pack_size: int | None) -> None:
         """Every segment the manifest lists is in the pack at its size (read back)."""

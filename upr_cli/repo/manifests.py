@@ -208,6 +208,12 @@ class ManifestStore:
                 manifests.append(self.read(bucket, bid))
             except RepositoryError as exc:
                 damaged[bid] = str(exc)
+        # forget the bucket's manifests no longer there (a long-running follower rolls
+        # up and removes thousands): the cache stays the size of the repository
+        there = {id(m) for m in manifests}
+        for key in [k for k, m in self._parsed.items() if m.bucket == bucket
+                    and id(m) not in there]:  # fmt: skip
+            del self._parsed[key]
         return manifests, damaged
 
     def absorbed(self, bucket: str) -> set[BackupId]:

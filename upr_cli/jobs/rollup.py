@@ -1,0 +1,252 @@
+"""Rolling up a follower's small commits (formats/repository.md §4.8).
+
+Theory of operation. A follower commits every few seconds, so its chain grows by
+thousands of small backups a day; read as they are, each costs a manifest and a segment
+per partition it touched, and a restore or `upr info` of ten thousand of them would take
+many times what the same data in ten backups takes. So the follower **rolls up**: as
+soon as the newest `FANOUT` backups of its session's tail have the same level L (a
+commit is level 0), they become one backup of level L + 1: a new revision of the newest
+of them (formats/repository.md §4.6) that absorbs the others and holds, per partition,
+one segment with every record they held (nothing is dropped: every restore point inside
+stays exact) and all their restore points. The chain keeps a few backups per level: a
+logarithmic count, each record rewritten once per level.
+
+Only what a commit may hold joins a rollup: continuous commits of one session (each
+watching from where the one before ended), without a rollback or a cut-back (those
+stay as they are, and the tail starts again after them).
+
+The work is split so that commits never wait for it: `prepare` reads the members and
+writes the merged segments into a local work directory without any lock (committed
+backups never change); `publish` then takes the follower's write turn and the bucket's
+lock only to check that the members are still the chain's (a `prune` or `remove` in
+between: the rollup is dropped), write the pack and commit the revision's manifest,
+and remove the absorbed directories when no reader is there (else the next sweep does).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from upr_cli.repo import (
+    BackupId,
+    Manifest,
+    PartitionEntry,
+    Repository,
+    RepositoryLock,
+    SegmentEntry,
+    Totals,
+    format_segment_name,
+)
+from upr_cli.repo.errors import RepositoryError, RepositoryLocked
+from upr_cli.repo.manifest import CollectionCount
+from upr_cli.repo.names import format_backup_dir, format_time, parse_backup_dir
+from upr_cli.repo.pack import write_pack
+from upr_cli.repo.readers import ExclusiveAccess
+from upr_cli.segments import SegmentHeader, SegmentReader, SegmentWriter
+from upr_cli.storage import LOCAL
+
+FANOUT = 16
+"""Backups of one level rolled into one of the next: 16 commits, 256, 4,096, …"""
+_SPILL = 8 << 20  # a merged segment's buffered bytes before it spills to its body file
+
+
+def rollable(m: Manifest) -> bool:
+    """Whether a commit may join a rollup (no rollback, no cut-back)."""
+    return m.continuous is not None and not any(
+        e.rollback is not None or e.cut_backs for e in m.partitions
+    )
+
+
+@dataclass
+class Tail:
+    """The session's backups that can still be rolled up, oldest first, with levels."""
+
+    items: list[tuple[Manifest, int]] = field(default_factory=list)
+
+    def add(self, m: Manifest) -> None:
+        """A new commit: joins the tail, or (a rollback in it) starts it again."""
+        if rollable(m) and (not self.items or self.items[-1][0].finished == m.continuous):
+            self.items.append((m, 0))
+        else:
+            self.items = []
+
+    def due(self) -> list[Manifest] | None:
+        """The newest FANOUT backups when they share a level, else None."""
+        if len(self.items) < FANOUT:
+            return None
+        group = self.items[-FANOUT:]
+        level = group[0][1]
+        if any(lv != level for _m, lv in group):
+            return None
+        return [m for m, _lv in group]
+
+    def rolled(self, group: list[Manifest], into: Manifest) -> None:
+        """`group` became `into`, one level up (a tail changed meanwhile is dropped)."""
+        ids = [m.backup_id for m, _lv in self.items]
+        want = [m.backup_id for m in group]
+        for i in range(len(ids) - len(want) + 1):
+            if ids[i : i + len(want)] == want:
+                level = self.items[i][1] + 1
+                self.items[i : i + len(want)] = [(into, level)]
+                return
+        self.items = []
+
+
+@dataclass
+class Prepared:
+    """A rollup written to local files, waiting for its publication."""
+
+    group: list[Manifest]
+    manifest: Manifest
+    members: list[tuple[str, Path]]
+    work: Path
+
+    def discard(self) -> None:
+        """Drop the local files."""
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _now() -> str:
+    return format_time(datetime.now(UTC))
+
+
+def prepare(repo: Repository, group: list[Manifest]) -> Prepared:
+    """Merge `group` (consecutive commits or rollups of one session) into local files
+    and the manifest of its revision; no lock is needed: committed backups never change."""
+    k = group[-1]
+    work = Path(tempfile.mkdtemp(prefix="upr-rollup-"))
+    try:
+        entries, members = [], []
+        counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        for p in sorted({e.partition for m in group for e in m.partitions}):
+            held = [(m, e) for m in group if (e := m.partition(p)) is not None]
+            seg = _merge(repo, k, p, held, work)
+            if seg is not None:
+                members.append((seg.file, work / seg.file))
+            first, last = held[0][1], held[-1][1]
+            points = [pt for _m, e in held for pt in e.points]
+            entries.append(
+                PartitionEntry(
+                    p,
+                    last.uuid,
+                    last.failover_log,
+                    first.start_seq,
+                    last.end_seq,
+                    last.snap_start,
+                    last.snap_end,
+                    () if seg is None else (seg,),
+                    points=points,
+                )
+            )
+        for m in group:
+            for c in m.collection_items:
+                counts[c.id][0] += c.items
+                counts[c.id][1] += c.deleted
+        absorbed = sorted({b for m in group for b in m.absorbed}
+                          | {m.backup_id for m in group[:-1]})  # fmt: skip
+        changes = sorted((c for m in group for c in m.manifest_changes),
+                         key=lambda c: (c.partition, c.seq))  # fmt: skip
+        manifest = Manifest(
+            backup_id=k.backup_id, bucket=k.bucket, source=k.source, started=group[0].started,
+            finished=k.finished, full=False, parent=group[0].parent, partitions=tuple(entries),
+            totals=Totals.derive(entries, sum(m.totals.bytes_read for m in group)),
+            collections=group[0].collections, manifest_changes=tuple(changes),
+            collection_filter=k.collection_filter,
+            collection_items=tuple(CollectionCount(i, a, d)
+                                   for i, (a, d) in sorted(counts.items())),
+            revision=k.revision + 1, absorbed=tuple(absorbed), continuous=group[0].continuous,
+        )  # fmt: skip
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return Prepared(group, manifest, members, work)
+
+
+def _merge(repo: Repository, k: Manifest, p: int, held: list[tuple[Manifest, PartitionEntry]],
+           work: Path) -> SegmentEntry | None:  # fmt: skip
+    """One segment of every record of partition p in `held`, in seq order."""
+    pieces = [(m, s) for m, e in held for s in e.segments]
+    if not pieces:
+        return None
+    first, last = held[0][1], held[-1][1]
+    header = SegmentHeader(k.bucket, p, last.failover_log, first.start_seq, last.end_seq, (),
+                           _now(), f"rollup: {len(held)} backups into {k.backup_id}")  # fmt: skip
+    writer = SegmentWriter(work / f"p{p:04x}.open", header, storage=LOCAL)
+    snapshots: list[tuple[int, int]] = []
+    try:
+        for m, s in pieces:
+            with SegmentReader(repo.segment_path(k.bucket, m.backup_id, s.file),
+                               repo.storage) as r:  # fmt: skip
+                snapshots += r.header.snapshots
+                for i in range(len(r.blocks)):
+                    writer.add([rec.as_dcp(p) for rec in r.block_records(i)])
+                    if writer.buffered > _SPILL:
+                        writer.spill()
+        name = format_segment_name(p, writer.first_seq, writer.last_seq)
+        info = writer.finish(end_seq=last.end_seq, snapshots=tuple(snapshots), sync=False,
+                             path=work / name)  # fmt: skip
+    except BaseException:
+        writer.abort()
+        raise
+    return SegmentEntry(name, info.first_seq, info.last_seq, info.records, info.bytes,
+                        info.checksum)  # fmt: skip
+
+
+def _dirs(repo: Repository, bucket: str) -> dict[BackupId, set[str]]:
+    out: dict[BackupId, set[str]] = defaultdict(set)
+    for entry in repo.storage.list(repo.bucket_dir(bucket)):
+        if entry.is_dir:
+            try:
+                out[parse_backup_dir(entry.name)[0]].add(entry.name)
+            except RepositoryError:
+                continue
+    return out
+
+
+def publish(repo: Repository, prepared: Prepared, lock: RepositoryLock) -> bool:
+    """Commit a prepared rollup (the bucket's lock held); False when the chain moved
+    under it (the members are not all there as they were: dropped, nothing written)."""
+    group, manifest = prepared.group, prepared.manifest
+    bucket, storage = manifest.bucket, repo.storage
+    dirs = _dirs(repo, bucket)
+    for m in group:  # each member is still its backup's current revision
+        names = dirs.get(m.backup_id, set())
+        newer = [n for n in names if parse_backup_dir(n)[1] > m.revision]
+        if format_backup_dir(m.backup_id, m.revision) not in names or newer:
+            return False
+    k = group[-1]
+    d = repo.revision_dir(bucket, k.backup_id, manifest.revision)
+    storage.make_dir(d)
+    storage.sync_dir(repo.bucket_dir(bucket))
+    if prepared.members:
+        write_pack(storage, d, prepared.members)
+    repo.manifest_store.write_revision(manifest, lock)
+    return True
+
+
+def remove_absorbed(repo: Repository, bucket: str, paths: list[Path]) -> list[Path]:
+    """Remove the directories a rollup absorbed when no reader is there (the bucket's
+    lock held); those left (a reader came) are returned, for the next try or sweep."""
+    if not paths:
+        return []
+    try:
+        with ExclusiveAccess(repo, bucket, wait=0):
+            for path in paths:
+                if repo.storage.stat(path) is not None:
+                    repo.sweeper.discard(path)
+            repo.storage.sync_dir(repo.bucket_dir(bucket))
+    except RepositoryLocked:
+        return paths
+    return []
+
+
+def absorbed_dirs(repo: Repository, group: list[Manifest]) -> list[Path]:
+    """The directories a published rollup of `group` made stale: every member's, and the
+    older revision of the newest one."""
+    bucket = group[-1].bucket
+    return [repo.revision_dir(bucket, m.backup_id, m.revision) for m in group]
