@@ -2,24 +2,39 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import struct
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.repo.chain_gen import Step, build
+from tests.repo.pack_helpers import observe, pack_backup
+from tests.repo.repo_helpers import BUCKET
+from upr_cli.cli.app import main
+from upr_cli.jobs.inspect import info
+from upr_cli.jobs.prune import run as prune
+from upr_cli.jobs.repo_copy import copy_repository
+from upr_cli.jobs.retention import KeepRules
+from upr_cli.repo import MANIFEST_FILE, Repository, RepositoryLock, access
 from upr_cli.repo.errors import RepositoryError
+from upr_cli.repo.manifests import MANIFEST_COPY
 from upr_cli.repo.pack import (
     HEADER,
     PACK_NAME,
     TRAILER,
+    PackedStorage,
     PackError,
     check_pack,
     load_index,
     write_pack,
 )
 from upr_cli.segments.format import SegmentError
-from upr_cli.storage import LocalStorage
+from upr_cli.storage import LocalStorage, Stat, unwrap
 
 SEG1 = "p0003-s0000000000000001-e0000000000000009.seg"
 SEG2 = "p0004-s0000000000000001-e0000000000000002.seg"
@@ -90,3 +105,224 @@ def test_damaged_pack_is_a_pack_error(tmp_path: Path, where: str) -> None:
     if where != "member":  # the index alone does not read the members
         with pytest.raises(PackError):
             load_index(storage, pack, len(data))
+
+
+# -- a packed repository reads as before -------------------------------------------------
+
+STEPS = [
+    Step("full", (5, 5, 5), (0, 0, 0), (False, False, False), 1),
+    Step("inc", (4, 3, 0), (0, 0, 0), (True, False, False), 2),  # a cut-back on 0: cut-1/
+    Step("inc", (3, 4, 5), (0, 3, 0), (False, False, False), 3),  # a rollback on 1
+    Step("inc", (2, 5, 1), (0, 0, 0), (False, True, False), 4),  # a cut-back on 1
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_access(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in ("UPR_KEY_FILE", "UPR_PASSPHRASE", "UPR_FROM_KEY_FILE", "UPR_FROM_PASSPHRASE"):
+        monkeypatch.delenv(name, raising=False)
+    access.reset()
+    yield
+    access.reset()
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A plain chain (cut-backs, a rollback, collections) and what readers make of it."""
+    root = tmp_path_factory.mktemp("pack")
+    src = root / "src"
+    build(Repository(src), STEPS)
+    return src, observe(src, root)
+
+
+def _files(repo: Repository, d: Path) -> list[str]:
+    return sorted(e.name for e in unwrap(repo.storage).list(d))
+
+
+def check_packed_repository(src: Path, before: dict[str, Any], dst: Path, work: Path,
+                            *, encrypted: bool) -> None:  # fmt: skip
+    """Pack two backups of a copy of `src` at `dst` (the one with a cut-back, the
+    newest), then: every reader reads as before; a copy reads as before; a prune that
+    absorbs the packed backup keeps the newest's `continuous` and points."""
+    copy_repository(src, dst, encrypt=encrypted)
+    repo = Repository(dst)
+    ids = repo.backups(BUCKET)
+    packed = [ids[1], ids[-1]]
+    for b in packed:
+        pack_backup(repo, BUCKET, b)
+        d = repo.backup_dir(BUCKET, b)
+        assert _files(repo, d) == [MANIFEST_FILE, MANIFEST_COPY, PACK_NAME]
+        m = Repository(dst).read_manifest(BUCKET, b)
+        assert m.continuous is not None and any(e.points for e in m.partitions)
+        # sealed in an encrypted repository: the pack's own magic is not to be seen
+        assert (b"UPR-PACK" in (d / PACK_NAME).read_bytes()[:8]) is not encrypted
+    # the members list and stat like files, cut-K directories included
+    r2 = Repository(dst)
+    d = r2.backup_dir(BUCKET, ids[1])
+    listed = {e.name: e for e in r2.storage.list(d)}
+    assert listed["cut-1"].is_dir and PACK_NAME in listed
+    m1 = r2.read_manifest(BUCKET, ids[1])
+    for e in m1.partitions:
+        for name, s in [(s.file, s) for s in e.segments] + e.cut_files():
+            st = r2.storage.stat(d / name)
+            assert st is not None and st.is_file and st.size == s.bytes
+    assert observe(dst, work) == before
+    shown = info(dst)["buckets"][BUCKET]
+    assert [b["backup_id"] for b in shown["backups"]] == [str(b) for b in ids]
+    assert all(b["bytes_on_disk"] > 0 for b in shown["backups"]) and not shown["leftovers"]
+    # a copy of the packed repository (its members become files there)
+    access.reset()
+    if encrypted:
+        os.environ["UPR_FROM_PASSPHRASE"] = os.environ["UPR_PASSPHRASE"]
+    copied = work / "copied"
+    copy_repository(dst, copied, encrypt=encrypted)
+    assert observe(copied, work) == before
+    for b in packed:
+        theirs = Repository(dst).read_manifest(BUCKET, b)
+        assert Repository(copied).read_manifest(BUCKET, b) == theirs
+    # a prune that keeps the newest: the packed ids[1] is absorbed, the packed newest
+    # becomes a revision that is still a continuous commit, with its points
+    k = Repository(dst).read_manifest(BUCKET, ids[-1])
+    prune(dst, bucket=None, rules=KeepRules(last=1), apply_=True, drop_lost=False)
+    rev = Repository(dst).read_manifest(BUCKET, ids[-1])
+    assert rev.revision == 2 and set(rev.absorbed) == set(ids[:-1])
+    assert rev.continuous == k.continuous
+    for e in k.partitions:
+        got = rev.partition(e.partition)
+        assert got is not None and got.points == e.points
+    after = observe(dst, work)
+    assert after["states"] == {str(ids[-1]): before["states"][str(ids[-1])]}
+    assert after["problems"] == []
+
+
+def test_a_packed_plain_repository(chain: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    check_packed_repository(*chain, tmp_path / "dst", tmp_path, encrypted=False)
+
+
+def test_a_packed_encrypted_repository(chain: tuple[Path, dict[str, Any]], tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("UPR_PASSPHRASE", "a passphrase")
+    check_packed_repository(*chain, tmp_path / "dst", tmp_path, encrypted=True)
+
+
+def _upr(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """A command run in this process."""
+    access.reset()
+    capsys.readouterr()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("damage", ["index", "truncated"])
+def test_a_damaged_pack_is_named_and_refused(chain: tuple[Path, dict[str, Any]], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str],
+                                             damage: str) -> None:  # fmt: skip
+    dst = tmp_path / "r"
+    shutil.copytree(chain[0], dst)
+    repo = Repository(dst)
+    pack = pack_backup(repo, BUCKET, repo.backups(BUCKET)[1])
+    data = bytearray(pack.read_bytes())
+    if damage == "index":
+        (ix_at,) = struct.unpack(">Q", data[-TRAILER.size : -TRAILER.size + 8])
+        data[ix_at + 9] ^= 0x01
+    else:
+        del data[-100:]
+    pack.write_bytes(bytes(data))
+    code, out, err = _upr(capsys, "verify", "--repo", str(dst), "--json")
+    assert code != 0
+    problems = [p for b in json.loads(out)["buckets"] for p in b["problems"]]
+    segs = [p for p in problems if p["where"].endswith(".seg")]
+    assert segs and all(f"{pack}: damaged pack" in p["detail"] for p in segs)
+    code, out, err = _upr(capsys, "restore", "--repo", str(dst), f"sqlite:{tmp_path / 'x.db'}")
+    assert code != 0 and not out
+    assert err.count("\n") == 1 and str(pack) in err and "damaged pack" in err
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_an_uncommitted_packed_directory_is_never_resumed(
+    chain: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A follower killed between its pack and its manifest: a leftover the sweep removes,
+    never the run the next backup goes on in."""
+    dst = tmp_path / "r"
+    shutil.copytree(chain[0], dst)
+    repo = Repository(dst)
+    ids = repo.backups(BUCKET)
+    pack_backup(repo, BUCKET, ids[-1])
+    d = repo.backup_dir(BUCKET, ids[-1])
+    (d / MANIFEST_FILE).unlink()
+    (d / MANIFEST_COPY).unlink()
+    repo = Repository(dst)
+    assert repo.resumable(BUCKET) is None
+    assert repo.incomplete(BUCKET) == [] and repo.packed_leftovers(BUCKET) == [ids[-1]]
+    assert repo.leftovers(BUCKET) == [ids[-1]]
+    running = repo.next_backup_id(BUCKET)
+    with RepositoryLock(repo, BUCKET) as lock:
+        removed = repo.sweep(BUCKET, running, lock)
+    assert d in removed and not d.exists()
+    assert Repository(dst).backups(BUCKET) == ids[:-1]
+
+
+class _Counting(LocalStorage):
+    """A local directory that counts the calls that reach it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def stat(self, path: Path, *, follow_links: bool = False) -> Stat | None:
+        self.calls.append(f"stat {path.name}")
+        return super().stat(path, follow_links=follow_links)
+
+    def read(self, path: Path, offset: int = 0, length: int = -1) -> bytes:
+        self.calls.append(f"read {path.name}")
+        return super().read(path, offset, length)
+
+
+def test_the_layer_reads_an_index_once_and_costs_one_stat_without_a_pack(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "20261121T061500.000000Z"
+    d.mkdir()
+    write_pack(LocalStorage(), d, _members(tmp_path))
+    plain = tmp_path / "20261121T071500.000000Z"
+    plain.mkdir()
+    (plain / SEG1).write_bytes(b"a real file")
+    inner = _Counting()
+    s = PackedStorage(inner)
+    for _ in range(3):
+        assert s.read(d / SEG2) == (tmp_path / "local1").read_bytes()
+        assert s.read(d / CUT, 5, 7) == (tmp_path / "local2").read_bytes()[5:12]
+        assert s.stat(plain / SEG1).size == 11  # type: ignore[union-attr]
+        assert s.read(plain / SEG1) == b"a real file"
+    assert inner.calls.count(f"stat {PACK_NAME}") == 2  # once per directory
+    assert inner.calls.count(f"read {PACK_NAME}") == 2 + 6  # its head and end, once; members
+    # a window: seeks from its start and its end, reads stop at its end
+    with s.open_read(d / CUT) as f:
+        want = (tmp_path / "local2").read_bytes()
+        assert f.seek(0, 2) == len(want)
+        f.seek(-10, 2)
+        assert f.read(100) == want[-10:] and f.read(1) == b""
+        f.seek(3)
+        assert f.read(4) == want[3:7]
+    # listing: the members as files, cut-1 as a directory; the pack itself is listed too
+    assert sorted(e.name for e in s.list(d)) == sorted(["cut-1", PACK_NAME, SEG1, SEG2])
+    assert [e.name for e in s.list(d / "cut-1")] == [CUT.split("/")[1]]
+    assert s.stat(d / "cut-1").is_dir  # type: ignore[union-attr]
+    # link: the member's bytes as a real file; an existing one is refused
+    dst = tmp_path / "copy.seg"
+    s.link(d / CUT, dst)
+    assert dst.read_bytes() == (tmp_path / "local2").read_bytes()
+    with pytest.raises(FileExistsError):
+        s.link(d / CUT, dst)
+    # a pack written later (by another process) is found when a member is missed
+    late = tmp_path / "20261121T081500.000000Z"
+    late.mkdir()
+    assert s.stat(late / SEG1) is None
+    write_pack(LocalStorage(), late, _members(tmp_path)[:1])
+    assert s.stat(late / SEG1).size == 100  # type: ignore[union-attr]

@@ -89,12 +89,12 @@ def test_random_key_file_wrong_key_and_no_key(tmp_path: Path) -> None:
         Repository(path, access=Access()).new_backup_dir("b", _id())
     assert sorted(p.name for p in path.rglob("*")) == before  # nothing created
     repo = Repository(path, access=Access(key_file=key))
-    assert isinstance(repo.storage, EncryptedStorage)
+    assert isinstance(repo.storage.inner, EncryptedStorage)  # under the pack layer
     # a Spark executor: the data key alone opens it; a wrong one is refused
     handed = repo.keyed_access()
     assert handed.key_file == key and repr(repo.storage.data_key) not in repr(handed)
     executor = Repository(path, access=Access(data_keys=handed.data_keys))
-    assert isinstance(executor.storage, EncryptedStorage)
+    assert isinstance(executor.storage.inner, EncryptedStorage)
     wrong = {k: bytes(32) for k in handed.data_keys}
     with pytest.raises(WrongKey, match="data key given"):
         Repository(path, access=Access(data_keys=wrong)).info()

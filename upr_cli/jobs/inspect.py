@@ -297,7 +297,11 @@ def _check_segment(
     name = name or seg.file
     path = repo.segment_path(bucket, bid, name)
     where = f"{bucket}/{bid}/{name}"
-    st = repo.storage.stat(path, follow_links=True)
+    try:
+        st = repo.storage.stat(path, follow_links=True)
+    except SegmentError as exc:  # its backup's pack is damaged (formats/repository.md §12)
+        rep.problems.append(Problem("corrupt", where, str(exc)))
+        return None
     if st is None:
         rep.problems.append(Problem("missing", where, "segment file is missing"))
         return None

@@ -8,8 +8,11 @@ the kept backup K after them, or by nothing (the newest ones).
   shorter chain that is whole): no kept state ever read it.
 * A run followed by K is merged forward into K: a new revision of K is written under
   the same id (directory `K-rNNNNNNNN`), then committed by its manifest, and only then
-  are the run's directories and K's older revision removed. Per partition p the
-  revision holds:
+  are the run's directories and K's older revision removed. A revision of a continuous
+  commit (`backup --follow`) stays one (`continuous`, and K's restore points: K's records
+  are linked as they were; the run's points go with its compacted records); members of
+  K's `segments.pack` are written out as files of the revision (formats/repository.md
+  §12). Per partition p the revision holds:
   - the run's records that the state at K takes (seq ≤ cut(R, K),
     formats/repository.md §8.1), compacted to the latest record of every document
     (tombstones kept, events and the collections dropped by K left out), in parts between the
@@ -288,10 +291,13 @@ class _Revision:
             segments += ek.segments
             for seg in ek.segments:
                 self.link(k, seg.file)
+        # K's restore points stay (its own records are linked as they were); the run's
+        # go with its compacted records, whose inner states no longer exist
         return PartitionEntry(p, owner.uuid, owner.failover_log, start, owner.end_seq,
                               owner.snap_start, owner.snap_end, tuple(segments),
                               self._rollback(members, ek, start), tuple(cut_backs),
-                              self._lost_bound(members, ek, start))  # fmt: skip
+                              self._lost_bound(members, ek, start),
+                              ek.points if ek is not None else ())  # fmt: skip
 
     def _wrote(self, got: Written) -> None:
         # `write_latest` made the file and its directory durable: not synced again
@@ -426,6 +432,7 @@ class _Revision:
             collection_items=tuple(CollectionCount(i, a, d)
                                    for i, (a, d) in sorted(counts.items())),
             revision=k.revision + 1, absorbed=self.step.absorbed,
+            continuous=k.continuous,  # a revision of a continuous commit stays one
         )  # fmt: skip
 
 

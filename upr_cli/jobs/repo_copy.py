@@ -68,7 +68,7 @@ from upr_cli.repo import (
 )
 from upr_cli.repo.access import Access, current
 from upr_cli.repo.readers import read_lock, sweep_unless_read
-from upr_cli.storage import display_location, is_s3, s3_parts, unwrap
+from upr_cli.storage import display_location, is_s3, s3_parts
 
 __all__ = [
     "CHUNK",
@@ -218,8 +218,8 @@ def _check_locations(src: Path, dst: Path) -> None:
 
 
 def _is_encrypted(repo: Repository) -> bool:
-    """The repository is read through a layer (an encrypting one) over its backend."""
-    return unwrap(repo.storage) is not repo.storage
+    """The repository is read through a sealing layer (it holds a data key)."""
+    return isinstance(getattr(repo.storage, "data_key", None), bytes)
 
 
 def _open_source(path: Path, access: Access) -> Repository:

@@ -11,13 +11,18 @@ and hands the other jobs to their own modules, which share that storage:
   the chain a reader uses (formats/repository.md §4.1, §8.8);
 * `sweep` removes what interrupted and failed runs left, under the bucket's lock
   (formats/repository.md §4.4);
-* `lock` is the bucket's lock.
+* `lock` is the bucket's lock;
+* `pack` reads the members of a backup directory's `segments.pack` as the segment files
+  they were (`PackedStorage`, the outermost layer of `storage`, formats/repository.md
+  §12).
 
 A backup directory exists from the moment a run starts writing segments into it, but
 the backup exists only once its manifest does, so listing reports committed backups and
 a directory with neither manifest file is an interrupted run: the next run reuses it
-(resume) or the sweep removes it. Commits go forward only: a new backup id sorts after
-every committed one, so id order is chain order (formats/repository.md §8).
+(resume) or the sweep removes it; one whose segments are in a pack (a `backup --follow`
+killed between its pack and its manifest) is never reused, only swept. Commits go
+forward only: a new backup id sorts after every committed one, so id order is chain
+order (formats/repository.md §8).
 
 Every path is built from the tested format/parse pairs in `names`.
 """
@@ -56,8 +61,9 @@ from upr_cli.repo.names import (
     parse_cut_path,
     parse_time,
 )
+from upr_cli.repo.pack import PACK_NAME, PackedStorage
 from upr_cli.repo.sweep import Sweeper
-from upr_cli.storage import Storage, open_storage
+from upr_cli.storage import Storage, open_storage, unwrap
 
 if TYPE_CHECKING:
     from upr_cli.repo.keys import Encryption
@@ -209,19 +215,20 @@ class Repository:
         """What every file is reached through: the backend, or over it the sealing layer
         of an encrypted repository (formats/repository.md §10), unlocked on first use
         with the key of `self.access`, before anything else is read or written (no
-        key or a wrong one: `MissingKey`, `WrongKey`). Until repo.json exists, the
-        backend."""
+        key or a wrong one: `MissingKey`, `WrongKey`); outermost, the layer that reads
+        the members of packs as segment files (`PackedStorage`, §12). Until repo.json
+        exists, the backend."""
         if self._storage is not None:
             return self._storage
         info = self.peek()
         if info is None:
             return self.backend
         if info.encryption is None:
-            self._storage = self.backend
+            self._storage = PackedStorage(self.backend)
         else:  # the ciphers and Argon2 are imported by encrypted repositories only
             from upr_cli.repo.keys import open_encrypted
 
-            self._storage = open_encrypted(self, info)
+            self._storage = PackedStorage(open_encrypted(self, info))
         return self._storage
 
     def peek(self) -> RepoInfo | None:
@@ -468,8 +475,17 @@ class Repository:
         return self.manifest_store.chain(bucket)
 
     def incomplete(self, bucket: str) -> list[BackupId]:
-        """Backup directories with neither manifest file (interrupted runs), oldest first."""
-        return [s.backup_id for s in self.scan(bucket) if not s.committed]
+        """Backup directories with neither manifest file (interrupted runs) that a run
+        can go on in, oldest first: not those holding a pack (`packed_leftovers`)."""
+        return [s.backup_id for s in self.scan(bucket)
+                if not s.committed and not self._holds_pack(s.path)]  # fmt: skip
+
+    def packed_leftovers(self, bucket: str) -> list[BackupId]:
+        """Uncommitted backup directories holding a `segments.pack`: a `backup --follow`
+        stopped between its pack and its manifest. Never resumed: the sweep removes
+        them (formats/repository.md §12)."""
+        return [s.backup_id for s in self.scan(bucket)
+                if not s.committed and self._holds_pack(s.path)]  # fmt: skip
 
     def resumable(self, bucket: str) -> BackupId | None:
         """The interrupted run the next backup of `bucket` goes on from
@@ -489,7 +505,8 @@ class Repository:
         keep = self.resumable(bucket)
         named = {b for m in self.readable(bucket)[0] for b in (m.parent, m.merged_through)
                  if b is not None}  # fmt: skip
-        return [b for b in self.incomplete(bucket) if b != keep and b not in named]
+        ids = sorted([*self.incomplete(bucket), *self.packed_leftovers(bucket)])
+        return [b for b in ids if b != keep and b not in named]
 
     # -- writing ---------------------------------------------------------------------
 
@@ -551,15 +568,21 @@ class Repository:
             )
 
     def _holds_segments(self, d: Path) -> bool:
-        """True when a backup directory holds a finished segment file (or a cut-back one)."""
-        entries = self.storage.list(d)
+        """True when a backup directory holds a finished segment file (or a cut-back
+        one) of its own, not in a pack (its files as the backend lists them)."""
+        raw = unwrap(self.storage)
+        entries = raw.list(d)
         if any(fnmatchcase(e.name, "p*.seg") for e in entries):
             return True
         return any(
             fnmatchcase(f.name, "p*.seg")
             for e in entries if fnmatchcase(e.name, "cut-*")
-            for f in self.storage.list(d / e.name)
+            for f in raw.list(d / e.name)
         )  # fmt: skip
+
+    def _holds_pack(self, d: Path) -> bool:
+        """True when the directory `d` holds a `segments.pack`."""
+        return unwrap(self.storage).stat(d / PACK_NAME) is not None
 
     # -- the jobs of `ManifestStore` and `Sweeper`, by the names callers know -----------
 

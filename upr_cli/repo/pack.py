@@ -26,16 +26,20 @@ the pack since).
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import struct
+import threading
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import IO, Any, Final, cast
 
 from upr_cli.repo.errors import RepositoryError
-from upr_cli.repo.names import parse_cut_path, parse_segment_name, temp_name
+from upr_cli.repo.names import parse_backup_dir, parse_cut_path, parse_segment_name, temp_name
 from upr_cli.segments.format import SegmentError
-from upr_cli.storage import Storage
+from upr_cli.storage import Entry, Stat, Storage
 
 __all__ = [
     "HEADER",
@@ -46,6 +50,7 @@ __all__ = [
     "NeedMore",
     "PackError",
     "PackIndex",
+    "PackedStorage",
     "check_pack",
     "encode_index",
     "load_index",
@@ -278,3 +283,335 @@ def check_pack(storage: Storage, path: Path) -> PackIndex:
             if crc != m.crc:
                 raise PackError(path, f"member {m.name}: checksum mismatch")
     return index
+
+
+# -- the storage layer ---------------------------------------------------------------
+
+
+class _Window(io.RawIOBase):
+    """A seekable read-only view of `length` bytes at `offset` of another file object:
+    a member of a pack, as if it were its own file."""
+
+    def __init__(self, f: IO[bytes], offset: int, length: int, name: str) -> None:
+        super().__init__()
+        self._f, self._offset, self._length, self._pos = f, offset, length, 0
+        self.name = name
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        left = max(0, self._length - self._pos)
+        n = left if size is None or size < 0 else min(size, left)
+        if n == 0:
+            return b""
+        self._f.seek(self._offset + self._pos)
+        data = self._f.read(n)
+        self._pos += len(data)
+        return data
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+        super().close()
+
+
+_ABSENT: Final = "absent"
+
+
+class PackedStorage:
+    """A `Storage` over another (`inner`) where the members of each backup directory's
+    `segments.pack` read as the segment files they were (module docstring). Every other
+    call passes through."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        # backup directory -> its pack's index and stat, "absent", or the pack's damage
+        self._packs: dict[Path, tuple[PackIndex, Stat] | str | PackError] = {}
+        self._guard = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"PackedStorage({self.inner!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        """The encrypting layer's key and repository id, when `inner` is one (what an
+        executor is shipped)."""
+        if name in ("data_key", "repo_id", "chunk_size"):
+            return getattr(self.inner, name)
+        raise AttributeError(name)
+
+    # -- the cache ---------------------------------------------------------------------
+
+    def _pack(self, d: Path, *, fresh: bool = False) -> tuple[PackIndex, Stat] | None:
+        """The index of `d/segments.pack` (cached), None when there is none; a damaged
+        pack is a `PackError`. `fresh` reads again what was absent."""
+        with self._guard:
+            known = self._packs.get(d)
+        if known is None or (fresh and known == _ABSENT):
+            known = self._load(d)
+            with self._guard:
+                self._packs[d] = known
+        if isinstance(known, PackError):
+            raise known
+        return None if isinstance(known, str) else known
+
+    def _load(self, d: Path) -> tuple[PackIndex, Stat] | str | PackError:
+        path = d / PACK_NAME
+        st = self.inner.stat(path, follow_links=True)
+        if st is None or not st.is_file:
+            return _ABSENT
+        try:
+            return load_index(self.inner, path, st.size), st
+        except PackError as exc:
+            return exc
+
+    def forget(self, path: Path) -> None:
+        """Drop what is cached about the directory `path` is in (or is)."""
+        with self._guard:
+            for d in (path, path.parent, path.parent.parent):
+                self._packs.pop(d, None)
+
+    def _member(self, path: Path, *, fresh: bool = False) -> tuple[PackIndex, Member, Stat] | None:
+        """The pack member `path` names, if it is one."""
+        where = _member_place(path)
+        if where is None:
+            return None
+        d, rel = where
+        found = self._pack(d, fresh=fresh)
+        if found is None:
+            return None
+        m = found[0].members.get(rel)
+        return None if m is None else (found[0], m, found[1])
+
+    def _missed(self, path: Path) -> tuple[PackIndex, Member, Stat] | None:
+        """A second look at a path neither the cached index nor `inner` has: the pack
+        may have been written by another process since it was found absent."""
+        where = _member_place(path)
+        if where is None:
+            return None
+        with self._guard:
+            absent = self._packs.get(where[0]) == _ABSENT
+        return self._member(path, fresh=True) if absent else None
+
+    # -- names and sizes -----------------------------------------------------------------
+
+    def list(self, path: Path) -> list[Entry]:
+        """`inner`'s entries, and in a backup directory with a pack its members and
+        their `cut-K` directories; in `cut-K`, the members there."""
+        entries = self.inner.list(path)
+        if _is_backup_dir(path):
+            found = self._pack(path)
+            if found is None:
+                return entries
+            names = {e.name for e in entries}
+            extra = [Entry(n, False, True) for n in found[0].members if "/" not in n]
+            extra += [Entry(s, True, False) for s in found[0].subdirs()]
+            return entries + [e for e in extra if e.name not in names]
+        if path.name.startswith("cut-") and _is_backup_dir(path.parent):
+            found = self._pack(path.parent)
+            if found is None:
+                return entries
+            names = {e.name for e in entries}
+            prefix = path.name + "/"
+            extra = [Entry(n[len(prefix) :], False, True)
+                     for n in found[0].members if n.startswith(prefix)]  # fmt: skip
+            return entries + [e for e in extra if e.name not in names]
+        return entries
+
+    def stat(self, path: Path, *, follow_links: bool = False) -> Stat | None:
+        """A member's stat is a regular file of its size; a `cut-K` directory only the
+        pack holds is a directory."""
+        hit = self._member(path)
+        if hit is not None:
+            return replace(hit[2], is_dir=False, is_file=True, size=hit[1].length)
+        st = self.inner.stat(path, follow_links=follow_links)
+        if st is not None:
+            return st
+        hit = self._missed(path)
+        if hit is not None:
+            return replace(hit[2], is_dir=False, is_file=True, size=hit[1].length)
+        if path.name.startswith("cut-") and _is_backup_dir(path.parent):
+            found = self._pack(path.parent)
+            if found is not None and path.name in found[0].subdirs():
+                return replace(found[1], is_dir=True, is_file=False, size=0)
+        return None
+
+    # -- reading -------------------------------------------------------------------------
+
+    def read(self, path: Path, offset: int = 0, length: int = -1) -> bytes:
+        """A member's bytes from `offset` (`length` of them, fewer at its end)."""
+        hit = self._member(path)
+        if hit is None:
+            try:
+                return self.inner.read(path, offset, length)
+            except FileNotFoundError:
+                hit = self._missed(path)
+                if hit is None:
+                    raise
+        index, m, _ = hit
+        start = min(offset, m.length)
+        n = m.length - start if length < 0 else min(length, m.length - start)
+        if n == 0:
+            return b""
+        data = self.inner.read(index.path, m.offset + start, n)
+        if len(data) != n:
+            raise PackError(index.path, f"member {m.name}: truncated")
+        return data
+
+    def open_read(self, path: Path) -> IO[bytes]:
+        """A member: a seekable read-only window on it in the pack."""
+        hit = self._member(path)
+        if hit is None:
+            try:
+                return self.inner.open_read(path)
+            except FileNotFoundError:
+                hit = self._missed(path)
+                if hit is None:
+                    raise
+        index, m, _ = hit
+        f = self.inner.open_read(index.path)
+        return cast(IO[bytes], _Window(f, m.offset, m.length, str(path)))
+
+    def link(self, src: Path, dst: Path) -> None:
+        """A member: its bytes written as a real file at `dst` (FileExistsError when it
+        exists); else as `inner`."""
+        self.forget(dst)
+        hit = self._member(src)
+        if hit is None:
+            self.inner.link(src, dst)
+            return
+        if self.inner.stat(dst) is not None:
+            raise FileExistsError(errno.EEXIST, "file exists", str(dst))
+        tmp = dst.with_name(temp_name(dst.name))
+        out = self.inner.create(tmp)
+        try:
+            with self.open_read(src) as f:
+                while chunk := f.read(_CHUNK):
+                    self.inner.append(out, chunk)
+            self.inner.sync(out)
+            out.close()
+            self.inner.replace(tmp, dst)
+        except BaseException:
+            out.close()
+            with contextlib.suppress(OSError):
+                self.inner.delete(tmp)
+            raise
+
+    # -- writing: as `inner`, forgetting the directory's cached index ---------------------
+
+    def write(self, path: Path, data: bytes) -> None:
+        """As `inner`."""
+        self.forget(path)
+        self.inner.write(path, data)
+
+    def write_if_absent(self, path: Path, data: bytes) -> None:
+        """As `inner`."""
+        self.forget(path)
+        self.inner.write_if_absent(path, data)
+
+    def create(self, path: Path) -> IO[bytes]:
+        """As `inner`."""
+        self.forget(path)
+        return self.inner.create(path)
+
+    def append(self, f: IO[bytes], data: bytes) -> None:
+        """As `inner`."""
+        self.inner.append(f, data)
+
+    def copy(self, src: IO[bytes], dst: IO[bytes]) -> None:
+        """As `inner`."""
+        self.inner.copy(src, dst)
+
+    def sync(self, f: IO[bytes]) -> None:
+        """As `inner`."""
+        self.inner.sync(f)
+
+    def replace(self, src: Path, dst: Path) -> None:
+        """As `inner`."""
+        self.forget(src)
+        self.forget(dst)
+        self.inner.replace(src, dst)
+        self.forget(dst)
+
+    def delete(self, path: Path) -> None:
+        """As `inner`."""
+        self.forget(path)
+        self.inner.delete(path)
+
+    def delete_tree(self, path: Path) -> None:
+        """As `inner`; every cached index under `path` forgotten."""
+        with self._guard:
+            for d in [d for d in self._packs if d == path or path in d.parents]:
+                del self._packs[d]
+        self.inner.delete_tree(path)
+
+    def make_dir(self, path: Path) -> None:
+        """As `inner`."""
+        self.forget(path)
+        self.inner.make_dir(path)
+
+    def make_dirs(self, path: Path) -> None:
+        """As `inner`."""
+        self.forget(path)
+        self.inner.make_dirs(path)
+
+    def remove_dir(self, path: Path) -> None:
+        """As `inner`."""
+        self.forget(path)
+        self.inner.remove_dir(path)
+
+    def sync_dir(self, path: Path) -> None:
+        """As `inner`."""
+        self.inner.sync_dir(path)
+
+    def sync_all(self, paths: Iterable[Path]) -> None:
+        """As `inner`."""
+        self.inner.sync_all(paths)
+
+    def open_lock(self, path: Path, *, create: bool) -> int:
+        """As `inner`."""
+        return self.inner.open_lock(path, create=create)
+
+
+def _is_backup_dir(d: Path) -> bool:
+    """`d`'s name is a backup directory's (formats/repository.md §2.2)."""
+    name = d.name
+    if len(name) < 23 or name[8:9] != "T":
+        return False
+    try:
+        parse_backup_dir(name)
+    except RepositoryError:
+        return False
+    return True
+
+
+def _member_place(path: Path) -> tuple[Path, str] | None:
+    """(backup directory, member path) for a path that could be a pack's member."""
+    name = path.name
+    if len(name) != 45 or not name.endswith(".seg"):
+        return None
+    parent = path.parent
+    if parent.name.startswith("cut-"):
+        d, rel = parent.parent, f"{parent.name}/{name}"
+    else:
+        d, rel = parent, name
+    return (d, rel) if _is_backup_dir(d) else None
