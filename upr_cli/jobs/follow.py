@@ -94,7 +94,6 @@ from upr_cli.repo.manifest import chain_manifest
 from upr_cli.repo.manifests import MANIFEST_COPY, MANIFEST_FILE
 from upr_cli.repo.names import parse_backup_dir
 from upr_cli.repo.pack import PACK_NAME, load_index, write_pack
-from upr_cli.storage import LOCAL
 
 COMMIT_EVERY = 30.0  # --commit-every's default, seconds
 COMMIT_BYTES = 64 << 20  # --commit-bytes' default
@@ -326,8 +325,8 @@ class _Session:
             async with Worker("segments", max_queued=MAX_INFLIGHT) as worker:
                 stream = FollowStream(consumer, worker, work, bucket=self.bucket,
                                       segment_name=format_segment_name,
-                                      memory_budget=shares.held, queued_bytes=shares.queued,
-                                      storage=LOCAL)  # fmt: skip
+                                      memory_budget=shares.held,
+                                      queued_bytes=shares.queued)  # fmt: skip
                 try:
                     await consumer.open()
                     await self._loop(consumer, stream, stop, out, on_commit)
@@ -495,8 +494,6 @@ class _Session:
         data = manifest.dumps()
         storage.write(d / MANIFEST_COPY, data)  # the commit point (formats/repository.md §4.3)
         storage.write(d / MANIFEST_FILE, data)
-        for _name, local in members:
-            local.unlink(missing_ok=True)
         self.last, self.since = backup_id, manifest.finished
         self.collections = chain_manifest([manifest])
         first = min((t for pts in cp.points.values() for _q, t in pts), default=None)

@@ -24,15 +24,20 @@ commit records it with its lost writes (formats/repository.md §5.5, §5.6).
 from __future__ import annotations
 
 import functools
+import io
+import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import IO
 
 from upr_cli.dcp.events import Event, Rollback, Snapshot, StreamEnded, StreamOpened
 from upr_cli.jobs.backup_stream import BackupInterrupted, BackupStream, PartitionResult, _Open
 from upr_cli.protocol.decoder import R_VBUCKET, DcpRecord
 from upr_cli.segments import SegmentHeader, SegmentWriter
+from upr_cli.storage import LocalStorage
 
 
 @dataclass
@@ -56,11 +61,72 @@ class Checkpoint:
         return sum(r.items for r in self.results.values())
 
 
+class _Held(io.BytesIO):
+    """A finished segment kept in memory: its writer closes it, its bytes stay."""
+
+    def close(self) -> None:
+        """Kept open: the commit reads it (`WorkStorage.take`)."""
+
+
+class WorkStorage(LocalStorage):
+    """A follower's work files: each finished segment in memory until the commit packs
+    it (a commit of a thousand partitions would otherwise create, rename and delete a
+    thousand files), the bodies that spill under the memory limit on disk. Nothing here
+    needs to be durable: the repository is written only by the commit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.files: dict[Path, _Held] = {}
+
+    def create(self, path: Path) -> IO[bytes]:
+        if path.name.endswith("-body"):  # a spill: on disk
+            return super().create(path)
+        f = self.files[path] = _Held()
+        return f
+
+    def append(self, f: IO[bytes], data: bytes) -> None:
+        if isinstance(f, _Held):
+            f.write(data)
+        else:
+            super().append(f, data)
+
+    def copy(self, src: IO[bytes], dst: IO[bytes]) -> None:
+        if isinstance(dst, _Held):
+            shutil.copyfileobj(src, dst, 1 << 20)
+        else:
+            super().copy(src, dst)
+
+    def sync(self, f: IO[bytes]) -> None:
+        if not isinstance(f, _Held):
+            super().sync(f)
+
+    def sync_dir(self, path: Path) -> None:
+        """Nothing to make durable."""
+
+    def sync_all(self, paths: Iterable[Path]) -> None:
+        """Nothing to make durable."""
+
+    def replace(self, src: Path, dst: Path) -> None:
+        if src in self.files:
+            self.files[dst] = self.files.pop(src)
+        else:
+            super().replace(src, dst)
+
+    def delete(self, path: Path) -> None:
+        if self.files.pop(path, None) is None and path.name.endswith("-body"):
+            super().delete(path)
+
+    def take(self, path: Path) -> bytes:
+        """A finished segment's bytes, forgotten here."""
+        return self.files.pop(path).getvalue()
+
+
 class FollowStream(BackupStream):
     """A `BackupStream` over streams that stay open, cut by `checkpoint`."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.work = WorkStorage()
+        super().__init__(*args, storage=self.work, **kwargs)  # type: ignore[arg-type]
         self._points: dict[int, _Points] = {}
         self._changed: set[int] = set()  # partitions with something to commit
         self.bytes_since = 0  # bytes received since the last checkpoint
@@ -186,11 +252,13 @@ class FollowStream(BackupStream):
         return SegmentWriter(self.directory / f"p{st.partition:04x}.open-{at}", header,
                              storage=self.storage, compressor=self._zstd)  # fmt: skip
 
-    def work_files(self, result: PartitionResult) -> list[tuple[str, Path]]:
-        """(name in the pack, local file) of a result's segment and cut-back segments."""
+    def work_files(self, result: PartitionResult) -> list[tuple[str, bytes]]:
+        """(name in the pack, bytes) of a result's segment and cut-back segments, taken
+        from the work storage."""
+        take = self.work.take
         out = []
         if result.segment is not None:
-            out.append((Path(result.segment.path).name, Path(result.segment.path)))
+            out.append((Path(result.segment.path).name, take(Path(result.segment.path))))
         for k, (_f, _t, info) in enumerate(result.cuts, 1):
-            out.append((f"cut-{k}/{Path(info.path).name}", Path(info.path)))
+            out.append((f"cut-{k}/{Path(info.path).name}", take(Path(info.path))))
         return out
