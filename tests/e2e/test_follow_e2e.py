@@ -26,7 +26,22 @@ COMMIT = "0.2s"
 
 def _commits(repo: Path) -> list[Any]:
     """The continuous commits of the repository, oldest first."""
-    return [m for m in Repository(repo).manifests("default") if m.continuous is not None]
+    return [m for m in _backups(repo) if m.continuous is not None]
+
+
+def _backups(repo: Path) -> list[Any]:
+    """Every committed backup (the catch-up one first), or none yet."""
+    try:
+        return Repository(repo).manifests("default")
+    except Exception:  # not created yet, or a commit being written: asked again
+        return []
+
+
+def _session_committed(repo: Path, sessions_before: int) -> bool:
+    """This session caught up (one more ordinary backup) and committed since."""
+    chain = _backups(repo)
+    catch_ups = sum(1 for m in chain if m.continuous is None)
+    return catch_ups > sessions_before and chain[-1].continuous is not None
 
 
 def _wait_for(pred: Any, timeout: float = 30.0, what: str = "") -> None:
@@ -45,16 +60,13 @@ def _load(node: Node, docs: int, seed: int, rate: int = 0) -> list[str]:
 
 def _caught_up(repo: Path, node: Node) -> bool:
     """Every partition's newest committed end is the node's high seqno."""
-    try:
-        manifests = Repository(repo).manifests("default")
-    except Exception:  # a commit being written: asked again
-        return False
+    manifests = _backups(repo)
     ends: dict[int, int] = {}
     for m in manifests:
         for e in m.partitions:
             ends[e.partition] = e.end_seq
     highs = wait_persisted(node.uri)
-    return all(ends.get(p, 0) >= high for p, (high, *_rest) in highs.items())
+    return all(ends.get(p, 0) >= high for p, (_uuid, high, _persisted) in highs.items())
 
 
 def _restored_equals_node(repo: Path, node: Node, tmp: Path, name: str) -> None:
@@ -71,7 +83,7 @@ def test_a_follower_commits_as_it_goes_lets_others_in_and_stops_on_sigterm(
     upr(*_load(node, 800, 1))
     with spawn_upr("backup", node.uri, "--repo", str(repo), "--follow", "--commit-every",
                    COMMIT, "--json") as follower:  # fmt: skip
-        _wait_for(lambda: len(_commits(repo)) >= 1 or follower.poll() is not None, what="commit")
+        _wait_for(lambda: bool(_backups(repo)) or follower.poll() is not None, what="catch-up")
         upr(*_load(node, 600, 2))
         _wait_for(lambda: _caught_up(repo, node), what="the follower to catch up")
         # between commits the lock is free: a reader and a writer get in
@@ -100,8 +112,8 @@ def test_sigkill_at_seeded_moments_loses_nothing_and_the_outage_is_coarse(
         for _kill in range(2):
             with spawn_upr("backup", node.uri, "--repo", str(repo), "--follow",
                            "--commit-every", COMMIT) as follower:  # fmt: skip
-                _wait_for(lambda: bool(_commits(repo)) or follower.poll() is not None,
-                          what="a first commit")  # fmt: skip
+                _wait_for(lambda: _session_committed(repo, _kill) or follower.poll() is not None,
+                          what="a catch-up and a commit")  # fmt: skip
                 time.sleep(rng.uniform(0.1, 1.5))
                 assert follower.poll() is None, follower.communicate()
                 follower.send_signal(signal.SIGKILL)
