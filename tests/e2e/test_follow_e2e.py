@@ -132,3 +132,52 @@ def test_sigkill_at_seeded_moments_loses_nothing_and_the_outage_is_coarse(
             if b.continuous != a.finished]  # fmt: skip
     assert len(gaps) >= 2
     _restored_equals_node(repo, node, tmp_path, "after-kills")
+
+
+def test_a_rollup_keeps_every_record_and_restore_point(node: Node, tmp_path: Path) -> None:
+    """jobs/rollup.py on a follower's commits: one revision of the newest absorbs the
+    rest, one segment a partition, every point kept; the state is the same."""
+    from upr_cli.jobs.rollup import Tail, absorbed_dirs, prepare, publish, remove_absorbed
+    from upr_cli.repo import RepositoryLock
+
+    repo = tmp_path / "repo"
+    upr(*_load(node, 300, 5))
+    with spawn_upr("backup", node.uri, "--repo", str(repo), "--follow", "--commit-every",
+                   "0.1s") as follower:  # fmt: skip
+        _wait_for(lambda: bool(_backups(repo)), what="catch-up")
+        for seed in (6, 7, 8, 9):
+            upr(*_load(node, 150, seed))
+            time.sleep(0.3)
+        _wait_for(lambda: _caught_up(repo, node), what="the follower to catch up")
+        follower.send_signal(signal.SIGTERM)
+        follower.communicate(timeout=60)
+    before = tmp_path / "before.db"
+    upr("restore", "--repo", str(repo), f"sqlite:{before}")
+    tail = Tail()
+    for m in _commits(repo):
+        tail.add(m)
+    group = [m for m, _level in tail.items if m.partitions][-4:]
+    assert len(group) == 4 and all(m.continuous for m in group)
+    # consecutive commits only: the ones between them carry nothing and go along
+    ids = [m.backup_id for m in _commits(repo)]
+    group = _commits(repo)[ids.index(group[0].backup_id) : ids.index(group[-1].backup_id) + 1]
+    r = Repository(repo)
+    prepared = prepare(r, group)
+    try:
+        with RepositoryLock(r, "default") as lock:
+            assert publish(r, prepared, lock)
+            assert remove_absorbed(r, "default", absorbed_dirs(r, group)) == []
+    finally:
+        prepared.discard()
+    rolled = Repository(repo).read_manifest("default", group[-1].backup_id)
+    assert rolled.revision == 2 and set(rolled.absorbed) == {m.backup_id for m in group[:-1]}
+    assert rolled.continuous == group[0].continuous and rolled.finished == group[-1].finished
+    for e in rolled.partitions:  # one segment, every point of the commits it absorbed
+        assert len(e.segments) <= 1
+        want = [pt for m in group if (g := m.partition(e.partition)) for pt in g.points]
+        assert list(e.points) == want
+    assert {m.backup_id for m in _backups(repo)}.isdisjoint(rolled.absorbed)
+    after = tmp_path / "after.db"
+    upr("verify", "--repo", str(repo))
+    upr("restore", "--repo", str(repo), f"sqlite:{after}")
+    assert store_rows(after) == store_rows(before) == node_rows(node.uri)
