@@ -7,12 +7,13 @@ here, and the reference its paced run is held to; the rate asked for is
 min(--rate, that rate). Then `upr backup --follow --commit-every C` catches up with what
 the bare load left and keeps following, while `upr load --rate R` (same mix) runs for
 --seconds. Meanwhile a thread samples the node's high seqnos every 100 ms on one open
-connection (STAT vbucket-seqno), stamped with the time the request was sent, and
-another reads each commit's manifest as soon as it appears (a rollup removes the
-commits it absorbs, so they cannot all be read after the run). After the run, for each
-sample taken while the load ran: the first commit in chain order whose partitions'
-end seqs, carried forward from the commits before, reach every partition's sampled
-high seq; its lag is that commit's `finished` minus the sample's time (both this
+connection (STAT vbucket-seqno; a slow node answers less often), each stamped with the
+middle of its round trip (the node read its seqnos in between: the error is half the
+round trip, printed), and another reads each commit's manifest as soon as it appears
+(a rollup removes the commits it absorbs, so they cannot all be read after the run).
+After the run, for each sample taken while the load ran: the first commit in chain
+order whose partitions' end seqs, carried forward from the commits before, reach every
+partition's sampled high seq; its lag is that commit's `finished` minus the sample's time (both this
 machine's clock). p50, p99 and max beside the limit (p99 <= C + 1 s). CPU share
 (utime + stime from /proc/PID/stat over the load's wall time) and peak RSS (VmHWM) of
 the follower, beside the node's and `upr load`'s. --repeats more runs of
@@ -198,6 +199,7 @@ class Sampler:
     def __init__(self, uri: str, pids: dict[str, int], period: float = 0.1) -> None:
         self.uri, self.pids, self.period = uri, pids, period
         self.samples: list[tuple[float, dict[int, int]]] = []
+        self.rtts: list[float] = []  # each STAT's round trip: the samples' time error
         self.procs: list[tuple[float, dict[str, tuple[float | None, float | None]]]] = []
         self._stop = threading.Event()
         self._error: Exception | None = None
@@ -220,8 +222,10 @@ class Sampler:
         try:
             nxt = time.monotonic()
             while not self._stop.is_set():
-                t = time.time()
+                sent = time.time()
                 st = await s.conn.stats("vbucket-seqno")
+                t = (sent + time.time()) / 2  # the node read its seqnos in between
+                self.rtts.append(2 * (t - sent))
                 highs = {int(k[3:].split(":")[0]): int(v) for k, v in st.items()
                          if k.endswith(":high_seqno")}  # fmt: skip
                 self.samples.append((t, highs))
@@ -347,7 +351,7 @@ def lag_run(tmp: Path, tag: str, seconds: int, rate: int, every: float,
             "samples": len(got_lags), "unreached": unreached,
             "commits": float(summary["commits"]),
             "seen": float(sum(c.continuous for c in chain)),
-            "seconds": t1 - t0}  # fmt: skip
+            "seconds": t1 - t0, "rtt": statistics.median(sampler.rtts)}  # fmt: skip
     say(f"{tag}: load {res['load_rate']:,.0f} ops/s, lag p50 {res['p50']:.2f} s p99 "
         f"{res['p99']:.2f} s max {res['max']:.2f} s, {int(res['commits'])} commits")  # fmt: skip
     return res
@@ -368,9 +372,11 @@ def lag_part(args: argparse.Namespace, tmp: Path, keys: dict[str, object]) -> No
           f"{main['seconds']:.0f} s ({int(main['items']):,} ops), follower --commit-every "
           f"{args.commit_every:g}s: {int(main['commits'])} commits "
           f"({int(main['seen'])} read as they appeared)")  # fmt: skip
-    print(f"  lag behind the node ({int(main['samples'])} samples of 100 ms, "
-          f"{int(main['unreached'])} unreached): p50 {main['p50']:.2f} s, p99 "
-          f"{main['p99']:.2f} s, max {main['max']:.2f} s; limit p99 <= {limit:g} s: "
+    print(f"  lag behind the node ({int(main['samples'])} samples, one every 100 ms or "
+          f"one STAT round trip, median {main['rtt']:.2f} s: each stamped at its middle, "
+          f"+-{main['rtt'] / 2:.2f} s; {int(main['unreached'])} unreached): p50 "
+          f"{main['p50']:.2f} s, p99 {main['p99']:.2f} s, max {main['max']:.2f} s; "
+          f"limit p99 <= {limit:g} s: "
           f"{'met' if main['p99'] <= limit else 'MISSED'}")  # fmt: skip
     for name in ("follower", "node", "load"):
         print(f"  {name:8} CPU {main[f'{name}_cpu']:.0%} of a core, peak RSS "
@@ -393,6 +399,7 @@ def lag_part(args: argparse.Namespace, tmp: Path, keys: dict[str, object]) -> No
         "lag_p50_s": round(main["p50"], 2),
         "lag_p99_s": round(main["p99"], 2),
         "lag_max_s": round(main["max"], 2),
+        "stat_rtt_s": round(main["rtt"], 2),
         "lag_limit_s": limit,
         "lag_met": "yes" if main["p99"] <= limit else "no",
         "follower_cpu": round(main["follower_cpu"], 2),
