@@ -30,6 +30,7 @@ def _rss_kib(pid: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(int(SECONDS) + 300)
 def test_a_follower_runs_for_minutes_with_flat_memory(node: Node, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     upr("load", node.uri, "--docs", "2000", "--seed", "1")
