@@ -468,7 +468,7 @@ class PartitionEntry:
                 f"end_seq {self.end_seq}"
             )
         _check_segments(self.segments, w, self.start_seq, self.end_seq, p)
-        if not isinstance(self.points, Points):  # given decoded: checked now
+        if self.points and not isinstance(self.points, Points):  # given decoded: checked now
             _check_points(self.points, w, self.start_seq, self.end_seq)
             object.__setattr__(self, "points", Points(self.points))
         if self.lost_bound is not None:
