@@ -37,11 +37,20 @@ NO_CUT = 1 << 64
 
 
 class PlanStep(NamedTuple):
-    """Read the records of `segment` (of backup `backup_id`) with seq ≤ `max_seq`."""
+    """Read the records of `segment` (of backup `backup_id`) with seq ≤ `max_seq`.
+
+    `file` is the segment's path in the backup directory when it is not `segment.file`
+    (a cut-back segment, `cut-K/NAME`, read by `--before-failover`: upr_cli/repo/pitr.py)."""
 
     backup_id: BackupId
     segment: SegmentEntry
     max_seq: int
+    file: str = ""
+
+    @property
+    def name(self) -> str:
+        """The path of the segment to read, relative to its backup directory."""
+        return self.file or self.segment.file
 
 
 class SeqRange(NamedTuple):
@@ -124,11 +133,19 @@ def cut(manifests: Sequence[Manifest], partition: int, j: BackupId, k: BackupId)
     return min(starts, default=NO_CUT)
 
 
-def plan_state(manifests: Sequence[Manifest], *, at: BackupId, partition: int) -> list[PlanStep]:
-    """The segments, in order, whose records with seq ≤ max_seq make p's state at `at`."""
+def plan_state(
+    manifests: Sequence[Manifest], *, at: BackupId, partition: int, clip: int | None = None
+) -> list[PlanStep]:
+    """The segments, in order, whose records with seq ≤ max_seq make p's state at `at`.
+
+    With `clip`, `at`'s own records are read only up to seq `clip` (a restore point
+    inside the backup: upr_cli/repo/pitr.py); earlier backups are cut as without it."""
     held = _holding(manifests, partition, at)
+    cuts = _cuts(held)
+    if clip is not None and held and held[-1].backup_id == at:
+        cuts[-1] = min(cuts[-1], clip)
     steps = []
-    for (bid, entry), c in zip(held, _cuts(held), strict=True):
+    for (bid, entry), c in zip(held, cuts, strict=True):
         for seg in entry.segments:
             if seg.first_seq > c:
                 break  # segments are in seq order
