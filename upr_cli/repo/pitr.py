@@ -276,14 +276,17 @@ class Resolution:
 
     def describe(self) -> list[str]:
         """Lines of text: what was asked, the lag in a coarse stretch, what is left out."""
-        lines = [f"point in time: {self.how} {self.asked}"]
+        lines = [{"time": f"the state at {self.asked}",
+                  "seq": f"the state at seqs {self.asked}",
+                  "failover": f"the state before failover {self.asked}"}[self.how]]
         if self.stretch is not None:
-            lines.append(f"  in a coarse stretch ({show_time(self.stretch.start)} to "
-                         f"{show_time(self.stretch.end)}): the state given is "
-                         f"{show_span(self.max_lag)} before it")  # fmt: skip
+            lines.append(f"  coarse stretch {show_time(self.stretch.start)} to "
+                         f"{show_time(self.stretch.end)}:")  # fmt: skip
+            lines.append(f"  the state given is {show_span(self.max_lag)} before the time asked "
+                         "(each partition)")  # fmt: skip
         if self.not_restored:
-            lines.append(f"  not restored (no restore point at or before it): partitions "
-                         f"{_runs(self.not_restored)}")  # fmt: skip
+            lines.append("  not restored (no restore point by then: they did not exist "
+                         f"yet): {_runs(self.not_restored)}")  # fmt: skip
         lines += [f"  {n}" for n in self.notices]
         return lines
 
@@ -497,7 +500,7 @@ def resolve_failover(
         raise PitrRangeError(f"{option} {number}: failover {number} is in the chain's first "
                              "backup: no state before it")  # fmt: skip
     before = chain[i - 1].backup_id
-    out = Resolution("failover", f"{number} (backup {ev.backup_id}, {show_time(ev.time)})")
+    out = Resolution("failover", f"{number} ({show_time(ev.time)})")
     event = chain[i]
     clean = [e.partition for e in event.partitions if e.cut_backs and e.rollback is None]
     for p in sorted(
