@@ -111,7 +111,7 @@ def test_a_time_in_a_coarse_stretch_reports_how_far_before() -> None:
     assert res.picks == {0: Pick(C1.backup_id, 30), 1: Pick(C2.backup_id, 9),
                          2: Pick(C2.backup_id, 4)}  # fmt: skip
     assert res.lag == {0: 120.0, 1: 120.0, 2: 120.0} and res.max_lag == 120.0
-    assert "2 min before the time asked" in "\n".join(res.describe())
+    assert "2 min before it" in "\n".join(res.describe())
     early = resolve_time(CHAIN, at(30))
     assert early.picks[0] == Pick(B0.backup_id, 10) and early.max_lag == 29.0
 

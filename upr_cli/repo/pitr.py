@@ -282,8 +282,8 @@ class Resolution:
         if self.stretch is not None:
             lines.append(f"  coarse stretch {show_time(self.stretch.start)} to "
                          f"{show_time(self.stretch.end)}:")  # fmt: skip
-            lines.append(f"  the state given is {show_span(self.max_lag)} before the time "
-                         "asked (at most; --json has each partition's)")  # fmt: skip
+            lines.append(f"  the state given is {show_span(self.max_lag)} before it (at most: "
+                         "--json has each partition's)")  # fmt: skip
         if self.not_restored:
             lines.append("  not restored (no restore point by then: they did not exist "
                          f"yet): {_runs(self.not_restored)}")  # fmt: skip
