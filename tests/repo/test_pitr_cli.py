@@ -62,8 +62,20 @@ class Model:
         self.seqs[p] = seq
         op = OP_MUTATION if value is not None else OP_DELETION
         assert PARTS[key] == p
-        rec = DcpRecord(op, p, seq, seq, 1_000_000 + seq * 7 + p, 5 if value else 0, expiry,
-                        0, 1 if value else 0, KEYS[key].encode(), (value or "").encode(), 0)  # fmt: skip
+        rec = DcpRecord(
+            op,
+            p,
+            seq,
+            seq,
+            1_000_000 + seq * 7 + p,
+            5 if value else 0,
+            expiry,
+            0,
+            1 if value else 0,
+            KEYS[key].encode(),
+            (value or "").encode(),
+            0,
+        )
         self.sent.append((t, p, rec))
         return rec
 
@@ -72,16 +84,24 @@ class Model:
         out: dict[tuple[int, bytes], tuple[Any, ...]] = {}
         for when, p, r in self.sent:
             if when <= t:
-                out[p, bytes(r.key)] = (r.by_seqno, r.opcode != OP_MUTATION, bytes(r.value),
-                                        r.cas, r.flags, r.expiration)  # fmt: skip
+                out[p, bytes(r.key)] = (
+                    r.by_seqno,
+                    r.opcode != OP_MUTATION,
+                    bytes(r.value),
+                    r.cas,
+                    r.flags,
+                    r.expiration,
+                )
         return out
 
 
-def _segment(d: Path, p: int, start: int, rows: list[DcpRecord],
-             snaps: tuple[tuple[int, int], ...]) -> SegmentEntry:  # fmt: skip
+def _segment(
+    d: Path, p: int, start: int, rows: list[DcpRecord], snaps: tuple[tuple[int, int], ...]
+) -> SegmentEntry:
     high = rows[-1].by_seqno
-    hdr = SegmentHeader(BUCKET, p, LOG, start, high, snaps, "2026-11-26T00:00:00.000000Z",
-                        "upr://h/default", 128)  # fmt: skip
+    hdr = SegmentHeader(
+        BUCKET, p, LOG, start, high, snaps, "2026-11-26T00:00:00.000000Z", "upr://h/default", 128
+    )
     w = SegmentWriter(d / f"p{p}.open", hdr)
     w.add(rows)
     name = format_segment_name(p, rows[0].by_seqno, high)
@@ -89,8 +109,14 @@ def _segment(d: Path, p: int, start: int, rows: list[DcpRecord],
     return SegmentEntry(name, i.first_seq, i.last_seq, i.records, i.bytes, i.checksum)
 
 
-def commit(repo: Repository, model: Model, ident: float, finished: float,
-           parent: Manifest | None, since: float | None) -> Manifest:  # fmt: skip
+def commit(
+    repo: Repository,
+    model: Model,
+    ident: float,
+    finished: float,
+    parent: Manifest | None,
+    since: float | None,
+) -> Manifest:
     """Commit what the model sent in (previous commit, `finished`]: one snapshot per
     time, each a restore point (seq, time) when continuous."""
     b = BackupId(at(ident))
@@ -111,15 +137,24 @@ def commit(repo: Repository, model: Model, ident: float, finished: float,
         seg = _segment(d, p, start, [r for _t, r in rows], tuple(bounds))
         end = rows[-1][1].by_seqno
         points = tuple((s, at(t)) for t, s in ends.items()) if since is not None else ()
-        entries.append(PartitionEntry(p, 0xBEEF, LOG, start, end, end, end, (seg,),
-                                      points=points))  # fmt: skip
+        entries.append(PartitionEntry(p, 0xBEEF, LOG, start, end, end, end, (seg,), points=points))
     if parent is None:  # a full backup holds every partition, an empty one too
         held = {e.partition for e in entries}
-        entries += [PartitionEntry(p, 0, FailoverLog(), 0, 0, 0, 0) for p in range(3)
-                    if p not in held]  # fmt: skip
-    m = Manifest(b, BUCKET, "upr://h/default", b.time, at(finished), parent is None,
-                 None if parent is None else parent.backup_id, tuple(entries),
-                 Totals.derive(entries, 1), continuous=None if since is None else at(since))  # fmt: skip
+        entries += [
+            PartitionEntry(p, 0, FailoverLog(), 0, 0, 0, 0) for p in range(3) if p not in held
+        ]
+    m = Manifest(
+        b,
+        BUCKET,
+        "upr://h/default",
+        b.time,
+        at(finished),
+        parent is None,
+        None if parent is None else parent.backup_id,
+        tuple(entries),
+        Totals.derive(entries, 1),
+        continuous=None if since is None else at(since),
+    )
     repo.write_manifest(m)
     return m
 
@@ -176,9 +211,17 @@ def upr(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
 
 def stored(db: Path) -> dict[tuple[int, bytes], tuple[Any, ...]]:
     with Store(db, create=False) as s:
-        return {(d.partition, bytes(d.key)): (d.seq, d.deleted, bytes(d.value), d.cas, d.flags,
-                                              d.expiry)
-                for d in s.documents(include_deleted=True)}  # fmt: skip
+        return {
+            (d.partition, bytes(d.key)): (
+                d.seq,
+                d.deleted,
+                bytes(d.value),
+                d.cas,
+                d.flags,
+                d.expiry,
+            )
+            for d in s.documents(include_deleted=True)
+        }
 
 
 @pytest.mark.parametrize("t", [1, 5, 10, 15, 22, 45, 55, 80, 110, 120])
@@ -186,8 +229,16 @@ def test_restore_at_time_is_the_state_then_key_for_key(
     built: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str], t: float
 ) -> None:
     db = tmp_path / "then.db"
-    code, out, err = upr(capsys, "restore", "--repo", str(built.root), "--at-time",
-                         show_time(at(t)), f"sqlite:{db}", "--json")  # fmt: skip
+    code, out, err = upr(
+        capsys,
+        "restore",
+        "--repo",
+        str(built.root),
+        "--at-time",
+        show_time(at(t)),
+        f"sqlite:{db}",
+        "--json",
+    )
     assert code == 0, err
     assert stored(db) == built.model.state(t)
     point = json.loads(out)["point"]
@@ -197,19 +248,37 @@ def test_restore_at_time_is_the_state_then_key_for_key(
     assert point["not_restored"] == []
 
 
-def test_the_expired_document_keeps_its_expiry(built: Built, tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_the_expired_document_keeps_its_expiry(
+    built: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     db = tmp_path / "x.db"
-    assert upr(capsys, "restore", "--repo", str(built.root), "--at-time", show_time(at(45)),
-               f"sqlite:{db}")[0] == 0  # fmt: skip
+    assert (
+        upr(
+            capsys,
+            "restore",
+            "--repo",
+            str(built.root),
+            "--at-time",
+            show_time(at(45)),
+            f"sqlite:{db}",
+        )[0]
+        == 0
+    )
     assert stored(db)[1, KEYS["k2"].encode()][5] == PAST  # the target expires it, as Couchbase does
 
 
 def test_restore_text_names_the_coarse_stretch(
     built: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, _err = upr(capsys, "restore", "--repo", str(built.root), "--at-time",
-                          show_time(at(80)), f"sqlite:{tmp_path / 'a.db'}")  # fmt: skip
+    code, out, _err = upr(
+        capsys,
+        "restore",
+        "--repo",
+        str(built.root),
+        "--at-time",
+        show_time(at(80)),
+        f"sqlite:{tmp_path / 'a.db'}",
+    )
     assert code == 0
     assert f"restored the state at {show_time(at(80))}" in out
     assert f"coarse stretch {show_time(at(60))} to {show_time(at(100))}" in out
@@ -222,8 +291,9 @@ def test_a_time_outside_the_range_writes_nothing(
     built: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str], when: str
 ) -> None:
     db = tmp_path / "none.db"
-    code, _out, err = upr(capsys, "restore", "--repo", str(built.root), "--at-time", when,
-                          f"sqlite:{db}")  # fmt: skip
+    code, _out, err = upr(
+        capsys, "restore", "--repo", str(built.root), "--at-time", when, f"sqlite:{db}"
+    )
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "outside the restorable range of bucket default" in lines[0]
@@ -233,9 +303,13 @@ def test_a_time_outside_the_range_writes_nothing(
 
 def test_usage_errors(built: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db = f"sqlite:{tmp_path / 'u.db'}"
-    for args in (["--at-time", "yesterday"], ["--at-seq", "0"],
-                 ["--at-time", "-5m", "--at", "latest"],
-                 ["--at-time", "-5m", "--at-seq", "0:1"], ["--before-failover", "1"]):  # fmt: skip
+    for args in (
+        ["--at-time", "yesterday"],
+        ["--at-seq", "0"],
+        ["--at-time", "-5m", "--at", "latest"],
+        ["--at-time", "-5m", "--at-seq", "0:1"],
+        ["--before-failover", "1"],
+    ):
         code, _out, err = upr(capsys, "restore", "--repo", str(built.root), *args, db)
         assert code == 2, args
         assert len(err.strip().splitlines()) == 1, err
@@ -245,15 +319,16 @@ def test_at_seq_restores_only_the_named_partitions(
     built: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     db = tmp_path / "s.db"
-    code, out, err = upr(capsys, "restore", "--repo", str(built.root), "--at-seq", "0:4",
-                         f"sqlite:{db}", "--json")  # fmt: skip
+    code, out, err = upr(
+        capsys, "restore", "--repo", str(built.root), "--at-seq", "0:4", f"sqlite:{db}", "--json"
+    )
     assert code == 0, err
     # seq 4 is inside the snapshot 4-5 (20 s): rounded down to 3, the state at 10 s
     want = {k: v for k, v in built.model.state(10).items() if k[0] == 0}
     assert stored(db) == want
     assert json.loads(out)["point"]["notices"] == [
-        "partition 0: seq 4 is inside a snapshot: restored to the snapshot boundary below "
-        "it, 3"]  # fmt: skip
+        "partition 0: seq 4 is inside a snapshot: restored to the snapshot boundary below it, 3"
+    ]
 
 
 def test_info_json_has_the_range_stretches_and_failovers(
@@ -263,9 +338,10 @@ def test_info_json_has_the_range_stretches_and_failovers(
     assert code == 0
     b = json.loads(out)["buckets"][BUCKET]
     assert b["restorable"] == {
-        "oldest": show_time(at(1)), "last": show_time(at(120)),
+        "oldest": show_time(at(1)),
+        "last": show_time(at(120)),
         "coarse": [{"start": show_time(at(60)), "end": show_time(at(100)), "seconds": 40.0}],
-    }  # fmt: skip
+    }
     assert b["failovers"] == []
     code, out, _err = upr(capsys, "info", "--repo", str(built.root))
     assert f"restorable: {show_time(at(1))} to {show_time(at(120))}" in out
@@ -288,7 +364,10 @@ def test_replay_and_diff_of_a_repository_at_a_time(
     code, out, err = upr(capsys, "diff", spec, f"repo:{built.root}", "--json")
     assert code == 1, err
     assert {d["partition"]: d["status"] for d in json.loads(out)["partitions"]} == {
-        0: "ahead", 1: "ahead", 2: "no-common-history"}  # empty at 22 s: no log yet
+        0: "ahead",
+        1: "ahead",
+        2: "no-common-history",
+    }  # empty at 22 s: no log yet
 
 
 def test_ls_and_cat_at_a_time(built: Built, capsys: pytest.CaptureFixture[str]) -> None:
@@ -299,22 +378,124 @@ def test_ls_and_cat_at_a_time(built: Built, capsys: pytest.CaptureFixture[str]) 
     assert sorted(out.split()) == sorted(want)
     code, out, _err = upr(capsys, "cat", "--repo", str(built.root), "--at-time", t, KEYS["k0"])
     assert (code, out) == (0, '{"v":2}')
-    code, out, _err = upr(capsys, "cat", "--repo", str(built.root), "--at-time",
-                          show_time(at(45)), KEYS["k0"])  # fmt: skip
+    code, out, _err = upr(
+        capsys, "cat", "--repo", str(built.root), "--at-time", show_time(at(45)), KEYS["k0"]
+    )
     assert (code, out) == (0, '{"v":3}')
-    code, _out, _err = upr(capsys, "cat", "--repo", str(built.root), "--at-time",
-                           show_time(at(22)), KEYS["k1"])  # fmt: skip
+    code, _out, _err = upr(
+        capsys, "cat", "--repo", str(built.root), "--at-time", show_time(at(22)), KEYS["k1"]
+    )
     assert code == 1  # deleted at 20 s
 
 
 def test_examine_shows_times_and_marks_the_version_at_a_time(
     built: Built, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, err = upr(capsys, "examine", "--repo", str(built.root), KEYS["k0"], "--json",
-                         "--at-time", show_time(at(15)))  # fmt: skip
+    code, out, err = upr(
+        capsys,
+        "examine",
+        "--repo",
+        str(built.root),
+        KEYS["k0"],
+        "--json",
+        "--at-time",
+        show_time(at(15)),
+    )
     assert code == 0, err
     vs = json.loads(out)["versions"]
     assert [(v["seq"], v["time"], v["at_time"]) for v in vs] == [
-        ("1", show_time(at(1)), False), ("3", show_time(at(10)), True),
-        ("6", show_time(at(40)), False)]  # fmt: skip
+        ("1", show_time(at(1)), False),
+        ("3", show_time(at(10)), True),
+        ("6", show_time(at(40)), False),
+    ]
     assert all(v["cas"] for v in vs)
+
+
+def test_failovers_in_info_and_before_failover(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Failover 1 rolls partition 0 back by 2 seqs; failover 2 cuts partition 1 back in
+    mid-run. --before-failover gives each partition's old branch, lost writes included."""
+    from tests.repo.chain_gen import Step, build, restored
+    from tests.repo.repo_helpers import bid
+    from upr_cli.segments import SegmentReader
+
+    root = tmp_path / "repo"
+    repo = Repository(root)
+    no = (False, False, False)
+    ms = build(
+        repo,
+        [
+            Step("full", (5, 5, 5), (0, 0, 0), no, 1),
+            Step("inc", (4, 4, 4), (0, 0, 0), no, 2),
+            Step("inc", (3, 3, 3), (2, 0, 0), no, 3),
+            Step("inc", (2, 2, 2), (0, 0, 0), (False, True, False), 4),
+        ],
+    )
+    code, out, _err = upr(capsys, "info", "--repo", str(root), "--json")
+    assert code == 0
+    events = json.loads(out)["buckets"][BUCKET]["failovers"]
+    cb = ms[3].partition(1).cut_backs[0]  # type: ignore[union-attr]
+    assert [(f["number"], f["backup_id"], f["partitions"]) for f in events] == [
+        (1, str(bid(2)), [0]),
+        (2, str(bid(3)), [1]),
+    ]
+    assert events[0]["lost"] == [
+        {"partition": 0, "backup_id": str(bid(1)), "from_seq": "7", "to_seq": "9"}
+    ]
+    assert events[1]["lost"] == [
+        {
+            "partition": 1,
+            "backup_id": str(bid(3)),
+            "from_seq": str(cb.to_seq),
+            "to_seq": str(cb.from_seq),
+        }
+    ]
+    code, out, _err = upr(capsys, "info", "--repo", str(root))
+    assert "failover 2: " in out and "partition 1; lost writes in 3 seqs" in out
+
+    db = tmp_path / "f1.db"
+    assert (
+        upr(capsys, "restore", "--repo", str(root), "--before-failover", "1", f"sqlite:{db}")[0]
+        == 0
+    )
+    assert stored_all(db) == restored(root, bid(1), tmp_path / "want1.db")
+
+    db = tmp_path / "f2.db"
+    code, out, err = upr(
+        capsys, "restore", "--repo", str(root), "--before-failover", "2", f"sqlite:{db}"
+    )
+    assert code == 0, err
+    base = restored(root, bid(2), tmp_path / "want2.db")
+    cut: dict[tuple[int, int, bytes], int] = {}
+    path = repo.segment_path(BUCKET, bid(3), f"cut-1/{cb.segments[0].file}")
+    with SegmentReader(path, repo.storage) as r:
+        for rec in r.records():
+            cut[1, rec.collection, rec.key] = rec.seq
+    got = stored_all(db)
+    assert set(got) == set(base) | set(cut)
+    for k, v in got.items():
+        assert v[0] == cut[k] if k in cut else v == base[k]
+    assert (
+        f"partition 1: with the records the run received before its rollback to seq "
+        f"{cb.to_seq} (lost writes)" in out
+    )
+
+
+def stored_all(db: Path) -> dict[Any, tuple[Any, ...]]:
+    """As `chain_gen.restored` reads a store: (partition, collection, key) → fields."""
+    with Store(db, create=False) as s:
+        return {
+            (d.partition, d.collection, d.key): (
+                d.seq,
+                d.deleted,
+                d.value,
+                d.cas,
+                d.rev_seq,
+                d.flags,
+                d.expiry,
+                d.datatype,
+                d.xattrs,
+            )
+            for d in s.documents(include_deleted=True)
+        }

@@ -63,8 +63,7 @@ def cat_cmd(
     """Print one document of the state at a backup (the key's bytes as the command line
     gave them: `os.fsencode` keeps bytes that are not UTF-8)."""
     path = CollectionPath.parse(collection, need_collection=True)
-    doc = cat(repo, os.fsencode(key), bucket=bucket, at=point_at(at, at_time),
-              collection=path)
+    doc = cat(repo, os.fsencode(key), bucket=bucket, at=point_at(at, at_time), collection=path)
     if json_out:
         print_json(doc.to_json())
         return

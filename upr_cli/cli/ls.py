@@ -102,8 +102,14 @@ def write_json(state: StateAt, keys: Iterable[Key]) -> None:
     `print_json` gives an object, with `items` after the keys."""
     out = sys.stdout
     point = state.selection.point
-    head = json.dumps({"backup_id": str(state.backup_id), "bucket": state.bucket,
-                       "point": None if point is None else point.to_json()}, indent=2)
+    head = json.dumps(
+        {
+            "backup_id": str(state.backup_id),
+            "bucket": state.bucket,
+            "point": None if point is None else point.to_json(),
+        },
+        indent=2,
+    )
     out.write(head[:-2] + ',\n  "keys": [')
     n = 0
     for k in keys:

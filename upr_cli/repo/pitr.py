@@ -276,9 +276,13 @@ class Resolution:
 
     def describe(self) -> list[str]:
         """Lines of text: what was asked, the lag in a coarse stretch, what is left out."""
-        lines = [{"time": f"the state at {self.asked}",
-                  "seq": f"the state at seqs {self.asked}",
-                  "failover": f"the state before failover {self.asked}"}[self.how]]
+        lines = [
+            {
+                "time": f"the state at {self.asked}",
+                "seq": f"the state at seqs {self.asked}",
+                "failover": f"the state before failover {self.asked}",
+            }[self.how]
+        ]
         if self.stretch is not None:
             lines.append(f"  coarse stretch {show_time(self.stretch.start)} to "
                          f"{show_time(self.stretch.end)}:")  # fmt: skip
@@ -502,27 +506,21 @@ def resolve_failover(
     before = chain[i - 1].backup_id
     out = Resolution("failover", f"{number} ({show_time(ev.time)})")
     event = chain[i]
-    clean = [e.partition for e in event.partitions if e.cut_backs and e.rollback is None]
-    for p in sorted(
-        set(_partitions(chain[:i], partitions))
-        | set(_partitions([event], clean) if partitions is None else set(clean) & set(partitions))
-    ):
-        e = event.partition(p)
-        if e is not None and e.cut_backs and e.rollback is None:
-            # the run went on from where the chain stood (start = the previous end): its
-            # records up to the first cut, then what that cut took back
-            cb = e.cut_backs[0]
-            extra = tuple(PlanStep(event.backup_id, s, NO_CUT, format_cut_path(1, s.file))
-                          for s in cb.segments)  # fmt: skip
-            out.picks[p] = Pick(event.backup_id, cb.to_seq, extra)
-            out.notices.append(
-                f"partition {p}: with the {_n(len(cb.segments), 'record segment')}"
-                f" the run received before the rollback to seq {cb.to_seq}"
-            )
-        else:
+    # a partition the event cut back, with no `rollback` record: the run went on from
+    # where the chain stood (start = the previous end), so its old branch is the event's
+    # records up to the first cut, then what that cut took back
+    clean = {e.partition: e.cut_backs[0] for e in event.partitions
+             if e.cut_backs and e.rollback is None}  # fmt: skip
+    if partitions is not None:
+        clean = {p: c for p, c in clean.items() if p in set(partitions)}
+    for p in sorted(set(_partitions(chain[:i], partitions)) | set(clean)):
+        cb = clean.get(p)
+        if cb is None:
             out.picks[p] = Pick(before)
+            continue
+        extra = tuple(PlanStep(event.backup_id, s, NO_CUT, format_cut_path(1, s.file))
+                      for s in cb.segments)  # fmt: skip
+        out.picks[p] = Pick(event.backup_id, cb.to_seq, extra)
+        out.notices.append(f"partition {p}: with the records the run received before its "
+                           f"rollback to seq {cb.to_seq} (lost writes)")  # fmt: skip
     return out
-
-
-def _n(n: int, what: str) -> str:
-    return f"{n} {what}" + ("" if n == 1 else "s")
