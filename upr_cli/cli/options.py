@@ -71,8 +71,8 @@ AtTime = Annotated[
 ]  # fmt: skip
 AtSeq = Annotated[
     str | None,
-    typer.Option("--at-seq", metavar="P:SEQ,…",
-                 help="Only the partitions named, each at its seq (rounded down to a "
+    typer.Option("--at-seq", metavar="SEQS",
+                 help="P:SEQ,…: only the partitions named, each at its seq (rounded down to a "
                  "snapshot boundary)."),
 ]  # fmt: skip
 BeforeFailover = Annotated[

@@ -196,6 +196,15 @@ def register(app: typer.Typer) -> None:
     app.command("restore", help=HELP, no_args_is_help=True)(restore_cmd)
 
 
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan; write nothing.")]
+ForceUpdates = Annotated[
+    bool, typer.Option("--force-updates", help="Skip the target's conflict resolution.")
+]
+IncludeTombstones = Annotated[
+    bool, typer.Option("--include-tombstones", help="Write every deletion.")
+]
+
+
 def restore_cmd(
     target: Annotated[
         str,
@@ -211,15 +220,9 @@ def restore_cmd(
     bucket: Bucket = None,
     partitions: Partitions = None,
     keys: Keys = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the plan; write nothing.")
-    ] = False,
-    force_updates: Annotated[
-        bool, typer.Option("--force-updates", help="Skip the target's conflict resolution.")
-    ] = False,
-    include_tombstones: Annotated[
-        bool, typer.Option("--include-tombstones", help="Write every deletion.")
-    ] = False,
+    dry_run: DryRun = False,
+    force_updates: ForceUpdates = False,
+    include_tombstones: IncludeTombstones = False,
     skip_corrupt: Annotated[
         bool,
         typer.Option("--skip-corrupt", help="Leave out partitions with damage; exit 4."),
