@@ -146,7 +146,14 @@ def check_files(
     """Every segment file the selected state reads exists with the size its manifest
     records; otherwise `BrokenChain` naming the first one (no file is read: block
     checksums are verified as the records are read)."""
-    bad = repo.missing_files(bucket, manifests, selection.backup_id, selection.partitions)
+    if selection.point is None:
+        bad = repo.missing_files(bucket, manifests, selection.backup_id, selection.partitions)
+    else:  # each partition at its own backup (its state there reads every file it reads)
+        by: dict[BackupId, list[int]] = {}
+        for p in selection.partitions:
+            by.setdefault(selection.point.picks[p].backup_id, []).append(p)
+        bad = [line for j, ps in sorted(by.items())
+               for line in repo.missing_files(bucket, manifests, j, ps)]  # fmt: skip
     if bad:
         also = f" (and {len(bad) - 1} more: `upr verify` names them)" if len(bad) > 1 else ""
         raise BrokenChain(f"{bad[0]}{also}")
