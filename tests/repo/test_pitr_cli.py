@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.cli.json_convention import problems
 from tests.repo.repo_helpers import BUCKET, LOG, T0
 from upr_cli.cli.app import main
 from upr_cli.failover import FailoverLog
@@ -241,6 +242,7 @@ def test_restore_at_time_is_the_state_then_key_for_key(
     )
     assert code == 0, err
     assert stored(db) == built.model.state(t)
+    assert problems(json.loads(out)) == []
     point = json.loads(out)["point"]
     assert point["by"] == "time"
     coarse = 60 < t < 100  # the follower was stopped from 60 s to 100 s
@@ -328,11 +330,14 @@ def test_info_json_has_the_range_stretches_and_failovers(
 ) -> None:
     code, out, _err = upr(capsys, "info", "--repo", str(built.root), "--json")
     assert code == 0
+    assert problems(json.loads(out)) == []
     b = json.loads(out)["buckets"][BUCKET]
     assert b["restorable"] == {
         "oldest": show_time(at(1)),
         "last": show_time(at(120)),
-        "coarse": [{"start": show_time(at(60)), "end": show_time(at(100)), "seconds": 40.0}],
+        "coarse": [
+            {"start_time": show_time(at(60)), "end_time": show_time(at(100)), "seconds": 40.0}
+        ],
     }
     assert b["failovers"] == []
     code, out, _err = upr(capsys, "info", "--repo", str(built.root))
@@ -426,6 +431,7 @@ def test_failovers_in_info_and_before_failover(
     )
     code, out, _err = upr(capsys, "info", "--repo", str(root), "--json")
     assert code == 0
+    assert problems(json.loads(out)) == []
     events = json.loads(out)["buckets"][BUCKET]["failovers"]
     cb = ms[3].partition(1).cut_backs[0]  # type: ignore[union-attr]
     assert [(f["number"], f["backup_id"], f["partitions"]) for f in events] == [

@@ -147,7 +147,7 @@ def restorable_lines(span: dict[str, Any] | None, failovers: list[dict[str, Any]
         out.append(f"coarse stretches ({len(coarse)}): a restore there gives the state at "
                    "the start")  # fmt: skip
         for c in coarse[:_SHOWN_STRETCHES]:
-            out.append(f"  {c['start']} to {c['end']} ({show_span(c['seconds'])})")
+            out.append(f"  {c['start_time']} to {c['end_time']} ({show_span(c['seconds'])})")
         if len(coarse) > _SHOWN_STRETCHES:
             out.append(f"  and {len(coarse) - _SHOWN_STRETCHES} more (--json lists them)")
     for f in failovers:

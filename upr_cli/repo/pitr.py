@@ -153,7 +153,7 @@ class Stretch:
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (docs/output.md: times RFC 3339, durations in seconds)."""
-        return {"start": show_time(self.start), "end": show_time(self.end),
+        return {"start_time": show_time(self.start), "end_time": show_time(self.end),
                 "seconds": round(self.seconds, 6)}  # fmt: skip
 
 
@@ -170,7 +170,7 @@ class Timeline:
         return next((s for s in self.coarse if s.start < t < s.end), None)
 
     def to_json(self) -> dict[str, Any]:
-        """JSON form: `oldest`, `last`, `coarse` (each start, end, seconds)."""
+        """JSON form: `oldest`, `last`, `coarse` (each start_time, end_time, seconds)."""
         return {"oldest": show_time(self.oldest), "last": show_time(self.last),
                 "coarse": [s.to_json() for s in self.coarse]}  # fmt: skip
 
