@@ -189,7 +189,7 @@ def timeline(manifests: Sequence[Manifest]) -> Timeline | None:
                for e in m.partitions if not e.points]  # fmt: skip
     if not points or not chain:
         return None
-    oldest, last = min(points), chain[-1].finished
+    oldest, last = min(points), max(m.finished for m in chain)
     exact = sorted((m.continuous, m.finished) if m.continuous is not None
                    else (m.finished, m.finished) for m in chain)  # fmt: skip
     coarse = []
@@ -325,15 +325,26 @@ def resolve_time(
     out = Resolution("time", show_time(when))
     out.stretch = tl.stretch_of(when)
     lag = 0.0 if out.stretch is None else (when - out.stretch.start).total_seconds()
+    # one pass over the chain: a later backup's point, or a later point, replaces the
+    # one found before (chain order, then seq), so this is `restore_points` per partition
+    # without walking the chain once per partition
+    wanted = None if partitions is None else set(partitions)
+    best: dict[int, tuple[BackupId, int]] = {}
+    for m in ordered(manifests):
+        for e in m.partitions:
+            if wanted is not None and e.partition not in wanted:
+                continue
+            if m.continuous is not None and e.points:
+                seqs = [q for q, t in e.points if t <= when]
+                if seqs:
+                    best[e.partition] = (m.backup_id, seqs[-1])
+            elif m.finished <= when:
+                best[e.partition] = (m.backup_id, e.end_seq)
     for p in _partitions(manifests, partitions):
-        best = None
-        for pt in restore_points(manifests, p):
-            if pt.time <= when:
-                best = pt
-        if best is None:
+        if p not in best:
             out.not_restored.append(p)
             continue
-        out.picks[p] = Pick(best.backup_id, best.seq)
+        out.picks[p] = Pick(*best[p])
         out.lag[p] = lag
     return out
 
