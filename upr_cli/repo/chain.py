@@ -23,6 +23,7 @@ Everything here is pure: functions of manifests, no I/O.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from itertools import pairwise
 from typing import NamedTuple
 
@@ -86,9 +87,11 @@ class ParentMismatch(NamedTuple):
 
 def ordered(manifests: Sequence[Manifest]) -> list[Manifest]:
     """The manifests sorted by backup id; mixed buckets or a repeated id are errors."""
-    out = sorted(manifests, key=lambda m: m.backup_id)
+    # by the id's time (its one field, so the same order), compared in C: a chain of
+    # 10,000 commits is ordered once per partition a restore plans
+    out = sorted(manifests, key=_id_time)
     for a, b in pairwise(out):
-        if a.backup_id == b.backup_id:
+        if a.backup_id.time == b.backup_id.time:
             raise RepositoryError(f"backup {a.backup_id} appears twice in the chain")
         if a.bucket != b.bucket:
             raise RepositoryError(
@@ -98,14 +101,19 @@ def ordered(manifests: Sequence[Manifest]) -> list[Manifest]:
     return out
 
 
+def _id_time(m: Manifest) -> datetime:
+    return m.backup_id.time
+
+
 def _holding(manifests: Sequence[Manifest], partition: int, at: BackupId | None) -> list[Held]:
     """(id, entry) of the backups up to `at` (all when None) that hold `partition`."""
     chain = ordered(manifests)
-    if at is not None and not any(m.backup_id == at for m in chain):
+    when = None if at is None else at.time
+    if when is not None and not any(m.backup_id.time == when for m in chain):
         raise RepositoryError(f"backup {at} is not in the chain")
     out = []
     for m in chain:
-        if at is not None and m.backup_id > at:
+        if when is not None and m.backup_id.time > when:
             break
         entry = m.partition(partition)
         if entry is not None:
