@@ -97,13 +97,18 @@ class Model:
 
 
 def _segment(
-    d: Path, p: int, start: int, rows: list[DcpRecord], snaps: tuple[tuple[int, int], ...]
+    repo: Repository,
+    d: Path,
+    p: int,
+    start: int,
+    rows: list[DcpRecord],
+    snaps: tuple[tuple[int, int], ...],
 ) -> SegmentEntry:
     high = rows[-1].by_seqno
     hdr = SegmentHeader(
         BUCKET, p, LOG, start, high, snaps, "2026-11-26T00:00:00.000000Z", "upr://h/default", 128
     )
-    w = SegmentWriter(d / f"p{p}.open", hdr)
+    w = SegmentWriter(d / f"p{p}.open", hdr, storage=repo.storage)
     w.add(rows)
     name = format_segment_name(p, rows[0].by_seqno, high)
     i = w.finish(path=d / name)
@@ -135,7 +140,7 @@ def commit(
         for e in ends.values():
             bounds.append((s0 + 1, e))
             s0 = e
-        seg = _segment(d, p, start, [r for _t, r in rows], tuple(bounds))
+        seg = _segment(repo, d, p, start, [r for _t, r in rows], tuple(bounds))
         end = rows[-1][1].by_seqno
         points = tuple((s, at(t)) for t, s in ends.items()) if since is not None else ()
         entries.append(PartitionEntry(p, 0xBEEF, LOG, start, end, end, end, (seg,), points=points))
@@ -174,11 +179,14 @@ class Built:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    repo = Repository(tmp_path_factory.mktemp("pitr") / "repo")
+    repo.init()
+    return build(repo)
+
+
+def build(repo: Repository) -> Built:
     """An ordinary full backup, three continuous commits; the follower was stopped from
     60 s to 100 s (a coarse stretch). Partition 2 is empty until 50 s."""
-    root = tmp_path_factory.mktemp("pitr") / "repo"
-    repo = Repository(root)
-    repo.init()
     m = Model()
     m.write(0, 0, "k0", '{"v":1}')
     m.write(0, 0, "k1", '{"v":1}')
@@ -196,7 +204,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     m.write(110, 1, "k2", None)
     m.write(110, 1, "k6", '{"v":1}')
     c3 = commit(repo, m, 101, 120, c2, since=100)
-    return Built(root, m, [b0, c1, c2, c3])
+    return Built(repo.path, m, [b0, c1, c2, c3])
 
 
 def upr(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -497,3 +505,34 @@ def stored_all(db: Path) -> dict[Any, tuple[Any, ...]]:
             )
             for d in s.documents(include_deleted=True)
         }
+
+
+def test_an_encrypted_repository_goes_through_the_same_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from upr_cli.repo import access
+    from upr_cli.repo.access import Access
+    from upr_cli.repo.keys import create_encrypted
+
+    key = tmp_path / "key"
+    key.write_text("a passphrase\n")
+    repo = Repository(tmp_path / "enc", access=Access(key_file=key))
+    create_encrypted(repo)
+    enc = build(repo)
+    monkeypatch.setenv("UPR_KEY_FILE", str(key))
+    access.reset()
+    try:
+        db = tmp_path / "e.db"
+        args = ["--repo", str(enc.root), "--at-time", show_time(at(22))]
+        code, _out, err = upr(capsys, "restore", *args, f"sqlite:{db}")
+        assert code == 0, err
+        assert stored(db) == enc.model.state(22)
+        assert (
+            b"k0"
+            not in (enc.root / "default")
+            .joinpath(str(enc.manifests[1].backup_id))
+            .joinpath(enc.manifests[1].partitions[0].segments[0].file)
+            .read_bytes()
+        )  # sealed on disk
+    finally:
+        access.reset()
