@@ -9,16 +9,19 @@ to exactly the node's state.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import signal
 import subprocess
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import node_rows, spawn_upr, store_rows, wait_persisted
+from upr_cli.errors import UprError
 from upr_cli.repo import Repository
 
 COMMIT = "0.2s"
@@ -33,7 +36,7 @@ def _backups(repo: Path) -> list[Any]:
     """Every committed backup (the catch-up one first), or none yet."""
     try:
         return Repository(repo).manifests("default")
-    except Exception:  # not created yet, or a commit being written: asked again
+    except (UprError, OSError):  # not created yet, or a commit being written: asked again
         return []
 
 
@@ -42,6 +45,10 @@ def _session_committed(repo: Path, sessions_before: int) -> bool:
     chain = _backups(repo)
     catch_ups = sum(1 for m in chain if m.continuous is None)
     return catch_ups > sessions_before and chain[-1].continuous is not None
+
+
+def _session_or_end(repo: Path, sessions_before: int, proc: subprocess.Popen[str]) -> bool:
+    return _session_committed(repo, sessions_before) or proc.poll() is not None
 
 
 def _wait_for(pred: Any, timeout: float = 30.0, what: str = "") -> None:
@@ -97,7 +104,7 @@ def test_a_follower_commits_as_it_goes_lets_others_in_and_stops_on_sigterm(
     assert summary["commits"] >= 2 and summary["last_commit"] == str(_commits(repo)[-1].backup_id)
     commits = _commits(repo)
     # each commit watched from where the one before ended: no gap inside a session
-    assert all(b.continuous == a.finished for a, b in zip(commits, commits[1:], strict=False))
+    assert all(b.continuous == a.finished for a, b in pairwise(commits))
     assert all(e.end_seq == e.snap_end for m in commits for e in m.partitions)
     _restored_equals_node(repo, node, tmp_path, "final")
 
@@ -112,7 +119,7 @@ def test_sigkill_at_seeded_moments_loses_nothing_and_the_outage_is_coarse(
         for _kill in range(2):
             with spawn_upr("backup", node.uri, "--repo", str(repo), "--follow",
                            "--commit-every", COMMIT) as follower:  # fmt: skip
-                _wait_for(lambda: _session_committed(repo, _kill) or follower.poll() is not None,
+                _wait_for(functools.partial(_session_or_end, repo, _kill, follower),
                           what="a catch-up and a commit")  # fmt: skip
                 time.sleep(rng.uniform(0.1, 1.5))
                 assert follower.poll() is None, follower.communicate()
@@ -128,7 +135,7 @@ def test_sigkill_at_seeded_moments_loses_nothing_and_the_outage_is_coarse(
     assert follower.returncode == 0, err
     commits = _commits(repo)
     # three sessions: two gaps where the follower was down (a catch-up backup in each)
-    gaps = [(a, b) for a, b in zip(commits, commits[1:], strict=False)
+    gaps = [(a, b) for a, b in pairwise(commits)
             if b.continuous != a.finished]  # fmt: skip
     assert len(gaps) >= 2
     _restored_equals_node(repo, node, tmp_path, "after-kills")

@@ -562,7 +562,8 @@ class PartitionEntry:
             _cut_backs(o, where) if "cut_back" in keys else (),
             o.u64("lost_bound") if "lost_bound" in keys else None,
             Points(text=o.string("points"), check=(where, o.u64("start_seq"), o.u64("end_seq")))
-            if "points" in keys else (),
+            if "points" in keys
+            else (),
         )
 
 
