@@ -15,6 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import drain, run, spawn_upr, wait_persisted
 from tests.e2e.test_follow_e2e import _backups, _caught_up, _load, _wait_for
@@ -24,34 +26,38 @@ from upr_cli.store import Store
 Row = tuple[Any, ...]
 
 
-def _node_state(uri: str) -> dict[tuple[int, bytes], Row]:
+Key = tuple[int, int, bytes]  # partition, collection id, key
+
+
+def _node_state(uri: str) -> dict[Key, Row]:
     """Every key's newest version on the node, tombstones and xattrs included."""
     rows, _events, _c = run(drain(uri))
-    out: dict[tuple[int, bytes], Row] = {}
+    out: dict[Key, Row] = {}
     for r in sorted(rows, key=lambda r: (r.vbucket, r.by_seqno)):
-        out[(r.vbucket, bytes(r.key))] = (
+        out[(r.vbucket, r.collection, bytes(r.key))] = (
             r.by_seqno, r.opcode != OP_MUTATION, bytes(r.value), r.cas, r.rev_seqno,
             r.flags, r.expiration, r.collection, bytes(r.xattrs),
         )  # fmt: skip
     return out
 
 
-def _restored(repo: Path, db: Path, *how: str) -> dict[tuple[int, bytes], Row]:
+def _restored(repo: Path, db: Path, *how: str) -> dict[Key, Row]:
     upr("restore", "--repo", str(repo), *how, f"sqlite:{db}")
     with Store(db, create=False) as s:
         return {
-            (d.partition, d.key): (d.seq, d.deleted, d.value, d.cas, d.rev_seq, d.flags,
+            (d.partition, d.collection, d.key): (d.seq, d.deleted, d.value, d.cas, d.rev_seq, d.flags,
                                    d.expiry, d.collection, d.xattrs)
             for d in s.documents()
         }  # fmt: skip
 
 
 def test_restore_at_each_noted_time_gives_the_state_captured_then(
-    node: Node, tmp_path: Path
+    node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("UPR_ROLLUP_FANOUT", "2")  # points read back from rollups too
     repo = tmp_path / "repo"
     upr(*_load(node, 300, 1))
-    noted: list[tuple[str, dict[tuple[int, bytes], Row]]] = []
+    noted: list[tuple[str, dict[Key, Row]]] = []
     with spawn_upr("backup", node.uri, "--repo", str(repo), "--follow", "--commit-every",
                    "0.2s") as follower:  # fmt: skip
         _wait_for(lambda: bool(_backups(repo)), what="the catch-up")
@@ -78,3 +84,4 @@ def test_restore_at_each_noted_time_gives_the_state_captured_then(
     for i, (when, state) in enumerate(noted):
         got = _restored(repo, tmp_path / f"at{i}.db", "--at-time", when)
         assert got == state, f"batch {i}: {len(got)} keys restored, {len(state)} captured"
+    assert any(m.revision > 1 for m in _backups(repo))  # rollups happened
