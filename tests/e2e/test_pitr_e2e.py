@@ -45,8 +45,9 @@ def _restored(repo: Path, db: Path, *how: str) -> dict[Key, Row]:
     upr("restore", "--repo", str(repo), *how, f"sqlite:{db}")
     with Store(db, create=False) as s:
         return {
-            (d.partition, d.collection, d.key): (d.seq, d.deleted, d.value, d.cas, d.rev_seq, d.flags,
-                                   d.expiry, d.collection, d.xattrs)
+            (d.partition, d.collection, d.key): (
+                d.seq, d.deleted, d.value, d.cas, d.rev_seq, d.flags, d.expiry, d.collection,
+                d.xattrs)
             for d in s.documents()
         }  # fmt: skip
 
