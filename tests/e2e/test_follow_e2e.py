@@ -188,3 +188,35 @@ def test_a_rollup_keeps_every_record_and_restore_point(node: Node, tmp_path: Pat
     upr("verify", "--repo", str(repo))
     upr("restore", "--repo", str(repo), f"sqlite:{after}")
     assert store_rows(after) == store_rows(before) == node_rows(node.uri)
+
+
+def test_the_rollup_tail_rolls_the_oldest_run_first() -> None:
+    """Commits that arrive while a rollup works are not stranded between rollups."""
+    from datetime import UTC, datetime, timedelta
+
+    from upr_cli.jobs.rollup import Tail
+    from upr_cli.repo import BackupId, Manifest, Totals
+
+    t0 = datetime(2026, 12, 6, tzinfo=UTC)
+
+    def commit(i: int) -> Manifest:
+        at = t0 + timedelta(seconds=i + 1)
+        return Manifest(backup_id=BackupId(at), bucket="b", source="upr://h/b",
+                        started=at - timedelta(seconds=1), finished=at, full=False,
+                        parent=BackupId(t0), partitions=(), totals=Totals.derive((), 0),
+                        continuous=at - timedelta(seconds=1))  # fmt: skip
+
+    tail = Tail(fanout=3)
+    made = [commit(i) for i in range(7)]
+    for m in made[:5]:
+        tail.add(m)
+    group = tail.due()
+    assert group == made[:3]  # the oldest run first
+    tail.rolled(group, made[2])
+    assert [lv for _m, lv in tail.items] == [1, 0, 0]
+    assert tail.due() is None
+    tail.add(made[5])
+    assert tail.due() == made[3:6]
+    tail.rolled(made[3:6], made[5])
+    tail.add(made[6])
+    assert [lv for _m, lv in tail.items] == [1, 1, 0] and tail.due() is None

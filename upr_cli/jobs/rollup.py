@@ -85,14 +85,16 @@ class Tail:
             self.items = []
 
     def due(self) -> list[Manifest] | None:
-        """The newest `fanout` backups when they share a level, else None."""
-        if len(self.items) < self.fanout:
-            return None
-        group = self.items[-self.fanout :]
-        level = group[0][1]
-        if any(lv != level for _m, lv in group):
-            return None
-        return [m for m, _lv in group]
+        """The oldest `fanout` backups of the first run of that many sharing a level
+        (oldest first: commits that arrive while a rollup works are never stranded
+        between two rollups), else None."""
+        start = 0
+        for i in range(1, len(self.items) + 1):
+            if i == len(self.items) or self.items[i][1] != self.items[start][1]:
+                if i - start >= self.fanout:
+                    return [m for m, _lv in self.items[start : start + self.fanout]]
+                start = i
+        return None
 
     def rolled(self, group: list[Manifest], into: Manifest) -> None:
         """`group` became `into`, one level up (a tail changed meanwhile is dropped)."""
