@@ -16,7 +16,9 @@ from tests.repo.chain_gen import build
 from tests.repo.pack_helpers import STEPS, check_packed_repository, observe, pack_backup
 from tests.repo.repo_helpers import BUCKET
 from upr_cli.cli.app import main
-from upr_cli.repo import MANIFEST_FILE, Repository, RepositoryLock, access
+from upr_cli.jobs.inspect import verify
+from upr_cli.jobs.restore import restore_to_store
+from upr_cli.repo import MANIFEST_FILE, BackupId, Repository, RepositoryLock, access
 from upr_cli.repo.errors import RepositoryError
 from upr_cli.repo.manifests import MANIFEST_COPY
 from upr_cli.repo.pack import (
@@ -31,6 +33,7 @@ from upr_cli.repo.pack import (
 )
 from upr_cli.segments.format import SegmentError
 from upr_cli.storage import LocalStorage, Stat
+from upr_cli.store import Store
 
 SEG1 = "p0003-s0000000000000001-e0000000000000009.seg"
 SEG2 = "p0004-s0000000000000001-e0000000000000002.seg"
@@ -256,3 +259,32 @@ def test_the_layer_reads_an_index_once_and_costs_one_stat_without_a_pack(
     assert s.stat(late / SEG1) is None
     write_pack(LocalStorage(), late, _members(tmp_path)[:1])
     assert s.stat(late / SEG1).size == 100  # type: ignore[union-attr]
+
+
+VECTOR = Path(__file__).resolve().parents[2] / "formats" / "vectors" / "packed-repo"
+
+
+def test_the_vector_opens(tmp_path: Path) -> None:
+    """formats/vectors/packed-repo (made by make_packed_repo.py): a packed continuous
+    commit with a cut-back member, read as the states it records."""
+    expected = json.loads((VECTOR / "expected.json").read_text())
+    root = tmp_path / "repo"
+    shutil.copytree(VECTOR / "repo", root)  # readers register: not in the source tree
+    bucket = expected["bucket"]
+    repo = Repository(root)
+    packed = BackupId.parse(expected["packed"])
+    d = repo.backup_dir(bucket, packed)
+    assert sorted(p.name for p in d.iterdir()) == [MANIFEST_FILE, MANIFEST_COPY, PACK_NAME]
+    index = check_pack(LocalStorage(), d / PACK_NAME)
+    assert list(index.members) == expected["members"]
+    m = repo.read_manifest(bucket, packed)
+    assert m.continuous is not None and all(e.points for e in m.partitions)
+    assert [p for r in verify(root) for p in r.problems] == []
+    for at, want in expected["states"].items():
+        db = tmp_path / f"{at}.db"
+        restore_to_store(root, db, at=at)
+        with Store(db, create=False) as s:
+            got: dict[str, dict[str, str]] = {}
+            for doc in s.documents(include_deleted=False):
+                got.setdefault(str(doc.partition), {})[doc.key.decode()] = doc.value.decode()
+        assert got == want

@@ -7,9 +7,10 @@ one file. A pack is a 16-byte header (magic, version, CRC-32), the members' byte
 to back, an index (each member's path relative to the backup directory, offset, length,
 CRC-32) and a fixed 32-byte trailer that locates the index (offset, length, CRC-32,
 magic, its own CRC-32). `write_pack` builds one from finished local segment files through
-a `Storage` (plain, sealed or an object store) under a temp name (§2.4), makes it durable
-and renames it into place. `parse_index` is strict: any inconsistency is a `PackError`
-(a `SegmentError`: every reader reports it as damage, one line naming the pack).
+a `Storage` (plain, sealed or an object store) under a temp name
+(formats/repository.md §2.4), makes it durable and renames it into place.
+`parse_index` is strict: any inconsistency is a `PackError` (a `SegmentError`: every
+reader reports it as damage, one line naming the pack).
 
 `PackedStorage` is the layer every reader reaches the repository through
 (`Repository.storage` puts it outermost, over the sealing layer of an encrypted
