@@ -127,7 +127,8 @@ def check_packed_repository(src: Path, before: dict[str, Any], dst: Path, work: 
                             *, encrypted: bool, light: bool = False) -> None:  # fmt: skip
     """Copy `src` (plain) to `dst` (a path or `s3:/…`; sealed when `encrypted`: the key
     in UPR_PASSPHRASE), pack two of its backups (one with a cut-back, the newest), then:
-    every reader reads as before (`before`: `observe` of `src`); a copy reads as before;
+    every reader reads as before (`before`: `observe` of `src`); a copy reads as before,
+    its packed backups packed;
     a prune that absorbs the packed backup keeps the newest's `continuous` and points.
     An encrypted copy needs UPR_FROM_PASSPHRASE too (the same); `light`: `observe`'s."""
     copy_repository(src, dst, encrypt=encrypted)
@@ -156,14 +157,16 @@ def check_packed_repository(src: Path, before: dict[str, Any], dst: Path, work: 
     shown = info(dst)["buckets"][BUCKET]
     assert [b["backup_id"] for b in shown["backups"]] == [str(b) for b in ids]
     assert all(b["bytes_on_disk"] > 0 for b in shown["backups"]) and not shown["leftovers"]
-    # a copy of the packed repository (its members become files there)
+    # a copy of the packed repository: its packed backups stay packed
     access.reset()
     copied = work / "copied"
     copy_repository(dst, copied, encrypt=encrypted)
     assert observe(copied, work) == before
+    there = Repository(copied)
     for b in packed:
-        theirs = Repository(dst).read_manifest(BUCKET, b)
-        assert Repository(copied).read_manifest(BUCKET, b) == theirs
+        assert there.read_manifest(BUCKET, b) == Repository(dst).read_manifest(BUCKET, b)
+        d = there.backup_dir(BUCKET, b)
+        assert _files(there, d) == [MANIFEST_FILE, MANIFEST_COPY, PACK_NAME]
     # a prune that keeps the newest: the packed ids[1] is absorbed, the packed newest
     # becomes a revision that is still a continuous commit, with its points
     k = Repository(dst).read_manifest(BUCKET, ids[-1])
