@@ -13,9 +13,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from tests.repo.chain_gen import Step
+from tests.repo.chain_gen import Step, restored
 from tests.repo.repo_helpers import BUCKET
 from upr_cli.jobs.inspect import info
+from upr_cli.jobs.merge import merge
 from upr_cli.jobs.prune import run as prune
 from upr_cli.jobs.repo_copy import copy_repository
 from upr_cli.jobs.retention import KeepRules
@@ -76,7 +77,6 @@ def observe(location: Path, work: Path, *, light: bool = False) -> dict[str, Any
     (examine), a document (cat), the lost writes (salvage), verify's problems. `light`
     (an object store, where each command costs a second): the newest state and keys,
     the lost writes, verify's problems (`narrow` of a full one)."""
-    from tests.repo.chain_gen import restored
     from upr_cli.jobs.cat import KeyNotFound, cat
     from upr_cli.jobs.examine import examine
     from upr_cli.jobs.ls import list_keys, open_state
@@ -128,7 +128,7 @@ def check_packed_repository(src: Path, before: dict[str, Any], dst: Path, work: 
     """Copy `src` (plain) to `dst` (a path or `s3:/…`; sealed when `encrypted`: the key
     in UPR_PASSPHRASE), pack two of its backups (one with a cut-back, the newest), then:
     every reader reads as before (`before`: `observe` of `src`); a copy reads as before,
-    its packed backups packed;
+    its packed backups packed, and merges;
     a prune that absorbs the packed backup keeps the newest's `continuous` and points.
     An encrypted copy needs UPR_FROM_PASSPHRASE too (the same); `light`: `observe`'s."""
     copy_repository(src, dst, encrypt=encrypted)
@@ -167,6 +167,9 @@ def check_packed_repository(src: Path, before: dict[str, Any], dst: Path, work: 
         assert there.read_manifest(BUCKET, b) == Repository(dst).read_manifest(BUCKET, b)
         d = there.backup_dir(BUCKET, b)
         assert _files(there, d) == [MANIFEST_FILE, MANIFEST_COPY, PACK_NAME]
+    # a merge through a backup after the packed ids[1] (read from its pack) is its state
+    merged = BackupId.parse(merge(copied, through=str(ids[2])).backup_id)
+    assert restored(copied, merged, work / "merged.db") == before["states"][str(ids[2])]
     # a prune that keeps the newest: the packed ids[1] is absorbed, the packed newest
     # becomes a revision that is still a continuous commit, with its points
     k = Repository(dst).read_manifest(BUCKET, ids[-1])
