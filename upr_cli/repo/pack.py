@@ -440,11 +440,12 @@ class PackedStorage:
         their `cut-K` directories; in `cut-K`, the members there."""
         entries = self.inner.list(path)
         sub = path.name.startswith("cut-")
-        if not sub and path not in self._packs and all(e.name != PACK_NAME for e in entries):
+        listed = any(e.name == PACK_NAME for e in entries)
+        if not sub and not listed and path not in self._packs:
             with self._guard:  # the listing says: no pack here (no stat needed)
                 self._packs[path] = _ABSENT
             return entries
-        pack = self._pack(path.parent if sub else path)
+        pack = self._pack(path.parent if sub else path, fresh=listed)
         if pack is None:
             return entries
         if sub:
