@@ -124,10 +124,12 @@ def encode_index(members: Sequence[Member]) -> bytes:
     return b"".join(out)
 
 
-def write_pack(storage: Storage, directory: Path, members: Sequence[tuple[str, Path]]) -> int:
+def write_pack(
+    storage: Storage, directory: Path, members: Sequence[tuple[str, Path | bytes]]
+) -> int:
     """Write `directory/segments.pack` of `members` ((relative path, local file of a
-    finished segment)) through `storage`: under a temp name, made durable, renamed into
-    place, the directory synced. Returns the pack's size."""
+    finished segment, or its bytes)) through `storage`: under a temp name, made durable,
+    renamed into place, the directory synced. Returns the pack's size."""
     seen: set[str] = set()
     for name, _ in members:
         try:
@@ -148,11 +150,15 @@ def write_pack(storage: Storage, directory: Path, members: Sequence[tuple[str, P
         index: list[Member] = []
         for name, local in members:
             crc, length = 0, 0
-            with open(local, "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    storage.append(out, chunk)
-                    crc = zlib.crc32(chunk, crc)
-                    length += len(chunk)
+            if isinstance(local, bytes):  # a finished segment held in memory
+                storage.append(out, local)
+                crc, length = zlib.crc32(local), len(local)
+            else:
+                with open(local, "rb") as f:
+                    while chunk := f.read(_CHUNK):
+                        storage.append(out, chunk)
+                        crc = zlib.crc32(chunk, crc)
+                        length += len(chunk)
             index.append(Member(name, at, length, crc))
             at += length
         raw = encode_index(index)
