@@ -5,10 +5,11 @@ pack or manifest format changes).
 Usage: python formats/vectors/make_packed_repo.py
 Writes packed-repo/repo (repo.json, one bucket `vec`):
   * backup 20261206T120000.000000Z, full: partition 3, seqs 1-4, as a segment file;
-  * backup 20261206T130000.000000Z, a continuous commit on it (`continuous`, `points`)
-    whose three segments are members of its `segments.pack` and nowhere else: partition
-    3 (seqs 5-6 on a new branch from 4, after a failover took back 5-6 of the old one:
-    the member `cut-1/…`) and partition 5 (seqs 1-2, new);
+  * backup 20261206T130000.000000Z, a continuous commit on it (`continuous`; no
+    restore points, which are optional) whose three segments are members of its
+    `segments.pack` and nowhere else: partition 3 (seqs 5-6 on a new branch from 4,
+    after a failover took back 5-6 of the old one: the member `cut-1/…`) and partition
+    5 (seqs 1-2, new);
 and packed-repo/expected.json: the pack's members, and the state at each backup (key ->
 value, null for a deletion, per partition). Every byte is fixed: a new run writes the
 same files. tests/repo/test_pack.py opens it.
@@ -95,10 +96,10 @@ def build(root: Path) -> dict[str, object]:
                    local / "cut-1" / lost.file), (fresh.file, local / fresh.file)]  # fmt: skip
         write_pack(repo.storage, d2, members)
     t = ID2.time
-    e3 = PartitionEntry(3, NEW, new, 4, 6, 6, 6, (kept,), cut_backs=(CutBack(6, 4, (lost,)),),
-                        points=((5, t + timedelta(seconds=1)),
-                                (6, t + timedelta(seconds=2))))  # fmt: skip
-    e5 = PartitionEntry(5, P5, p5, 0, 2, 2, 2, (fresh,), points=((2, t + timedelta(seconds=2)),))
+    # no restore points (`points` is optional): the vector is about the pack, and reads
+    # the same whichever encoding of points (formats/repository.md §5.11) the code has
+    e3 = PartitionEntry(3, NEW, new, 4, 6, 6, 6, (kept,), cut_backs=(CutBack(6, 4, (lost,)),))
+    e5 = PartitionEntry(5, P5, p5, 0, 2, 2, 2, (fresh,))
     repo.write_manifest(Manifest(ID2, BUCKET, "upr://h/vec", t, t + timedelta(seconds=3),
                                  False, ID1, (e3, e5), Totals.derive([e3, e5], 1),
                                  continuous=ID1.time + timedelta(seconds=1)))  # fmt: skip
