@@ -75,8 +75,8 @@ def observe(location: Path, work: Path, *, light: bool = False) -> dict[str, Any
     """What readers make of the repository at `location` (a path, or `s3:/…`): the state
     at every backup (restore --sqlite), the keys listed (ls), every version of some keys
     (examine), a document (cat), the lost writes (salvage), verify's problems. `light`
-    (an object store, where each command costs a second): the newest state and keys,
-    the lost writes, verify's problems (`narrow` of a full one)."""
+    (an object store, where each command costs a second): the newest state, the lost
+    writes, verify's problems (`narrow` of a full one)."""
     from upr_cli.jobs.cat import KeyNotFound, cat
     from upr_cli.jobs.examine import examine
     from upr_cli.jobs.ls import list_keys, open_state
@@ -85,12 +85,12 @@ def observe(location: Path, work: Path, *, light: bool = False) -> dict[str, Any
     ids = repo.backups(BUCKET)[-1:] if light else repo.backups(BUCKET)
     out: dict[str, Any] = {}
     out["states"] = {str(b): restored(location, b, work / f"s-{b}.db") for b in ids}
+    if light:
+        return _rest(location, out)
     with contextlib.ExitStack() as held:
         keys = [list(list_keys(open_state(location, None, str(b), held=held), deleted=True))
                 for b in ids]  # fmt: skip
     out["ls"] = keys
-    if light:
-        return _rest(location, out)
     names = sorted({k.key for k in keys[-1]})[:4]
     out["examine"] = [examine(location, k, partitions=[0, 1, 2]) for k in names]
     docs = []  # cat finds a key in its hashed partition: those the chain put there
@@ -115,8 +115,8 @@ def _rest(location: Path, out: dict[str, Any]) -> dict[str, Any]:
 def narrow(full: dict[str, Any]) -> dict[str, Any]:
     """What `observe(…, light=True)` sees of a repository a full `observe` saw."""
     last = list(full["states"])[-1]
-    return {"states": {last: full["states"][last]}, "ls": full["ls"][-1:],
-            "salvage": full["salvage"], "problems": full["problems"]}  # fmt: skip
+    return {"states": {last: full["states"][last]}, "salvage": full["salvage"],
+            "problems": full["problems"]}  # fmt: skip
 
 
 def _files(repo: Repository, d: Path) -> list[str]:
