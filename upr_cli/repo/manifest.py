@@ -939,7 +939,8 @@ class Manifest:
         if not (known and version == 1):  # collections (formats/repository.md §5.9)
             keys = (*keys, "collections", "manifest_changes", "collection_filter",
                     "collection_items")  # fmt: skip
-        if known and version in (REVISION_VERSION, CONTINUOUS_VERSION):  # §5.10
+        # formats/repository.md §5.10 (and §5.11: version 4 has every version 3 key)
+        if known and version in (REVISION_VERSION, CONTINUOUS_VERSION):
             keys = (*keys, "revision", "absorbed")
         if known and version == CONTINUOUS_VERSION:  # formats/repository.md §5.11
             keys = (*keys, "continuous")
