@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import struct
 import threading
 import zlib
@@ -40,7 +39,7 @@ from typing import IO, Any, Final, cast
 from upr_cli.repo.errors import RepositoryError
 from upr_cli.repo.names import parse_backup_dir, parse_cut_path, parse_segment_name, temp_name
 from upr_cli.segments.format import SegmentError
-from upr_cli.storage import Entry, Stat, Storage
+from upr_cli.storage import Entry, SeekableReader, Stat, Storage
 
 __all__ = [
     "HEADER",
@@ -295,31 +294,17 @@ def check_pack(storage: Storage, path: Path) -> PackIndex:
 # -- the storage layer ---------------------------------------------------------------
 
 
-class _Window(io.RawIOBase):
+class _Window(SeekableReader):
     """A seekable read-only view of `length` bytes at `offset` of another file object:
     a member of a pack, as if it were its own file."""
 
     def __init__(self, f: IO[bytes], offset: int, length: int, name: str) -> None:
-        super().__init__()
-        self._f, self._offset, self._length, self._pos = f, offset, length, 0
+        super().__init__(length)
+        self._f, self._offset = f, offset
         self.name = name
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
     def read(self, size: int | None = -1) -> bytes:
-        left = max(0, self._length - self._pos)
+        left = max(0, self._size - self._pos)
         n = left if size is None or size < 0 else min(size, left)
         if n == 0:
             return b""
