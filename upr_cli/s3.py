@@ -873,11 +873,3 @@ class _RangeReader(SeekableReader):
         out = self._data[pos - self._start : pos - self._start + n]
         self._pos += len(out)
         return out
-
-    def readall(self) -> bytes:
-        return self.read(-1)
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)

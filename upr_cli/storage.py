@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISDIR, S_ISREG
-from typing import IO, TYPE_CHECKING, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from upr_cli.fsio import FileOps, atomic_write, sync_files, temp_path
 
@@ -411,3 +411,14 @@ class SeekableReader(io.RawIOBase):
 
     def tell(self) -> int:
         return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:  # each subclass reads its way
+        raise io.UnsupportedOperation("read")
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)

@@ -490,21 +490,9 @@ def test_failovers_in_info_and_before_failover(
 
 def stored_all(db: Path) -> dict[Any, tuple[Any, ...]]:
     """As `chain_gen.restored` reads a store: (partition, collection, key) → fields."""
-    with Store(db, create=False) as s:
-        return {
-            (d.partition, d.collection, d.key): (
-                d.seq,
-                d.deleted,
-                d.value,
-                d.cas,
-                d.rev_seq,
-                d.flags,
-                d.expiry,
-                d.datatype,
-                d.xattrs,
-            )
-            for d in s.documents(include_deleted=True)
-        }
+    from tests.repo.chain_gen import stored
+
+    return stored(db)
 
 
 def test_an_encrypted_repository_goes_through_the_same_code(

@@ -313,14 +313,6 @@ class _Window(SeekableReader):
         self._pos += len(data)
         return data
 
-    def readall(self) -> bytes:
-        return self.read(-1)
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
-
     def close(self) -> None:
         if not self.closed:
             self._f.close()
