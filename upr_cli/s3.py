@@ -53,7 +53,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import io
 import logging
 import os
 import shutil
@@ -70,7 +69,14 @@ from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from upr_cli.net.retry import RetryPolicy
 from upr_cli.repo.errors import RepositoryError
-from upr_cli.storage import Entry, Stat, display_location, is_s3, s3_parts
+from upr_cli.storage import (
+    Entry,
+    SeekableReader,
+    Stat,
+    display_location,
+    is_s3,
+    s3_parts,
+)
 
 if TYPE_CHECKING:
     from upr_cli.repo.access import Access
@@ -843,30 +849,16 @@ def _ident(etag: str) -> int:
     return int.from_bytes(hashlib.blake2b(etag.encode(), digest_size=7).digest(), "big")
 
 
-class _RangeReader(io.RawIOBase):
+class _RangeReader(SeekableReader):
     """`open_read`'s reader of a large object: a read inside the window it holds is
     served from memory, any other is one ranged GET (resumed when cut off) of at least
     `WINDOW` bytes, reaching back from the object's end when near it (so a segment's
     trailer and footer come in one request)."""
 
     def __init__(self, storage: S3Storage, key: str, size: int) -> None:
-        super().__init__()
-        self._s, self._key, self._size, self._pos = storage, key, size, 0
+        super().__init__(size)
+        self._s, self._key = storage, key
         self._start, self._data = 0, b""
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
 
     def read(self, size: int | None = -1) -> bytes:
         want = self._size - self._pos if size is None or size < 0 else size
@@ -881,11 +873,3 @@ class _RangeReader(io.RawIOBase):
         out = self._data[pos - self._start : pos - self._start + n]
         self._pos += len(out)
         return out
-
-    def readall(self) -> bytes:
-        return self.read(-1)
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)

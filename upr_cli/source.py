@@ -2,7 +2,9 @@
 
 Every command names its sources and targets the same way: `upr://…` or `couchbase://…`
 (a live node or cluster; `uprs://…` and `couchbases://…` over TLS), `repo:URL[@BACKUP]`
-(a backup repository: a directory or `s3://BUCKET/PREFIX`), `sqlite:PATH` (a replay
+(a backup repository: a directory or `s3://BUCKET/PREFIX`; after `@` a backup id, or
+a time, `repo:DIR@2026-12-06T14:37:00Z`, resolved by `jobs.state.select` as
+`--at-time` is), `sqlite:PATH` (a replay
 store) and `json:PATH` (a JSON file of failover logs; a bare path ending in .json too).
 `parse_source` is the one parser of those forms; each command says which kinds it
 takes, and anything else is a usage error naming what it does take. The module imports
@@ -68,7 +70,7 @@ class Source:
     kind: SourceKind
     text: str
     path: Path | None = None  # repo, sqlite, json: the local path
-    at: str | None = None  # repo: the backup after '@' (None: the latest)
+    at: str | None = None  # repo: the backup or time after '@' (None: the latest)
 
     @property
     def uri(self) -> str:
@@ -176,17 +178,17 @@ def open_repo(path: Path) -> Repository:
 
 
 def open_bucket(
-    path: Path, bucket: str | None, at: str = "latest", *,
+    path: Path, bucket: str | None, at: object = "latest", *,
     held: contextlib.ExitStack | None = None, command: str = "read",
     on_warning: Callable[[str], None] | None = None,
 ) -> tuple[Repository, str, list[Manifest]]:  # fmt: skip
     """The repository, the bucket (given, or the only one it holds) and the manifests of
     its committed backups up to `at` (a backup id or a unique prefix of one, latest or
-    oldest: `backup_named`), oldest first, once
-    the chain the state at `at` reads is checked whole (`Repository.chain`: a damaged
-    manifest, a missing parent or a seq gap is a `BrokenChain` naming it). An ambiguous
-    or missing bucket is a usage error; an `at` that names no committed backup is left
-    to `jobs.state.select` to report.
+    oldest: `backup_named`; a time, or any point in time `jobs.state.select`
+    resolves: the latest), oldest first, once the chain the state at `at` reads is
+    checked whole (`Repository.chain`: a damaged manifest, a missing parent or a seq
+    gap is a `BrokenChain` naming it). An ambiguous or missing bucket is a usage error;
+    an `at` that names no committed backup is left to `jobs.state.select` to report.
 
     With `held`, the bucket's shared lock (formats/repository.md §7.2: a `ReadLock` for
     `command`) is taken before the chain is read and entered into `held`: the caller
@@ -208,10 +210,16 @@ def open_bucket(
     committed = repo.committed(b)
     if not committed:
         return repo, b, []
-    k = backup_named(committed, at)
+    k = backup_named(committed, at) if isinstance(at, str) and not _is_time(at) else committed[-1]
     if k is None:  # not a committed backup: select() says so
         return repo, b, repo.readable(b)[0]
     return repo, b, repo.chain(b, k)
+
+
+def _is_time(at: str) -> bool:
+    from upr_cli.repo.pitr import looks_like_time
+
+    return looks_like_time(at)
 
 
 B = TypeVar("B")

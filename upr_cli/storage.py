@@ -21,13 +21,14 @@ other scheme is refused (`UnknownScheme`) instead of naming a local directory `s
 from __future__ import annotations
 
 import errno
+import io
 import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISDIR, S_ISREG
-from typing import IO, TYPE_CHECKING, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from upr_cli.fsio import FileOps, atomic_write, sync_files, temp_path
 
@@ -387,3 +388,37 @@ def _stat(st: os.stat_result) -> Stat:
 
 LOCAL: Storage = LocalStorage()
 """The local file system, for a reader given a path and no repository."""
+
+
+class SeekableReader(io.RawIOBase):
+    """A read-only, seekable view of `size` bytes (a pack's member, a large object):
+    subclasses implement `read` at `self._pos`."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self._size, self._pos = size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:  # each subclass reads its way
+        raise io.UnsupportedOperation("read")
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)

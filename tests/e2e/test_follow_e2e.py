@@ -9,16 +9,19 @@ to exactly the node's state.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import signal
 import subprocess
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import node_rows, spawn_upr, store_rows, wait_persisted
+from upr_cli.errors import UprError
 from upr_cli.repo import Repository
 
 COMMIT = "0.2s"
@@ -33,7 +36,7 @@ def _backups(repo: Path) -> list[Any]:
     """Every committed backup (the catch-up one first), or none yet."""
     try:
         return Repository(repo).manifests("default")
-    except Exception:  # not created yet, or a commit being written: asked again
+    except (UprError, OSError):  # not created yet, or a commit being written: asked again
         return []
 
 
@@ -42,6 +45,10 @@ def _session_committed(repo: Path, sessions_before: int) -> bool:
     chain = _backups(repo)
     catch_ups = sum(1 for m in chain if m.continuous is None)
     return catch_ups > sessions_before and chain[-1].continuous is not None
+
+
+def _session_or_end(repo: Path, sessions_before: int, proc: subprocess.Popen[str]) -> bool:
+    return _session_committed(repo, sessions_before) or proc.poll() is not None
 
 
 def _wait_for(pred: Any, timeout: float = 30.0, what: str = "") -> None:
@@ -97,7 +104,7 @@ def test_a_follower_commits_as_it_goes_lets_others_in_and_stops_on_sigterm(
     assert summary["commits"] >= 2 and summary["last_commit"] == str(_commits(repo)[-1].backup_id)
     commits = _commits(repo)
     # each commit watched from where the one before ended: no gap inside a session
-    assert all(b.continuous == a.finished for a, b in zip(commits, commits[1:], strict=False))
+    assert all(b.continuous == a.finished for a, b in pairwise(commits))
     assert all(e.end_seq == e.snap_end for m in commits for e in m.partitions)
     _restored_equals_node(repo, node, tmp_path, "final")
 
@@ -112,7 +119,7 @@ def test_sigkill_at_seeded_moments_loses_nothing_and_the_outage_is_coarse(
         for _kill in range(2):
             with spawn_upr("backup", node.uri, "--repo", str(repo), "--follow",
                            "--commit-every", COMMIT) as follower:  # fmt: skip
-                _wait_for(lambda: _session_committed(repo, _kill) or follower.poll() is not None,
+                _wait_for(functools.partial(_session_or_end, repo, _kill, follower),
                           what="a catch-up and a commit")  # fmt: skip
                 time.sleep(rng.uniform(0.1, 1.5))
                 assert follower.poll() is None, follower.communicate()
@@ -128,7 +135,7 @@ def test_sigkill_at_seeded_moments_loses_nothing_and_the_outage_is_coarse(
     assert follower.returncode == 0, err
     commits = _commits(repo)
     # three sessions: two gaps where the follower was down (a catch-up backup in each)
-    gaps = [(a, b) for a, b in zip(commits, commits[1:], strict=False)
+    gaps = [(a, b) for a, b in pairwise(commits)
             if b.continuous != a.finished]  # fmt: skip
     assert len(gaps) >= 2
     _restored_equals_node(repo, node, tmp_path, "after-kills")
@@ -181,3 +188,35 @@ def test_a_rollup_keeps_every_record_and_restore_point(node: Node, tmp_path: Pat
     upr("verify", "--repo", str(repo))
     upr("restore", "--repo", str(repo), f"sqlite:{after}")
     assert store_rows(after) == store_rows(before) == node_rows(node.uri)
+
+
+def test_the_rollup_tail_rolls_the_oldest_run_first() -> None:
+    """Commits that arrive while a rollup works are not stranded between rollups."""
+    from datetime import UTC, datetime, timedelta
+
+    from upr_cli.jobs.rollup import Tail
+    from upr_cli.repo import BackupId, Manifest, Totals
+
+    t0 = datetime(2026, 12, 6, tzinfo=UTC)
+
+    def commit(i: int) -> Manifest:
+        at = t0 + timedelta(seconds=i + 1)
+        return Manifest(backup_id=BackupId(at), bucket="b", source="upr://h/b",
+                        started=at - timedelta(seconds=1), finished=at, full=False,
+                        parent=BackupId(t0), partitions=(), totals=Totals.derive((), 0),
+                        continuous=at - timedelta(seconds=1))  # fmt: skip
+
+    tail = Tail(fanout=3)
+    made = [commit(i) for i in range(7)]
+    for m in made[:5]:
+        tail.add(m)
+    group = tail.due()
+    assert group == made[:3]  # the oldest run first
+    tail.rolled(group, made[2])
+    assert [lv for _m, lv in tail.items] == [1, 0, 0]
+    assert tail.due() is None
+    tail.add(made[5])
+    assert tail.due() == made[3:6]
+    tail.rolled(made[3:6], made[5])
+    tail.add(made[6])
+    assert [lv for _m, lv in tail.items] == [1, 1, 0] and tail.due() is None

@@ -218,6 +218,11 @@ def restored(repo_dir: Path, at: BackupId, db: Path) -> dict[Any, tuple[Any, ...
     from upr_cli.jobs.restore import restore_to_store
 
     restore_to_store(repo_dir, db, at=str(at))
+    return stored(db)
+
+
+def stored(db: Path) -> dict[Any, tuple[Any, ...]]:
+    """A SQLite store key for key: (partition, collection, key) → fields."""
     with Store(db, create=False) as s:
         return {
             (d.partition, d.collection, d.key): (

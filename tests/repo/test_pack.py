@@ -12,15 +12,13 @@ from typing import Any
 
 import pytest
 
-from tests.repo.chain_gen import Step, build
-from tests.repo.pack_helpers import observe, pack_backup
+from tests.repo.chain_gen import build
+from tests.repo.pack_helpers import STEPS, check_packed_repository, observe, pack_backup
 from tests.repo.repo_helpers import BUCKET
 from upr_cli.cli.app import main
-from upr_cli.jobs.inspect import info
-from upr_cli.jobs.prune import run as prune
-from upr_cli.jobs.repo_copy import copy_repository
-from upr_cli.jobs.retention import KeepRules
-from upr_cli.repo import MANIFEST_FILE, Repository, RepositoryLock, access
+from upr_cli.jobs.inspect import verify
+from upr_cli.jobs.restore import restore_to_store
+from upr_cli.repo import MANIFEST_FILE, BackupId, Repository, RepositoryLock, access
 from upr_cli.repo.errors import RepositoryError
 from upr_cli.repo.manifests import MANIFEST_COPY
 from upr_cli.repo.pack import (
@@ -34,7 +32,8 @@ from upr_cli.repo.pack import (
     write_pack,
 )
 from upr_cli.segments.format import SegmentError
-from upr_cli.storage import LocalStorage, Stat, unwrap
+from upr_cli.storage import LocalStorage, Stat
+from upr_cli.store import Store
 
 SEG1 = "p0003-s0000000000000001-e0000000000000009.seg"
 SEG2 = "p0004-s0000000000000001-e0000000000000002.seg"
@@ -109,13 +108,6 @@ def test_damaged_pack_is_a_pack_error(tmp_path: Path, where: str) -> None:
 
 # -- a packed repository reads as before -------------------------------------------------
 
-STEPS = [
-    Step("full", (5, 5, 5), (0, 0, 0), (False, False, False), 1),
-    Step("inc", (4, 3, 0), (0, 0, 0), (True, False, False), 2),  # a cut-back on 0: cut-1/
-    Step("inc", (3, 4, 5), (0, 3, 0), (False, False, False), 3),  # a rollback on 1
-    Step("inc", (2, 5, 1), (0, 0, 0), (False, True, False), 4),  # a cut-back on 1
-]
-
 
 @pytest.fixture(autouse=True)
 def _fresh_access(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
@@ -135,66 +127,6 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
     return src, observe(src, root)
 
 
-def _files(repo: Repository, d: Path) -> list[str]:
-    return sorted(e.name for e in unwrap(repo.storage).list(d))
-
-
-def check_packed_repository(src: Path, before: dict[str, Any], dst: Path, work: Path,
-                            *, encrypted: bool) -> None:  # fmt: skip
-    """Pack two backups of a copy of `src` at `dst` (the one with a cut-back, the
-    newest), then: every reader reads as before; a copy reads as before; a prune that
-    absorbs the packed backup keeps the newest's `continuous` and points."""
-    copy_repository(src, dst, encrypt=encrypted)
-    repo = Repository(dst)
-    ids = repo.backups(BUCKET)
-    packed = [ids[1], ids[-1]]
-    for b in packed:
-        pack_backup(repo, BUCKET, b)
-        d = repo.backup_dir(BUCKET, b)
-        assert _files(repo, d) == [MANIFEST_FILE, MANIFEST_COPY, PACK_NAME]
-        m = Repository(dst).read_manifest(BUCKET, b)
-        assert m.continuous is not None and any(e.points for e in m.partitions)
-        # sealed in an encrypted repository: the pack's own magic is not to be seen
-        assert (b"UPR-PACK" in (d / PACK_NAME).read_bytes()[:8]) is not encrypted
-    # the members list and stat like files, cut-K directories included
-    r2 = Repository(dst)
-    d = r2.backup_dir(BUCKET, ids[1])
-    listed = {e.name: e for e in r2.storage.list(d)}
-    assert listed["cut-1"].is_dir and PACK_NAME in listed
-    m1 = r2.read_manifest(BUCKET, ids[1])
-    for e in m1.partitions:
-        for name, s in [(s.file, s) for s in e.segments] + e.cut_files():
-            st = r2.storage.stat(d / name)
-            assert st is not None and st.is_file and st.size == s.bytes
-    assert observe(dst, work) == before
-    shown = info(dst)["buckets"][BUCKET]
-    assert [b["backup_id"] for b in shown["backups"]] == [str(b) for b in ids]
-    assert all(b["bytes_on_disk"] > 0 for b in shown["backups"]) and not shown["leftovers"]
-    # a copy of the packed repository (its members become files there)
-    access.reset()
-    if encrypted:
-        os.environ["UPR_FROM_PASSPHRASE"] = os.environ["UPR_PASSPHRASE"]
-    copied = work / "copied"
-    copy_repository(dst, copied, encrypt=encrypted)
-    assert observe(copied, work) == before
-    for b in packed:
-        theirs = Repository(dst).read_manifest(BUCKET, b)
-        assert Repository(copied).read_manifest(BUCKET, b) == theirs
-    # a prune that keeps the newest: the packed ids[1] is absorbed, the packed newest
-    # becomes a revision that is still a continuous commit, with its points
-    k = Repository(dst).read_manifest(BUCKET, ids[-1])
-    prune(dst, bucket=None, rules=KeepRules(last=1), apply_=True, drop_lost=False)
-    rev = Repository(dst).read_manifest(BUCKET, ids[-1])
-    assert rev.revision == 2 and set(rev.absorbed) == set(ids[:-1])
-    assert rev.continuous == k.continuous
-    for e in k.partitions:
-        got = rev.partition(e.partition)
-        assert got is not None and got.points == e.points
-    after = observe(dst, work)
-    assert after["states"] == {str(ids[-1]): before["states"][str(ids[-1])]}
-    assert after["problems"] == []
-
-
 def test_a_packed_plain_repository(chain: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     check_packed_repository(*chain, tmp_path / "dst", tmp_path, encrypted=False)
 
@@ -202,6 +134,7 @@ def test_a_packed_plain_repository(chain: tuple[Path, dict[str, Any]], tmp_path:
 def test_a_packed_encrypted_repository(chain: tuple[Path, dict[str, Any]], tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setenv("UPR_PASSPHRASE", "a passphrase")
+    monkeypatch.setenv("UPR_FROM_PASSPHRASE", "a passphrase")  # the copy of the copy
     check_packed_repository(*chain, tmp_path / "dst", tmp_path, encrypted=True)
 
 
@@ -325,4 +258,34 @@ def test_the_layer_reads_an_index_once_and_costs_one_stat_without_a_pack(
     late.mkdir()
     assert s.stat(late / SEG1) is None
     write_pack(LocalStorage(), late, _members(tmp_path)[:1])
+    assert sorted(e.name for e in s.list(late)) == sorted([PACK_NAME, SEG1])
     assert s.stat(late / SEG1).size == 100  # type: ignore[union-attr]
+
+
+VECTOR = Path(__file__).resolve().parents[2] / "formats" / "vectors" / "packed-repo"
+
+
+def test_the_vector_opens(tmp_path: Path) -> None:
+    """formats/vectors/packed-repo (made by make_packed_repo.py): a packed continuous
+    commit with a cut-back member, read as the states it records."""
+    expected = json.loads((VECTOR / "expected.json").read_text())
+    root = tmp_path / "repo"
+    shutil.copytree(VECTOR / "repo", root)  # readers register: not in the source tree
+    bucket = expected["bucket"]
+    repo = Repository(root)
+    packed = BackupId.parse(expected["packed"])
+    d = repo.backup_dir(bucket, packed)
+    assert sorted(p.name for p in d.iterdir()) == [MANIFEST_FILE, MANIFEST_COPY, PACK_NAME]
+    index = check_pack(LocalStorage(), d / PACK_NAME)
+    assert list(index.members) == expected["members"]
+    m = repo.read_manifest(bucket, packed)
+    assert m.continuous is not None
+    assert [p for r in verify(root) for p in r.problems] == []
+    for at, want in expected["states"].items():
+        db = tmp_path / f"{at}.db"
+        restore_to_store(root, db, at=at)
+        with Store(db, create=False) as s:
+            got: dict[str, dict[str, str]] = {}
+            for doc in s.documents(include_deleted=False):
+                got.setdefault(str(doc.partition), {})[doc.key.decode()] = doc.value.decode()
+        assert got == want

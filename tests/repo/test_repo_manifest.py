@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 

@@ -137,7 +137,7 @@ which the next run streams again (the outage shows in `upr info` as a coarse str
 
 Example (continuous backup, a restore point every 10 seconds):
 
-  upr backup upr://admin@127.0.0.1/default --repo /backups/cb --follow \
+  upr backup upr://admin@127.0.0.1/default --repo /backups/cb --follow \\
       --commit-every 10s
 
 Example (a new repository, encrypted at rest with a random key file; keep a copy of

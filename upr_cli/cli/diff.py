@@ -43,6 +43,11 @@ diverged partition also lists those writes' keys, by collection: scope.collectio
 outside the default collection (--json: scope, collection and key fields). Both
 rollback rules give where B would restart streaming from A.
 
+A repository at a time, repo:URL@TIME (RFC 3339 such as 2026-12-06T14:37:00Z, a local
+time, or relative: -15m), is each partition at its restore point then, as `upr
+restore --at-time` resolves it: its branch and seq as a replay from that time would
+record them.
+
 A live node over TLS is uprs://… or couchbases://… (default port 11207): --cacert FILE
 (or UPR_CACERT) names the CA that signs its certificate, --cert and --key present a
 client certificate; the options apply to both A and B.
@@ -60,6 +65,10 @@ Example (a replay store against its node, as JSON):
 Example (a node over TLS against a repository):
 
   upr diff uprs://admin@db.example.com/default repo:/backups/cb --cacert ca.pem
+
+Example (the repository as it was at 14:37 UTC against its state now):
+
+  upr diff repo:/backups/cb@2026-12-06T14:37:00Z repo:/backups/cb
 """
 
 

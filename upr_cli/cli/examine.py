@@ -8,10 +8,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from upr_cli.cli.options import Bucket, JsonOutput, Partitions, Repo
+from upr_cli.cli.options import AtTime, Bucket, JsonOutput, Partitions, Repo
 from upr_cli.cli.output import hint, keep_whole, print_json, stdout, table
 from upr_cli.collections import Path as CollectionPath
 from upr_cli.jobs.examine import Version, examine
+from upr_cli.repo.pitr import show_time
 from upr_cli.source import selected
 
 HELP = """Show every version of a key stored in a repository.
@@ -19,10 +20,11 @@ HELP = """Show every version of a key stored in a repository.
 Each version with its backup, seq, rev seq and op, whether it is in the latest state,
 and whether it is a lost write: a version a failover or an unclean restart rolled
 back (above a later backup's rollback point), absent from the latest state but kept.
-A wide terminal also shows each version's cas and the start of its value; --json has
-them all. A version with extended attributes (xattrs: Sync Gateway's _sync,
-transactions' _txn, an application's own) lists their names; --json has their values
-(an "xattrs" object, {} for none). A deletion keeps its system xattrs.
+A wide terminal also shows each version's cas and the start of its value (and, wider
+still, its time); --json has them all. A version with extended attributes (xattrs:
+Sync Gateway's _sync, transactions' _txn, an application's own) lists their names;
+--json has their values (an "xattrs" object, {} for none). A deletion keeps its
+system xattrs.
 
 --collection SCOPE.COLLECTION looks the key up in that collection (default
 _default._default), by name: a collection dropped and created again under the same name
@@ -32,9 +34,20 @@ The key's partition comes from the bucket's partition count, which the repositor
 backups record. --partitions selects partitions as in every command: one that leaves
 out the key's partition is an error naming it.
 
+Each version has its time: when the restore point that first holds it was received
+(the end of its snapshot, in a continuous chain: `upr backup --follow`), else its
+backup's commit; the CAS is beside it on a wide terminal, never used to place a
+version (writes made with SET_WITH_META keep their source's CAS). --at-time TIME marks
+the version a restore at TIME gives ("at time" in the state column, `at_time` in
+--json): RFC 3339, a local time (2026-12-06 14:37) or relative (-15m, -2h, -1d).
+
 Example:
 
   upr examine --repo /backups/cb user::1042
+
+Example (which version a restore at 14:37 UTC would give):
+
+  upr examine --repo /backups/cb --at-time 2026-12-06T14:37:00Z user::1042
 
 Example (as JSON):
 
@@ -61,11 +74,16 @@ def examine_cmd(
         str,
         typer.Option("--collection", metavar="SCOPE.COLLECTION", help="The key's collection."),
     ] = "_default._default",
+    at_time: AtTime = None,
 ) -> None:
     """Show every version of a key."""
     path = CollectionPath.parse(collection, need_collection=True)
+    if at_time is not None:
+        from upr_cli.repo.pitr import parse_time
+
+        parse_time(at_time)  # a usage error now, before the repository is read
     versions = examine(repo, key.encode(), bucket=bucket, partitions=selected(partitions),
-                       collection=path)  # fmt: skip
+                       collection=path, at_time=at_time)  # fmt: skip
     if json_out:
         print_json({"key": key, "scope": path.scope, "collection": path.collection,
                     "versions": [v.to_json() for v in versions]})  # fmt: skip
@@ -90,7 +108,10 @@ def versions_table(key: str, versions: Sequence[Version], *, width: int) -> Tabl
     if with_xattrs:
         t.add_column("xattrs", overflow="fold", min_width=6)
     with_cas = width >= 100
+    with_time = width >= 128  # beside the cas: the version's time, the cas
     with_value = width >= 112
+    if with_time:
+        t.add_column("time", no_wrap=True)
     if with_cas:
         t.add_column("cas", no_wrap=True, justify="right")
     if with_value:
@@ -99,12 +120,16 @@ def versions_table(key: str, versions: Sequence[Version], *, width: int) -> Tabl
         state = "lost write" if v.lost else ("latest" if v.in_latest else "superseded")
         if v.dropped:
             state = f"dropped ({state})" if v.lost else "dropped collection"
+        if v.at_time:
+            state += ", at time"
         row = [v.backup_id, str(v.seq), str(v.rev_seq), v.op, state]
         if with_xattrs:  # ", ": a long list wraps between names
             row.append(", ".join(v.xattr_names))
+        if with_time:
+            row.append("" if v.time is None else show_time(v.time))
         if with_cas:
             row.append(str(v.cas))
         if with_value:
             row.append(v.value.decode(errors="replace")[:60] if v.op == "mutation" else "")
         t.add_row(*row)
-    return keep_whole(t, "backup", "seq", "rev", "op", "state", "cas")
+    return keep_whole(t, "backup", "seq", "rev", "op", "state", "cas", "time")

@@ -42,6 +42,16 @@ collection dropped since says "dropped", one a filtered backup (--include-data,
 --exclude-data) left out says "not backed up". Repositories written before collections
 list their records under _default._default.
 
+The restorable range of each bucket runs from its oldest restore point to its last
+commit (point-in-time restore: `upr restore --at-time`). Continuous commits (`upr
+backup --follow`) watch every moment in between; a time no commit watched (the
+follower was stopped, or between ordinary backups) lies in a coarse stretch, listed
+with its start, end and length: a restore there gives the state at its start. The
+failovers the chain recorded (a backup with rollbacks) are numbered from 1, with their
+time, partitions and lost writes (`upr restore --before-failover N` restores the state
+just before one). --json has them as `restorable` (`oldest`, `last`, `coarse`) and
+`failovers`.
+
 A run that was interrupted after it finished segments is not a backup: it is listed as
 incomplete, which the next `upr backup` resumes; other interrupted runs' directories as
 leftovers, which no resume can use and the next backup removes.
@@ -53,6 +63,10 @@ Example:
 Example (partition 12's chain, as JSON):
 
   upr info --repo /backups/cb --partitions 12 --json
+
+Example (the restorable range and the failovers, as JSON):
+
+  upr info --repo /backups/cb --json | jq '.buckets[] | .restorable, .failovers'
 """
 
 VERIFY_HELP = """Read everything in a repository and check it.
@@ -107,11 +121,41 @@ def info_cmd(
             stdout.print(f"{title}: no backups", markup=False)
         for line in interrupted_lines(entry["resumable"], entry["leftovers"]):
             stdout.print(line, markup=False)
+        for line in restorable_lines(entry["restorable"], entry["failovers"]):
+            stdout.print(line, markup=False)
         if entry["collections"]:
             stdout.print(collections_table(entry["collections"]))
         for p, chain in entry.get("partitions", {}).items():
             _print_chain(p, chain)
     stdout.print(total_line(data), markup=False)
+
+
+# coarse stretches listed in text (--json has them all): an ordinary chain has one
+# between every two backups
+_SHOWN_STRETCHES = 10
+
+
+def restorable_lines(span: dict[str, Any] | None, failovers: list[dict[str, Any]]) -> list[str]:
+    """The restorable range, its coarse stretches and the failovers, as lines."""
+    from upr_cli.repo.pitr import show_span
+
+    if span is None:
+        return []
+    out = [f"restorable: {span['oldest']} to {span['last']}"]
+    coarse = span["coarse"]
+    if coarse:
+        out.append(f"coarse stretches ({len(coarse)}): a restore there gives the state at "
+                   "the start")  # fmt: skip
+        for c in coarse[:_SHOWN_STRETCHES]:
+            out.append(f"  {c['start_time']} to {c['end_time']} ({show_span(c['seconds'])})")
+        if len(coarse) > _SHOWN_STRETCHES:
+            out.append(f"  and {len(coarse) - _SHOWN_STRETCHES} more (--json lists them)")
+    for f in failovers:
+        parts = ", ".join(map(str, f["partitions"]))
+        which = "partition" if len(f["partitions"]) == 1 else "partitions"
+        out.append(f"failover {f['number']}: {f['time']}, backup {f['backup_id']}")
+        out.append(f"  {which} {parts}; lost writes in {plural(f['lost_seqs'], 'seq')}")
+    return out
 
 
 def interrupted_lines(resumable: str | None, leftovers: list[str]) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from upr_cli.cli.options import At, Bucket, JsonOutput, Repo
+from upr_cli.cli.options import At, AtTime, Bucket, JsonOutput, Repo, point_at
 from upr_cli.collections import parse_paths
 from upr_cli.jobs.ls import Key, StateAt, key_fields, key_text, list_keys, open_state
 
@@ -25,17 +25,24 @@ too, each line then starting with "live" or "deleted".
 --at takes a backup id, a unique prefix of one, latest (the default) or oldest, as
 `upr restore --at` does. --collection keeps the collections it names (SCOPE or
 SCOPE.COLLECTION, comma-separated); a collection dropped by that backup is not part
-of its state. --prefix keeps the keys that start with it.
+of its state. --prefix keeps the keys that start with it. --at-time TIME lists the
+state at a time instead, as `upr restore --at-time` restores it (RFC 3339, a local
+time such as 2026-12-06 14:37, or relative: -15m, -2h, -1d); partitions with no
+restore point by then are not listed.
 
 The keys are read one partition at a time and no value is held, so a bucket of any
 size lists in the memory of its largest partition's keys. --json prints one JSON
-document: backup_id, bucket, keys (scope, collection, key, and key_b64 when the key
-is not UTF-8, partition, seq, deleted, bytes: the body's length) and items (the keys
-listed).
+document: backup_id, bucket, point (what --at-time resolved to, else null), keys
+(scope, collection, key, and key_b64 when the key is not UTF-8, partition, seq,
+deleted, bytes: the body's length) and items (the keys listed).
 
 Example:
 
   upr ls --repo /backups/cb --at latest
+
+Example (the keys as they were 15 minutes ago):
+
+  upr ls --repo /backups/cb --at-time -15m
 
 Example (one collection's keys starting with user::, tombstones too, as JSON):
 
@@ -52,6 +59,7 @@ def ls_cmd(
     repo: Repo,
     bucket: Bucket = None,
     at: At = "latest",
+    at_time: AtTime = None,
     collection: Annotated[
         str | None,
         typer.Option(
@@ -70,9 +78,8 @@ def ls_cmd(
 ) -> None:
     """List the keys of the state at a backup."""
     with contextlib.ExitStack() as held:  # the shared lock, while the segments are read
-        state = open_state(
-            repo, bucket, at, parse_paths(collection) if collection else (), held=held
-        )
+        paths = parse_paths(collection) if collection else ()
+        state = open_state(repo, bucket, point_at(at, at_time), paths, held=held)
         _list(state, prefix, deleted, json_out)
 
 
@@ -94,7 +101,15 @@ def write_json(state: StateAt, keys: Iterable[Key]) -> None:
     """One JSON document, written as the keys come (never held whole): the form
     `print_json` gives an object, with `items` after the keys."""
     out = sys.stdout
-    head = json.dumps({"backup_id": str(state.backup_id), "bucket": state.bucket}, indent=2)
+    point = state.selection.point
+    head = json.dumps(
+        {
+            "backup_id": str(state.backup_id),
+            "bucket": state.bucket,
+            "point": None if point is None else point.to_json(),
+        },
+        indent=2,
+    )
     out.write(head[:-2] + ',\n  "keys": [')
     n = 0
     for k in keys:

@@ -63,6 +63,48 @@ At = Annotated[
     str,
     typer.Option("--at", metavar="BACKUP", help="A backup id, latest or oldest."),
 ]
+AtTime = Annotated[
+    str | None,
+    typer.Option("--at-time", metavar="TIME",
+                 help="The state at a time: 2026-12-06T14:37:00Z, a local time "
+                 "(2026-12-06 14:37) or relative (-15m, -2h, -1d)."),
+]  # fmt: skip
+AtSeq = Annotated[
+    str | None,
+    typer.Option("--at-seq", metavar="SEQS",
+                 help="P:SEQ,…: only the partitions named, each at its seq (rounded down to a "
+                 "snapshot boundary)."),
+]  # fmt: skip
+BeforeFailover = Annotated[
+    int | None,
+    typer.Option("--before-failover", metavar="N", min=1,
+                 help="The state just before failover N (`upr info` numbers them), lost "
+                 "writes included."),
+]  # fmt: skip
+
+
+def point_at(at: str, at_time: str | None = None, at_seq: str | None = None,
+             before_failover: int | None = None) -> Any:  # fmt: skip
+    """The one state `--at`, `--at-time`, `--at-seq` and `--before-failover` name
+    (what `jobs.state.select` takes); more than one of them is a usage error, and a
+    TIME or a P:SEQ list that does not parse is one now, before any work."""
+    from upr_cli.repo.pitr import AtFailover, AtSeqs, parse_time
+
+    named = (("--at", None if at == "latest" else at), ("--at-time", at_time),
+             ("--at-seq", at_seq), ("--before-failover", before_failover))  # fmt: skip
+    given = [name for name, v in named if v is not None]
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)} each name the state to read: give one")
+    if at_time is not None:
+        parse_time(at_time)
+        return at_time.strip()
+    if at_seq is not None:
+        return AtSeqs.parse(at_seq)
+    if before_failover is not None:
+        return AtFailover(before_failover)
+    return at
+
+
 Through = Annotated[
     str,
     typer.Option(

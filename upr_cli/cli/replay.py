@@ -35,7 +35,9 @@ from upr_cli.store import DEFAULT_UNDO_WINDOW
 
 HELP = """Replay a source into a SQLite store that follows it like a UPR replica.
 
-SOURCE is a live node or cluster (upr://…) or a repository (repo:URL[@BACKUP]). The
+SOURCE is a live node or cluster (upr://…) or a repository (repo:URL[@BACKUP]; after
+@ also a time, repo:URL@2026-12-06T14:37:00Z, a local time or -15m: each partition
+at its restore point then, as `upr restore --at-time` resolves it). The
 store (formats/store.md) holds the documents, each partition's position and failover
 log, and a mutation log of the rows changes replaced (--undo-window entries per
 partition). Each snapshot's changes commit with the new position in one transaction;
@@ -97,6 +99,10 @@ Example (from a backup repository, then query the JSON):
   upr replay repo:/backups/cb --into /tmp/bucket.db
   sqlite3 /tmp/bucket.db \\
       "SELECT id, json_extract(doc, '$.name') FROM json_documents LIMIT 5"
+
+Example (the bucket as it was two hours ago, from a continuous backup):
+
+  upr replay repo:/backups/cb@-2h --into /tmp/then.db
 """
 
 

@@ -13,6 +13,9 @@ import typer
 
 from upr_cli.cli.options import (
     At,
+    AtSeq,
+    AtTime,
+    BeforeFailover,
     Bucket,
     CaCert,
     ClientCert,
@@ -28,6 +31,7 @@ from upr_cli.cli.options import (
     SparkMaster,
     SparkTasks,
     key_pattern,
+    point_at,
     restore_target,
     tls_source,
 )
@@ -138,6 +142,45 @@ Example (the state at one backup; its chain is checked first):
   upr restore --repo /backups/cb --at 20261121T061500.123456Z \\
       sqlite:/tmp/then.db
 
+Point in time (docs/design.md "Point-in-time restore"). --at-time TIME restores the
+state the bucket had at TIME: each partition at the newest restore point received at
+or before it (in a continuous chain, `upr backup --follow`, the end of every snapshot
+it received, by the follower's clock; in an ordinary chain, each backup's commit). TIME
+is RFC 3339 (2026-12-06T14:37:00Z, or with an offset), a local time without offset
+(2026-12-06 14:37) or relative to now (-15m, -2h, -30s, -1d). A time outside the
+restorable range (`upr info` shows it) is one error naming the range, before anything
+is written. A partition with no restore point by TIME did not exist yet: it is not
+restored, and the summary says so. Where no snapshot end was watched (the follower was
+stopped, or between ordinary backups: a coarse stretch), the state given is that at
+the start of the stretch, and the summary says per partition how far before TIME it is
+(and the maximum; `point` in --json). The CAS is not used: writes made with
+SET_WITH_META keep their source's CAS, and node clocks differ.
+
+--at-seq P:SEQ,… restores ONLY the partitions it names, each to its seq (the others
+are left alone: a careful restore of some partitions touches nothing else); a seq
+inside a snapshot is rounded down to the snapshot boundary below it, with a notice.
+--before-failover N restores each partition to the state it had on its old branch
+just before failover N (`upr info` numbers them), lost writes included: for
+forensics, into a SQLite store or a scratch bucket. --at, --at-time, --at-seq and
+--before-failover each name the state: give one. They do not combine with --spark.
+
+Example (the state at 14:37 UTC, into a SQLite store):
+
+  upr restore --repo /backups/cb --at-time 2026-12-06T14:37:00Z \
+      sqlite:/tmp/then.db
+
+Example (15 minutes ago, local clock):
+
+  upr restore --repo /backups/cb --at-time -15m upr://admin@127.0.0.1/default
+
+Example (partition 3 at seq 1500, partition 7 at seq 20, nothing else):
+
+  upr restore --repo /backups/cb --at-seq 3:1500,7:20 sqlite:/tmp/two.db
+
+Example (the lost branch of failover 1, for forensics):
+
+  upr restore --repo /backups/cb --before-failover 1 sqlite:/tmp/lost.db
+
 --spark MASTER divides the partitions among Spark tasks (--spark-tasks, default 8;
 --conf k=v passes Spark settings); each task writes its share to the target node.
 
@@ -153,6 +196,15 @@ def register(app: typer.Typer) -> None:
     app.command("restore", help=HELP, no_args_is_help=True)(restore_cmd)
 
 
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan; write nothing.")]
+ForceUpdates = Annotated[
+    bool, typer.Option("--force-updates", help="Skip the target's conflict resolution.")
+]
+IncludeTombstones = Annotated[
+    bool, typer.Option("--include-tombstones", help="Write every deletion.")
+]
+
+
 def restore_cmd(
     target: Annotated[
         str,
@@ -162,18 +214,15 @@ def restore_cmd(
     ],
     repo: Repo,
     at: At = "latest",
+    at_time: AtTime = None,
+    at_seq: AtSeq = None,
+    before_failover: BeforeFailover = None,
     bucket: Bucket = None,
     partitions: Partitions = None,
     keys: Keys = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the plan; write nothing.")
-    ] = False,
-    force_updates: Annotated[
-        bool, typer.Option("--force-updates", help="Skip the target's conflict resolution.")
-    ] = False,
-    include_tombstones: Annotated[
-        bool, typer.Option("--include-tombstones", help="Write every deletion.")
-    ] = False,
+    dry_run: DryRun = False,
+    force_updates: ForceUpdates = False,
+    include_tombstones: IncludeTombstones = False,
     skip_corrupt: Annotated[
         bool,
         typer.Option("--skip-corrupt", help="Leave out partitions with damage; exit 4."),
@@ -216,7 +265,10 @@ def restore_cmd(
     node = (tls_source(SourceUri.parse(where), cacert, no_verify, cert, key)
             if kind == "node" else None)  # fmt: skip
     keep: KeepXattrs = "none" if no_xattrs else "user" if no_system_xattrs else "all"
-    plan = Plan(repo, bucket=bucket, at=at, partitions=selected(partitions),
+    point = point_at(at, at_time, at_seq, before_failover)
+    if spark is not None and point is not at:
+        raise UsageError("--at-time, --at-seq and --before-failover do not combine with --spark")
+    plan = Plan(repo, bucket=bucket, at=point, partitions=selected(partitions),
                 keys=key_pattern(keys), dry_run=dry_run, skip_corrupt=skip_corrupt,
                 map_data=parse_map_data(map_data), create=not no_create,
                 keep_xattrs=keep, check=not no_check, memory=memory)  # fmt: skip
@@ -260,7 +312,7 @@ class Plan:
 
     repo: Path
     bucket: str | None
-    at: str
+    at: Any  # what `jobs.state.select` takes: a backup or a time, seqs, a failover
     partitions: list[int] | None
     keys: re.Pattern[bytes] | None
     dry_run: bool
@@ -303,7 +355,12 @@ def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
     else:
         verb = ("would restore" if dry_run else "restored" if summary.failure is None
                 else "stopped part-way restoring")  # fmt: skip
-        lines = [f"{verb} backup {summary.backup_id}", *(plan.describe() if plan else ())]
+        point = summary.point
+        what = f"backup {summary.backup_id}" if point is None else point.describe()[0]
+        lines = [f"{verb} {what}"]
+        if point is not None:
+            lines += [f"  read from backups up to {summary.backup_id}", *point.describe()[1:]]
+        lines += plan.describe() if plan else ()
         lines.append(_precheck_line(summary))
         lines.append(f"{plural(summary.partitions, 'source partition')}, "
                      f"{plural(summary.documents, 'document')}, "

@@ -225,8 +225,8 @@ def diff_sources(
 ) -> DiffReport:
     """Load both sources (upr://, repo:, sqlite:, JSON; `tls` for uprs:// ones) and
     compare every partition."""
-    sa = load_source(a, partitions, tls, "diff")
-    sb = load_source(b, partitions, tls, "diff")
+    sa = _load(a, partitions, tls)
+    sb = _load(b, partitions, tls)
     report = DiffReport(_redact(a), _redact(b))
     for p in sorted(set(sa) | set(sb)):
         if p not in sb:
@@ -238,6 +238,42 @@ def diff_sources(
     if b.startswith("sqlite:") and any(d.lost_seqs for d in report.partitions):
         report.partitions = _with_lost_keys(Path(b.removeprefix("sqlite:")), report.partitions)
     return report
+
+
+def _load(spec: str, partitions: list[int] | None, tls: ClientTls | None
+          ) -> dict[int, SourceState]:  # fmt: skip
+    """`load_source`, but a repository at a time (`repo:DIR@TIME`) is read here: each
+    partition at its restore point (`jobs.state.select`, as `restore --at-time`)."""
+    from upr_cli.repo.pitr import looks_like_time
+    from upr_cli.source import parse_source
+
+    if spec.startswith("repo:"):
+        source = parse_source(spec, {"repo"})
+        if source.path is not None and source.at is not None and looks_like_time(source.at):
+            return repo_states_at(source.path, source.at, partitions)
+    return load_source(spec, partitions, tls, "diff")
+
+
+def repo_states_at(path: Path, at: str, partitions: list[int] | None) -> dict[int, SourceState]:
+    """Per partition, the failover log and position of the state at `at` (a time):
+    the restore point's backup, its position moved down to the point (`pitr.resume_at`)."""
+    import contextlib
+
+    from upr_cli.jobs.state import select
+    from upr_cli.repo.pitr import resume_at
+    from upr_cli.source import open_bucket
+
+    with contextlib.ExitStack() as held:
+        _repo, b, manifests = open_bucket(path, None, at, held=held, command="diff")
+        sel = select(manifests, at, partitions, bucket=b, option="@")
+    out = {}
+    assert sel.point is not None
+    for p, pick in sel.point.picks.items():
+        rp = resume_at(manifests, p, pick)
+        if rp is not None:
+            pos = rp.position
+            out[p] = SourceState(rp.failover_log, pos.seq, pos.seq, pos)
+    return out
 
 
 def _with_lost_keys(path: Path, diffs: list[PartitionDiff]) -> list[PartitionDiff]:

@@ -17,6 +17,14 @@ that collection was dropped since. The partition is the key's alone: the SDKs ha
 document key, not its collection. Repositories written before collections hold only
 `_default._default`.
 
+Each version carries its time: the time of the restore point that first holds it (in a
+continuous commit, the first point of its partition at or above its seq; else its
+backup's `finished`: docs/design.md "Point-in-time restore"). The CAS is shown beside
+it, never used to place it (writes made with SET_WITH_META keep their source's CAS).
+With `at_time`, the version a restore at that time gives is marked (`at_time`): the last
+version of the key among the records of the partition's state there
+(`jobs.state.select`, as `restore --at-time` resolves it), deletions included.
+
 Each version carries the xattrs its record holds (formats/segment.md, version 3; none
 in older segments), a tombstone the system xattrs it kept: their names in the table,
 the whole object in `--json`.
@@ -28,6 +36,7 @@ import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +47,9 @@ from upr_cli.net.bootstrap import partition_of
 from upr_cli.protocol import xattrs
 from upr_cli.protocol.decoder import OP_DELETION, OP_EXPIRATION, OP_MUTATION
 from upr_cli.protocol.header import DATATYPE_JSON
-from upr_cli.repo import Manifest, lost_cut
+from upr_cli.repo import Manifest, PartitionEntry, PlanStep, lost_cut
 from upr_cli.repo.manifest import collection_history
+from upr_cli.repo.pitr import show_time
 from upr_cli.segments import SegmentReader
 from upr_cli.source import MAX_PARTITIONS, open_bucket
 from upr_cli.storage import Storage
@@ -66,6 +76,8 @@ class Version:
     collection: int = 0  # the collection id
     dropped: bool = False  # that collection was dropped since (its records are no state)
     xattrs: bytes = b""  # the xattr blob (formats/wire.md "Xattrs"), b"" for none
+    time: datetime | None = None  # the time of the restore point that first holds it
+    at_time: bool = False  # the version a restore at `--at-time` gives
 
     @property
     def xattr_names(self) -> list[str]:
@@ -99,6 +111,8 @@ class Version:
             "dropped": self.dropped,
             "value": val,
             "xattrs": xattrs.to_json(self.xattrs),
+            "time": None if self.time is None else show_time(self.time),
+            "at_time": self.at_time,
         }
 
 
@@ -154,10 +168,14 @@ def examine(
     bucket: str | None = None,
     partitions: Sequence[int] | None = None,
     collection: CollectionPath | None = None,
+    at_time: str | None = None,
 ) -> list[Version]:
     """Every version of `key` in `collection` (default `_default._default`), oldest
-    first. `partitions` selects partitions (default: the key's, from the bucket's
-    partition count: `key_partitions`)."""
+    first, each with its time. `partitions` selects partitions (default: the key's, from
+    the bucket's partition count: `key_partitions`); with `at_time`, the version a
+    restore at that time gives is marked (module doc)."""
+    from upr_cli.jobs.state import select
+
     with contextlib.ExitStack() as held:
         repo, b, manifests = open_bucket(repo_dir, bucket, held=held, command="examine")
         if not manifests:
@@ -177,12 +195,34 @@ def examine(
                 files += [(name, 0) for name, _seg in entry.cut_files()]
                 for name, cut in files:
                     path = repo.segment_path(b, m.backup_id, name)
-                    out += _versions(repo.storage, path, key, str(m.backup_id), p, cut, ids)
+                    found = _versions(repo.storage, path, key, str(m.backup_id), p, cut, ids)
+                    out += [replace(v, time=_time_of(m, entry, v.seq)) for v in found]
         kept = [v for v in out if not v.lost and not v.dropped]
         if kept:
             newest = max(kept, key=lambda v: v.seq)
             out = [replace(v, in_latest=v is newest) for v in out]
+        if at_time is not None:  # resolved (and checked) even when no version was found
+            sel = select(manifests, at_time, bucket=b)
+            plans = {p: sel.steps(manifests, p) for p in sel.partitions}
+            chosen = [v for v in out if _in_plan(plans.get(v.partition, []), v)]
+            out = [replace(v, at_time=bool(chosen) and v is chosen[-1]) for v in out]
         return out
+
+
+def _time_of(m: Manifest, entry: PartitionEntry, seq: int) -> datetime:
+    """The time of the restore point that first holds `seq` in backup `m`."""
+    if m.continuous is not None:
+        for s, t in entry.points:
+            if s >= seq:
+                return t
+    return m.finished
+
+
+def _in_plan(steps: Sequence[PlanStep], v: Version) -> bool:
+    """True when the plan of a state reads the version `v`."""
+    return any(str(s.backup_id) == v.backup_id and not s.file
+               and s.segment.first_seq <= v.seq <= min(s.segment.last_seq, s.max_seq)
+               for s in steps)  # fmt: skip
 
 
 def collection_ids(

@@ -7,8 +7,8 @@ directory (never in the repository: nothing uncommitted lives there between comm
 Beside what a backup tracks it notes, per partition, the snapshots whose end it has
 received and when (its **points**): a snapshot ends when the record at its end seq
 arrives, or when the next marker does (deduplication or a collection filter can leave
-the end without a record). Only such an end is a state the source had (formats/repository.md
-§8.4), so a commit cuts there.
+the end without a record). Only such an end is a state the source had
+(formats/repository.md §8.4), so a commit cuts there.
 
 `checkpoint` (called by the follower between batches, with nothing else running on the
 sink) cuts each partition that moved: on the segment worker, after every record sent

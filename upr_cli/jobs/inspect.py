@@ -32,7 +32,7 @@ here until every reader imports it from `upr_cli.source`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
@@ -356,7 +356,8 @@ def info(
 ) -> dict[str, Any]:
     """Backups per bucket with their type, dates, parent, items, bytes (read, written,
     on disk), ratio and rollbacks; the chain; per-partition ranges; what the repository
-    and each bucket take on disk."""
+    and each bucket take on disk; the restorable range, its coarse stretches and the
+    numbered failovers (`restorable`)."""
     # No shared lock (formats/repository.md §7.2): info reads manifests only, each whole
     # (a rename publishes it), never a segment, so it never waits for a prune or a sweep.
     # Run while one removes backups, it can report one it removed as missing: run again.
@@ -403,6 +404,7 @@ def info(
             "resumable": None if resumable is None else str(resumable),
             "leftovers": [str(x) for x in repo.leftovers(b)],
             "collections": collection_counts(repo, b, manifests),
+            **restorable(manifests),
         }
         if partitions is not None:
             ranges: dict[str, Any] = {}
@@ -438,6 +440,17 @@ def info(
             entry["partitions"] = ranges
         out["buckets"][b] = entry
     return out
+
+
+def restorable(manifests: Sequence[Manifest]) -> dict[str, Any]:
+    """The restorable range of a chain (`restorable`: oldest restore point, last commit,
+    and the coarse stretches; None without backups) and its numbered failovers
+    (docs/design.md "Point-in-time restore")."""
+    from upr_cli.repo.pitr import failovers, timeline
+
+    tl = timeline(manifests)
+    return {"restorable": None if tl is None else tl.to_json(),
+            "failovers": [f.to_json() for f in failovers(manifests)]}  # fmt: skip
 
 
 def backup_type(m: Manifest) -> str:

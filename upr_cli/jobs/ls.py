@@ -4,10 +4,11 @@ Theory of operation. The state at backup K (formats/repository.md §8.1) is, per
 partition, the latest record of every (collection, key) among the segments
 `plan_state` names, each read up to its seq cut; a deletion or expiration means the
 key is not restored. `open_state` resolves `--at` as `upr restore --at` does
-(`jobs.state.select`: an id, a unique prefix, latest or oldest), checks the chain up
-to K whole (`source.open_bucket`) and every segment file it reads present at its size
-(`jobs.state.check_files`); block checksums are verified as the blocks are read,
-through the repository's storage.
+(`jobs.state.select`: an id, a unique prefix, latest or oldest; or a time,
+`--at-time`, each partition then at its restore point: docs/design.md "Point-in-time
+restore"), checks the chain up to K whole (`source.open_bucket`) and every segment
+file it reads present at its size (`jobs.state.check_files`); block checksums are
+verified as the blocks are read, through the repository's storage.
 
 Collections are by name at the end of the chain (`chain_manifest`, as the Spark
 reader and restore take them): records of a collection dropped by K, or left out by
@@ -32,9 +33,9 @@ from typing import NamedTuple
 
 from upr_cli.collections import Path as CollectionPath
 from upr_cli.errors import UsageError
-from upr_cli.jobs.state import check_files, select
+from upr_cli.jobs.state import Selection, check_files, select
 from upr_cli.protocol.decoder import OP_MUTATION
-from upr_cli.repo import BackupId, Manifest, Repository, plan_state
+from upr_cli.repo import BackupId, Manifest, Repository
 from upr_cli.repo.manifest import chain_manifest
 from upr_cli.segments import Record, SegmentReader
 from upr_cli.source import open_bucket
@@ -52,14 +53,21 @@ class StateAt:
     partitions: tuple[int, ...]  # every partition a backup up to `backup_id` holds
     names: dict[int, tuple[str, str]]  # (scope, collection) of every id the chain met
     keep: frozenset[int]  # the ids whose records the state holds (and that were asked)
+    selection: Selection  # what `at` resolved to (per partition, at a point in time)
+
+    @property
+    def label(self) -> str:
+        """The state as messages name it: its backup id, or the time asked."""
+        point = self.selection.point
+        return str(self.backup_id) if point is None else point.asked
 
     def records(self, partition: int) -> Iterator[tuple[BackupId, Record]]:
         """The data records the state at `backup_id` reads for `partition`, in plan
         order (chain order, then seq), each with its backup; the latest per (collection,
         key) is the state's. Records of collections outside `keep` are left out."""
         keep = self.keep
-        for step in plan_state(self.manifests, at=self.backup_id, partition=partition):
-            path = self.repo.segment_path(self.bucket, step.backup_id, step.segment.file)
+        for step in self.selection.steps(self.manifests, partition):
+            path = self.repo.segment_path(self.bucket, step.backup_id, step.name)
             with SegmentReader(path, self.repo.storage) as reader:
                 for rec in reader.records():
                     if rec.seq > step.max_seq:
@@ -82,7 +90,7 @@ def open_state(
     With `held`, the bucket's shared lock is entered into it (`source.open_bucket`):
     the caller reads the state before it closes `held`."""
     repo, b, manifests = open_bucket(repo_dir, bucket, at, held=held, command=command)
-    sel = select(manifests, at)
+    sel = select(manifests, at, bucket=b)
     check_files(repo, b, manifests, sel)
     chain = [m for m in manifests if m.backup_id <= sel.backup_id]
     names = collection_names(chain)
@@ -95,7 +103,7 @@ def open_state(
             raise UsageError(f"{option} {', '.join(missing)}: no such collection in the backups "
                              f"up to {sel.backup_id} (they have {known(names)})")  # fmt: skip
         keep &= {cid for cid, n in names.items() if any(p.covers(*n) for p in collections)}
-    return StateAt(repo, b, sel.backup_id, chain, sel.partitions, names, frozenset(keep))
+    return StateAt(repo, b, sel.backup_id, chain, sel.partitions, names, frozenset(keep), sel)
 
 
 def known(names: dict[int, tuple[str, str]]) -> str:

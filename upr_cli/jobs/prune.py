@@ -11,8 +11,8 @@ the kept backup K after them, or by nothing (the newest ones).
   are the run's directories and K's older revision removed. A revision of a continuous
   commit (`backup --follow`) stays one (`continuous`, and K's restore points: K's records
   are linked as they were; the run's points go with its compacted records); members of
-  K's `segments.pack` are written out as files of the revision (formats/repository.md
-  §12). Per partition p the revision holds:
+  K's `segments.pack` are written out as files of the revision
+  (formats/repository.md §12). Per partition p the revision holds:
   - the run's records that the state at K takes (seq ≤ cut(R, K),
     formats/repository.md §8.1), compacted to the latest record of every document
     (tombstones kept, events and the collections dropped by K left out), in parts between the

@@ -897,6 +897,7 @@ def replay_repo(
     from upr_cli.jobs.state import select
     from upr_cli.repo import resume_point
     from upr_cli.repo.manifest import chain_manifest
+    from upr_cli.repo.pitr import resume_at
     from upr_cli.segments import SegmentError
     from upr_cli.segments.format import OP_SYSTEM_EVENT
     from upr_cli.source import open_bucket
@@ -904,11 +905,12 @@ def replay_repo(
     say = on_event or (lambda _m: None)
     with contextlib.ExitStack() as held:
         repo, b, manifests = open_bucket(
-            repo_dir, bucket, held=held, command="replay", on_warning=on_event
+            repo_dir, bucket, at, held=held, command="replay", on_warning=on_event
         )
-        sel = select(manifests, at, partitions)
+        sel = select(manifests, at, partitions, bucket=b, option="@")
         chain = [m for m in manifests if m.backup_id <= sel.backup_id]
-        stats = ReplayStats(f"repo:{repo_dir}@{sel.backup_id}", str(db_path), "snapshot")
+        shown = sel.backup_id if sel.point is None else sel.point.asked
+        stats = ReplayStats(f"repo:{repo_dir}@{shown}", str(db_path), "snapshot")
         stats.partitions = len(sel.partitions)
         with Store(db_path, undo_window=undo_window, source=stats.source) as store, rare_gc():
             store.claim_filter("")
@@ -918,7 +920,8 @@ def replay_repo(
             for p, records in states_ahead(repo, b, manifests, sel):
                 if isinstance(records, SegmentError):
                     raise records
-                rp = resume_point(chain, p)
+                point = None if sel.point is None else sel.point.picks.get(p)
+                rp = resume_point(chain, p) if point is None else resume_at(chain, p, point)
                 if rp is None:
                     continue
                 base = _repo_base(store, p, rp, stats, say, before_rollback=batch.flush)

@@ -33,6 +33,9 @@ directory, an object store, an encrypting layer on either) works the same way.
   (`RepositoryLock`).
 * **Parallel and bounded.** The files of a backup are copied by up to `transfers`
   threads (`--transfers`), each holding one chunk (`CHUNK` bytes) at a time.
+* **Packs.** A backup whose segments are in a pack (a continuous commit,
+  formats/repository.md §12) stays packed: its members are read and verified one by one
+  into local temp files, then written as one pack in the destination.
 * **Keys.** The two repositories have their own keys: the destination opens with the
   command's (`upr_cli.repo.access.current`), the source with the `Access` it is given
   (`source_access`: `--from-key-file`, `--from-key-command`, `UPR_FROM_KEY_FILE`,
@@ -44,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -67,8 +71,9 @@ from upr_cli.repo import (
     is_temp_name,
 )
 from upr_cli.repo.access import Access, current
+from upr_cli.repo.pack import PACK_NAME, write_pack
 from upr_cli.repo.readers import read_lock, sweep_unless_read
-from upr_cli.storage import display_location, is_s3, s3_parts
+from upr_cli.storage import display_location, is_s3, s3_parts, unwrap
 
 __all__ = [
     "CHUNK",
@@ -373,15 +378,20 @@ class _Copier:
             dst.upgrade()  # a revision needs repository version 2 (formats/repository.md §9)
         self._make_dir(d)
         files = _files(m)
-        for sub in sorted({name.split("/", 1)[0] for name, _ in files if "/" in name}):
+        packed = self._packed(m)
+        subs = [] if packed else sorted({n.split("/", 1)[0] for n, _ in files if "/" in n})
+        for sub in subs:
             self._make_dir(d / sub)
         try:
-            self._copy_files(m, d, files)
+            if packed:
+                self._copy_pack(m, d, files)
+            else:
+                self._copy_files(m, d, files)
         except CorruptSource:
             with contextlib.suppress(OSError, RepositoryError):
                 dst.sweeper.discard(d)  # never a part of a backup left behind
             raise
-        for sub in sorted({name.split("/", 1)[0] for name, _ in files if "/" in name}):
+        for sub in subs:
             dst.storage.sync_dir(d / sub)
         dst.storage.sync_dir(d)
         self._check_sizes(d, files)
@@ -389,6 +399,63 @@ class _Copier:
         dst.storage.write(d / MANIFEST_COPY, data)  # the commit point
         dst.storage.write(d / MANIFEST_FILE, data)
         dst.scan(bucket)  # the layout's cache of current revisions
+
+    def _packed(self, m: Manifest) -> bool:
+        """The source's backup keeps its segments in a pack (formats/repository.md §12)."""
+        d = self.src.backup_dir(self.bucket, m.backup_id)
+        return unwrap(self.src.storage).stat(d / PACK_NAME) is not None
+
+    def _copy_pack(self, m: Manifest, d: Path, files: list[tuple[str, SegmentEntry]]) -> None:
+        """A packed backup stays one: its members, each verified as it is read into a
+        local temp file, written as the destination's pack (`write_pack`: a temp name,
+        durable, renamed; a killed copy's pack is replaced)."""
+        with tempfile.TemporaryDirectory(prefix="upr-copy-") as tmp:
+            members = []
+            for i, (name, entry) in enumerate(files):
+                source = self.src.segment_path(self.bucket, m.backup_id, name)
+                local = Path(tmp) / str(i)
+                with open(local, "wb") as out:
+                    self._stream(m, source, entry, out.write)
+                members.append((name, local))
+            if members:
+                write_pack(self.dst.storage, d, members)
+        with self._guard:
+            self.tally.files += len(files)
+            self.tally.bytes += sum(entry.bytes for _, entry in files)
+
+    def _stream(self, m: Manifest, source: Path, entry: SegmentEntry,
+                put: Callable[[bytes], object]) -> None:  # fmt: skip
+        """Read the source's file `source` chunk by chunk into `put`; `CorruptSource`
+        unless its size and digest are its manifest entry's."""
+        digest = hashlib.blake2b(digest_size=16)
+        size = 0
+        try:
+            reader = self.src.storage.open_read(source)
+        except FileNotFoundError:
+            raise CorruptSource(
+                f"{display_location(source)}: source segment missing (listed by backup "
+                f"{m.backup_id} of bucket {self.bucket}); backup not copied"
+            ) from None
+        with reader as f:
+            while chunk := f.read(CHUNK):
+                if self._stop.is_set():
+                    raise _Stopped
+                digest.update(chunk)
+                size += len(chunk)
+                if size > entry.bytes:
+                    break
+                put(chunk)
+                self.progress(len(chunk))
+        if size != entry.bytes or digest.hexdigest() != entry.checksum:
+            if size != entry.bytes:
+                got = f"{size}" if size < entry.bytes else f"more than {entry.bytes}"
+                what = f"{got} bytes, the manifest says {entry.bytes}"
+            else:
+                what = f"BLAKE2b {digest.hexdigest()}, the manifest says {entry.checksum}"
+            raise CorruptSource(
+                f"{display_location(source)}: corrupt source segment ({what}); backup "
+                f"{m.backup_id} of bucket {self.bucket} not copied"
+            )
 
     def _make_dir(self, d: Path) -> None:
         """Create `d` (or reuse a killed copy's, without the temp files it left)."""
@@ -439,44 +506,16 @@ class _Copier:
         as its manifest entry says (or reuse it there, when a killed copy finished it)."""
         if self._stop.is_set():
             return
-        src, dst = self.src, self.dst
+        dst = self.dst
         target = d / name
         if self._already(target, entry):
             with self._guard:
                 self.tally.files_reused += 1
             return
         tmp = temp_path(target)
-        digest = hashlib.blake2b(digest_size=16)
-        size = 0
-        try:
-            reader = src.storage.open_read(source)
-        except FileNotFoundError:
-            raise CorruptSource(
-                f"{display_location(source)}: source segment missing (listed by backup "
-                f"{m.backup_id} of bucket {self.bucket}); backup not copied"
-            ) from None
         out = dst.storage.create(tmp)
         try:
-            with reader as f:
-                while chunk := f.read(CHUNK):
-                    if self._stop.is_set():
-                        raise _Stopped
-                    digest.update(chunk)
-                    size += len(chunk)
-                    if size > entry.bytes:
-                        break
-                    dst.storage.append(out, chunk)
-                    self.progress(len(chunk))
-            if size != entry.bytes or digest.hexdigest() != entry.checksum:
-                if size != entry.bytes:
-                    got = f"{size}" if size < entry.bytes else f"more than {entry.bytes}"
-                    what = f"{got} bytes, the manifest says {entry.bytes}"
-                else:
-                    what = f"BLAKE2b {digest.hexdigest()}, the manifest says {entry.checksum}"
-                raise CorruptSource(
-                    f"{display_location(source)}: corrupt source segment ({what}); backup "
-                    f"{m.backup_id} of bucket {self.bucket} not copied"
-                )
+            self._stream(m, source, entry, lambda chunk: dst.storage.append(out, chunk))
             dst.storage.sync(out)
             out.close()
             dst.storage.replace(tmp, target)

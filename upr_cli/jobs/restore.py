@@ -79,7 +79,7 @@ from upr_cli.jobs.restore_plan import (
     resolve,
     source_partition_count,
 )
-from upr_cli.jobs.state import Precheck, Selection, check_files, precheck, select
+from upr_cli.jobs.state import At, Precheck, Selection, check_files, precheck, select
 from upr_cli.jobs.writer import DEFAULT_LIMIT, WriteWindow
 from upr_cli.memory import ByteQueue, ByteWindow, MemoryLimit
 from upr_cli.net.bootstrap import partition_of
@@ -90,8 +90,9 @@ from upr_cli.protocol import Frame, leb128, xattrs
 from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.protocol.header import Magic, Opcode
 from upr_cli.protocol.status import Status
-from upr_cli.repo import BackupId, Manifest, Repository, plan_state
+from upr_cli.repo import BackupId, Manifest, PlanStep, Repository, plan_state
 from upr_cli.repo.manifest import chain_manifest
+from upr_cli.repo.pitr import Resolution
 from upr_cli.segments import Record, SegmentError, SegmentReader
 from upr_cli.source import open_bucket
 
@@ -149,15 +150,26 @@ _XATTRS, _KEY, _VALUE = attrgetter("xattrs"), attrgetter("key"), attrgetter("val
 KeepXattrs = Literal["all", "user", "none"]
 
 
+def _steps(manifests: Sequence[Manifest], at: BackupId | Selection, partition: int
+           ) -> list[PlanStep]:  # fmt: skip
+    """The plan of a partition's state at a backup, or as a selection names it (a point
+    in time: `Selection.steps`)."""
+    if isinstance(at, Selection):
+        return at.steps(manifests, partition)
+    return plan_state(manifests, at=at, partition=partition)
+
+
 def partition_state(
-    repo: Repository, bucket: str, manifests: Sequence[Manifest], at: BackupId, partition: int
-) -> dict[tuple[int, bytes], Record]:
-    """Latest data record per (collection id, key) of one partition at backup `at`,
-    tombstones included: the same key in two collections is two documents. System event
-    records are not data (`SegmentReader.records` leaves them out)."""
+    repo: Repository, bucket: str, manifests: Sequence[Manifest], at: BackupId | Selection,
+    partition: int,
+) -> dict[tuple[int, bytes], Record]:  # fmt: skip
+    """Latest data record per (collection id, key) of one partition at backup `at` (or
+    as the selection `at` names it), tombstones included: the same key in two
+    collections is two documents. System event records are not data
+    (`SegmentReader.records` leaves them out)."""
     latest: dict[tuple[int, bytes], Record] = {}
-    for step in plan_state(manifests, at=at, partition=partition):
-        path = repo.segment_path(bucket, step.backup_id, step.segment.file)
+    for step in _steps(manifests, at, partition):
+        path = repo.segment_path(bucket, step.backup_id, step.name)
         with SegmentReader(path, repo.storage) as reader:
             for rec in reader.records():
                 if rec.seq > step.max_seq:
@@ -174,7 +186,7 @@ def states_ahead(
 
     def read(p: int) -> list[Record] | SegmentError:
         try:
-            state = partition_state(repo, bucket, manifests, sel.backup_id, p)
+            state = partition_state(repo, bucket, manifests, sel, p)
         except SegmentError as exc:
             return exc
         return sorted(state.values(), key=_SEQ)
@@ -192,26 +204,27 @@ def partition_chunks(
     repo: Repository,
     bucket: str,
     manifests: Sequence[Manifest],
-    at: BackupId,
+    at: BackupId | Selection,
     partition: int,
     *,
     hold: int,
     chunk: int,
 ) -> Iterator[tuple[list[Record], int]]:
-    """One partition's state at backup `at`, as `partition_state` gives it, in chunks of
-    about `chunk` bytes (keys, values, xattrs and `_HELD` per record; a larger record
-    alone), each with its bytes. While reading, at most about `hold` bytes of records
-    are kept: past that, the latest version of each further key is noted by its
-    position only and its record read again, streamed, once the state is known (a
-    partition of a few large documents is never held whole). Both reads go through the
-    same verified blocks, so a SegmentError comes from the first, before any chunk."""
-    steps = list(plan_state(manifests, at=at, partition=partition))
+    """One partition's state at backup `at` (or as a selection names it), as
+    `partition_state` gives it, in chunks of about `chunk` bytes (keys, values, xattrs
+    and `_HELD` per record; a larger record alone), each with its bytes. While reading,
+    at most about `hold` bytes of records are kept: past that, the latest version of
+    each further key is noted by its position only and its record read again, streamed,
+    once the state is known (a partition of a few large documents is never held whole).
+    Both reads go through the same verified blocks, so a SegmentError comes from the
+    first, before any chunk."""
+    steps = _steps(manifests, at, partition)
     latest: dict[tuple[int, bytes], Record] = {}
     later: dict[tuple[int, bytes], tuple[int, int]] = {}  # read again: (step, seq)
     held = 0
     storage = repo.storage
     for i, step in enumerate(steps):
-        with SegmentReader(repo.segment_path(bucket, step.backup_id, step.segment.file),
+        with SegmentReader(repo.segment_path(bucket, step.backup_id, step.name),
                            storage) as r:  # fmt: skip
             for rec in r.records():
                 if rec.seq > step.max_seq:
@@ -235,7 +248,7 @@ def partition_chunks(
     latest.clear()
     for i in sorted({i for i, _seq in later.values()}):
         step = steps[i]
-        with SegmentReader(repo.segment_path(bucket, step.backup_id, step.segment.file),
+        with SegmentReader(repo.segment_path(bucket, step.backup_id, step.name),
                            storage) as r:  # fmt: skip
             for rec in r.records():
                 if rec.seq > step.max_seq:
@@ -276,7 +289,7 @@ class ChunksAhead:
                 prev: tuple[list[Record], int] | None = None
                 try:
                     for got in partition_chunks(src.repo, src.bucket, src.manifests,
-                                                src.sel.backup_id, p, hold=self.hold,
+                                                src.sel, p, hold=self.hold,
                                                 chunk=self.chunk):  # fmt: skip
                         if prev is not None and not q.put((p, prev[0], False), prev[1]):
                             return
@@ -354,6 +367,7 @@ class RestoreSummary:
     failure: str | None = None  # what stopped a restore once writing began
     complete: list[int] = field(default_factory=list)  # source partitions fully acknowledged
     bytes: int = 0  # the keys, values and xattrs of the records restored
+    point: Resolution | None = None  # a point in time: per partition its backup and seq
 
     @property
     def partial(self) -> bool:
@@ -396,6 +410,7 @@ class RestoreSummary:
             }
             | {
                 "precheck": self.precheck.to_json() if self.precheck is not None else None,
+                "point": self.point.to_json() if self.point is not None else None,
                 "errors": sum(self.errors.values()),  # a count, as in every command
                 "errors_by_status": self.errors,
                 "seconds": round(self.seconds, 3),
@@ -441,7 +456,7 @@ class _Source:
     checked: Precheck | None  # the pre-check (None: `check=False`)
 
     @classmethod
-    def open(cls, repo_dir: Path, bucket: str | None, at: str, partitions: list[int] | None,
+    def open(cls, repo_dir: Path, bucket: str | None, at: At, partitions: list[int] | None,
              skip_corrupt: bool, check: bool = True, held: contextlib.ExitStack | None = None,
              command: str = "restore") -> _Source:  # fmt: skip
         """The checked source (a broken chain, a missing file or, unless `check` is off,
@@ -449,7 +464,7 @@ class _Source:
         of damaged segments out instead). With `held`, the bucket's shared lock is
         entered into it (`open_bucket`)."""
         repo, b, manifests = open_bucket(repo_dir, bucket, at, held=held, command=command)
-        sel = select(manifests, at, partitions)
+        sel = select(manifests, at, partitions, bucket=b, repo=repo)
         chain = [m for m in manifests if m.backup_id <= sel.backup_id]
         checked = None
         if check:  # before anything is written
@@ -458,7 +473,7 @@ class _Source:
                 checked.refuse()
             elif checked.damage:
                 kept = tuple(p for p in sel.partitions if p not in checked.damage)
-                sel = Selection(sel.backup_id, kept)
+                sel = sel.keeping(kept)
         elif not skip_corrupt:  # (--skip-corrupt skips them instead)
             check_files(repo, b, manifests, sel)
         count = source_partition_count(e.partition for m in chain for e in m.partitions)
@@ -482,7 +497,8 @@ class _Source:
         damage = self.checked.damage if self.checked is not None else {}
         out = RestoreSummary(str(self.sel.backup_id), target, dry_run,
                              partitions_total=len(self.sel.partitions) + len(damage),
-                             precheck=self.checked, left_out=sorted(damage))  # fmt: skip
+                             precheck=self.checked, left_out=sorted(damage),
+                             point=self.sel.point)  # fmt: skip
         out.skipped += [f"partition {p}: {why}" for p in sorted(damage) for why in damage[p]]
         return out
 
@@ -531,7 +547,7 @@ async def restore_to_node(
     target: SourceUri,
     *,
     bucket: str | None = None,
-    at: str = "latest",
+    at: At = "latest",
     partitions: list[int] | None = None,
     keys: re.Pattern[bytes] | None = None,
     dry_run: bool = False,
@@ -893,7 +909,7 @@ def restore_to_store(
     db_path: Path,
     *,
     bucket: str | None = None,
-    at: str = "latest",
+    at: At = "latest",
     partitions: list[int] | None = None,
     keys: re.Pattern[bytes] | None = None,
     dry_run: bool = False,

@@ -25,6 +25,7 @@ and remove the absorbed directories when no reader is there (else the next sweep
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections import defaultdict
@@ -51,7 +52,8 @@ from upr_cli.segments import SegmentHeader, SegmentReader, SegmentWriter
 from upr_cli.storage import LOCAL
 
 FANOUT = 16
-"""Backups of one level rolled into one of the next: 16 commits, 256, 4,096, …"""
+"""Backups of one level rolled into one of the next: 16 commits, 256, 4,096, … (the
+environment's UPR_ROLLUP_FANOUT, 2 to 1024, overrides it: `fanout`)."""
 _SPILL = 8 << 20  # a merged segment's buffered bytes before it spills to its body file
 
 
@@ -62,11 +64,18 @@ def rollable(m: Manifest) -> bool:
     )
 
 
+def fanout() -> int:
+    """FANOUT, or UPR_ROLLUP_FANOUT when it is set to an integer in 2..1024."""
+    text = os.environ.get("UPR_ROLLUP_FANOUT", "")
+    return int(text) if text.isdigit() and 2 <= int(text) <= 1024 else FANOUT
+
+
 @dataclass
 class Tail:
     """The session's backups that can still be rolled up, oldest first, with levels."""
 
     items: list[tuple[Manifest, int]] = field(default_factory=list)
+    fanout: int = field(default_factory=fanout)
 
     def add(self, m: Manifest) -> None:
         """A new commit: joins the tail, or (a rollback in it) starts it again."""
@@ -76,14 +85,16 @@ class Tail:
             self.items = []
 
     def due(self) -> list[Manifest] | None:
-        """The newest FANOUT backups when they share a level, else None."""
-        if len(self.items) < FANOUT:
-            return None
-        group = self.items[-FANOUT:]
-        level = group[0][1]
-        if any(lv != level for _m, lv in group):
-            return None
-        return [m for m, _lv in group]
+        """The oldest `fanout` backups of the first run of that many sharing a level
+        (oldest first: commits that arrive while a rollup works are never stranded
+        between two rollups), else None."""
+        start = 0
+        for i in range(1, len(self.items) + 1):
+            if i == len(self.items) or self.items[i][1] != self.items[start][1]:
+                if i - start >= self.fanout:
+                    return [m for m, _lv in self.items[start : start + self.fanout]]
+                start = i
+        return None
 
     def rolled(self, group: list[Manifest], into: Manifest) -> None:
         """`group` became `into`, one level up (a tail changed meanwhile is dropped)."""

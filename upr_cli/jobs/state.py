@@ -1,5 +1,9 @@
 """Which state of a bucket a restore or replay reads from the repository (chain
-semantics: formats/repository.md §8): the backup `--at` names and its partitions.
+semantics: formats/repository.md §8): the backup `--at` names and its partitions, or,
+point in time (docs/design.md "Point-in-time restore"), what a time (`--at-time`,
+`repo:DIR@TIME`), per-partition seqs (`--at-seq`) or a failover (`--before-failover`)
+resolves to: a backup and a seq clip per partition (`repo.pitr`). Every command that
+reads a state takes its `at` through `select`, so they all resolve alike.
 
 For each partition, `plan_state` names the segments (and the seq cut of each) whose
 records make the state at backup K; reading them in order and keeping the latest
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,28 +39,61 @@ from upr_cli.repo import (
     PlanStep,
     Repository,
     RepositoryError,
+    SegmentEntry,
     plan_state,
+)
+from upr_cli.repo.pitr import (
+    AtFailover,
+    AtSeqs,
+    PitrRangeError,
+    Resolution,
+    looks_like_time,
+    parse_time,
+    resolve_failover,
+    resolve_seqs,
+    resolve_time,
 )
 from upr_cli.segments import SegmentError, SegmentReader
 from upr_cli.source import backup_named
 from upr_cli.storage import Storage, is_s3
 
+#: what `select` takes: a backup (id, prefix, latest, oldest) or a time as text, seqs
+#: per partition, or a failover
+At = str | AtSeqs | AtFailover
+
 
 @dataclass(frozen=True, slots=True)
 class Selection:
-    """Which backup and which partitions to read."""
+    """Which backup and which partitions to read; with `point`, each partition's own
+    backup and seq clip (`backup_id` is then the newest of them: the chain's end)."""
 
     backup_id: BackupId
     partitions: tuple[int, ...]
+    point: Resolution | None = field(default=None, compare=False)
+
+    def steps(self, manifests: Sequence[Manifest], partition: int) -> list[PlanStep]:
+        """The plan of `partition`'s selected state (`chain.plan_state`)."""
+        if self.point is not None and partition in self.point.picks:
+            return self.point.picks[partition].steps(manifests, partition)
+        return plan_state(manifests, at=self.backup_id, partition=partition)
+
+    def keeping(self, partitions: Sequence[int]) -> Selection:
+        """The same selection, of `partitions` only."""
+        return Selection(self.backup_id, tuple(partitions), self.point)
 
 
 def select(
-    manifests: Sequence[Manifest], at: str = "latest", partitions: Sequence[int] | None = None
-) -> Selection:
-    """Resolve `--at` (a backup id or a unique prefix of one, latest, oldest) and the
-    partitions to read."""
+    manifests: Sequence[Manifest], at: At = "latest", partitions: Sequence[int] | None = None,
+    *, bucket: str = "", repo: Repository | None = None, option: str = "--at-time",
+) -> Selection:  # fmt: skip
+    """Resolve `at` (a backup id or a unique prefix of one, latest, oldest; a time; seqs;
+    a failover) and the partitions to read. With `repo`, `--at-seq` rounds to the
+    snapshot markers of the newest backup's segment headers too; `option` names a time
+    in messages (`--at-time`, or `@` in `repo:DIR@TIME`)."""
     if not manifests:
         raise UsageError("the repository holds no committed backup of this bucket")
+    if not isinstance(at, str) or looks_like_time(at):
+        return _select_point(manifests, at, partitions, bucket, repo, option)
     bid = backup_named([m.backup_id for m in manifests], at)
     if bid is None:
         raise UsageError(f"--at: no committed backup {at!r} (see `upr info`)")
@@ -66,13 +103,57 @@ def select(
     return Selection(bid, tuple(held))
 
 
+def _select_point(
+    manifests: Sequence[Manifest], at: At, partitions: Sequence[int] | None, bucket: str,
+    repo: Repository | None, option: str,
+) -> Selection:  # fmt: skip
+    if isinstance(at, AtSeqs):
+        res = resolve_seqs(manifests, dict(at.seqs), _snapshots(repo, bucket))
+        if partitions is not None:
+            res.picks = {p: k for p, k in res.picks.items() if p in set(partitions)}
+    elif isinstance(at, AtFailover):
+        res = resolve_failover(manifests, at.number, partitions)
+    else:
+        res = resolve_time(manifests, parse_time(at, option=option), partitions,
+                           bucket=bucket, option=option)  # fmt: skip
+    if not res.picks:
+        raise PitrRangeError(f"nothing to read at {res.how} {res.asked}: no selected partition "
+                             "had a restore point by then")  # fmt: skip
+    return Selection(res.newest, tuple(sorted(res.picks)), res)
+
+
+def _snapshots(
+    repo: Repository | None, bucket: str
+) -> Callable[[BackupId, SegmentEntry], tuple[tuple[int, int], ...]] | None:
+    """The snapshot markers a segment's header lists (none when it cannot be read:
+    `verify` names the damage; the backups' ends still count)."""
+    if repo is None:
+        return None
+
+    def snapshots_of(bid: BackupId, seg: SegmentEntry) -> tuple[tuple[int, int], ...]:
+        try:
+            with SegmentReader(repo.segment_path(bucket, bid, seg.file), repo.storage) as r:
+                return r.header.snapshots
+        except (SegmentError, OSError):
+            return ()
+
+    return snapshots_of
+
+
 def check_files(
     repo: Repository, bucket: str, manifests: Sequence[Manifest], selection: Selection
 ) -> None:
     """Every segment file the selected state reads exists with the size its manifest
     records; otherwise `BrokenChain` naming the first one (no file is read: block
     checksums are verified as the records are read)."""
-    bad = repo.missing_files(bucket, manifests, selection.backup_id, selection.partitions)
+    if selection.point is None:
+        bad = repo.missing_files(bucket, manifests, selection.backup_id, selection.partitions)
+    else:  # each partition at its own backup (its state there reads every file it reads)
+        by: dict[BackupId, list[int]] = {}
+        for p in selection.partitions:
+            by.setdefault(selection.point.picks[p].backup_id, []).append(p)
+        bad = [line for j, ps in sorted(by.items())
+               for line in repo.missing_files(bucket, manifests, j, ps)]  # fmt: skip
     if bad:
         also = f" (and {len(bad) - 1} more: `upr verify` names them)" if len(bad) > 1 else ""
         raise BrokenChain(f"{bad[0]}{also}")
@@ -121,11 +202,11 @@ def precheck(
     t0 = time.monotonic()
     out = Precheck()
     work = [(p, step) for p in selection.partitions
-            for step in plan_state(manifests, at=selection.backup_id, partition=p)]  # fmt: skip
+            for step in selection.steps(manifests, p)]  # fmt: skip
 
     def check(item: tuple[int, PlanStep]) -> tuple[int, str | None, Precheck]:
         p, step = item
-        path = repo.segment_path(bucket, step.backup_id, step.segment.file)
+        path = repo.segment_path(bucket, step.backup_id, step.name)
         counts = Precheck()
         return p, _check_segment(repo.storage, path, p, step, counts), counts
 

@@ -13,8 +13,8 @@ and hands the other jobs to their own modules, which share that storage:
   (formats/repository.md §4.4);
 * `lock` is the bucket's lock;
 * `pack` reads the members of a backup directory's `segments.pack` as the segment files
-  they were (`PackedStorage`, the outermost layer of `storage`, formats/repository.md
-  §12).
+  they were (`PackedStorage`, the outermost layer of `storage`,
+  formats/repository.md §12).
 
 A backup directory exists from the moment a run starts writing segments into it, but
 the backup exists only once its manifest does, so listing reports committed backups and
@@ -216,8 +216,8 @@ class Repository:
         of an encrypted repository (formats/repository.md §10), unlocked on first use
         with the key of `self.access`, before anything else is read or written (no
         key or a wrong one: `MissingKey`, `WrongKey`); outermost, the layer that reads
-        the members of packs as segment files (`PackedStorage`, §12). Until repo.json
-        exists, the backend."""
+        the members of packs as segment files (`PackedStorage`,
+        formats/repository.md §12). Until repo.json exists, the backend."""
         if self._storage is not None:
             return self._storage
         info = self.peek()

@@ -468,7 +468,7 @@ class PartitionEntry:
                 f"end_seq {self.end_seq}"
             )
         _check_segments(self.segments, w, self.start_seq, self.end_seq, p)
-        if not isinstance(self.points, Points):  # given decoded: checked now
+        if self.points and not isinstance(self.points, Points):  # given decoded: checked now
             _check_points(self.points, w, self.start_seq, self.end_seq)
             object.__setattr__(self, "points", Points(self.points))
         if self.lost_bound is not None:
@@ -562,7 +562,8 @@ class PartitionEntry:
             _cut_backs(o, where) if "cut_back" in keys else (),
             o.u64("lost_bound") if "lost_bound" in keys else None,
             Points(text=o.string("points"), check=(where, o.u64("start_seq"), o.u64("end_seq")))
-            if "points" in keys else (),
+            if "points" in keys
+            else (),
         )
 
 
@@ -938,7 +939,8 @@ class Manifest:
         if not (known and version == 1):  # collections (formats/repository.md §5.9)
             keys = (*keys, "collections", "manifest_changes", "collection_filter",
                     "collection_items")  # fmt: skip
-        if known and version in (REVISION_VERSION, CONTINUOUS_VERSION):  # §5.10
+        # formats/repository.md §5.10 (and §5.11: version 4 has every version 3 key)
+        if known and version in (REVISION_VERSION, CONTINUOUS_VERSION):
             keys = (*keys, "revision", "absorbed")
         if known and version == CONTINUOUS_VERSION:  # formats/repository.md §5.11
             keys = (*keys, "continuous")

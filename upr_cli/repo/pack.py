@@ -7,9 +7,10 @@ one file. A pack is a 16-byte header (magic, version, CRC-32), the members' byte
 to back, an index (each member's path relative to the backup directory, offset, length,
 CRC-32) and a fixed 32-byte trailer that locates the index (offset, length, CRC-32,
 magic, its own CRC-32). `write_pack` builds one from finished local segment files through
-a `Storage` (plain, sealed or an object store) under a temp name (§2.4), makes it durable
-and renames it into place. `parse_index` is strict: any inconsistency is a `PackError`
-(a `SegmentError`: every reader reports it as damage, one line naming the pack).
+a `Storage` (plain, sealed or an object store) under a temp name
+(formats/repository.md §2.4), makes it durable and renames it into place.
+`parse_index` is strict: any inconsistency is a `PackError` (a `SegmentError`: every
+reader reports it as damage, one line naming the pack).
 
 `PackedStorage` is the layer every reader reaches the repository through
 (`Repository.storage` puts it outermost, over the sealing layer of an encrypted
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import struct
 import threading
 import zlib
@@ -39,7 +39,7 @@ from typing import IO, Any, Final, cast
 from upr_cli.repo.errors import RepositoryError
 from upr_cli.repo.names import parse_backup_dir, parse_cut_path, parse_segment_name, temp_name
 from upr_cli.segments.format import SegmentError
-from upr_cli.storage import Entry, Stat, Storage
+from upr_cli.storage import Entry, SeekableReader, Stat, Storage
 
 __all__ = [
     "HEADER",
@@ -294,31 +294,17 @@ def check_pack(storage: Storage, path: Path) -> PackIndex:
 # -- the storage layer ---------------------------------------------------------------
 
 
-class _Window(io.RawIOBase):
+class _Window(SeekableReader):
     """A seekable read-only view of `length` bytes at `offset` of another file object:
     a member of a pack, as if it were its own file."""
 
     def __init__(self, f: IO[bytes], offset: int, length: int, name: str) -> None:
-        super().__init__()
-        self._f, self._offset, self._length, self._pos = f, offset, length, 0
+        super().__init__(length)
+        self._f, self._offset = f, offset
         self.name = name
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
     def read(self, size: int | None = -1) -> bytes:
-        left = max(0, self._length - self._pos)
+        left = max(0, self._size - self._pos)
         n = left if size is None or size < 0 else min(size, left)
         if n == 0:
             return b""
@@ -326,14 +312,6 @@ class _Window(io.RawIOBase):
         data = self._f.read(n)
         self._pos += len(data)
         return data
-
-    def readall(self) -> bytes:
-        return self.read(-1)
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
 
     def close(self) -> None:
         if not self.closed:
@@ -344,6 +322,24 @@ class _Window(io.RawIOBase):
 _ABSENT: Final = "absent"
 
 
+class _Pack:
+    """A directory's pack, as cached: its index, its stat, its members' stats."""
+
+    __slots__ = ("_stats", "index", "stat")
+
+    def __init__(self, index: PackIndex, stat: Stat) -> None:
+        self.index, self.stat = index, stat
+        self._stats: dict[str, Stat] = {}
+
+    def member_stat(self, m: Member) -> Stat:
+        """A member's stat: a regular file of its length (the pack's identity)."""
+        st = self._stats.get(m.name)
+        if st is None:
+            st = self._stats[m.name] = replace(self.stat, is_dir=False, is_file=True,
+                                               size=m.length)  # fmt: skip
+        return st
+
+
 class PackedStorage:
     """A `Storage` over another (`inner`) where the members of each backup directory's
     `segments.pack` read as the segment files they were (module docstring). Every other
@@ -351,8 +347,8 @@ class PackedStorage:
 
     def __init__(self, inner: Storage) -> None:
         self.inner = inner
-        # backup directory -> its pack's index and stat, "absent", or the pack's damage
-        self._packs: dict[Path, tuple[PackIndex, Stat] | str | PackError] = {}
+        # directory -> its pack, "absent" (or no backup directory), or the pack's damage
+        self._packs: dict[Path, _Pack | str | PackError] = {}
         self._guard = threading.Lock()
 
     def __repr__(self) -> str:
@@ -367,26 +363,30 @@ class PackedStorage:
 
     # -- the cache ---------------------------------------------------------------------
 
-    def _pack(self, d: Path, *, fresh: bool = False) -> tuple[PackIndex, Stat] | None:
-        """The index of `d/segments.pack` (cached), None when there is none; a damaged
-        pack is a `PackError`. `fresh` reads again what was absent."""
-        with self._guard:
-            known = self._packs.get(d)
+    def _pack(self, d: Path, *, fresh: bool = False) -> _Pack | None:
+        """The pack of the backup directory `d` (cached), None when it has none (or is
+        no backup directory); a damaged pack is a `PackError`. `fresh` looks again for
+        one found absent."""
+        known = self._packs.get(d)  # one lookup, no lock: the hot path of every read
         if known is None or (fresh and known == _ABSENT):
             known = self._load(d)
             with self._guard:
                 self._packs[d] = known
+        if isinstance(known, _Pack):
+            return known
         if isinstance(known, PackError):
             raise known
-        return None if isinstance(known, str) else known
+        return None
 
-    def _load(self, d: Path) -> tuple[PackIndex, Stat] | str | PackError:
+    def _load(self, d: Path) -> _Pack | str | PackError:
+        if not _is_backup_dir(d):
+            return _ABSENT
         path = d / PACK_NAME
         st = self.inner.stat(path, follow_links=True)
         if st is None or not st.is_file:
             return _ABSENT
         try:
-            return load_index(self.inner, path, st.size), st
+            return _Pack(load_index(self.inner, path, st.size), st)
         except PackError as exc:
             return exc
 
@@ -396,26 +396,24 @@ class PackedStorage:
             for d in (path, path.parent, path.parent.parent):
                 self._packs.pop(d, None)
 
-    def _member(self, path: Path, *, fresh: bool = False) -> tuple[PackIndex, Member, Stat] | None:
+    def _member(self, path: Path, *, fresh: bool = False) -> tuple[_Pack, Member] | None:
         """The pack member `path` names, if it is one."""
         where = _member_place(path)
         if where is None:
             return None
-        d, rel = where
-        found = self._pack(d, fresh=fresh)
-        if found is None:
+        pack = self._pack(where[0], fresh=fresh)
+        if pack is None:
             return None
-        m = found[0].members.get(rel)
-        return None if m is None else (found[0], m, found[1])
+        m = pack.index.members.get(where[1])
+        return None if m is None else (pack, m)
 
-    def _missed(self, path: Path) -> tuple[PackIndex, Member, Stat] | None:
+    def _missed(self, path: Path) -> tuple[_Pack, Member] | None:
         """A second look at a path neither the cached index nor `inner` has: the pack
         may have been written by another process since it was found absent."""
         where = _member_place(path)
         if where is None:
             return None
-        with self._guard:
-            absent = self._packs.get(where[0]) == _ABSENT
+        absent = self._packs.get(where[0]) == _ABSENT
         return self._member(path, fresh=True) if absent else None
 
     # -- names and sizes -----------------------------------------------------------------
@@ -424,41 +422,41 @@ class PackedStorage:
         """`inner`'s entries, and in a backup directory with a pack its members and
         their `cut-K` directories; in `cut-K`, the members there."""
         entries = self.inner.list(path)
-        if _is_backup_dir(path):
-            found = self._pack(path)
-            if found is None:
-                return entries
-            names = {e.name for e in entries}
-            extra = [Entry(n, False, True) for n in found[0].members if "/" not in n]
-            extra += [Entry(s, True, False) for s in found[0].subdirs()]
-            return entries + [e for e in extra if e.name not in names]
-        if path.name.startswith("cut-") and _is_backup_dir(path.parent):
-            found = self._pack(path.parent)
-            if found is None:
-                return entries
-            names = {e.name for e in entries}
+        sub = path.name.startswith("cut-")
+        listed = any(e.name == PACK_NAME for e in entries)
+        if not sub and not listed and path not in self._packs:
+            with self._guard:  # the listing says: no pack here (no stat needed)
+                self._packs[path] = _ABSENT
+            return entries
+        pack = self._pack(path.parent if sub else path, fresh=listed)
+        if pack is None:
+            return entries
+        if sub:
             prefix = path.name + "/"
             extra = [Entry(n[len(prefix) :], False, True)
-                     for n in found[0].members if n.startswith(prefix)]  # fmt: skip
-            return entries + [e for e in extra if e.name not in names]
-        return entries
+                     for n in pack.index.members if n.startswith(prefix)]  # fmt: skip
+        else:
+            extra = [Entry(n, False, True) for n in pack.index.members if "/" not in n]
+            extra += [Entry(s, True, False) for s in pack.index.subdirs()]
+        names = {e.name for e in entries}
+        return entries + [e for e in extra if e.name not in names]
 
     def stat(self, path: Path, *, follow_links: bool = False) -> Stat | None:
         """A member's stat is a regular file of its size; a `cut-K` directory only the
         pack holds is a directory."""
         hit = self._member(path)
         if hit is not None:
-            return replace(hit[2], is_dir=False, is_file=True, size=hit[1].length)
+            return hit[0].member_stat(hit[1])
         st = self.inner.stat(path, follow_links=follow_links)
         if st is not None:
             return st
         hit = self._missed(path)
         if hit is not None:
-            return replace(hit[2], is_dir=False, is_file=True, size=hit[1].length)
-        if path.name.startswith("cut-") and _is_backup_dir(path.parent):
-            found = self._pack(path.parent)
-            if found is not None and path.name in found[0].subdirs():
-                return replace(found[1], is_dir=True, is_file=False, size=0)
+            return hit[0].member_stat(hit[1])
+        if path.name.startswith("cut-"):
+            pack = self._pack(path.parent)
+            if pack is not None and path.name in pack.index.subdirs():
+                return replace(pack.stat, is_dir=True, is_file=False, size=0)
         return None
 
     # -- reading -------------------------------------------------------------------------
@@ -473,7 +471,7 @@ class PackedStorage:
                 hit = self._missed(path)
                 if hit is None:
                     raise
-        index, m, _ = hit
+        index, m = hit[0].index, hit[1]
         start = min(offset, m.length)
         n = m.length - start if length < 0 else min(length, m.length - start)
         if n == 0:
@@ -493,7 +491,7 @@ class PackedStorage:
                 hit = self._missed(path)
                 if hit is None:
                     raise
-        index, m, _ = hit
+        index, m = hit[0].index, hit[1]
         f = self.inner.open_read(index.path)
         return cast(IO[bytes], _Window(f, m.offset, m.length, str(path)))
 
@@ -620,4 +618,4 @@ def _member_place(path: Path) -> tuple[Path, str] | None:
         d, rel = parent.parent, f"{parent.name}/{name}"
     else:
         d, rel = parent, name
-    return (d, rel) if _is_backup_dir(d) else None
+    return d, rel

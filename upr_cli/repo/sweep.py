@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from upr_cli.repo.errors import RepositoryError
 from upr_cli.repo.lock import require_held
 from upr_cli.repo.names import BackupId, is_temp_name, temp_name
+from upr_cli.storage import unwrap
 
 if TYPE_CHECKING:
     from upr_cli.repo.layout import Repository
@@ -99,7 +100,7 @@ class Sweeper:
         """Remove regular files named like temp files directly inside `d`, and the
         directories a removal renamed (`discard`) and did not finish removing."""
         found = False
-        for entry in self.storage.list(d):
+        for entry in unwrap(self.storage).list(d):  # its own files: no pack's members
             removal = entry.is_dir and entry.name.endswith(REMOVED_SUFFIX)
             if is_temp_name(entry.name) and (entry.is_file or removal):
                 if entry.is_dir:
