@@ -35,6 +35,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -69,9 +70,10 @@ from upr_cli.jobs.rollup import (
     Prepared,
     Tail,
     absorbed_dirs,
-    prepare,
+    prepare_at,
     publish,
     remove_absorbed,
+    worker_pool,
 )
 from upr_cli.jobs.worker import Worker
 from upr_cli.memory import MemoryLimit
@@ -289,6 +291,7 @@ class _Session:
         # the commits and the rollups take one at a time
         self.tail = Tail()
         self.rolling: asyncio.Task[None] | None = None
+        self.pool: ProcessPoolExecutor | None = None  # made at the first rollup
         self.leftover: list[Path] = []
         self.turn = asyncio.Lock()
 
@@ -335,6 +338,8 @@ class _Session:
                         self.rolling.cancel()
                         with contextlib.suppress(asyncio.CancelledError, Exception):
                             await self.rolling
+                    if self.pool is not None:
+                        self.pool.shutdown(wait=False, cancel_futures=True)
                     await stream.abort()
                     await consumer.aclose()
         finally:
@@ -417,7 +422,11 @@ class _Session:
 
     async def _roll(self, group: list[Manifest]) -> None:
         """Prepare without a lock, publish with it (jobs/rollup.py); cascade upwards."""
-        prepared = await asyncio.to_thread(prepare, self.repo, group)
+        if self.pool is None:
+            self.pool = worker_pool()
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(self.pool, prepare_at, self.repo.path,
+                                              self.repo.keyed_access(), group)  # fmt: skip
         try:
             while True:
                 async with self.turn:

@@ -17,18 +17,23 @@ stay as they are, and the tail starts again after them).
 
 The work is split so that commits never wait for it: `prepare` reads the members and
 writes the merged segments into a local work directory without any lock (committed
-backups never change); `publish` then takes the follower's write turn and the bucket's
-lock only to check that the members are still the chain's (a `prune` or `remove` in
-between: the rollup is dropped), write the pack and commit the revision's manifest,
+backups never change), in a worker process of its own (`worker_pool`), so that the
+follower's streams never wait for the interpreter lock; `publish` then takes the
+follower's write turn and the bucket's lock only to check that the members are still
+the chain's (a `prune` or `remove` in between: the rollup is dropped), write the pack
+and commit the revision's manifest,
 and remove the absorbed directories when no reader is there (else the next sweep does).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -43,6 +48,7 @@ from upr_cli.repo import (
     Totals,
     format_segment_name,
 )
+from upr_cli.repo.access import Access
 from upr_cli.repo.errors import RepositoryError, RepositoryLocked
 from upr_cli.repo.manifest import CollectionCount
 from upr_cli.repo.names import format_backup_dir, format_time, parse_backup_dir
@@ -176,6 +182,25 @@ def prepare(repo: Repository, group: list[Manifest]) -> Prepared:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return Prepared(group, manifest, members, work)
+
+
+def prepare_at(location: Path, access: Access, group: list[Manifest]) -> Prepared:
+    """`prepare`, in a worker process of its own (`worker_pool`): the repository opened
+    from its location with `access` (an encrypted one's data key in it)."""
+    return prepare(Repository(location, access=access), group)
+
+
+def _quiet() -> None:
+    """A rollup worker leaves SIGINT and SIGTERM to the follower, which ends it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def worker_pool() -> ProcessPoolExecutor:
+    """One worker process for rollups: merging thousands of records would otherwise
+    share the follower's interpreter lock with its streams (a second core, and no lag)."""
+    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_quiet)  # fmt: skip
 
 
 def _merge(repo: Repository, k: Manifest, p: int, held: list[tuple[Manifest, PartitionEntry]],
