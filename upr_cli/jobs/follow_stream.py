@@ -216,8 +216,10 @@ class FollowStream(BackupStream):
         p, w, info = st.partition, st.writer, None
         if w is not None and w.first_seq and w.first_seq <= at:
             before = w.buffered
-            rest = self._writer_at(st, at)
-            w.truncate(at, rest)
+            rest = None
+            if w.last_seq > at:  # a snapshot still arriving: its records go on
+                rest = self._writer_at(st, at)
+                w.truncate(at, rest)
             self._held[0] -= before
             info = w.finish(
                 end_seq=at,
@@ -226,10 +228,13 @@ class FollowStream(BackupStream):
                 failover_log=st.log,
                 path=self.directory / self.segment_name(p, w.first_seq, w.last_seq),
             )
-            self._held[0] += rest.buffered
-            st.writer = rest if rest.first_seq else None
-            if st.writer is None:
-                rest.abort()
+            # the common case, every record taken, opens the next writer only when the
+            # next record comes (`_add_all`)
+            st.writer = rest if rest is not None and rest.first_seq else None
+            if rest is not None:
+                self._held[0] += rest.buffered
+                if st.writer is None:
+                    rest.abort()
         result = PartitionResult(
             p,
             st.log,
