@@ -38,6 +38,7 @@ Everything but `parse_time`'s reading of the clock is pure: functions of manifes
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,12 +91,8 @@ def parse_time(text: str, *, now: datetime | None = None, option: str = "--at-ti
         seconds = sum(int(n) * _UNITS[u] for n, u in re.findall(r"(\d+)([smhd])", m.group(1)))
         return (now or datetime.now(UTC)).astimezone(UTC) - timedelta(seconds=seconds)
     if _DATE.match(t):
-        try:
-            when = datetime.fromisoformat(t)
-        except ValueError:
-            pass
-        else:
-            return when.astimezone(UTC)  # naive: local time
+        with contextlib.suppress(ValueError):  # not a date after all: the error below
+            return datetime.fromisoformat(t).astimezone(UTC)  # naive: local time
     raise UsageError(f"{option} {text!r} is not a time: give {TIME_FORMS}")
 
 
