@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from upr_cli.failover import FailoverLog
 from upr_cli.protocol.decoder import DcpRecord
 from upr_cli.repo import (
@@ -50,3 +52,19 @@ def commit_backup(repo: Repository, n: int, rows: Mapping[int, Sequence[DcpRecor
                  parent is None, parent, tuple(entries), Totals.derive(entries, 1))  # fmt: skip
     repo.write_manifest(m)
     return m
+
+
+def run_upr(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """A command run in this process, with its own access settings: (exit, out, err)."""
+    from upr_cli.cli.app import main
+    from upr_cli.repo import access
+
+    access.reset()
+    capsys.readouterr()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -14,8 +14,7 @@ import pytest
 
 from tests.repo.chain_gen import build
 from tests.repo.pack_helpers import STEPS, check_packed_repository, observe, pack_backup
-from tests.repo.repo_helpers import BUCKET
-from upr_cli.cli.app import main
+from tests.repo.repo_helpers import BUCKET, run_upr
 from upr_cli.jobs.inspect import verify
 from upr_cli.jobs.restore import restore_to_store
 from upr_cli.repo import MANIFEST_FILE, BackupId, Repository, RepositoryLock, access
@@ -138,19 +137,6 @@ def test_a_packed_encrypted_repository(chain: tuple[Path, dict[str, Any]], tmp_p
     check_packed_repository(*chain, tmp_path / "dst", tmp_path, encrypted=True)
 
 
-def _upr(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """A command run in this process."""
-    access.reset()
-    capsys.readouterr()
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.parametrize("damage", ["index", "truncated"])
 def test_a_damaged_pack_is_named_and_refused(chain: tuple[Path, dict[str, Any]], tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str],
@@ -166,12 +152,12 @@ def test_a_damaged_pack_is_named_and_refused(chain: tuple[Path, dict[str, Any]],
     else:
         del data[-100:]
     pack.write_bytes(bytes(data))
-    code, out, err = _upr(capsys, "verify", "--repo", str(dst), "--json")
+    code, out, err = run_upr(capsys, "verify", "--repo", str(dst), "--json")
     assert code != 0
     problems = [p for b in json.loads(out)["buckets"] for p in b["problems"]]
     segs = [p for p in problems if p["where"].endswith(".seg")]
     assert segs and all(f"{pack}: damaged pack" in p["detail"] for p in segs)
-    code, out, err = _upr(capsys, "restore", "--repo", str(dst), f"sqlite:{tmp_path / 'x.db'}")
+    code, out, err = run_upr(capsys, "restore", "--repo", str(dst), f"sqlite:{tmp_path / 'x.db'}")
     assert code != 0 and not out
     assert err.count("\n") == 1 and str(pack) in err and "damaged pack" in err
     assert not (tmp_path / "x.db").exists()

@@ -17,7 +17,7 @@ import pytest
 
 from tests.cli.json_convention import problems
 from tests.repo.repo_helpers import BUCKET, LOG, T0
-from upr_cli.cli.app import main
+from tests.repo.repo_helpers import run_upr as upr
 from upr_cli.failover import FailoverLog
 from upr_cli.net.bootstrap import partition_of
 from upr_cli.protocol.decoder import OP_DELETION, OP_MUTATION, DcpRecord
@@ -205,17 +205,6 @@ def build(repo: Repository) -> Built:
     m.write(110, 1, "k6", '{"v":1}')
     c3 = commit(repo, m, 101, 120, c2, since=100)
     return Built(repo.path, m, [b0, c1, c2, c3])
-
-
-def upr(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def stored(db: Path) -> dict[tuple[int, bytes], tuple[Any, ...]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from upr_cli.cli.app import main
+from tests.repo.repo_helpers import run_upr as upr
 from upr_cli.repo import access
 from upr_cli.repo.access import Access
 from upr_cli.repo.keys import BadKeySource, MissingKey, WrongKey, create_encrypted, read_secret
@@ -30,19 +30,6 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     access.reset()
     yield
     access.reset()
-
-
-def upr(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """A command run in this process, with its own access settings."""
-    access.reset()
-    capsys.readouterr()
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_newline_rule_and_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
