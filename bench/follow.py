@@ -25,7 +25,10 @@ updates, 10% deletes, a seed per phase): each phase runs until the follower has
 reported k/10 of --commits commits (so the chain gets about --commits commits; its
 rollups happen on their own), then stops; once the follower has been quiet for a while
 (everything committed), the phase's end time is noted and one ordinary `upr backup`
-goes into B. Then, --pairs rounds, A and B in turns (the order reversed every other
+goes into B. After the last phase the follower runs on until its rollups are done (no
+commit and no rollup for 30 s; at 10 ms commits they trail, at an operator's interval
+they keep pace), then stops: A is the chain it leaves, and the time it took is printed
+beside A's directory count when the load ended. Then, --pairs rounds, A and B in turns (the order reversed every other
 round): `upr restore` of the latest state into SQLite, a restore to the end of phase 5
 (A: `--at-time` of that moment when restore has it, else `--at` the follower's last
 commit id then; B: `--at` its fifth backup), `upr verify`, `upr info --json`: the
@@ -119,6 +122,7 @@ class Follower:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self.commits: list[tuple[float, str]] = []
+        self.rollups: list[float] = []  # when each "upr: rolled up …" line arrived
         self.other: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -128,11 +132,16 @@ class Follower:
         for line in self.proc.stderr:
             if line.startswith("upr: commit "):
                 self.commits.append((time.time(), line.split()[2].rstrip(":")))
+            elif line.startswith("upr: rolled up "):
+                self.rollups.append(time.time())
             else:
                 self.other.append(line.rstrip())
 
     def last_commit_at(self) -> float:
         return self.commits[-1][0] if self.commits else 0.0
+
+    def last_rollup_at(self) -> float:
+        return self.rollups[-1] if self.rollups else 0.0
 
     def stop(self) -> dict[str, Any]:
         """SIGTERM (commits what it holds, exits 0); its JSON summary."""
@@ -431,12 +440,17 @@ class Chain:
     commits: int = 0
     ops: int = 0
     seconds: float = 0.0
+    rollups: int = 0
+    dirs_at_end: int = 0  # A's backup directories when the last phase ended
+    settle_seconds: float = 0.0  # then until the follower's rollups were done
+    warnings: list[str] = field(default_factory=list)
 
 
-def quiet(f: Follower, secs: float, timeout: float = 300.0) -> None:
-    """Wait until the follower has reported no commit for `secs` seconds."""
+def quiet(f: Follower, secs: float, timeout: float = 300.0, *, rollups: bool = False) -> None:
+    """Wait until the follower has reported no commit (nor, with `rollups`, a rollup)
+    for `secs` seconds."""
     deadline = time.monotonic() + timeout
-    while time.time() - f.last_commit_at() < secs:
+    while time.time() - max(f.last_commit_at(), f.last_rollup_at() if rollups else 0) < secs:
         if time.monotonic() > deadline or f.proc.poll() is not None:
             raise SystemExit(f"the follower did not go quiet: {f.other[-5:]}")
         time.sleep(0.1)
@@ -481,8 +495,16 @@ def build_chain(args: argparse.Namespace, tmp: Path) -> Chain:
             say(f"chain: phase {k}: {len(f.commits)} commits, backup {ch.b_ids[-1]} into B")
             time.sleep(0.05)
         ch.seconds = time.monotonic() - t0
+        # the chain as the follower leaves it once its rollups are done: at a commit
+        # interval an operator would use they keep pace; at 10 ms they trail the commits
+        ch.dirs_at_end = layout(ch.a)[0]
+        t1 = time.monotonic()
+        quiet(f, 30.0, 1800.0, rollups=True)
+        ch.settle_seconds = time.monotonic() - t1 - 30.0
         summary = f.stop()
         ch.commits = int(summary["commits"])
+        ch.rollups = int(summary["rollups"])
+        ch.warnings = list(summary["warnings"])
         ch.ops = high_sum(node.uri)
     finally:
         for proc in (load, f and f.proc):
@@ -589,6 +611,9 @@ def chain_part(args: argparse.Namespace, tmp: Path, keys: dict[str, object]) -> 
     )
     print(f"  A's layout: {lay[0][0]} backup directories, {lay[0][1]} manifests, "
           f"{lay[0][2]} files; B's: {lay[1][0]}, {lay[1][1]}, {lay[1][2]}")  # fmt: skip
+    print(f"  A's rollups: {ch.rollups:,}; {ch.dirs_at_end} directories when the load "
+          f"ended, done {ch.settle_seconds:.0f} s later; follower warnings: "
+          f"{len(ch.warnings)}{' (' + ch.warnings[0] + ')' if ch.warnings else ''}")  # fmt: skip
     print(f"  mid-point: A {' '.join(mid_a)}, B --at {ch.b_ids[4]}")
     ratios: dict[str, float] = {}
     for w in ("restore", "mid", "verify", "info"):
@@ -607,6 +632,8 @@ def chain_part(args: argparse.Namespace, tmp: Path, keys: dict[str, object]) -> 
         f"{mids['B'][0]:,} {mids['B'][1][:12]}: {'same' if same_mid else 'DIFFER'}"
     )
     keys |= {"chain_commits": ch.commits, "chain_ops": ch.ops, "pairs": args.pairs,
+             "rollups": ch.rollups, "dirs_at_end": ch.dirs_at_end,
+             "settle_s": round(ch.settle_seconds), "warnings": len(ch.warnings),
              "a_dirs": lay[0][0], "a_manifests": lay[0][1], "a_files": lay[0][2],
              **{f"{w}_a_s": round(statistics.median(times['A', w]), 2) for w in ratios},
              **{f"{w}_b_s": round(statistics.median(times['B', w]), 2) for w in ratios},

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import random
 import signal
 import subprocess
@@ -18,6 +19,8 @@ import time
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import node_rows, spawn_upr, store_rows, wait_persisted
@@ -148,11 +151,18 @@ def test_sigkill_at_seeded_moments_loses_nothing_and_the_outage_is_coarse(
     _restored_equals_node(repo, node, tmp_path, "after-kills")
 
 
-def test_a_rollup_keeps_every_record_and_restore_point(node: Node, tmp_path: Path) -> None:
+def test_a_rollup_keeps_every_record_and_restore_point(
+    node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """jobs/rollup.py on a follower's commits: one revision of the newest absorbs the
-    rest, one segment a partition, every point kept; the state is the same."""
+    rest, one segment a partition, every point kept; the state is the same. Past a
+    small limit the merged segments are local files rather than held bytes: both go
+    into the pack."""
+    from upr_cli.jobs import rollup
     from upr_cli.jobs.rollup import Tail, absorbed_dirs, prepare, publish, remove_absorbed
     from upr_cli.repo import RepositoryLock
+
+    monkeypatch.setattr(rollup, "_HELD", 2000)
 
     repo = tmp_path / "repo"
     upr(*_load(node, 300, 5))
@@ -177,6 +187,8 @@ def test_a_rollup_keeps_every_record_and_restore_point(node: Node, tmp_path: Pat
     group = _commits(repo)[ids.index(group[0].backup_id) : ids.index(group[-1].backup_id) + 1]
     r = Repository(repo)
     prepared = prepare(r, group)
+    kinds = {type(data) for _name, data in prepared.members}
+    assert kinds == {bytes, type(tmp_path)} or len(prepared.members) < 2, kinds
     try:
         with RepositoryLock(r, "default") as lock:
             assert publish(r, prepared, lock)
@@ -195,6 +207,32 @@ def test_a_rollup_keeps_every_record_and_restore_point(node: Node, tmp_path: Pat
     upr("verify", "--repo", str(repo))
     upr("restore", "--repo", str(repo), f"sqlite:{after}")
     assert store_rows(after) == store_rows(before) == node_rows(node.uri)
+
+
+def test_the_follower_rolls_its_commits_up_level_by_level(node: Node, tmp_path: Path) -> None:
+    """The follower's own rollups (UPR_ROLLUP_FANOUT=2): each is said on stderr and
+    counted in the summary, a rollup of rollups happens, and the chain restores to the
+    node's state."""
+    repo = tmp_path / "repo"
+    upr(*_load(node, 200, 21))
+    env = {**os.environ, "UPR_ROLLUP_FANOUT": "2"}
+    with spawn_upr("backup", node.uri, "--repo", str(repo), "--follow", "--commit-every",
+                   "0.05s", "--json", env=env) as follower:  # fmt: skip
+        _wait_for(lambda: bool(_backups(repo)), what="catch-up")
+        for seed in range(22, 30):
+            upr(*_load(node, 40, seed))
+            time.sleep(0.15)
+        _wait_for(lambda: _caught_up(repo, node), what="the follower to catch up")
+        _wait_for(lambda: any(m.revision >= 3 for m in _backups(repo)), timeout=60,
+                  what="a rollup of rollups")  # fmt: skip
+        follower.send_signal(signal.SIGTERM)
+        out, err = follower.communicate(timeout=60)
+    assert follower.returncode == 0, err
+    summary = json.loads(out)
+    said = [line for line in err.splitlines() if line.startswith("upr: rolled up 2 backups")]
+    assert summary["rollups"] >= 2 and len(said) >= summary["rollups"], err
+    assert "warning:" not in err and not summary["warnings"], err
+    _restored_equals_node(repo, node, tmp_path, "rolled")
 
 
 def test_the_rollup_tail_rolls_the_oldest_run_first() -> None:

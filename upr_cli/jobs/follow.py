@@ -166,6 +166,7 @@ class FollowSummary:
     first_commit: str | None = None
     last_commit: str | None = None
     sessions: int = 0
+    rollups: int = 0
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -180,6 +181,7 @@ class FollowSummary:
             "first_commit": self.first_commit,
             "last_commit": self.last_commit,
             "sessions": self.sessions,
+            "rollups": self.rollups,
             "warnings": self.warnings,
             "seconds": round(self.seconds, 3),
         }
@@ -242,6 +244,8 @@ async def follow(
                 if idle_sessions >= RESTARTS:
                     raise
                 warn(f"{exc}; catching up again")
+            finally:
+                out.rollups += session.rollups
     out.seconds = time.monotonic() - t0
     return out
 
@@ -294,6 +298,7 @@ class _Session:
         self.pool: ProcessPoolExecutor | None = None  # made at the first rollup
         self.leftover: list[Path] = []
         self.turn = asyncio.Lock()
+        self.rollups = 0  # published by this session
 
     async def run(
         self,
@@ -424,6 +429,7 @@ class _Session:
         """Prepare without a lock, publish with it (jobs/rollup.py); cascade upwards."""
         if self.pool is None:
             self.pool = worker_pool()
+        t0 = time.monotonic()
         loop = asyncio.get_running_loop()
         prepared = await loop.run_in_executor(self.pool, prepare_at, self.repo.path,
                                               self.repo.keyed_access(), group)  # fmt: skip
@@ -437,23 +443,31 @@ class _Session:
                         pass  # prune, remove: the next tick
                     else:
                         try:
-                            await asyncio.to_thread(self._publish, prepared, lock)
+                            done = await asyncio.to_thread(self._publish, prepared, lock)
                         finally:
                             await asyncio.to_thread(lock.__exit__, None, None, None)
                         break
                 await asyncio.sleep(0.2)
         finally:
             prepared.discard()
+        if done:
+            self.rollups += 1
+            if self.on_notice is not None:
+                m = prepared.manifest
+                self.on_notice(f"rolled up {len(group)} backups into {m.backup_id} "
+                               f"(revision {m.revision}, {m.totals.items:,} items) in "
+                               f"{time.monotonic() - t0:.1f}s")  # fmt: skip
         self.rolling = None
         self._roll_if_due()
 
-    def _publish(self, prepared: Prepared, lock: RepositoryLock) -> None:
+    def _publish(self, prepared: Prepared, lock: RepositoryLock) -> bool:
         if not publish(self.repo, prepared, lock):
             self.tail = Tail()  # the chain moved under it: nothing written
-            return
+            return False
         self.tail.rolled(prepared.group, prepared.manifest)
         stale = self.leftover + absorbed_dirs(self.repo, prepared.group)
         self.leftover = remove_absorbed(self.repo, self.bucket, stale)
+        return True
 
     def _newest(self) -> BackupId:
         """The follower's last commit, checked to be still the chain's end (one listing)."""

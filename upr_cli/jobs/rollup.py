@@ -27,6 +27,7 @@ and remove the absorbed directories when no reader is there (else the next sweep
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import shutil
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from upr_cli.jobs.follow_stream import WorkStorage
 from upr_cli.repo import (
     BackupId,
     Manifest,
@@ -55,12 +57,14 @@ from upr_cli.repo.names import format_backup_dir, format_time, parse_backup_dir
 from upr_cli.repo.pack import write_pack
 from upr_cli.repo.readers import ExclusiveAccess
 from upr_cli.segments import SegmentHeader, SegmentReader, SegmentWriter
-from upr_cli.storage import LOCAL
 
 FANOUT = 16
 """Backups of one level rolled into one of the next: 16 commits, 256, 4,096, … (the
 environment's UPR_ROLLUP_FANOUT, 2 to 1024, overrides it: `fanout`)."""
 _SPILL = 8 << 20  # a merged segment's buffered bytes before it spills to its body file
+_HELD = 64 << 20
+"""Merged segments a rollup keeps in memory for its pack; past this, each is one local
+file (creating a file per partition costs more than merging a small one)."""
 
 
 def rollable(m: Manifest) -> bool:
@@ -116,11 +120,11 @@ class Tail:
 
 @dataclass
 class Prepared:
-    """A rollup written to local files, waiting for its publication."""
+    """A rollup written to local files (or held, `_HELD`), waiting for its publication."""
 
     group: list[Manifest]
     manifest: Manifest
-    members: list[tuple[str, Path]]
+    members: list[tuple[str, Path | bytes]]
     work: Path
 
     def discard(self) -> None:
@@ -138,13 +142,21 @@ def prepare(repo: Repository, group: list[Manifest]) -> Prepared:
     k = group[-1]
     work = Path(tempfile.mkdtemp(prefix="upr-rollup-"))
     try:
-        entries, members = [], []
+        entries: list[PartitionEntry] = []
+        members: list[tuple[str, Path | bytes]] = []
         counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        store, held_bytes, now = WorkStorage(), 0, _now()
         for p in sorted({e.partition for m in group for e in m.partitions}):
             held = [(m, e) for m in group if (e := m.partition(p)) is not None]
-            seg = _merge(repo, k, p, held, work)
+            seg = _merge(repo, k, p, held, work, store, now)
             if seg is not None:
-                members.append((seg.file, work / seg.file))
+                data = store.take(work / seg.file)
+                if held_bytes + len(data) <= _HELD:
+                    members.append((seg.file, data))
+                    held_bytes += len(data)
+                else:
+                    (work / seg.file).write_bytes(data)
+                    members.append((seg.file, work / seg.file))
             first, last = held[0][1], held[-1][1]
             points = [pt for _m, e in held for pt in e.points]
             entries.append(
@@ -191,9 +203,12 @@ def prepare_at(location: Path, access: Access, group: list[Manifest]) -> Prepare
 
 
 def _quiet() -> None:
-    """A rollup worker leaves SIGINT and SIGTERM to the follower, which ends it."""
+    """A rollup worker leaves SIGINT and SIGTERM to the follower, which ends it, and
+    yields the processor to it: rollups are background work, the streams are not."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with contextlib.suppress(OSError):
+        os.nice(10)
 
 
 def worker_pool() -> ProcessPoolExecutor:
@@ -204,15 +219,16 @@ def worker_pool() -> ProcessPoolExecutor:
 
 
 def _merge(repo: Repository, k: Manifest, p: int, held: list[tuple[Manifest, PartitionEntry]],
-           work: Path) -> SegmentEntry | None:  # fmt: skip
-    """One segment of every record of partition p in `held`, in seq order."""
+           work: Path, store: WorkStorage, now: str) -> SegmentEntry | None:  # fmt: skip
+    """One segment of every record of partition p in `held`, in seq order, finished
+    into `store` (its bytes in memory; a body that spilled was on disk)."""
     pieces = [(m, s) for m, e in held for s in e.segments]
     if not pieces:
         return None
     first, last = held[0][1], held[-1][1]
     header = SegmentHeader(k.bucket, p, last.failover_log, first.start_seq, last.end_seq, (),
-                           _now(), f"rollup: {len(held)} backups into {k.backup_id}")  # fmt: skip
-    writer = SegmentWriter(work / f"p{p:04x}.open", header, storage=LOCAL)
+                           now, f"rollup: {len(held)} backups into {k.backup_id}")  # fmt: skip
+    writer = SegmentWriter(work / f"p{p:04x}.open", header, storage=store)
     snapshots: list[tuple[int, int]] = []
     try:
         for m, s in pieces:

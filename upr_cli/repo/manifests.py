@@ -129,6 +129,9 @@ class ManifestStore:
         """The manifest of a committed backup: `manifest.json`, or its copy when that one
         is missing or damaged; when neither is valid, the error names both files."""
         d = self.layout.backup_dir(bucket, backup_id)
+        if not self._committed_mark(d):  # a newer revision since the last scan, and
+            self.layout.scan(bucket)  # the one known then removed: look again
+            d = self.layout.backup_dir(bucket, backup_id)
         path = d / MANIFEST_FILE
         if not self._committed_mark(d):
             raise RepositoryError(f"{path}: backup {backup_id} is not committed (no manifest)")
@@ -277,6 +280,7 @@ class ManifestStore:
         data = manifest.dumps()
         self.storage.write(d / MANIFEST_COPY, data)  # the commit point
         self.storage.write(d / MANIFEST_FILE, data)
+        self.layout.scan(bucket)  # the new revision is the backup's current directory
         return d / MANIFEST_FILE
 
     def _check_files(self, d: Path, manifest: Manifest) -> None:
