@@ -235,6 +235,76 @@ def test_the_follower_rolls_its_commits_up_level_by_level(node: Node, tmp_path: 
     _restored_equals_node(repo, node, tmp_path, "rolled")
 
 
+def test_a_restarted_follower_rolls_up_what_the_last_session_left(
+    node: Node, tmp_path: Path
+) -> None:
+    """A session's tail that no rollup took (fewer than the fanout) would stay in the
+    chain for good: the next session rolls it into one backup as it starts."""
+    from upr_cli.jobs.rollup import leftover
+
+    repo = tmp_path / "repo"
+    env = {**os.environ, "UPR_ROLLUP_FANOUT": "16"}  # no rollup in the first session
+    args = ("backup", node.uri, "--repo", str(repo), "--follow", "--commit-every", "0.05s")
+    upr(*_load(node, 100, 31))
+    with spawn_upr(*args, env=env) as follower:
+        _wait_for(lambda: bool(_backups(repo)), what="catch-up")
+        for seed in range(32, 36):
+            upr(*_load(node, 30, seed))
+            time.sleep(0.2)
+        _wait_for(lambda: _caught_up(repo, node), what="the follower to catch up")
+        follower.send_signal(signal.SIGTERM)
+        follower.communicate(timeout=60)
+    first = _commits(repo)
+    assert 2 <= len(first) < 16
+    upr(*_load(node, 30, 36))
+    with spawn_upr(*args, env=env) as follower:
+        _wait_for(lambda: _catch_ups(repo) == 2, what="the second catch-up")
+        left = leftover(Repository(repo).manifests("default")[: len(first) + 2])
+        assert [m.backup_id for m in left] == [m.backup_id for m in first]
+        _wait_for(lambda: first[0].backup_id not in {m.backup_id for m in _backups(repo)},
+                  what="the leftover rollup")  # fmt: skip
+        follower.send_signal(signal.SIGTERM)
+        _out, err = follower.communicate(timeout=60)
+    assert f"rolled up {len(first)} backups into {first[-1].backup_id}" in err, err
+    chain = _backups(repo)
+    rolled = next(m for m in chain if m.backup_id == first[-1].backup_id)
+    assert set(rolled.absorbed) == {m.backup_id for m in first[:-1]}
+    assert chain[1] is not None and chain[1].backup_id == rolled.backup_id
+    _restored_equals_node(repo, node, tmp_path, "restarted")
+
+
+def test_a_killed_follower_leaves_no_worker_and_its_files_are_swept(
+    node: Node, tmp_path: Path
+) -> None:
+    """SIGKILL of a follower with a rollup worker: the worker ends itself, and the next
+    follower removes the work directories both left in the temporary directory."""
+    repo, tmp = tmp_path / "repo", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "UPR_ROLLUP_FANOUT": "2", "TMPDIR": str(tmp)}
+    args = ("backup", node.uri, "--repo", str(repo), "--follow", "--commit-every", "0.05s")
+    with spawn_upr(*args, env=env) as follower:
+        _wait_for(lambda: bool(_backups(repo)), what="catch-up")
+        for seed in range(41, 45):
+            upr(*_load(node, 30, seed))
+            time.sleep(0.2)
+        _wait_for(lambda: any(m.revision >= 2 for m in _backups(repo)), what="a rollup")
+        children = Path(f"/proc/{follower.pid}/task/{follower.pid}/children")
+        workers = [int(p) for p in children.read_text().split()]
+        assert workers
+        killed = [follower.pid, *workers]
+        follower.send_signal(signal.SIGKILL)
+        follower.communicate(timeout=30)
+    _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), timeout=15,
+              what="the orphaned rollup worker to end")  # fmt: skip
+    assert any(d.name.startswith(f"upr-follow-{killed[0]}-") for d in tmp.glob("upr-*"))
+    with spawn_upr(*args, env=env) as follower:
+        _wait_for(lambda: _catch_ups(repo) == 2, what="the second catch-up")
+        assert not [d for d in tmp.glob("upr-*") if int(d.name.split("-")[2]) in killed]
+        follower.send_signal(signal.SIGTERM)
+        follower.communicate(timeout=60)
+    _restored_equals_node(repo, node, tmp_path, "after-kill")
+
+
 def test_the_rollup_tail_rolls_the_oldest_run_first() -> None:
     """Commits that arrive while a rollup works are not stranded between rollups."""
     from datetime import UTC, datetime, timedelta

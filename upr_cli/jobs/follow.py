@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -70,9 +69,12 @@ from upr_cli.jobs.rollup import (
     Prepared,
     Tail,
     absorbed_dirs,
+    leftover,
     prepare_at,
     publish,
     remove_absorbed,
+    sweep_work_dirs,
+    work_dir,
     worker_pool,
 )
 from upr_cli.jobs.worker import Worker
@@ -214,6 +216,7 @@ async def follow(
             on_warning(text)
 
     idle_sessions = 0
+    sweep_work_dirs()  # what a killed follower left in the temporary directory
     with interrupt.on_signals(halt):
         while not stop.is_set():
             catch = asyncio.ensure_future(backup(
@@ -289,6 +292,7 @@ class _Session:
         self.since: datetime = newest.finished
         self.filter = newest.collection_filter
         self.manifests = manifests
+        self.left = leftover(manifests)  # an earlier session's tail, rolled once at start
         self.collections: CollectionsManifest | None = None
         # rollups (jobs/rollup.py): the tail of commits, the one rollup at work, the
         # directories it could not remove yet (a reader was there), and the write turn
@@ -328,7 +332,7 @@ class _Session:
                                compression=opts.compression, follow_for=opts.wait,
                                on_notice=self.on_notice)  # fmt: skip
         self.manifests = []  # not needed any more: a long session keeps no chain in memory
-        work = Path(tempfile.mkdtemp(prefix="upr-follow-"))
+        work = work_dir("follow")
         try:
             async with Worker("segments", max_queued=MAX_INFLIGHT) as worker:
                 stream = FollowStream(consumer, worker, work, bucket=self.bucket,
@@ -337,6 +341,8 @@ class _Session:
                                       queued_bytes=shares.queued)  # fmt: skip
                 try:
                     await consumer.open()
+                    if self.left:
+                        self.rolling = asyncio.ensure_future(self._roll(self.left, tail=False))
                     await self._loop(consumer, stream, stop, out, on_commit)
                 finally:
                     if self.rolling is not None:  # its prepared files go; the tail stays
@@ -425,8 +431,9 @@ class _Session:
         group = self.tail.due()
         self.rolling = None if group is None else asyncio.ensure_future(self._roll(group))
 
-    async def _roll(self, group: list[Manifest]) -> None:
-        """Prepare without a lock, publish with it (jobs/rollup.py); cascade upwards."""
+    async def _roll(self, group: list[Manifest], *, tail: bool = True) -> None:
+        """Prepare without a lock, publish with it (jobs/rollup.py); cascade upwards.
+        A group not from the session's tail (an earlier session's leftover) leaves it be."""
         if self.pool is None:
             self.pool = worker_pool()
         t0 = time.monotonic()
@@ -443,7 +450,7 @@ class _Session:
                         pass  # prune, remove: the next tick
                     else:
                         try:
-                            done = await asyncio.to_thread(self._publish, prepared, lock)
+                            done = await asyncio.to_thread(self._publish, prepared, lock, tail)
                         finally:
                             await asyncio.to_thread(lock.__exit__, None, None, None)
                         break
@@ -460,11 +467,13 @@ class _Session:
         self.rolling = None
         self._roll_if_due()
 
-    def _publish(self, prepared: Prepared, lock: RepositoryLock) -> bool:
+    def _publish(self, prepared: Prepared, lock: RepositoryLock, tail: bool) -> bool:
         if not publish(self.repo, prepared, lock):
-            self.tail = Tail()  # the chain moved under it: nothing written
+            if tail:
+                self.tail = Tail()  # the chain moved under it: nothing written
             return False
-        self.tail.rolled(prepared.group, prepared.manifest)
+        if tail:
+            self.tail.rolled(prepared.group, prepared.manifest)
         stale = self.leftover + absorbed_dirs(self.repo, prepared.group)
         self.leftover = remove_absorbed(self.repo, self.bucket, stale)
         return True

@@ -33,6 +33,8 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
+import time
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -78,6 +80,41 @@ def fanout() -> int:
     """FANOUT, or UPR_ROLLUP_FANOUT when it is set to an integer in 2..1024."""
     text = os.environ.get("UPR_ROLLUP_FANOUT", "")
     return int(text) if text.isdigit() and 2 <= int(text) <= 1024 else FANOUT
+
+
+def leftover(chain: list[Manifest]) -> list[Manifest]:
+    """What an earlier session of the follower left unrolled, to roll into one now.
+
+    A chain a follower resumes ends with its catch-up backup; before it, the earlier
+    session's tail (its consecutive continuous commits and rollups) holds up to
+    `fanout` - 1 backups of each level, which no later rollup joins (a tail starts
+    after the catch-up). Every backup of that tail after its leading ones of the highest
+    level (above 0) becomes one backup, so each restart leaves a bounded few, and the big
+    rollups already done are not rewritten. Empty when fewer than two would join."""
+    run: list[Manifest] = []
+    for m in reversed(chain[:-1]):  # the newest is the catch-up
+        if not rollable(m) or (run and run[-1].continuous != m.finished):
+            break
+        run.append(m)
+    run.reverse()
+    if len(run) < 2:
+        return []
+    top = max(_level(m) for m in run)
+    skip = 0
+    while top and skip < len(run) and _level(run[skip]) == top:
+        skip += 1
+    rest = run[skip:]
+    return rest if len(rest) >= 2 else []
+
+
+def _level(m: Manifest) -> int:
+    """How many commits a backup of the tail holds, as a power of the fanout: the commits
+    it absorbed and itself."""
+    n, level, f = len(m.absorbed) + 1, 0, fanout()
+    while n >= f:
+        n //= f
+        level += 1
+    return level
 
 
 @dataclass
@@ -140,7 +177,7 @@ def prepare(repo: Repository, group: list[Manifest]) -> Prepared:
     """Merge `group` (consecutive commits or rollups of one session) into local files
     and the manifest of its revision; no lock is needed: committed backups never change."""
     k = group[-1]
-    work = Path(tempfile.mkdtemp(prefix="upr-rollup-"))
+    work = work_dir("rollup")
     try:
         entries: list[PartitionEntry] = []
         members: list[tuple[str, Path | bytes]] = []
@@ -204,11 +241,48 @@ def prepare_at(location: Path, access: Access, group: list[Manifest]) -> Prepare
 
 def _quiet() -> None:
     """A rollup worker leaves SIGINT and SIGTERM to the follower, which ends it, and
-    yields the processor to it: rollups are background work, the streams are not."""
+    yields the processor to it: rollups are background work, the streams are not. A
+    follower killed (SIGKILL) cannot end it: it ends itself once its parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(OSError):
         os.nice(10)
+    parent = os.getppid()
+
+    def orphaned() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)  # its work directory goes with the next follower's sweep
+
+    threading.Thread(target=orphaned, name="upr-rollup-parent", daemon=True).start()
+
+
+def work_dir(kind: str) -> Path:
+    """A local work directory named for this process (`upr-KIND-PID-…`), so that the
+    next follower can remove it once the process is gone (`sweep_work_dirs`)."""
+    return Path(tempfile.mkdtemp(prefix=f"upr-{kind}-{os.getpid()}-"))
+
+
+def sweep_work_dirs() -> list[Path]:
+    """Remove the work directories of followers and rollup workers that are gone (a
+    SIGKILL leaves them); the removed ones are returned."""
+    gone = []
+    for d in Path(tempfile.gettempdir()).glob("upr-*-*-*"):
+        kind, pid = d.name.split("-")[1:3]
+        if kind in ("follow", "rollup") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def worker_pool() -> ProcessPoolExecutor:
