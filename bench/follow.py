@@ -500,7 +500,9 @@ def build_chain(args: argparse.Namespace, tmp: Path) -> Chain:
         ch.dirs_at_end = layout(ch.a)[0]
         t1 = time.monotonic()
         quiet(f, 30.0, 1800.0, rollups=True)
-        ch.settle_seconds = time.monotonic() - t1 - 30.0
+        # the rollups were done when the last rollup (or commit) was said
+        ch.settle_seconds = max(0.0, max(f.last_commit_at(), f.last_rollup_at())
+                                - (time.time() - (time.monotonic() - t1)))  # fmt: skip
         summary = f.stop()
         ch.commits = int(summary["commits"])
         ch.rollups = int(summary["rollups"])

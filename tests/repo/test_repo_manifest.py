@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from collections.abc import Callable
@@ -457,3 +458,10 @@ def test_points_are_compact_and_checked_when_read() -> None:
         list(lazy)
     with pytest.raises(RepositoryError, match="not base64"):
         list(Points(text="!!", check=("p", 0, 9)))
+    # the oldest point alone (`upr info`'s restorable range), without decoding the rest
+    assert Points(text="AYC259WAv5gDCaDCHg==", check=("p", 80, 90)).first_time() == t0
+    assert pts.first_time() == t0 and Points().first_time() is None
+    with pytest.raises(RepositoryError, match="not base64"):
+        Points(text="!!", check=("p", 0, 9)).first_time()
+    with pytest.raises(RepositoryError, match="odd count"):
+        Points(text=base64.b64encode(b"\x01").decode(), check=("p", 0, 9)).first_time()

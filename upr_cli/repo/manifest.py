@@ -290,16 +290,19 @@ def _check_segments(
 
 
 def _check_points(
-    points: Sequence[tuple[int, datetime]], w: str, start_seq: int, end_seq: int
-) -> None:
-    """Restore points: seqs strictly ascending in (start_seq, end_seq], times in order."""
+    points: Sequence[tuple[int, datetime]], w: str, start_seq: int, end_seq: int,
+    *, decoded: bool = False,
+) -> None:  # fmt: skip
+    """Restore points: seqs strictly ascending in (start_seq, end_seq], times in order
+    (and each an aware UTC time, unless `decoded` from the compact form made them so)."""
     last: tuple[int, datetime] | None = None
     for point in points:
-        if not isinstance(point, tuple) or len(point) != 2:
+        if not decoded and (not isinstance(point, tuple) or len(point) != 2):
             raise _fail(f"{w}: a point is a (seq, time) pair")
         seq, when = point
-        _u64(seq, f"{w}: point seq")
-        format_time(when)
+        if not decoded:
+            _u64(seq, f"{w}: point seq")
+            format_time(when)
         if not start_seq < seq <= end_seq:
             raise _fail(f"{w}: point seq {seq} lies outside ({start_seq}, {end_seq}]")
         if last is not None and (seq <= last[0] or when < last[1]):
@@ -372,9 +375,27 @@ class Points(Sequence[tuple[int, datetime]]):
                 except OverflowError:
                     raise _fail(f"{where}: a point's time is out of range") from None
                 out.append((seq, when))
-            _check_points(out, where, start, end)
+            _check_points(out, where, start, end, decoded=True)
             self._items = tuple(out)
         return self._items
+
+    def first_time(self) -> datetime | None:
+        """The oldest point's time (the first: times ascend) without decoding the rest;
+        None when there is no point."""
+        if self._items is not None:
+            return self._items[0][1] if self._items else None
+        where = (self._check or ("points",))[0]
+        try:
+            raw = base64.b64decode(self._text or "", validate=True)
+        except ValueError:
+            raise _fail(f"{where}: points are not base64") from None
+        nums = _varints(raw, where)
+        if next(nums, None) is None or (us := next(nums, None)) is None:
+            return None if not raw else self._decoded()[0][1]  # its error, named
+        try:
+            return _EPOCH + timedelta(microseconds=us)
+        except OverflowError:
+            raise _fail(f"{where}: a point's time is out of range") from None
 
     def text(self, start_seq: int) -> str:
         """The compact form: base64 of varint pairs, each the seq's step up from the one

@@ -60,7 +60,7 @@ from upr_cli.repo.chain import (
     resume_point,
     snapshot_boundaries,
 )
-from upr_cli.repo.manifest import Manifest, SegmentEntry
+from upr_cli.repo.manifest import Manifest, Points, SegmentEntry
 from upr_cli.repo.names import BackupId, format_cut_path, format_time
 
 
@@ -176,12 +176,19 @@ class Timeline:
         return f"{show_time(self.oldest)} to {show_time(self.last)}"
 
 
+def _first_time(points: Sequence[tuple[int, datetime]]) -> datetime | None:
+    """The oldest of a partition entry's points (times ascend), decoding only it."""
+    if isinstance(points, Points):
+        return points.first_time()
+    return points[0][1] if points else None
+
+
 def timeline(manifests: Sequence[Manifest]) -> Timeline | None:
     """The restorable range and coarse stretches of a chain; None when it holds no point."""
     chain = ordered(manifests)
     points = [m.finished for m in chain if m.partitions and m.continuous is None]
-    points += [t for m in chain if m.continuous is not None
-               for e in m.partitions for _s, t in e.points]  # fmt: skip
+    points += [t for m in chain if m.continuous is not None for e in m.partitions
+               if (t := _first_time(e.points)) is not None]  # fmt: skip
     points += [m.finished for m in chain if m.continuous is not None
                for e in m.partitions if not e.points]  # fmt: skip
     if not points or not chain:
