@@ -28,8 +28,8 @@ rollups happen on their own), then stops; once the follower has been quiet for a
 goes into B. After the last phase the follower runs on until its rollups are done (no
 commit and no rollup for 30 s; at 10 ms commits they trail, at an operator's interval
 they keep pace), then stops: A is the chain it leaves, and the time it took is printed
-beside A's directory count when the load ended. Then, --pairs rounds, A and B in turns (the order reversed every other
-round): `upr restore` of the latest state into SQLite, a restore to the end of phase 5
+beside A's directory count when the load ended. Then, --pairs rounds, A and B in
+turns (the order reversed every other round): `upr restore` of the latest state into SQLite, a restore to the end of phase 5
 (A: `--at-time` of that moment when restore has it, else `--at` the follower's last
 commit id then; B: `--at` its fifth backup), `upr verify`, `upr info --json`: the
 median wall time of each command (process start included) and A/B beside the limit
