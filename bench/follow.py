@@ -21,21 +21,21 @@ the follower, beside the node's and `upr load`'s. --repeats more runs of
 
 Part `chain`. A second node; repository A gets a follower with --chain-every (10 ms),
 repository B nothing yet. A workload in 10 phases (`upr load --rate --chain-rate`, 30%
-updates, 10% deletes, a seed per phase): each phase runs until the follower has
-reported k/10 of --commits commits (so the chain gets about --commits commits; its
-rollups happen on their own), then stops; once the follower has been quiet for a while
-(everything committed), the phase's end time is noted and one ordinary `upr backup`
-goes into B. After the last phase the follower runs on until its rollups are done (no
-commit and no rollup for 30 s; at 10 ms commits they trail, at an operator's interval
-they keep pace), then stops: A is the chain it leaves, and the time it took is printed
-beside A's directory count when the load ended. Then, --pairs rounds, A and B in
-turns (the order reversed every other round): `upr restore` of the latest state into SQLite, a restore to the end of phase 5
-(A: `--at-time` of that moment when restore has it, else `--at` the follower's last
-commit id then; B: `--at` its fifth backup), `upr verify`, `upr info --json`: the
-median wall time of each command (process start included) and A/B beside the limit
-2x. The two latest restores must hold the same documents (row count and content hash,
-formats/store.md §6), and so must the two mid-point ones. A's layout (backup
-directories, manifests, files) shows the rollups.
+updates, 10% deletes, a seed per phase): each phase runs until the follower has reported
+k/10 of --commits commits (so the chain gets about --commits commits; its rollups happen
+on their own), then stops; once the follower has been quiet for a while (everything
+committed), the phase's end time is noted and one ordinary `upr backup` goes into B.
+After the last phase the follower runs on until its rollups are done (no commit and no
+rollup for 30 s; at 10 ms commits they trail, at an operator's interval they keep pace),
+then stops: A is the chain it leaves, and the time it took is printed beside A's
+directory count when the load ended. Then, --pairs rounds, A and B in turns (the order
+reversed every other round): `upr restore` of the latest state into SQLite, a restore to
+the end of phase 5 (A: `--at-time` of that moment when restore has it, else `--at` the
+follower's last commit id then; B: `--at` its fifth backup), `upr verify`, `upr info
+--json`: the median wall time of each command (process start included) and A/B beside
+the limit 2x. The two latest restores must hold the same documents (row count and
+content hash, formats/store.md §6), and so must the two mid-point ones. A's layout
+(backup directories, manifests, files) shows the rollups.
 
 --skip lag,chain leaves a part out. --workdir DIR works in DIR and keeps it; a chain
 built there before (DIR/chain.json) is restored again rather than rebuilt.
