@@ -83,7 +83,7 @@ def _registry() -> CollectorRegistry:
     upr is the only user of prometheus_client in its process)."""
     from prometheus_client import CollectorRegistry, disable_created_metrics
 
-    disable_created_metrics()
+    disable_created_metrics()  # type: ignore[no-untyped-call]
     return CollectorRegistry(auto_describe=True)
 
 
