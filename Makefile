@@ -68,11 +68,13 @@ test-latest: system-deps
 	.venv-latest/bin/mypy
 	.venv-latest/bin/pytest -m "not slow" $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
-# Java 17 (Spark) and tshark (independent wire decoder), installed only when missing.
+# Java 17 (Spark), tshark (independent wire decoder) and promtool (Debian's prometheus:
+# checks examples/prometheus/alerts.yml), installed only when missing.
 system-deps:
 	@need=""; \
 	command -v java >/dev/null 2>&1 || need="$$need openjdk-17-jre-headless"; \
 	command -v tshark >/dev/null 2>&1 || need="$$need tshark"; \
+	command -v promtool >/dev/null 2>&1 || need="$$need prometheus"; \
 	if [ -n "$$need" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing:$$need"; \

@@ -6,7 +6,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -57,8 +57,22 @@ from upr_cli.jobs.follow import (
     FollowOptions,
     follow,
 )
+from upr_cli.metrics import (
+    DEFAULT_HOST,
+    MetricsFile,
+    MetricsHost,
+    MetricsPerPartition,
+    MetricsPort,
+    one_shot,
+)
 from upr_cli.net.uri import SourceUri
 from upr_cli.source import selected
+
+if TYPE_CHECKING:
+    from upr_cli.collections import Path as CollectionPath
+    from upr_cli.dcp.consumer import WireCompression
+    from upr_cli.memory import MemoryLimit
+    from upr_cli.metrics import FollowMetrics
 
 HELP = """Back up a bucket into a repository, incrementally, through failovers.
 
@@ -139,6 +153,24 @@ Example (continuous backup, a restore point every 10 seconds):
 
   upr backup upr://admin@127.0.0.1/default --repo /backups/cb --follow \\
       --commit-every 10s
+
+--metrics-port PORT (with --follow) serves Prometheus metrics on --metrics-host
+(default 127.0.0.1): items, bytes and commits, the time of the last commit, the lag in
+seqs and seconds, rollbacks, lost writes, reconnects, errors by kind, process memory
+(docs/metrics.md). --metrics-per-partition labels the lag by partition too. A one-shot
+backup takes --metrics-file PATH instead: its last success time, duration, items,
+bytes and result, written at the end (success or failure) for node_exporter's textfile
+collector.
+
+Example (continuous backup, metrics for Prometheus on port 9464):
+
+  upr backup upr://admin@127.0.0.1/default --repo /backups/cb --follow \\
+      --metrics-port 9464
+
+Example (a nightly backup from cron, its metrics for node_exporter):
+
+  upr backup upr://admin@127.0.0.1/default --repo /backups/cb \\
+      --metrics-file /var/lib/node_exporter/textfile/upr-backup.prom
 
 Example (a new repository, encrypted at rest with a random key file; keep a copy of
 the key, or add a second one with upr repo add-key: a lost key loses the backups):
@@ -222,6 +254,10 @@ def backup_cmd(
             "used encrypted.",
         ),
     ] = False,
+    metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = DEFAULT_HOST,
+    metrics_per_partition: MetricsPerPartition = False,
+    metrics_file: MetricsFile = None,
 ) -> None:
     """Back up a bucket."""
     source = tls_source(SourceUri.parse(uri), cacert, no_verify, cert, key)
@@ -229,14 +265,40 @@ def backup_cmd(
     if follow_:
         if spark is not None:
             raise UsageError("--follow streams from this process: it cannot take --spark")
+        if metrics_file is not None:
+            raise UsageError("--metrics-file is for a one-shot backup: a follower serves "
+                             "its metrics with --metrics-port")  # fmt: skip
         opts = FollowOptions(commit_every, commit_bytes, full=full,
                              partitions=selected(partitions), include=tuple(include),
                              exclude=tuple(exclude), wait=wait, compression=compression,
                              memory=memory, encrypt=encrypt)  # fmt: skip
-        run_follow(source, repo, opts, json_out=json_out, no_progress=no_progress)
+        metrics = (None if metrics_port is None else
+                   (metrics_host, metrics_port, metrics_per_partition))  # fmt: skip
+        run_follow(source, repo, opts, json_out=json_out, no_progress=no_progress,
+                   metrics=metrics)  # fmt: skip
         return
     if commit_every != COMMIT_EVERY or commit_bytes != COMMIT_BYTES:
         raise UsageError("--commit-every and --commit-bytes go with --follow")
+    if metrics_port is not None or metrics_per_partition or metrics_host != DEFAULT_HOST:
+        raise UsageError("--metrics-port, --metrics-host and --metrics-per-partition go with "
+                         "--follow; a one-shot backup writes --metrics-file")  # fmt: skip
+    with one_shot(metrics_file, "backup", source.bucket) as run:
+        summary = _backup_once(source, repo, full, partitions, no_progress, spark, spark_tasks,
+                               conf, include, exclude, wait, compression, memory,
+                               encrypt)  # fmt: skip
+        run.done(summary.bucket, summary.items, summary.bytes_written)
+    if json_out:
+        print_json(summary.to_json())
+        return
+    render(summary, show_all, str(repo))
+
+
+def _backup_once(source: SourceUri, repo: Path, full: bool, partitions: str | None,
+                 no_progress: bool, spark: str | None, spark_tasks: int,
+                 conf: list[str] | None, include: list[CollectionPath],
+                 exclude: list[CollectionPath], wait: float, compression: WireCompression,
+                 memory: MemoryLimit, encrypt: bool) -> BackupSummary:  # fmt: skip
+    """One backup, with its bar (and Spark with --spark)."""
     show = sys.stderr.isatty() and not no_progress
     with Progress("backup", "items", show=show) as bar:
         bar.note(f"connecting to {source.redacted()}")
@@ -283,10 +345,7 @@ def backup_cmd(
         finally:
             if sess is not None:
                 sess.stop()
-    if json_out:
-        print_json(summary.to_json())
-        return
-    render(summary, show_all, str(repo))
+    return summary
 
 
 def kept_line(stats: StreamStats | None) -> str:
@@ -352,9 +411,33 @@ def render(summary: BackupSummary, show_all: bool, repo: str) -> None:
 
 
 def run_follow(source: SourceUri, repo: Path, opts: FollowOptions, *, json_out: bool,
-               no_progress: bool) -> None:  # fmt: skip
+               no_progress: bool,
+               metrics: tuple[str, int, bool] | None = None) -> None:  # fmt: skip
     """`backup --follow`: catch up (with the backup's bar), then a line per commit on
-    stderr; the summary once a signal ends it (exit 0: a follower's normal end)."""
+    stderr; the summary once a signal ends it (exit 0: a follower's normal end). With
+    `metrics` (host, port, per partition) its metrics are served there, the port bound
+    before any work (upr_cli/metrics.py)."""
+    from upr_cli.metrics import FollowMetrics, serve
+
+    watch = endpoint = None
+    if metrics is not None:
+        host, port, per_partition = metrics
+        watch = FollowMetrics(source.bucket or "", per_partition=per_partition)
+        endpoint = serve(watch.registry, host, port)
+        notice(f"metrics on http://{_host_port(endpoint.host, endpoint.port)}/metrics")
+    try:
+        _follow(source, repo, opts, json_out=json_out, no_progress=no_progress, watch=watch)
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _follow(source: SourceUri, repo: Path, opts: FollowOptions, *, json_out: bool,
+            no_progress: bool, watch: FollowMetrics | None) -> None:  # fmt: skip
     show = sys.stderr.isatty() and not no_progress
     interrupt.follows(lambda: "every commit is in the repository; run it again to go on")
 
@@ -372,6 +455,8 @@ def run_follow(source: SourceUri, repo: Path, opts: FollowOptions, *, json_out: 
                        nbytes=s.bytes_in)  # fmt: skip
 
         def caught_up(r: CommitReport) -> None:
+            if watch is not None:
+                watch.commit(r)
             if show:  # the bar says it, in place
                 bar.note(f"following; last commit {r.backup_id}, lag {r.lag:.1f}s")
             else:
@@ -380,7 +465,8 @@ def run_follow(source: SourceUri, repo: Path, opts: FollowOptions, *, json_out: 
         summary = asyncio.run(follow(source, repo, opts, on_commit=caught_up, on_progress=tick,
                                      on_warning=lambda w: stderr.print(f"warning: {w}",
                                                                        markup=False),
-                                     on_notice=notice))  # fmt: skip
+                                     on_notice=notice,
+                                     hooks=None if watch is None else watch.hooks()))  # fmt: skip
     if json_out:
         print_json(summary.to_json())
         return

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -23,6 +25,7 @@ from upr_cli.cli.output import (
     table,
 )
 from upr_cli.jobs.inspect import info, verify
+from upr_cli.metrics import MetricsFile, one_shot
 from upr_cli.source import selected
 
 INFO_HELP = """Show a repository's backups: items, bytes, ratio, rollbacks, the chain.
@@ -93,6 +96,15 @@ Example:
 Example (rewrite a lost manifest from its copy, report the rest as JSON):
 
   upr verify --repo /backups/cb --repair --json
+
+--metrics-file PATH writes Prometheus metrics at the end, per bucket: last success
+time, duration, items and bytes read, and the result (0 when a problem is left or the
+run failed; docs/metrics.md), for node_exporter's textfile collector.
+
+Example (a weekly check from cron, its metrics for node_exporter):
+
+  upr verify --repo /backups/cb \\
+      --metrics-file /var/lib/node_exporter/textfile/upr-verify.prom
 """
 
 
@@ -258,8 +270,15 @@ def verify_cmd(
     no_progress: NoProgress = False,
     show_all: AllRows = False,
     json_out: JsonOutput = False,
+    metrics_file: MetricsFile = None,
 ) -> None:
     """Check a repository."""
+    with one_shot(metrics_file, "verify", bucket) as run:
+        _verify(repo, bucket, repair, no_progress, show_all, json_out, run.done)
+
+
+def _verify(repo: Path, bucket: str | None, repair: bool, no_progress: bool, show_all: bool,
+            json_out: bool, done: Callable[[str, int, int, bool], None]) -> None:  # fmt: skip
     show = sys.stderr.isatty() and not no_progress
     with Progress("verify", "items", show=show) as bar:
 
@@ -267,6 +286,8 @@ def verify_cmd(
             bar.update(records, parts=(segments, total), unit="segments", nbytes=nbytes)
 
         reports = verify(repo, bucket, repair=repair, on_progress=tick)
+    for r in reports:
+        done(r.bucket, r.records, r.bytes, not r.unrepaired)
     problems = [p for r in reports for p in r.unrepaired]
     if json_out:
         print_json({"ok": not problems, "buckets": [r.to_json() for r in reports]})

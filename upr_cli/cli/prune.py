@@ -26,6 +26,7 @@ from upr_cli.cli.output import (
 from upr_cli.errors import UsageError
 from upr_cli.jobs.prune import BucketPlan, PruneResult, run
 from upr_cli.jobs.retention import Duration, KeepRules
+from upr_cli.metrics import MetricsFile, OneShot, one_shot
 from upr_cli.repo import Repository
 
 PRUNE_HELP = """Remove the backups no keep rule keeps; what the kept ones restore stays.
@@ -60,6 +61,16 @@ Example (apply it, for one bucket, as a cron job):
 
   upr prune --repo /backups/cb --bucket travel --keep-within 14d --keep-monthly 12 \\
       --apply --json
+
+--metrics-file PATH writes Prometheus metrics at the end, success or failure, per
+bucket: last success time, duration, backups removed (items) and bytes freed (planned
+ones on a dry run), and the result (docs/metrics.md), for node_exporter's textfile
+collector.
+
+Example (the nightly prune, its metrics for node_exporter):
+
+  upr prune --repo /backups/cb --keep-daily 7 --apply \\
+      --metrics-file /var/lib/node_exporter/textfile/upr-prune.prom
 """
 
 REMOVE_HELP = """Remove the named backups; what the other backups restore stays.
@@ -145,6 +156,7 @@ def prune_cmd(
     wait: LockWait = 0.0,
     show_all: AllRows = False,
     json_out: JsonOutput = False,
+    metrics_file: MetricsFile = None,
 ) -> None:
     """Prune by keep rules."""
     within = Duration.parse(keep_within) if keep_within else None
@@ -154,7 +166,8 @@ def prune_cmd(
             "give at least one keep rule (--keep-last, --keep-within, --keep-hourly, "
             "--keep-daily, --keep-weekly, --keep-monthly): prune keeps nothing by default"
         )
-    _run(repo, bucket, rules, (), apply, drop_lost, wait, show_all, json_out)
+    with one_shot(metrics_file, "prune", bucket) as shot:
+        _run(repo, bucket, rules, (), apply, drop_lost, wait, show_all, json_out, shot)
 
 
 def remove_cmd(
@@ -188,10 +201,15 @@ def _readers_gone(wait: float) -> Any:
 
 
 def _run(repo: Path, bucket: str | None, rules: KeepRules | None, names: Any, apply: bool,
-         drop_lost: bool, wait: float, show_all: bool, json_out: bool) -> None:  # fmt: skip
+         drop_lost: bool, wait: float, show_all: bool, json_out: bool,
+         shot: OneShot | None = None) -> None:  # fmt: skip
     result = run(repo, bucket=bucket, rules=rules, names=names, apply_=apply,
                  drop_lost=drop_lost, hold=_readers_gone(wait),
                  on_event=None if json_out else notice)  # fmt: skip
+    for b in result.buckets if shot is not None else ():
+        freed = b.written.get("bytes_freed") if result.applied else b.bytes_removed
+        assert shot is not None
+        shot.done(b.bucket, len(b.removed), freed or 0)
     if json_out:
         print_json(result.to_json())
         return

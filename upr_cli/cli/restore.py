@@ -41,6 +41,7 @@ from upr_cli.jobs.restore import KeepXattrs, RestoreSummary, restore_to_node, re
 from upr_cli.jobs.restore_plan import MapRule, parse_map_data
 from upr_cli.jobs.writer import DEFAULT_LIMIT
 from upr_cli.memory import MemoryLimit
+from upr_cli.metrics import MetricsFile, one_shot
 from upr_cli.net.uri import SourceUri
 from upr_cli.source import selected
 
@@ -188,6 +189,15 @@ Example (what the oldest backup would restore for partitions 0-7):
 
   upr restore --repo /backups/cb --at oldest --partitions 0-7 --dry-run \\
       upr://admin@127.0.0.1/default
+
+--metrics-file PATH writes Prometheus metrics at the end, success or failure (result
+1 only for exit 0): last success time, duration, items and bytes restored
+(docs/metrics.md), for node_exporter's textfile collector.
+
+Example (a restore drill from cron, its metrics for node_exporter):
+
+  upr restore --repo /backups/cb sqlite:/tmp/drill.db \\
+      --metrics-file /var/lib/node_exporter/textfile/upr-restore.prom
 """
 
 
@@ -259,6 +269,7 @@ def restore_cmd(
     no_verify: NoVerify = False,
     cert: ClientCert = None,
     key: ClientKey = None,
+    metrics_file: MetricsFile = None,
 ) -> None:
     """Restore a backup."""
     kind, where = restore_target(target)  # anything else: a usage error, before any work
@@ -276,6 +287,32 @@ def restore_cmd(
         raise UsageError("--spark restores into a node (upr://…); a SQLite store has one writer")
     if kind == "sqlite" and force_updates:
         raise UsageError("--force-updates applies to node targets (a store keeps what it is given)")
+    with one_shot(metrics_file, "restore", bucket) as run:
+        summary = _restore(plan, kind, where, node, spark, spark_tasks, conf, force_updates,
+                           include_tombstones, no_progress)  # fmt: skip
+        if metrics_file is not None:
+            fine = summary.failure is None and not summary.errors and not summary.partial
+            run.done(bucket or _only_bucket(repo), summary.items, summary.bytes, fine)
+        _report(summary, dry_run, json_out)
+
+
+def _only_bucket(repo: Path) -> str:
+    """The repository's bucket when it has one (the metrics' label without --bucket)."""
+    from upr_cli.errors import UprError
+    from upr_cli.repo import Repository
+
+    try:
+        names = Repository(repo).buckets()
+    except (UprError, OSError):
+        return ""
+    return names[0] if len(names) == 1 else ""
+
+
+def _restore(plan: Plan, kind: str, where: str, node: SourceUri | None, spark: str | None,
+             spark_tasks: int, conf: list[str] | None, force_updates: bool,
+             include_tombstones: bool, no_progress: bool) -> RestoreSummary:  # fmt: skip
+    """The restore, with its bar."""
+    repo = plan.repo
     show = sys.stderr.isatty() and not no_progress
     with Progress("restore", "items", show=show) as bar:
 
@@ -284,6 +321,7 @@ def restore_cmd(
                 s.items, parts=(s.partitions + len(s.left_out), s.partitions_total), nbytes=s.bytes
             )
 
+        summary: RestoreSummary
         if spark is not None:
             bar.note(f"starting Spark ({spark})")
             assert node is not None
@@ -303,7 +341,7 @@ def restore_cmd(
                     **plan.options(),
                 )
             )
-    _report(summary, dry_run, json_out)
+    return summary
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,13 @@ The stretch of time a commit watched starts where the previous commit ended (the
 commit of a session: where its catch-up backup ended): a restore to a time inside it is
 as fine as the snapshots the follower received; between sessions (the follower stopped
 or killed) lies a coarse stretch (docs/design.md "Point-in-time restore").
+
+What else a follower does is told through `FollowHooks` (the CLI's metrics,
+upr_cli/metrics.py; this module knows nothing of Prometheus): each catch-up backup,
+each rollup published, each link lost and back, each warning by a short kind, and, at
+most once per commit interval while a session streams, how many seqs each partition is
+behind the source's high seq (one STAT vbucket-seqno per active node, asked only when a
+`lag` hook is given, on a task of its own so commits never wait for it).
 """
 
 from __future__ import annotations
@@ -46,8 +53,10 @@ from upr_cli.collections import Path as CollectionPath
 from upr_cli.dcp.consumer import DcpConsumer, WireCompression
 from upr_cli.dcp.events import Event
 from upr_cli.dcp.sink import drive
+from upr_cli.dcp.states import partition_states
 from upr_cli.errors import UprError
 from upr_cli.jobs.backup import (
+    BackupSummary,
     _changes,
     _counts,
     _entry,
@@ -139,6 +148,7 @@ class CommitReport:
     finished: datetime
     lag: float  # seconds from the oldest restore point it holds to its commit (0: none)
     rollbacks: int
+    lost_seqs: int = 0  # seqs its rollbacks took back (from - to, summed)
 
     def to_json(self) -> dict[str, Any]:
         """docs/output.md: 64-bit counts as decimal strings, times RFC 3339."""
@@ -154,6 +164,22 @@ class CommitReport:
             "lag_seconds": round(self.lag, 3),
             "rollbacks": self.rollbacks,
         }
+
+
+@dataclass(frozen=True)
+class FollowHooks:
+    """What a follower tells beside its commits (module docstring); each is optional and
+    called on the event loop."""
+
+    catch_up: Callable[[BackupSummary], None] | None = None
+    rollup: Callable[[], None] | None = None
+    reconnect: Callable[[], None] | None = None
+    error: Callable[[str], None] | None = None  # a warning's kind (see `follow`)
+    lag: Callable[[dict[int, int]], None] | None = None  # seqs behind, per partition
+
+
+# a link back (upr_cli/dcp/consumer.py's notice): a reconnect
+_BACK = " back after "
 
 
 @dataclass
@@ -198,9 +224,14 @@ async def follow(
     on_warning: Callable[[str], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
     on_progress: Callable[[StreamStats], None] | None = None,
+    hooks: FollowHooks | None = None,
 ) -> FollowSummary:
-    """Catch up, then commit continuously until SIGINT or SIGTERM (module docstring)."""
+    """Catch up, then commit continuously until SIGINT or SIGTERM (module docstring).
+    The kinds of warnings `hooks.error` hears: backup (a catch-up backup's), session (a
+    session ended: catching up again), rollup, stale_lock, lag_poll (a lag poll failed;
+    not a warning)."""
     t0 = time.monotonic()
+    hooks = hooks or FollowHooks()
     out = FollowSummary()
     stop = asyncio.Event()
     running: list[asyncio.Task[Any]] = []
@@ -210,10 +241,18 @@ async def follow(
         for task in running:  # a catch-up is a backup: stopped, it keeps what it finished
             task.cancel()
 
-    def warn(text: str) -> None:
+    def warn(text: str, kind: str = "backup") -> None:
         out.warnings.append(text)
+        if hooks.error is not None:
+            hooks.error(kind)
         if on_warning is not None:
             on_warning(text)
+
+    def notice(text: str) -> None:
+        if hooks.reconnect is not None and text.startswith("connection to ") and _BACK in text:
+            hooks.reconnect()
+        if on_notice is not None:
+            on_notice(text)
 
     idle_sessions = 0
     sweep_work_dirs()  # what a killed follower left in the temporary directory
@@ -223,7 +262,7 @@ async def follow(
                 uri, repo_dir, full=opts.full and not out.catch_ups,
                 partitions=opts.partitions, on_progress=on_progress, on_warning=warn,
                 include=opts.include, exclude=opts.exclude, wait=opts.wait,
-                on_notice=on_notice, compression=opts.compression, memory=opts.memory,
+                on_notice=notice, compression=opts.compression, memory=opts.memory,
                 encrypt=opts.encrypt and not out.catch_ups,
             ))  # fmt: skip
             running.append(catch)
@@ -237,7 +276,10 @@ async def follow(
                 running.remove(catch)
             out.bucket = caught.bucket
             out.catch_ups.append(caught.backup_id)
-            session = _Session(uri, Repository(repo_dir), caught.bucket, opts, warn, on_notice)
+            if hooks.catch_up is not None:
+                hooks.catch_up(caught)
+            session = _Session(uri, Repository(repo_dir), caught.bucket, opts, warn, notice,
+                               hooks)  # fmt: skip
             out.sessions += 1
             before = out.commits
             try:
@@ -246,7 +288,7 @@ async def follow(
                 idle_sessions = 0 if out.commits > before else idle_sessions + 1
                 if idle_sessions >= RESTARTS:
                     raise
-                warn(f"{exc}; catching up again")
+                warn(f"{exc}; catching up again", "session")
             finally:
                 out.rollups += session.rollups
     out.seconds = time.monotonic() - t0
@@ -281,11 +323,14 @@ class _Session:
         repo: Repository,
         bucket: str,
         opts: FollowOptions,
-        warn: Callable[[str], None],
+        warn: Callable[[str, str], None],
         on_notice: Callable[[str], None] | None,
+        hooks: FollowHooks,
     ) -> None:
         self.uri, self.repo, self.bucket, self.opts = uri, repo, bucket, opts
-        self.warn, self.on_notice = warn, on_notice
+        self.warn, self.on_notice, self.hooks = warn, on_notice, hooks
+        self.positions: dict[int, int] = {}  # where each partition's stream started
+        self.polling: asyncio.Task[None] | None = None  # the lag poll at work
         manifests = repo.manifests(bucket)
         newest = manifests[-1]
         self.last: BackupId = newest.backup_id
@@ -319,6 +364,7 @@ class _Session:
             rp = resume_point(manifests, p)
             if rp is not None:
                 positions[p], logs[p] = rp.position, rp.failover_log
+        self.positions = {p: pos.seq for p, pos in positions.items()}
         self.collections = await fetch_collections_manifest(self.uri)
         paths = checked_filter(self.bucket, self.filter, self.collections, manifests)
         followed = None if paths is None else followed_ids(manifests, self.filter, positions, {})
@@ -381,6 +427,7 @@ class _Session:
                 if not (final or due):
                     continue
                 last = now
+                self._poll_lag(stream)
                 if not stream.pending() and not final and now - last_commit < opts.heartbeat:
                     continue
                 report = await self._commit(stream, gate)
@@ -397,14 +444,39 @@ class _Session:
                 if final:
                     return
         finally:
-            driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await driver
+            for task in (driver, self.polling):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+
+    def _poll_lag(self, stream: FollowStream) -> None:
+        """Start a lag poll (hooks.lag), unless none is asked for or one is at work."""
+        if self.hooks.lag is None or (self.polling is not None and not self.polling.done()):
+            return
+        self.polling = asyncio.ensure_future(self._lag(stream))
+
+    async def _lag(self, stream: FollowStream) -> None:
+        """Each partition's high seq less the seq the follower received last."""
+        assert self.hooks.lag is not None
+        try:
+            states, _count = await partition_states(self.uri, sorted(self.positions),
+                                                    failover_logs=False, name="upr-backup-lag",
+                                                    wait_for=0)  # fmt: skip
+        except (UprError, OSError):
+            if self.hooks.error is not None:
+                self.hooks.error("lag_poll")
+            return
+        received = stream._last  # the seq of the last record taken, per partition
+        self.hooks.lag({
+            p: max(0, st.high_seq - max(self.positions.get(p, 0), received.get(p, 0)))
+            for p, st in states.items()
+        })  # fmt: skip
 
     async def _commit(self, stream: FollowStream, gate: asyncio.Lock) -> CommitReport | None:
         """Take the lock, cut the streams, write the commit; None when the lock is held."""
         async with self.turn:
-            lock = RepositoryLock(self.repo, self.bucket, on_stale=self.warn)
+            lock = RepositoryLock(self.repo, self.bucket, on_stale=self._stale)
             try:
                 await asyncio.to_thread(lock.__enter__)
             except RepositoryLocked:
@@ -426,7 +498,7 @@ class _Session:
         if self.rolling is not None and not self.rolling.cancelled():
             exc = self.rolling.exception()
             if exc is not None:  # the commits are safe; the next rollup tries again
-                self.warn(f"rolling up commits failed: {exc}")
+                self.warn(f"rolling up commits failed: {exc}", "rollup")
                 self.tail = Tail()
         group = self.tail.due()
         self.rolling = None if group is None else asyncio.ensure_future(self._roll(group))
@@ -443,7 +515,7 @@ class _Session:
         try:
             while True:
                 async with self.turn:
-                    lock = RepositoryLock(self.repo, self.bucket, on_stale=self.warn)
+                    lock = RepositoryLock(self.repo, self.bucket, on_stale=self._stale)
                     try:
                         await asyncio.to_thread(lock.__enter__)
                     except RepositoryLocked:
@@ -459,6 +531,8 @@ class _Session:
             prepared.discard()
         if done:
             self.rollups += 1
+            if self.hooks.rollup is not None:
+                self.hooks.rollup()
             if self.on_notice is not None:
                 m = prepared.manifest
                 self.on_notice(f"rolled up {len(group)} backups into {m.backup_id} "
@@ -466,6 +540,9 @@ class _Session:
                                f"{time.monotonic() - t0:.1f}s")  # fmt: skip
         self.rolling = None
         self._roll_if_due()
+
+    def _stale(self, text: str) -> None:
+        self.warn(text, "stale_lock")
 
     def _publish(self, prepared: Prepared, lock: RepositoryLock, tail: bool) -> bool:
         if not publish(self.repo, prepared, lock):
@@ -505,13 +582,15 @@ class _Session:
         storage.sync_dir(repo.bucket_dir(bucket))
         members = [m for _p, r in sorted(cp.results.items()) for m in stream.work_files(r)]
         pack_size = write_pack(storage, d, members) if members else None
-        entries, segments, rollbacks, bytes_read = [], [], 0, 0
+        entries, segments, rollbacks, lost, bytes_read = [], [], 0, 0, 0
         for p, r in sorted(cp.results.items()):
             rb = None if r.rollback is None else RollbackRecord(*r.rollback[:2], None,
                                                                 r.rollback[2])  # fmt: skip
             entries.append(replace(_entry(r, rb), points=cp.points.get(p, ())))
             segments += [] if r.segment is None else [r.segment]
-            rollbacks += len(_rollbacks(p, r, rb))
+            met = _rollbacks(p, r, rb)
+            rollbacks += len(met)
+            lost += sum(max(0, x.from_seq - x.to_seq) for x in met)
             bytes_read += 0 if r.segment is None else r.segment.raw_bytes
         finished = now_utc()
         manifest = Manifest(
@@ -533,7 +612,7 @@ class _Session:
         report = CommitReport(str(backup_id), len(entries), manifest.totals.items,
                             manifest.totals.bytes_written,
                             sum(len(p) for p in cp.points.values()), manifest.started,
-                            manifest.finished, lag, rollbacks)  # fmt: skip
+                            manifest.finished, lag, rollbacks, lost)  # fmt: skip
         return report, manifest
 
     def _check_sizes(self, d: Path, manifest: Manifest, pack_size: int | None) -> None:
