@@ -5,6 +5,8 @@ man page; the README shows exactly the two set-up commands and stays short."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -59,6 +61,30 @@ def test_readme_monitoring_names_the_alerts() -> None:
                    "increase(upr_lost_writes_total[1h]) > 0",
                    "docs/metrics.md", "examples/prometheus/"):  # fmt: skip
         assert needed in section, f"README's Monitoring section lacks {needed}"
+
+
+def _monitoring_yaml() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Monitoring") :]
+    return re.findall(r"```yaml\n(.*?)```", section[: section.index("\n## ", 1)], re.S)
+
+
+def test_readme_metrics_are_documented() -> None:
+    """Every metric the README's scrape config and alert rules name is in docs/metrics.md."""
+    documented = (ROOT / "docs" / "metrics.md").read_text()
+    named = set(re.findall(r"\bupr_[a-z_]+", "".join(_monitoring_yaml())))
+    assert named, "the README's Monitoring section names no metric"
+    assert not [m for m in sorted(named) if m not in documented]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus)")
+def test_readme_alert_rules_pass_promtool(tmp_path: Path) -> None:
+    config, rules = _monitoring_yaml()
+    (tmp_path / "alerts.yml").write_text(rules)
+    (tmp_path / "prometheus.yml").write_text(config)
+    for args in (["check", "rules", "alerts.yml"], ["check", "config", "prometheus.yml"]):
+        done = subprocess.run(["promtool", *args], cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("name", commands())
