@@ -1,9 +1,12 @@
-"""Docs are tested: every command has help with an example, a README section and a man
-page; the README shows exactly the two set-up commands."""
+"""Docs are tested: every command has help with an example, a paragraph in the README
+linking its page in docs/commands/ (tests/test_command_pages.py checks the pages), and a
+man page; the README shows exactly the two set-up commands and stays short."""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,9 +33,58 @@ def test_help_has_an_example(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", commands())
-def test_readme_section(name: str) -> None:
+def test_readme_paragraph(name: str) -> None:
     readme = (ROOT / "README.md").read_text()
-    assert re.search(rf"^### `upr {re.escape(name)}`", readme, re.M), f"README lacks `upr {name}`"
+    link = f"**[`upr {name}`](docs/commands/{name}.md)**"
+    assert link in readme, f"README lacks a paragraph on `upr {name}` linking its page"
+    page = (ROOT / "docs" / "commands" / f"{name}.md").read_text()
+    assert page.startswith(f"# `upr {name}`\n"), f"docs/commands/{name}.md is not its page"
+
+
+def test_readme_is_what_a_newcomer_reads_to_the_end() -> None:
+    """At most 250 lines; the sections a newcomer and an operator look for are there."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    sections = re.findall(r"^## (.+)$", readme, re.M)
+    for wanted in ("Quick start", "Commands", "Performance", "Errors and exit codes",
+                   "Monitoring", "Read on"):  # fmt: skip
+        assert wanted in sections, f"README has no section {wanted!r}"
+
+
+def test_readme_monitoring_names_the_alerts() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Monitoring") :]
+    section = section[: section.index("\n## ", 1)]
+    for needed in ("--metrics-port 9464", "scrape_configs:", "upr_follow_lag_seconds",
+                   "upr_last_result{command=\"backup\"} == 0",
+                   "upr_last_success_timestamp_seconds",
+                   "increase(upr_lost_writes_total[1h]) > 0",
+                   "docs/metrics.md", "examples/prometheus/"):  # fmt: skip
+        assert needed in section, f"README's Monitoring section lacks {needed}"
+
+
+def _monitoring_yaml() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Monitoring") :]
+    return re.findall(r"```yaml\n(.*?)```", section[: section.index("\n## ", 1)], re.S)
+
+
+def test_readme_metrics_are_documented() -> None:
+    """Every metric the README's scrape config and alert rules name is in docs/metrics.md."""
+    documented = (ROOT / "docs" / "metrics.md").read_text()
+    named = set(re.findall(r"\bupr_[a-z_]+", "".join(_monitoring_yaml())))
+    assert named, "the README's Monitoring section names no metric"
+    assert not [m for m in sorted(named) if m not in documented]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus)")
+def test_readme_alert_rules_pass_promtool(tmp_path: Path) -> None:
+    config, rules = _monitoring_yaml()
+    (tmp_path / "alerts.yml").write_text(rules)
+    (tmp_path / "prometheus.yml").write_text(config)
+    for args in (["check", "rules", "alerts.yml"], ["check", "config", "prometheus.yml"]):
+        done = subprocess.run(["promtool", *args], cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("name", commands())

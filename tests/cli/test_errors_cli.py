@@ -72,7 +72,7 @@ def _codes(text: str, start: str, end: str, row: str) -> set[int]:
 
 def test_readme_table_is_exit_code() -> None:
     readme = (ROOT / "README.md").read_text()
-    codes = _codes(readme, "### Errors and exit codes", "\n## ", r"^\| (\d+) \|")
+    codes = _codes(readme, "## Errors and exit codes", "\n## ", r"^\| (\d+) \|")
     assert codes == {int(c) for c in ExitCode}
     man = (ROOT / "man" / "upr.1").read_text()
     assert _codes(man, ".SH EXIT STATUS", "\n.SH ", r"^\.B (\d+)$") == {int(c) for c in ExitCode}

@@ -1,6 +1,6 @@
 """Authentication and misuse statuses of `upr serve`, over real sockets.
 
-The README ("upr serve") and the server's docstring document: wrong password →
+docs/commands/serve.md and the server's docstring document: wrong password →
 AUTH_ERROR 0x20; a bucket command before SELECT_BUCKET → NO_BUCKET 0x08; SELECT_BUCKET
 or DCP_OPEN before authenticating → EACCESS 0x24. docs/protocol.md adds: SELECT_BUCKET
 of an unknown bucket → EACCESS (docs/protocol.md §5.3); an unknown CONTROL key → EINVAL
@@ -283,7 +283,8 @@ def test_a_bucket_command_before_select_bucket_is_no_bucket(
 
 
 def test_dcp_open_without_a_bucket_is_refused(auth_node: Node) -> None:
-    """docs/protocol.md §2.1: DCP needs a selected bucket (README: a bucket command → NO_BUCKET)."""
+    """docs/protocol.md §2.1: DCP needs a selected bucket (docs/commands/serve.md: a bucket
+    command → NO_BUCKET)."""
 
     async def body(p: Peer) -> None:
         assert await p.plain() == SUCCESS
@@ -459,7 +460,7 @@ def test_no_auth_on_loopback_serves_without_sasl(tmp_path: Path) -> None:
 
 @contextlib.contextmanager
 def _no_auth_node(data: Path) -> Iterator[tuple[int, subprocess.Popen[str]]]:
-    """`upr serve --no-auth` with no users (the README's "tests and demos" example):
+    """`upr serve --no-auth` with no users (docs/commands/serve.md's "tests and demos" example):
     (its port, the process), killed at the end of the block."""
     with spawn_upr("serve", "--data", str(data), "--port", "0", "--no-auth",
                    "--num-partitions", "4", "--flush-interval", "0.02") as proc:  # fmt: skip

@@ -1,6 +1,6 @@
 """Garbage, half frames and rude peers against a real `upr serve` process.
 
-What the README promises: a peer sending bytes that do not frame (bad magic, huge
+What docs/commands/serve.md promises: a peer sending bytes that do not frame (bad magic, huge
 lengths) is disconnected and the node keeps serving everyone else; a well-framed but
 wrong request gets a status, not a disconnect. Hypothesis generates the bytes
 (docs/protocol.md §1.6: header checks before any body is read, frame limits,
