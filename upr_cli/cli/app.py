@@ -47,6 +47,10 @@ serve, and backup, restore, tail, replay and failover-history tools for any node
 
 Each command's --help has examples; `man upr` and `man upr-COMMAND` have the details.
 
+Results go to stdout, everything else to stderr: every command takes --log-format
+text|json (one JSON object a line, secrets redacted) and --log-level
+debug|info|notice|warning|error (else UPR_LOG_FORMAT and UPR_LOG).
+
 Example (a node, a workload, its changes, a backup and its restore):
 
   upr serve --data /tmp/node --port 11210 --user admin --password secret
