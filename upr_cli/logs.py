@@ -22,7 +22,9 @@ What reaches stderr comes by three roads, and each takes the same rule:
   carries JSON lines only;
 - records of Python's logging (`logging.getLogger` in node/, dcp/, repo/, jobs/): one
   handler on the root logger, at the level, writes `TIME upr-COMMAND LEVEL NAME: MESSAGE`
-  or a JSON object with event `log` and the logger's name.
+  or a JSON object with event `log` and the logger's name (and, in json format,
+  Python's warnings). Other libraries' debug records are left out: botocore's show the
+  headers of signed requests.
 
 A JSON line is one object: `time` (RFC 3339, UTC), `level`, `command`, `event`,
 `message`, then the event's fields. Secrets never reach it: a password in a URI becomes
@@ -35,6 +37,7 @@ command run inside a test process leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import json
@@ -154,6 +157,8 @@ def reset() -> None:
             root.removeHandler(_HANDLER)
         if _state.root_level is not None:
             root.setLevel(_state.root_level)
+        if _state.format == "json":
+            logging.captureWarnings(False)
         _state.clear()
 
 
@@ -169,6 +174,7 @@ def _apply() -> None:
             if sys.stderr is _state.stream:
                 sys.stderr = _state.stream.raw
             _state.stream = None
+        logging.captureWarnings(_state.format == "json")  # Python's warnings: records too
         root = logging.getLogger()
         _HANDLER.setLevel(_state.level)
         if _HANDLER not in root.handlers:
@@ -289,11 +295,15 @@ class _LineStream(io.TextIOBase):
 
     def close_line(self) -> None:
         """Write out a last line that has no newline."""
-        with _lock:
+        with _lock, contextlib.suppress(ValueError, OSError):  # the stream under it closed
             if self._buf:
                 line, self._buf = self._buf, ""
                 self._line(line)
             self.raw.flush()
+
+    def close(self) -> None:
+        """The last line out; the stream under it stays open (it is not this one's)."""
+        self.close_line()
 
     def _line(self, line: str) -> None:
         plain = _ANSI.sub("", line).strip()
@@ -312,6 +322,8 @@ class _Handler(logging.Handler):
     """The root logger's one handler: records as text lines or JSON objects."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno < logging.INFO and not record.name.startswith(_OWN_LOGGERS):
+            return  # other libraries' debug records (botocore's show request headers)
         try:
             level = _level_name(record.levelno)
             message = record.getMessage()
@@ -345,5 +357,7 @@ _RECORD_ATTRS = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict
     "message", "asctime", "taskName",
 }  # fmt: skip
 _FORMATTER = logging.Formatter()
+#: the loggers whose debug records `debug` shows (other libraries': from info up)
+_OWN_LOGGERS = ("upr", "asyncio")
 _HANDLER = _Handler()
 logging.addLevelName(LEVELS["notice"], "NOTICE")
