@@ -216,14 +216,14 @@ def _run(args: list[str]) -> object:
         error_line("interrupted", exit_code=int(ExitCode.INTERRUPTED), kind="interrupted")
         code = ExitCode.INTERRUPTED
     except UprError as exc:
-        code = _failed(str(exc), exc.exit_code, type(exc).__name__)
+        code = _failed(str(exc), exc.exit_code, type(exc).__name__.rstrip("_"))
     except KeyboardInterrupt:
         code = _stopped()
     except BrokenPipeError:
         code = ExitCode.OK
     except OSError as exc:  # from the file system (or a socket) with no typed error around it
         err = _os_failure(exc, args)
-        code = _failed(str(err), err.exit_code, type(err).__name__)
+        code = _failed(str(err), err.exit_code, type(err).__name__.rstrip("_"))
     except Exception as exc:
         if os.environ.get("UPR_DEBUG"):
             raise
