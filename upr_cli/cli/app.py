@@ -14,10 +14,17 @@ themselves.
 
 The commands' modules are imported when one of them runs, not to list them
 (`cli/help.py`), so `upr --help` starts fast.
+
+Every command takes `--log-format text|json` and `--log-level` (upr_cli/logs.py, the
+options added in `cli/help.py`): the error line is then a JSON object with the exit
+status and the error's kind (and, with UPR_DEBUG=1, the traceback as a field). `main`
+sets the log state from the environment before the command line is read, so a usage
+error in it already follows UPR_LOG_FORMAT, and puts stderr back when the command ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -29,9 +36,9 @@ import typer
 from typer.exceptions import Abort as TyperAbort
 from typer.exceptions import TyperException
 
-from upr_cli import __version__, interrupt
+from upr_cli import __version__, interrupt, logs
 from upr_cli.cli.help import LazyGroup
-from upr_cli.cli.output import error_line
+from upr_cli.cli.output import error_line, notice
 from upr_cli.errors import ExitCode, UprError, free_bytes, is_network_error, os_error
 from upr_cli.source import local_path
 
@@ -39,6 +46,10 @@ HELP = """Toolkit for Couchbase's replication protocol (UPR, shipped as DCP): a 
 serve, and backup, restore, tail, replay and failover-history tools for any node.
 
 Each command's --help has examples; `man upr` and `man upr-COMMAND` have the details.
+
+Results go to stdout, everything else to stderr: every command takes --log-format
+text|json (one JSON object a line, secrets redacted) and --log-level
+debug|info|notice|warning|error (else UPR_LOG_FORMAT and UPR_LOG).
 
 Example (a node, a workload, its changes, a backup and its restore):
 
@@ -140,22 +151,48 @@ def _stopped() -> int:
     """A signal stopped the command: its one line, and its exit status."""
     end = interrupt.ending()
     if end.follower:
-        sys.stderr.write(f"upr: {end.line}\n")
+        notice(end.line)
         sys.stderr.flush()
     else:
-        error_line(end.line)
+        error_line(end.line, exit_code=int(end.code), kind="interrupted")
     return end.code
+
+
+def _failed(message: str, code: int, kind: str) -> int:
+    """The error line of a failure (in json format with its exit status and kind, and
+    with UPR_DEBUG=1 the traceback), and its exit status."""
+    fields: dict[str, object] = {"exit_code": int(code), "kind": kind}
+    if os.environ.get("UPR_DEBUG") and sys.exc_info()[0] is not None:
+        if logs.is_json():
+            fields["traceback"] = traceback.format_exc()
+        else:
+            traceback.print_exc()
+    error_line(message, **fields)
+    return code
+
+
+def _environment_logs() -> None:
+    """The log state of UPR_LOG_FORMAT and UPR_LOG (a bad value is left for the
+    options' callbacks to report)."""
+    for setter in (logs.set_format, logs.set_level):
+        with contextlib.suppress(ValueError):
+            setter(None)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point: run the app and map every failure to one line + exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    level = os.environ.get("UPR_LOG", "").upper()
-    if level in ("DEBUG", "INFO", "WARNING"):  # diagnostics on stderr (moves, reconnects)
-        import logging
+    logs.reset()
+    _environment_logs()
+    try:
+        code = _run(args)
+    finally:
+        logs.reset()
+    sys.exit(int(code) if isinstance(code, int) else ExitCode.OK)
 
-        logging.basicConfig(level=level, stream=sys.stderr,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+
+def _run(args: list[str]) -> object:
+    """Run the command line `args`: its exit status."""
     command = typer.main.get_command(app)
     name = next((a for a in args if not a.startswith("-")), "")
     try:
@@ -172,30 +209,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         if _no_arguments(exc):  # the help is printed already, as the answer: nothing to add
             code = ExitCode.USAGE
         else:
-            error_line(f"{exc.format_message()} (see '{path} --help')")
+            error_line(f"{exc.format_message()} (see '{path} --help')",
+                       exit_code=exc.exit_code, kind="usage")  # fmt: skip
             code = exc.exit_code
     except (TyperAbort, click.exceptions.Abort):
-        error_line("interrupted")
+        error_line("interrupted", exit_code=int(ExitCode.INTERRUPTED), kind="interrupted")
         code = ExitCode.INTERRUPTED
     except UprError as exc:
-        if os.environ.get("UPR_DEBUG"):
-            traceback.print_exc()
-        error_line(str(exc))
-        code = exc.exit_code
+        code = _failed(str(exc), exc.exit_code, type(exc).__name__.rstrip("_"))
     except KeyboardInterrupt:
         code = _stopped()
     except BrokenPipeError:
         code = ExitCode.OK
     except OSError as exc:  # from the file system (or a socket) with no typed error around it
-        if os.environ.get("UPR_DEBUG"):
-            traceback.print_exc()
         err = _os_failure(exc, args)
-        error_line(str(err))
-        code = err.exit_code
+        code = _failed(str(err), err.exit_code, type(err).__name__.rstrip("_"))
     except Exception as exc:
         if os.environ.get("UPR_DEBUG"):
             raise
-        error_line(f"internal error (a bug in upr: please report it with the output of the same "
-                   f"command run with UPR_DEBUG=1): {type(exc).__name__}: {exc}")  # fmt: skip
-        code = ExitCode.INTERNAL
-    sys.exit(int(code) if isinstance(code, int) else ExitCode.OK)
+        code = _failed(f"internal error (a bug in upr: please report it with the output of the "
+                       f"same command run with UPR_DEBUG=1): {type(exc).__name__}: {exc}",
+                       ExitCode.INTERNAL, "internal")  # fmt: skip
+    return code

@@ -15,6 +15,10 @@ Every command it hands out, and its subcommands, goes through `polish` once:
 - square brackets in help are text, not Rich markup ("[uuid, seq]" was swallowed);
 - metavars are plain names (URI, N, PATH, text|json), never Typer's type labels
   (`<int range> [x>=1]`, `<bool>`, `{uri}`).
+
+Every command, the group itself included, takes `--log-format` and `--log-level`
+(`add_log_options`): eager options that set upr_cli/logs.py's state before any other
+option's callback or the command's body can write a line on stderr.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import sys
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Annotated, Any, get_args
@@ -79,6 +84,7 @@ def load_command(name: str) -> typer.core.TyperGroup | typer.core.TyperCommand:
     command = typer.main.get_group(holder).commands[name]
     if name in ACCESS_COMMANDS:
         add_access_options(command)
+    add_log_options(command)
     polish(command)
     return command  # type: ignore[return-value]
 
@@ -149,6 +155,72 @@ def add_access_options(command: Any) -> None:
     command.params.extend(o for o in access_options() if o.opts[0] not in names)
 
 
+# -- log options ----------------------------------------------------------------------------
+
+LOG_PANEL = "Logs"
+
+
+def _log_callback(setter: str) -> Any:
+    """A callback that sets the format or level (`setter`, a function of upr_cli.logs):
+    the group's sets it from the option, else the environment, else the default; a
+    command's, given the option, overrides it."""
+
+    def callback(ctx: Any, param: Any, value: Any) -> Any:
+        from upr_cli import logs
+
+        root = ctx.parent is None
+        if root or value is not None:
+            try:
+                getattr(logs, setter)(value)
+            except ValueError as exc:
+                if value is None:  # from the environment
+                    from upr_cli.errors import UsageError
+
+                    raise UsageError(str(exc)) from exc
+                raise typer.BadParameter(str(exc).split(": ", 1)[1]) from exc
+        logs.set_command(" ".join(ctx.command_path.split()[1:]))
+        if "upr_cli.cli.output" in sys.modules:  # messages wrap only on a terminal
+            from upr_cli.cli import output
+
+            output.stderr.soft_wrap = not sys.stderr.isatty()
+        return value
+
+    return callback
+
+
+def _logs(
+    log_format: Annotated[str | None, typer.Option(
+        "--log-format", metavar="text|json", expose_value=False, is_eager=True,
+        callback=_log_callback("set_format"), rich_help_panel=LOG_PANEL,
+        help="How stderr's lines read: text as always, or one JSON object a line "
+        "(else UPR_LOG_FORMAT).")] = None,
+    log_level: Annotated[str | None, typer.Option(
+        "--log-level", metavar="LEVEL", expose_value=False, is_eager=True,
+        callback=_log_callback("set_level"), rich_help_panel=LOG_PANEL,
+        help="debug, info, notice (the default), warning or error: the least severe "
+        "line shown (else UPR_LOG).")] = None,
+) -> None:  # fmt: skip
+    """The log options' holder (never called: its options are not exposed)."""
+
+
+def log_options() -> list[Any]:
+    """`--log-format` and `--log-level`, applied as they are parsed (upr_cli/logs.py)."""
+    holder = typer.Typer(add_completion=False)
+    holder.command("logs")(_logs)
+    return list(typer.main.get_command(holder).params)
+
+
+def add_log_options(command: Any) -> None:
+    """Give `command` (and each subcommand of a group) the log options."""
+    subcommands = getattr(command, "commands", None)
+    if subcommands and not isinstance(subcommands, _Commands):
+        for sub in subcommands.values():
+            add_log_options(sub)
+        return
+    names = {n for p in command.params for n in getattr(p, "opts", ())}
+    command.params.extend(o for o in log_options() if o.opts[0] not in names)
+
+
 class _Commands(MutableMapping[str, Any]):
     """The group's commands by name, each built on first use (a mapping, as click's
     `Group.commands` is, so code that reads that sees every command)."""
@@ -189,6 +261,7 @@ class LazyGroup(typer.core.TyperGroup):
         super().__init__(*args, **kwargs)
         self.commands = _Commands()
         self._listing = False
+        add_log_options(self)
         polish(self)
 
     def list_commands(self, ctx: Any) -> list[str]:

@@ -7,6 +7,10 @@ truncate, long ones fold, and what does not fit is in --json. A list that can ru
 hundreds of rows shows its counts and the first few rows, then "… N more (--all)".
 Every long command shows one kind of progress bar (`Progress`): items, items/s (and
 bytes/s where the job counts bytes) and an ETA, on a terminal only.
+
+The lines on stderr follow `--log-format` and `--log-level` (upr_cli/logs.py): in text
+format they read as they always did; in json format each is one JSON object (`error`,
+`warning`, `notice` or `hint` its event).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
+from upr_cli import logs
 from upr_cli.errors import size_text
 
 T = TypeVar("T")
@@ -41,21 +46,41 @@ def print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
-def error_line(message: str) -> None:
-    """One line on stderr, prefixed so it is recognisable in scripts' logs."""
+def error_line(message: str, **fields: Any) -> None:
+    """One line on stderr, prefixed so it is recognisable in scripts' logs (in json
+    format an object of event `error`, with `fields`)."""
     first = " ".join(str(message).split())
+    if logs.is_json():
+        logs.emit("error", "error", first, **fields)
+        return
     sys.stderr.write(f"upr: error: {first}\n")
     sys.stderr.flush()
 
 
 def notice(message: str) -> None:
     """A line on stderr about the run's own course (a link lost, and back)."""
-    stderr.print(f"upr: {message}", markup=False, highlight=False)
+    if logs.is_json():
+        logs.emit("notice", "notice", message)
+    elif logs.enabled("notice"):
+        stderr.print(f"upr: {message}", markup=False, highlight=False)
+
+
+def warning(message: str) -> None:
+    """A `upr: warning: …` line on stderr."""
+    if logs.is_json():
+        logs.emit("warning", "warning", message)
+    elif logs.enabled("warning"):
+        stderr.print(f"upr: warning: {message}", markup=False, highlight=False)
 
 
 def hint(message: str) -> None:
-    """A "what to do next" line on stderr (never part of the answer a pipe reads)."""
-    stderr.print(message, markup=False, highlight=False)
+    """A "what to do next" line on stderr (never part of the answer a pipe reads); a
+    hint written as a warning (`upr: warning: …`) is one."""
+    level, event, text = logs.classify(message)
+    if logs.is_json():
+        logs.emit(level, "hint" if event == "message" else event, text)
+    elif logs.enabled(level):
+        stderr.print(message, markup=False, highlight=False)
 
 
 def table(title: str | None = None) -> Table:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import ctypes
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -161,15 +160,6 @@ def _return_large_blocks() -> None:
         ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _LARGE_BLOCK)
 
 
-def _log_to_stderr(log_level: str) -> None:
-    """The node's log: one line a record on stderr, from `log_level` up."""
-    level = getattr(logging, log_level.upper(), None)
-    if not isinstance(level, int):
-        raise UsageError(f"--log-level: unknown level {log_level!r}")
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s upr-serve %(levelname)s %(message)s")  # fmt: skip
-
-
 def _users(ctx: typer.Context, user: str | None, password: str | None, users_file: Path | None,
            *, no_auth: bool) -> dict[str, str]:  # fmt: skip
     """`load_users`, after two checks: UPR_PASSWORD goes with --user alone (it is ambient:
@@ -256,10 +246,6 @@ def serve_cmd(
         ),
     ] = 360.0,
     expiry_pager_interval: ExpiryPager = 10.0,
-    log_level: Annotated[
-        str,
-        typer.Option("--log-level", metavar="LEVEL", help="debug, info, warning or error."),
-    ] = "warning",
     collections: Annotated[
         str | None,
         typer.Option(
@@ -277,7 +263,6 @@ def serve_cmd(
     memory: MemoryLimitOption = _MEMORY,
 ) -> None:
     """Run a UPR node."""
-    _log_to_stderr(log_level)
     _return_large_blocks()
     users = _users(ctx, user, password, users_file, no_auth=no_auth)
     specs = parse_specs(collections)
