@@ -46,12 +46,17 @@ def repo_location(value: str | Path) -> Path:
         raise typer.BadParameter(str(exc)) from None
 
 
+REPO_ENV = "UPR_REPO"
+"""The environment variable `--repo` falls back to (restic's RESTIC_REPOSITORY)."""
+
 Repo = Annotated[
     Path,
     typer.Option(
         "--repo",
         metavar="URL",
         parser=repo_location,
+        envvar=REPO_ENV,
+        show_envvar=True,
         help="The backup repository: a directory or s3://BUCKET/PREFIX.",
     ),
 ]
