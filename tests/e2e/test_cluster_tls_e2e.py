@@ -99,7 +99,7 @@ def test_collections_diff_rollback_point_and_salvage_take_tls_sources(
     assert diff["a"].startswith("uprs://admin:***@"), diff["a"]  # never the password
 
     rp = json.loads(upr("rollback-point", "--server", tls, "--client", f"repo:{repo}", "--json",
-                        *ca).stdout)  # fmt: skip
+                        *ca).stdout)["partitions"]  # fmt: skip
     assert len(rp) == 4 and not any(r["rollback"] for r in rp), rp
 
     salvage = json.loads(upr("salvage", "--repo", str(repo), "--to", tls, "--json", *ca).stdout)
