@@ -414,9 +414,7 @@ class RestoreSummary:
                 "errors": sum(self.errors.values()),  # a count, as in every command
                 "errors_by_status": self.errors,
                 "seconds": round(self.seconds, 3),
-                "items_per_s": round(self.written / self.seconds)
-                if self.seconds and self.written
-                else None,
+                "items_per_s": round(self.written / self.seconds) if self.seconds else 0,
             }
             | (self.plan.to_json() if self.plan is not None else {})
         )
