@@ -78,13 +78,13 @@ def test_verbose_lines_show_manifest_changes() -> None:
     names = CollectionNames(APP)
     created = ManifestChange(3, 2**64 - 2, "collection-created", 2**63, 8, 9, "users", 60)
     obj = json.loads(event_line(created, "json", names) or "")
-    assert obj == {"event": "collection-created", "partition": 3, "seq": str(2**64 - 2),
-                   "scope": "app", "collection": "users", "collection_id": 9,
+    assert obj == {"op": "system_event", "event": "collection-created", "partition": 3,
+                   "seq": str(2**64 - 2), "scope": "app", "collection": "users", "collection_id": 9,
                    "manifest_uid": str(2**63), "max_ttl": 60}  # fmt: skip
     assert not problems(obj)
     scope = json.loads(event_line(ManifestChange(3, 5, "scope-dropped", 7, 8), "json", names) or "")
-    assert scope == {"event": "scope-dropped", "partition": 3, "seq": "5", "scope": "app",
-                     "scope_id": 8, "manifest_uid": "7"}  # fmt: skip
+    assert scope == {"op": "system_event", "event": "scope-dropped", "partition": 3, "seq": "5",
+                     "scope": "app", "scope_id": 8, "manifest_uid": "7"}  # fmt: skip
     text = event_line(created, "text", names) or ""
     assert text.startswith("# partition=3 ") and text.endswith("[collection-created]")
     assert "collection=users collection_id=0x9 " in text

@@ -51,10 +51,11 @@ collection as scope.collection:key, and xattrs by name (xattrs=_sync,meta).
 Every collection is streamed unless --collections names some (SCOPE or
 SCOPE.COLLECTION, comma-separated; .C is _default.C): the source then sends only
 those. Collections and scopes created and dropped are always shown, in seq order: as
-JSON, objects with an "event" field ("collection-created", "collection-dropped",
-"scope-created", "scope-dropped"; change lines have "op" instead); as text, lines
-starting with "#", ids in hex. -v also shows snapshot markers, rollbacks and stream
-opens and ends. --state keeps the collections followed, so a resume still shows the
+JSON, objects with "op": "system_event" and an "event" field ("collection-created",
+"collection-dropped", "scope-created", "scope-dropped"); as text, lines starting with
+"#", ids in hex. -v also shows snapshot markers, rollbacks and stream opens and ends
+(as JSON, "op" snapshot_marker, rollback, stream_open, stream_end, and their "event").
+Every JSON line has "op", so jq 'select(.op=="mutation")' reads the stream. --state keeps the collections followed, so a resume still shows the
 drop of one dropped meanwhile. A source without collections (an older server) has
 only _default._default.
 
