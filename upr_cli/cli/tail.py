@@ -55,9 +55,10 @@ JSON, objects with "op": "system_event" and an "event" field ("collection-create
 "collection-dropped", "scope-created", "scope-dropped"); as text, lines starting with
 "#", ids in hex. -v also shows snapshot markers, rollbacks and stream opens and ends
 (as JSON, "op" snapshot_marker, rollback, stream_open, stream_end, and their "event").
-Every JSON line has "op", so jq 'select(.op=="mutation")' reads the stream. --state keeps the collections followed, so a resume still shows the
-drop of one dropped meanwhile. A source without collections (an older server) has
-only _default._default.
+Every JSON line has "op", so jq 'select(.op=="mutation")' reads the stream. --state
+keeps the collections followed, so a resume still shows the drop of one dropped
+meanwhile. A source without collections (an older server) has only
+_default._default.
 
 A node that goes away (a restart, a crash, a network cut) is reconnected for up to
 --wait seconds (120; forever for a service, 0 for no waiting), with a line on stderr
