@@ -15,6 +15,7 @@ from upr_cli.cli.options import (
     JsonOutput,
     NoVerify,
     Partitions,
+    PasswordFile,
     client_tls,
     one_is_an_answer,
 )
@@ -91,6 +92,7 @@ def diff_cmd(
         bool, typer.Option("--all", help="List every partition, identical ones too.")
     ] = False,
     json_out: JsonOutput = False,
+    password_file: PasswordFile = None,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,

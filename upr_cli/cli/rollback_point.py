@@ -16,6 +16,7 @@ from upr_cli.cli.options import (
     JsonOutput,
     NoVerify,
     Partitions,
+    PasswordFile,
     client_tls,
 )
 from upr_cli.cli.output import first_rows, hint, keep_whole, more_line, print_json, stdout, table
@@ -165,6 +166,7 @@ def rollback_point_cmd(
         ),
     ] = False,
     json_out: JsonOutput = False,
+    password_file: PasswordFile = None,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
