@@ -61,8 +61,6 @@ Repo = Annotated[
         help="The backup repository: a directory or s3://BUCKET/PREFIX.",
     ),
 ]
-
-
 Bucket = Annotated[
     str | None,
     typer.Option("--bucket", metavar="NAME", help="The bucket in the repository (if several)."),
