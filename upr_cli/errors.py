@@ -30,9 +30,10 @@ class ExitCode(IntEnum):
     """Done (diff: identical; salvage: nothing left to write back)."""
     FAILED = 1
     """The operation failed (the source or target, the network, damaged data, a held lock,
-    writes that failed), or the command's documented "no": diff: the histories differ;
-    verify: problems found; salvage: lost writes remain; examine: no version of the key;
-    cat: no such document in the state."""
+    writes that failed), or the command's documented "no": diff: the histories differ
+    (diverged, B ahead, no common history, a partition on one side only: B only behind
+    is BEHIND); verify: problems found; salvage: lost writes remain; examine: no version
+    of the key; cat: no such document in the state."""
     USAGE = 2
     """Bad input or usage: options, values, URIs, specs, partitions the bucket cannot have,
     and paths or files that are not what they should be. diff and salvage, whose 1 is an
@@ -43,6 +44,10 @@ class ExitCode(IntEnum):
     PARTIAL = 4
     """Done, but partial: something the output names was left out (restore: partitions
     whose segments are damaged, with --skip-corrupt; keys the target refused)."""
+    BEHIND = 5
+    """diff: B is behind A on the same branch in some partitions and identical in the
+    others, and no partition needs a rollback: the next backup or replay of B catches up
+    (a check from cron: 0 and 5 are fine, 1 is not)."""
     INTERNAL = 70
     """A bug in upr (sysexits EX_SOFTWARE): the message says so; UPR_DEBUG=1 shows where."""
     IO_ERROR = 74

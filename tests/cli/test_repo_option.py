@@ -68,5 +68,7 @@ def test_every_command_refuses_other_schemes_and_creates_nothing(
     _out, err = capsys.readouterr()
     assert info.value.code == ExitCode.USAGE
     assert err.count("\n") == 1, err
-    assert "Invalid value for '--repo': 'gs://bucket/x': gs:// repositories" in err
+    # (click names the option's environment variable too, UPR_REPO, where it has one)
+    assert "Invalid value for '--repo'" in err
+    assert "'gs://bucket/x': gs:// repositories" in err
     assert list(tmp_path.iterdir()) == []  # no directory named `gs:`

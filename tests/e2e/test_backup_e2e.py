@@ -197,7 +197,7 @@ def test_rollback_point_between_a_node_and_a_repository(
     node.kill()
     node.start()
     out = upr("rollback-point", "--server", node.uri, "--client", f"repo:{repo}", "--json")
-    rows = {r["partition"]: r for r in json.loads(out.stdout)}
+    rows = {r["partition"]: r for r in json.loads(out.stdout)["partitions"]}
     assert {p: int(r["rollback_seq"]) for p, r in rows.items()} == persisted
     assert all(r["rollback"] for r in rows.values())
     one = upr(

@@ -109,7 +109,7 @@ def test_env_password_argv_and_base_port(tmp_path: Path) -> None:
             argv = Path(f"/proc/{node.pid}/cmdline").read_bytes().split(b"\0")
             assert password.encode() not in b" ".join(argv) and b"--password" not in argv
             assert b"--user" in argv
-        # eval of `cluster env` keeps a UPR_PASSWORD the user set, and sets it otherwise
+        # eval of `cluster env` sets UPR_PASSWORD, replacing a stale one (the cluster's wins)
         script = 'eval "$("$@")"; printf "%s\\n%s\\n" "$UPR_PASSWORD" "$UPR_N1"'
         cmd = ["sh", "-c", script, "sh", sys.executable, "-m", "upr_cli", "cluster", "env",
                "--data", str(data)]  # fmt: skip
@@ -117,10 +117,10 @@ def test_env_password_argv_and_base_port(tmp_path: Path) -> None:
         fresh = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         assert fresh.stdout.splitlines() == [password, f"upr://admin@127.0.0.1:{base + 1}/default"]
         assert fresh.stderr == ""
-        kept = subprocess.run(cmd, env=env | {"UPR_PASSWORD": "mine"}, capture_output=True,
-                              text=True, check=True)  # fmt: skip
-        assert kept.stdout.splitlines()[0] == "mine"
-        assert "not this cluster's password" in kept.stderr
+        stale = subprocess.run(cmd, env=env | {"UPR_PASSWORD": "mine"}, capture_output=True,
+                               text=True, check=True)  # fmt: skip
+        assert stale.stdout.splitlines()[0] == password
+        assert "replace it with this cluster's" in stale.stderr
         # rebalance --add new honours --base-port: node n2 on base + 2
         cl.cli("rebalance", "--add", "new", "--base-port", str(base))
         assert [(n.name, n.port) for n in cl.spec.nodes][2] == ("n2", base + 2)

@@ -121,7 +121,7 @@ def _tail_state(node: Node) -> dict[Doc, Any]:
         if row.get("event") == "collection-dropped":
             gone = (p, row.get("scope"), row.get("collection"))
             seen = {d: r for d, r in seen.items() if d[:3] != gone}
-        elif "op" in row:
+        elif "event" not in row:  # a change (events also have an op)
             seen[p, row["scope"], row["collection"], row["key"]] = (
                 row if row["op"] == "mutation" else None
             )

@@ -150,7 +150,7 @@ def _tail_state(*outputs: str) -> dict[str, Any]:
             p = row["partition"]
             if row.get("event") == "rollback":
                 history[p] = [c for c in history.get(p, []) if int(c["seq"]) <= int(row["to_seq"])]
-            elif "op" in row:
+            elif "event" not in row:  # a change (events also have an op)
                 history.setdefault(p, []).append(row)
     out: dict[str, Any] = {}
     for changes in history.values():

@@ -46,7 +46,7 @@ def _tail_state(lines: list[str]) -> dict[str, object]:
     for row in map(json.loads, lines):
         if row.get("op") == "mutation":
             out[row["key"]] = row["value"]
-        elif "op" in row:
+        elif "event" not in row:  # a deletion or expiration
             out.pop(row["key"], None)
     return out
 

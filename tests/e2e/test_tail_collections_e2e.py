@@ -78,13 +78,13 @@ def test_verbose_lines_show_manifest_changes() -> None:
     names = CollectionNames(APP)
     created = ManifestChange(3, 2**64 - 2, "collection-created", 2**63, 8, 9, "users", 60)
     obj = json.loads(event_line(created, "json", names) or "")
-    assert obj == {"event": "collection-created", "partition": 3, "seq": str(2**64 - 2),
-                   "scope": "app", "collection": "users", "collection_id": 9,
+    assert obj == {"op": "system_event", "event": "collection-created", "partition": 3,
+                   "seq": str(2**64 - 2), "scope": "app", "collection": "users", "collection_id": 9,
                    "manifest_uid": str(2**63), "max_ttl": 60}  # fmt: skip
     assert not problems(obj)
     scope = json.loads(event_line(ManifestChange(3, 5, "scope-dropped", 7, 8), "json", names) or "")
-    assert scope == {"event": "scope-dropped", "partition": 3, "seq": "5", "scope": "app",
-                     "scope_id": 8, "manifest_uid": "7"}  # fmt: skip
+    assert scope == {"op": "system_event", "event": "scope-dropped", "partition": 3, "seq": "5",
+                     "scope": "app", "scope_id": 8, "manifest_uid": "7"}  # fmt: skip
     text = event_line(created, "text", names) or ""
     assert text.startswith("# partition=3 ") and text.endswith("[collection-created]")
     assert "collection=users collection_id=0x9 " in text
@@ -151,7 +151,7 @@ def _lines(*args: str) -> list[dict[str, Any]]:
 
 def _rows(*args: str) -> list[dict[str, Any]]:
     """The change lines (not the collection events, which have "event", not "op")."""
-    return [r for r in _lines(*args) if "op" in r]
+    return [r for r in _lines(*args) if "event" not in r]  # the changes
 
 
 @pytest.fixture
@@ -183,7 +183,7 @@ def test_tail_names_every_collection_and_skips_a_dropped_one(bucket: Node) -> No
     # without -v too: every partition says app.orders was dropped (by id: it was gone
     # before the tail started, and its creation was replaced by the drop)
     drops = [r for r in lines if r.get("event") == "collection-dropped"]
-    assert len(drops) == bucket.partitions and all("op" not in r for r in drops)
+    assert len(drops) == bucket.partitions and all(r["op"] == "system_event" for r in drops)
     assert {(r.get("scope"), r.get("collection")) for r in drops} == {("app", None)}
     assert all(isinstance(r["collection_id"], int) for r in drops)
     text = upr("tail", bucket.uri, "--until-end").stdout
@@ -297,7 +297,7 @@ def test_a_resumed_tail_shows_the_drop_of_a_collection_re_created_meanwhile(
     state = tmp_path / "st.json"
     args = ("--until-end", "--format", "json", "--state", str(state), "--collections", "crash.c1")
     first = [json.loads(x) for x in upr("tail", node.uri, *args).stdout.splitlines()]
-    assert sorted(r["key"] for r in first if "op" in r) == [f"a{i}" for i in range(8)]
+    assert sorted(r["key"] for r in first if "event" not in r) == [f"a{i}" for i in range(8)]
     assert json.loads(state.read_text())["collections"]["filter"] == "crash.c1"
     coll.drop(node.uri, "crash.c1")
     new = coll.create(node.uri, "crash.c1").lookup(coll.Path("crash", "c1"))
@@ -310,7 +310,7 @@ def test_a_resumed_tail_shows_the_drop_of_a_collection_re_created_meanwhile(
         (old.id, "crash", "c1")}  # fmt: skip
     created = [r for r in again if r.get("event") == "collection-created"]
     assert {r["collection_id"] for r in created} == {new.id}
-    rows = [r for r in again if "op" in r]
+    rows = [r for r in again if "event" not in r]
     assert [(r["collection"], r["key"]) for r in rows] == [("c1", "b0")]  # not "other"
     for p in range(node.partitions):  # per partition: the drop before the creation
         mine = [r["event"] for r in again if r.get("partition") == p and "event" in r]

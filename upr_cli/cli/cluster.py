@@ -331,9 +331,9 @@ def _status_problems(h: ClusterHealth) -> None:
 
 UPR_N0, UPR_N1, … are the nodes' URIs without the password (and in a TLS cluster
 UPR_N0_TLS, UPR_N1_TLS, … their uprs:// URIs); UPR_PASSWORD (which upr
-reads when a URI has none) is set to the cluster's password unless it is set already:
-a password you exported is never replaced (a warning on stderr says when it is not
-the cluster's). For scripts and demos:
+reads when a URI has none) is set to the cluster's password: the cluster's own password
+wins over one left in the shell from before (a note on stderr says when it replaces
+another). For scripts and demos:
 
   eval "$(upr cluster env --data /tmp/cl)"
   upr tail "$UPR_N1" --until-end
@@ -345,9 +345,12 @@ def env_cmd(data: Data) -> None:
 
     lines, differs = lifecycle.env_lines(data)
     if differs:
-        stderr.print("upr: warning: UPR_PASSWORD is set and is not this cluster's password; "
-                     "it is kept (unset it first to use the cluster's)",
-                     markup=False, highlight=False)  # fmt: skip
+        stderr.print(
+            "upr: note: UPR_PASSWORD is set to another password; these lines "
+            "replace it with this cluster's",
+            markup=False,
+            highlight=False,
+        )
     print("\n".join(lines))
 
 

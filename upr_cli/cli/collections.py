@@ -22,6 +22,7 @@ from upr_cli.cli.options import (
     JsonOutput,
     NodeUri,
     NoVerify,
+    PasswordFile,
     tls_source,
 )
 from upr_cli.cli.output import hint, keep_whole, plural, print_json, stdout, table
@@ -107,6 +108,7 @@ def create_cmd(
         ),
     ] = None,
     json_out: JsonOutput = False,
+    password_file: PasswordFile = None,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -158,6 +160,7 @@ def drop_cmd(
         bool, typer.Option("--force", help="Allow dropping _default._default (for good).")
     ] = False,
     json_out: JsonOutput = False,
+    password_file: PasswordFile = None,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -200,6 +203,7 @@ Example:
 def list_cmd(
     uri: NodeUri,
     json_out: JsonOutput = False,
+    password_file: PasswordFile = None,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -253,6 +257,7 @@ def repair_cmd(
         typer.Option("--force", help="Drop conflicting scopes and collections everywhere."),
     ] = False,
     json_out: JsonOutput = False,
+    password_file: PasswordFile = None,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,

@@ -15,6 +15,7 @@ from upr_cli.cli.options import (
     JsonOutput,
     NoVerify,
     Partitions,
+    PasswordFile,
     client_tls,
     one_is_an_answer,
 )
@@ -28,6 +29,7 @@ from upr_cli.cli.output import (
     stdout,
     table,
 )
+from upr_cli.errors import ExitCode
 from upr_cli.jobs.diff import STATUSES, DiffReport, PartitionDiff, diff_sources
 from upr_cli.source import selected
 
@@ -52,7 +54,10 @@ A live node over TLS is uprs://… or couchbases://… (default port 11207): --c
 (or UPR_CACERT) names the CA that signs its certificate, --cert and --key present a
 client certificate; the options apply to both A and B.
 
-Exit status: 0 identical, 1 they differ, 2 error.
+Exit status: 0 identical; 5 B is only behind A on the same branch (the others
+identical) and needs no rollback: its next backup or replay catches up; 1 they differ
+otherwise (diverged, B ahead, no common history, a partition on one side only); 2
+error. A check from cron takes 0 and 5 as fine.
 
 Example (what a failover did to a backup's history):
 
@@ -87,6 +92,7 @@ def diff_cmd(
         bool, typer.Option("--all", help="List every partition, identical ones too.")
     ] = False,
     json_out: JsonOutput = False,
+    password_file: PasswordFile = None,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -97,12 +103,28 @@ def diff_cmd(
     tls = client_tls(cacert, no_verify, cert, key, secure=secure)
     with one_is_an_answer():  # 1 means "they differ": a source that fails exits 2
         report = diff_sources(a, b, selected(partitions), tls)
-    code = 0 if report.identical else 1
+    code = exit_code(report)
     if json_out:
         print_json(report.to_json())
         raise typer.Exit(code)
     render(report, show_all)
     raise typer.Exit(code)
+
+
+def exit_code(report: DiffReport) -> int:
+    """0 identical; 5 (ExitCode.BEHIND) when every partition that differs is behind on
+    the same branch and neither rollback rule takes B back below its seq; else 1."""
+    if report.identical:
+        return ExitCode.OK
+    for d in report.partitions:
+        if d.status == "identical":
+            continue
+        if d.status != "behind" or d.b_seq is None:
+            return ExitCode.FAILED
+        rules = (r for r in (d.seed_rule, d.dcp_rule) if isinstance(r, int))
+        if any(r < d.b_seq for r in rules):  # B restarts lower: a rollback
+            return ExitCode.FAILED
+    return ExitCode.BEHIND
 
 
 #: what to do about each kind of difference (the hint after the counts)

@@ -17,6 +17,7 @@ from upr_cli.cli.options import (
     NodeUri,
     NoProgress,
     NoVerify,
+    PasswordFile,
     tls_source,
 )
 from upr_cli.cli.output import Progress, plural, print_json, stdout
@@ -126,6 +127,7 @@ def load_cmd(
     memory: MemoryLimitOption = DEFAULT_LIMIT,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
+    password_file: PasswordFile = None,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,

@@ -5,6 +5,7 @@ and the parsing and error rules some commands share."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -46,12 +47,17 @@ def repo_location(value: str | Path) -> Path:
         raise typer.BadParameter(str(exc)) from None
 
 
+REPO_ENV = "UPR_REPO"
+"""The environment variable `--repo` falls back to (restic's RESTIC_REPOSITORY)."""
+
 Repo = Annotated[
     Path,
     typer.Option(
         "--repo",
         metavar="URL",
         parser=repo_location,
+        envvar=REPO_ENV,
+        show_envvar=True,
         help="The backup repository: a directory or s3://BUCKET/PREFIX.",
     ),
 ]
@@ -241,6 +247,29 @@ def key_pattern(keys: str | None) -> re.Pattern[bytes] | None:
         return re.compile(keys.encode()) if keys is not None else None
     except re.error as exc:
         raise UsageError(f"--keys: not a valid regex: {exc}") from None
+
+
+# -- the password of a URI that names a user without one (upr_cli/net/uri.py) ----------
+
+
+def _password_file(value: Path | None) -> Path | None:
+    """Read `--password-file` as it is parsed, before the URIs: its password becomes
+    UPR_PASSWORD for this process and the ones it starts (never in their argv)."""
+    if value is not None:
+        from upr_cli.net.uri import PASSWORD_ENV, read_password_file
+
+        os.environ[PASSWORD_ENV] = read_password_file(value)
+    return value
+
+
+PasswordFile = Annotated[
+    Path | None,
+    typer.Option("--password-file", metavar="FILE", callback=_password_file,
+                 expose_value=False, show_default=False,
+                 help="The password of a URI that names a user without one: the file's "
+                 "text, one trailing newline removed (else UPR_PASSWORD; else, on a "
+                 "terminal, it is asked for)."),
+]  # fmt: skip
 
 
 # -- TLS for uprs:// and couchbases:// sources (docs/protocol.md §13) --------------------

@@ -21,6 +21,7 @@ from upr_cli.cli.options import (
     NoProgress,
     NoVerify,
     Partitions,
+    PasswordFile,
     Wait,
     tls_source,
 )
@@ -164,6 +165,7 @@ def replay_cmd(
     bucket: Bucket = None,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
+    password_file: PasswordFile = None,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,

@@ -26,6 +26,7 @@ from upr_cli.cli.options import (
     NoProgress,
     NoVerify,
     Partitions,
+    PasswordFile,
     Repo,
     SparkConf,
     SparkMaster,
@@ -87,10 +88,11 @@ every partition has a reachable active node. Any of these failing is one error n
 what is wrong, never a smaller or half-written restore.
 
 Restores are idempotent: the same restore run again writes the same versions, which
-the target keeps (its conflict resolution finds them equal: "kept newer on the
-target"). If the target fails once writing began (a node dies), the summary says how
-many items were written and which source partitions are complete, and exits 1; run
-the same restore again to complete it. A write the target refuses as invalid (an
+the target keeps (its conflict resolution finds them equal: "not written: the target
+has this version or a newer one"; --json: target_has_same_or_newer, also under its
+deprecated name conflicts). If the target fails once writing began (a node dies), the
+summary says how many items were written and which source partitions are complete,
+and exits 1; run the same restore again to complete it. A write the target refuses as invalid (an
 xattr value that is not JSON, which upr serve and Couchbase Server refuse but an
 older backup may hold) is named by its key; everything else is written, and the
 restore exits 4. A SQLite store takes such xattrs as they are.
@@ -265,6 +267,7 @@ def restore_cmd(
     memory: MemoryLimitOption = DEFAULT_LIMIT,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
+    password_file: PasswordFile = None,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -412,7 +415,8 @@ def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
         stdout.print("\n".join(lines), markup=False)
         if not dry_run:
             stdout.print(
-                f"written {summary.written:,}; kept newer on the target {summary.conflicts:,}; "
+                f"written {summary.written:,}; {summary.conflicts:,} not written: the target "
+                "has this version or a newer one; "
                 f"absent keys deleted {summary.absent_deletes:,}; errors {summary.errors or 0}",
                 markup=False,
             )

@@ -16,6 +16,7 @@ from upr_cli.cli.options import (
     JsonOutput,
     NoVerify,
     Partitions,
+    PasswordFile,
     client_tls,
 )
 from upr_cli.cli.output import first_rows, hint, keep_whole, more_line, print_json, stdout, table
@@ -36,6 +37,10 @@ producer makes on a STREAM_REQ instead (kv_engine's rollback rule).
 
 A LOG is a JSON array of [uuid, seq] pairs, newest first, the uuid a hex string
 ("deadbeef") or an integer; or @path to a file holding one.
+
+With --server and --client, --json prints one object: the two sources (passwords
+shown as ***), `must_roll_back` and `impossible` (partition counts), and
+`partitions`, one object a partition with its decision (or its error).
 
 Exit status: 0 done, 2 malformed input, 3 an impossible history.
 
@@ -161,6 +166,7 @@ def rollback_point_cmd(
         ),
     ] = False,
     json_out: JsonOutput = False,
+    password_file: PasswordFile = None,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
@@ -208,20 +214,34 @@ def sources(
     """Per partition: the seed rule between two sources (exit 3 if any history is impossible)."""
     results = compare_sources(server, client, partitions, tls)
     if json_out:
-        print_json(
-            [
-                {
-                    "partition": r.partition,
-                    **(r.decision.to_json() if r.decision else {}),
-                    "error": r.error,
-                }
-                for r in results
-            ]
-        )
+        print_json(sources_json(server, client, results))
     else:
         render_sources(server, client, results, show_all)
     if any(r.error for r in results):
         raise typer.Exit(3)
+
+
+def sources_json(server: str, client: str, results: Sequence[Any]) -> dict[str, Any]:
+    """The one JSON object of --server/--client: the sources (passwords redacted), the
+    counts, and under `partitions` one object a partition (its decision, or its error)."""
+    from upr_cli.net.uri import SCHEMES, SourceUri
+
+    def redact(spec: str) -> str:
+        node = spec.partition("://")[0].lower() in SCHEMES
+        return SourceUri.parse(spec).redacted() if node else spec
+
+    return {
+        "server": redact(server),
+        "client": redact(client),
+        "rule": "seed",
+        "must_roll_back": sum(1 for r in results if r.decision is not None and r.decision.rollback),
+        "impossible": sum(1 for r in results if r.decision is None),
+        "partitions": [
+            {"partition": r.partition, **(r.decision.to_json() if r.decision else {}),
+             "error": r.error}
+            for r in results
+        ],
+    }  # fmt: skip
 
 
 def render_sources(server: str, client: str, results: Sequence[Any], show_all: bool) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
@@ -10,6 +11,7 @@ import typer
 from rich.table import Table
 
 from upr_cli.cli.options import (
+    REPO_ENV,
     AllRows,
     Bucket,
     CaCert,
@@ -19,6 +21,7 @@ from upr_cli.cli.options import (
     JsonOutput,
     NoVerify,
     Partitions,
+    PasswordFile,
     Wait,
     one_is_an_answer,
     repo_location,
@@ -123,7 +126,8 @@ def salvage_cmd(
             "--repo",
             metavar="URL",
             parser=repo_location,
-            help="A backup repository: a directory or s3://BUCKET/PREFIX.",
+            help="A backup repository: a directory or s3://BUCKET/PREFIX (else UPR_REPO, "
+            "when neither --store nor --node-data is given).",
         ),
     ] = None,
     store: Annotated[
@@ -142,12 +146,15 @@ def salvage_cmd(
     json_out: JsonOutput = False,
     wait: Wait = 120.0,
     compression: Compression = "auto",
+    password_file: PasswordFile = None,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,
     key: ClientKey = None,
 ) -> None:
     """Salvage lost writes."""
+    if [repo, store, node_data].count(None) == 3 and os.environ.get(REPO_ENV):
+        repo = repo_location(os.environ[REPO_ENV])  # --repo's fallback, as everywhere
     if [repo, store, node_data].count(None) != 2:
         raise UsageError("give exactly one of --repo URL, --store PATH.db and --node-data DIR")
     target = tls_source(check_target(to), cacert, no_verify, cert, key)

@@ -21,6 +21,7 @@ from upr_cli.cli.options import (
     NodeUri,
     NoVerify,
     Partitions,
+    PasswordFile,
     Wait,
     key_pattern,
     tls_source,
@@ -51,12 +52,14 @@ collection as scope.collection:key, and xattrs by name (xattrs=_sync,meta).
 Every collection is streamed unless --collections names some (SCOPE or
 SCOPE.COLLECTION, comma-separated; .C is _default.C): the source then sends only
 those. Collections and scopes created and dropped are always shown, in seq order: as
-JSON, objects with an "event" field ("collection-created", "collection-dropped",
-"scope-created", "scope-dropped"; change lines have "op" instead); as text, lines
-starting with "#", ids in hex. -v also shows snapshot markers, rollbacks and stream
-opens and ends. --state keeps the collections followed, so a resume still shows the
-drop of one dropped meanwhile. A source without collections (an older server) has
-only _default._default.
+JSON, objects with "op": "system_event" and an "event" field ("collection-created",
+"collection-dropped", "scope-created", "scope-dropped"); as text, lines starting with
+"#", ids in hex. -v also shows snapshot markers, rollbacks and stream opens and ends
+(as JSON, "op" snapshot_marker, rollback, stream_open, stream_end, and their "event").
+Every JSON line has "op", so jq 'select(.op=="mutation")' reads the stream. --state
+keeps the collections followed, so a resume still shows the drop of one dropped
+meanwhile. A source without collections (an older server) has only
+_default._default.
 
 A node that goes away (a restart, a crash, a network cut) is reconnected for up to
 --wait seconds (120; forever for a service, 0 for no waiting), with a line on stderr
@@ -142,6 +145,7 @@ def tail_cmd(
     wait: Wait = 120.0,
     compression: Compression = "auto",
     memory: MemoryLimitOption = _MEMORY,
+    password_file: PasswordFile = None,
     cacert: CaCert = None,
     no_verify: NoVerify = False,
     cert: ClientCert = None,

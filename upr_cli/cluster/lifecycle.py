@@ -183,15 +183,14 @@ def stop(data: Path) -> tuple[ClusterSpec, int]:
 
 def env_lines(data: Path) -> tuple[list[str], bool]:
     """`cluster env`: shell lines exporting the nodes' URIs (UPR_N0, …; UPR_N0_TLS, … for
-    their TLS data ports) and, unless one is set already, UPR_PASSWORD; and whether the
-    caller's UPR_PASSWORD differs from the cluster's (the URIs will not authenticate
-    with it)."""
+    their TLS data ports) and the cluster's password as UPR_PASSWORD; and whether the
+    caller's UPR_PASSWORD was another one (the eval replaces it: the CLI says so)."""
     cl = spec.load(data)
-    # a password the user set is kept: it may be another cluster's or node's, and
-    # `eval` of this output must not change what their other commands send
+    # the cluster's own password wins: a UPR_PASSWORD left from an earlier shell (another
+    # cluster's, an older run's) would make every URI below fail to authenticate
     lines = [
-        "# UPR_PASSWORD: the cluster's password, unless one is set already",
-        f'[ -n "${{UPR_PASSWORD:-}}" ] || export UPR_PASSWORD={shlex.quote(cl.password)}',
+        "# UPR_PASSWORD: the cluster's password (replaces one set before)",
+        f"export UPR_PASSWORD={shlex.quote(cl.password)}",
     ]
     for n in cl.nodes:
         uri = f"upr://{cl.user}@{spec.HOST}:{n.port}/{cl.bucket}"

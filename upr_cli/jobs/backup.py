@@ -160,7 +160,7 @@ class BackupSummary:
             "partitions": self.partitions,
             "ratio": round(self.bytes_read / self.bytes_written, 2) if self.bytes_written else None,
             "seconds": round(self.seconds, 3),
-            "items_per_s": round(self.items / self.seconds) if self.seconds else None,
+            "items_per_s": round(self.items / self.seconds) if self.seconds else 0,
             "rollbacks": [rb.to_json() for rb in self.rollbacks],
             "warnings": self.warnings,
             "reused_segments": self.reused_segments,

@@ -158,7 +158,7 @@ class ReplayStats:
             "notes": self.notes,
             "interrupted": self.interrupted,
             "seconds": round(secs, 3),
-            "items_per_s": round(self.applied / secs) if secs and self.applied else None,
+            "items_per_s": round(self.applied / secs) if secs else 0,  # never null
         }
 
 

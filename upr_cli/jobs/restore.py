@@ -349,7 +349,7 @@ class RestoreSummary:
     documents: int = 0
     deletions: int = 0
     written: int = 0
-    conflicts: int = 0  # the target kept its own, newer version
+    conflicts: int = 0  # not written: the target has this version or a newer one
     absent_deletes: int = 0  # a deletion for a key the target does not have
     errors: dict[str, int] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
@@ -375,6 +375,13 @@ class RestoreSummary:
         return self.failure is None and bool(self.left_out or self.refused)
 
     @property
+    def target_has_same_or_newer(self) -> int:
+        """Writes the target refused (KEY_EEXISTS) because it has this version or a newer
+        one: an identical document too (its conflict resolution finds them equal), so no
+        read per document is needed to tell the two apart. `conflicts` in JSON before."""
+        return self.conflicts
+
+    @property
     def items(self) -> int:
         """The records of the state restored: documents and deletions."""
         return self.documents + self.deletions
@@ -393,7 +400,8 @@ class RestoreSummary:
                     "documents",
                     "deletions",
                     "written",
-                    "conflicts",
+                    "target_has_same_or_newer",
+                    "conflicts",  # deprecated alias of target_has_same_or_newer
                     "absent_deletes",
                     "skipped",
                     "dropped",
@@ -414,9 +422,7 @@ class RestoreSummary:
                 "errors": sum(self.errors.values()),  # a count, as in every command
                 "errors_by_status": self.errors,
                 "seconds": round(self.seconds, 3),
-                "items_per_s": round(self.written / self.seconds)
-                if self.seconds and self.written
-                else None,
+                "items_per_s": round(self.written / self.seconds) if self.seconds else 0,
             }
             | (self.plan.to_json() if self.plan is not None else {})
         )
@@ -701,12 +707,12 @@ class _Check:
 
 class _NodeWriter:
     """A restore's writes to a node through the shared write window (jobs/writer.py),
-    each answer counted into the summary (written, kept newer on the target, absent,
-    errors). Each key goes to its hash over the target's partition count, in the
-    target's collection (the plan's ids, in front of the key where Collections was
-    negotiated). Partitions follow each other in the window without a pause: a
-    partition's deletion check (a GET per plain deletion) is answered while the next
-    partitions are written, and its deletions sent once it is."""
+    each answer counted into the summary (written; not written: the target has this
+    version or a newer one; absent; errors). Each key goes to its hash over the target's
+    partition count, in the target's collection (the plan's ids, in front of the key
+    where Collections was negotiated). Partitions follow each other in the window
+    without a pause: a partition's deletion check (a GET per plain deletion) is answered
+    while the next partitions are written, and its deletions sent once it is."""
 
     def __init__(self, router: Router, summary: RestoreSummary, window: int | ByteWindow,
                  options: int, plan: RestorePlan) -> None:  # fmt: skip

@@ -46,6 +46,11 @@ from upr_cli.protocol.header import DATATYPE_JSON
 from upr_cli.protocol.snappy import SNAPPY
 
 OPS = {OP_MUTATION: "mutation", OP_DELETION: "deletion", OP_EXPIRATION: "expiration"}
+#: `op` of a -v line in JSON: the DCP message it reports (a collection or scope change
+#: is "system_event", DCP's name for them); every JSON line of `tail` carries an `op`,
+#: change lines one of OPS' names, so `jq 'select(.op=="mutation")'` works on all of them
+EVENT_OPS = {"snapshot": "snapshot_marker", "rollback": "rollback", "stream_end": "stream_end",
+             "stream_open": "stream_open"}  # fmt: skip
 
 
 def window(memory: MemoryLimit) -> int:
@@ -221,8 +226,9 @@ def event_line(ev: object, fmt: str, names: CollectionNames = _DEFAULT_NAMES) ->
              "failover_log": [[str(u), str(s)] for u, s in ev.failover_log]}  # fmt: skip
     else:
         return None
-    if fmt == "json":
-        return json.dumps(d, separators=(",", ":"))
+    if fmt == "json":  # `op` first: every JSON line has one (docs/output.md §4)
+        return json.dumps({"op": EVENT_OPS.get(str(d["event"]), "system_event"), **d},
+                          separators=(",", ":"))  # fmt: skip
     return "# " + " ".join(f"{k}={v}" for k, v in d.items() if k != "event") + f"  [{d['event']}]"
 
 

@@ -12,20 +12,29 @@ except a well-formed scheme, because a mistyped URI can put the password anywher
 
 User name, password and bucket are percent-decoded. The userinfo ends at the last "@", so
 a password with a raw "@", "/" or "?" still parses. A user given without a password takes
-it from $UPR_PASSWORD; "user:@" means an explicitly empty password. The port defaults to
-11210, the memcached data port (docs/protocol.md §5), or 11207, the TLS data port.
+it from $UPR_PASSWORD (which `--password-file FILE` sets from the file, so it keeps the
+password out of `ps` and of the shell's environment; `read_password_file`); "user:@"
+means an explicitly empty password. When neither gives one and stdin is a terminal, the
+password is asked for there (`getpass`, without echo), once: the answer is kept in
+$UPR_PASSWORD for the command's other URIs and the processes it starts. Without a
+terminal nothing is asked (a cron job must not hang): the node's refusal says what to
+set. The port defaults to 11210, the memcached data port (docs/protocol.md §5), or
+11207, the TLS data port.
 """
 
 from __future__ import annotations
 
+import getpass
 import ipaddress
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from urllib.parse import quote, unquote
 
-from upr_cli.errors import UsageError
+from upr_cli.errors import PathError, UsageError
 from upr_cli.net.tls import DEFAULT_TLS_PORT, ClientTls
 
 SCHEMES = ("upr", "couchbase", "uprs", "couchbases")
@@ -94,6 +103,8 @@ class SourceUri:
             raise UsageError("source URI lists more than 16 hosts")
         (host, port), seeds = hosts[0], tuple(h for h in dict.fromkeys(hosts[1:]) if h != hosts[0])
         bucket = _bucket(path, bucket_optional)
+        if username is not None and password is None and env is os.environ:
+            password = _ask_password(username, _show_host(host), port)
         return cls(scheme, host, port, bucket, username, password, seeds)
 
     @property
@@ -146,6 +157,44 @@ class SourceUri:
             f"SourceUri(scheme={self.scheme!r}, host={self.host!r}, port={self.port!r}, "
             f"bucket={self.bucket!r}, username={self.username!r}, password={secret!r}{seeds})"
         )
+
+
+def read_password_file(path: str | os.PathLike[str]) -> str:
+    """`--password-file FILE`: the file's text, one trailing newline removed. A file that
+    cannot be read, is not UTF-8 or holds no password is a `UsageError` (exit 2) naming
+    the file, never its content."""
+    where = f"--password-file {os.fspath(path)}"
+    try:
+        data = Path(path).read_bytes()
+    except IsADirectoryError:
+        raise PathError(f"{where}: is a directory, not a file") from None
+    except OSError as exc:
+        raise PathError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise UsageError(f"{where}: not UTF-8 text") from None
+    text = text.removesuffix("\n").removesuffix("\r")
+    if not text:
+        raise UsageError(f"{where}: the file is empty: it must hold the password")
+    if "\0" in text:
+        raise UsageError(f"{where}: the password contains a NUL")
+    return text
+
+
+def _ask_password(username: str, host: str, port: int) -> str | None:
+    """The password asked for on the terminal (module docstring), or None without one."""
+    try:
+        if not sys.stdin.isatty():
+            return None
+    except (AttributeError, ValueError):  # no stdin at all, or a closed one
+        return None
+    try:
+        password = getpass.getpass(f"Password for {username}@{host}:{port}: ")
+    except EOFError:
+        raise UsageError(f"no password given for {username} (Ctrl-D at the prompt)") from None
+    os.environ[PASSWORD_ENV] = password
+    return password
 
 
 def _show_host(host: str) -> str:
