@@ -165,7 +165,9 @@ def test_restore_says_not_written_for_what_the_target_has(
                              partitions=1, documents=5, written=3, conflicts=2)  # fmt: skip
     _report(summary, dry_run=False, json_out=False)
     out = capsys.readouterr().out
-    assert "written 3; 2 not written: the target has this version or a newer one;" in out
+    assert "\n2 not written: the target has this version or a newer one\n" in out
+    assert "written 3; absent keys deleted 0; errors 0" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
     assert "kept newer" not in out
     doc = summary.to_json()
     assert doc["target_has_same_or_newer"] == 2

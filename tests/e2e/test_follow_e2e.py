@@ -159,7 +159,14 @@ def test_a_rollup_keeps_every_record_and_restore_point(
     small limit the merged segments are local files rather than held bytes: both go
     into the pack."""
     from upr_cli.jobs import rollup
-    from upr_cli.jobs.rollup import Tail, absorbed_dirs, prepare, publish, remove_absorbed
+    from upr_cli.jobs.rollup import (
+        Tail,
+        absorbed_dirs,
+        prepare,
+        publish,
+        remove_absorbed,
+        stage,
+    )
     from upr_cli.repo import RepositoryLock
 
     monkeypatch.setattr(rollup, "_HELD", 2000)
@@ -189,6 +196,11 @@ def test_a_rollup_keeps_every_record_and_restore_point(
     prepared = prepare(r, group)
     kinds = {type(data) for _name, data in prepared.members}
     assert kinds == {bytes, type(tmp_path)} or len(prepared.members) < 2, kinds
+    ids_before = [m.backup_id for m in _backups(repo)]
+    stage(r, prepared)  # the pack written ahead, no lock: no reader sees it yet
+    assert prepared.staged is not None and (prepared.staged / "segments.pack").exists()
+    assert [m.backup_id for m in _backups(repo)] == ids_before
+    assert _backups(repo)[-len(group)].revision == group[0].revision
     try:
         with RepositoryLock(r, "default") as lock:
             assert publish(r, prepared, lock)

@@ -415,9 +415,10 @@ def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
         stdout.print("\n".join(lines), markup=False)
         if not dry_run:
             stdout.print(
-                f"written {summary.written:,}; {summary.conflicts:,} not written: the target "
-                "has this version or a newer one; "
-                f"absent keys deleted {summary.absent_deletes:,}; errors {summary.errors or 0}",
+                f"written {summary.written:,}; absent keys deleted "
+                f"{summary.absent_deletes:,}; errors {summary.errors or 0}\n"
+                f"{summary.conflicts:,} not written: the target has this version or a "
+                "newer one",
                 markup=False,
             )
         if summary.refused:

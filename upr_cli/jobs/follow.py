@@ -83,6 +83,7 @@ from upr_cli.jobs.rollup import (
     publish,
     remove_absorbed,
     sweep_work_dirs,
+    unstage,
     work_dir,
     worker_pool,
 )
@@ -529,6 +530,9 @@ class _Session:
                 await asyncio.sleep(0.2)
         finally:
             prepared.discard()
+        if not done and self.on_notice is not None:
+            self.on_notice(f"rollup into {group[-1].backup_id} dropped: the chain "
+                           "changed under it; its commits stay as they are")  # fmt: skip
         if done:
             self.rollups += 1
             if self.hooks.rollup is not None:
@@ -546,6 +550,7 @@ class _Session:
 
     def _publish(self, prepared: Prepared, lock: RepositoryLock, tail: bool) -> bool:
         if not publish(self.repo, prepared, lock):
+            unstage(self.repo, prepared)
             if tail:
                 self.tail = Tail()  # the chain moved under it: nothing written
             return False

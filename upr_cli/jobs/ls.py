@@ -36,7 +36,6 @@ from upr_cli.errors import UsageError
 from upr_cli.jobs.state import Selection, check_files, select
 from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.repo import BackupId, Manifest, Repository
-from upr_cli.repo.manifest import chain_manifest
 from upr_cli.segments import Record, SegmentReader
 from upr_cli.source import open_bucket
 from upr_cli.spark.plan import collection_names
@@ -95,7 +94,7 @@ def open_state(
     chain = [m for m in manifests if m.backup_id <= sel.backup_id]
     names = collection_names(chain)
     f = chain[-1].collection_filter
-    keep = {c.id for s, c in chain_manifest(chain).collections()
+    keep = {c.id for s, c in sel.collections(chain).collections()
             if f is None or f.covers(s.name, c.name)}  # fmt: skip
     if collections:
         missing = [str(p) for p in collections if not any(p.covers(*n) for n in names.values())]

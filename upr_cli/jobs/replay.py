@@ -896,7 +896,6 @@ def replay_repo(
     from upr_cli.jobs.restore import states_ahead
     from upr_cli.jobs.state import select
     from upr_cli.repo import resume_point
-    from upr_cli.repo.manifest import chain_manifest
     from upr_cli.repo.pitr import resume_at
     from upr_cli.segments import SegmentError
     from upr_cli.segments.format import OP_SYSTEM_EVENT
@@ -914,7 +913,7 @@ def replay_repo(
         stats.partitions = len(sel.partitions)
         with Store(db_path, undo_window=undo_window, source=stats.source) as store, rare_gc():
             store.claim_filter("")
-            store.record_manifest(chain_manifest(chain))
+            store.record_manifest(sel.collections(chain))
             batch = _RepoBatch(store, stats, on_progress,
                                (memory_limit or MemoryLimit()).share(_BATCH_SHARE))  # fmt: skip
             for p, records in states_ahead(repo, b, manifests, sel):

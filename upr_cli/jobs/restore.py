@@ -91,7 +91,6 @@ from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.protocol.header import Magic, Opcode
 from upr_cli.protocol.status import Status
 from upr_cli.repo import BackupId, Manifest, PlanStep, Repository, plan_state
-from upr_cli.repo.manifest import chain_manifest
 from upr_cli.repo.pitr import Resolution
 from upr_cli.segments import Record, SegmentError, SegmentReader
 from upr_cli.source import open_bucket
@@ -483,7 +482,7 @@ class _Source:
         elif not skip_corrupt:  # (--skip-corrupt skips them instead)
             check_files(repo, b, manifests, sel)
         count = source_partition_count(e.partition for m in chain for e in m.partitions)
-        return cls(repo, b, chain, sel, count, chain_manifest(chain), checked)
+        return cls(repo, b, chain, sel, count, sel.collections(chain), checked)
 
     def covers(self, scope: str, collection: str) -> bool:
         """True if the selected backup holds that collection (a filtered backup holds

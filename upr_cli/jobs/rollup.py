@@ -56,7 +56,7 @@ from upr_cli.repo.access import Access
 from upr_cli.repo.errors import RepositoryError, RepositoryLocked
 from upr_cli.repo.manifest import CollectionCount
 from upr_cli.repo.names import format_backup_dir, format_time, parse_backup_dir
-from upr_cli.repo.pack import write_pack
+from upr_cli.repo.pack import PACK_NAME, write_pack
 from upr_cli.repo.readers import ExclusiveAccess
 from upr_cli.segments import SegmentHeader, SegmentReader, SegmentWriter
 
@@ -163,10 +163,30 @@ class Prepared:
     manifest: Manifest
     members: list[tuple[str, Path | bytes]]
     work: Path
+    staged: Path | None = None  # the revision's directory, its pack written (`stage`)
 
     def discard(self) -> None:
         """Drop the local files."""
         shutil.rmtree(self.work, ignore_errors=True)
+
+
+def stage(repo: Repository, prepared: Prepared) -> None:
+    """Write the revision's directory and pack into the repository ahead of its
+    publication, without the lock: nothing reads a revision before its manifest is
+    committed, and one never committed is swept (formats/repository.md §4.4). So the
+    pack's bytes are written while the follower's commits go on, not under its lock.
+    The local files go; a directory already committed there is left alone."""
+    manifest = prepared.manifest
+    bucket = manifest.bucket
+    d = repo.revision_dir(bucket, manifest.backup_id, manifest.revision)
+    if repo.manifest_store.committed_mark(d):
+        return  # publish finds the chain moved
+    repo.storage.make_dirs(d)
+    repo.storage.sync_dir(repo.bucket_dir(bucket))
+    if prepared.members:
+        write_pack(repo.storage, d, prepared.members)
+    prepared.staged, prepared.members = d, []
+    prepared.discard()
 
 
 def _now() -> str:
@@ -234,9 +254,17 @@ def prepare(repo: Repository, group: list[Manifest]) -> Prepared:
 
 
 def prepare_at(location: Path, access: Access, group: list[Manifest]) -> Prepared:
-    """`prepare`, in a worker process of its own (`worker_pool`): the repository opened
-    from its location with `access` (an encrypted one's data key in it)."""
-    return prepare(Repository(location, access=access), group)
+    """`prepare` and `stage`, in a worker process of its own (`worker_pool`): the
+    repository opened from its location with `access` (an encrypted one's data key in
+    it)."""
+    repo = Repository(location, access=access)
+    prepared = prepare(repo, group)
+    try:
+        stage(repo, prepared)
+    except BaseException:
+        prepared.discard()
+        raise
+    return prepared
 
 
 def _quiet() -> None:
@@ -340,19 +368,29 @@ def publish(repo: Repository, prepared: Prepared, lock: RepositoryLock) -> bool:
     group, manifest = prepared.group, prepared.manifest
     bucket, storage = manifest.bucket, repo.storage
     dirs = _dirs(repo, bucket)
+    mine = None if prepared.staged is None else prepared.staged.name
     for m in group:  # each member is still its backup's current revision
         names = dirs.get(m.backup_id, set())
-        newer = [n for n in names if parse_backup_dir(n)[1] > m.revision]
+        newer = [n for n in names if parse_backup_dir(n)[1] > m.revision and n != mine]
         if format_backup_dir(m.backup_id, m.revision) not in names or newer:
             return False
     k = group[-1]
     d = repo.revision_dir(bucket, k.backup_id, manifest.revision)
-    storage.make_dir(d)
-    storage.sync_dir(repo.bucket_dir(bucket))
-    if prepared.members:
-        write_pack(storage, d, prepared.members)
+    if prepared.staged is None:
+        storage.make_dir(d)
+        storage.sync_dir(repo.bucket_dir(bucket))
+        if prepared.members:
+            write_pack(storage, d, prepared.members)
+    elif storage.stat(d / PACK_NAME) is None and any(e.segments for e in manifest.partitions):
+        return False  # another writer's sweep took the staged directory: dropped
     repo.manifest_store.write_revision(manifest, lock)
     return True
+
+
+def unstage(repo: Repository, prepared: Prepared) -> None:
+    """Remove a staged revision that will not be published (the chain moved)."""
+    if prepared.staged is not None and not repo.manifest_store.committed_mark(prepared.staged):
+        repo.sweeper.discard(prepared.staged)
 
 
 def remove_absorbed(repo: Repository, bucket: str, paths: list[Path]) -> list[Path]:

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from upr_cli.collections import CollectionsManifest
 from upr_cli.errors import UsageError
 from upr_cli.repo import (
     BackupId,
@@ -42,6 +43,7 @@ from upr_cli.repo import (
     SegmentEntry,
     plan_state,
 )
+from upr_cli.repo.manifest import chain_manifest
 from upr_cli.repo.pitr import (
     AtFailover,
     AtSeqs,
@@ -76,6 +78,14 @@ class Selection:
         if self.point is not None and partition in self.point.picks:
             return self.point.picks[partition].steps(manifests, partition)
         return plan_state(manifests, at=self.backup_id, partition=partition)
+
+    def collections(self, chain: Sequence[Manifest]) -> CollectionsManifest:
+        """The collections of the selected state: at the chain's end, or, at a point in
+        time, with only the changes the partitions' states there hold."""
+        if self.point is None:
+            return chain_manifest(chain)
+        cut = {p: (k.backup_id, k.clip) for p, k in self.point.picks.items()}
+        return chain_manifest(chain, cut)
 
     def keeping(self, partitions: Sequence[int]) -> Selection:
         """The same selection, of `partitions` only."""

@@ -1057,25 +1057,47 @@ def _collection_fields(o: _Obj) -> tuple[Any, ...]:
 # -- collections over a chain ---------------------------------------------------------
 
 
-def _after(m: Manifest, start: CollectionsManifest) -> CollectionsManifest:
+def _after(m: Manifest, start: CollectionsManifest,
+           cut: Mapping[int, tuple[BackupId, int | None]] | None = None,
+           ) -> CollectionsManifest:  # fmt: skip
     """The collections at the end of backup `m`, from those at its start: the changes
     its streams met, newer than the start manifest, in uid order (each partition reports
-    every change: the first application counts, the repeats change nothing)."""
-    changes = sorted((c for c in m.manifest_changes if c.manifest_uid > start.uid),
+    every change: the first application counts, the repeats change nothing). With
+    `cut`, only the changes a partition's state there includes (`chain_manifest`)."""
+    changes = sorted((c for c in m.manifest_changes if c.manifest_uid > start.uid
+                      and (cut is None or _included(m, c, cut))),
                      key=lambda c: (c.manifest_uid, c.partition, c.seq))  # fmt: skip
     for c in changes:
         start = apply_change(start, c)
     return start
 
 
-def chain_manifest(backups: Sequence[Manifest]) -> CollectionsManifest:
+def _included(m: Manifest, c: ManifestChange,
+              cut: Mapping[int, tuple[BackupId, int | None]]) -> bool:  # fmt: skip
+    """Whether the state of partition `c.partition` at its cut (a backup and a seq
+    clip, None: all of it) holds the change `c` that backup `m` recorded."""
+    at = cut.get(c.partition)
+    if at is None:
+        return False
+    bid, clip = at
+    return m.backup_id < bid or (m.backup_id == bid and (clip is None or c.seq <= clip))
+
+
+def chain_manifest(
+    backups: Sequence[Manifest], cut: Mapping[int, tuple[BackupId, int | None]] | None = None
+) -> CollectionsManifest:
     """The collections as they stand at the end of the chain `backups` (in chain order):
     the newest backup's start manifest with the changes its streams met applied. A
     chain written before collections gives the default collection alone, which holds
-    every record."""
+    every record.
+
+    With `cut` (a point in time: per partition its backup and seq clip), a change
+    counts only when some partition's state at its cut holds it: a backup that holds a
+    stretch of time (a rollup) may record a collection's drop after the point, and the
+    collection is then alive at it."""
     m = CollectionsManifest()
     for b in backups:
-        m = _after(b, b.collections if b.collections is not None else m)
+        m = _after(b, b.collections if b.collections is not None else m, cut)
     return m
 
 

@@ -118,7 +118,7 @@ class ManifestStore:
         """The repository's storage (sealing once an encrypted repository is unlocked)."""
         return self.layout.storage
 
-    def _committed_mark(self, d: Path) -> bool:
+    def committed_mark(self, d: Path) -> bool:
         """Either manifest file is present in backup directory `d` (valid or not)."""
         st = self.storage.stat
         return st(d / MANIFEST_FILE) is not None or st(d / MANIFEST_COPY) is not None
@@ -129,11 +129,11 @@ class ManifestStore:
         """The manifest of a committed backup: `manifest.json`, or its copy when that one
         is missing or damaged; when neither is valid, the error names both files."""
         d = self.layout.backup_dir(bucket, backup_id)
-        if not self._committed_mark(d):  # a newer revision since the last scan, and
+        if not self.committed_mark(d):  # a newer revision since the last scan, and
             self.layout.scan(bucket)  # the one known then removed: look again
             d = self.layout.backup_dir(bucket, backup_id)
         path = d / MANIFEST_FILE
-        if not self._committed_mark(d):
+        if not self.committed_mark(d):
             raise RepositoryError(f"{path}: backup {backup_id} is not committed (no manifest)")
         main = self._file(path, bucket, backup_id)
         if main.manifest is not None:
@@ -235,7 +235,7 @@ class ManifestStore:
         st = self.storage.stat(d, follow_links=True)
         if st is None or not st.is_dir:
             raise RepositoryError(f"{d}: no such backup directory (use new_backup_dir)")
-        if self._committed_mark(d):
+        if self.committed_mark(d):
             raise RepositoryError(f"{path}: backup {bid} is already committed")
         committed = layout.committed(bucket)
         newest = committed[-1] if committed else None
@@ -268,7 +268,7 @@ class ManifestStore:
                 f"{d}: revision {manifest.revision} does not follow the current revision "
                 f"{current.revision} of backup {bid}"
             )
-        if self._committed_mark(d):
+        if self.committed_mark(d):
             raise RepositoryError(f"{d}: revision {manifest.revision} is already committed")
         # a backup it absorbs is committed, or was absorbed already (by K or by one of the
         # backups it now absorbs, whose directory the sweep may have removed)
@@ -399,7 +399,7 @@ class ManifestStore:
             return f"{d}: backup {recorded}, the parent of backup {child}, is damaged"
         if self.storage.stat(d) is None:
             return f"{d}: backup {recorded}, the parent of backup {child}, is gone"
-        if not self._committed_mark(d):
+        if not self.committed_mark(d):
             n = self._count_segments(d)
             return (
                 f"{d}: backup {recorded}, the parent of backup {child}, has no {MANIFEST_FILE} "
