@@ -101,7 +101,7 @@ def test_help_shows_the_new_names_only(capsys: pytest.CaptureFixture[str]) -> No
     }
     for argv, (new, old) in shown.items():
         text = _help(capsys, *argv)
-        options = text[text.index("Options"):]
+        options = text[text.index("Options") :]
         assert f"{new} " in options, argv
         assert not any(w.strip("│ ,") == old for w in options.split()), (argv, old)
     # cluster failover keeps --to NODE
@@ -111,8 +111,9 @@ def test_help_shows_the_new_names_only(capsys: pytest.CaptureFixture[str]) -> No
 def test_backup_and_restore_take_collections_as_include_data(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    for argv in (["backup", DEAD, "--repo", str(tmp_path / "r")],
-                 ["restore", "--repo", str(tmp_path / "r"), f"sqlite:{tmp_path}/o.db"]):  # fmt: skip
+    repo = str(tmp_path / "r")
+    for argv in (["backup", DEAD, "--repo", repo],
+                 ["restore", "--repo", repo, f"sqlite:{tmp_path}/o.db"]):  # fmt: skip
         command = typer.main.get_command(app).commands[argv[0]]  # type: ignore[attr-defined]
         (param,) = [p for p in command.params if "--include-data" in p.opts]
         assert "--collections" in param.opts and not param.hidden, argv[0]

@@ -102,7 +102,8 @@ def test_backup_dry_run_writes_nothing(
     full = json.loads(upr(capsys, "backup", node.uri, "--repo", str(repo), "--dry-run", "--full",
                           "--json"))  # fmt: skip
     assert full["full"] is True and full["estimated_items"] == sum(
-        hi for _lo, hi in _seqs(full).values())
+        hi for _lo, hi in _seqs(full).values()
+    )
     assert _tree(repo) == before
     # what a dry run cannot do is a usage error
     err = upr(capsys, "backup", node.uri, "--repo", str(repo), "--dry-run", "--follow", code=2)
@@ -132,7 +133,8 @@ def _by_collection(db: Path) -> Counter[str]:
         rows = c.execute("SELECT s.name || '.' || c.name FROM documents AS d "
                          "JOIN collections AS c ON c.id = d.collection_id "
                          "JOIN scopes AS s ON s.id = c.scope_id "
-                         "WHERE d.deleted = 0 AND CAST(d.key AS TEXT) LIKE 'f-%'").fetchall()  # fmt: skip
+                         "WHERE d.deleted = 0 AND CAST(d.key AS TEXT) LIKE 'f-%'"
+                         ).fetchall()  # fmt: skip
     return Counter(r[0] for r in rows)
 
 
