@@ -1,4 +1,4 @@
-"""Collections on a `upr cluster`: `init --collections` and `upr collections` reach every
+"""Collections on a `upr cluster`: `init --create-collections` and `upr collections` reach every
 node, a change waits for every member, and a node added by a rebalance or started
 again gets the newest manifest before it takes partitions (formats/cluster.md
 "Collections")."""

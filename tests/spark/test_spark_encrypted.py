@@ -326,7 +326,7 @@ def test_the_key_is_in_no_spark_log_event_log_or_option(
 def test_distributed_restore_and_backup_of_an_encrypted_repository(
     spark: Any, env: Env, plain: set[tuple[Any, ...]], tmp_path: Path, keyed: None
 ) -> None:
-    """The module's last Spark test: `upr backup --spark` stops the session it ran on."""
+    """The module's last Spark test: `upr backup --master` stops the session it ran on."""
     from upr_cli.net.uri import SourceUri
     from upr_cli.spark.distributed import spark_restore
     from upr_cli.store import Store

@@ -276,7 +276,7 @@ async def backup(
     (at most one of the two: `collection_filter`).
 
     `streamer` replaces `stream_to_segments` (same keywords, plus `end_seqs`: the high
-    seqs pinned here, once): `upr backup --spark` divides the partitions among Spark
+    seqs pinned here, once): `upr backup --master` divides the partitions among Spark
     tasks with it. Everything else (the lock, where each partition starts, the commit of
     the manifest) stays here, on the driver.
 

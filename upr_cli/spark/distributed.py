@@ -1,4 +1,4 @@
-"""`upr backup … --spark` and `upr restore … --spark`: partitions divided among Spark tasks.
+"""`upr backup … --master` and `upr restore … --master`: partitions divided among Spark tasks.
 
 Theory of operation (docs/design.md "Data flows" (6. Spark)). The driver keeps every
 decision that makes a backup or restore what it is: for a backup, the lock, where each
