@@ -16,7 +16,8 @@ import pytest
 
 from tests.e2e.conftest import Node
 from tests.e2e.e2e_helpers import wait_persisted
-from tests.repo.repo_helpers import run_upr
+from tests.repo.repo_helpers import commit_backup, run_upr
+from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.repo import BackupId, Repository
 
 COLLECTIONS = "app.users,app.logs,other.x"
@@ -109,6 +110,29 @@ def test_backup_dry_run_writes_nothing(
     err = upr(capsys, "backup", node.uri, "--repo", str(repo), "--dry-run", "--follow", code=2)
     assert "--dry-run writes nothing" in err and err.count("\n") == 1
     assert _tree(repo) == before
+
+
+def test_backup_dry_run_names_the_rollbacks_it_would_record(
+    node: Node, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A chain whose partitions 0 and 1 ended on a branch the live node never had (another
+    failover uuid, seqs above its own): the backup would roll them back to 0."""
+    repo = Repository(tmp_path / "repo")
+    repo.init()
+    rows = {p: [DcpRecord(OP_MUTATION, p, s, s, s, 0, 0, 0, 0, b"k%d" % s, b"v", 0, 0, b"")
+                for s in range(1, 10_001, 1000)] for p in (0, 1)}  # fmt: skip
+    commit_backup(repo, 0, rows)
+    before = _tree(repo.path)
+    plan = json.loads(upr(capsys, "backup", node.uri, "--repo", str(repo.path), "--dry-run",
+                          "--json", "--partitions", "0-1"))  # fmt: skip
+    assert _tree(repo.path) == before
+    assert plan["full"] is False and plan["partitions"] == 2
+    got = {rb["partition"]: (rb["from"], rb["to"], rb["during_run"]) for rb in plan["rollbacks"]}
+    assert got == {0: ("9001", "0", False), 1: ("9001", "0", False)}
+    assert all(lo == 0 for lo, _hi in _seqs(plan).values())  # streamed again from the start
+    text = upr(capsys, "backup", node.uri, "--repo", str(repo.path), "--dry-run",
+               "--partitions", "0-1")  # fmt: skip
+    assert "2 rollbacks it would record" in text and "9001" in text
 
 
 @pytest.fixture(scope="module")
