@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.cli.json_convention import problems
 from tests.e2e.conftest import Node
 from tests.e2e.e2e_helpers import wait_persisted
 from tests.repo.repo_helpers import commit_backup, run_upr
@@ -65,6 +66,7 @@ def test_backup_dry_run_writes_nothing(
     # a new repository: nothing created, a full backup of every partition from 0
     plan = json.loads(upr(capsys, "backup", node.uri, "--repo", str(repo), "--dry-run", "--json"))
     assert not repo.exists()
+    assert problems(plan) == []  # docs/output.md: seqs as strings, counts as integers
     assert (plan["dry_run"], plan["full"], plan["parent"]) == (True, True, None)
     assert plan["repository_exists"] is False and plan["partitions"] == 4
     assert plan["collections"] == 4 and plan["rollbacks"] == []
@@ -182,6 +184,7 @@ def test_restore_a_subset_of_collections(
         db = tmp_path / f"sub{i}.db"
         summary = json.loads(upr(capsys, "restore", "--repo", str(backed_up), f"sqlite:{db}",
                                  *opt, "--json", "--no-progress"))  # fmt: skip
+        assert problems(summary) == []
         got = _by_collection(db)
         assert got == Counter({c: whole[c] for c in kept}), (opt, got)
         left = sum(n for c, n in whole.items() if c not in kept)

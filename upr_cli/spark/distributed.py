@@ -160,6 +160,7 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
         by = total.plan.by_source() if total.plan else {}
         for s in parts:
             total.dropped += s.dropped
+            total.excluded += s.excluded  # --include-data/--exclude-data
             for c in s.plan.collections if s.plan else ():
                 if c.source_id in by:
                     by[c.source_id].documents += c.documents
