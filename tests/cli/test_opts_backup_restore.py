@@ -93,7 +93,8 @@ def test_backup_dry_run_writes_nothing(
         False, first["backup_id"], True)  # fmt: skip
     assert plan["estimated_items"] == 10 and plan["partitions_with_changes"] >= 1
     assert f"an incremental backup after {first['backup_id']}" in text
-    assert text.startswith("dry run: nothing written") and "at most 10 items" in text
+    assert text.startswith("dry run, nothing written: an incremental backup")
+    assert "at most 10 items" in text
     # the incremental backup takes the seqs the dry run named
     second = json.loads(upr(capsys, "backup", node.uri, "--repo", str(repo), "--json",
                             "--no-progress"))  # fmt: skip

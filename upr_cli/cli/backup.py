@@ -454,7 +454,8 @@ def render_plan(plan: BackupPlan, show_all: bool) -> None:
     where = plan.repo if plan.repository_exists else f"{plan.repo} (a new repository)"
     changed = plan.changed
     lines = [
-        f"dry run: nothing written; {kind} of {plan.bucket} into {where}",
+        f"dry run, nothing written: {kind}",
+        f"of bucket {plan.bucket} into {where}",
         f"{plural(len(plan.ranges), 'partition')}, {len(changed):,} with seqs to take; "
         f"at most {plural(plan.estimated_items, 'item')} (the sum of the seq ranges)",
     ]
