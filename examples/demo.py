@@ -279,7 +279,7 @@ def main() -> int:
             console.print("[bold]where the node and the backup diverged[/]")
             upr("diff", node.uri, f"repo:{repo}", show=True, ok=(1,))
             console.print("[bold]the lost writes that could go back (dry run)[/]")
-            salvage = upr("salvage", "--repo", str(repo), "--to", node.uri, "--json", ok=(0, 1))
+            salvage = upr("salvage", "--repo", str(repo), "--into", node.uri, "--json", ok=(0, 1))
             lost = json.loads(salvage.stdout)
             console.print(f"{lost['lost_writes']:,} lost writes: {lost['counts']}")
             for it in lost["items"][:3]:

@@ -113,7 +113,7 @@ say "Figure 8: C rolls back to the common snapshot, then repairs the master"
 wait_high n2 "$(field n1 high_seqno)"
 c_rollback=$(grep -o 'replica partition 0 rolled back to [0-9]*' "$cl/n2/serve.log" | tail -1 | awk '{print $NF}')
 echo "C rolled back to seq $c_rollback"
-"$UPR" salvage --node-data "$cl/n2" --to "$B" --apply || true
+"$UPR" salvage --node-data "$cl/n2" --into "$B" --apply || true
 say "  D joins (rebalance) and streams from B"
 "$UPR" cluster rebalance --add new --data "$cl"
 

@@ -39,7 +39,7 @@ def main() -> int:
 
         console.rule("[bold]2. upr spark export: the state as Parquet, by partition id")
         summary = json.loads(
-            upr("spark", "export", "--repo", str(repo), "--to", str(out), "--json").stdout
+            upr("spark", "export", "--repo", str(repo), "--output", str(out), "--json").stdout
         )
         console.print(
             f"exported {summary['items']:,} documents in {summary['partitions']} partitions "

@@ -448,7 +448,7 @@ def apply_change(manifest: CollectionsManifest, change: ManifestChange) -> Colle
     return CollectionsManifest(uid, tuple(scopes))
 
 
-# -- specs: `upr serve --collections` and `upr cluster init --collections` ------------
+# -- specs: `upr serve --create-collections` and `upr cluster init --create-collections`
 
 
 def parse_specs(text: str | Iterable[str] | None) -> tuple[str, ...]:

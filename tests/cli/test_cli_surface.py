@@ -97,7 +97,7 @@ def test_serve_partitions_is_a_deprecated_alias_of_num_partitions(
     assert run_main(capsys, *base, "--num-partitions", "8") == (0, "", "")
     code, out, err = run_main(capsys, *base, "--partitions", "12")
     assert (code, out) == (0, "")
-    assert err == "upr: warning: --partitions is deprecated here: use --num-partitions\n"
+    assert err == "upr: warning: --partitions is deprecated; use --num-partitions\n"
     assert run_main(capsys, *base)[0] == 0
     assert [c.partitions for c in seen] == [8, 12, None]  # None: the count on disk
     code, _out, err = run_main(capsys, *base, "--partitions", "2", "--num-partitions", "3")

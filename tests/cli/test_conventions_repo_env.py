@@ -76,9 +76,9 @@ def test_salvage_takes_upr_repo_only_as_its_one_source(
 ) -> None:
     monkeypatch.setenv("UPR_REPO", str(tmp_path / "none"))
     dead = "upr://127.0.0.1:1/default"
-    code, _out, err = run_upr(capsys, "salvage", "--to", dead, "--wait", "0")
+    code, _out, err = run_upr(capsys, "salvage", "--into", dead, "--wait", "0")
     assert code == 2 and "not a upr repository" in err and str(tmp_path / "none") in err
     # --store given: UPR_REPO stays out of it (not "give exactly one of")
     store = tmp_path / "s.db"
-    code, _out, err = run_upr(capsys, "salvage", "--store", str(store), "--to", dead)
+    code, _out, err = run_upr(capsys, "salvage", "--store", str(store), "--into", dead)
     assert code == 2 and "no such store" in err

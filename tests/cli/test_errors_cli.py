@@ -200,11 +200,11 @@ def _repo_commands(r: str, tmp: Path) -> list[list[str]]:
         ["examine", "--repo", r, "key"],
         ["info", "--repo", r],
         ["verify", "--repo", r],
-        ["salvage", "--repo", r, "--to", DEAD],
+        ["salvage", "--repo", r, "--into", DEAD],
         ["replay", f"repo:{r}", "--into", f"{tmp}/s.db"],
         ["diff", f"repo:{r}", f"repo:{r}"],
         ["rollback-point", "--server", f"repo:{r}", "--client", f"repo:{r}"],
-        ["spark", "export", "--repo", r, "--to", f"{tmp}/out"],
+        ["spark", "export", "--repo", r, "--output", f"{tmp}/out"],
     ]
 
 
@@ -232,7 +232,7 @@ def test_a_repository_that_is_not_one(
         ["backup", DEAD, "--repo", "{tmp}/r"],
         ["restore", "--repo", "{tmp}", "sqlite:{tmp}/o.db"],
         ["info", "--repo", "{tmp}"],
-        ["salvage", "--repo", "{tmp}", "--to", DEAD],
+        ["salvage", "--repo", "{tmp}", "--into", DEAD],
         ["replay", DEAD, "--into", "{tmp}/s.db"],
         ["diff", DEAD, DEAD],
         ["rollback-point", "--server", DEAD, "--client", DEAD],
@@ -253,7 +253,7 @@ def test_diff_and_salvage_exit_2_when_a_source_fails(
 ) -> None:
     _node, repo = live
     fails(upr("diff", f"repo:{repo}", DEAD), ExitCode.USAGE, "cannot connect")
-    fails(upr("salvage", "--repo", str(repo), "--to", DEAD), ExitCode.USAGE, "cannot connect")
+    fails(upr("salvage", "--repo", str(repo), "--into", DEAD), ExitCode.USAGE, "cannot connect")
     fails(upr("tail", DEAD, "--until-end"), ExitCode.FAILED, "cannot connect")  # 1 elsewhere
 
 
@@ -265,7 +265,7 @@ def test_paths_that_are_not_what_they_should_be(tmp_path: Path) -> None:
     fails(upr("tail", DEAD, "--state", str(tmp_path)), ExitCode.USAGE, "is a directory")
     fails(upr("cluster", "status", "--data", str(file)), ExitCode.USAGE,
           f"{file} is not a directory")  # fmt: skip
-    fails(upr("spark", "export", "--repo", str(tmp_path), "--to", f"{file}/out"),
+    fails(upr("spark", "export", "--repo", str(tmp_path), "--output", f"{file}/out"),
           ExitCode.USAGE, str(tmp_path))  # fmt: skip
 
 

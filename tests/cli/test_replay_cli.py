@@ -32,9 +32,9 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["diff", "nonsense", "sqlite:/x"], "a source is"),
         (["diff", "sqlite:{tmp}/missing.db", "{tmp}/a.json"], "no such store"),
         (["diff", "{tmp}/bad.json", "{tmp}/bad.json"], "not a JSON file"),
-        (["salvage", "--to", "upr://127.0.0.1:1/default"], "exactly one of --repo"),
-        (["salvage", "--repo", "/x", "--store", "/y", "--to", "upr://h/b"], "exactly one of"),
-        (["salvage", "--repo", "/x"], "--to upr://"),
+        (["salvage", "--into", "upr://127.0.0.1:1/default"], "exactly one of --repo"),
+        (["salvage", "--repo", "/x", "--store", "/y", "--into", "upr://h/b"], "exactly one of"),
+        (["salvage", "--repo", "/x"], "--into upr://"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

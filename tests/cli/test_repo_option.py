@@ -23,8 +23,8 @@ REPO_COMMANDS = [
     ["info"],
     ["verify"],
     ["examine", "some-key"],
-    ["salvage", "--to", DEAD],
-    ["spark", "export", "--to", "/tmp/never-export"],
+    ["salvage", "--into", DEAD],
+    ["spark", "export", "--output", "/tmp/never-export"],
     ["spark", "merge"],
     ["repo", "unlock"],
 ]

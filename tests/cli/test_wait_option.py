@@ -16,7 +16,7 @@ STREAMING = [
     ["tail", "upr://127.0.0.1:1/default"],
     ["replay", "upr://127.0.0.1:1/default", "--into", "/tmp/never.db"],
     ["backup", "upr://127.0.0.1:1/default", "--repo", "/tmp/never-repo"],
-    ["salvage", "--repo", "/tmp/never-repo", "--to", "upr://127.0.0.1:1/default"],
+    ["salvage", "--repo", "/tmp/never-repo", "--into", "upr://127.0.0.1:1/default"],
 ]
 
 

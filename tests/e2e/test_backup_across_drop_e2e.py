@@ -28,7 +28,7 @@ from tests.e2e.test_restore_collections_e2e import _set_raw, live_docs
 def test_a_backup_across_a_drop_and_re_create_restores_the_final_state(
     node_factory: type[Node], tmp_path: Path
 ) -> None:
-    src = node_factory("--flush-interval", "0.02", "--collections", "app.users,app.orders",
+    src = node_factory("--flush-interval", "0.02", "--create-collections", "app.users,app.orders",
                        partitions=16, name="src").start()  # fmt: skip
     upr("load", src.uri, "--docs", "40000", "--collections", "app.users,app.orders",
         "--update-ratio", "0.2", "--delete-ratio", "0.1")  # fmt: skip

@@ -62,7 +62,7 @@ def _cut_records_are_lost_writes(cl: Cluster, repo: Path, rollbacks: list[dict[s
     """What the run took back is kept (cut-back segments) and salvage offers it."""
     cut = {rb["partition"]: rb for rb in rollbacks if rb["cut_records"]}
     assert cut, rollbacks
-    out = upr("salvage", "--repo", str(repo), "--to", cl.uri("n1"), "--json", check=False)
+    out = upr("salvage", "--repo", str(repo), "--into", cl.uri("n1"), "--json", check=False)
     assert out.returncode in (0, 1), out.stderr
     mine = [it for it in json.loads(out.stdout)["items"] if "cut back mid-run" in it["origin"]]
     assert {it["partition"] for it in mine} == set(cut)
@@ -124,7 +124,7 @@ def test_a_backup_through_a_hard_failover_below_its_start_starts_again(tmp_path:
         assert all(int(rb["from"]) > int(rb["to"]) for rb in recorded.values())
         _restored_equals_cluster(cl, repo, tmp_path, parts)
         # the first backup's records above the cut are the failover's lost writes
-        out = upr("salvage", "--repo", str(repo), "--to", cl.uri("n1"), "--json", check=False)
+        out = upr("salvage", "--repo", str(repo), "--into", cl.uri("n1"), "--json", check=False)
         assert out.returncode == 1, out.stderr  # a dry run with writes that could go back
         items = json.loads(out.stdout)["items"]
         assert items and all(
@@ -151,7 +151,7 @@ def test_a_failover_after_a_partition_ended_gets_a_follow_up_backup(tmp_path: Pa
         recorded = [rb for rb in summary.to_json()["rollbacks"] if rb["partition"] == parts[0]]
         assert recorded and int(recorded[0]["from"]) > int(recorded[0]["to"]), summary
         _restored_equals_cluster(cl, repo, tmp_path, parts[:1])
-        out = upr("salvage", "--repo", str(repo), "--to", cl.uri("n1"), "--json", check=False)
+        out = upr("salvage", "--repo", str(repo), "--into", cl.uri("n1"), "--json", check=False)
         items = json.loads(out.stdout)["items"]
         assert items and all(it["origin"] == f"backup {summary.backup_id}" for it in items)
     finally:

@@ -1,4 +1,4 @@
-"""Collections on a `upr cluster`: `init --collections` and `upr collections` reach every
+"""Collections on a `upr cluster`: `init --create-collections` and `upr collections` reach every
 node, a change waits for every member, and a node added by a rebalance or started
 again gets the newest manifest before it takes partitions (formats/cluster.md
 "Collections")."""
@@ -29,7 +29,7 @@ def manifests(cl: Cluster, *names: str) -> dict[str, CollectionsManifest]:
 def test_every_node_holds_the_manifest(tmp_path: Path) -> None:
     data = tmp_path / "cl"
     upr("cluster", "init", "--nodes", "3", "--replicas", "1", "--data", str(data),
-        "--num-partitions", "8", "--collections", "app.users")  # fmt: skip
+        "--num-partitions", "8", "--create-collections", "app.users")  # fmt: skip
     cl = Cluster.at(data)
     try:
         first = manifests(cl)

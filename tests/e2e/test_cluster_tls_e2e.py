@@ -102,7 +102,7 @@ def test_collections_diff_rollback_point_and_salvage_take_tls_sources(
                         *ca).stdout)["partitions"]  # fmt: skip
     assert len(rp) == 4 and not any(r["rollback"] for r in rp), rp
 
-    salvage = json.loads(upr("salvage", "--repo", str(repo), "--to", tls, "--json", *ca).stdout)
+    salvage = json.loads(upr("salvage", "--repo", str(repo), "--into", tls, "--json", *ca).stdout)
     assert salvage["lost_writes"] == 0 and salvage["target"].startswith("uprs://")
 
     upr("collections", "create", tls, "app.users", *ca)
@@ -116,7 +116,7 @@ def test_collections_diff_rollback_point_and_salvage_take_tls_sources(
     one_line(upr("diff", tls, f"repo:{repo}", *bad, check=False), 2, why)
     one_line(upr("rollback-point", "--server", tls, "--client", f"repo:{repo}", *bad,
                  check=False), 1, why)  # fmt: skip
-    one_line(upr("salvage", "--repo", str(repo), "--to", tls, *bad, check=False), 2, why)
+    one_line(upr("salvage", "--repo", str(repo), "--into", tls, *bad, check=False), 2, why)
     missing = upr("diff", tls, f"repo:{repo}", "--cacert", str(tmp_path / "none.pem"),
                   check=False)  # fmt: skip
     one_line(missing, 2, "--cacert (or UPR_CACERT): cannot read")

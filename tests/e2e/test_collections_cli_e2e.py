@@ -1,5 +1,5 @@
 """`upr collections` against a real `upr serve`: create, list and drop, the errors a
-user meets, `upr serve --collections`, and a change made again after a concurrent one."""
+user meets, `upr serve --create-collections`, and a change made again after a concurrent one."""
 
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def test_list_fits_the_terminal(node: Node) -> None:
 
 
 def test_serve_creates_collections_at_start(node_factory: type[Node]) -> None:
-    n = node_factory("--collections", "app.users,app.sessions:60,.orders").start()
+    n = node_factory("--create-collections", "app.users,app.sessions:60,.orders").start()
     m = get_manifest(n.uri)
     made = [(str(m.path_of(c.id)), c.id) for _s, c in m.collections()]
     # in spec order: scope app 8, app.users 9, app.sessions a, _default.orders b
@@ -157,13 +157,13 @@ def test_serve_creates_collections_at_start(node_factory: type[Node]) -> None:
     # a bad spec: one line, exit 2, no node
     for spec, why in [("app:60", "belongs to a collection"),
                       ("app.users:3600,app.users:60", "app.users is named twice")]:  # fmt: skip
-        bad = upr("serve", "--data", str(n.data), "--no-auth", "--port", "0", "--collections",
-                  spec, check=False)  # fmt: skip
+        bad = upr("serve", "--data", str(n.data), "--no-auth", "--port", "0",
+                  "--create-collections", spec, check=False)  # fmt: skip
         assert bad.returncode == 2 and why in bad.stderr, bad.stderr
         assert len(bad.stderr.splitlines()) == 1
     # a restart with another max TTL: the spec only creates, and the node says so
     n.stop()
-    n.args = ["--collections", "app.users,app.sessions:3600,.orders"]
+    n.args = ["--create-collections", "app.users,app.sessions:3600,.orders"]
     n.start()
     assert get_manifest(n.uri) == m  # unchanged
     assert n.proc is not None

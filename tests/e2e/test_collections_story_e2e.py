@@ -132,7 +132,7 @@ def test_sdk_collections_backup_and_restore_across_partition_counts(
     node_factory: type[Node], tmp_path: Path, sdk: Any
 ) -> None:
     src = node_factory(partitions=64, name="src").start(
-        "--collections", ",".join([*COLLECTIONS[:3], "inventory.items:7200"])
+        "--create-collections", ",".join([*COLLECTIONS[:3], "inventory.items:7200"])
     )
     cluster = sdk(src)
     want = _write(cluster)

@@ -133,7 +133,7 @@ def test_every_command_works_given_the_key(env: Env, tmp_path: Path) -> None:
     with Store(tmp_path / "replayed.db") as s:
         assert (s.count(), s.content_hash()) == node_content_hash(uri)
     assert call("diff", uri, f"repo:{repo}", *k).returncode == 0  # identical
-    assert call("salvage", "--repo", str(repo), "--to", uri, *k).returncode == 0  # dry run
+    assert call("salvage", "--repo", str(repo), "--into", uri, *k).returncode == 0  # dry run
     other = Node(tmp_path / "node2").start()  # restore into a node
     try:
         ok("restore", "--repo", str(repo), *k, other.uri, "--no-progress")
@@ -161,7 +161,7 @@ def test_no_key_or_a_wrong_key_changes_nothing(env: Env, tmp_path: Path) -> None
         ["replay", f"repo:{r}", "--into", str(tmp_path / "y.db")],
         ["prune", "--repo", r, "--keep-last", "1", "--apply"],
         ["remove", "--repo", r, "latest", "--apply"], ["merge", "--repo", r],
-        ["diff", uri, f"repo:{r}"], ["salvage", "--repo", r, "--to", uri],
+        ["diff", uri, f"repo:{r}"], ["salvage", "--repo", r, "--into", uri],
         ["backup", uri, "--repo", r, "--no-progress"],
         ["repo", "add-key", "--repo", r, "--new-key-file", str(wrong)],
     ]  # fmt: skip

@@ -207,7 +207,7 @@ def test_diff_and_salvage_of_a_store_keep_collections_apart(
         ("_default", "_default", "k"), ("app", "users", "k")]  # fmt: skip
     assert "app.users:k" in upr("diff", node.uri, f"sqlite:{db}", check=False).stdout
 
-    done = json.loads(upr("salvage", "--store", str(db), "--to", node.uri, "--apply", "--json",
+    done = json.loads(upr("salvage", "--store", str(db), "--into", node.uri, "--apply", "--json",
                           check=False).stdout)  # fmt: skip
     items = sorted((it["collection_id"], it["scope"], it["collection"], it["key"], it["outcome"])
                    for it in done["items"])  # fmt: skip

@@ -263,19 +263,19 @@ def test_diff_and_salvage_after_a_sigkill(node_factory: type[Node], tmp_path: Pa
     assert len(lost_keys) > 20
     rewritten = {k: b'{"rewritten":true}' for k in lost_keys[::4]}
     run(set_keys(node.uri, rewritten))
-    dry = json.loads(upr("salvage", "--repo", str(repo), "--to", node.uri, "--json",
+    dry = json.loads(upr("salvage", "--repo", str(repo), "--into", node.uri, "--json",
                          check=False).stdout)  # fmt: skip
     outcome = {it["key"].encode(): it["outcome"] for it in dry["items"]}
     assert set(outcome) == set(lost_keys)
     assert {k for k, o in outcome.items() if o == "conflict"} == set(rewritten)
     assert {k for k, o in outcome.items() if o == "would-write"} == set(lost_keys) - set(rewritten)
     # the store sees the same lost writes (still unreplayed: above the master's rollback point)
-    sdry = json.loads(upr("salvage", "--store", str(db), "--to", node.uri, "--json",
+    sdry = json.loads(upr("salvage", "--store", str(db), "--into", node.uri, "--json",
                           check=False).stdout)  # fmt: skip
     assert {it["key"].encode(): it["outcome"] for it in sdry["items"]} == outcome
 
     lost_values = _lost_in_store(db, persisted)
-    applied = json.loads(upr("salvage", "--repo", str(repo), "--to", node.uri, "--apply",
+    applied = json.loads(upr("salvage", "--repo", str(repo), "--into", node.uri, "--apply",
                              "--json", check=False).stdout)  # fmt: skip
     assert applied["counts"] == {"written": len(lost_keys) - len(rewritten),
                                  "conflict": len(rewritten)}  # fmt: skip
@@ -288,7 +288,7 @@ def test_diff_and_salvage_after_a_sigkill(node_factory: type[Node], tmp_path: Pa
     proc = upr("replay", node.uri, "--into", str(db))
     assert "rolled back from seq" in proc.stderr
     assert store_rows(db) == node_rows(node.uri)
-    again = json.loads(upr("salvage", "--store", str(db), "--to", node.uri, "--json",
+    again = json.loads(upr("salvage", "--store", str(db), "--into", node.uri, "--json",
                            check=False).stdout)  # fmt: skip
     assert again["counts"].get("would-write", 0) == 0
     assert again["counts"]["already-there"] == len(lost_keys) - len(rewritten)
@@ -324,7 +324,7 @@ def test_a_full_backup_on_the_same_history_makes_nothing_lost(node: Node, tmp_pa
     wait_persisted(node.uri)
     upr("backup", node.uri, "--repo", str(repo))
     upr("backup", node.uri, "--repo", str(repo), "--full")
-    out = json.loads(upr("salvage", "--repo", str(repo), "--to", node.uri, "--json").stdout)
+    out = json.loads(upr("salvage", "--repo", str(repo), "--into", node.uri, "--json").stdout)
     assert out["lost_writes"] == 0
     versions = json.loads(upr("examine", "--repo", str(repo), "doc-000000001", "--json").stdout)
     assert versions and not any(v["lost"] for v in versions["versions"])

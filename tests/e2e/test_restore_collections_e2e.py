@@ -87,7 +87,7 @@ def restore(repo: Path, target: str, *args: str, check: bool = True) -> Any:
 def loaded_source(node_factory: type[Node], repo: Path, partitions: int = 64) -> Node:
     """A node with documents in app.users, app.orders and the default collection (updates,
     deletes, the same key in two collections, flags and an expiry), backed up."""
-    src = node_factory("--flush-interval", "0.02", "--collections", "app.users,app.orders",
+    src = node_factory("--flush-interval", "0.02", "--create-collections", "app.users,app.orders",
                        partitions=partitions, name="src").start()  # fmt: skip
     upr("load", src.uri, "--docs", "240", "--collections", "app.users,app.orders",
         "--update-ratio", "0.3", "--delete-ratio", "0.1")  # fmt: skip
@@ -111,7 +111,7 @@ def test_collections_restore_by_name_into_16_and_128_partitions(
     assert want[("app.users", b"same-key")][3] == 0xCAFE and want[("app.users", b"same-key")][4]
 
     # app.orders exists there already, under another id than in the source
-    small = node_factory("--flush-interval", "0.02", "--collections", "zz.first,app.orders",
+    small = node_factory("--flush-interval", "0.02", "--create-collections", "zz.first,app.orders",
                          partitions=16, name="small").start()  # fmt: skip
     assert get_manifest(small.uri).lookup(_path("app.orders")) != get_manifest(src.uri).lookup(
         _path("app.orders")

@@ -41,7 +41,7 @@ def test_node_data_lost_writes_keep_their_xattrs(node_factory: type[Node]) -> No
     master = node_factory("--flush-interval", "0.02", partitions=4, name="master").start()
     upr("load", master.uri, "--docs", "40")  # every partition above the cut
 
-    dry = upr("salvage", "--node-data", str(replica.data), "--to", master.uri, "--json",
+    dry = upr("salvage", "--node-data", str(replica.data), "--into", master.uri, "--json",
               check=False)  # fmt: skip
     assert dry.returncode == 1, dry.stderr  # lost writes remain (would-write)
     items = {it["key"]: it for it in json.loads(dry.stdout)["items"]}
@@ -51,10 +51,10 @@ def test_node_data_lost_writes_keep_their_xattrs(node_factory: type[Node]) -> No
     assert x["lost"]["value"] == BODY.decode() and x["outcome"] == "would-write"
     assert items["k-plain"]["lost"]["xattrs"] == {}
 
-    text = upr("salvage", "--node-data", str(replica.data), "--to", master.uri, check=False)
+    text = upr("salvage", "--node-data", str(replica.data), "--into", master.uri, check=False)
     assert "xattrs=_sync,meta" in text.stdout, text.stdout
 
-    done = upr("salvage", "--node-data", str(replica.data), "--to", master.uri, "--apply",
+    done = upr("salvage", "--node-data", str(replica.data), "--into", master.uri, "--apply",
                "--json")  # fmt: skip
     after = {it["key"]: (it["outcome"], it["reason"]) for it in json.loads(done.stdout)["items"]}
     assert after == {"k-x": ("written", ""), "k-plain": ("written", "")}

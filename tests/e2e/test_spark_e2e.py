@@ -152,14 +152,14 @@ def test_bad_options_fail_with_one_clear_message(
 
 def test_upr_spark_export_cli(repo: Path, tmp_path: Path) -> None:
     out = tmp_path / "json"
-    proc = upr("spark", "export", "--repo", str(repo), "--to", str(out), "--format", "json",
+    proc = upr("spark", "export", "--repo", str(repo), "--output", str(out), "--format", "json",
                "--master", "local[1]", "--json", timeout=300)  # fmt: skip
     summary = json.loads(proc.stdout)
     assert summary["format"] == "json" and summary["items"] > 500
     assert sorted(p.name for p in out.glob("partition=*")) == [f"partition={i}" for i in range(8)]
-    again = upr("spark", "export", "--repo", str(repo), "--to", str(out), check=False)
+    again = upr("spark", "export", "--repo", str(repo), "--output", str(out), check=False)
     assert again.returncode == 2 and "exists; give --overwrite" in again.stderr
-    bad = upr("spark", "export", "--repo", str(repo), "--to", str(tmp_path / "x"), "--at",
+    bad = upr("spark", "export", "--repo", str(repo), "--output", str(tmp_path / "x"), "--at",
               "nope", check=False)  # fmt: skip
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1] == (
@@ -493,7 +493,7 @@ def test_export_partitioned_by_collection(
 ) -> None:
     repo, live = coll_repo
     out = tmp_path / "by-collection"
-    summary = json.loads(upr("spark", "export", "--repo", str(repo), "--to", str(out),
+    summary = json.loads(upr("spark", "export", "--repo", str(repo), "--output", str(out),
                              "--partition-by", "collection", "--master", "local[1]",
                              "--json", timeout=300).stdout)  # fmt: skip
     assert summary["partition_by"] == "collection" and summary["items"] == sum(live.values())
@@ -507,10 +507,10 @@ def test_export_partitioned_by_collection(
                            table.column("collection").to_pylist(), strict=True):  # fmt: skip
         got[f"{scope}.{coll}"] = got.get(f"{scope}.{coll}", 0) + 1
     assert got == live
-    bad = upr("spark", "export", "--repo", str(repo), "--to", str(tmp_path / "x"),
+    bad = upr("spark", "export", "--repo", str(repo), "--output", str(tmp_path / "x"),
               "--partition-by", "scope", check=False)  # fmt: skip
     assert bad.returncode == 2 and "--partition-by: 'scope' is not one of" in bad.stderr
-    bad = upr("spark", "export", "--repo", str(repo), "--to", str(tmp_path / "x"),
+    bad = upr("spark", "export", "--repo", str(repo), "--output", str(tmp_path / "x"),
               "--collections", "app.nope", check=False)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
         "upr: error: option collections: app.nope: no such collection in the backups up to"

@@ -18,7 +18,7 @@ from upr_cli.repo.layout import MANIFEST_COPY, MANIFEST_FILE
 
 @pytest.fixture
 def repo(node_factory: type[Node], tmp_path: Path) -> Path:
-    src = node_factory("--collections", "app.users,app.orders", name="src").start()
+    src = node_factory("--create-collections", "app.users,app.orders", name="src").start()
     upr("load", src.uri, "--docs", "600", "--collections", "app.users,app.orders",
         "--update-ratio", "0.2", "--delete-ratio", "0.1")  # fmt: skip
     out = tmp_path / "repo"

@@ -163,7 +163,7 @@ def test_every_commands_json_follows_the_convention(
         "rollback-point": upr(
             "rollback-point", "--server", node.uri, "--client", f"repo:{repo}", "--json"
         ),
-        "salvage": upr("salvage", "--repo", repo, "--to", node.uri, "--json", check=False),
+        "salvage": upr("salvage", "--repo", repo, "--into", node.uri, "--json", check=False),
     }
     broken = {}
     for name, proc in runs.items():

@@ -229,7 +229,7 @@ def test_the_source_and_export_read_an_encrypted_repository_as_a_plain_one(
     with pytest.raises(SparkOptionError) as err:
         parse_options({"path": str(env.enc)})
     assert str(err.value).startswith("option keyFile: ") and "\n" not in str(err.value)
-    proc = call("spark", "export", "--repo", str(env.enc), "--to", str(tmp_path / "x"))
+    proc = call("spark", "export", "--repo", str(env.enc), "--output", str(tmp_path / "x"))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "key" in proc.stderr and not (tmp_path / "x").exists()
 
@@ -326,7 +326,7 @@ def test_the_key_is_in_no_spark_log_event_log_or_option(
 def test_distributed_restore_and_backup_of_an_encrypted_repository(
     spark: Any, env: Env, plain: set[tuple[Any, ...]], tmp_path: Path, keyed: None
 ) -> None:
-    """The module's last Spark test: `upr backup --spark` stops the session it ran on."""
+    """The module's last Spark test: `upr backup --master` stops the session it ran on."""
     from upr_cli.net.uri import SourceUri
     from upr_cli.spark.distributed import spark_restore
     from upr_cli.store import Store
@@ -341,7 +341,7 @@ def test_distributed_restore_and_backup_of_an_encrypted_repository(
     repo, db = tmp_path / "dist", tmp_path / "restored.db"
     k = ("--key-file", str(env.key))
     ok("repo", "init", "--repo", str(repo), "--encrypt", *k)
-    ok("backup", env.node.uri, "--repo", str(repo), "--no-progress", "--spark", "local[2]",
+    ok("backup", env.node.uri, "--repo", str(repo), "--no-progress", "--master", "local[2]",
        "--spark-tasks", "3", *k)  # fmt: skip
     assert list(repo.rglob("*.seg")) and _plaintext(repo) == []  # the executors sealed them
     ok("verify", "--repo", str(repo), *k)

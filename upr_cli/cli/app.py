@@ -91,7 +91,8 @@ def _root(
 
 #: options whose value is a local path the command reads or writes: an error the file
 #: system reports without a path (ENOSPC from write(2)) is told against them
-PATH_OPTIONS = ("--repo", "--into", "--state", "--data", "--to", "--store", "--node-data")
+PATH_OPTIONS = ("--repo", "--into", "--state", "--data", "--to", "--output", "--store",
+                "--node-data")  # fmt: skip
 
 
 #: what an interrupted run of a command kept and how to go on, for the commands whose

@@ -23,6 +23,7 @@ from upr_cli.cli.options import (
     NodeUri,
     NoProgress,
     NoVerify,
+    OldSparkMaster,
     Partitions,
     PasswordFile,
     Repo,
@@ -31,6 +32,7 @@ from upr_cli.cli.options import (
     SparkTasks,
     Wait,
     duration_seconds,
+    either,
     size_bytes,
     tls_source,
 )
@@ -42,6 +44,7 @@ from upr_cli.cli.output import (
     keep_whole,
     more_line,
     notice,
+    plural,
     print_json,
     stderr,
     stdout,
@@ -50,6 +53,7 @@ from upr_cli.cli.output import (
 from upr_cli.collections import parse_paths
 from upr_cli.errors import UsageError
 from upr_cli.jobs.backup import BackupSummary, PartitionRollback, backup
+from upr_cli.jobs.backup_dry_run import BackupPlan, plan_backup
 from upr_cli.jobs.backup_stream import DEFAULT_MEMORY, StreamStats
 from upr_cli.jobs.follow import (
     COMMIT_BYTES,
@@ -103,8 +107,9 @@ new chain). Nothing holding committed data is ever removed.
 Every collection is backed up, with the source's collections manifest and the
 collections and scopes created and dropped while it ran. --include-data backs up only
 the scopes and collections it names (SCOPE or SCOPE.COLLECTION, comma-separated or
-repeated; filtered by the source), --exclude-data every other one; the two cannot be
-combined, as in cbbackupmgr. The repository records the filter, so a restore knows a
+repeated; filtered by the source; --collections, as tail, replay and load name it, is
+the same option), --exclude-data every other one; the two cannot be combined, as in
+cbbackupmgr. The repository records the filter, so a restore knows a
 collection left out was not backed up rather than empty; an incremental backup keeps
 its chain's filter (--full starts a chain with another one), and still records the drop
 of a collection the chain followed that was dropped (or dropped and created again)
@@ -125,11 +130,12 @@ Example (a new chain, after a backup refused a broken one):
 
   upr backup upr://admin@127.0.0.1:11210/default --repo /backups/cb --full
 
---spark MASTER divides the partitions among Spark tasks (--spark-tasks, default 8;
---conf k=v passes Spark settings): each streams its share into the new backup's
-directory, which every executor must share; the high seqs are pinned once and the
-manifest is committed by this process after every task succeeded, so the result is the
-backup a local run of the same seqs would make.
+--master URL divides the partitions among Spark tasks on that Spark master (local[*],
+spark://…, yarn; --spark-tasks, default 8; --conf k=v passes Spark settings; --spark,
+the old spelling of --master, still works, with a warning): each streams its share
+into the new backup's directory, which every executor must share; the high seqs are
+pinned once and the manifest is committed by this process after every task succeeded,
+so the result is the backup a local run of the same seqs would make.
 
 Example (only scope app, except its collection logs is left out in the second form):
 
@@ -139,6 +145,16 @@ Example (only scope app, except its collection logs is left out in the second fo
 Example (a new full backup, summary as JSON):
 
   upr backup upr://admin@127.0.0.1/default --repo /backups/cb --full --json
+
+--dry-run says what the backup would take, and writes nothing (no repository created,
+no lock taken): full or incremental (after which backup), per partition the seqs from
+where the chain ended (or the rollback point the source forces) to the high seq now,
+at most how many items (the sum of those ranges: an upper bound, as DCP deduplicates),
+and the rollbacks it would record.
+
+Example (what tonight's backup would take, as JSON):
+
+  upr backup upr://admin@127.0.0.1/default --repo /backups/cb --dry-run --json
 
 --follow keeps the streams open once the backup has caught up and commits a restore
 point every --commit-every (a duration: 1s, 30s, 5m; default 30s) or once
@@ -184,6 +200,8 @@ the key, or add a second one with upr repo add-key: a lost key loses the backups
 IncludeData = Annotated[
     list[str] | None,
     typer.Option(
+        "--include-data",
+        "--collections",
         metavar="PATHS",
         help="Back up only these: SCOPE or SCOPE.COLLECTION, comma-separated or repeated.",
         show_default=False,
@@ -227,9 +245,14 @@ def backup_cmd(
     uri: NodeUri,
     repo: Repo,
     full: Annotated[bool, typer.Option("--full", help="Stream everything from 0 again.")] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Say what a backup would take; write nothing."),
+    ] = False,
     partitions: Partitions = None,
     no_progress: NoProgress = False,
-    spark: SparkMaster = None,
+    master: SparkMaster = None,
+    old_spark: OldSparkMaster = None,
     spark_tasks: SparkTasks = 8,
     conf: SparkConf = None,
     show_all: AllRows = False,
@@ -262,11 +285,23 @@ def backup_cmd(
     metrics_file: MetricsFile = None,
 ) -> None:
     """Back up a bucket."""
+    spark = either(master, old_spark, None, ("--master", "--spark"))
     source = tls_source(SourceUri.parse(uri), cacert, no_verify, cert, key)
     include, exclude = parse_paths(include_data), parse_paths(exclude_data)
+    if dry_run:
+        if follow_ or spark is not None or metrics_file is not None:
+            raise UsageError("--dry-run writes nothing: it does not combine with --follow, "
+                             "--master or --metrics-file")  # fmt: skip
+        plan = asyncio.run(plan_backup(source, repo, full=full, partitions=selected(partitions),
+                                       include=include, exclude=exclude))  # fmt: skip
+        if json_out:
+            print_json(plan.to_json())
+        else:
+            render_plan(plan, show_all)
+        return
     if follow_:
         if spark is not None:
-            raise UsageError("--follow streams from this process: it cannot take --spark")
+            raise UsageError("--follow streams from this process: it cannot take --master")
         if metrics_file is not None:
             raise UsageError("--metrics-file is for a one-shot backup: a follower serves "
                              "its metrics with --metrics-port")  # fmt: skip
@@ -300,7 +335,7 @@ def _backup_once(source: SourceUri, repo: Path, full: bool, partitions: str | No
                  conf: list[str] | None, include: list[CollectionPath],
                  exclude: list[CollectionPath], wait: float, compression: WireCompression,
                  memory: MemoryLimit, encrypt: bool) -> BackupSummary:  # fmt: skip
-    """One backup, with its bar (and Spark with --spark)."""
+    """One backup, with its bar (and Spark with --master)."""
     show = sys.stderr.isatty() and not no_progress
     with Progress("backup", "items", show=show) as bar:
         bar.note(f"connecting to {source.redacted()}")
@@ -406,10 +441,44 @@ def render(summary: BackupSummary, show_all: bool, repo: str) -> None:
         rows, left_out = first_rows(rollbacks, show_all)
         stdout.print(rollback_table(rows))
         more_line(left_out, "rolled-back partitions")
-        hint(f"lost writes may be recoverable: upr salvage --repo {repo} --to URI")
+        hint(f"lost writes may be recoverable: upr salvage --repo {repo} --into URI")
     for fid in summary.follow_ups:
         stdout.print(f"follow-up backup {fid}: the partitions a failover overtook after their "
                      "streams ended, now as their active holds them", markup=False)  # fmt: skip
+
+
+def render_plan(plan: BackupPlan, show_all: bool) -> None:
+    """`--dry-run`: what the backup would be, the partitions with seqs to take (the first
+    few), the rollbacks it would record."""
+    kind = "a full backup" if plan.full else f"an incremental backup after {plan.parent}"
+    where = plan.repo if plan.repository_exists else f"{plan.repo} (a new repository)"
+    changed = plan.changed
+    lines = [
+        f"dry run, nothing written: {kind}",
+        f"of bucket {plan.bucket} into {where}",
+        f"{plural(len(plan.ranges), 'partition')}, {len(changed):,} with seqs to take; "
+        f"at most {plural(plan.estimated_items, 'item')} (the sum of the seq ranges)",
+    ]
+    if plan.collections > 1:
+        lines.append(f"{plural(plan.collections, 'collection')}")
+    stdout.print("\n".join(lines), markup=False, highlight=False)
+    rows, left_out = first_rows(changed, show_all)
+    if rows:
+        t = table()
+        for col in ("partition", "from seq", "to seq", "at most items"):
+            t.add_column(col, justify="right", no_wrap=True)
+        for r in rows:
+            t.add_row(str(r.partition), str(r.from_seq), str(r.to_seq), f"{r.items:,}")
+        stdout.print(keep_whole(t))
+        more_line(left_out, "partitions")
+    if plan.rollbacks:
+        stdout.print(f"{plural(len(plan.rollbacks), 'rollback')} it would record:",
+                     markup=False, highlight=False)  # fmt: skip
+        rbs, more = first_rows(plan.rollbacks, show_all)
+        stdout.print(rollback_table(rbs))
+        more_line(more, "rollbacks")
+    for w in plan.warnings:
+        stderr.print(f"warning: {w}", markup=False)
 
 
 def run_follow(source: SourceUri, repo: Path, opts: FollowOptions, *, json_out: bool,

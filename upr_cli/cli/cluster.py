@@ -17,6 +17,8 @@ from upr_cli.cli.options import (
     BucketName,
     JsonOutput,
     OldNumPartitions,
+    deprecated_alias,
+    either,
     num_partitions_option,
     partition_count,
 )
@@ -102,9 +104,10 @@ Each node gets DIR/nK for its data (its log in DIR/nK/serve.log) and a loopback 
 the next R nodes. --adopt URI (repeatable) takes running `upr serve` nodes instead:
 they must share one user, password and bucket (replicas stream from their actives with
 those credentials); `stop` and `start` leave adopted nodes alone. --partitions N is
-the old name of --num-partitions (deprecated). --collections creates scopes and
-collections on every node once the map is in place (as `upr collections create`
-does; the newest manifest an adopted node holds is kept).
+the old name of --num-partitions (deprecated). --create-collections creates scopes
+and collections on every node once the map is in place (as `upr collections create`
+does; the newest manifest an adopted node holds is kept); --collections, its old
+spelling, still works, with a warning.
 
 --tls-cert and --tls-key start every node with a TLS data port beside its plain one
 (any free port, kept across restarts; `status` lists them), as Couchbase serves 11207:
@@ -118,7 +121,8 @@ one whose subject CN is admin, the cluster's user, logs in without a password.
 Example:
 
   upr cluster init --nodes 3 --replicas 1 --data /tmp/cl --num-partitions 64
-  upr cluster init --nodes 3 --data /tmp/cl --collections app.users,app.logs:86400
+  upr cluster init --nodes 3 --data /tmp/cl \\
+      --create-collections app.users,app.logs:86400
   upr cluster init --adopt upr://admin@127.0.0.1:11210/default \\
       --adopt upr://admin@127.0.0.1:11211/default --replicas 1 --data /tmp/cl
 
@@ -145,14 +149,17 @@ def init_cmd(
     old_partitions: OldNumPartitions = None,
     base_port: BasePort = None,
     bucket: BucketName = "default",
-    collections: Annotated[
+    create_collections: Annotated[
         str | None,
         typer.Option(
-            "--collections",
+            "--create-collections",
             metavar="SPEC",
             help="Create these on every node: SCOPE, SCOPE.COLLECTION or "
             "SCOPE.COLLECTION:MAXTTL, comma-separated.",
         ),
+    ] = None,
+    old_collections: Annotated[
+        str | None, deprecated_alias("--collections", "--create-collections")
     ] = None,
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
@@ -165,7 +172,8 @@ def init_cmd(
     from upr_cli.net.collections_manifest import parse_specs
 
     partitions = partition_count(num_partitions, old_partitions, 64)
-    specs = parse_specs(collections)
+    specs = parse_specs(either(create_collections, old_collections, None,
+                               ("--create-collections", "--collections")))  # fmt: skip
     if (tls_cert is None) != (tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together")
     tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None

@@ -93,7 +93,7 @@ def examine_cmd(
         raise typer.Exit(1)
     stdout.print(versions_table(key, versions, width=stdout.width))
     if any(v.lost for v in versions):
-        hint(f"lost writes may be recoverable: upr salvage --repo {repo} --to URI")
+        hint(f"lost writes may be recoverable: upr salvage --repo {repo} --into URI")
 
 
 def versions_table(key: str, versions: Sequence[Version], *, width: int) -> Table:

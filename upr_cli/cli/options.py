@@ -131,8 +131,9 @@ Keys = Annotated[
 
 SparkMaster = Annotated[
     str | None,
-    typer.Option("--spark", metavar="MASTER",
-                 help="Divide the partitions among Spark tasks (local[*], spark://…, yarn)."),
+    typer.Option("--master", metavar="URL",
+                 help="Divide the partitions among Spark tasks on this Spark master "
+                 "(local[*], spark://…, yarn)."),
 ]  # fmt: skip
 SparkTasks = Annotated[
     int,
@@ -351,8 +352,9 @@ def deprecated_alias(old: str, new: str, **kwargs: Any) -> Any:
 
     def warn(value: object) -> object:
         if value is not None and value != []:
-            sys.stderr.write(f"upr: warning: {old} is deprecated here: use {new}\n")
-            sys.stderr.flush()
+            from upr_cli.cli.output import warning  # follows --log-format
+
+            warning(f"{old} is deprecated; use {new}")
         return value
 
     return typer.Option(old, hidden=True, callback=warn, show_default=False, **kwargs)
@@ -366,6 +368,10 @@ def either(new: T | None, old: T | None, default: T, names: tuple[str, str]) -> 
     if new is not None:
         return new
     return old if old is not None else default
+
+
+#: `--spark MASTER`, the old spelling of `--master` on backup and restore
+OldSparkMaster = Annotated[str | None, deprecated_alias("--spark", "--master")]
 
 
 # -- a new bucket (serve, cluster init) ----------------------------------------------------

@@ -25,25 +25,30 @@ from upr_cli.cli.options import (
     MemoryLimitOption,
     NoProgress,
     NoVerify,
+    OldSparkMaster,
     Partitions,
     PasswordFile,
     Repo,
     SparkConf,
     SparkMaster,
     SparkTasks,
+    either,
     key_pattern,
     point_at,
     restore_target,
     tls_source,
 )
 from upr_cli.cli.output import Progress, human_bytes, plural, print_json, stderr, stdout
+from upr_cli.collections import parse_paths
 from upr_cli.errors import ExitCode, UsageError
+from upr_cli.jobs.backup import collection_filter
 from upr_cli.jobs.restore import KeepXattrs, RestoreSummary, restore_to_node, restore_to_store
 from upr_cli.jobs.restore_plan import MapRule, parse_map_data
 from upr_cli.jobs.writer import DEFAULT_LIMIT
 from upr_cli.memory import MemoryLimit
 from upr_cli.metrics import MetricsFile, one_shot
 from upr_cli.net.uri import SourceUri
+from upr_cli.repo.manifest import CollectionFilter
 from upr_cli.source import selected
 
 HELP = """Restore the state at a backup into a node, a cluster or a SQLite store.
@@ -79,6 +84,18 @@ separate rules with commas. A collection the target lacks is created on a upr ta
 collection (--no-create, a server without collections, a refused change) stops the
 restore before anything is written, naming the missing collections; a server without
 collections takes only _default._default.
+
+--include-data restores only the scopes and collections it names (SCOPE or
+SCOPE.COLLECTION, comma-separated or repeated; --collections is the same option),
+--exclude-data every other one, as on `upr backup` (the two cannot be combined). A
+name the backup does not hold is an error before anything is written; the summary
+counts the records left out (`excluded` in --json). A SQLite store so restored records
+no stream positions: a replay from it would miss what was left out.
+
+Example (scope app only, then everything but app.logs):
+
+  upr restore --repo /backups/cb --include-data app upr://admin@127.0.0.1/default
+  upr restore --repo /backups/cb --exclude-data app.logs sqlite:/tmp/nolog.db
 
 Before anything is written: the chain the state reads is checked (every manifest
 readable, a lost manifest.json read from its copy, every parent backup present, every
@@ -165,7 +182,7 @@ inside a snapshot is rounded down to the snapshot boundary below it, with a noti
 --before-failover N restores each partition to the state it had on its old branch
 just before failover N (`upr info` numbers them), lost writes included: for
 forensics, into a SQLite store or a scratch bucket. --at, --at-time, --at-seq and
---before-failover each name the state: give one. They do not combine with --spark.
+--before-failover each name the state: give one. They do not combine with --master.
 
 Example (the state at 14:37 UTC, into a SQLite store):
 
@@ -184,8 +201,10 @@ Example (the lost branch of failover 1, for forensics):
 
   upr restore --repo /backups/cb --before-failover 1 sqlite:/tmp/lost.db
 
---spark MASTER divides the partitions among Spark tasks (--spark-tasks, default 8;
---conf k=v passes Spark settings); each task writes its share to the target node.
+--master URL divides the partitions among Spark tasks on that Spark master (local[*],
+spark://…, yarn; --spark-tasks, default 8; --conf k=v passes Spark settings); each
+task writes its share to the target node. --spark, the old spelling of --master,
+still works, with a warning.
 
 Example (what the oldest backup would restore for partitions 0-7):
 
@@ -215,6 +234,17 @@ ForceUpdates = Annotated[
 IncludeTombstones = Annotated[
     bool, typer.Option("--include-tombstones", help="Write every deletion.")
 ]
+IncludeData = Annotated[
+    list[str] | None,
+    typer.Option("--include-data", "--collections", metavar="PATHS", show_default=False,
+                 help="Restore only these: SCOPE or SCOPE.COLLECTION, comma-separated or "
+                 "repeated."),
+]  # fmt: skip
+ExcludeData = Annotated[
+    list[str] | None,
+    typer.Option("--exclude-data", metavar="PATHS", show_default=False,
+                 help="Restore every collection but these (SCOPE or SCOPE.COLLECTION)."),
+]  # fmt: skip
 
 
 def restore_cmd(
@@ -232,6 +262,8 @@ def restore_cmd(
     bucket: Bucket = None,
     partitions: Partitions = None,
     keys: Keys = None,
+    include_data: IncludeData = None,
+    exclude_data: ExcludeData = None,
     dry_run: DryRun = False,
     force_updates: ForceUpdates = False,
     include_tombstones: IncludeTombstones = False,
@@ -261,7 +293,8 @@ def restore_cmd(
         typer.Option("--no-system-xattrs", help="Leave system xattrs (names starting _) out."),
     ] = False,
     no_xattrs: Annotated[bool, typer.Option("--no-xattrs", help="Leave every xattr out.")] = False,
-    spark: SparkMaster = None,
+    master: SparkMaster = None,
+    old_spark: OldSparkMaster = None,
     spark_tasks: SparkTasks = 8,
     conf: SparkConf = None,
     memory: MemoryLimitOption = DEFAULT_LIMIT,
@@ -275,19 +308,22 @@ def restore_cmd(
     metrics_file: MetricsFile = None,
 ) -> None:
     """Restore a backup."""
+    spark = either(master, old_spark, None, ("--master", "--spark"))
+    chosen = collection_filter(parse_paths(include_data), parse_paths(exclude_data))
     kind, where = restore_target(target)  # anything else: a usage error, before any work
     node = (tls_source(SourceUri.parse(where), cacert, no_verify, cert, key)
             if kind == "node" else None)  # fmt: skip
     keep: KeepXattrs = "none" if no_xattrs else "user" if no_system_xattrs else "all"
     point = point_at(at, at_time, at_seq, before_failover)
     if spark is not None and point is not at:
-        raise UsageError("--at-time, --at-seq and --before-failover do not combine with --spark")
+        raise UsageError("--at-time, --at-seq and --before-failover do not combine with --master")
     plan = Plan(repo, bucket=bucket, at=point, partitions=selected(partitions),
                 keys=key_pattern(keys), dry_run=dry_run, skip_corrupt=skip_corrupt,
                 map_data=parse_map_data(map_data), create=not no_create,
-                keep_xattrs=keep, check=not no_check, memory=memory)  # fmt: skip
+                keep_xattrs=keep, check=not no_check, memory=memory,
+                collections=chosen)  # fmt: skip
     if spark is not None and kind != "node":
-        raise UsageError("--spark restores into a node (upr://…); a SQLite store has one writer")
+        raise UsageError("--master restores into a node (upr://…); a SQLite store has one writer")
     if kind == "sqlite" and force_updates:
         raise UsageError("--force-updates applies to node targets (a store keeps what it is given)")
     with one_shot(metrics_file, "restore", bucket) as run:
@@ -363,11 +399,12 @@ class Plan:
     keep_xattrs: KeepXattrs = "all"
     check: bool = True
     memory: MemoryLimit = DEFAULT_LIMIT
+    collections: CollectionFilter | None = None  # --include-data or --exclude-data
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of `restore_to_node` and `restore_to_store`."""
         names = ("bucket", "at", "partitions", "keys", "dry_run", "skip_corrupt", "map_data",
-                 "create", "keep_xattrs", "check", "memory")  # fmt: skip
+                 "create", "keep_xattrs", "check", "memory", "collections")  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
 
@@ -408,6 +445,9 @@ def _report(summary: RestoreSummary, dry_run: bool, json_out: bool) -> None:
                      f"{plural(summary.deletions, 'deletion')}")  # fmt: skip
         if summary.dropped:
             lines.append(f"{plural(summary.dropped, 'record')} of dropped collections left out")
+        if summary.excluded:
+            lines.append(f"{plural(summary.excluded, 'record')} of collections "
+                         "--include-data/--exclude-data left out")  # fmt: skip
         lines += _xattr_lines(summary)
         if summary.left_out:
             lines.append(f"left out (damaged segments): "

@@ -23,6 +23,8 @@ from upr_cli.cli.options import (
     Partitions,
     PasswordFile,
     Wait,
+    deprecated_alias,
+    either,
     one_is_an_answer,
     repo_location,
     tls_source,
@@ -79,31 +81,33 @@ Collections: a lost write keeps its collection (a key outside the default collec
 shows as scope.collection:key) and goes back to that collection on the master, by id;
 one whose collection the master dropped since is a conflict.
 
-The master may be reached over TLS: --to uprs://… or couchbases://… (default port
+The master may be reached over TLS: --into uprs://… or couchbases://… (default port
 11207), with --cacert FILE (or UPR_CACERT) for the CA that signs its certificate and
 --cert/--key for a client certificate. A master that goes away while its changes are
 read (a restart, a crash) is reconnected for up to --wait seconds (120; forever, or 0
 for no waiting), with a line on stderr when the link is lost and when it is back.
+
+--into was called --to before; --to still works, with a warning.
 
 Exit status: 0 nothing lost or everything written, 1 conflicts or writes that failed
 remain, 2 error.
 
 Example (what could come back, without writing):
 
-  upr salvage --repo /backups/cb --to upr://admin@127.0.0.1:11210/default
+  upr salvage --repo /backups/cb --into upr://admin@127.0.0.1:11210/default
 
 Example (write them back, from a replay store's mutation log):
 
-  upr salvage --store /tmp/bucket.db --to upr://admin@127.0.0.1/default --apply
+  upr salvage --store /tmp/bucket.db --into upr://admin@127.0.0.1/default --apply
 
 Example (a replica that rolled back repairs the new master):
 
   upr salvage --node-data /tmp/cl/n2 \\
-      --to upr://admin@127.0.0.1:12001/default --apply
+      --into upr://admin@127.0.0.1:12001/default --apply
 
 Example (the master over TLS):
 
-  upr salvage --repo /backups/cb --to uprs://admin@db.example.com/default \\
+  upr salvage --repo /backups/cb --into uprs://admin@db.example.com/default \\
       --cacert ca.pem
 """
 
@@ -114,12 +118,13 @@ def register(app: typer.Typer) -> None:
 
 
 def salvage_cmd(
-    to: Annotated[
+    into: Annotated[
         str | None,
         typer.Option(
-            "--to", metavar="URI", help="The current master: upr://…/bucket (uprs://… over TLS)."
+            "--into", metavar="URI", help="The current master: upr://…/bucket (uprs://… over TLS)."
         ),
     ] = None,
+    old_to: Annotated[str | None, deprecated_alias("--to", "--into")] = None,
     repo: Annotated[
         Path | None,
         typer.Option(
@@ -157,7 +162,8 @@ def salvage_cmd(
         repo = repo_location(os.environ[REPO_ENV])  # --repo's fallback, as everywhere
     if [repo, store, node_data].count(None) != 2:
         raise UsageError("give exactly one of --repo URL, --store PATH.db and --node-data DIR")
-    target = tls_source(check_target(to), cacert, no_verify, cert, key)
+    master = either(into, old_to, None, ("--into", "--to"))
+    target = tls_source(check_target(master), cacert, no_verify, cert, key)
     parts = selected(partitions)
     with one_is_an_answer():  # 1 means "lost writes remain": a failure exits 2
         if repo is not None:

@@ -17,6 +17,7 @@ from upr_cli.cli.options import (
     BucketName,
     MemoryLimitOption,
     OldNumPartitions,
+    deprecated_alias,
     either,
     num_partitions_option,
 )
@@ -76,9 +77,10 @@ bucket keeps its count: later starts may leave the option out):
   upr serve --data /tmp/node --no-auth --num-partitions 64
 
 Example (scopes and collections created at start when missing; app.sessions with a
-max TTL of one hour):
+max TTL of one hour; --collections, the old spelling, still works, with a warning):
 
-  upr serve --data /tmp/node --no-auth --collections app.users,app.sessions:3600
+  upr serve --data /tmp/node --no-auth \\
+      --create-collections app.users,app.sessions:3600
 """
 
 NUM_PARTITIONS = "the bucket's count in --data, 1024 for a new one"
@@ -246,14 +248,17 @@ def serve_cmd(
         ),
     ] = 360.0,
     expiry_pager_interval: ExpiryPager = 10.0,
-    collections: Annotated[
+    create_collections: Annotated[
         str | None,
         typer.Option(
-            "--collections",
+            "--create-collections",
             metavar="SPEC",
             help="Create these when missing: SCOPE, SCOPE.COLLECTION or "
             "SCOPE.COLLECTION:MAXTTL, comma-separated.",
         ),
+    ] = None,
+    old_collections: Annotated[
+        str | None, deprecated_alias("--collections", "--create-collections")
     ] = None,
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
@@ -265,7 +270,8 @@ def serve_cmd(
     """Run a UPR node."""
     _return_large_blocks()
     users = _users(ctx, user, password, users_file, no_auth=no_auth)
-    specs = parse_specs(collections)
+    specs = parse_specs(either(create_collections, old_collections, None,
+                               ("--create-collections", "--collections")))  # fmt: skip
     partitions = either(num_partitions, old_partitions, None, ("--num-partitions", "--partitions"))
     config = NodeConfig(
         data_dir=data, host=host, port=port, bucket=bucket, partitions=partitions, users=users,

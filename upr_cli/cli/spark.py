@@ -10,7 +10,17 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from upr_cli.cli.options import At, Bucket, JsonOutput, NoProgress, Repo, SparkConf, Through
+from upr_cli.cli.options import (
+    At,
+    Bucket,
+    JsonOutput,
+    NoProgress,
+    Repo,
+    SparkConf,
+    Through,
+    deprecated_alias,
+    either,
+)
 from upr_cli.cli.output import Progress, plural, print_json, stderr, stdout
 from upr_cli.source import open_bucket
 
@@ -22,7 +32,7 @@ repository must be on storage every executor can read.
 
 Example (the latest state as Parquet, partitioned by partition id):
 
-  upr spark export --repo /backups/cb --to /data/cb-state --format parquet
+  upr spark export --repo /backups/cb --output /data/cb-state --format parquet
 
 Example (merge the chain into one full backup):
 
@@ -39,21 +49,22 @@ formats/spark.md; a backup from before collections is _default._default). Writes
 DIR/partition=N/… (--partition-by partition, the default) or
 DIR/scope=S/collection=C/… (--partition-by collection) as Parquet (default) or JSON
 lines; --collections S.C,... (or a scope S) exports those only. An existing directory
-is refused unless --overwrite.
+is refused unless --overwrite. --output was called --to before; --to still works, with
+a warning.
 
 Example:
 
-  upr spark export --repo /backups/cb --to /data/cb-state
+  upr spark export --repo /backups/cb --output /data/cb-state
 
 Example (an older backup as JSON, on a cluster):
 
   upr spark export --repo /shared/cb --at 20261121T071033.959105Z \\
-      --to /shared/cb-json --format json --master spark://10.0.0.5:7077 \\
+      --output /shared/cb-json --format json --master spark://10.0.0.5:7077 \\
       --conf spark.executor.memory=4g
 
 Example (one directory per collection, the app scope only):
 
-  upr spark export --repo /backups/cb --to /data/cb-app --partition-by collection \\
+  upr spark export --repo /backups/cb --output /data/cb-app --partition-by collection \\
       --collections app
 """
 
@@ -76,7 +87,10 @@ def register(root: typer.Typer) -> None:
 @app.command("export", help=EXPORT_HELP, no_args_is_help=True)
 def export_cmd(
     repo: Repo,
-    to: Annotated[Path, typer.Option("--to", metavar="DIR", help="Output directory.")],
+    output: Annotated[
+        Path | None, typer.Option("--output", metavar="DIR", help="Output directory.")
+    ] = None,
+    old_to: Annotated[Path | None, deprecated_alias("--to", "--output")] = None,
     fmt: Annotated[
         str, typer.Option("--format", metavar="parquet|json", help="The files' format.")
     ] = "parquet",
@@ -113,8 +127,11 @@ def export_cmd(
     if partition_by not in PARTITION_BY:
         raise UsageError(f"--partition-by: {partition_by!r} is not one of "
                          f"{', '.join(PARTITION_BY)}")  # fmt: skip
+    to = either(output, old_to, None, ("--output", "--to"))
+    if to is None:
+        raise UsageError("--output DIR (the directory to write) is required")
     _checked(repo, at, bucket, collections)
-    check_parent_dir(to, f"--to {to}")  # before Spark starts, which would fail late
+    check_parent_dir(to, f"--output {to}")  # before Spark starts, which would fail late
     check_target(to, overwrite)
     summary = _run(master, conf, "upr spark export",
                    lambda spark: export(spark, repo, to, fmt=fmt, at=at, bucket=bucket,

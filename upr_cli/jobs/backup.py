@@ -220,6 +220,34 @@ def decide_start(
     return StartDecision(start, live.prune_above(to) if entry else live, record, warning)
 
 
+def decide_starts(repo: Repository, bucket: str, manifests: Sequence[Manifest],
+                  live_logs: dict[int, FailoverLog], seqs: dict[int, tuple[int, int]],
+                  note: Callable[[str], None]) -> dict[int, StartDecision]:  # fmt: skip
+    """`decide_start` for every partition the chain holds (`seqs`: live high and purge
+    seqs); each warning goes to `note`. Reads the chain's segment headers only when a
+    rollback needs their snapshot boundaries: a dry run uses it as it is."""
+
+    def snapshots_of(bid: BackupId, seg: SegmentEntry) -> tuple[tuple[int, int], ...]:
+        try:
+            with SegmentReader(repo.segment_path(bucket, bid, seg.file), repo.storage) as r:
+                return r.header.snapshots
+        except (SegmentError, OSError):
+            return ()  # verify names the damage; the backup ends cover the rest
+
+    out = {}
+    for p in sorted({e.partition for m in manifests for e in m.partitions}):
+        rp = resume_point(manifests, p)
+        if rp is None:
+            continue
+        high, purge = seqs.get(p, (0, 0))
+        bounds = functools.partial(snapshot_boundaries, manifests, p, snapshots_of)
+        d = decide_start(p, rp, live_logs.get(p), high, purge, bounds)
+        out[p] = d
+        if d.warning:
+            note(d.warning)
+    return out
+
+
 def now_utc() -> datetime:
     """The current time, UTC."""
     return datetime.now(UTC)
@@ -248,7 +276,7 @@ async def backup(
     (at most one of the two: `collection_filter`).
 
     `streamer` replaces `stream_to_segments` (same keywords, plus `end_seqs`: the high
-    seqs pinned here, once): `upr backup --spark` divides the partitions among Spark
+    seqs pinned here, once): `upr backup --master` divides the partitions among Spark
     tasks with it. Everything else (the lock, where each partition starts, the commit of
     the manifest) stays here, on the driver.
 
@@ -515,25 +543,8 @@ class _BackupRun:
             self.followed = followed_ids(self.manifests, self.filter, self.positions, extra)
 
     def _decide_starts(self, live_logs: dict[int, FailoverLog]) -> None:
-        repo, bucket, manifests = self.repo, self.bucket, self.manifests
-
-        def snapshots_of(bid: BackupId, seg: SegmentEntry) -> tuple[tuple[int, int], ...]:
-            try:
-                with SegmentReader(repo.segment_path(bucket, bid, seg.file), repo.storage) as r:
-                    return r.header.snapshots
-            except (SegmentError, OSError):
-                return ()  # verify names the damage; the backup ends cover the rest
-
-        for p in sorted({e.partition for m in manifests for e in m.partitions}):
-            rp = resume_point(manifests, p)
-            if rp is None:
-                continue
-            high, purge = self.seqs.get(p, (0, 0))
-            bounds = functools.partial(snapshot_boundaries, manifests, p, snapshots_of)
-            d = decide_start(p, rp, live_logs.get(p), high, purge, bounds)
-            self.decisions[p] = d
-            if d.warning:
-                self.note(d.warning)
+        self.decisions = decide_starts(self.repo, self.bucket, self.manifests, live_logs,
+                                       self.seqs, self.note)  # fmt: skip
 
     def _reuse(self, wanted: list[int], live_logs: dict[int, FailoverLog]) -> None:
         """Segments an interrupted run finished end at its high seqs: each reused partition

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from upr_cli.collections import DEFAULT, Collection, CollectionsManifest, Scope
-from upr_cli.errors import UprError
+from upr_cli.errors import UprError, UsageError
 from upr_cli.jobs.restore_plan import (
     EXISTS,
     MISSING,
@@ -91,6 +91,7 @@ from upr_cli.protocol.decoder import OP_MUTATION
 from upr_cli.protocol.header import Magic, Opcode
 from upr_cli.protocol.status import Status
 from upr_cli.repo import BackupId, Manifest, PlanStep, Repository, plan_state
+from upr_cli.repo.manifest import CollectionFilter
 from upr_cli.repo.pitr import Resolution
 from upr_cli.segments import Record, SegmentError, SegmentReader
 from upr_cli.source import open_bucket
@@ -356,6 +357,8 @@ class RestoreSummary:
     partitions_total: int = 0  # the partitions selected (for progress)
     plan: RestorePlan | None = None  # partition counts and collections
     dropped: int = 0  # records of collections dropped by the end of the chain: not restored
+    excluded: int = 0  # records of collections --include-data/--exclude-data left out
+    excluded_ids: frozenset[int] = frozenset()  # those collections' ids (not in JSON)
     keep_xattrs: KeepXattrs = "all"
     xattrs: int = 0  # documents and deletions restored with xattrs
     xattrs_left_out: int = 0  # records whose xattrs `keep_xattrs` left out (some or all)
@@ -404,6 +407,7 @@ class RestoreSummary:
                     "absent_deletes",
                     "skipped",
                     "dropped",
+                    "excluded",
                     "keep_xattrs",
                     "xattrs",
                     "xattrs_left_out",
@@ -459,18 +463,24 @@ class _Source:
     partitions: int  # the source bucket's partition count
     names: CollectionsManifest  # the collections live at the chain's end
     checked: Precheck | None  # the pre-check (None: `check=False`)
+    chosen: CollectionFilter | None = None  # --include-data or --exclude-data
 
     @classmethod
     def open(cls, repo_dir: Path, bucket: str | None, at: At, partitions: list[int] | None,
              skip_corrupt: bool, check: bool = True, held: contextlib.ExitStack | None = None,
-             command: str = "restore") -> _Source:  # fmt: skip
+             command: str = "restore", chosen: CollectionFilter | None = None,
+             ) -> _Source:  # fmt: skip
         """The checked source (a broken chain, a missing file or, unless `check` is off,
         a damaged segment is an error naming it; `skip_corrupt` leaves the partitions
         of damaged segments out instead). With `held`, the bucket's shared lock is
-        entered into it (`open_bucket`)."""
+        entered into it (`open_bucket`). `chosen` restores only the collections it
+        covers; a path it names that the backup does not hold is an error, before any
+        segment is read."""
         repo, b, manifests = open_bucket(repo_dir, bucket, at, held=held, command=command)
         sel = select(manifests, at, partitions, bucket=b, repo=repo)
         chain = [m for m in manifests if m.backup_id <= sel.backup_id]
+        if chosen is not None:
+            check_chosen(chosen, sel.collections(chain), chain[-1] if chain else None)
         checked = None
         if check:  # before anything is written
             checked = precheck(repo, b, chain, sel)
@@ -482,13 +492,21 @@ class _Source:
         elif not skip_corrupt:  # (--skip-corrupt skips them instead)
             check_files(repo, b, manifests, sel)
         count = source_partition_count(e.partition for m in chain for e in m.partitions)
-        return cls(repo, b, chain, sel, count, sel.collections(chain), checked)
+        return cls(repo, b, chain, sel, count, sel.collections(chain), checked, chosen)
 
     def covers(self, scope: str, collection: str) -> bool:
         """True if the selected backup holds that collection (a filtered backup holds
-        only some: formats/repository.md §5.9)."""
+        only some: formats/repository.md §5.9) and --include-data/--exclude-data keep it."""
         f = self.manifests[-1].collection_filter
-        return f is None or f.covers(scope, collection)
+        held = f is None or f.covers(scope, collection)
+        return held and (self.chosen is None or self.chosen.covers(scope, collection))
+
+    def excluded_ids(self) -> frozenset[int]:
+        """The ids of the collections at the chain's end that `chosen` leaves out."""
+        if self.chosen is None:
+            return frozenset()
+        return frozenset(c.id for s, c in self.names.collections()
+                         if not self.chosen.covers(s.name, c.name))  # fmt: skip
 
     def plan(self, target: CollectionsManifest | None, rules: Sequence[MapRule], target_partitions:
              int | None, can_create: bool) -> RestorePlan:  # fmt: skip
@@ -503,7 +521,7 @@ class _Source:
         out = RestoreSummary(str(self.sel.backup_id), target, dry_run,
                              partitions_total=len(self.sel.partitions) + len(damage),
                              precheck=self.checked, left_out=sorted(damage),
-                             point=self.sel.point)  # fmt: skip
+                             point=self.sel.point, excluded_ids=self.excluded_ids())  # fmt: skip
         out.skipped += [f"partition {p}: {why}" for p in sorted(damage) for why in damage[p]]
         return out
 
@@ -521,7 +539,12 @@ def _restorable(records: list[Record], keys: re.Pattern[bytes] | None, wanted: d
         records = [r for r in records if keys.search(r.key)]
     if not set(map(_COLL, records)) <= wanted.keys():  # a set built in C: rarely true
         kept = [r for r in records if r.collection in wanted]
-        summary.dropped += len(records) - len(kept)
+        left = len(records) - len(kept)
+        if summary.excluded_ids:
+            excluded = sum(1 for r in records if r.collection in summary.excluded_ids)
+            summary.excluded += excluded
+            left -= excluded
+        summary.dropped += left
         records = kept
     if summary.keep_xattrs != "all":
         records = _without_xattrs(records, summary)
@@ -566,6 +589,7 @@ async def restore_to_node(
     keep_xattrs: KeepXattrs = "all",
     check: bool = True,
     memory: MemoryLimit = DEFAULT_LIMIT,
+    collections: CollectionFilter | None = None,
 ) -> RestoreSummary:
     """Write the state at `at` into a node or cluster; returns counts. Everything that
     can refuse the restore is checked before the first write (the module's doc); a
@@ -573,7 +597,8 @@ async def restore_to_node(
     `window` requests and a quarter of `memory` are in flight, an eighth of it read
     ahead (`ChunksAhead`)."""
     with contextlib.ExitStack() as held:
-        src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt, check, held)
+        src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt, check, held,
+                           chosen=collections)  # fmt: skip
         summary = src.summary(target.redacted(), dry_run)
         summary.keep_xattrs = keep_xattrs
         t0 = time.monotonic()
@@ -925,6 +950,7 @@ def restore_to_store(
     keep_xattrs: KeepXattrs = "all",
     check: bool = True,
     memory: MemoryLimit = DEFAULT_LIMIT,
+    collections: CollectionFilter | None = None,
 ) -> RestoreSummary:
     """Write the state at `at` into a SQLite store (formats/store.md): documents and
     tombstones as they were (with the xattrs `keep_xattrs` keeps, JSON or not), in the
@@ -933,13 +959,15 @@ def restore_to_store(
     replay can continue from the backup. (`create` is for a node: a store takes any
     collection.) The pre-check runs first, as for a node: damage found leaves the
     store untouched. A transaction takes at most `_RESTORE_BATCH_ROWS` rows and a
-    quarter of `memory` in keys and values."""
+    quarter of `memory` in keys and values. A store restored with `keys` or
+    `collections` (a subset) records no positions: a replay from it would miss the rest."""
     from upr_cli.repo import resume_point
     from upr_cli.store import Store
 
     del create
     with contextlib.ExitStack() as held:
-        src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt, check, held)
+        src = _Source.open(repo_dir, bucket, at, partitions, skip_corrupt, check, held,
+                           chosen=collections)  # fmt: skip
         summary = src.summary(f"sqlite:{db_path}", dry_run)
         summary.keep_xattrs = keep_xattrs
         summary.plan = plan = src.plan(CollectionsManifest(), map_data, None, can_create=True)
@@ -965,7 +993,7 @@ def restore_to_store(
                     summary.written += store.restore_rows(pending)
                     for q in pending_parts:
                         rp = resume_point(chain, q)
-                        if rp is not None and keys is None:
+                        if rp is not None and keys is None and collections is None:
                             store.set_position(rp.position, rp.failover_log)
             pending.clear()
             pending_parts.clear()
@@ -1051,3 +1079,24 @@ def store_names(plan: RestorePlan, source: CollectionsManifest) -> CollectionsMa
         )
     scopes = tuple(Scope(name, scope_ids[name], tuple(cs)) for name, cs in colls.items())
     return CollectionsManifest(source.uid, scopes)
+
+
+def check_chosen(
+    chosen: CollectionFilter, names: CollectionsManifest, last: Manifest | None
+) -> None:
+    """Refuse --include-data/--exclude-data naming a collection or scope the backup does
+    not hold (its names at the chain's end, less what a filtered backup left out), or
+    leaving none of them: one error naming it, before anything is read or written."""
+    from upr_cli.collections import Path as CollectionPath
+
+    held = last.collection_filter if last is not None else None
+    have = [(s.name, c.name) for s, c in names.collections()
+            if held is None or held.covers(s.name, c.name)]  # fmt: skip
+    unknown = [t for t in chosen.paths
+               if not any(CollectionPath.parse(t).covers(s, c) for s, c in have)]  # fmt: skip
+    if unknown:
+        raise UsageError(f"--{chosen.mode}-data: the backup holds no collection "
+                         f"{', '.join(unknown)}")  # fmt: skip
+    if not any(chosen.covers(s, c) for s, c in have):
+        raise UsageError(f"--{chosen.mode}-data {','.join(chosen.paths)} leaves no "
+                         "collection to restore")  # fmt: skip

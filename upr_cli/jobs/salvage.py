@@ -671,15 +671,15 @@ def salvage_node_data(
 
 
 def check_target(to: str | None) -> SourceUri:
-    """The --to URI, required."""
+    """The --into URI (the current master), required."""
     if not to:
-        raise UsageError("--to upr://… (the current master) is required")
+        raise UsageError("--into upr://… (the current master) is required")
     try:
         return SourceUri.parse(to)
     except UprError:
         raise
     except ValueError as exc:
-        raise UsageError(f"--to: {exc}") from None
+        raise UsageError(f"--into: {exc}") from None
 
 
 __all__ = [

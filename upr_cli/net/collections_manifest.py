@@ -40,7 +40,7 @@ from upr_cli.collections import (
     with_collections,
 )
 from upr_cli.collections import (
-    parse_specs as parse_specs,  # `upr cluster init --collections` checks them here
+    parse_specs as parse_specs,  # `upr cluster init --create-collections` checks them here
 )
 from upr_cli.collections import (
     with_specs as with_specs,

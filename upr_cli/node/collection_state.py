@@ -7,7 +7,7 @@ answers UnknownCollection (0x88) with the manifest uid, as kv_engine does
 (formats/collections.md §4). The manifest and the ids of dropped collections whose
 documents are not yet purged are `meta` rows of the bucket's database
 (formats/collections.md §2); the bucket purges those documents in the background
-(formats/collections.md §3). `upr serve --collections` specs are applied here.
+(formats/collections.md §3). `upr serve --create-collections` specs are applied here.
 """
 
 from __future__ import annotations

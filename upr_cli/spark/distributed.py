@@ -1,4 +1,4 @@
-"""`upr backup … --spark` and `upr restore … --spark`: partitions divided among Spark tasks.
+"""`upr backup … --master` and `upr restore … --master`: partitions divided among Spark tasks.
 
 Theory of operation (docs/design.md "Data flows" (6. Spark)). The driver keeps every
 decision that makes a backup or restore what it is: for a backup, the lock, where each
@@ -160,6 +160,7 @@ def spark_restore(spark: Any, repo_dir: Path, target: SourceUri, *, tasks: int,
         by = total.plan.by_source() if total.plan else {}
         for s in parts:
             total.dropped += s.dropped
+            total.excluded += s.excluded  # --include-data/--exclude-data
             for c in s.plan.collections if s.plan else ():
                 if c.source_id in by:
                     by[c.source_id].documents += c.documents
