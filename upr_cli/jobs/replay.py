@@ -137,6 +137,8 @@ class ReplayStats:
     resets: int = 0
     notes: list[str] = field(default_factory=list)
     interrupted: bool = False
+    positions: dict[int, int] = field(default_factory=dict)  # committed seqs (metrics' lag)
+    last_apply: float = 0.0  # when the store last committed changes, unix seconds
     started: float = field(default_factory=time.monotonic)
     seconds: float = 0.0
 
@@ -732,6 +734,8 @@ class ReplaySession:
             stats.changes += changes
             if not in_open:
                 stats.commits += 1
+                stats.last_apply = time.time()
+                stats.positions.update((p, pos.seq) for p, pos in positions.items())
                 consumer.commit(positions)
 
         job = functools.partial(self.store.apply_many, work)
@@ -855,8 +859,10 @@ class ReplaySession:
         await self.worker.drain()
         await self.worker.run(self.store.commit)
         self.stats.commits += 1
-        for st in self.parts.values():
+        self.stats.last_apply = time.time()
+        for p, st in self.parts.items():
             st.committed = st.applied
+            self.stats.positions[p] = st.committed.seq
         self.consumer.commit({p: st.committed for p, st in self.parts.items()})
         self.catching_up = False
 
