@@ -493,12 +493,17 @@ class NodeMetrics:
         return {k: (v[0], v[1], v[2], v[3]) for k, v in out.items()}
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         try:
             snap = asyncio.run_coroutine_threadsafe(self._snapshot(), self.loop).result(5)
         except (RuntimeError, TimeoutError):
             return  # the node is stopping: its process metrics only
+        yield from self.families(snap)
+
+    @staticmethod
+    def families(snap: dict[str, tuple[int, int, int, int]]) -> list[Any]:
+        """The metric families of a snapshot (`_snapshot`)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         fams: list[Any] = [
             GaugeMetricFamily("upr_node_connections", "Client connections open (bucket: the "
                               "one selected, empty before one is).", labels=["bucket"]),
@@ -513,7 +518,7 @@ class NodeMetrics:
             for fam, value in zip(fams, row, strict=True):
                 if name or fam.name == "upr_node_connections":
                     fam.add_metric([name], value)
-        yield from fams
+        return fams
 
 
 # -- one-shot commands ----------------------------------------------------------------------

@@ -224,7 +224,8 @@ def replay_cmd(
     else:
         interrupt.keeps(lambda: f"{into} keeps every change it committed, with its positions; "
                         "run the same command to resume")  # fmt: skip
-    label = _label(spec.kind, spec.path, spec.uri, bucket, metrics_file is not None)
+    uri_text = spec.uri if spec.kind == "node" else None
+    label = _label(spec.kind, spec.path, uri_text, bucket, metrics_file is not None)
     watch = _watch(label, metrics_port, metrics_per_partition)
     with (
         endpoint(watch.registry if watch else None, metrics_host, metrics_port),
