@@ -479,18 +479,22 @@ class NodeMetrics:
     def describe(self) -> list[Any]:
         return []
 
-    async def _snapshot(self) -> dict[str, tuple[int, int, int, int]]:
+    async def _snapshot(self) -> dict[str, dict[str, int]]:
         """Per bucket: connections, items written, DCP streams open, DCP bytes sent."""
         srv = self.server
-        out = {name: [0, sum(p.written for p in b.partitions.values()), 0,
-                      srv.dcp_sent.get(name, 0)] for name, b in srv.buckets.items()}  # fmt: skip
+
+        def row(written: int = 0, sent: int = 0) -> dict[str, int]:
+            return {"connections": 0, "written": written, "streams": 0, "sent": sent}
+
+        out = {name: row(sum(p.written for p in b.partitions.values()), srv.dcp_sent.get(name, 0))
+               for name, b in srv.buckets.items()}  # fmt: skip
         for s in list(srv.sessions):
-            row = out.setdefault(s.bucket.name if s.bucket is not None else "", [0, 0, 0, 0])
-            row[0] += 1
-            row[3] += s.dcp_sent
+            r = out.setdefault(s.bucket.name if s.bucket is not None else "", row())
+            r["connections"] += 1
+            r["sent"] += s.dcp_sent
             if s.dcp is not None:
-                row[2] += sum(1 for t in s.dcp.streams.values() if not t.done())
-        return {k: (v[0], v[1], v[2], v[3]) for k, v in out.items()}
+                r["streams"] += sum(1 for t in s.dcp.streams.values() if not t.done())
+        return out
 
     def collect(self) -> Iterator[Any]:
         try:
@@ -500,7 +504,7 @@ class NodeMetrics:
         yield from self.families(snap)
 
     @staticmethod
-    def families(snap: dict[str, tuple[int, int, int, int]]) -> list[Any]:
+    def families(snap: dict[str, dict[str, int]]) -> list[Any]:
         """The metric families of a snapshot (`_snapshot`)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -514,10 +518,11 @@ class NodeMetrics:
             CounterMetricFamily("upr_node_dcp_sent_bytes", "Bytes DCP streams sent.",
                                 labels=["bucket"]),
         ]  # fmt: skip
+        keys = ("connections", "written", "streams", "sent")
         for name, row in sorted(snap.items()):
-            for fam, value in zip(fams, row, strict=True):
-                if name or fam.name == "upr_node_connections":
-                    fam.add_metric([name], value)
+            for fam, key in zip(fams, keys, strict=True):
+                if name or key == "connections":
+                    fam.add_metric([name], row[key])
         return fams
 
 

@@ -60,7 +60,13 @@ def _exported(tmp_path: Path) -> set[str]:
         follower.notice("connection to n back after 1.0s")
         follower._lag.lag({0: 1})
         names |= {s.name for fam in follower.registry.collect() for s in fam.samples}
-    names |= {s.name for fam in NodeMetrics.families({"b": (1, 2, 3, 4)}) for s in fam.samples}
+    names |= {
+        s.name
+        for fam in NodeMetrics.families(
+            {"b": {"connections": 1, "written": 2, "streams": 3, "sent": 4}}
+        )
+        for s in fam.samples
+    }
     prom = tmp_path / "x.prom"
     write_one_shot(prom, OneShot("verify", "b"), 1.0)
     return names | set(samples(prom.read_text()))

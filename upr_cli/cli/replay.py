@@ -205,12 +205,7 @@ def replay_cmd(
     spec = parse_source(source, ("node", "repo"))
     paths = parse_paths(collections)
     check_options(follow, consistent, durable_only, source, collections=bool(paths))
-    check_port_options(metrics_port, metrics_host, metrics_per_partition,
-                       "" if follow else "a replay that follows (--follow); a one-shot "
-                       "replay writes --metrics-file")  # fmt: skip
-    if follow and metrics_file is not None:
-        raise UsageError("--metrics-file is for a one-shot replay: a follower serves its "
-                         "metrics with --metrics-port")  # fmt: skip
+    _check_metrics(follow, metrics_port, metrics_host, metrics_per_partition, metrics_file)
     parts = selected(partitions)
     check_file_path(into, f"--into {into}")  # the store's directory, before streaming
     show = sys.stderr.isatty() and not no_progress
@@ -218,12 +213,7 @@ def replay_cmd(
     def event(message: str) -> None:
         stderr.print(message, markup=False, highlight=False)
 
-    if follow:
-        interrupt.follows(lambda: f"positions saved in {into}; the same command continues "
-                          "from there")  # fmt: skip
-    else:
-        interrupt.keeps(lambda: f"{into} keeps every change it committed, with its positions; "
-                        "run the same command to resume")  # fmt: skip
+    _on_signal(follow, into)
     uri_text = spec.uri if spec.kind == "node" else None
     label = _label(spec.kind, spec.path, uri_text, bucket, metrics_file is not None)
     watch = _watch(label, metrics_port, metrics_per_partition)
@@ -247,23 +237,12 @@ def replay_cmd(
                                 on_event=event, memory_limit=memory)  # fmt: skip
         else:
             uri = tls_source(SourceUri.parse(spec.uri), cacert, no_verify, cert, key)
-            job = replay_node(
-                uri,
-                into,
-                partitions=parts,
-                follow=follow,
-                consistent=consistent,
-                durable_only=durable_only,
-                undo_window=undo_window,
-                max_pending=max_pending,
-                collections=paths or None,
-                on_progress=tick,
-                on_event=event,
-                wait=wait,
-                on_notice=notice if watch is None else watch.with_notice(notice),
-                compression=compression,
-                memory_limit=memory,
-            )
+            job = replay_node(uri, into, partitions=parts, follow=follow, consistent=consistent,
+                              durable_only=durable_only, undo_window=undo_window,
+                              max_pending=max_pending, collections=paths or None,
+                              on_progress=tick, on_event=event, wait=wait,
+                              on_notice=notice if watch is None else watch.with_notice(notice),
+                              compression=compression, memory_limit=memory)  # fmt: skip
             poll = None if watch is None else watch.poll_lag(uri, parts, watch.taken,
                                                              "upr-replay-lag")  # fmt: skip
             stats = asyncio.run(beside(job, poll))
@@ -273,6 +252,27 @@ def replay_cmd(
     _report(stats, into, json_out)
     if stats.interrupted:
         raise interrupt.Stopped  # a follower's ending, after its summary
+
+
+def _on_signal(follow: bool, into: Path) -> None:
+    """What a SIGINT or SIGTERM says: a follower's end, or a bounded run's."""
+    if follow:
+        interrupt.follows(lambda: f"positions saved in {into}; the same command continues "
+                          "from there")  # fmt: skip
+    else:
+        interrupt.keeps(lambda: f"{into} keeps every change it committed, with its positions; "
+                        "run the same command to resume")  # fmt: skip
+
+
+def _check_metrics(follow: bool, port: int | None, host: str, per_partition: bool,
+                   path: Path | None) -> None:  # fmt: skip
+    """A follower serves metrics (--metrics-port), a one-shot replay writes them."""
+    check_port_options(port, host, per_partition,
+                       "" if follow else "a replay that follows (--follow); a one-shot "
+                       "replay writes --metrics-file")  # fmt: skip
+    if follow and path is not None:
+        raise UsageError("--metrics-file is for a one-shot replay: a follower serves its "
+                         "metrics with --metrics-port")  # fmt: skip
 
 
 def _label(kind: str, path: Path | None, uri: str | None, bucket: str | None,

@@ -289,7 +289,9 @@ def serve_cmd(
     )  # fmt: skip
     if tls_port is not None and tls_cert is None:
         raise UsageError("--tls-port needs --tls-cert and --tls-key")
-    if asyncio.run(_serve(NodeServer(config), (metrics_host, metrics_port))):
+    node = NodeServer(config)
+    if asyncio.run(_serve(node) if metrics_port is None else
+                   _serve(node, (metrics_host, metrics_port))):  # fmt: skip
         raise interrupt.Stopped  # a follower's ending
 
 
