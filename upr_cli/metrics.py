@@ -361,21 +361,26 @@ class _Streaming:
         return hear
 
     async def poll_lag(self, uri: SourceUri, partitions: list[int] | None,
-                       taken: Callable[[], dict[int, int]], name: str) -> None:  # fmt: skip
+                       taken: Callable[[], dict[int, int] | None],
+                       name: str) -> None:  # fmt: skip
         """Every LAG_EVERY seconds, each partition's high seq on its active node less the
-        seq `taken` says the job has (one STAT vbucket-seqno per active node); a poll
-        that fails is an error of kind `lag_poll`. Runs until cancelled."""
+        seq `taken` says the job has (one STAT vbucket-seqno per active node; none while
+        `taken` gives None: the job has not told where it stands yet); a poll that fails
+        is an error of kind `lag_poll`. Runs until cancelled."""
         from upr_cli.dcp.states import partition_states
         from upr_cli.errors import UprError
 
         while True:
+            if taken() is None:
+                await asyncio.sleep(0.05)
+                continue
             try:
                 states, _n = await partition_states(uri, partitions, failover_logs=False,
                                                     name=name, wait_for=0)  # fmt: skip
             except (UprError, OSError):
                 self.error("lag_poll")
             else:
-                got = taken()
+                got = taken() or {}
                 self._lag.lag({p: max(0, st.high_seq - got.get(p, 0))
                                for p, st in states.items()})  # fmt: skip
             await asyncio.sleep(LAG_EVERY)
@@ -394,9 +399,10 @@ class ReplayMetrics(_Streaming):
     def progress(self, stats: ReplayStats) -> None:
         self.stats = stats
 
-    def taken(self) -> dict[int, int]:
-        """The seqs the store committed, per partition."""
-        return dict(self.stats.positions) if self.stats is not None else {}
+    def taken(self) -> dict[int, int] | None:
+        """The seqs the store committed, per partition (None before the job's first
+        report: its positions not read yet)."""
+        return dict(self.stats.positions) if self.stats is not None else None
 
     def totals(self) -> list[tuple[str, str, str, float | None]]:
         s = self.stats
@@ -427,14 +433,15 @@ class TailMetrics(_Streaming):
     def __init__(self, bucket: str, *, per_partition: bool = False,
                  registry: CollectorRegistry | None = None) -> None:  # fmt: skip
         self.summary: TailSummary | None = None
-        self.positions: Callable[[], dict[int, int]] = dict
+        self.positions: Callable[[], dict[int, int]] | None = None  # once the streams open
         super().__init__(bucket, per_partition=per_partition, registry=registry)
 
     def progress(self, summary: TailSummary) -> None:
         self.summary = summary
 
-    def taken(self) -> dict[int, int]:
-        return self.positions()
+    def taken(self) -> dict[int, int] | None:
+        """The seqs received, per partition (None before the streams open)."""
+        return self.positions() if self.positions is not None else None
 
     def totals(self) -> list[tuple[str, str, str, float | None]]:
         s = self.summary

@@ -59,6 +59,15 @@ def test_replay_follow_says_what_it_applied(node: Node, tmp_path: Path) -> None:
     with sqlite3.connect(db) as con:
         assert con.execute("SELECT count(*) FROM documents").fetchone()[0] == 120
     assert f"metrics on http://127.0.0.1:{port}/metrics" in err
+    # a rerun on the caught-up store is not behind: its lag counts from what it holds
+    with spawn_upr("replay", node.uri, "--into", str(db), "--follow", "--metrics-port",
+                   str(port)) as again:  # fmt: skip
+        got = until(lambda: (g := scrape(port)) and "upr_replay_lag_seqs" in g and g, again,
+                    "a lag poll of the rerun")  # fmt: skip
+        assert one(got, "upr_replay_lag_seqs", **B) == 0
+        assert one(got, "upr_replay_items_total", **B) == 0
+        again.send_signal(signal.SIGTERM)
+        again.communicate(timeout=60)
 
 
 def test_tail_counts_what_it_printed_per_partition_and_a_reconnect(

@@ -487,6 +487,7 @@ class ReplaySession:
     ) -> ReplaySession:
         """A session whose consumer resumes each partition where the store stands."""
         saved = await worker.run(store.positions)
+        stats.positions.update((p, pos.seq) for p, pos in saved.items())  # a rerun's start
         logs = await worker.run(lambda: {p: store.failover_log(p) for p in saved})
         bounds = await worker.run(store.boundaries)
         paths = options.collections
@@ -711,6 +712,7 @@ class ReplaySession:
         self.stats.rollbacks.append(entry)
         if st is not None:
             st.committed = st.applied = result.position or StreamPosition(p)
+            self.stats.positions[p] = st.committed.seq
         self.say(str(result) + _below_asked(ev.asked, ev.to_seq))
 
     # -- commits --------------------------------------------------------------------------
