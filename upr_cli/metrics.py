@@ -28,6 +28,7 @@ while runs keep failing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import time
@@ -45,13 +46,17 @@ if TYPE_CHECKING:  # prometheus_client is imported when metrics are asked for (l
 
     from upr_cli.jobs.backup import BackupSummary
     from upr_cli.jobs.follow import CommitReport, FollowHooks
+    from upr_cli.jobs.replay import ReplayStats
+    from upr_cli.jobs.tail import TailSummary
+    from upr_cli.net.uri import SourceUri
+    from upr_cli.node.server import NodeServer
 
 # -- the options --------------------------------------------------------------------------
 
 MetricsPort = Annotated[
     int | None,
     typer.Option("--metrics-port", metavar="PORT", min=0, max=65535,
-                 help="With --follow: serve Prometheus metrics on this port "
+                 help="Serve Prometheus metrics on this port while it runs "
                  "(docs/metrics.md)."),
 ]  # fmt: skip
 MetricsHost = Annotated[
@@ -87,6 +92,61 @@ def _registry() -> CollectorRegistry:
     return CollectorRegistry(auto_describe=True)
 
 
+class _Lag:
+    """PREFIX_lag_seqs and PREFIX_lag_seconds of one bucket (and, per partition, of each
+    partition): the seqs a poll found behind, and the seconds since a poll last found
+    none behind (computed when scraped; counted from the start until the first)."""
+
+    def __init__(self, reg: CollectorRegistry, prefix: str, bucket: str,
+                 per_partition: bool) -> None:  # fmt: skip
+        from prometheus_client import Gauge
+
+        labels = ["bucket", "partition"] if per_partition else ["bucket"]
+        self.bucket, self.per_partition = bucket, per_partition
+        self.seqs = Gauge(f"{prefix}_lag_seqs", "Seqs not received yet: the source's high "
+                          "seqs less what was taken.", labels, registry=reg)  # fmt: skip
+        self.seconds = Gauge(f"{prefix}_lag_seconds", "Seconds since last caught up (0 "
+                             "when it is).", labels, registry=reg)  # fmt: skip
+        self._started = time.time()
+        self._caught_up: dict[int | None, float] = {}  # None: the bucket as a whole
+        self._behind: dict[int | None, bool] = {}
+        self._watch(None)
+
+    def _watch(self, partition: int | None) -> None:
+        """The lag seconds of `partition` (None: the bucket), computed when scraped."""
+        if partition in self._caught_up:
+            return
+        self._caught_up[partition] = self._started
+        self._behind[partition] = True
+
+        def seconds() -> float:
+            if not self._behind[partition]:
+                return 0.0
+            return max(0.0, time.time() - self._caught_up[partition])
+
+        if partition is None and self.per_partition:
+            return  # per partition only
+        labels = (self.bucket,) if partition is None else (self.bucket, str(partition))
+        self.seconds.labels(*labels).set_function(seconds)
+
+    def lag(self, behind: dict[int, int]) -> None:
+        """Each partition's seqs behind its high seq, as one poll found them."""
+        now = time.time()
+        if self.per_partition:
+            for p, n in behind.items():
+                self.seqs.labels(self.bucket, str(p)).set(n)
+                self._watch(p)
+                self._note(p, n, now)
+        else:
+            self.seqs.labels(self.bucket).set(sum(behind.values()))
+        self._note(None, sum(behind.values()), now)
+
+    def _note(self, key: int | None, n: int, now: float) -> None:
+        self._behind[key] = n > 0
+        if n == 0:
+            self._caught_up[key] = now
+
+
 class FollowMetrics:
     """The metrics of `backup --follow` (docs/metrics.md "backup --follow")."""
 
@@ -98,7 +158,6 @@ class FollowMetrics:
         self.bucket, self.per_partition = bucket, per_partition
         ProcessCollector(registry=reg)
         b = ["bucket"]
-        lag = ["bucket", "partition"] if per_partition else b
 
         def counter(name: str, doc: str, labels: list[str] = b) -> Any:
             return Counter(name, doc, labels, registry=reg)
@@ -117,34 +176,10 @@ class FollowMetrics:
         self.last_commit = Gauge("upr_follow_last_commit_timestamp_seconds",
                                  "When the last commit was written (unix seconds).", b,
                                  registry=reg)  # fmt: skip
-        self.lag_seqs = Gauge("upr_follow_lag_seqs", "Seqs the follower has not received "
-                              "yet: the source's high seqs less what was streamed.", lag,
-                              registry=reg)  # fmt: skip
-        self.lag_seconds = Gauge("upr_follow_lag_seconds", "Seconds since the follower was "
-                                 "last caught up (0 when it is).", lag,
-                                 registry=reg)  # fmt: skip
+        self._lag = _Lag(reg, "upr_follow", bucket, per_partition)
         for c in (self.items, self.bytes, self.commits, self.rollups, self.rollbacks,
                   self.lost, self.reconnects):  # fmt: skip
             c.labels(bucket)  # every series from the start, at 0
-        self._started = time.time()
-        self._caught_up: dict[int | None, float] = {}  # None: the bucket as a whole
-        self._behind: dict[int | None, bool] = {}
-        self._watch(None)
-
-    def _watch(self, partition: int | None) -> None:
-        """The lag seconds of `partition` (None: the bucket), computed when scraped."""
-        self._caught_up.setdefault(partition, self._started)
-        self._behind.setdefault(partition, True)
-
-        def seconds() -> float:
-            if not self._behind[partition]:
-                return 0.0
-            return max(0.0, time.time() - self._caught_up[partition])
-
-        if partition is None and self.per_partition:
-            return  # per partition only
-        labels = (self.bucket,) if partition is None else (self.bucket, str(partition))
-        self.lag_seconds.labels(*labels).set_function(seconds)
 
     # -- what the follower tells (FollowHooks) --------------------------------------------
 
@@ -177,20 +212,7 @@ class FollowMetrics:
 
     def lag(self, behind: dict[int, int]) -> None:
         """Each partition's seqs behind its high seq, as one poll found them."""
-        now = time.time()
-        if self.per_partition:
-            for p, n in behind.items():
-                self.lag_seqs.labels(self.bucket, str(p)).set(n)
-                self._watch(p)
-                self._note(p, n, now)
-        else:
-            self.lag_seqs.labels(self.bucket).set(sum(behind.values()))
-        self._note(None, sum(behind.values()), now)
-
-    def _note(self, key: int | None, n: int, now: float) -> None:
-        self._behind[key] = n > 0
-        if n == 0:
-            self._caught_up[key] = now
+        self._lag.lag(behind)
 
     def hooks(self) -> FollowHooks:
         """The follower's callbacks that feed these metrics."""
@@ -236,6 +258,281 @@ def serve(registry: CollectorRegistry, host: str, port: int) -> Endpoint:
     return Endpoint(host, int(bound), stop)
 
 
+@contextlib.contextmanager
+def endpoint(registry: CollectorRegistry | None, host: str, port: int | None) -> Iterator[None]:
+    """Around a long-running command's work: with a port, `registry` served there (bound
+    now: an error before any work), said on stderr, closed at the end."""
+    if registry is None or port is None:
+        yield
+        return
+    from upr_cli.cli.output import notice
+
+    end = serve(registry, host, port)
+    where = f"[{end.host}]:{end.port}" if ":" in end.host else f"{end.host}:{end.port}"
+    notice(f"metrics on http://{where}/metrics")
+    try:
+        yield
+    finally:
+        end.close()
+
+
+def check_port_options(port: int | None, host: str, per_partition: bool, what: str) -> None:
+    """--metrics-host and --metrics-per-partition mean nothing without --metrics-port;
+    `what` names when a port is allowed at all ("" always)."""
+    if port is None and (per_partition or host != DEFAULT_HOST):
+        raise UsageError("--metrics-host and --metrics-per-partition go with --metrics-port")
+    if port is not None and what:
+        raise UsageError(f"--metrics-port is for {what}")
+
+
+# -- replay --follow and tail: totals read when scraped, lag polled -------------------------
+
+LAG_EVERY = 2.0  # seconds between two lag polls of `replay --follow` and `tail`
+
+_BACK = " back after "  # a link back (upr_cli/dcp/consumer.py's notice): a reconnect
+
+
+class _Streaming:
+    """What `replay --follow` and `tail` share: the job's running totals, read when
+    scraped (a collector of this registry: nothing counted twice, nothing lost between
+    two progress reports), the lag of `_Lag`, reconnects and errors by kind."""
+
+    prefix = ""
+
+    def __init__(self, bucket: str, *, per_partition: bool = False,
+                 registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+        from prometheus_client import ProcessCollector
+
+        self.registry = reg = registry if registry is not None else _registry()
+        self.bucket = bucket
+        ProcessCollector(registry=reg)
+        self._lag = _Lag(reg, self.prefix, bucket, per_partition)
+        self.reconnects = 0
+        self.errors: dict[str, int] = {}
+        reg.register(self)  # a collector: describe, collect
+
+    def totals(self) -> list[tuple[str, str, str, float | None]]:
+        """(name, counter|gauge, help, value) of the job's totals (None: absent)."""
+        raise NotImplementedError
+
+    def describe(self) -> list[Any]:
+        return []  # registered before the job: nothing to read yet
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        b = [self.bucket]
+        for name, kind, doc, value in self.totals():
+            if value is None:
+                continue
+            make = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            fam = make(name, doc, labels=["bucket"])
+            fam.add_metric(b, value)
+            yield fam
+        fam = CounterMetricFamily("upr_reconnects", "Links to a node lost and back.",
+                                  labels=["bucket"])  # fmt: skip
+        fam.add_metric(b, self.reconnects)
+        yield fam
+        if self.errors:
+            fam = CounterMetricFamily("upr_errors", "Warnings and errors met, by kind.",
+                                      labels=["bucket", "kind"])  # fmt: skip
+            for kind, n in sorted(self.errors.items()):
+                fam.add_metric([*b, kind], n)
+            yield fam
+
+    def error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def notice(self, text: str) -> None:
+        """A consumer's notice: a link lost (an error of kind `link`) or back."""
+        if text.startswith("connection to "):
+            if _BACK in text:
+                self.reconnects += 1
+            elif " lost" in text:
+                self.error("link")
+
+    def with_notice(self, then: Callable[[str], None]) -> Callable[[str], None]:
+        """A notice callback that counts what it hears, then hands it to `then`."""
+
+        def hear(text: str) -> None:
+            self.notice(text)
+            then(text)
+
+        return hear
+
+    async def poll_lag(self, uri: SourceUri, partitions: list[int] | None,
+                       taken: Callable[[], dict[int, int] | None],
+                       name: str) -> None:  # fmt: skip
+        """Every LAG_EVERY seconds, each partition's high seq on its active node less the
+        seq `taken` says the job has (one STAT vbucket-seqno per active node; none while
+        `taken` gives None: the job has not told where it stands yet); a poll that fails
+        is an error of kind `lag_poll`. Runs until cancelled."""
+        from upr_cli.dcp.states import partition_states
+        from upr_cli.errors import UprError
+
+        while True:
+            if taken() is None:
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                states, _n = await partition_states(uri, partitions, failover_logs=False,
+                                                    name=name, wait_for=0)  # fmt: skip
+            except (UprError, OSError):
+                self.error("lag_poll")
+            else:
+                got = taken() or {}
+                self._lag.lag({p: max(0, st.high_seq - got.get(p, 0))
+                               for p, st in states.items()})  # fmt: skip
+            await asyncio.sleep(LAG_EVERY)
+
+
+class ReplayMetrics(_Streaming):
+    """The metrics of `replay --follow` (docs/metrics.md "replay --follow")."""
+
+    prefix = "upr_replay"
+
+    def __init__(self, bucket: str, *, per_partition: bool = False,
+                 registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+        self.stats: ReplayStats | None = None  # the job's, from its first progress report
+        super().__init__(bucket, per_partition=per_partition, registry=registry)
+
+    def progress(self, stats: ReplayStats) -> None:
+        self.stats = stats
+
+    def taken(self) -> dict[int, int] | None:
+        """The seqs the store committed, per partition (None before the job's first
+        report: its positions not read yet)."""
+        return dict(self.stats.positions) if self.stats is not None else None
+
+    def totals(self) -> list[tuple[str, str, str, float | None]]:
+        s = self.stats
+        rollbacks = list(s.rollbacks) if s is not None else []
+        if s is not None and s.resets:
+            self.errors["reset"] = s.resets
+        return [
+            ("upr_replay_items", "counter", "Changes applied to the store (committed).",
+             s.applied if s else 0),
+            ("upr_replay_bytes", "counter", "Their keys' and values' bytes.",
+             s.bytes if s else 0),
+            ("upr_replay_commits", "counter", "Store transactions committed.",
+             s.commits if s else 0),
+            ("upr_rollbacks", "counter", "Partition rollbacks met (failovers).",
+             len(rollbacks)),
+            ("upr_lost_writes", "counter", "Versions rollbacks took back from the store "
+             "(kept as lost writes).", sum(int(r.get("lost") or 0) for r in rollbacks)),
+            ("upr_replay_last_apply_timestamp_seconds", "gauge", "When the store last "
+             "committed changes (unix seconds).", s.last_apply if s and s.last_apply else None),
+        ]  # fmt: skip
+
+
+class TailMetrics(_Streaming):
+    """The metrics of `tail` while it follows (docs/metrics.md "tail")."""
+
+    prefix = "upr_tail"
+
+    def __init__(self, bucket: str, *, per_partition: bool = False,
+                 registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+        self.summary: TailSummary | None = None
+        self.positions: Callable[[], dict[int, int]] | None = None  # once the streams open
+        super().__init__(bucket, per_partition=per_partition, registry=registry)
+
+    def progress(self, summary: TailSummary) -> None:
+        self.summary = summary
+
+    def taken(self) -> dict[int, int] | None:
+        """The seqs received, per partition (None before the streams open)."""
+        return self.positions() if self.positions is not None else None
+
+    def totals(self) -> list[tuple[str, str, str, float | None]]:
+        s = self.summary
+        return [
+            ("upr_tail_items", "counter", "Changes streamed (printed).", s.items if s else 0),
+            ("upr_tail_bytes", "counter", "Their keys' and values' bytes.", s.bytes if s else 0),
+            ("upr_rollbacks", "counter", "Partition rollbacks met (failovers).",
+             s.rollbacks if s else 0),
+        ]  # fmt: skip
+
+
+async def beside(job: Any, poller: Any | None) -> Any:
+    """Await `job` with `poller` (a coroutine, or None) running beside it until it ends."""
+    if poller is None:
+        return await job
+    task = asyncio.ensure_future(poller)
+    try:
+        return await job
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+# -- upr serve: the node's state, read on its event loop when scraped -----------------------
+
+
+class NodeMetrics:
+    """The metrics of `upr serve` (docs/metrics.md "upr serve"): a collector that reads the
+    node's connections, buckets and DCP streams on the node's event loop when scraped
+    (never from the HTTP thread: those are the loop's objects)."""
+
+    def __init__(self, server: NodeServer, loop: asyncio.AbstractEventLoop,
+                 registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+        from prometheus_client import ProcessCollector
+
+        self.registry = reg = registry if registry is not None else _registry()
+        self.server, self.loop = server, loop
+        ProcessCollector(registry=reg)
+        reg.register(self)
+
+    def describe(self) -> list[Any]:
+        return []
+
+    async def _snapshot(self) -> dict[str, dict[str, int]]:
+        """Per bucket: connections, items written, DCP streams open, DCP bytes sent."""
+        srv = self.server
+
+        def row(written: int = 0, sent: int = 0) -> dict[str, int]:
+            return {"connections": 0, "written": written, "streams": 0, "sent": sent}
+
+        out = {name: row(sum(p.written for p in b.partitions.values()), srv.dcp_sent.get(name, 0))
+               for name, b in srv.buckets.items()}  # fmt: skip
+        for s in list(srv.sessions):
+            r = out.setdefault(s.bucket.name if s.bucket is not None else "", row())
+            r["connections"] += 1
+            r["sent"] += s.dcp_sent
+            if s.dcp is not None:
+                r["streams"] += sum(1 for t in s.dcp.streams.values() if not t.done())
+        return out
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            snap = asyncio.run_coroutine_threadsafe(self._snapshot(), self.loop).result(5)
+        except (RuntimeError, TimeoutError):
+            return  # the node is stopping: its process metrics only
+        yield from self.families(snap)
+
+    @staticmethod
+    def families(snap: dict[str, dict[str, int]]) -> list[Any]:
+        """The metric families of a snapshot (`_snapshot`)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        fams: list[Any] = [
+            GaugeMetricFamily("upr_node_connections", "Client connections open (bucket: the "
+                              "one selected, empty before one is).", labels=["bucket"]),
+            CounterMetricFamily("upr_node_items_written", "Versions written to the bucket "
+                                "(stores, deletions, expirations, replicated).",
+                                labels=["bucket"]),
+            GaugeMetricFamily("upr_node_dcp_streams", "DCP streams open.", labels=["bucket"]),
+            CounterMetricFamily("upr_node_dcp_sent_bytes", "Bytes DCP streams sent.",
+                                labels=["bucket"]),
+        ]  # fmt: skip
+        keys = ("connections", "written", "streams", "sent")
+        for name, row in sorted(snap.items()):
+            for fam, key in zip(fams, keys, strict=True):
+                if name or key == "connections":
+                    fam.add_metric([name], row[key])
+        return fams
+
+
 # -- one-shot commands ----------------------------------------------------------------------
 
 
@@ -278,6 +575,18 @@ def one_shot(path: Path | None, command: str, bucket: str | None) -> Iterator[On
         write_one_shot(path, run, time.monotonic() - t0)
         raise
     write_one_shot(path, run, time.monotonic() - t0)
+
+
+def repo_bucket(repo: Path) -> str:
+    """The repository's bucket when it has exactly one (a label without --bucket)."""
+    from upr_cli.errors import UprError
+    from upr_cli.repo import Repository
+
+    try:
+        names = Repository(repo).buckets()
+    except (UprError, OSError):
+        return ""
+    return names[0] if len(names) == 1 else ""
 
 
 def write_one_shot(path: Path, run: OneShot, seconds: float, *, now: float | None = None) -> None:

@@ -15,7 +15,16 @@ import pytest
 
 from tests.metrics.metrics_helpers import one, samples
 from upr_cli.jobs.follow import CommitReport
-from upr_cli.metrics import FollowMetrics, OneShot, write_one_shot
+from upr_cli.jobs.replay import ReplayStats
+from upr_cli.jobs.tail import TailSummary
+from upr_cli.metrics import (
+    FollowMetrics,
+    NodeMetrics,
+    OneShot,
+    ReplayMetrics,
+    TailMetrics,
+    write_one_shot,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "metrics.md"
@@ -42,6 +51,22 @@ def _exported(tmp_path: Path) -> set[str]:
     now = datetime.now(UTC)
     m.commit(CommitReport("x", 1, 2, 3, 1, now, now, 0.0, 1, 5))
     names = {s.name for fam in m.registry.collect() for s in fam.samples}
+    replay, tail = ReplayMetrics("b"), TailMetrics("b", per_partition=True)
+    stats = ReplayStats(resets=1, last_apply=1.0)
+    replay.progress(stats)
+    tail.progress(TailSummary(1, 0, 2))
+    for follower in (replay, tail):
+        follower.notice("connection to n lost")
+        follower.notice("connection to n back after 1.0s")
+        follower._lag.lag({0: 1})
+        names |= {s.name for fam in follower.registry.collect() for s in fam.samples}
+    names |= {
+        s.name
+        for fam in NodeMetrics.families(
+            {"b": {"connections": 1, "written": 2, "streams": 3, "sent": 4}}
+        )
+        for s in fam.samples
+    }
     prom = tmp_path / "x.prom"
     write_one_shot(prom, OneShot("verify", "b"), 1.0)
     return names | set(samples(prom.read_text()))

@@ -8,6 +8,7 @@ import typer
 
 from upr_cli.cli.options import Bucket, JsonOutput, NoProgress, Repo, Through
 from upr_cli.cli.output import Progress, print_json, stdout
+from upr_cli.metrics import MetricsFile, one_shot, repo_bucket
 
 HELP = """Merge a repository's chain into one full backup, on one machine.
 
@@ -34,6 +35,10 @@ Example:
 Example (through an older backup, as JSON):
 
   upr merge --repo /backups/cb --through 20261121T071033.959105Z --json
+
+--metrics-file PATH writes Prometheus metrics at the end, success or failure (result,
+duration, the items and bytes written: docs/metrics.md), for node_exporter's textfile
+collector.
 """
 
 
@@ -48,17 +53,23 @@ def merge_cmd(
     bucket: Bucket = None,
     no_progress: NoProgress = False,
     json_out: JsonOutput = False,
+    metrics_file: MetricsFile = None,
 ) -> None:
     """Merge a chain into one full backup."""
     from upr_cli.jobs.merge import merge
 
     show = sys.stderr.isatty() and not no_progress
-    with Progress("merge", "items", show=show) as bar:
+    label = bucket or (repo_bucket(repo) if metrics_file is not None else "")
+    with (
+        one_shot(metrics_file, "merge", label) as run,
+        Progress("merge", "items", show=show) as bar,
+    ):
 
         def tick(done: int, total: int, items: int) -> None:
             bar.update(items, parts=(done, total))
 
         summary = merge(repo, through=through, bucket=bucket, progress=tick)
+        run.done(label, summary.records, summary.bytes_written)
     if json_out:
         print_json(summary.to_json())
         return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -27,12 +27,27 @@ from upr_cli.cli.options import (
 )
 from upr_cli.cli.output import Progress, notice, print_json, stderr, stdout
 from upr_cli.collections import parse_paths
-from upr_cli.errors import check_file_path
+from upr_cli.errors import UsageError, check_file_path
 from upr_cli.jobs.replay import ReplayStats, check_options, replay_node, replay_repo
 from upr_cli.memory import MemoryLimit
+from upr_cli.metrics import (
+    DEFAULT_HOST,
+    MetricsFile,
+    MetricsHost,
+    MetricsPerPartition,
+    MetricsPort,
+    beside,
+    check_port_options,
+    endpoint,
+    one_shot,
+    repo_bucket,
+)
 from upr_cli.net.uri import SourceUri
 from upr_cli.source import parse_source, selected
 from upr_cli.store import DEFAULT_UNDO_WINDOW
+
+if TYPE_CHECKING:
+    from upr_cli.metrics import ReplayMetrics
 
 HELP = """Replay a source into a SQLite store that follows it like a UPR replica.
 
@@ -104,6 +119,17 @@ Example (from a backup repository, then query the JSON):
 Example (the bucket as it was two hours ago, from a continuous backup):
 
   upr replay repo:/backups/cb@-2h --into /tmp/then.db
+
+Metrics: --metrics-port PORT (with --follow) serves Prometheus metrics on
+--metrics-host (default 127.0.0.1): changes and bytes applied, lag in seqs and
+seconds, rollbacks, lost writes, reconnects, errors by kind, the last apply time
+(docs/metrics.md); --metrics-per-partition labels the lag by partition too. A
+one-shot replay takes --metrics-file PATH instead (node_exporter's textfile).
+
+Example (a replica service with metrics for Prometheus on port 9465):
+
+  upr replay upr://admin@127.0.0.1/default --into /tmp/bucket.db --follow \\
+      --metrics-port 9465
 """
 
 
@@ -170,11 +196,16 @@ def replay_cmd(
     no_verify: NoVerify = False,
     cert: ClientCert = None,
     key: ClientKey = None,
+    metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = DEFAULT_HOST,
+    metrics_per_partition: MetricsPerPartition = False,
+    metrics_file: MetricsFile = None,
 ) -> None:
     """Replay a source into a SQLite store."""
     spec = parse_source(source, ("node", "repo"))
     paths = parse_paths(collections)
     check_options(follow, consistent, durable_only, source, collections=bool(paths))
+    _check_metrics(follow, metrics_port, metrics_host, metrics_per_partition, metrics_file)
     parts = selected(partitions)
     check_file_path(into, f"--into {into}")  # the store's directory, before streaming
     show = sys.stderr.isatty() and not no_progress
@@ -182,16 +213,20 @@ def replay_cmd(
     def event(message: str) -> None:
         stderr.print(message, markup=False, highlight=False)
 
-    if follow:
-        interrupt.follows(lambda: f"positions saved in {into}; the same command continues "
-                          "from there")  # fmt: skip
-    else:
-        interrupt.keeps(lambda: f"{into} keeps every change it committed, with its positions; "
-                        "run the same command to resume")  # fmt: skip
-    with Progress("replay", "applied", show=show) as bar:
+    _on_signal(follow, into)
+    uri_text = spec.uri if spec.kind == "node" else None
+    label = _label(spec.kind, spec.path, uri_text, bucket, metrics_file is not None)
+    watch = _watch(label, metrics_port, metrics_per_partition)
+    with (
+        endpoint(watch.registry if watch else None, metrics_host, metrics_port),
+        one_shot(metrics_file, "replay", label) as run,
+        Progress("replay", "applied", show=show) as bar,
+    ):
         bar.note(f"connecting to {spec.text if spec.kind == 'repo' else 'the source'}")
 
         def tick(s: ReplayStats) -> None:
+            if watch is not None:
+                watch.progress(s)
             bar.update(s.applied, parts=(s.partitions_caught_up, s.partitions),
                        unit="caught up", started=s.started, nbytes=s.bytes)  # fmt: skip
 
@@ -201,30 +236,62 @@ def replay_cmd(
                                 partitions=parts, undo_window=undo_window, on_progress=tick,
                                 on_event=event, memory_limit=memory)  # fmt: skip
         else:
-            stats = asyncio.run(
-                replay_node(
-                    tls_source(SourceUri.parse(spec.uri), cacert, no_verify, cert, key),
-                    into,
-                    partitions=parts,
-                    follow=follow,
-                    consistent=consistent,
-                    durable_only=durable_only,
-                    undo_window=undo_window,
-                    max_pending=max_pending,
-                    collections=paths or None,
-                    on_progress=tick,
-                    on_event=event,
-                    wait=wait,
-                    on_notice=notice,
-                    compression=compression,
-                    memory_limit=memory,
-                )
-            )
+            uri = tls_source(SourceUri.parse(spec.uri), cacert, no_verify, cert, key)
+            job = replay_node(uri, into, partitions=parts, follow=follow, consistent=consistent,
+                              durable_only=durable_only, undo_window=undo_window,
+                              max_pending=max_pending, collections=paths or None,
+                              on_progress=tick, on_event=event, wait=wait,
+                              on_notice=notice if watch is None else watch.with_notice(notice),
+                              compression=compression, memory_limit=memory)  # fmt: skip
+            poll = None if watch is None else watch.poll_lag(uri, parts, watch.taken,
+                                                             "upr-replay-lag")  # fmt: skip
+            stats = asyncio.run(beside(job, poll))
+        run.done(label, stats.applied, stats.bytes, not stats.interrupted)
     if stats.interrupted and not follow:
         raise interrupt.Stopped  # the job kept what it committed: a bounded run's ending
     _report(stats, into, json_out)
     if stats.interrupted:
         raise interrupt.Stopped  # a follower's ending, after its summary
+
+
+def _on_signal(follow: bool, into: Path) -> None:
+    """What a SIGINT or SIGTERM says: a follower's end, or a bounded run's."""
+    if follow:
+        interrupt.follows(lambda: f"positions saved in {into}; the same command continues "
+                          "from there")  # fmt: skip
+    else:
+        interrupt.keeps(lambda: f"{into} keeps every change it committed, with its positions; "
+                        "run the same command to resume")  # fmt: skip
+
+
+def _check_metrics(follow: bool, port: int | None, host: str, per_partition: bool,
+                   path: Path | None) -> None:  # fmt: skip
+    """A follower serves metrics (--metrics-port), a one-shot replay writes them."""
+    check_port_options(port, host, per_partition,
+                       "" if follow else "a replay that follows (--follow); a one-shot "
+                       "replay writes --metrics-file")  # fmt: skip
+    if follow and path is not None:
+        raise UsageError("--metrics-file is for a one-shot replay: a follower serves its "
+                         "metrics with --metrics-port")  # fmt: skip
+
+
+def _label(kind: str, path: Path | None, uri: str | None, bucket: str | None,
+           one_shot_file: bool) -> str:  # fmt: skip
+    """The metrics' bucket label: --bucket, the URI's, or a repository's only one."""
+    if bucket:
+        return bucket
+    if kind == "repo":
+        return repo_bucket(path) if path is not None and one_shot_file else ""
+    return (SourceUri.parse(uri).bucket or "") if uri else ""
+
+
+def _watch(bucket: str, port: int | None, per_partition: bool) -> ReplayMetrics | None:
+    """The follower's metrics when --metrics-port asks for them."""
+    if port is None:
+        return None
+    from upr_cli.metrics import ReplayMetrics
+
+    return ReplayMetrics(bucket, per_partition=per_partition)
 
 
 def _report(stats: ReplayStats, into: Path, json_out: bool) -> None:

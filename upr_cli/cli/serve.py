@@ -23,6 +23,7 @@ from upr_cli.cli.options import (
 )
 from upr_cli.errors import UsageError
 from upr_cli.memory import MemoryLimit
+from upr_cli.metrics import DEFAULT_HOST, MetricsHost, MetricsPort, check_port_options, endpoint
 from upr_cli.net.collections_manifest import parse_specs
 from upr_cli.net.tls import DEFAULT_TLS_PORT
 from upr_cli.node.server import NodeConfig, NodeServer
@@ -81,6 +82,14 @@ max TTL of one hour; --collections, the old spelling, still works, with a warnin
 
   upr serve --data /tmp/node --no-auth \\
       --create-collections app.users,app.sessions:3600
+
+Metrics: --metrics-port PORT serves Prometheus metrics on --metrics-host (default
+127.0.0.1): connections, versions written, DCP streams open and bytes they sent,
+per bucket, and the process's memory (docs/metrics.md).
+
+Example (metrics for Prometheus on port 9467):
+
+  upr serve --data /tmp/node --no-auth --metrics-port 9467
 """
 
 NUM_PARTITIONS = "the bucket's count in --data, 1024 for a new one"
@@ -266,8 +275,11 @@ def serve_cmd(
     tls_client_ca: TlsClientCa = None,
     tls_client_auth: TlsClientAuth = None,
     memory: MemoryLimitOption = _MEMORY,
+    metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = DEFAULT_HOST,
 ) -> None:
     """Run a UPR node."""
+    check_port_options(metrics_port, metrics_host, False, "")
     _return_large_blocks()
     users = _users(ctx, user, password, users_file, no_auth=no_auth)
     specs = parse_specs(either(create_collections, old_collections, None,
@@ -283,12 +295,29 @@ def serve_cmd(
     )  # fmt: skip
     if tls_port is not None and tls_cert is None:
         raise UsageError("--tls-port needs --tls-cert and --tls-key")
-    if asyncio.run(_serve(NodeServer(config))):
+    node = NodeServer(config)
+    if asyncio.run(_serve(node) if metrics_port is None else
+                   _serve(node, (metrics_host, metrics_port))):  # fmt: skip
         raise interrupt.Stopped  # a follower's ending
 
 
-async def _serve(server: NodeServer) -> bool:
-    """Serve until SIGTERM or SIGINT, then stop cleanly; True once a signal stopped it."""
+async def _serve(
+    server: NodeServer, metrics: tuple[str, int | None] = (DEFAULT_HOST, None)
+) -> bool:
+    """Serve until SIGTERM or SIGINT, then stop cleanly; True once a signal stopped it.
+    With a metrics port (`metrics`: host, port), its metrics are served there, bound
+    before the node listens (upr_cli/metrics.py)."""
+    watch = None
+    if metrics[1] is not None:
+        from upr_cli.metrics import NodeMetrics
+
+        watch = NodeMetrics(server, asyncio.get_running_loop())
+    with endpoint(watch.registry if watch else None, *metrics):
+        return await _run(server)
+
+
+async def _run(server: NodeServer) -> bool:
+    """`_serve`'s work."""
     interrupt.follows(lambda: "every write flushed, failover uuids kept; the next start "
                       "goes on from there")  # fmt: skip
     stop = asyncio.Event()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -29,10 +30,22 @@ from upr_cli.cli.options import (
 from upr_cli.cli.output import notice, stderr
 from upr_cli.collections import parse_paths
 from upr_cli.errors import UsageError
-from upr_cli.jobs.tail import TailOptions, tail, window
+from upr_cli.jobs.tail import TailOptions, TailSummary, tail, window
 from upr_cli.memory import MemoryLimit
+from upr_cli.metrics import (
+    DEFAULT_HOST,
+    MetricsHost,
+    MetricsPerPartition,
+    MetricsPort,
+    beside,
+    check_port_options,
+    endpoint,
+)
 from upr_cli.net.uri import SourceUri
 from upr_cli.source import selected
+
+if TYPE_CHECKING:
+    from upr_cli.metrics import TailMetrics
 
 _MEMORY = MemoryLimit()  # --memory-limit's default
 
@@ -94,6 +107,16 @@ Example (a service: follow for good, waiting out any node restart):
 Example (two collections of scope app, with their creations and drops):
 
   upr tail upr://admin@127.0.0.1/default --collections app.users,app.orders -v
+
+Metrics: --metrics-port PORT (a tail that follows: not with --until-end) serves
+Prometheus metrics on --metrics-host (default 127.0.0.1): changes and bytes
+streamed, lag in seqs and seconds, reconnects, rollbacks (docs/metrics.md);
+--metrics-per-partition labels the lag by partition too.
+
+Example (follow with metrics for Prometheus on port 9466):
+
+  upr tail upr://admin@127.0.0.1/default --from now --format json \\
+      --metrics-port 9466 > changes.jsonl
 """
 
 
@@ -150,10 +173,15 @@ def tail_cmd(
     no_verify: NoVerify = False,
     cert: ClientCert = None,
     key: ClientKey = None,
+    metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = DEFAULT_HOST,
+    metrics_per_partition: MetricsPerPartition = False,
 ) -> None:
     """Print a bucket's changes."""
     if fmt not in ("text", "json"):
         raise UsageError("--format takes text or json")
+    follows = "" if not until_end else "a tail that follows (not with --until-end)"
+    check_port_options(metrics_port, metrics_host, metrics_per_partition, follows)
     opts = TailOptions(
         start=start, until_end=until_end, count=count, partitions=selected(partitions),
         keys=key_pattern(keys), fmt=fmt, verbose=verbose, state=state, wait=wait,
@@ -164,18 +192,33 @@ def tail_cmd(
     saved = (f"positions saved in {state}; the same command continues from there" if state
              else "no --state, so no position saved (--state FILE keeps one)")  # fmt: skip
     (interrupt.keeps if until_end else interrupt.follows)(lambda: saved)
+    watch = None
+    if metrics_port is not None:
+        from upr_cli.metrics import TailMetrics
+
+        watch = TailMetrics(source.bucket or "", per_partition=metrics_per_partition)
     try:
-        summary = asyncio.run(
-            tail(
-                source,
-                opts,
-                on_warning=lambda text: stderr.print(f"upr: warning: {text}"),
-                on_notice=notice,
-            )
-        )
+        with endpoint(watch.registry if watch else None, metrics_host, metrics_port):
+            summary = asyncio.run(_run(source, opts, watch))
     except BrokenPipeError:
         # the reader went away (`upr tail … | head`): a normal end, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
     if sys.stderr.isatty():
         stderr.print(f"{summary.items} changes, {summary.rollbacks} rollbacks")
+
+
+async def _run(source: SourceUri, opts: TailOptions, watch: TailMetrics | None) -> TailSummary:
+    """The tail, and with metrics its lag polled beside it."""
+    warn = lambda text: stderr.print(f"upr: warning: {text}")  # noqa: E731
+    if watch is None:
+        return await tail(source, opts, on_warning=warn, on_notice=notice)
+
+    def opened(positions: Callable[[], dict[int, int]]) -> None:
+        watch.positions = positions
+
+    job = tail(source, opts, on_warning=warn, on_notice=watch.with_notice(notice),
+               on_progress=watch.progress, on_open=opened)  # fmt: skip
+    poll = watch.poll_lag(source, opts.partitions, watch.taken, "upr-tail-lag")
+    summary: TailSummary = await beside(job, poll)
+    return summary

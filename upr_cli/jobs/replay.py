@@ -137,6 +137,8 @@ class ReplayStats:
     resets: int = 0
     notes: list[str] = field(default_factory=list)
     interrupted: bool = False
+    positions: dict[int, int] = field(default_factory=dict)  # committed seqs (metrics' lag)
+    last_apply: float = 0.0  # when the store last committed changes, unix seconds
     started: float = field(default_factory=time.monotonic)
     seconds: float = 0.0
 
@@ -485,6 +487,7 @@ class ReplaySession:
     ) -> ReplaySession:
         """A session whose consumer resumes each partition where the store stands."""
         saved = await worker.run(store.positions)
+        stats.positions.update((p, pos.seq) for p, pos in saved.items())  # a rerun's start
         logs = await worker.run(lambda: {p: store.failover_log(p) for p in saved})
         bounds = await worker.run(store.boundaries)
         paths = options.collections
@@ -709,6 +712,7 @@ class ReplaySession:
         self.stats.rollbacks.append(entry)
         if st is not None:
             st.committed = st.applied = result.position or StreamPosition(p)
+            self.stats.positions[p] = st.committed.seq
         self.say(str(result) + _below_asked(ev.asked, ev.to_seq))
 
     # -- commits --------------------------------------------------------------------------
@@ -732,6 +736,8 @@ class ReplaySession:
             stats.changes += changes
             if not in_open:
                 stats.commits += 1
+                stats.last_apply = time.time()
+                stats.positions.update((p, pos.seq) for p, pos in positions.items())
                 consumer.commit(positions)
 
         job = functools.partial(self.store.apply_many, work)
@@ -855,8 +861,10 @@ class ReplaySession:
         await self.worker.drain()
         await self.worker.run(self.store.commit)
         self.stats.commits += 1
-        for st in self.parts.values():
+        self.stats.last_apply = time.time()
+        for p, st in self.parts.items():
             st.committed = st.applied
+            self.stats.positions[p] = st.committed.seq
         self.consumer.commit({p: st.committed for p, st in self.parts.items()})
         self.catching_up = False
 

@@ -27,6 +27,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import NamedTuple, TextIO
 
@@ -51,6 +52,7 @@ OPS = {OP_MUTATION: "mutation", OP_DELETION: "deletion", OP_EXPIRATION: "expirat
 #: change lines one of OPS' names, so `jq 'select(.op=="mutation")'` works on all of them
 EVENT_OPS = {"snapshot": "snapshot_marker", "rollback": "rollback", "stream_end": "stream_end",
              "stream_open": "stream_open"}  # fmt: skip
+_key, _value = attrgetter("key"), attrgetter("value")
 
 
 def window(memory: MemoryLimit) -> int:
@@ -84,6 +86,7 @@ class TailSummary:
 
     items: int = 0
     rollbacks: int = 0
+    bytes: int = 0  # the changes' keys and values (tail's metrics)
 
 
 class CollectionNames:
@@ -364,12 +367,15 @@ class _TailSink(SinkBase):
         if keys is None and (count is None or summary.items + len(records) < count):
             lines += [fmt_row(rec, names) for rec in records]
             summary.items += len(records)
+            summary.bytes += sum(map(len, map(_key, records)))
+            summary.bytes += sum(map(len, map(_value, records)))
             return
         for rec in records:
             if keys is not None and not keys.search(bytes(rec.key)):
                 continue
             lines.append(fmt_row(rec, names))
             summary.items += 1
+            summary.bytes += len(rec.key) + len(rec.value)
             if count is not None and summary.items >= count:
                 self.full = True
                 return
@@ -404,6 +410,7 @@ async def tail(
     on_progress: Callable[[TailSummary], None] | None = None,
     on_warning: Callable[[str], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
+    on_open: Callable[[Callable[[], dict[int, int]]], None] | None = None,
 ) -> TailSummary:  # fmt: skip
     """Stream changes and print them; returns counts. Stops at the end (finite) or --count.
 
@@ -411,7 +418,8 @@ async def tail(
     do not hold the others back: `on_warning` hears of them at once, they are waited
     for up to `opts.wait` seconds, and then the tail fails naming them. A lost node is
     reconnected for as long (`on_notice` hears when the link is lost and when it is
-    back; `math.inf` waits for ever)."""
+    back; `math.inf` waits for ever). `on_open` is handed, once the streams are open, a
+    function that tells each partition's seq received (the metrics' lag)."""
     if opts.state is not None:  # where the positions go at the end: checked before streaming
         check_file_path(opts.state, f"--state {opts.state}")
     positions, logs, bounds, saved = load_state(opts.state) if opts.state else TailState({}, {}, {})
@@ -435,6 +443,8 @@ async def tail(
     try:
         await consumer.open()
         sink.names = CollectionNames(consumer.manifest, followed.names if followed else None)
+        if on_open is not None:
+            on_open(lambda: {p: pos.seq for p, pos in consumer.positions.items()})
         if consumer.waiting and on_warning is not None:
             on_warning(_waiting_note(sorted(consumer.waiting), len(consumer.parts), opts.wait))
         await drive(consumer, sink)

@@ -126,6 +126,7 @@ class Partition:
     state: str
     failover: FailoverLog
     high_seq: int = 0  # highest seq assigned (in memory)
+    written: int = field(default=0, compare=False)  # versions appended (serve's metrics)
     persisted_seq: int = 0  # highest seq on disk
     purge_seq: int = 0
     snap_start: int = 0  # last complete snapshot on disk
@@ -219,6 +220,7 @@ class Partition:
     def append(self, doc: DocRow) -> None:
         """Take a new version (its seq is `high_seq + 1`) and wake the streams."""
         self.high_seq = doc.seq
+        self.written += 1
         self.queue.put(doc)
         self.notify()
 

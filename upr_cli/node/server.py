@@ -178,6 +178,7 @@ class NodeServer:
         }
         self.buckets: dict[str, Bucket] = {}
         self.sessions: set[ClientSession] = set()
+        self.dcp_sent: dict[str, int] = {}  # DCP bytes of closed sessions, per bucket
         self._server: asyncio.Server | None = None
         self._tls_server: asyncio.Server | None = None
         self.tls_port: int | None = None  # once listening with TLS
@@ -344,6 +345,9 @@ class NodeServer:
             log.debug("%s: connection lost while closing: %s", session.peer, exc)
         finally:
             self.sessions.discard(session)
+            if session.bucket is not None and session.dcp_sent:
+                name = session.bucket.name
+                self.dcp_sent[name] = self.dcp_sent.get(name, 0) + session.dcp_sent
 
     def cluster_config(self, bucket: Bucket) -> dict[str, Any]:
         """The cluster map an orchestrator set (formats/cluster.md), else a terse
@@ -416,6 +420,7 @@ class ClientSession:
         self._out: list[bytes] = []  # responses of the current read, written in one go
         self._out_bytes = 0
         self._flush_soon = False  # a call_soon(_uncork) is pending
+        self.dcp_sent = 0  # DCP output bytes (serve's metrics)
         self.decoder = FrameDecoder(max_body=UNAUTH_MAX_BODY)
 
     def certificate_login(self) -> bool:
@@ -514,6 +519,7 @@ class ClientSession:
         syscall for many streams (profiled: per-snapshot writes dominated replication)."""
         self._out.append(data)
         self._out_bytes += len(data)
+        self.dcp_sent += len(data)
         if self._out_bytes >= OUT_CORK:
             self.flush_out()
         elif not self._flush_soon:
