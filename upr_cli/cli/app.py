@@ -46,6 +46,7 @@ HELP = """Toolkit for Couchbase's replication protocol (UPR, shipped as DCP): a 
 serve, and backup, restore, tail, replay and failover-history tools for any node.
 
 Each command's --help has examples; `man upr` and `man upr-COMMAND` have the details.
+`upr --install-completion` completes commands and options in bash, zsh or fish.
 
 Results go to stdout, everything else to stderr: every command takes --log-format
 text|json (one JSON object a line, secrets redacted) and --log-level
@@ -67,7 +68,7 @@ app = typer.Typer(
     cls=LazyGroup,
     help=HELP,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion, --show-completion: bash, zsh, fish
     pretty_exceptions_enable=False,
     pretty_exceptions_show_locals=False,
     context_settings={"help_option_names": ["-h", "--help"]},

@@ -276,6 +276,16 @@ class LazyGroup(typer.core.TyperGroup):
             return commands.summary(cmd_name)
         return commands.get(cmd_name)
 
+    def get_params(self, ctx: Any) -> list[Any]:
+        """The group's options, those Typer adds after the group is built
+        (--install-completion, --show-completion) with plain metavars too."""
+        params: list[Any] = super().get_params(ctx)
+        for param in params:
+            if not getattr(param, "_upr_plain", False):
+                param._upr_plain = True
+                _plain_param(param)
+        return params
+
     def format_help(self, ctx: Any, formatter: Any) -> None:
         """The group's help, listing the commands by their summaries."""
         self._listing = True
@@ -392,6 +402,7 @@ _SECONDS = re.compile(r"timeout|interval|age|wait|seconds|after-s")
 
 def _plain_param(param: Any) -> None:
     """A plain metavar for `param` and no Typer type labels or range notes."""
+    param._upr_plain = True
     if param.help:
         param.help = _escape(" ".join(param.help.split()))
     if hasattr(param, "_get_number_range_help_str"):
