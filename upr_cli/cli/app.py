@@ -6,7 +6,8 @@ without its arguments) with 2; an `OSError` becomes the typed error `os_error` m
 naming the path (74 for a failing or full file system, 2 for a path that is not what it
 should be, 1 for the network); anything else is a bug, reported in one line with exit 70
 (UPR_DEBUG=1 shows the traceback, which never shows locals). A command run without
-arguments prints its help and exits 2. SIGINT and SIGTERM end every command by one rule
+arguments prints its help and exits 2, unless the environment gives its required
+parameters (`UPR_REPO=… upr info`: `cli/help.py`). SIGINT and SIGTERM end every command by one rule
 (upr_cli/interrupt.py): a bounded command says in one line what it kept and how to go
 on, and exits 130 or 143; a follower says what it saved and exits 0. `KEPT` words the
 line of the commands whose words do not depend on the run; the others say it
