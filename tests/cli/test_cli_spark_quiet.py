@@ -81,6 +81,10 @@ def test_the_log_stays_when_the_command_fails(
     with spark._jvm_output() as out:  # success: the log goes
         assert out is not None
     assert list(tmp_path.glob("upr-spark-*.log")) == [log]
+    with pytest.raises(RuntimeError), spark._jvm_output():  # failed before the JVM: empty
+        raise RuntimeError("no pyspark")
+    assert list(tmp_path.glob("upr-spark-*.log")) == [log]
+    assert "Spark's own log" not in capsys.readouterr().err
     logs.set_level("debug")  # --log-level debug: the JVM keeps the command's stderr
     try:
         with spark._jvm_output() as out:

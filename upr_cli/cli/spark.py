@@ -217,8 +217,8 @@ def _run(master: str, conf: list[str] | None, app: str, job: Callable[[Any], T],
 @contextlib.contextmanager
 def _jvm_output() -> Iterator[IO[bytes] | None]:
     """Where the JVM writes its stdout and stderr: a log file in the temporary directory,
-    removed when the block succeeds and named on stderr when it fails; none (the
-    command's own stderr) at `--log-level debug`."""
+    removed when the block succeeds and named on stderr when it fails (removed too when
+    nothing was written to it); none (the command's own stderr) at `--log-level debug`."""
     if logs.enabled("debug"):
         yield None
         return
@@ -227,7 +227,11 @@ def _jvm_output() -> Iterator[IO[bytes] | None]:
         try:
             yield out
         except BaseException:
-            hint(f"Spark's own log (the JVM's output): {name}")
+            out.flush()
+            if os.path.getsize(name):  # (a failure before the JVM started leaves it empty)
+                hint(f"Spark's own log (the JVM's output): {name}")
+                raise
+            os.unlink(name)
             raise
     os.unlink(name)
 
