@@ -1,6 +1,6 @@
 # Two set-up commands for a fresh machine: `make demo` and `make test`.
 # Each creates or reuses .venv and installs what it needs (system packages too, when
-# missing and when running as root: Java 17 for Spark, tshark for wire checks).
+# missing and when running as root: Java 17 for Spark, tshark for wire checks, man).
 
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -16,7 +16,7 @@ PYTEST_WORKERS ?= -n 2 --dist loadfile
 # `pyspark_*` modules (pkgutil), which cannot see setuptools' import-hook editables.
 EDITABLE := --config-settings editable_mode=compat
 
-.PHONY: demo test test-slow test-latest lock lint typecheck bench system-deps clean
+.PHONY: demo test test-slow test-latest lock lint typecheck bench system-deps man-pages clean
 
 # Installs come from the lock files (requirements/*.lock: every dependency, direct and
 # transitive, pinned with hashes), so a new machine gets exactly what CI tested. The
@@ -68,11 +68,13 @@ test-latest: system-deps
 	.venv-latest/bin/mypy
 	.venv-latest/bin/pytest -m "not slow" $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
-# Java 17 (Spark), tshark (independent wire decoder) and promtool (Debian's prometheus:
-# checks examples/prometheus/alerts.yml), installed only when missing.
+# Java 17 (Spark), tshark (independent wire decoder), promtool (Debian's prometheus:
+# checks examples/prometheus/alerts.yml) and man (man-db: `man upr`), installed only
+# when missing.
 system-deps:
 	@need=""; \
 	command -v java >/dev/null 2>&1 || need="$$need openjdk-17-jre-headless"; \
+	command -v man >/dev/null 2>&1 || need="$$need man-db"; \
 	command -v tshark >/dev/null 2>&1 || need="$$need tshark"; \
 	command -v promtool >/dev/null 2>&1 || need="$$need prometheus"; \
 	if [ -n "$$need" ]; then \
@@ -82,9 +84,19 @@ system-deps:
 	  else echo "warning: missing$$need (run as root to install); dependent tests will skip"; fi; \
 	fi
 
+# The man pages into the venv's share/man: man finds them there for every shell whose
+# PATH has $(VENV)/bin (`. .venv/bin/activate`), as it derives MANPATH from PATH. The
+# editable install leaves the package's data files (pyproject.toml) out; a `pip install`
+# of the package puts the same pages in its prefix's share/man/man1.
+MAN_DIR := $(VENV)/share/man/man1
+
+man-pages:
+	@install -d $(MAN_DIR)
+	@install -m 644 man/*.1 $(MAN_DIR)/
+
 # The demo also installs Spark (the spark extra, Java 17), so examples/spark-export.py
 # runs right after it.
-demo: system-deps $(VENV)/.spark-stamp
+demo: system-deps $(VENV)/.spark-stamp man-pages
 	$(PY) examples/demo.py
 
 lint: $(VENV)/.dev-stamp
@@ -94,7 +106,7 @@ lint: $(VENV)/.dev-stamp
 typecheck: $(VENV)/.dev-stamp
 	$(VENV)/bin/mypy
 
-test: system-deps $(VENV)/.dev-stamp lint typecheck
+test: system-deps $(VENV)/.dev-stamp man-pages lint typecheck
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-slow: system-deps $(VENV)/.dev-stamp

@@ -6,7 +6,8 @@ without its arguments) with 2; an `OSError` becomes the typed error `os_error` m
 naming the path (74 for a failing or full file system, 2 for a path that is not what it
 should be, 1 for the network); anything else is a bug, reported in one line with exit 70
 (UPR_DEBUG=1 shows the traceback, which never shows locals). A command run without
-arguments prints its help and exits 2. SIGINT and SIGTERM end every command by one rule
+arguments prints its help and exits 2, unless the environment gives its required
+parameters (`UPR_REPO=… upr info`: `cli/help.py`). SIGINT and SIGTERM end every command by one rule
 (upr_cli/interrupt.py): a bounded command says in one line what it kept and how to go
 on, and exits 130 or 143; a follower says what it saved and exits 0. `KEPT` words the
 line of the commands whose words do not depend on the run; the others say it
@@ -46,6 +47,7 @@ HELP = """Toolkit for Couchbase's replication protocol (UPR, shipped as DCP): a 
 serve, and backup, restore, tail, replay and failover-history tools for any node.
 
 Each command's --help has examples; `man upr` and `man upr-COMMAND` have the details.
+`upr --install-completion` completes commands and options in bash, zsh or fish.
 
 Results go to stdout, everything else to stderr: every command takes --log-format
 text|json (one JSON object a line, secrets redacted) and --log-level
@@ -67,7 +69,7 @@ app = typer.Typer(
     cls=LazyGroup,
     help=HELP,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion, --show-completion: bash, zsh, fish
     pretty_exceptions_enable=False,
     pretty_exceptions_show_locals=False,
     context_settings={"help_option_names": ["-h", "--help"]},

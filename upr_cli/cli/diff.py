@@ -22,6 +22,7 @@ from upr_cli.cli.options import (
 from upr_cli.cli.output import (
     first_rows,
     fits,
+    hidden_columns,
     hint,
     keep_whole,
     more_line,
@@ -141,7 +142,9 @@ def render(report: DiffReport, show_all: bool) -> None:
     rows = [d for d in report.partitions if show_all or d.status != "identical"]
     shown, left_out = first_rows(rows, show_all)
     if shown:
-        stdout.print(diff_table(report, shown, wide=fits(stdout, 120)))
+        wide = fits(stdout, WIDE)
+        stdout.print(diff_table(report, shown, wide=wide))
+        hidden_columns([] if wide else list(WIDE_COLUMNS))
         more_line(left_out, "partitions")
     for d in shown:
         if d.lost_keys:
@@ -155,6 +158,11 @@ def render(report: DiffReport, show_all: bool) -> None:
             hint(text)
 
 
+#: the terminal width that has room for `WIDE_COLUMNS`, the columns only it shows
+WIDE = 120
+WIDE_COLUMNS = ("dcp rule", "common ancestor", "only in A", "only in B")
+
+
 def diff_table(report: DiffReport, rows: Sequence[PartitionDiff], *, wide: bool) -> Table:
     """One row a partition. Key columns never wrap; the failover entries each side alone
     holds fold, and only a wide terminal has room for them (--json always has them)."""
@@ -164,10 +172,10 @@ def diff_table(report: DiffReport, rows: Sequence[PartitionDiff], *, wide: bool)
     for col in ("A seq", "B seq", "diverged at", "restart at"):
         t.add_column(col, justify="right", no_wrap=True)
     if wide:
-        t.add_column("dcp rule", justify="right", no_wrap=True)
-        t.add_column("common ancestor", overflow="fold")
-        t.add_column("only in A", overflow="fold")
-        t.add_column("only in B", overflow="fold")
+        rule, *entries = WIDE_COLUMNS
+        t.add_column(rule, justify="right", no_wrap=True)
+        for col in entries:
+            t.add_column(col, overflow="fold")
     for d in rows:
         row = [str(d.partition), d.status, _opt(d.a_seq), _opt(d.b_seq), _opt(d.diverged_at),
                _opt(d.seed_rule)]  # fmt: skip

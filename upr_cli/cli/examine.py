@@ -9,9 +9,10 @@ import typer
 from rich.table import Table
 
 from upr_cli.cli.options import AtTime, Bucket, JsonOutput, Partitions, Repo
-from upr_cli.cli.output import hint, keep_whole, print_json, stdout, table
+from upr_cli.cli.output import hidden_columns, hint, keep_whole, print_json, stdout, table
 from upr_cli.collections import Path as CollectionPath
-from upr_cli.jobs.examine import Version, examine
+from upr_cli.jobs.examine import Version
+from upr_cli.jobs.examine import examine_key as examine  # and the collection and key it read
 from upr_cli.repo.pitr import show_time
 from upr_cli.source import selected
 
@@ -21,14 +22,17 @@ Each version with its backup, seq, rev seq and op, whether it is in the latest s
 and whether it is a lost write: a version a failover or an unclean restart rolled
 back (above a later backup's rollback point), absent from the latest state but kept.
 A wide terminal also shows each version's cas and the start of its value (and, wider
-still, its time); --json has them all. A version with extended attributes (xattrs:
-Sync Gateway's _sync, transactions' _txn, an application's own) lists their names;
---json has their values (an "xattrs" object, {} for none). A deletion keeps its
-system xattrs.
+still, its time); a narrower one names the columns it leaves out, on stderr; --json
+has them all. A version with extended attributes (xattrs: Sync Gateway's _sync,
+transactions' _txn, an application's own) lists their names; --json has their values
+(an "xattrs" object, {} for none). A deletion keeps its system xattrs.
 
 --collection SCOPE.COLLECTION looks the key up in that collection (default
 _default._default), by name: a collection dropped and created again under the same name
-is one name with two ids, and versions of the dropped one say so.
+is one name with two ids, and versions of the dropped one say so. A KEY written
+scope.collection:key, as `upr tail` prints one outside the default collection, is that
+key in that collection when the backups have it (else the key as written, in
+_default._default); --collection, given, always wins.
 
 The key's partition comes from the bucket's partition count, which the repository's
 backups record. --partitions selects partitions as in every command: one that leaves
@@ -56,6 +60,10 @@ Example (as JSON):
 Example (in collection users of scope app):
 
   upr examine --repo /backups/cb --collection app.users user::1042
+
+Example (the same key, as `upr tail` prints it):
+
+  upr examine --repo /backups/cb app.users:user::1042
 """
 
 
@@ -71,19 +79,25 @@ def examine_cmd(
     partitions: Partitions = None,
     json_out: JsonOutput = False,
     collection: Annotated[
-        str,
-        typer.Option("--collection", metavar="SCOPE.COLLECTION", help="The key's collection."),
-    ] = "_default._default",
+        str | None,
+        typer.Option(
+            "--collection", metavar="SCOPE.COLLECTION",
+            help="The key's collection (default _default._default, or the one a KEY "
+            "written scope.collection:key names).",
+        ),
+    ] = None,
     at_time: AtTime = None,
-) -> None:
+) -> None:  # fmt: skip
     """Show every version of a key."""
-    path = CollectionPath.parse(collection, need_collection=True)
+    given = None if collection is None else CollectionPath.parse(collection, need_collection=True)
     if at_time is not None:
         from upr_cli.repo.pitr import parse_time
 
         parse_time(at_time)  # a usage error now, before the repository is read
-    versions = examine(repo, key.encode(), bucket=bucket, partitions=selected(partitions),
-                       collection=path, at_time=at_time)  # fmt: skip
+    path, raw, versions = examine(repo, key.encode(), bucket=bucket,
+                                  partitions=selected(partitions), collection=given,
+                                  at_time=at_time)  # fmt: skip
+    key = raw.decode()
     if json_out:
         print_json({"key": key, "scope": path.scope, "collection": path.collection,
                     "versions": [v.to_json() for v in versions]})  # fmt: skip
@@ -92,8 +106,18 @@ def examine_cmd(
         stdout.print(f"no version of {key!r} in {path} in the repository", markup=False)
         raise typer.Exit(1)
     stdout.print(versions_table(key, versions, width=stdout.width))
+    hidden_columns(narrow_columns(stdout.width))
     if any(v.lost for v in versions):
         hint(f"lost writes may be recoverable: upr salvage --repo {repo} --into URI")
+
+
+#: the columns only a terminal this wide has room for, in the table's order
+WIDE_COLUMNS = {"time": 128, "cas": 100, "value": 112}
+
+
+def narrow_columns(width: int) -> list[str]:
+    """The columns a terminal `width` columns wide leaves out (--json has them)."""
+    return [col for col, need in WIDE_COLUMNS.items() if width < need]
 
 
 def versions_table(key: str, versions: Sequence[Version], *, width: int) -> Table:
@@ -107,9 +131,10 @@ def versions_table(key: str, versions: Sequence[Version], *, width: int) -> Tabl
     with_xattrs = any(v.xattrs for v in versions)
     if with_xattrs:
         t.add_column("xattrs", overflow="fold", min_width=6)
-    with_cas = width >= 100
-    with_time = width >= 128  # beside the cas: the version's time, the cas
-    with_value = width >= 112
+    hidden = narrow_columns(width)
+    with_cas = "cas" not in hidden
+    with_time = "time" not in hidden  # beside the cas: the version's time, the cas
+    with_value = "value" not in hidden
     if with_time:
         t.add_column("time", no_wrap=True)
     if with_cas:

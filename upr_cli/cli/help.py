@@ -14,7 +14,9 @@ Every command it hands out, and its subcommands, goes through `polish` once:
   it still pastes into a shell;
 - square brackets in help are text, not Rich markup ("[uuid, seq]" was swallowed);
 - metavars are plain names (URI, N, PATH, text|json), never Typer's type labels
-  (`<int range> [x>=1]`, `<bool>`, `{uri}`).
+  (`<int range> [x>=1]`, `<bool>`, `{uri}`);
+- a command run without arguments shows its help, unless the environment answers
+  every required parameter (`UPR_REPO=/backups/cb upr info` runs `info`).
 
 Every command, the group itself included, takes `--log-format` and `--log-level`
 (`add_log_options`): eager options that set upr_cli/logs.py's state before any other
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
 import sys
 from collections.abc import Iterator, MutableMapping
@@ -276,6 +279,16 @@ class LazyGroup(typer.core.TyperGroup):
             return commands.summary(cmd_name)
         return commands.get(cmd_name)
 
+    def get_params(self, ctx: Any) -> list[Any]:
+        """The group's options, those Typer adds after the group is built
+        (--install-completion, --show-completion) with plain metavars too."""
+        params: list[Any] = super().get_params(ctx)
+        for param in params:
+            if not getattr(param, "_upr_plain", False):
+                param._upr_plain = True
+                _plain_param(param)
+        return params
+
     def format_help(self, ctx: Any, formatter: Any) -> None:
         """The group's help, listing the commands by their summaries."""
         self._listing = True
@@ -308,10 +321,42 @@ def polish(command: Any) -> None:
         return option
 
     command.get_help_option = help_option
+    if getattr(command, "no_args_is_help", False) and any(p.envvar for p in command.params):
+        _environment_answers(command)
     subcommands = getattr(command, "commands", {})
     if not isinstance(subcommands, _Commands):  # those are polished as they are built
         for sub in subcommands.values():
             polish(sub)
+
+
+def _environment_answers(command: Any) -> None:
+    """`command` run without arguments shows its help, unless the environment gives
+    every required parameter a value (`UPR_REPO=… upr info` reads the repository): then
+    it runs, as it would with those options on the command line."""
+    parse = command.parse_args
+
+    def parse_args(ctx: Any, args: list[str]) -> Any:
+        if args or not _given_by_environment(command):
+            return parse(ctx, args)
+        command.no_args_is_help = False
+        try:
+            return parse(ctx, args)
+        finally:
+            command.no_args_is_help = True
+
+    command.parse_args = parse_args
+
+
+def _given_by_environment(command: Any) -> bool:
+    """Whether an environment variable is set for one of `command`'s parameters and for
+    each of its required ones."""
+
+    def env_set(param: Any) -> bool:
+        names = [param.envvar] if isinstance(param.envvar, str) else (param.envvar or [])
+        return any(os.environ.get(n) for n in names)
+
+    required = [p for p in command.params if p.required]
+    return any(env_set(p) for p in command.params) and all(env_set(p) for p in required)
 
 
 def reflow(text: str) -> str:
@@ -392,6 +437,7 @@ _SECONDS = re.compile(r"timeout|interval|age|wait|seconds|after-s")
 
 def _plain_param(param: Any) -> None:
     """A plain metavar for `param` and no Typer type labels or range notes."""
+    param._upr_plain = True
     if param.help:
         param.help = _escape(" ".join(param.help.split()))
     if hasattr(param, "_get_number_range_help_str"):

@@ -121,6 +121,14 @@ def fits(console: Console, width: int) -> bool:
     return console.width >= width
 
 
+def hidden_columns(hidden: Sequence[str]) -> None:
+    """The line on stderr after a table that left columns out for the terminal's width
+    (docs/output.md "Tables"), so a reader knows they exist and where to find them."""
+    if hidden:
+        hint(f"columns hidden at {stdout.width} columns: {', '.join(hidden)} "
+             "(--json has them)")  # fmt: skip
+
+
 def human_bytes(n: int) -> str:
     """812 B, 4.5 MB, 1.9 GB: a size in at most 8 columns."""
     return size_text(n, step=1000, units=("B", "kB", "MB", "GB", "TB"))

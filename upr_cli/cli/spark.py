@@ -1,15 +1,29 @@
-"""`upr spark …`: the data pipeline on Spark (formats/spark.md)."""
+"""`upr spark …`: the data pipeline on Spark (formats/spark.md).
+
+Theory of operation: the options are checked and the repository opened before Spark
+starts (its start-up takes seconds). The JVM Spark runs in writes its own start-up
+lines (the JVM's warnings, log4j's "Setting default log level", Ivy's resolution) on
+its stdout and stderr: they go to a log file in the temporary directory, removed when
+the command succeeds and named in a line on stderr when it fails; `--log-level debug`
+leaves them on stderr. The summary's time (`seconds` in --json) is the command's wall
+time, Spark's start-up included, which it also gives apart (`startup_seconds`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import IO, Annotated, Any, TypeVar
 
 import typer
 
+from upr_cli import logs
 from upr_cli.cli.options import (
     At,
     Bucket,
@@ -21,7 +35,7 @@ from upr_cli.cli.options import (
     deprecated_alias,
     either,
 )
-from upr_cli.cli.output import Progress, plural, print_json, stderr, stdout
+from upr_cli.cli.output import Progress, hint, plural, print_json, stderr, stdout
 from upr_cli.source import open_bucket
 
 HELP = """Run upr's data pipeline on Spark, locally or on a Spark cluster.
@@ -133,17 +147,18 @@ def export_cmd(
     _checked(repo, at, bucket, collections)
     check_parent_dir(to, f"--output {to}")  # before Spark starts, which would fail late
     check_target(to, overwrite)
-    summary = _run(master, conf, "upr spark export",
-                   lambda spark: export(spark, repo, to, fmt=fmt, at=at, bucket=bucket,
-                                        overwrite=overwrite, partition_by=partition_by,
-                                        collections=collections), no_progress)  # fmt: skip
+    summary, startup = _run(master, conf, "upr spark export",
+                            lambda spark: export(spark, repo, to, fmt=fmt, at=at, bucket=bucket,
+                                                 overwrite=overwrite, partition_by=partition_by,
+                                                 collections=collections), no_progress)  # fmt: skip
     _report(
         summary,
+        startup,
         json_out,
         f"exported backup {summary.at}: {plural(summary.rows, 'document')} in "
         f"{plural(summary.partitions, 'partition')} and "
         f"{plural(summary.collections, 'collection')} to {summary.target} "
-        f"({summary.format}, by {summary.partition_by}) in {summary.seconds:.1f}s",
+        f"({summary.format}, by {summary.partition_by}) in {_took(summary.seconds, startup)}",
     )
 
 
@@ -182,15 +197,16 @@ def merge_cmd(
     from upr_cli.spark.merge import merge
 
     _checked(repo, through, bucket)
-    summary = _run(master, conf, "upr spark merge",
-                   lambda spark: merge(spark, repo, through=through, bucket=bucket),
-                   no_progress)  # fmt: skip
+    summary, startup = _run(master, conf, "upr spark merge",
+                            lambda spark: merge(spark, repo, through=through, bucket=bucket),
+                            no_progress)  # fmt: skip
     _report(
         summary,
+        startup,
         json_out,
         f"merged {summary.merged} backups through {summary.through} into full backup "
         f"{summary.backup_id}: {summary.partitions} partitions, {summary.records:,} "
-        f"items, {summary.bytes_written / 1e6:,.1f} MB in {summary.seconds:.1f}s",
+        f"items, {summary.bytes_written / 1e6:,.1f} MB in {_took(summary.seconds, startup)}",
     )
 
 
@@ -205,20 +221,55 @@ def _checked(repo: Path, at: str, bucket: str | None, collections: str | None = 
 
 
 def _run(master: str, conf: list[str] | None, app: str, job: Callable[[Any], T],
-         no_progress: bool = False) -> T:  # fmt: skip
-    """Run `job(spark)` in a session for `master`, stopped afterwards. On a terminal a
-    bar on stderr says what runs: Spark's start-up (seconds on its own), then the job's
-    tasks done of how many, their rate and an ETA, from Spark's status tracker."""
+         no_progress: bool = False) -> tuple[T, float]:  # fmt: skip
+    """Run `job(spark)` in a session for `master`, stopped afterwards: its summary, whose
+    `seconds` become the wall time from here to the session's stop, and Spark's start-up
+    time. The JVM's own lines go to a log file (the module's doc)."""
+    t0 = time.monotonic()
+    with _jvm_output() as output:
+        result, startup = _in_session(master, conf, app, job, no_progress, output)
+    return dataclasses.replace(result, seconds=time.monotonic() - t0), startup  # type: ignore[type-var]
+
+
+@contextlib.contextmanager
+def _jvm_output() -> Iterator[IO[bytes] | None]:
+    """Where the JVM writes its stdout and stderr: a log file in the temporary directory,
+    removed when the block succeeds and named on stderr when it fails (removed too when
+    nothing was written to it); none (the command's own stderr) at `--log-level debug`."""
+    if logs.enabled("debug"):
+        yield None
+        return
+    fd, name = tempfile.mkstemp(prefix="upr-spark-", suffix=".log")
+    with os.fdopen(fd, "wb") as out:
+        try:
+            yield out
+        except BaseException:
+            out.flush()
+            if os.path.getsize(name):  # (a failure before the JVM started leaves it empty)
+                hint(f"Spark's own log (the JVM's output): {name}")
+                raise
+            os.unlink(name)
+            raise
+    os.unlink(name)
+
+
+def _in_session(master: str, conf: list[str] | None, app: str, job: Callable[[Any], T],
+                no_progress: bool, output: IO[bytes] | None) -> tuple[T, float]:  # fmt: skip
+    """`job(spark)`'s result and Spark's start-up time. On a terminal a bar on stderr says
+    what runs: Spark's start-up (seconds on its own), then the job's tasks done of how
+    many, their rate and an ETA, from Spark's status tracker."""
     from upr_cli.spark.jobs import parse_conf, session, watch_tasks
 
     show = sys.stderr.isatty() and not no_progress
     with Progress(app, "tasks", show=show) as bar:
         bar.note(f"starting Spark ({master})")
-        spark = session(master, parse_conf(conf or []), app=app)
+        t0 = time.monotonic()
+        spark = session(master, parse_conf(conf or []), app=app, jvm_output=output)
+        startup = time.monotonic() - t0
         try:
             bar.note(f"running on Spark ({master})")
             if not show:
-                return job(spark)
+                return job(spark), startup
             url = _ui_url(spark)
             if url:  # the bar shows the tasks; the UI the stages, executors and logs
                 stderr.print(f"Spark UI: {url}", markup=False, highlight=False)
@@ -228,7 +279,7 @@ def _run(master: str, conf: list[str] | None, app: str, job: Callable[[Any], T],
                 bar.update(done, total=total, started=t0)
 
             with watch_tasks(spark, tick):
-                return job(spark)
+                return job(spark), startup
         finally:
             spark.stop()
 
@@ -239,8 +290,14 @@ def _ui_url(spark: Any) -> str | None:
     return str(url) if url else None
 
 
-def _report(summary: Any, json_out: bool, line: str) -> None:
+def _took(seconds: float, startup: float) -> str:
+    """The wall time of a Spark command, its start-up apart: `41.2s (Spark's start-up
+    12.0s)`."""
+    return f"{seconds:.1f}s (Spark's start-up {startup:.1f}s)"
+
+
+def _report(summary: Any, startup: float, json_out: bool, line: str) -> None:
     if json_out:
-        print_json(summary.to_json())
+        print_json(summary.to_json() | {"startup_seconds": round(startup, 3)})
     else:
         stdout.print(line, markup=False, highlight=False)

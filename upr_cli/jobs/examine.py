@@ -10,7 +10,9 @@ lost write: above the cut a later backup's rollback made (formats/repository.md 
 chain semantics), so absent from the latest state, or taken back by a rollback in the
 middle of its backup (a cut-back segment, formats/repository.md §5.6).
 
-A key is looked up in one collection, by name (`_default._default` unless told): every
+A key is looked up in one collection, by name (`_default._default` unless told, or
+unless the key reads `scope.collection:key`, as `upr tail` prints one, and the chain
+has that collection: `qualified_key`): every
 collection id the chain gave that name (a collection dropped and created again has a
 new id, formats/repository.md §5.9), each version saying which id it is in and whether
 that collection was dropped since. The partition is the key's alone: the SDKs hash the
@@ -174,6 +176,38 @@ def examine(
     first, each with its time. `partitions` selects partitions (default: the key's, from
     the bucket's partition count: `key_partitions`); with `at_time`, the version a
     restore at that time gives is marked (module doc)."""
+    path = collection or CollectionPath(DEFAULT, DEFAULT)
+    return examine_key(repo_dir, key, bucket=bucket, partitions=partitions, collection=path,
+                       at_time=at_time)[2]  # fmt: skip
+
+
+def qualified_key(manifests: Sequence[Manifest], key: bytes) -> tuple[CollectionPath, bytes]:
+    """The collection and key of `key` as `upr tail` prints one outside the default
+    collection, `scope.collection:key`, when the chain has that collection; else
+    `_default._default` and the key as given (a key may hold a colon)."""
+    head, colon, rest = key.partition(b":")
+    if colon and rest and b"." in head:
+        try:
+            path = CollectionPath.parse(head.decode(), need_collection=True)
+        except (UsageError, UnicodeDecodeError):
+            path = None
+        if path is not None and path in {p for p, _d in collection_history(manifests).values()}:
+            return path, rest
+    return CollectionPath(DEFAULT, DEFAULT), key
+
+
+def examine_key(
+    repo_dir: Path,
+    key: bytes,
+    *,
+    bucket: str | None = None,
+    partitions: Sequence[int] | None = None,
+    collection: CollectionPath | None = None,
+    at_time: str | None = None,
+) -> tuple[CollectionPath, bytes, list[Version]]:
+    """`examine`, with the collection and key it read: without `collection`, a key given
+    as `scope.collection:key` is read in that collection when the chain has it
+    (`qualified_key`), else in `_default._default`."""
     from upr_cli.jobs.state import select
 
     with contextlib.ExitStack() as held:
@@ -181,7 +215,9 @@ def examine(
         if not manifests:
             raise UsageError(f"{repo_dir}: no committed backup of bucket {b!r}")
         where = f"bucket {b!r} in {repo_dir}"
-        ids = collection_ids(manifests, collection or CollectionPath(DEFAULT, DEFAULT), where)
+        if collection is None:
+            collection, key = qualified_key(manifests, key)
+        ids = collection_ids(manifests, collection, where)
         latest = manifests[-1].backup_id
         out: list[Version] = []
         for p in key_partitions(key, manifests, partitions, where):
@@ -206,7 +242,7 @@ def examine(
             plans = {p: sel.steps(manifests, p) for p in sel.partitions}
             chosen = [v for v in out if _in_plan(plans.get(v.partition, []), v)]
             out = [replace(v, at_time=bool(chosen) and v is chosen[-1]) for v in out]
-        return out
+        return collection, key, out
 
 
 def _time_of(m: Manifest, entry: PartitionEntry, seq: int) -> datetime:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from upr_cli.errors import UprError, UsageError
 
@@ -51,32 +51,51 @@ def parse_conf(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def session(master: str = "local[*]", conf: dict[str, str] | None = None,
-            app: str = "upr") -> Any:  # fmt: skip
-    """A SparkSession with the `upr` data source registered."""
+            app: str = "upr", jvm_output: IO[bytes] | None = None) -> Any:  # fmt: skip
+    """A SparkSession with the `upr` data source registered. With `jvm_output`, the JVM
+    this process starts for Spark writes its stdout and stderr there (its start-up lines:
+    the JVM's warnings, log4j's and Ivy's), not on the command's."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     try:
         from pyspark.sql import SparkSession
     except ImportError:
         raise UsageError("Spark jobs need the spark extra: pip install 'upr[spark]'") from None
-    builder = SparkSession.builder.master(master).appName(app)
-    builder = builder.config("spark.ui.showConsoleProgress", "false")
-    builder = builder.config("spark.driver.extraJavaOptions",
-                             f"-Dlog4j2.configurationFile={LOG4J}")  # fmt: skip
+    settings = {"spark.master": master, "spark.app.name": app,
+                "spark.ui.showConsoleProgress": "false",
+                "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={LOG4J}"}  # fmt: skip
     if master.startswith("local"):
         # Only loopback: a local run never binds or advertises another address.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        builder = builder.config("spark.driver.host", "127.0.0.1")
-        builder = builder.config("spark.driver.bindAddress", "127.0.0.1")
-        builder = builder.config("spark.ui.enabled", "false")
-    for k, v in (conf or {}).items():
+        settings |= {"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
+                     "spark.ui.enabled": "false"}  # fmt: skip
+    settings |= conf or {}
+    builder = SparkSession.builder
+    for k, v in settings.items():
         builder = builder.config(k, v)
+    if jvm_output is not None:
+        _launch_jvm(settings, jvm_output)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     from upr_cli.spark import register
 
     register(spark)
     return spark
+
+
+def _launch_jvm(settings: dict[str, str], output: IO[bytes]) -> None:
+    """Start Spark's JVM as the session would (spark-submit with the same settings), its
+    stdout and stderr into `output`: pyspark's `launch_gateway` takes the process's
+    arguments, and the session uses the JVM already started. Nothing when one runs."""
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    if SparkContext._gateway is not None:
+        return
+    conf = SparkConf(loadDefaults=False).setAll(list(settings.items()))
+    streams = {"stdout": output, "stderr": output}
+    gateway = launch_gateway(conf, popen_kwargs=streams)  # type: ignore[no-untyped-call]
+    SparkContext._ensure_initialized(gateway=gateway)
 
 
 @contextlib.contextmanager
