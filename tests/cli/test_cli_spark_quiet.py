@@ -34,6 +34,7 @@ needs_spark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow  # a real Spark session: 35-55 s on two cores (make test-slow)
 @needs_spark
 def test_export_keeps_the_jvm_off_stderr_and_reports_wall_time(tmp_path: Path) -> None:
     r = Repository(tmp_path / "repo")
