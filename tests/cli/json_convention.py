@@ -2,7 +2,8 @@
 
 64-bit protocol values (seqs, uuids, cas, rev seqs) are decimal strings; counts, bytes
 and partition numbers are integers; the number of items a command handled is `items`,
-never one of the names it had before the convention.
+never one of the names it had before the convention; a document's `schema` version is
+an integer.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ INTEGERS = frozenset({
     "items", "partition", "segments", "backups", "bytes", "bytes_read", "bytes_written",
     "created", "updates", "deletes", "overwritten", "documents", "deletions", "written",
     "conflicts", "absent_deletes", "items_per_s", "retries", "commits", "resets",
-    "reused_segments", "merged", "flags", "expiry",
+    "reused_segments", "merged", "flags", "expiry", "schema", "target_has_same_or_newer",
+    "must_roll_back", "impossible", "collection_count", "backup_count", "rollback_count",
+    "lost_writes", "manifest_changes", "with_xattrs", "xattrs_left_out", "errors",
+    "applied", "backups_copied", "backups_skipped", "files", "files_reused",
 })  # fmt: skip
 #: names an item count had before the convention (docs/output.md "Names")
 OLD_COUNT_NAMES = frozenset({"ops", "ops_per_s", "sets", "rows", "records", "changes", "new"})
@@ -36,7 +40,11 @@ def problems(doc: Any, path: str = "$") -> list[str]:
     elif isinstance(doc, dict):
         for key, value in doc.items():
             where = f"{path}.{key}"
-            if key in OLD_COUNT_NAMES:
+            if (
+                key in OLD_COUNT_NAMES
+                and isinstance(value, int | float)
+                and not isinstance(value, bool)
+            ):
                 out.append(f"{where}: an item count is called items")
             if key in SIXTY_FOUR and not _decimal(value):
                 out.append(f"{where}: a 64-bit value is a decimal string, not {value!r}")

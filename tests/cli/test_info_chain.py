@@ -88,7 +88,7 @@ def files_under(path: Path) -> int:
 def test_json_has_type_dates_parent_and_sizes_on_disk(repo: Path) -> None:
     data = info(repo)
     assert problems(data) == []
-    backups = data["buckets"][BUCKET]["backups"]
+    backups = data["buckets"][0]["backups"]
     assert [b["type"] for b in backups] == ["full", "incremental", "merged"]
     assert [b["parent"] for b in backups] == [None, str(bid(0)), None]
     assert [b["items"] for b in backups] == [40, 20, 7]
@@ -98,7 +98,7 @@ def test_json_has_type_dates_parent_and_sizes_on_disk(repo: Path) -> None:
         assert b["started"] == bid(n).time.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         on_disk = files_under(repo / BUCKET / b["backup_id"])
         assert b["bytes_on_disk"] == on_disk > b["bytes_written"]  # segments + manifests
-    bucket = data["buckets"][BUCKET]["bytes_on_disk"]
+    bucket = data["buckets"][0]["bytes_on_disk"]
     assert bucket == files_under(repo / BUCKET) == sum(b["bytes_on_disk"] for b in backups)
     assert data["bytes_on_disk"] == bucket + (repo / "repo.json").stat().st_size
 
@@ -123,7 +123,7 @@ def commit_backup_manifest() -> Manifest:
 def render(data: dict[str, Any], width: int) -> list[str]:
     buf = io.StringIO()
     console = Console(file=buf, width=width, color_system=None, legacy_windows=False)
-    entry = data["buckets"][BUCKET]
+    entry = data["buckets"][0]
     console.print(inspect_cli.backups_table("t", entry["backups"], wide=width >= 100))
     lines = buf.getvalue().splitlines()
     assert all(cell_len(line) <= width for line in lines), "\n".join(lines)

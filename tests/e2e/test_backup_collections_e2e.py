@@ -106,7 +106,7 @@ def backup(uri: str, repo: Path, *args: str) -> dict[str, Any]:
 def info_collections(repo: Path) -> dict[str, list[dict[str, Any]]]:
     data = json.loads(upr("info", "--repo", str(repo), "--json").stdout)
     by_name: dict[str, list[dict[str, Any]]] = {}
-    for c in data["buckets"]["default"]["collections"]:
+    for c in data["buckets"][0]["collections"]:
         by_name.setdefault(f"{c['scope']}.{c['collection']}", []).append(c)
     return by_name
 
@@ -129,7 +129,7 @@ def test_every_collection_then_a_drop_and_a_re_create(started: Node, tmp_path: P
     wait_persisted(uri)
 
     first = backup(uri, repo)
-    assert first["full"] and first["collections"] == 3
+    assert first["full"] and first["collection_count"] == 3
     assert repo_state(repo) == w.state
     m1 = Repository(repo).manifests("default")[-1]
     assert m1.collections == get_manifest(uri) and m1.collection_filter is None
@@ -143,7 +143,7 @@ def test_every_collection_then_a_drop_and_a_re_create(started: Node, tmp_path: P
     w.put("app.users", 5, "c", start=100)
     wait_persisted(uri)
     second = backup(uri, repo)
-    assert not second["full"] and second["collections"] == 2
+    assert not second["full"] and second["collection_count"] == 2
     assert second["manifest_changes"] == 16  # the drop, once per partition
     m2 = Repository(repo).manifests("default")[-1]
     assert m2.collections is not None and m2.collections.lookup(CPath("app", "orders")) is None
@@ -153,7 +153,7 @@ def test_every_collection_then_a_drop_and_a_re_create(started: Node, tmp_path: P
     info = info_collections(repo)
     assert [(c["id"], c["dropped"]) for c in info["app.orders"]] == [(orders.id, True)]
     # 37 live and 3 tombstones from 0 (deduplicated), then the 5 new ones
-    assert (info["app.users"][0]["items"], info["app.users"][0]["deleted"]) == (42, 3)
+    assert (info["app.users"][0]["items"], info["app.users"][0]["deletions"]) == (42, 3)
     text = upr("info", "--repo", str(repo)).stdout
     assert "app.orders" in text and "dropped" in text
 

@@ -84,13 +84,13 @@ def test_xattrs_through_full_and_incremental_backup_and_restore(
 
     dst = node_factory("--flush-interval", "0.02", partitions=8, name="dst").start()
     out = restore(repo, dst.uri)
-    assert (out["xattrs"], out["xattrs_left_out"], out["target_xattrs"]) == (5, 0, True)
+    assert (out["with_xattrs"], out["xattrs_left_out"], out["target_xattrs"]) == (5, 0, True)
     assert out["errors"] == 0 and out["written"] == len(want)
     assert state(dst.uri, 8) == want  # bodies, xattrs, cas, rev seqs, flags; tombstones'
 
     user = node_factory("--flush-interval", "0.02", partitions=4, name="user").start()
     out = restore(repo, user.uri, "--no-system-xattrs")
-    assert (out["xattrs"], out["xattrs_left_out"], out["keep_xattrs"]) == (3, 4, "user")
+    assert (out["with_xattrs"], out["xattrs_left_out"], out["keep_xattrs"]) == (3, 4, "user")
     got = state(user.uri, 4)
     for key, (op, value, xa, *meta) in want.items():
         kept = {n: v for n, v in xa.items() if not n.startswith("_")}

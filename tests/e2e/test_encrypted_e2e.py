@@ -123,7 +123,7 @@ def test_every_command_works_given_the_key(env: Env, tmp_path: Path) -> None:
     verified = ok("verify", "--repo", str(repo), *k)
     assert "problem" not in verified.stdout.lower() or "0 problems" in verified.stdout
     shown = json.loads(ok("info", "--repo", str(repo), *k, "--json").stdout)
-    assert len(shown["buckets"]["default"]["backups"]) == 2
+    assert len(shown["buckets"][0]["backups"]) == 2
     assert "PLAINTEXT-MARKER-3" in ok("examine", "--repo", str(repo), *k, "secret-doc-3").stdout
     assert "secret-doc-4" in ok("ls", "--repo", str(repo), *k).stdout.split()
     assert ok("cat", "--repo", str(repo), *k, "secret-doc-5").stdout.strip() == (

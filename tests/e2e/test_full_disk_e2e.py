@@ -58,14 +58,14 @@ def fill(path: Path, leave: int) -> None:
 def committed(repo: Path) -> dict[str, bytes]:
     """Every file of the repository outside its interrupted runs' directories, by path."""
     info = json.loads(upr("info", "--repo", str(repo), "--json").stdout)
-    skip = {repo / b / d for b, v in info["buckets"].items() for d in v.get("incomplete", [])}
+    skip = {repo / v["bucket"] / d for v in info["buckets"] for d in v.get("incomplete", [])}
     return {str(p.relative_to(repo)): p.read_bytes() for p in sorted(repo.rglob("*"))
             if p.is_file() and not any(d in p.parents for d in skip)}  # fmt: skip
 
 
 def backups(repo: Path) -> list[dict[str, object]]:
     info = json.loads(upr("info", "--repo", str(repo), "--json").stdout)
-    return list(info["buckets"]["default"]["backups"])
+    return list(info["buckets"][0]["backups"])
 
 
 def test_backup_on_a_full_disk(node: Node, small_disk: Path, tmp_path: Path) -> None:

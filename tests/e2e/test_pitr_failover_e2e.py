@@ -79,7 +79,7 @@ def test_before_failover_gives_the_lost_branch_and_at_time_the_new_one(tmp_path:
         info = json.loads(upr("info", "--repo", str(repo), "--json").stdout)
         # one event per commit that recorded rollbacks: the failed-over partitions can
         # reach the follower in two commits
-        failovers = info["buckets"]["default"]["failovers"]
+        failovers = info["buckets"][0]["failovers"]
         assert [f["number"] for f in failovers] == list(range(1, len(failovers) + 1))
         moved = {p for f in failovers for p in f["partitions"]}
         assert failovers and moved <= set(ahead_of_copies), failovers

@@ -149,4 +149,4 @@ def test_a_backup_that_fails_before_its_first_record_leaves_the_repository_as_it
         run(backup(SourceUri.parse(nosuch), tmp_path / "new"))
     assert tree(repo) == before
     assert not (tmp_path / "new").exists()
-    assert list(info(repo)["buckets"]) == ["default"]
+    assert [b["bucket"] for b in info(repo)["buckets"]] == ["default"]

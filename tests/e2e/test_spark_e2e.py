@@ -497,7 +497,7 @@ def test_export_partitioned_by_collection(
                              "--partition-by", "collection", "--master", "local[1]",
                              "--json", timeout=300).stdout)  # fmt: skip
     assert summary["partition_by"] == "collection" and summary["items"] == sum(live.values())
-    assert summary["collections"] == len(live) == 3
+    assert summary["collection_count"] == len(live) == 3
     dirs = sorted(f"{d.parent.name}/{d.name}" for d in out.glob("scope=*/collection=*"))
     assert dirs == ["scope=_default/collection=_default", "scope=app/collection=orders",
                     "scope=app/collection=users"]  # fmt: skip

@@ -48,8 +48,8 @@ def test_a_sound_repository_verifies(repo: Path) -> None:
     assert code == 0 and report["ok"]
     (b,) = report["buckets"]
     info = json.loads(upr("info", "--repo", str(repo), "--json").stdout)
-    items = sum(x["items"] for x in info["buckets"]["default"]["backups"])
-    assert b["backups"] == 2 and b["items"] == items and b["segments"] == len(segments(repo))
+    items = sum(x["items"] for x in info["buckets"][0]["backups"])
+    assert b["backup_count"] == 2 and b["items"] == items and b["segments"] == len(segments(repo))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
@@ -94,10 +94,10 @@ def test_damage_is_named(repo: Path, tmp_path: Path, damage: str) -> None:
 
 def test_info_shows_backups_and_a_partition_chain(repo: Path) -> None:
     data = json.loads(upr("info", "--repo", str(repo), "--partitions", "2", "--json").stdout)
-    backups = data["buckets"]["default"]["backups"]
+    backups = data["buckets"][0]["backups"]
     assert [b["full"] for b in backups] == [True, False]
     assert backups[1]["parent"] == backups[0]["backup_id"]
-    chain = data["buckets"]["default"]["partitions"]["2"]
+    chain = data["buckets"][0]["partitions"]["2"]
     assert chain[0]["start"] == "0" and chain[1]["start"] == chain[0]["end"]
     assert "full" in upr("info", "--repo", str(repo)).stdout
 

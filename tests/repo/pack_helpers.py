@@ -154,7 +154,7 @@ def check_packed_repository(src: Path, before: dict[str, Any], dst: Path, work: 
             st = r2.storage.stat(d / name)
             assert st is not None and st.is_file and st.size == s.bytes
     assert observe(dst, work, light=light) == (narrow(before) if light else before)
-    shown = info(dst)["buckets"][BUCKET]
+    shown = info(dst)["buckets"][0]
     assert [b["backup_id"] for b in shown["backups"]] == [str(b) for b in ids]
     assert all(b["bytes_on_disk"] > 0 for b in shown["backups"]) and not shown["leftovers"]
     # a copy of the packed repository: its packed backups stay packed

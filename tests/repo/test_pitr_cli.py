@@ -328,7 +328,7 @@ def test_info_json_has_the_range_stretches_and_failovers(
     code, out, _err = upr(capsys, "info", "--repo", str(built.root), "--json")
     assert code == 0
     assert problems(json.loads(out)) == []
-    b = json.loads(out)["buckets"][BUCKET]
+    b = json.loads(out)["buckets"][0]
     assert b["restorable"] == {
         "oldest": show_time(at(1)),
         "last": show_time(at(120)),
@@ -429,7 +429,7 @@ def test_failovers_in_info_and_before_failover(
     code, out, _err = upr(capsys, "info", "--repo", str(root), "--json")
     assert code == 0
     assert problems(json.loads(out)) == []
-    events = json.loads(out)["buckets"][BUCKET]["failovers"]
+    events = json.loads(out)["buckets"][0]["failovers"]
     cb = ms[3].partition(1).cut_backs[0]  # type: ignore[union-attr]
     assert [(f["number"], f["backup_id"], f["partitions"]) for f in events] == [
         (1, str(bid(2)), [0]),

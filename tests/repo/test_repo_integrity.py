@@ -277,7 +277,7 @@ def test_interrupted_runs_are_resumable_or_leftovers_never_backups(tmp_path: Pat
     assert rep.backups == 3 and rep.problems == []
     assert (rep.resumable, rep.leftovers) == (None, [older.name, newest.name])
     (newest / format_segment_name(3, 1, 4)).write_bytes(b"x")  # it finished a segment
-    entry = info(b.repo.path)["buckets"][BUCKET]
+    entry = info(b.repo.path)["buckets"][0]
     assert len(entry["backups"]) == 3
     assert (entry["resumable"], entry["leftovers"]) == (newest.name, [older.name])
     assert verify(b.repo.path)[0].to_json()["leftovers"] == [older.name]

@@ -92,9 +92,9 @@ def test_info_counts_an_old_repository_under_the_default_collection(tmp_path: Pa
     old_repo(tmp_path)
     [m] = Repository(tmp_path).manifests(BUCKET)
     assert m.collections is None and not m.collection_items
-    got = info(tmp_path)["buckets"][BUCKET]["collections"]
+    got = info(tmp_path)["buckets"][0]["collections"]
     assert got == [{"scope": "_default", "collection": "_default", "id": 0, "items": 14,
-                    "deleted": 1, "dropped": False, "backed_up": True}]  # fmt: skip
+                    "deletions": 1, "dropped": False, "backed_up": True}]  # fmt: skip
 
 
 def test_examine_finds_an_old_repositorys_keys_in_the_default_collection(tmp_path: Path) -> None:

@@ -83,8 +83,8 @@ def test_keep_xattrs_is_counted(
     assert (s.documents, s.deletions) == (3, 2)
     assert (s.xattrs, s.xattrs_left_out) == (with_xattrs, left_out)
     out = s.to_json()
-    assert (out["xattrs"], out["xattrs_left_out"], out["keep_xattrs"]) == (with_xattrs, left_out,
-                                                                         keep)  # fmt: skip
+    got = (out["with_xattrs"], out["xattrs_left_out"], out["keep_xattrs"])
+    assert got == (with_xattrs, left_out, keep)
     assert out["target_xattrs"] is None
     assert not (tmp_path / "x.db").exists()
 

@@ -23,7 +23,7 @@ def _rolled(repo: str) -> bool:
     out = upr("info", "--repo", repo, "--json", check=False)
     if out.returncode != 0:
         return False
-    return any(b["revision"] > 1 for b in json.loads(out.stdout)["buckets"]["default"]["backups"])
+    return any(b["revision"] > 1 for b in json.loads(out.stdout)["buckets"][0]["backups"])
 
 
 def _follow_under_load(node: Node, repo: str, *extra: str) -> dict[str, object]:
@@ -73,7 +73,7 @@ def test_a_follower_on_s3_and_encrypted_restores_the_node(
     assert commits >= 3  # a rollup's worth (UPR_ROLLUP_FANOUT=3)
     upr("verify", "--repo", repo)
     info = json.loads(upr("info", "--repo", repo, "--json").stdout)
-    backups = info["buckets"]["default"]["backups"]
+    backups = info["buckets"][0]["backups"]
     rolled = [b for b in backups if b["revision"] > 1]
     assert rolled and len(backups) < commits  # rollups absorbed commits
     assert restored(tmp_path, repo, "latest") == node_content_hash(node.uri)

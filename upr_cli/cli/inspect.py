@@ -125,7 +125,8 @@ def info_cmd(
     if json_out:
         print_json(data)
         return
-    for b, entry in data["buckets"].items():
+    for entry in data["buckets"]:
+        b = entry["bucket"]
         title = f"{data['repository']}: bucket {b}"
         if entry["backups"]:
             stdout.print(backups_table(title, entry["backups"], wide=fits(stdout, 100)))
@@ -226,7 +227,7 @@ def total_line(data: dict[str, Any]) -> str:
     line = f"{data['repository']}: {human_bytes(data['bytes_on_disk'])} on disk"
     if len(data["buckets"]) > 1:
         each = ", ".join(
-            f"{b} {human_bytes(e['bytes_on_disk'])}" for b, e in data["buckets"].items()
+            f"{e['bucket']} {human_bytes(e['bytes_on_disk'])}" for e in data["buckets"]
         )
         line += f" ({each})"
     return line
@@ -243,7 +244,7 @@ def collections_table(collections: list[dict[str, Any]]) -> Table:
     for c in collections:
         state = "dropped" if c["dropped"] else ("" if c["backed_up"] else "not backed up")
         t.add_row(f"{c['scope']}.{c['collection']}", f"{c['id']:#x}", f"{c['items']:,}",
-                  f"{c['deleted']:,}", state)  # fmt: skip
+                  f"{c['deletions']:,}", state)  # fmt: skip
     return keep_whole(t, "collection", "id")
 
 

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from upr_cli.cli.options import At, AtTime, Bucket, JsonOutput, Repo, point_at
+from upr_cli.cli.output import SCHEMA
 from upr_cli.collections import parse_paths
 from upr_cli.jobs.ls import Key, StateAt, key_fields, key_text, list_keys, open_state
 
@@ -104,6 +105,7 @@ def write_json(state: StateAt, keys: Iterable[Key]) -> None:
     point = state.selection.point
     head = json.dumps(
         {
+            "schema": SCHEMA,
             "backup_id": str(state.backup_id),
             "bucket": state.bucket,
             "point": None if point is None else point.to_json(),

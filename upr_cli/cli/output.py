@@ -40,9 +40,16 @@ stderr = Console(stderr=True, soft_wrap=not sys.stderr.isatty(), highlight=False
 FIRST_ROWS = 10
 
 
-def print_json(obj: Any) -> None:
-    """One JSON document on stdout."""
-    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+#: the version of a command's `--json` document (its `schema` member, docs/output.md
+#: "Schema versions"): every command starts at 1; a command whose document loses,
+#: renames or retypes a member passes the next number to `print_json` (and says so in
+#: CHANGELOG.md). A member added is not a new version.
+SCHEMA = 1
+
+
+def print_json(obj: dict[str, Any], schema: int = SCHEMA) -> None:
+    """One JSON document on stdout: `obj`, led by its `schema` version."""
+    sys.stdout.write(json.dumps({"schema": schema, **obj}, indent=2) + "\n")
     sys.stdout.flush()
 
 

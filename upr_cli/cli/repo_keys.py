@@ -107,7 +107,7 @@ def register(app: typer.Typer) -> None:
 
 def _slots(info: RepoInfo) -> list[dict[str, object]]:
     enc = info.encryption
-    return [] if enc is None else [{"id": k.id, "created": _time(k)} for k in enc.keys]
+    return [] if enc is None else [{"id": k.id, "created_at": _time(k)} for k in enc.keys]
 
 
 def _time(slot: keys.KeySlot) -> str:

@@ -90,9 +90,20 @@ def _node_json(h: NodeHealth, s: NodeStatus, logs: bool) -> dict[str, Any]:
         "name": s.name, "port": s.port, "tls_port": h.tls_port, "pid": h.pid, "state": h.state,
         "member": h.member,
         "up": s.up, "traffic": s.traffic, "reason": h.reason, "error": s.error,
-        "rev": s.rev, "states": s.states, "replication": s.replication, "partitions": parts,
+        "rev": s.rev, "states": s.states, "replication": _replication(s.replication),
+        "partitions": parts,
         "manifest_uid": str(s.manifest_uid) if s.manifest_uid is not None else None,
     }  # fmt: skip
+
+
+def _replication(rep: dict[str, Any]) -> dict[str, Any]:
+    """A node's replication stats as --json gives them (docs/output.md): a partition's
+    pause point a decimal string, under names no other command types otherwise."""
+    return {
+        "links": rep.get("links", {}),
+        "paused_after": {p: str(seq) for p, seq in rep.get("paused", {}).items()},
+        "link_errors": rep.get("errors", {}),
+    }
 
 
 def gather(directory: Path) -> ClusterHealth:

@@ -59,7 +59,7 @@ class Report:
         return {
             "rev": self.rev,
             "promoted": {str(p): n for p, n in sorted(self.promoted.items())},
-            "failover_entries": {str(p): {"uuid": str(u), "seq": s}
+            "failover_entries": {str(p): {"uuid": str(u), "seq": str(s)}
                                  for p, (u, s) in sorted(self.entries.items())},
             "lost": self.lost,
             "moved": {str(p): {"from": a, "to": b} for p, (a, b) in sorted(self.moved.items())},

@@ -165,7 +165,7 @@ class BackupSummary:
             "warnings": self.warnings,
             "reused_segments": self.reused_segments,
             "follow_ups": self.follow_ups,
-            "collections": self.collections,
+            "collection_count": self.collections,  # `collections` is a list everywhere
             "manifest_changes": self.manifest_changes,
         }
 

@@ -101,7 +101,7 @@ class VerifyReport:
         still listed); `items` the records read."""
         return {
             "bucket": self.bucket,
-            "backups": self.backups,
+            "backup_count": self.backups,  # `backups` is info's list of them
             "segments": self.segments,
             "items": self.records,
             "bytes": self.bytes,
@@ -365,7 +365,7 @@ def info(
     total = sum(tree_bytes(repo.storage, repo.bucket_dir(b)) for b in repo.buckets())
     st = repo.storage.stat(repo.repo_file, follow_links=True)
     total += st.size if st is not None else 0
-    out: dict[str, Any] = {"repository": str(path), "bytes_on_disk": total, "buckets": {}}
+    out: dict[str, Any] = {"repository": str(path), "bytes_on_disk": total, "buckets": []}
     for b in _buckets(repo, bucket):
         try:
             manifests = repo.chain(b)
@@ -398,6 +398,7 @@ def info(
             )
         resumable = repo.resumable(b)
         entry: dict[str, Any] = {
+            "bucket": b,
             "bytes_on_disk": tree_bytes(repo.storage, repo.bucket_dir(b)),
             "backups": backups,
             "incomplete": [str(x) for x in repo.incomplete(b)],
@@ -438,7 +439,7 @@ def info(
                         }
                     )
             entry["partitions"] = ranges
-        out["buckets"][b] = entry
+        out["buckets"].append(entry)
     return out
 
 
@@ -503,7 +504,7 @@ def collection_counts(
         coll = path.collection or "_default"
         out.append({
             "scope": path.scope, "collection": coll, "id": cid, "items": items,
-            "deleted": deleted, "dropped": dropped,
+            "deletions": deleted, "dropped": dropped,
             "backed_up": newest is None or newest.backed_up(path.scope, coll),
         })  # fmt: skip
     return out

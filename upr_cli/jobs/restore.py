@@ -409,7 +409,6 @@ class RestoreSummary:
                     "dropped",
                     "excluded",
                     "keep_xattrs",
-                    "xattrs",
                     "xattrs_left_out",
                     "target_xattrs",
                     "left_out",
@@ -422,6 +421,9 @@ class RestoreSummary:
             | {
                 "precheck": self.precheck.to_json() if self.precheck is not None else None,
                 "point": self.point.to_json() if self.point is not None else None,
+                # documents and deletions restored with xattrs (`xattrs` is a
+                # document's own, an object, in every command)
+                "with_xattrs": self.xattrs,
                 "errors": sum(self.errors.values()),  # a count, as in every command
                 "errors_by_status": self.errors,
                 "seconds": round(self.seconds, 3),

@@ -195,8 +195,9 @@ class SalvageReport:
             "target": self.target,
             "dry_run": self.dry_run,
             "lost_writes": len(self.items),
+            "items": len(self.items),  # a count, as in every command: the list is `writes`
             "counts": self.counts,
-            "items": [it.to_json() for it in self.items],
+            "writes": [it.to_json() for it in self.items],
         }
 
 

@@ -181,9 +181,9 @@ class ExportSummary:
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (docs/output.md §4: the documents written are `items`)."""
-        return {"repo": self.repo, "at": self.at, "to": self.target, "format": self.format,
-                "partition_by": self.partition_by, "items": self.rows,
-                "partitions": self.partitions, "collections": self.collections,
+        return {"repo": self.repo, "at": self.at, "output": self.target,
+                "format": self.format, "partition_by": self.partition_by, "items": self.rows,
+                "partitions": self.partitions, "collection_count": self.collections,
                 "seconds": round(self.seconds, 3)}  # fmt: skip
 
 
