@@ -3,13 +3,15 @@ leads with its `schema` version, follows `json_convention.problems()`, and a mem
 has one JSON type wherever it appears, in every command.
 
 Every command with `--json` (found from `upr`'s own command tree, so a new one cannot
-be left out) runs once, for real, in this process: against one `upr serve` on loopback
-(four partitions), a small repository its backups write, stores, copies, and a
+be left out) runs for real, in this process (`cluster init` and `start`, which leave
+daemons running, in a child): against one `upr serve` on loopback (four partitions),
+a small repository its backups write, stores, copies, an encrypted repository, and a
 two-node `upr cluster`. The Spark commands are the one exception: a JVM starts slower
 than this whole module runs, so their summaries go through the same `_report` that
 their `--json` prints (tests/e2e/test_spark_e2e.py runs them on Spark). Every document
 is walked; each member name gets the set of JSON types it had, and a name with more
-than one fails, unless `POLYMORPHIC` says why it may.
+than one fails, unless `POLYMORPHIC` says why it may (docs/output.md lists them too).
+One module-scoped run feeds every test: about 17 s, most of it the cluster's start.
 """
 
 from __future__ import annotations
@@ -302,3 +304,27 @@ def test_the_checker_catches_a_name_with_two_types() -> None:
     assert set(seen["collections"]) == {"integer", "array"}
     walk({"partitions": {"12": {"seq": "1"}}}, "x", seen)  # keyed by partition
     assert "12" not in seen and set(seen["seq"]) == {"string"}
+
+
+def test_every_name_allowed_two_types_has_them_and_is_documented(
+    documents: dict[str, list[Any]],
+) -> None:
+    seen: dict[str, dict[str, set[str]]] = defaultdict(dict)
+    for name, docs in documents.items():
+        for doc in docs:
+            walk(doc, name, seen)
+    stale = [k for k in POLYMORPHIC if len(set(seen.get(k, {})) - {"null"}) < 2]
+    assert stale == [], "allowed two types but seen with one: take them off the list"
+    guide = (ROOT / "docs" / "output.md").read_text()
+    table = guide.split("**One name, one type.**")[1].split("### Schema versions")[0]
+    assert [k for k in POLYMORPHIC if f"`{k}`" not in table] == []
+
+
+def test_the_changelog_says_what_changed_in_the_json() -> None:
+    log = (ROOT / "CHANGELOG.md").read_text()
+    section = log.split("### JSON output")[1].split("\n## ")[0]
+    for said in ("`schema`", "`buckets`", "`collection_count`", "`backup_count`",
+                 "rollback-point", "`items_per_s`", "`op`", "`target_has_same_or_newer`",
+                 "exits 5", "`writes`", "`with_xattrs`", "`created_at`", "`output`",
+                 "`deletions`", "`paused_after`", "`link_errors`"):  # fmt: skip
+        assert said in section, said

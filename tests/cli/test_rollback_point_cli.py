@@ -30,6 +30,7 @@ def test_done_when_example_prints_rollback_seq_6(capsys: pytest.CaptureFixture[s
     assert '"rollback_seq": "6"' in out
     obj = json.loads(out)
     assert obj == {
+        "schema": 1,
         "rule": "seed",
         "rollback_seq": "6",
         "rollback": True,

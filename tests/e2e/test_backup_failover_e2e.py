@@ -64,7 +64,7 @@ def _cut_records_are_lost_writes(cl: Cluster, repo: Path, rollbacks: list[dict[s
     assert cut, rollbacks
     out = upr("salvage", "--repo", str(repo), "--into", cl.uri("n1"), "--json", check=False)
     assert out.returncode in (0, 1), out.stderr
-    mine = [it for it in json.loads(out.stdout)["items"] if "cut back mid-run" in it["origin"]]
+    mine = [it for it in json.loads(out.stdout)["writes"] if "cut back mid-run" in it["origin"]]
     assert {it["partition"] for it in mine} == set(cut)
     # lost above the source's rollback seq; the stream went on from a boundary at or below
     assert all(int(cut[it["partition"]]["to"]) <= int(it["cut"])
@@ -126,7 +126,7 @@ def test_a_backup_through_a_hard_failover_below_its_start_starts_again(tmp_path:
         # the first backup's records above the cut are the failover's lost writes
         out = upr("salvage", "--repo", str(repo), "--into", cl.uri("n1"), "--json", check=False)
         assert out.returncode == 1, out.stderr  # a dry run with writes that could go back
-        items = json.loads(out.stdout)["items"]
+        items = json.loads(out.stdout)["writes"]
         assert items and all(
             it["outcome"] == "would-write" and it["origin"].startswith("backup ")
             and int(recorded[it["partition"]]["to"]) <= int(it["cut"])
@@ -152,7 +152,7 @@ def test_a_failover_after_a_partition_ended_gets_a_follow_up_backup(tmp_path: Pa
         assert recorded and int(recorded[0]["from"]) > int(recorded[0]["to"]), summary
         _restored_equals_cluster(cl, repo, tmp_path, parts[:1])
         out = upr("salvage", "--repo", str(repo), "--into", cl.uri("n1"), "--json", check=False)
-        items = json.loads(out.stdout)["items"]
+        items = json.loads(out.stdout)["writes"]
         assert items and all(it["origin"] == f"backup {summary.backup_id}" for it in items)
     finally:
         cl.stop()

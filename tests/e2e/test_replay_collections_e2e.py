@@ -210,7 +210,7 @@ def test_diff_and_salvage_of_a_store_keep_collections_apart(
     done = json.loads(upr("salvage", "--store", str(db), "--into", node.uri, "--apply", "--json",
                           check=False).stdout)  # fmt: skip
     items = sorted((it["collection_id"], it["scope"], it["collection"], it["key"], it["outcome"])
-                   for it in done["items"])  # fmt: skip
+                   for it in done["writes"])  # fmt: skip
     assert items == [(0, "_default", "_default", "k", "written"),
                      (users.id, "app", "users", "k", "written")]  # fmt: skip
     assert run(_get(node.uri, [(0, b"k"), (users.id, b"k")])) == {

@@ -265,14 +265,14 @@ def test_diff_and_salvage_after_a_sigkill(node_factory: type[Node], tmp_path: Pa
     run(set_keys(node.uri, rewritten))
     dry = json.loads(upr("salvage", "--repo", str(repo), "--into", node.uri, "--json",
                          check=False).stdout)  # fmt: skip
-    outcome = {it["key"].encode(): it["outcome"] for it in dry["items"]}
+    outcome = {it["key"].encode(): it["outcome"] for it in dry["writes"]}
     assert set(outcome) == set(lost_keys)
     assert {k for k, o in outcome.items() if o == "conflict"} == set(rewritten)
     assert {k for k, o in outcome.items() if o == "would-write"} == set(lost_keys) - set(rewritten)
     # the store sees the same lost writes (still unreplayed: above the master's rollback point)
     sdry = json.loads(upr("salvage", "--store", str(db), "--into", node.uri, "--json",
                           check=False).stdout)  # fmt: skip
-    assert {it["key"].encode(): it["outcome"] for it in sdry["items"]} == outcome
+    assert {it["key"].encode(): it["outcome"] for it in sdry["writes"]} == outcome
 
     lost_values = _lost_in_store(db, persisted)
     applied = json.loads(upr("salvage", "--repo", str(repo), "--into", node.uri, "--apply",

@@ -44,7 +44,7 @@ def test_node_data_lost_writes_keep_their_xattrs(node_factory: type[Node]) -> No
     dry = upr("salvage", "--node-data", str(replica.data), "--into", master.uri, "--json",
               check=False)  # fmt: skip
     assert dry.returncode == 1, dry.stderr  # lost writes remain (would-write)
-    items = {it["key"]: it for it in json.loads(dry.stdout)["items"]}
+    items = {it["key"]: it for it in json.loads(dry.stdout)["writes"]}
     assert set(items) == set(vbs)
     x = items["k-x"]
     assert x["lost"]["xattrs"] == {"_sync": {"rev": "2-b"}, "meta": {"by": "app"}}
@@ -56,7 +56,7 @@ def test_node_data_lost_writes_keep_their_xattrs(node_factory: type[Node]) -> No
 
     done = upr("salvage", "--node-data", str(replica.data), "--into", master.uri, "--apply",
                "--json")  # fmt: skip
-    after = {it["key"]: (it["outcome"], it["reason"]) for it in json.loads(done.stdout)["items"]}
+    after = {it["key"]: (it["outcome"], it["reason"]) for it in json.loads(done.stdout)["writes"]}
     assert after == {"k-x": ("written", ""), "k-plain": ("written", "")}
     # the master holds the body, its flags and the xattrs (written by SUBDOC_MULTI_MUTATION
     # after the SET): read back through DCP with xattrs
