@@ -167,6 +167,7 @@ def _node_and_repo(run: Run, tmp: Path, repo: str, uri: str) -> None:
     run("collections", "create", uri, "app")
     run("collections", "create", uri, "app.orders")
     run("collections", "list", uri)
+    run("backup", uri, "--repo", repo, "--dry-run")
     first = run("backup", uri, "--repo", repo)
     run("load", uri, "--docs", "20", "--update-ratio", "0.5")
     run("collections", "drop", uri, "app.orders")
@@ -188,7 +189,7 @@ def _node_and_repo(run: Run, tmp: Path, repo: str, uri: str) -> None:
     run("restore", "--repo", repo, uri)  # every document: the target has it already
     run("replay", uri, "--into", str(tmp / "replica.db"))
     run("replay", f"repo:{repo}", "--into", str(tmp / "from-repo.db"))
-    run("salvage", "--repo", repo, "--to", uri)
+    run("salvage", "--repo", repo, "--into", uri)
     run("repo", "copy", "--from", repo, "--to", str(tmp / "copy"))
     run("repo", "unlock", "--repo", repo)
     run("merge", "--repo", repo)
@@ -238,7 +239,7 @@ def _spark(run: Run) -> None:
         ("spark merge", merged),
     ):  # fmt: skip
         run.capsys.readouterr()
-        spark_cli._report(summary, True, "")
+        spark_cli._report(summary, 12.0, True, "")
         run.docs[name].append(json.loads(run.capsys.readouterr().out))
 
 

@@ -69,7 +69,7 @@ def test_backup_dry_run_writes_nothing(
     assert problems(plan) == []  # docs/output.md: seqs as strings, counts as integers
     assert (plan["dry_run"], plan["full"], plan["parent"]) == (True, True, None)
     assert plan["repository_exists"] is False and plan["partitions"] == 4
-    assert plan["collections"] == 4 and plan["rollbacks"] == []
+    assert plan["collection_count"] == 4 and plan["rollbacks"] == []
     seqs = _seqs(plan)
     assert all(lo == 0 for lo, _hi in seqs.values())
     assert plan["estimated_items"] == sum(hi for _lo, hi in seqs.values()) >= 60

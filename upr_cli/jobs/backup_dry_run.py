@@ -97,7 +97,7 @@ class BackupPlan:
             "partitions": len(self.ranges),
             "partitions_with_changes": len(self.changed),
             "estimated_items": self.estimated_items,
-            "collections": self.collections,
+            "collection_count": self.collections,  # as backup's: `collections` is a list
             "rollbacks": [rb.to_json() for rb in self.rollbacks],
             "warnings": self.warnings,
             "seqs": [r.to_json() for r in self.ranges],
