@@ -196,7 +196,7 @@ def test_include_and_exclude_filters(started: Node, tmp_path: Path) -> None:
 
     inc = tmp_path / "inc"
     assert backup(uri, inc, "--include-data", "app.users", "--include-data", "other")[
-        "collections"] == 2  # fmt: skip
+        "collection_count"] == 2  # fmt: skip
     assert set(repo_state(inc)) == {d for d in w.state if d[0] in ("app.users", "other.x")}
     m = Repository(inc).manifests("default")[-1]
     assert m.collection_filter is not None and m.collection_filter.to_json() == {
