@@ -93,6 +93,13 @@ Example (metrics for Prometheus on port 9467):
 """
 
 NUM_PARTITIONS = "the bucket's count in --data, 1024 for a new one"
+CreateCollections = Annotated[
+    str | None,
+    typer.Option("--create-collections", metavar="SPEC",
+                 help="Create these when missing: SCOPE, SCOPE.COLLECTION or "
+                 "SCOPE.COLLECTION:MAXTTL, comma-separated."),
+]  # fmt: skip
+OldCollections = Annotated[str | None, deprecated_alias("--collections", "--create-collections")]
 _MEMORY = MemoryLimit()  # --memory-limit's default
 
 Host = Annotated[str, typer.Option("--host", metavar="ADDRESS", help="Address to listen on.")]
@@ -257,18 +264,8 @@ def serve_cmd(
         ),
     ] = 360.0,
     expiry_pager_interval: ExpiryPager = 10.0,
-    create_collections: Annotated[
-        str | None,
-        typer.Option(
-            "--create-collections",
-            metavar="SPEC",
-            help="Create these when missing: SCOPE, SCOPE.COLLECTION or "
-            "SCOPE.COLLECTION:MAXTTL, comma-separated.",
-        ),
-    ] = None,
-    old_collections: Annotated[
-        str | None, deprecated_alias("--collections", "--create-collections")
-    ] = None,
+    create_collections: CreateCollections = None,
+    old_collections: OldCollections = None,
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
     tls_port: TlsPort = None,
