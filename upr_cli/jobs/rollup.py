@@ -59,11 +59,13 @@ from upr_cli.repo.names import format_backup_dir, format_time, parse_backup_dir
 from upr_cli.repo.pack import PACK_NAME, write_pack
 from upr_cli.repo.readers import ExclusiveAccess
 from upr_cli.segments import SegmentHeader, SegmentReader, SegmentWriter
+from upr_cli.storage import LocalStorage
 
 FANOUT = 16
 """Backups of one level rolled into one of the next: 16 commits, 256, 4,096, … (the
 environment's UPR_ROLLUP_FANOUT, 2 to 1024, overrides it: `fanout`)."""
 _SPILL = 8 << 20  # a merged segment's buffered bytes before it spills to its body file
+_PACED = 4 << 20  # a staged pack's bytes between syncs (`write_pack`), local files only
 _HELD = 64 << 20
 """Merged segments a rollup keeps in memory for its pack; past this, each is one local
 file (creating a file per partition costs more than merging a small one)."""
@@ -184,7 +186,8 @@ def stage(repo: Repository, prepared: Prepared) -> None:
     repo.storage.make_dirs(d)
     repo.storage.sync_dir(repo.bucket_dir(bucket))
     if prepared.members:
-        write_pack(repo.storage, d, prepared.members)
+        plain = isinstance(getattr(repo.storage, "inner", None), LocalStorage)
+        write_pack(repo.storage, d, prepared.members, paced=_PACED if plain else 0)
     prepared.staged, prepared.members = d, []
     prepared.discard()
 

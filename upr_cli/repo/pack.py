@@ -124,11 +124,16 @@ def encode_index(members: Sequence[Member]) -> bytes:
 
 
 def write_pack(
-    storage: Storage, directory: Path, members: Sequence[tuple[str, Path | bytes]]
-) -> int:
+    storage: Storage, directory: Path, members: Sequence[tuple[str, Path | bytes]],
+    *, paced: int = 0,
+) -> int:  # fmt: skip
     """Write `directory/segments.pack` of `members` ((relative path, local file of a
     finished segment, or its bytes)) through `storage`: under a temp name, made durable,
-    renamed into place, the directory synced. Returns the pack's size."""
+    renamed into place, the directory synced. Returns the pack's size.
+
+    `paced` (bytes, a plain local file system only) syncs the file every that many
+    bytes: background work (a rollup) then never leaves a large backlog of dirty pages
+    that another process's fsync (the follower's next commit) would wait behind."""
     seen: set[str] = set()
     for name, _ in members:
         try:
@@ -145,7 +150,7 @@ def write_pack(
     out = storage.create(tmp)
     try:
         storage.append(out, head)
-        at = len(head)
+        at = synced = len(head)
         index: list[Member] = []
         for name, local in members:
             crc, length = 0, 0
@@ -160,6 +165,9 @@ def write_pack(
                         length += len(chunk)
             index.append(Member(name, at, length, crc))
             at += length
+            if paced and at - synced >= paced:
+                storage.sync(out)
+                synced = at
         raw = encode_index(index)
         storage.append(out, raw)
         tail = TRAILER.pack(at, len(raw), zlib.crc32(raw), MAGIC, 0)
