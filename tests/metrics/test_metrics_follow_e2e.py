@@ -7,11 +7,8 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ import pytest
 from tests.e2e.conftest import Node, upr
 from tests.e2e.e2e_helpers import spawn_upr, wait_persisted
 from tests.metrics.metrics_helpers import Samples, one, samples
+from tests.metrics.metrics_helpers import until as _until
 from tests.repo.repo_helpers import run_upr
 from upr_cli.errors import UprError
 from upr_cli.repo import Repository
@@ -37,22 +35,6 @@ def _scrape(port: int) -> tuple[str, Samples]:
     """GET /metrics: (its content type, its samples)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         return resp.headers["Content-Type"], samples(resp.read().decode())
-
-
-def _until(pred: Callable[[], Any], proc: subprocess.Popen[str], what: str,
-           timeout: float = 30.0) -> Any:  # fmt: skip
-    """Poll `pred` until it gives something true (the follower still running)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, proc.communicate()
-        try:
-            got = pred()
-        except (OSError, KeyError):  # not listening yet, a series not there yet
-            got = None
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _commits(repo: Path) -> list[Any]:
