@@ -121,14 +121,14 @@ def test_dcp_rule(capsys: pytest.CaptureFixture[str]) -> None:
         "--start", "9", "--snap-start", "7", "--snap-end", "10", "--high-seq", "12", "--json",
     )  # fmt: skip
     obj = json.loads(out)
-    assert code == 0 and obj["rollback_seq"] == "7" and obj["rollback"] is True
+    assert code == 0 and obj["rollback_seq"] == "7" and obj["must_roll_back"] is True
     assert obj["step"] == "snap-start" and obj["common_ancestor"]["uuid_hex"] == "cafebabe"
     code, out, _ = run(
         capsys, "rollback-point", "--rule", "dcp", "--server-log", SERVER, "--client-log",
         '[["deadbeef",8],["cafebabe",0]]', "--start", "11", "--high-seq", "12", "--json",
     )  # fmt: skip
     obj = json.loads(out)
-    assert code == 0 and obj["rollback"] is False and obj["rollback_seq"] == "11"
+    assert code == 0 and obj["must_roll_back"] is False and obj["rollback_seq"] == "11"
 
 
 def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
