@@ -33,7 +33,7 @@ def test_done_when_example_prints_rollback_seq_6(capsys: pytest.CaptureFixture[s
         "schema": 1,
         "rule": "seed",
         "rollback_seq": "6",
-        "rollback": True,
+        "must_roll_back": True,
         "step": "next-entries-smaller",
         "common_ancestor": {"uuid": "3405691582", "seq": "0", "uuid_hex": "cafebabe"},
         "bound": "6",
