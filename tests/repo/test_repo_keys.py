@@ -125,6 +125,8 @@ def test_key_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 0 and "created encrypted repository" in out
     code, out, _ = upr(capsys, "repo", "keys", "--repo", repo, "--json")
     (first,) = json.loads(out)["key_slots"]
+    code, out, _ = upr(capsys, "repo", "keys", "--repo", repo)  # the table, no key needed
+    assert code == 0 and first["slot_id"] in out and first["created_at"] in out
     code, out, _ = upr(capsys, "repo", "add-key", "--repo", repo, "--key-file", str(k1),
                        "--new-key-file", str(k2), "--json")  # fmt: skip
     assert code == 0
