@@ -282,8 +282,9 @@ def main() -> int:
             salvage = upr("salvage", "--repo", str(repo), "--into", node.uri, "--json", ok=(0, 1))
             lost = json.loads(salvage.stdout)
             console.print(f"{lost['lost_writes']:,} lost writes: {lost['counts']}")
-            for it in lost["items"][:3]:
-                console.print(f"  partition {it['partition']} {it['key']}: seq {it['lost']['seq']}"
+            for it in lost["writes"][:3]:
+                seq = it["lost_version"]["seq"]
+                console.print(f"  partition {it['partition']} {it['key']}: seq {seq}"
                               f" above cut {it['cut']}: {it['outcome']}")  # fmt: skip
 
             console.rule("[bold]5. the next backup records the rollback and carries on")

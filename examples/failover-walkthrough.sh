@@ -30,7 +30,7 @@ status() { "$UPR" cluster status --data "$cl" --logs | grep -v '^[┏┃┡│�
 field() {  # field NODE KEY: a partition-0 field of a node from `status --json`
   "$UPR" cluster status --data "$cl" --json --logs |
     "$PY" -c "import json,sys; d=json.load(sys.stdin); n=[n for n in d['nodes'] if n['name']=='$1'][0]
-p=n['partitions'].get('0', {}); print(p.get('$2', n.get('$2')))"
+p=next((p for p in n['partitions'] if p['partition']==0), {}); print(p.get('$2', n.get('$2')))"
 }
 wait_high() {  # wait_high NODE SEQ: until the node's copy of partition 0 reaches SEQ
   for _ in $(seq 200); do

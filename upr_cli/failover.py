@@ -306,7 +306,7 @@ class RollbackDecision:
         return {
             "rule": self.rule,
             "rollback_seq": str(self.rollback_seq),
-            "rollback": self.rollback,
+            "must_roll_back": self.rollback,
             "step": self.step,
             "common_ancestor": None if ca is None else {**ca.to_json(), "uuid_hex": f"{ca.uuid:x}"},
             "bound": None if self.bound is None else str(self.bound),

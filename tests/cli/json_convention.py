@@ -23,9 +23,10 @@ INTEGERS = frozenset({
     "created", "updates", "deletes", "overwritten", "documents", "deletions", "written",
     "conflicts", "absent_deletes", "items_per_s", "retries", "commits", "resets",
     "reused_segments", "merged", "flags", "expiry", "schema", "target_has_same_or_newer",
-    "must_roll_back", "impossible", "collection_count", "backup_count", "rollback_count",
+    "must_roll_back_count", "impossible", "collection_count", "backup_count", "rollback_count",
     "lost_writes", "manifest_changes", "with_xattrs", "xattrs_left_out", "errors",
     "applied", "backups_copied", "backups_skipped", "files", "files_reused",
+    "partition_count", "dropped_records", "backups_removed", "lost_seq_count",
 })  # fmt: skip
 #: names an item count had before the convention (docs/output.md "Names")
 OLD_COUNT_NAMES = frozenset({"ops", "ops_per_s", "sets", "rows", "records", "changes", "new"})

@@ -90,10 +90,10 @@ def test_rollback_point_sources_json_is_one_object(
     doc = json.loads(out)
     assert isinstance(doc, dict) and not problems(doc)
     assert (doc["server"], doc["client"], doc["rule"]) == (server, client, "seed")
-    assert (doc["must_roll_back"], doc["impossible"]) == (1, 0)
+    assert (doc["must_roll_back_count"], doc["impossible"]) == (1, 0)
     parts = {p["partition"]: p for p in doc["partitions"]}
-    assert parts[0]["rollback"] and parts[0]["rollback_seq"] == "8"
-    assert not parts[1]["rollback"] and parts[1]["error"] is None
+    assert parts[0]["must_roll_back"] and parts[0]["rollback_seq"] == "8"
+    assert not parts[1]["must_roll_back"] and parts[1]["error"] is None
     # an impossible history is counted, and its partition carries the error (exit 3)
     code, out, _err = run_upr(capsys, "rollback-point", "--server", client, "--client", server,
                               "--json")  # fmt: skip

@@ -10,7 +10,7 @@ two-node `upr cluster`. The Spark commands are the one exception: a JVM starts s
 than this whole module runs, so their summaries go through the same `_report` that
 their `--json` prints (tests/e2e/test_spark_e2e.py runs them on Spark). Every document
 is walked; each member name gets the set of JSON types it had, and a name with more
-than one fails, unless `POLYMORPHIC` says why it may (docs/output.md lists them too).
+than one fails: there are no exceptions (null aside, a value of every type).
 One module-scoped run feeds every test: about 17 s, most of it the cluster's start.
 """
 
@@ -35,25 +35,6 @@ from upr_cli.cli import output
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: names whose type differs between commands, and why (docs/output.md "One name, one
-#: type"); null is a value of every type: a member null in one document and a string
-#: in another is not listed here
-POLYMORPHIC: dict[str, str] = {
-    "partitions": "a summary's count (integer); the partitions themselves where the answer "
-    "is per partition: an array of objects with `partition` (diff, rollback-point) or an "
-    "object keyed by partition number (info --partitions, cluster status)",
-    "id": "an identifier as its owner writes it: a collection's or scope's id a number "
-    "(with `id_hex`), a key slot's or a repository's a hex string",
-    "dropped": "a collection's flag (info, examine); restore's count of records of "
-    "dropped collections; collections repair's list of the collections it dropped",
-    "added": "what a change added: repo add-key's key slot (an id); cluster's nodes (a list)",
-    "removed": "what a change removed: repo remove-key's key slot (an id); cluster's nodes "
-    "(a list); prune's count of backups",
-    "lost": "examine's flag (a lost write); salvage's lost version (an object); cluster "
-    "failover's lost partitions (a list)",
-    "rollback": "rollback-point's answer (must the client roll back: a flag); diff's "
-    "rollback seqs by rule (an object)",
-}
 #: objects keyed by data (a status, a node, a link, a partition), not by member names:
 #: their keys are not names of the convention, their values are walked
 MAPS = frozenset({
@@ -206,7 +187,7 @@ def _repo_admin(run: Run, tmp: Path, repo: str) -> None:
     (slot,) = run("repo", "keys", "--repo", enc, "--key-file", str(k1))["key_slots"]
     run("repo", "add-key", "--repo", enc, "--key-file", str(k1), "--new-key-file", str(k2))
     run("repo", "rotate-key", "--repo", enc, "--key-file", str(k2), "--new-key-file", str(k3))
-    run("repo", "remove-key", slot["id"], "--repo", enc, "--key-file", str(k3))
+    run("repo", "remove-key", slot["slot_id"], "--repo", enc, "--key-file", str(k3))
 
 
 def _cluster(run: Run, data: Path) -> None:
@@ -292,7 +273,7 @@ def test_a_name_has_one_type_in_every_command(documents: dict[str, list[Any]]) -
     mixed = {
         key: {t: sorted(w)[:3] for t, w in types.items()}
         for key, types in seen.items()
-        if len(set(types) - {"null"}) > 1 and key not in POLYMORPHIC
+        if len(set(types) - {"null"}) > 1
     }
     assert not mixed, json.dumps(mixed, indent=1)
 
@@ -307,18 +288,11 @@ def test_the_checker_catches_a_name_with_two_types() -> None:
     assert "12" not in seen and set(seen["seq"]) == {"string"}
 
 
-def test_every_name_allowed_two_types_has_them_and_is_documented(
-    documents: dict[str, list[Any]],
-) -> None:
-    seen: dict[str, dict[str, set[str]]] = defaultdict(dict)
-    for name, docs in documents.items():
-        for doc in docs:
-            walk(doc, name, seen)
-    stale = [k for k in POLYMORPHIC if len(set(seen.get(k, {})) - {"null"}) < 2]
-    assert stale == [], "allowed two types but seen with one: take them off the list"
+def test_the_guide_allows_no_name_two_types() -> None:
+    """The rule has no exceptions: docs/output.md lists none (it once had a table)."""
     guide = (ROOT / "docs" / "output.md").read_text()
-    table = guide.split("**One name, one type.**")[1].split("### Schema versions")[0]
-    assert [k for k in POLYMORPHIC if f"`{k}`" not in table] == []
+    section = guide.split("**One name, one type.**")[1].split("### Schema versions")[0]
+    assert "| name |" not in section and "no exception" in section
 
 
 def test_the_changelog_says_what_changed_in_the_json() -> None:
@@ -327,5 +301,9 @@ def test_the_changelog_says_what_changed_in_the_json() -> None:
     for said in ("`schema`", "`buckets`", "`collection_count`", "`backup_count`",
                  "rollback-point", "`items_per_s`", "`op`", "`target_has_same_or_newer`",
                  "exits 5", "`writes`", "`with_xattrs`", "`created_at`", "`output`",
-                 "`deletions`", "`paused_after`", "`link_errors`"):  # fmt: skip
+                 "`deletions`", "`paused_after`", "`link_errors`", "`partition_count`",
+                 "`slot_id`", "`repo_id`", "`dropped_records`", "`dropped_collections`",
+                 "`nodes_added`", "`nodes_removed`", "`backups_removed`", "`lost_version`",
+                 "`lost_partitions`", "`lost_ranges`", "`must_roll_back_count`",
+                 "`rollback_seqs`"):  # fmt: skip
         assert said in section, said

@@ -7,7 +7,8 @@ collections. Backup 0 is full; backup 1 updates, deletes and adds keys and comes
 backup 1's end (backup 1's records above the rollback seq are lost writes, not state).
 At each backup, the keys `ls` lists and the bodies `cat` prints are compared with the
 documents a restore into a SQLite store holds, key for key. The commands run as
-processes, as a user runs them.
+processes, as a user runs them. `upr info --partitions` on the same repository lists
+partition 0's chain, its rollback and the ranges it took back.
 """
 
 from __future__ import annotations
@@ -262,3 +263,27 @@ def test_typed_errors(repo: Path, tmp_path: Path, run: Run) -> None:
         proc = upr(*args, ok=False)
         err = proc.stderr.decode()
         assert proc.returncode == 2 and why in err and err.count("\n") == 1, err
+
+
+def test_info_partitions_lists_each_partition_with_its_chain_and_lost_ranges(
+    repo: Path, run: Run
+) -> None:
+    """`info --partitions`: one object a partition (docs/output.md "One name, one type"),
+    its chain and the ranges its rollbacks took back, as the text shows them."""
+    r = str(repo)
+    doc = json.loads(run("info", "--repo", r, "--partitions", "0,1", "--json").stdout)
+    parts = doc["buckets"][0]["partitions"]
+    assert [p["partition"] for p in parts] == [0, 1]
+    p0, p1 = parts
+    assert [c["backup_id"] for c in p0["chain"]] == [str(bid(n)) for n in range(3)]
+    assert p0["chain"][2]["rollback"]["to"] == "2" and p1["lost_ranges"] == []
+    lost = p0["lost_ranges"]
+    assert (
+        lost
+        and lost[0]["from"] == "2"
+        and {x["backup_id"] for x in lost} <= {str(bid(0)), str(bid(1))}
+    )
+    text = run("info", "--repo", r, "--partitions", "0").stdout.decode()
+    assert "partition 0:" in text and "rolled back" in text
+    for x in lost:
+        assert f"lost writes: {x['backup_id']} seqs ({x['from']}, {x['to']}]" in text

@@ -68,7 +68,7 @@ def test_backup_dry_run_writes_nothing(
     assert not repo.exists()
     assert problems(plan) == []  # docs/output.md: seqs as strings, counts as integers
     assert (plan["dry_run"], plan["full"], plan["parent"]) == (True, True, None)
-    assert plan["repository_exists"] is False and plan["partitions"] == 4
+    assert plan["repository_exists"] is False and plan["partition_count"] == 4
     assert plan["collection_count"] == 4 and plan["rollbacks"] == []
     seqs = _seqs(plan)
     assert all(lo == 0 for lo, _hi in seqs.values())
@@ -129,7 +129,7 @@ def test_backup_dry_run_names_the_rollbacks_it_would_record(
     plan = json.loads(upr(capsys, "backup", node.uri, "--repo", str(repo.path), "--dry-run",
                           "--json", "--partitions", "0-1"))  # fmt: skip
     assert _tree(repo.path) == before
-    assert plan["full"] is False and plan["partitions"] == 2
+    assert plan["full"] is False and plan["partition_count"] == 2
     got = {rb["partition"]: (rb["from"], rb["to"], rb["during_run"]) for rb in plan["rollbacks"]}
     assert got == {0: ("9001", "0", False), 1: ("9001", "0", False)}
     assert all(lo == 0 for lo, _hi in _seqs(plan).values())  # streamed again from the start
@@ -189,7 +189,7 @@ def test_restore_a_subset_of_collections(
         got = _by_collection(db)
         assert got == Counter({c: whole[c] for c in kept}), (opt, got)
         left = sum(n for c, n in whole.items() if c not in kept)
-        assert summary["excluded"] >= left and summary["dropped"] == 0, (opt, summary)
+        assert summary["excluded"] >= left and summary["dropped_records"] == 0, (opt, summary)
         # a store holding a subset records no positions: a replay would miss the rest
         with sqlite3.connect(db) as c:
             assert c.execute("SELECT count(*) FROM partitions WHERE seq > 0").fetchone() == (0,)

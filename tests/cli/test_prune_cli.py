@@ -55,7 +55,7 @@ def test_dry_run_changes_nothing_and_names_the_time_zone(chain: tuple[Path, list
     assert "--apply" in r.stderr  # the hint
     j = json.loads(upr("prune", "--repo", str(repo), "--keep-last", "2", "--json").stdout)
     b = j["buckets"][0]
-    assert j["dry_run"] is True and b["removed"] == 4 and b["kept"] == 2
+    assert j["dry_run"] is True and b["backups_removed"] == 4 and b["kept"] == 2
     assert [x["action"] for x in b["backups"]] == ["remove"] * 4 + ["keep"] * 2
     assert b["revisions"] == [{"backup_id": str(ms[4].backup_id), "revision": 2,
                                "absorbs": [str(m.backup_id) for m in ms[:4]]}]  # fmt: skip

@@ -33,7 +33,7 @@ def test_done_when_example_prints_rollback_seq_6(capsys: pytest.CaptureFixture[s
         "schema": 1,
         "rule": "seed",
         "rollback_seq": "6",
-        "rollback": True,
+        "must_roll_back": True,
         "step": "next-entries-smaller",
         "common_ancestor": {"uuid": "3405691582", "seq": "0", "uuid_hex": "cafebabe"},
         "bound": "6",
@@ -121,14 +121,14 @@ def test_dcp_rule(capsys: pytest.CaptureFixture[str]) -> None:
         "--start", "9", "--snap-start", "7", "--snap-end", "10", "--high-seq", "12", "--json",
     )  # fmt: skip
     obj = json.loads(out)
-    assert code == 0 and obj["rollback_seq"] == "7" and obj["rollback"] is True
+    assert code == 0 and obj["rollback_seq"] == "7" and obj["must_roll_back"] is True
     assert obj["step"] == "snap-start" and obj["common_ancestor"]["uuid_hex"] == "cafebabe"
     code, out, _ = run(
         capsys, "rollback-point", "--rule", "dcp", "--server-log", SERVER, "--client-log",
         '[["deadbeef",8],["cafebabe",0]]', "--start", "11", "--high-seq", "12", "--json",
     )  # fmt: skip
     obj = json.loads(out)
-    assert code == 0 and obj["rollback"] is False and obj["rollback_seq"] == "11"
+    assert code == 0 and obj["must_roll_back"] is False and obj["rollback_seq"] == "11"
 
 
 def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:

@@ -199,7 +199,7 @@ def test_rollback_point_between_a_node_and_a_repository(
     out = upr("rollback-point", "--server", node.uri, "--client", f"repo:{repo}", "--json")
     rows = {r["partition"]: r for r in json.loads(out.stdout)["partitions"]}
     assert {p: int(r["rollback_seq"]) for p, r in rows.items()} == persisted
-    assert all(r["rollback"] for r in rows.values())
+    assert all(r["must_roll_back"] for r in rows.values())
     one = upr(
         "rollback-point", "--server", node.uri, "--client", f"repo:{repo}", "--partitions", "3"
     )

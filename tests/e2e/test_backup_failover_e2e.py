@@ -68,14 +68,14 @@ def _cut_records_are_lost_writes(cl: Cluster, repo: Path, rollbacks: list[dict[s
     assert {it["partition"] for it in mine} == set(cut)
     # lost above the source's rollback seq; the stream went on from a boundary at or below
     assert all(int(cut[it["partition"]]["to"]) <= int(it["cut"])
-               == int(cut[it["partition"]]["producer_seq"]) < int(it["lost"]["seq"])
+               == int(cut[it["partition"]]["producer_seq"]) < int(it["lost_version"]["seq"])
                for it in mine)  # fmt: skip
     ahead = [it for it in mine if it["key"].startswith("ahead-")]  # never on n1
     assert ahead
     out = upr("examine", "--repo", str(repo), "--json", ahead[0]["key"])
     versions = json.loads(out.stdout)["versions"]
     assert [(int(v["seq"]), v["lost"], v["in_latest"]) for v in versions] == [
-        (int(ahead[0]["lost"]["seq"]), True, False)
+        (int(ahead[0]["lost_version"]["seq"]), True, False)
     ]
 
 
@@ -130,7 +130,7 @@ def test_a_backup_through_a_hard_failover_below_its_start_starts_again(tmp_path:
         assert items and all(
             it["outcome"] == "would-write" and it["origin"].startswith("backup ")
             and int(recorded[it["partition"]]["to"]) <= int(it["cut"])
-            == int(recorded[it["partition"]]["producer_seq"]) < int(it["lost"]["seq"])
+            == int(recorded[it["partition"]]["producer_seq"]) < int(it["lost_version"]["seq"])
             for it in items
         )  # fmt: skip
     finally:

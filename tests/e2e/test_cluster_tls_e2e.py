@@ -100,7 +100,7 @@ def test_collections_diff_rollback_point_and_salvage_take_tls_sources(
 
     rp = json.loads(upr("rollback-point", "--server", tls, "--client", f"repo:{repo}", "--json",
                         *ca).stdout)["partitions"]  # fmt: skip
-    assert len(rp) == 4 and not any(r["rollback"] for r in rp), rp
+    assert len(rp) == 4 and not any(r["must_roll_back"] for r in rp), rp
 
     salvage = json.loads(upr("salvage", "--repo", str(repo), "--into", tls, "--json", *ca).stdout)
     assert salvage["lost_writes"] == 0 and salvage["target"].startswith("uprs://")

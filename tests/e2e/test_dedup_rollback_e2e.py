@@ -92,7 +92,7 @@ def test_a_hard_failover_inside_a_deduplicated_snapshot(tmp_path: Path) -> None:
         # lost writes of the chain: the versions above 2, not J@2 (B has it)
         out = upr("salvage", "--repo", str(repo), "--into", b, "--json", check=False)
         items = json.loads(out.stdout)["writes"]
-        assert sorted((it["key"], int(it["lost"]["seq"]), it["cut"]) for it in items) == [
+        assert sorted((it["key"], int(it["lost_version"]["seq"]), it["cut"]) for it in items) == [
             ("D", 5, "2"), ("K", 4, "2")
         ]  # fmt: skip
         out = upr("examine", "--repo", str(repo), "--json", "K")

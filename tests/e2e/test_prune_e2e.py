@@ -109,7 +109,7 @@ def test_a_prune_waits_for_a_restore_that_reads_its_backups(
     prune_out, prune_err = pruning.communicate(timeout=60)
     assert pruning.returncode == 0, prune_err
     plan = json.loads(prune_out)["buckets"][0]
-    assert (plan["kept"], plan["removed"]) == (1, 2)
+    assert (plan["kept"], plan["backups_removed"]) == (1, 2)
     assert [str(b) for b in Repository(repo).committed(BUCKET)] == [kept]
     after = tmp_path / "after.db"
     upr("restore", "--repo", str(repo), "--at", kept, f"sqlite:{after}")

@@ -252,7 +252,7 @@ def test_diff_and_salvage_after_a_sigkill(node_factory: type[Node], tmp_path: Pa
     for p, d in changed.items():
         assert d["status"] == "diverged" and d["diverged_at"] == str(persisted[p])
         assert d["lost_seqs"] == [str(persisted[p]), str(highs[p])]
-        assert d["rollback"] == {"seed": str(persisted[p]), "dcp": str(persisted[p])}
+        assert d["rollback_seqs"] == {"seed": str(persisted[p]), "dcp": str(persisted[p])}
     text = upr("diff", node.uri, f"repo:{repo}", check=False).stdout
     assert "diverged" in text
     # the store, through a JSON file of failover logs, says the same

@@ -215,7 +215,7 @@ def test_a_collection_dropped_and_created_again_restores_its_final_state(
     assert [k for p, k in want if p == "app.users"] == [b"reborn"]
     dst = node_factory("--flush-interval", "0.02", partitions=64, name="dst").start()
     out = restore(repo, dst.uri)
-    assert out["dropped"] > 0  # the first app.users's documents, left out
+    assert out["dropped_records"] > 0  # the first app.users's documents, left out
     assert live_docs(dst.uri, 64) == want
 
 

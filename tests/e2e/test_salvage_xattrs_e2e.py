@@ -47,9 +47,9 @@ def test_node_data_lost_writes_keep_their_xattrs(node_factory: type[Node]) -> No
     items = {it["key"]: it for it in json.loads(dry.stdout)["writes"]}
     assert set(items) == set(vbs)
     x = items["k-x"]
-    assert x["lost"]["xattrs"] == {"_sync": {"rev": "2-b"}, "meta": {"by": "app"}}
-    assert x["lost"]["value"] == BODY.decode() and x["outcome"] == "would-write"
-    assert items["k-plain"]["lost"]["xattrs"] == {}
+    assert x["lost_version"]["xattrs"] == {"_sync": {"rev": "2-b"}, "meta": {"by": "app"}}
+    assert x["lost_version"]["value"] == BODY.decode() and x["outcome"] == "would-write"
+    assert items["k-plain"]["lost_version"]["xattrs"] == {}
 
     text = upr("salvage", "--node-data", str(replica.data), "--into", master.uri, check=False)
     assert "xattrs=_sync,meta" in text.stdout, text.stdout

@@ -97,7 +97,9 @@ def test_info_shows_backups_and_a_partition_chain(repo: Path) -> None:
     backups = data["buckets"][0]["backups"]
     assert [b["full"] for b in backups] == [True, False]
     assert backups[1]["parent"] == backups[0]["backup_id"]
-    chain = data["buckets"][0]["partitions"]["2"]
+    (part,) = data["buckets"][0]["partitions"]
+    chain = part["chain"]
+    assert part["partition"] == 2 and part["lost_ranges"] == []
     assert chain[0]["start"] == "0" and chain[1]["start"] == chain[0]["end"]
     assert "full" in upr("info", "--repo", str(repo)).stdout
 

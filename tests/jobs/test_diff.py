@@ -58,8 +58,8 @@ def test_every_status_and_both_rules(
     assert not problems(j)  # seqs as decimal strings (docs/output.md §4)
     assert j["diverged_at"] == (None if at is None else str(at))
     assert j["lost_seqs"] == (None if lost is None else [str(x) for x in lost])
-    assert j["rollback"]["dcp"] == str(dcp)
-    assert j["rollback"]["seed"] == (d.seed_rule if isinstance(seed, str) else str(seed))
+    assert j["rollback_seqs"]["dcp"] == str(dcp)
+    assert j["rollback_seqs"]["seed"] == (d.seed_rule if isinstance(seed, str) else str(seed))
 
 
 def test_entries_only_on_each_side_and_the_common_ancestor() -> None:

@@ -92,9 +92,9 @@ def test_merge_restores_to_the_chains_state_through_newest_and_older(tmp_path: P
     before = ids(root)
     states = {b: state(root, b, tmp_path / "s.db") for b in before}
     out = json.loads(upr("merge", "--repo", str(root), "--json").stdout)
-    assert set(out) == {"schema", "backup_id", "through", "merged", "partitions", "items",
+    assert set(out) == {"schema", "backup_id", "through", "merged", "partition_count", "items",
                         "bytes_written", "seconds", "items_per_s"}  # fmt: skip
-    assert (out["through"], out["merged"], out["partitions"]) == (before[-1], 4, len(PARTS))
+    assert (out["through"], out["merged"], out["partition_count"]) == (before[-1], 4, len(PARTS))
     merged = Repository(root).read_manifest(BUCKET, Repository(root).committed(BUCKET)[-1])
     assert str(merged.backup_id) == out["backup_id"] and merged.full and merged.parent is None
     assert merged.merged_through is None

@@ -129,9 +129,9 @@ def test_the_report_shows_the_xattrs() -> None:
     it = lost(b"a", SYNC)
     it.master, it.outcome = version(15, OTHER), "conflict"
     out = it.to_json()
-    assert out["lost"]["xattrs"] == {"_sync": {"rev": "2-b"}, "meta": {"by": "app"}}
+    assert out["lost_version"]["xattrs"] == {"_sync": {"rev": "2-b"}, "meta": {"by": "app"}}
     assert out["master"]["xattrs"]["_sync"] == {"rev": "3-c"}
-    assert lost(b"b", b"").to_json()["lost"]["xattrs"] == {}
+    assert lost(b"b", b"").to_json()["lost_version"]["xattrs"] == {}
     json.dumps(out)  # JSON-safe
     cells = _row(it)
     assert "xattrs=_sync,meta" in cells[3] and "xattrs=_sync,meta" in cells[5]

@@ -80,7 +80,7 @@ def test_prune_dry_run_counts_the_backups_it_would_remove(
     b = json.loads(out)["buckets"][0]
     got, key = _read(prom), {"command": "prune", "bucket": "default"}
     assert one(got, "upr_last_result", **key) == 1
-    assert one(got, "upr_last_items", **key) == b["removed"] == 2
+    assert one(got, "upr_last_items", **key) == b["backups_removed"] == 2
     assert one(got, "upr_last_bytes", **key) == b["bytes_removed"] > 0
 
 

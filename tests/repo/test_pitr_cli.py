@@ -435,10 +435,10 @@ def test_failovers_in_info_and_before_failover(
         (1, str(bid(2)), [0]),
         (2, str(bid(3)), [1]),
     ]
-    assert events[0]["lost"] == [
+    assert events[0]["lost_ranges"] == [
         {"partition": 0, "backup_id": str(bid(1)), "from_seq": "7", "to_seq": "9"}
     ]
-    assert events[1]["lost"] == [
+    assert events[1]["lost_ranges"] == [
         {
             "partition": 1,
             "backup_id": str(bid(3)),

@@ -233,7 +233,7 @@ def test_failovers_are_numbered_with_their_lost_writes() -> None:
     ]
     assert events[0].lost == ((0, SeqRange(F0.backup_id, 80, 100)),)
     assert events[1].lost == ((1, SeqRange(F2.backup_id, 65, 75)),)
-    assert events[0].to_json()["lost_seqs"] == 20
+    assert events[0].to_json()["lost_seq_count"] == 20
     assert failovers(CHAIN) == []
 
 

@@ -125,11 +125,13 @@ def test_key_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 0 and "created encrypted repository" in out
     code, out, _ = upr(capsys, "repo", "keys", "--repo", repo, "--json")
     (first,) = json.loads(out)["key_slots"]
+    code, out, _ = upr(capsys, "repo", "keys", "--repo", repo)  # the table, no key needed
+    assert code == 0 and first["slot_id"] in out and first["created_at"] in out
     code, out, _ = upr(capsys, "repo", "add-key", "--repo", repo, "--key-file", str(k1),
                        "--new-key-file", str(k2), "--json")  # fmt: skip
     assert code == 0
-    second = json.loads(out)["added"]
-    assert [s["id"] for s in json.loads(out)["key_slots"]] == [first["id"], second]
+    second = json.loads(out)["slot_id"]
+    assert [s["slot_id"] for s in json.loads(out)["key_slots"]] == [first["slot_id"], second]
     # rotate k2 -> k3: k2's slot goes, k1's stays; one write of repo.json
     code, out, _ = upr(capsys, "repo", "rotate-key", "--repo", repo, "--key-file", str(k2),
                        "--new-key-file", str(k3))  # fmt: skip
@@ -138,11 +140,11 @@ def test_key_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 2 and err.strip().endswith("the key opens none of its 2 key slots")
     code, _, err = upr(capsys, "info", "--repo", repo)
     assert code == 2 and "is encrypted: give its key" in err and len(err.splitlines()) == 1
-    code, out, _ = upr(capsys, "repo", "remove-key", first["id"], "--repo", repo,
+    code, out, _ = upr(capsys, "repo", "remove-key", first["slot_id"], "--repo", repo,
                        "--key-file", str(k3))  # fmt: skip
     assert code == 0 and "(1 key slot)" in out
     code, _, err = upr(capsys, "repo", "remove-key", json.loads(
-        upr(capsys, "repo", "keys", "--repo", repo, "--json")[1])["key_slots"][0]["id"],
+        upr(capsys, "repo", "keys", "--repo", repo, "--json")[1])["key_slots"][0]["slot_id"],
         "--repo", repo, "--key-file", str(k3))  # fmt: skip
     assert code == 2 and "is the last key slot" in err
     code, _, err = upr(capsys, "repo", "init", "--repo", repo, "--encrypt",

@@ -561,6 +561,9 @@ def _report(report: Report, json_out: bool, line: str, show_all: bool = False) -
 
 def _show(cl: ClusterSpec, json_out: bool, line: str) -> None:
     if json_out:
-        print_json(cl.to_json() | {"password": "***"})
+        # cluster.json's `partitions` (a count) is `partition_count` in --json, where
+        # `partitions` is a list of partitions (docs/output.md)
+        spec = {"partition_count" if k == "partitions" else k: v for k, v in cl.to_json().items()}
+        print_json(spec | {"password": "***"})
     else:
         _line(line)

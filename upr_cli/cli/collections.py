@@ -269,8 +269,9 @@ def repair_cmd(
     source = _uri(uri, cacert, no_verify, cert, key)
     done = _run(source, repair(source, force=force))
     if json_out:
-        print_json(manifest_json(done.manifest) | {"arbiter": done.arbiter, "gave": done.gave,
-                                                   "dropped": done.dropped})  # fmt: skip
+        print_json(manifest_json(done.manifest) | {
+            "arbiter": done.arbiter, "gave": done.gave, "dropped_collections": done.dropped,
+        })  # fmt: skip
     else:
         for text in done.dropped:
             _line(f"dropped collection {text}" if not text.startswith("scope") else

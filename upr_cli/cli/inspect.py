@@ -138,8 +138,8 @@ def info_cmd(
             stdout.print(line, markup=False)
         if entry["collections"]:
             stdout.print(collections_table(entry["collections"]))
-        for p, chain in entry.get("partitions", {}).items():
-            _print_chain(p, chain)
+        for part in entry.get("partitions", []):
+            _print_chain(part)
     stdout.print(total_line(data), markup=False)
 
 
@@ -167,7 +167,7 @@ def restorable_lines(span: dict[str, Any] | None, failovers: list[dict[str, Any]
         parts = ", ".join(map(str, f["partitions"]))
         which = "partition" if len(f["partitions"]) == 1 else "partitions"
         out.append(f"failover {f['number']}: {f['time']}, backup {f['backup_id']}")
-        out.append(f"  {which} {parts}; lost writes in {plural(f['lost_seqs'], 'seq')}")
+        out.append(f"  {which} {parts}; lost writes in {plural(f['lost_seq_count'], 'seq')}")
     return out
 
 
@@ -248,18 +248,17 @@ def collections_table(collections: list[dict[str, Any]]) -> Table:
     return keep_whole(t, "collection", "id")
 
 
-def _print_chain(p: str, chain: list[dict[str, Any]]) -> None:
-    stdout.print(f"partition {p}:")
-    for link in chain:
-        if "lost" in link:
-            for x in link["lost"]:
-                stdout.print(f"  lost writes: {x['backup_id']} seqs ({x['from']}, {x['to']}]",
-                             markup=False)  # fmt: skip
-            continue
+def _print_chain(part: dict[str, Any]) -> None:
+    """One partition of `info --partitions`: its chain, then its lost writes' ranges."""
+    stdout.print(f"partition {part['partition']}:")
+    for link in part["chain"]:
         rb = link["rollback"]
         note = f"  rolled back {rb['from']} -> {rb['to']}" if rb else ""
         stdout.print(f"  {link['backup_id']}: ({link['start']}, {link['end']}] "
                      f"{link['items']:,} items{note}", markup=False)  # fmt: skip
+    for x in part["lost_ranges"]:
+        stdout.print(f"  lost writes: {x['backup_id']} seqs ({x['from']}, {x['to']}]",
+                     markup=False)  # fmt: skip
 
 
 def verify_cmd(

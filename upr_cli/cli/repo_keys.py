@@ -107,7 +107,7 @@ def register(app: typer.Typer) -> None:
 
 def _slots(info: RepoInfo) -> list[dict[str, object]]:
     enc = info.encryption
-    return [] if enc is None else [{"id": k.id, "created_at": _time(k)} for k in enc.keys]
+    return [] if enc is None else [{"slot_id": k.id, "created_at": _time(k)} for k in enc.keys]
 
 
 def _time(slot: keys.KeySlot) -> str:
@@ -123,7 +123,7 @@ def _summary(repo: Repository, info: RepoInfo, **more: object) -> dict[str, obje
         "encrypted": info.encryption is not None,
     }
     if info.encryption is not None:
-        out["id"] = info.id
+        out["repo_id"] = info.id
         out["key_slots"] = _slots(info)
     out.update(more)
     return out
@@ -179,7 +179,7 @@ def keys_cmd(repo: Repo, json_out: JsonOutput = False) -> None:
     t.add_column("slot")
     t.add_column("created")
     for s in _slots(info):
-        t.add_row(str(s["id"]), str(s["created"]))
+        t.add_row(str(s["slot_id"]), str(s["created_at"]))
     stdout.print(keep_whole(t))
 
 
@@ -205,7 +205,7 @@ def add_key_cmd(
     r, info, slot, _opened = _new_slot(repo, new_key_file, new_key_command)
     assert info.encryption is not None
     info = keys.rewrite_slots(r, info, (*info.encryption.keys, slot))
-    _done(r, info, json_out, f"added key slot {slot.id}", added=slot.id)
+    _done(r, info, json_out, f"added key slot {slot.id}", slot_id=slot.id)
 
 
 def remove_key_cmd(
@@ -229,7 +229,7 @@ def remove_key_cmd(
             "(upr repo add-key), or the repository cannot be opened again"
         )
     info = keys.rewrite_slots(r, info, tuple(k for k in slots if k.id != slot_id))
-    _done(r, info, json_out, f"removed key slot {slot_id}", removed=slot_id)
+    _done(r, info, json_out, f"removed key slot {slot_id}", slot_id=slot_id)
 
 
 def rotate_key_cmd(
@@ -246,7 +246,7 @@ def rotate_key_cmd(
     kept = tuple(k for k in info.encryption.keys if k.id != opened.id)
     info = keys.rewrite_slots(r, info, (*kept, slot))
     _done(r, info, json_out, f"key slot {opened.id} replaced by {slot.id}",
-          added=slot.id, removed=opened.id)  # fmt: skip
+          slot_id=slot.id, replaced_slot_id=opened.id)  # fmt: skip
 
 
 def _done(r: Repository, info: RepoInfo, json_out: bool, line: str, **more: object) -> None:

@@ -39,8 +39,9 @@ A LOG is a JSON array of [uuid, seq] pairs, newest first, the uuid a hex string
 ("deadbeef") or an integer; or @path to a file holding one.
 
 With --server and --client, --json prints one object: the two sources (passwords
-shown as ***), `must_roll_back` and `impossible` (partition counts), and
-`partitions`, one object a partition with its decision (or its error).
+shown as ***), `must_roll_back_count` and `impossible` (partition counts), and
+`partitions`, one object a partition with its decision (its `must_roll_back` flag
+and `rollback_seq`) or its error.
 
 Exit status: 0 done, 2 malformed input, 3 an impossible history.
 
@@ -234,7 +235,9 @@ def sources_json(server: str, client: str, results: Sequence[Any]) -> dict[str, 
         "server": redact(server),
         "client": redact(client),
         "rule": "seed",
-        "must_roll_back": sum(1 for r in results if r.decision is not None and r.decision.rollback),
+        "must_roll_back_count": sum(
+            1 for r in results if r.decision is not None and r.decision.rollback
+        ),
         "impossible": sum(1 for r in results if r.decision is None),
         "partitions": [
             {"partition": r.partition, **(r.decision.to_json() if r.decision else {}),

@@ -61,7 +61,7 @@ class ClusterHealth:
         """Everything per node and per partition (dead copies only with `logs`)."""
         cl = self.cl
         return {
-            "bucket": cl.bucket, "partitions": cl.partitions, "replicas": cl.replicas,
+            "bucket": cl.bucket, "partition_count": cl.partitions, "replicas": cl.replicas,
             "rev": cl.rev, "map": cl.vbmap,
             "nodes": [_node_json(h, s, logs) for h, s in zip(self.nodes, self.statuses,
                                                               strict=True)],
@@ -74,8 +74,9 @@ class ClusterHealth:
 
 
 def _node_json(h: NodeHealth, s: NodeStatus, logs: bool) -> dict[str, Any]:
-    parts = {
-        str(p): {
+    parts = [  # one object a partition, with its `partition` (docs/output.md)
+        {
+            "partition": p,
             "state": s.roles[p],
             # 64-bit seqs as decimal strings (docs/output.md)
             "high_seqno": str(s.highs.get(p, 0)),
@@ -85,7 +86,7 @@ def _node_json(h: NodeHealth, s: NodeStatus, logs: bool) -> dict[str, Any]:
         }
         for p in sorted(s.roles)
         if logs or s.roles[p] != "dead"
-    }
+    ]
     return {
         "name": s.name, "port": s.port, "tls_port": h.tls_port, "pid": h.pid, "state": h.state,
         "member": h.member,

@@ -61,9 +61,9 @@ class Report:
             "promoted": {str(p): n for p, n in sorted(self.promoted.items())},
             "failover_entries": {str(p): {"uuid": str(u), "seq": str(s)}
                                  for p, (u, s) in sorted(self.entries.items())},
-            "lost": self.lost,
+            "lost_partitions": self.lost,
             "moved": {str(p): {"from": a, "to": b} for p, (a, b) in sorted(self.moved.items())},
-            "added": self.added, "removed": self.removed,
+            "nodes_added": self.added, "nodes_removed": self.removed,
         }  # fmt: skip
 
 

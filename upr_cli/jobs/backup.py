@@ -157,7 +157,7 @@ class BackupSummary:
             "items": self.items,
             "bytes_read": self.bytes_read,
             "bytes_written": self.bytes_written,
-            "partitions": self.partitions,
+            "partition_count": self.partitions,
             "ratio": round(self.bytes_read / self.bytes_written, 2) if self.bytes_written else None,
             "seconds": round(self.seconds, 3),
             "items_per_s": round(self.items / self.seconds) if self.seconds else 0,

@@ -94,7 +94,7 @@ class BackupPlan:
             "repository_exists": self.repository_exists,
             "full": self.full,
             "parent": self.parent,
-            "partitions": len(self.ranges),
+            "partition_count": len(self.ranges),
             "partitions_with_changes": len(self.changed),
             "estimated_items": self.estimated_items,
             "collection_count": self.collections,  # as backup's: `collections` is a list

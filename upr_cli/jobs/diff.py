@@ -82,7 +82,7 @@ class PartitionDiff:
             "common_ancestor": None if self.common_ancestor is None else ent(self.common_ancestor),
             "only_in_a": [ent(e) for e in self.only_in_a],
             "only_in_b": [ent(e) for e in self.only_in_b],
-            "rollback": {"seed": _dec(self.seed_rule), "dcp": _dec(self.dcp_rule)},
+            "rollback_seqs": {"seed": _dec(self.seed_rule), "dcp": _dec(self.dcp_rule)},
             "lost_seqs": None if self.lost_seqs is None else [str(s) for s in self.lost_seqs],
             "lost_keys": [k.to_json() for k in self.lost_keys],
         }

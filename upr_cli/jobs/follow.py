@@ -156,14 +156,14 @@ class CommitReport:
         return {
             "event": "commit",
             "backup_id": self.backup_id,
-            "partitions": self.partitions,
+            "partition_count": self.partitions,
             "items": self.items,
             "bytes": self.bytes,
             "points": self.points,
             "since": self.since.isoformat().replace("+00:00", "Z"),
             "finished": self.finished.isoformat().replace("+00:00", "Z"),
             "lag_seconds": round(self.lag, 3),
-            "rollbacks": self.rollbacks,
+            "rollback_count": self.rollbacks,  # `rollbacks` is a list elsewhere
         }
 
 

@@ -388,7 +388,7 @@ def info(
                     "bytes_written": t.bytes_written,
                     "ratio": round(t.bytes_read / t.bytes_written, 2) if t.bytes_written else None,
                     "rollback_count": t.rollbacks,  # `rollbacks` elsewhere is their list
-                    "partitions": len(m.partitions),
+                    "partition_count": len(m.partitions),
                     "bytes_on_disk": tree_bytes(repo.storage, repo.backup_dir(b, m.backup_id)),
                     # a prune's revision (formats/repository.md §4.6): which, and the
                     # removed backups whose records it holds
@@ -408,9 +408,11 @@ def info(
             **restorable(manifests),
         }
         if partitions is not None:
-            ranges: dict[str, Any] = {}
+            # one object a partition (docs/output.md: `partitions` is a list of objects
+            # with `partition` wherever the answer is per partition)
+            ranges: list[dict[str, Any]] = []
             for p in partitions:
-                ranges[str(p)] = [
+                chain = [
                     {
                         "backup_id": str(m.backup_id),
                         "start": str(e.start_seq),
@@ -424,20 +426,11 @@ def info(
                     for m in manifests
                     if (e := m.partition(p)) is not None
                 ]
-                lost = lost_ranges(manifests, p)
-                if lost:
-                    ranges[str(p)].append(
-                        {
-                            "lost": [
-                                {
-                                    "backup_id": str(x.backup_id),
-                                    "from": str(x.from_seq),
-                                    "to": str(x.to_seq),
-                                }
-                                for x in lost
-                            ]
-                        }
-                    )
+                lost = [
+                    {"backup_id": str(x.backup_id), "from": str(x.from_seq), "to": str(x.to_seq)}
+                    for x in lost_ranges(manifests, p)
+                ]
+                ranges.append({"partition": p, "chain": chain, "lost_ranges": lost})
             entry["partitions"] = ranges
         out["buckets"].append(entry)
     return out

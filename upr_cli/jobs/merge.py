@@ -125,7 +125,7 @@ class MergeSummary:
         """JSON form (docs/output.md §4: the records written are `items`)."""
         rate = int(self.records / self.seconds) if self.seconds > 0 else 0
         return {"backup_id": self.backup_id, "through": self.through, "merged": self.merged,
-                "partitions": self.partitions, "items": self.records,
+                "partition_count": self.partitions, "items": self.records,
                 "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3),
                 "items_per_s": rate}  # fmt: skip
 

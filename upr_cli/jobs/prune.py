@@ -539,7 +539,7 @@ def _bucket_json(b: BucketPlan) -> dict[str, Any]:
         })  # fmt: skip
     return {
         "bucket": b.bucket, "backups": backups, "kept": len(b.chain) - len(b.removed),
-        "removed": len(b.removed),
+        "backups_removed": len(b.removed),
         "revisions": [{"backup_id": str(s.kept.backup_id), "revision": s.kept.revision + 1,
                        "absorbs": [str(m.backup_id) for m in s.run]} for s in b.steps],
         "bytes_removed": b.bytes_removed, "lost_writes": b.lost_writes,

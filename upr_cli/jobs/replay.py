@@ -154,7 +154,7 @@ class ReplayStats:
             "bytes": self.bytes,
             "manifest_changes": self.changes,  # the same name as in backup's summary
             "commits": self.commits,
-            "partitions": self.partitions,
+            "partition_count": self.partitions,
             "rollbacks": self.rollbacks,
             "resets": self.resets,
             "notes": self.notes,

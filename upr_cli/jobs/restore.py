@@ -338,6 +338,11 @@ _RESTORE_BATCH_ROWS = 32_768
 FORCE = 0x01
 
 
+#: the summary's members whose JSON name is not the field's (docs/output.md "One name,
+#: one type": a count is not called by the name of what it counts)
+_JSON_NAMES = {"partitions": "partition_count", "dropped": "dropped_records"}
+
+
 @dataclass
 class RestoreSummary:
     """What a restore did, or (dry run) would do."""
@@ -392,7 +397,7 @@ class RestoreSummary:
         """JSON form (docs/output.md: `items` the documents and deletions)."""
         return (
             {
-                k: getattr(self, k)
+                _JSON_NAMES.get(k, k): getattr(self, k)
                 for k in (
                     "backup_id",
                     "target",
@@ -406,7 +411,7 @@ class RestoreSummary:
                     "conflicts",  # deprecated alias of target_has_same_or_newer
                     "absent_deletes",
                     "skipped",
-                    "dropped",
+                    "dropped",  # as dropped_records: `dropped` is a collection's flag
                     "excluded",
                     "keep_xattrs",
                     "xattrs_left_out",

@@ -166,7 +166,7 @@ class LostItem:
             "origin": self.origin,
             "outcome": self.outcome,
             "reason": self.reason,
-            "lost": self.lost.to_json(),
+            "lost_version": self.lost.to_json(),
             "master": None if self.master is None else self.master.to_json(),
         }
 

@@ -264,13 +264,14 @@ class Resolution:
         return {
             "by": self.how,
             "asked": self.asked,
-            "partitions": {
-                str(p): {
+            "partitions": [  # one object a partition, with its `partition`
+                {
+                    "partition": p,
                     "backup_id": str(k.backup_id),
                     "seq": None if k.clip is None else str(k.clip),
                 }
                 for p, k in sorted(self.picks.items())
-            },
+            ],
             "not_restored": self.not_restored,
             "lag_seconds": {str(p): round(s, 6) for p, s in sorted(self.lag.items())},
             "max_lag_seconds": round(self.max_lag, 6),
@@ -453,8 +454,8 @@ class Failover:
             "backup_id": str(self.backup_id),
             "time": show_time(self.time),
             "partitions": list(self.partitions),
-            "lost_seqs": self.lost_seqs,
-            "lost": [
+            "lost_seq_count": self.lost_seqs,  # diff's `lost_seqs` is a list
+            "lost_ranges": [  # `lost` is a version's flag (examine)
                 {
                     "partition": p,
                     "backup_id": str(r.backup_id),

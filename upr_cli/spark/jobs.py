@@ -183,7 +183,7 @@ class ExportSummary:
         """JSON form (docs/output.md §4: the documents written are `items`)."""
         return {"repo": self.repo, "at": self.at, "output": self.target,
                 "format": self.format, "partition_by": self.partition_by, "items": self.rows,
-                "partitions": self.partitions, "collection_count": self.collections,
+                "partition_count": self.partitions, "collection_count": self.collections,
                 "seconds": round(self.seconds, 3)}  # fmt: skip
 
 
