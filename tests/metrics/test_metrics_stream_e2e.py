@@ -118,8 +118,11 @@ def test_serve_counts_connections_writes_and_dcp_streams(
         got = until(lambda: (g := scrape(port)) and one(g, "upr_node_dcp_streams", **B)
                     == node.partitions and g, tail, "the tail's streams")  # fmt: skip
         assert one(got, "upr_node_connections", **B) >= 1
+        # every document goes out, each over 100 bytes (the streams open first)
+        got = until(lambda: (g := scrape(port)) and one(g, "upr_node_dcp_sent_bytes_total",
+                                                         **B) > 40 * 100 and g,
+                    tail, "the documents sent")  # fmt: skip
         sent = one(got, "upr_node_dcp_sent_bytes_total", **B)
-        assert sent > 40 * 100  # every document went out
         tail.send_signal(signal.SIGTERM)
         tail.communicate(timeout=60)
     got = until(lambda: (g := scrape(port)) and one(g, "upr_node_dcp_streams", **B) == 0
