@@ -530,6 +530,9 @@ class _Session:
                 await asyncio.sleep(0.2)
         finally:
             prepared.discard()
+        if done:  # the absorbed directories go in a turn of their own: a commit first
+            await asyncio.sleep(min(1.0, self.opts.commit_every / 2))
+            await self._remove_absorbed()
         if not done and self.on_notice is not None:
             self.on_notice(f"rollup into {group[-1].backup_id} dropped: the chain "
                            "changed under it; its commits stay as they are")  # fmt: skip
@@ -556,9 +559,23 @@ class _Session:
             return False
         if tail:
             self.tail.rolled(prepared.group, prepared.manifest)
-        stale = self.leftover + absorbed_dirs(self.repo, prepared.group)
-        self.leftover = remove_absorbed(self.repo, self.bucket, stale)
+        self.leftover += absorbed_dirs(self.repo, prepared.group)
         return True
+
+    async def _remove_absorbed(self) -> None:
+        """Remove the directories published rollups absorbed, with the lock (those a
+        reader still uses stay for the next try; a busy lock leaves them all)."""
+        async with self.turn:
+            lock = RepositoryLock(self.repo, self.bucket, on_stale=self._stale)
+            try:
+                await asyncio.to_thread(lock.__enter__)
+            except RepositoryLocked:
+                return
+            try:
+                self.leftover = await asyncio.to_thread(remove_absorbed, self.repo,
+                                                        self.bucket, self.leftover)  # fmt: skip
+            finally:
+                await asyncio.to_thread(lock.__exit__, None, None, None)
 
     def _newest(self) -> BackupId:
         """The follower's last commit, checked to be still the chain's end (one listing)."""
