@@ -69,14 +69,16 @@ test-latest: system-deps
 	.venv-latest/bin/pytest -m "not slow" $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # Java 17 (Spark), tshark (independent wire decoder), promtool (Debian's prometheus:
-# checks examples/prometheus/alerts.yml) and man (man-db: `man upr`), installed only
-# when missing.
+# checks examples/prometheus/alerts.yml), man (man-db: `man upr`) and the shells whose
+# completion the tests run (zsh, fish; bash is there), installed only when missing.
 system-deps:
 	@need=""; \
 	command -v java >/dev/null 2>&1 || need="$$need openjdk-17-jre-headless"; \
 	command -v man >/dev/null 2>&1 || need="$$need man-db"; \
 	command -v tshark >/dev/null 2>&1 || need="$$need tshark"; \
 	command -v promtool >/dev/null 2>&1 || need="$$need prometheus"; \
+	command -v zsh >/dev/null 2>&1 || need="$$need zsh"; \
+	command -v fish >/dev/null 2>&1 || need="$$need fish"; \
 	if [ -n "$$need" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing:$$need"; \
