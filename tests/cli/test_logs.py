@@ -141,6 +141,8 @@ def test_a_password_in_a_uri_never_appears(tmp_path: Path, capsys: Cap, monkeypa
                  "--log-format", "json")  # fmt: skip
     [obj] = objects(err)
     assert "hunter22" not in err and "upr://admin:***@h/x" in obj["message"]
+    _, err = run(capsys, monkeypatch, "restore", "--repo", str(tmp_path), target)  # text
+    assert "hunter22" not in err and "upr://admin:***@h/x" in err
     # fields: a SourceUri as it redacts itself, secret names whatever their value
     uri = SourceUri.parse("upr://u:hunter22@127.0.0.1:11210/b")
     rec = logs.record("info", "x", f"to {uri.host}", source=uri, password="hunter22",

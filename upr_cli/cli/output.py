@@ -60,7 +60,7 @@ def error_line(message: str, **fields: Any) -> None:
     if logs.is_json():
         logs.emit("error", "error", first, **fields)
         return
-    sys.stderr.write(f"upr: error: {first}\n")
+    sys.stderr.write(f"upr: error: {logs.redact(first)}\n")  # a URI's password: ***
     sys.stderr.flush()
 
 
