@@ -101,7 +101,7 @@ def test_local_and_spark_merges_commit_the_same_backup(chain: Path, spark: Any,
         a = json.loads(upr("merge", "--repo", str(local), "--through", through,
                            "--json").stdout)  # fmt: skip
         b = spark_merge(spark, remote, through=through).to_json()
-        for key in ("through", "merged", "partitions", "items", "bytes_written"):
+        for key in ("through", "merged", "partition_count", "items", "bytes_written"):
             assert a[key] == b[key], key
         ma = Repository(local).read_manifest("default", Repository(local).manifests(
             "default")[ids.index(through) + 1].backup_id)  # fmt: skip
