@@ -156,6 +156,9 @@ def test_upr_spark_export_cli(repo: Path, tmp_path: Path) -> None:
                "--master", "local[1]", "--json", timeout=300)  # fmt: skip
     summary = json.loads(proc.stdout)
     assert summary["format"] == "json" and summary["items"] > 500
+    # the JVM's start-up chatter stays off stderr; the summary gives the wall time
+    assert [ln for ln in proc.stderr.splitlines() if not ln.startswith("upr")] == []
+    assert 0 < summary["startup_seconds"] < summary["seconds"]
     assert sorted(p.name for p in out.glob("partition=*")) == [f"partition={i}" for i in range(8)]
     again = upr("spark", "export", "--repo", str(repo), "--output", str(out), check=False)
     assert again.returncode == 2 and "exists; give --overwrite" in again.stderr
