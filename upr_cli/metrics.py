@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import socket
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,7 +293,7 @@ LAG_EVERY = 2.0  # seconds between two lag polls of `replay --follow` and `tail`
 _BACK = " back after "  # a link back (upr_cli/dcp/consumer.py's notice): a reconnect
 
 
-class _Streaming:
+class _Streaming(ABC):
     """What `replay --follow` and `tail` share: the job's running totals, read when
     scraped (a collector of this registry: nothing counted twice, nothing lost between
     two progress reports), the lag of `_Lag`, reconnects and errors by kind."""
@@ -311,9 +312,10 @@ class _Streaming:
         self.errors: dict[str, int] = {}
         reg.register(self)  # a collector: describe, collect
 
+    @abstractmethod
     def totals(self) -> list[tuple[str, str, str, float | None]]:
-        """(name, counter|gauge, help, value) of the job's totals (None: absent)."""
-        raise NotImplementedError
+        """(name, counter|gauge, help, value) of the job's totals (None: absent): each
+        command's own (`ReplayMetrics`, `TailMetrics`)."""
 
     def describe(self) -> list[Any]:
         return []  # registered before the job: nothing to read yet
