@@ -530,9 +530,6 @@ class _Session:
                 await asyncio.sleep(0.2)
         finally:
             prepared.discard()
-        if done:  # the absorbed directories go in a turn of their own: a commit first
-            await asyncio.sleep(min(1.0, self.opts.commit_every / 2))
-            await self._remove_absorbed()
         if not done and self.on_notice is not None:
             self.on_notice(f"rollup into {group[-1].backup_id} dropped: the chain "
                            "changed under it; its commits stay as they are")  # fmt: skip
@@ -545,6 +542,9 @@ class _Session:
                 self.on_notice(f"rolled up {len(group)} backups into {m.backup_id} "
                                f"(revision {m.revision}, {m.totals.items:,} items) in "
                                f"{time.monotonic() - t0:.1f}s")  # fmt: skip
+        if done:  # the absorbed directories go in a turn of their own: a commit first
+            await asyncio.sleep(min(1.0, self.opts.commit_every / 2))
+            await self._remove_absorbed()
         self.rolling = None
         self._roll_if_due()
 

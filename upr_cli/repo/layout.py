@@ -434,6 +434,11 @@ class Repository:
         self._current.update(((bucket, b), s.path) for b, s in current.items())
         return sorted(current.values(), key=lambda s: s.backup_id)
 
+    def committed_revision(self, bucket: str, backup_id: BackupId, path: Path) -> None:
+        """Note that `path`, a revision just committed, is `backup_id`'s current
+        directory (what the next `scan` would find, without listing the bucket)."""
+        self._current[(bucket, backup_id)] = path
+
     def stale_revisions(self, bucket: str) -> list[Scan]:
         """The revision directories that are not their backup's current one: older
         revisions a newer committed one replaced, and a revision whose writer was

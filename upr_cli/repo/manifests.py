@@ -280,7 +280,7 @@ class ManifestStore:
         data = manifest.dumps()
         self.storage.write(d / MANIFEST_COPY, data)  # the commit point
         self.storage.write(d / MANIFEST_FILE, data)
-        self.layout.scan(bucket)  # the new revision is the backup's current directory
+        self.layout.committed_revision(bucket, bid, d)  # the backup's current directory
         return d / MANIFEST_FILE
 
     def _check_files(self, d: Path, manifest: Manifest) -> None:
