@@ -39,7 +39,7 @@ def test_a_backup_across_a_drop_and_re_create_restores_the_final_state(
            "--no-progress"]  # fmt: skip
     with spawn(*cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as backup:
         deadline = time.monotonic() + 30
-        while not any(repo.rglob("*.seg*")) and time.monotonic() < deadline:
+        while not _writing(repo) and time.monotonic() < deadline:
             time.sleep(0.002)  # the first segment is being written: the streams are open
         # hold the backup mid-run (its streams open, its end seqs pinned) while the
         # collection is dropped and created again and more is written
@@ -64,3 +64,12 @@ def test_a_backup_across_a_drop_and_re_create_restores_the_final_state(
     dst = node_factory("--flush-interval", "0.02", partitions=32, name="dst").start()
     upr("restore", "--repo", str(repo), dst.uri)
     assert live_docs(dst.uri, 32) == want
+
+
+def _writing(repo: Path) -> bool:
+    """Whether a segment is being written in `repo` (a directory the backup removes or
+    renames while it is walked reads as not yet)."""
+    try:
+        return any(repo.rglob("*.seg*"))
+    except FileNotFoundError:
+        return False

@@ -465,3 +465,27 @@ def test_points_are_compact_and_checked_when_read() -> None:
         Points(text="!!", check=("p", 0, 9)).first_time()
     with pytest.raises(RepositoryError, match="odd count"):
         Points(text=base64.b64encode(b"\x01").decode(), check=("p", 0, 9)).first_time()
+
+
+def test_points_are_joined_without_decoding_times() -> None:
+    """A rollup's entry: the points of consecutive entries as one (jobs/rollup.py), the
+    same as their decoded concatenation; a join that would step back is refused."""
+    from upr_cli.repo.manifest import Points
+
+    t0 = datetime(2026, 12, 6, 14, 37, tzinfo=UTC)
+    us = timedelta(microseconds=1)
+    a = [(81, t0), (90, t0 + 500_000 * us)]
+    b = [(95, t0 + 700_000 * us), (200, t0 + 10**9 * us), (201, t0 + 10**9 * us)]
+    c = [(300, t0 + 2 * 10**9 * us)]
+    lazy_b = Points(text=Points(b).text(90), check=("p", 90, 201))
+    joined = Points.joined([(a, 80), ((), 90), (lazy_b, 90), (Points(c), 201)], 80, 300, "p")
+    assert list(joined) == a + b + c
+    assert Points(text=joined.text(80), check=("p", 80, 300)) == tuple(a + b + c)
+    assert not Points.joined([((), 80)], 80, 90)
+    with pytest.raises(RepositoryError, match="p: points must ascend"):
+        Points.joined([(b, 90), (a, 80)], 80, 300, "p")
+    with pytest.raises(RepositoryError, match="p: point seq 300 lies outside"):
+        Points.joined([(a, 80), (c, 201)], 80, 299, "p")
+    # encoded once, a point list keeps the compact form only
+    kept = Points(a)
+    assert kept.text(80) == kept.text(80) and kept._items is None and list(kept) == a

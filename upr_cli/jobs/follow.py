@@ -511,8 +511,14 @@ class _Session:
             self.pool = worker_pool()
         t0 = time.monotonic()
         loop = asyncio.get_running_loop()
+        refs = [(m.backup_id, m.revision) for m in group]
         prepared = await loop.run_in_executor(self.pool, prepare_at, self.repo.path,
-                                              self.repo.keyed_access(), group)  # fmt: skip
+                                              self.repo.keyed_access(), self.bucket,
+                                              refs)  # fmt: skip
+        if prepared is None:  # a member is not there as it was: prune, remove
+            self._dropped(group, tail)
+            return
+        prepared.group = group
         try:
             while True:
                 async with self.turn:
@@ -530,21 +536,30 @@ class _Session:
                 await asyncio.sleep(0.2)
         finally:
             prepared.discard()
-        if not done and self.on_notice is not None:
+        if not done:
+            self._dropped(group, tail)
+            return
+        self.rollups += 1
+        if self.hooks.rollup is not None:
+            self.hooks.rollup()
+        if self.on_notice is not None:
+            m = prepared.manifest
+            self.on_notice(f"rolled up {len(group)} backups into {m.backup_id} "
+                           f"(revision {m.revision}, {m.totals.items:,} items) in "
+                           f"{time.monotonic() - t0:.1f}s")  # fmt: skip
+        # the absorbed directories go in a turn of their own: a commit first
+        await asyncio.sleep(min(1.0, self.opts.commit_every / 2))
+        await self._remove_absorbed()
+        self.rolling = None
+        self._roll_if_due()
+
+    def _dropped(self, group: list[Manifest], tail: bool) -> None:
+        """A rollup the chain moved under (nothing of it written): said, and the next."""
+        if tail:
+            self.tail = Tail()
+        if self.on_notice is not None:
             self.on_notice(f"rollup into {group[-1].backup_id} dropped: the chain "
                            "changed under it; its commits stay as they are")  # fmt: skip
-        if done:
-            self.rollups += 1
-            if self.hooks.rollup is not None:
-                self.hooks.rollup()
-            if self.on_notice is not None:
-                m = prepared.manifest
-                self.on_notice(f"rolled up {len(group)} backups into {m.backup_id} "
-                               f"(revision {m.revision}, {m.totals.items:,} items) in "
-                               f"{time.monotonic() - t0:.1f}s")  # fmt: skip
-        if done:  # the absorbed directories go in a turn of their own: a commit first
-            await asyncio.sleep(min(1.0, self.opts.commit_every / 2))
-            await self._remove_absorbed()
         self.rolling = None
         self._roll_if_due()
 
@@ -554,8 +569,6 @@ class _Session:
     def _publish(self, prepared: Prepared, lock: RepositoryLock, tail: bool) -> bool:
         if not publish(self.repo, prepared, lock):
             unstage(self.repo, prepared)
-            if tail:
-                self.tail = Tail()  # the chain moved under it: nothing written
             return False
         if tail:
             self.tail.rolled(prepared.group, prepared.manifest)
@@ -627,6 +640,7 @@ class _Session:
         data = manifest.dumps()
         storage.write(d / MANIFEST_COPY, data)  # the commit point (formats/repository.md §4.3)
         storage.write(d / MANIFEST_FILE, data)
+        repo.manifest_store.remember(d / MANIFEST_FILE, manifest)  # a rollup reads it
         self.last, self.since = backup_id, manifest.finished
         self.collections = chain_manifest([manifest])
         first = min((t for pts in cp.points.values() for _q, t in pts), default=None)

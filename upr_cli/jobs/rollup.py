@@ -54,7 +54,7 @@ from upr_cli.repo import (
 )
 from upr_cli.repo.access import Access
 from upr_cli.repo.errors import RepositoryError, RepositoryLocked
-from upr_cli.repo.manifest import CollectionCount
+from upr_cli.repo.manifest import CollectionCount, Points
 from upr_cli.repo.names import format_backup_dir, format_time, parse_backup_dir
 from upr_cli.repo.pack import PACK_NAME, write_pack
 from upr_cli.repo.readers import ExclusiveAccess
@@ -166,6 +166,7 @@ class Prepared:
     members: list[tuple[str, Path | bytes]]
     work: Path
     staged: Path | None = None  # the revision's directory, its pack written (`stage`)
+    data: bytes | None = None  # the manifest's bytes, made where it was prepared
 
     def discard(self) -> None:
         """Drop the local files."""
@@ -218,7 +219,8 @@ def prepare(repo: Repository, group: list[Manifest]) -> Prepared:
                     (work / seg.file).write_bytes(data)
                     members.append((seg.file, work / seg.file))
             first, last = held[0][1], held[-1][1]
-            points = [pt for _m, e in held for pt in e.points]
+            points = Points.joined([(e.points, e.start_seq) for _m, e in held],
+                                   first.start_seq, last.end_seq, f"partition {p}")  # fmt: skip
             entries.append(
                 PartitionEntry(
                     p,
@@ -250,23 +252,41 @@ def prepare(repo: Repository, group: list[Manifest]) -> Prepared:
                                    for i, (a, d) in sorted(counts.items())),
             revision=k.revision + 1, absorbed=tuple(absorbed), continuous=group[0].continuous,
         )  # fmt: skip
+        data = manifest.dumps()
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    return Prepared(group, manifest, members, work)
+    return Prepared(group, manifest, members, work, data=data)
 
 
-def prepare_at(location: Path, access: Access, group: list[Manifest]) -> Prepared:
+def prepare_at(location: Path, access: Access, bucket: str,
+               refs: list[tuple[BackupId, int]]) -> Prepared | None:  # fmt: skip
     """`prepare` and `stage`, in a worker process of its own (`worker_pool`): the
     repository opened from its location with `access` (an encrypted one's data key in
-    it)."""
+    it), the group read there from its (backup, revision) `refs`; None when one of them
+    is not its backup's current revision any more (a `prune` or `remove`: dropped).
+
+    Only names cross to the worker and only the result comes back, its points in
+    compact form and its manifest's bytes made: pickling a group of commits, or
+    serialising a rollup's manifest, would take the follower's interpreter lock from
+    its streams for a second or more."""
     repo = Repository(location, access=access)
+    group = []
+    for bid, revision in refs:
+        try:
+            m = repo.read_manifest(bucket, bid)
+        except RepositoryError:
+            return None
+        if m.revision != revision:
+            return None
+        group.append(m)
     prepared = prepare(repo, group)
     try:
         stage(repo, prepared)
     except BaseException:
         prepared.discard()
         raise
+    prepared.group = []  # the follower holds them
     return prepared
 
 
@@ -386,7 +406,7 @@ def publish(repo: Repository, prepared: Prepared, lock: RepositoryLock) -> bool:
             write_pack(storage, d, prepared.members)
     elif storage.stat(d / PACK_NAME) is None and any(e.segments for e in manifest.partitions):
         return False  # another writer's sweep took the staged directory: dropped
-    repo.manifest_store.write_revision(manifest, lock)
+    repo.manifest_store.write_revision(manifest, lock, prepared.data)
     return True
 
 

@@ -18,6 +18,7 @@ Every file is reached through the repository's `Storage`; paths come from the la
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,12 +253,24 @@ class ManifestStore:
         self.storage.write(path, data)
         return path
 
-    def write_revision(self, manifest: Manifest, lock: RepositoryLock) -> Path:
+    def remember(self, path: Path, manifest: Manifest) -> None:
+        """`manifest` is what this process just wrote at `path`: later reads take it
+        without parsing the file again (a follower commits every few seconds, and each
+        rollup's checks read the whole chain)."""
+        with contextlib.suppress(OSError):
+            st = self.storage.stat(path, follow_links=True)
+            if st is not None:
+                self._parsed[st.version] = manifest
+
+    def write_revision(
+        self, manifest: Manifest, lock: RepositoryLock, data: bytes | None = None
+    ) -> Path:
         """Commit a revision of a committed backup (formats/repository.md §4.6): its
         directory is `<id>-rNNNNNNNN` for the manifest's revision, which must be one more
         than the current revision's; every file it lists is present at its size; the
         backups it absorbs are committed and older. Copy first, then the manifest: the
         copy's rename is the commit point, as for a backup (formats/repository.md §4.3).
+        `data` is the manifest's bytes when they were made already (`Manifest.dumps`).
         Needs the lock."""
         require_held(lock, self.layout.lock_path(manifest.bucket))
         bucket, bid = manifest.bucket, manifest.backup_id
@@ -277,9 +290,10 @@ class ManifestStore:
         if stray:
             raise RepositoryError(f"{d}: absorbs backup {stray[0]}, which is not committed")
         self._check_files(d, manifest)
-        data = manifest.dumps()
+        data = manifest.dumps() if data is None else data
         self.storage.write(d / MANIFEST_COPY, data)  # the commit point
         self.storage.write(d / MANIFEST_FILE, data)
+        self.remember(d / MANIFEST_FILE, manifest)
         self.layout.committed_revision(bucket, bid, d)  # the backup's current directory
         return d / MANIFEST_FILE
 
