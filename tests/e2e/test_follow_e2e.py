@@ -249,6 +249,30 @@ def test_the_follower_rolls_its_commits_up_level_by_level(node: Node, tmp_path: 
     _restored_equals_node(repo, node, tmp_path, "rolled")
 
 
+def test_a_rollup_that_would_outgrow_its_manifest_is_left_out(node: Node, tmp_path: Path) -> None:
+    """A rollup whose manifest would outgrow UPR_ROLLUP_MANIFEST_BYTES (the readers'
+    limit, halved, by default) is not made: said once per group, the commits stay as
+    they are, the tail goes on after them and the chain restores to the node's state."""
+    repo = tmp_path / "repo"
+    upr(*_load(node, 200, 41))
+    env = {**os.environ, "UPR_ROLLUP_FANOUT": "2", "UPR_ROLLUP_MANIFEST_BYTES": "1024"}
+    with spawn_upr("backup", node.uri, "--repo", str(repo), "--follow", "--commit-every",
+                   "0.05s", "--json", env=env) as follower:  # fmt: skip
+        _wait_for(lambda: bool(_backups(repo)), what="catch-up")
+        for seed in range(42, 47):
+            upr(*_load(node, 40, seed))
+            time.sleep(0.15)
+        _wait_for(lambda: _caught_up(repo, node), what="the follower to catch up")
+        follower.send_signal(signal.SIGTERM)
+        out, err = follower.communicate(timeout=60)
+    assert follower.returncode == 0, err
+    left = [line for line in err.splitlines() if "left out: its manifest would outgrow" in line]
+    assert len(left) >= 2 and json.loads(out)["rollups"] == 0, err
+    assert "warning:" not in err, err
+    assert all(m.revision == 1 for m in _backups(repo))
+    _restored_equals_node(repo, node, tmp_path, "left")
+
+
 def test_a_restarted_follower_rolls_up_what_the_last_session_left(
     node: Node, tmp_path: Path
 ) -> None:
@@ -351,3 +375,6 @@ def test_the_rollup_tail_rolls_the_oldest_run_first() -> None:
     tail.rolled(made[3:6], made[5])
     tail.add(made[6])
     assert [lv for _m, lv in tail.items] == [1, 1, 0] and tail.due() is None
+    # a group too large to roll leaves the tail with what came before it
+    tail.freeze([made[2], made[5]])
+    assert [m for m, _lv in tail.items] == [made[6]]

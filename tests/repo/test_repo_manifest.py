@@ -489,3 +489,14 @@ def test_points_are_joined_without_decoding_times() -> None:
     # encoded once, a point list keeps the compact form only
     kept = Points(a)
     assert kept.text(80) == kept.text(80) and kept._items is None and list(kept) == a
+
+
+def test_a_manifest_no_reader_would_take_is_never_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readers refuse a manifest over MAX_MANIFEST_BYTES, so the writer refuses to make
+    one (a rollup of a busy bucket's high level would, jobs/rollup.py `largest`)."""
+    import upr_cli.repo.manifest as mf
+
+    m = manifest()
+    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(m.dumps()) - 1)
+    with pytest.raises(RepositoryError, match="exceed the"):
+        m.dumps()

@@ -75,9 +75,11 @@ from upr_cli.jobs.backup_stream import (
 )
 from upr_cli.jobs.follow_stream import Checkpoint, FollowStream
 from upr_cli.jobs.rollup import (
+    TOO_LARGE,
     Prepared,
     Tail,
     absorbed_dirs,
+    largest,
     leftover,
     prepare_at,
     publish,
@@ -515,7 +517,17 @@ class _Session:
         prepared = await loop.run_in_executor(self.pool, prepare_at, self.repo.path,
                                               self.repo.keyed_access(), self.bucket,
                                               refs)  # fmt: skip
-        if prepared is None:  # a member is not there as it was: prune, remove
+        if prepared == TOO_LARGE:  # its members stay; the tail goes on after them
+            if tail:
+                self.tail.freeze(group)
+            if self.on_notice is not None:
+                self.on_notice(f"rollup into {group[-1].backup_id} left out: its manifest "
+                               f"would outgrow {largest() >> 20} MiB; its {len(group)} "
+                               "backups stay as they are")  # fmt: skip
+            self.rolling = None
+            self._roll_if_due()
+            return
+        if isinstance(prepared, str):  # a member is not there as it was: prune, remove
             self._dropped(group, tail)
             return
         prepared.group = group

@@ -54,7 +54,7 @@ from upr_cli.repo import (
 )
 from upr_cli.repo.access import Access
 from upr_cli.repo.errors import RepositoryError, RepositoryLocked
-from upr_cli.repo.manifest import CollectionCount, Points
+from upr_cli.repo.manifest import MAX_MANIFEST_BYTES, CollectionCount, Points
 from upr_cli.repo.names import format_backup_dir, format_time, parse_backup_dir
 from upr_cli.repo.pack import PACK_NAME, write_pack
 from upr_cli.repo.readers import ExclusiveAccess
@@ -69,6 +69,13 @@ _PACED = 4 << 20  # a staged pack's bytes between syncs (`write_pack`), local fi
 _HELD = 64 << 20
 """Merged segments a rollup keeps in memory for its pack; past this, each is one local
 file (creating a file per partition costs more than merging a small one)."""
+LARGEST = MAX_MANIFEST_BYTES // 2
+"""The largest manifest a rollup makes (the environment's UPR_ROLLUP_MANIFEST_BYTES, at
+least 1,024, lowers it: `largest`). A rollup holds every restore point of its members,
+about five bytes each, so a high level of a busy bucket would outgrow what readers
+accept: its members stay as they are instead (formats/repository.md §4.8)."""
+TOO_LARGE = "too large"
+MOVED = "moved"
 
 
 def rollable(m: Manifest) -> bool:
@@ -82,6 +89,26 @@ def fanout() -> int:
     """FANOUT, or UPR_ROLLUP_FANOUT when it is set to an integer in 2..1024."""
     text = os.environ.get("UPR_ROLLUP_FANOUT", "")
     return int(text) if text.isdigit() and 2 <= int(text) <= 1024 else FANOUT
+
+
+def largest() -> int:
+    """LARGEST, or UPR_ROLLUP_MANIFEST_BYTES when it is set to an integer from 1,024 up
+    to LARGEST."""
+    text = os.environ.get("UPR_ROLLUP_MANIFEST_BYTES", "")
+    return int(text) if text.isdigit() and 1024 <= int(text) <= LARGEST else LARGEST
+
+
+def estimate(group: list[Manifest]) -> int:
+    """About how many bytes the manifest of `group`'s rollup takes, without merging:
+    every member's points (their compact text, as they join), and an entry's worth
+    per partition."""
+    size, parts = 0, set()
+    for m in group:
+        for e in m.partitions:
+            parts.add(e.partition)
+            if isinstance(e.points, Points):
+                size += len(e.points.text(e.start_seq))
+    return size + 1024 * len(parts)
 
 
 def leftover(chain: list[Manifest]) -> list[Manifest]:
@@ -144,6 +171,16 @@ class Tail:
                     return [m for m, _lv in self.items[start : start + self.fanout]]
                 start = i
         return None
+
+    def freeze(self, group: list[Manifest]) -> None:
+        """`group` is not to be rolled (its rollup would be too large): it and what came
+        before it leave the tail, which goes on after it."""
+        last = group[-1].backup_id
+        for i, (m, _lv) in enumerate(self.items):
+            if m.backup_id == last:
+                self.items = self.items[i + 1 :]
+                return
+        self.items = []
 
     def rolled(self, group: list[Manifest], into: Manifest) -> None:
         """`group` became `into`, one level up (a tail changed meanwhile is dropped)."""
@@ -260,11 +297,12 @@ def prepare(repo: Repository, group: list[Manifest]) -> Prepared:
 
 
 def prepare_at(location: Path, access: Access, bucket: str,
-               refs: list[tuple[BackupId, int]]) -> Prepared | None:  # fmt: skip
+               refs: list[tuple[BackupId, int]]) -> Prepared | str:  # fmt: skip
     """`prepare` and `stage`, in a worker process of its own (`worker_pool`): the
     repository opened from its location with `access` (an encrypted one's data key in
-    it), the group read there from its (backup, revision) `refs`; None when one of them
-    is not its backup's current revision any more (a `prune` or `remove`: dropped).
+    it), the group read there from its (backup, revision) `refs`. Else why not: MOVED
+    when one of them is not its backup's current revision any more (a `prune` or
+    `remove`: dropped), TOO_LARGE when its manifest would outgrow `largest()`.
 
     Only names cross to the worker and only the result comes back, its points in
     compact form and its manifest's bytes made: pickling a group of commits, or
@@ -276,11 +314,16 @@ def prepare_at(location: Path, access: Access, bucket: str,
         try:
             m = repo.read_manifest(bucket, bid)
         except RepositoryError:
-            return None
+            return MOVED
         if m.revision != revision:
-            return None
+            return MOVED
         group.append(m)
+    if estimate(group) > largest():
+        return TOO_LARGE
     prepared = prepare(repo, group)
+    if len(prepared.data or b"") > largest():
+        prepared.discard()
+        return TOO_LARGE
     try:
         stage(repo, prepared)
     except BaseException:

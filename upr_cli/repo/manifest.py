@@ -1050,7 +1050,11 @@ class Manifest:
         """The file bytes: indented JSON with a BLAKE2b-128 `checksum` of the canonical form."""
         obj = self.to_json()
         obj["checksum"] = checksum_hex(canonical_json(obj))
-        return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+        data = (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+        if len(data) > MAX_MANIFEST_BYTES:  # never written: no reader would take it
+            raise _fail(f"manifest of backup {self.backup_id}: {len(data):,} bytes exceed "
+                        f"the {MAX_MANIFEST_BYTES:,}-byte limit")  # fmt: skip
+        return data
 
     @classmethod
     def loads(cls, data: bytes) -> Manifest:
