@@ -359,10 +359,12 @@ def lag_run(tmp: Path, tag: str, seconds: int, rate: int, every: float,
             "p50": pct(got_lags, 0.5), "p99": pct(got_lags, 0.99), "max": max(got_lags),
             "samples": len(got_lags), "unreached": unreached,
             "commits": float(summary["commits"]),
+            "rollups": float(summary.get("rollups", 0)),
             "seen": float(sum(c.continuous for c in chain)),
             "seconds": t1 - t0, "rtt": statistics.median(sampler.rtts)}  # fmt: skip
     say(f"{tag}: load {res['load_rate']:,.0f} ops/s, lag p50 {res['p50']:.2f} s p99 "
-        f"{res['p99']:.2f} s max {res['max']:.2f} s, {int(res['commits'])} commits")  # fmt: skip
+        f"{res['p99']:.2f} s max {res['max']:.2f} s, {int(res['commits'])} commits, "
+        f"{int(res['rollups'])} rollups")  # fmt: skip
     return res
 
 
@@ -380,7 +382,8 @@ def lag_part(args: argparse.Namespace, tmp: Path, keys: dict[str, object]) -> No
     print(f"  paced load with the follower: {main['load_rate']:,.0f} ops/s for "
           f"{main['seconds']:.0f} s ({int(main['items']):,} ops), follower --commit-every "
           f"{args.commit_every:g}s: {int(main['commits'])} commits "
-          f"({int(main['seen'])} read as they appeared)")  # fmt: skip
+          f"({int(main['seen'])} read as they appeared), {int(main['rollups'])} "
+          "rollups")  # fmt: skip
     print(f"  lag behind the node ({int(main['samples'])} samples, one every 100 ms or "
           f"one STAT round trip, median {main['rtt']:.2f} s: each stamped at its middle, "
           f"+-{main['rtt'] / 2:.2f} s; {int(main['unreached'])} unreached): p50 "
@@ -411,6 +414,7 @@ def lag_part(args: argparse.Namespace, tmp: Path, keys: dict[str, object]) -> No
         "stat_rtt_s": round(main["rtt"], 2),
         "lag_limit_s": limit,
         "lag_met": "yes" if main["p99"] <= limit else "no",
+        "rollups": int(main["rollups"]),
         "follower_cpu": round(main["follower_cpu"], 2),
         "follower_rss_mb": round(main["follower_rss"]),
         "node_cpu": round(main["node_cpu"], 2),
