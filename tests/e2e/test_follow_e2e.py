@@ -169,7 +169,7 @@ def test_a_rollup_keeps_every_record_and_restore_point(
         remove_absorbed,
         stage,
     )
-    from upr_cli.repo import RepositoryLock
+    from upr_cli.repo import Manifest, RepositoryLock
 
     monkeypatch.setattr(rollup, "_HELD", 2000)
 
@@ -189,7 +189,8 @@ def test_a_rollup_keeps_every_record_and_restore_point(
     tail = Tail()
     for m in _commits(repo):
         tail.add(m)
-    group = [m for m, _level in tail.items if m.partitions][-4:]
+    ids = [link.backup_id for link, _level in tail.items]
+    group = [m for m in _commits(repo) if m.backup_id in ids and m.partitions][-4:]
     assert len(group) == 4 and all(m.continuous for m in group)
     # consecutive commits only: the ones between them carry nothing and go along
     ids = [m.backup_id for m in _commits(repo)]
@@ -203,12 +204,26 @@ def test_a_rollup_keeps_every_record_and_restore_point(
     assert prepared.staged is not None and (prepared.staged / "segments.pack").exists()
     assert [m.backup_id for m in _backups(repo)] == ids_before
     assert _backups(repo)[-len(group)].revision == group[0].revision
+    # a follower remembers what it committed: its publication parses no manifest (it
+    # holds the lock), and forgets the members it absorbed
+    store = r.manifest_store
+    store.forget("default")
+    for m in group:
+        store.remember(m)
+    parsed: list[object] = []
+    real_loads = Manifest.loads
+    monkeypatch.setattr(Manifest, "loads", lambda data: parsed.append(1) or real_loads(data))
     try:
         with RepositoryLock(r, "default") as lock:
             assert publish(r, prepared, lock)
             assert remove_absorbed(r, "default", absorbed_dirs(r, group)) == []
     finally:
         prepared.discard()
+    monkeypatch.undo()
+    assert parsed == [] and not store._parsed
+    assert {b for _bucket, b in store._written} & {m.backup_id for m in group} == {
+        group[-1].backup_id
+    }
     rolled = Repository(repo).read_manifest("default", group[-1].backup_id)
     assert rolled.revision == 2 and set(rolled.absorbed) == {m.backup_id for m in group[:-1]}
     assert rolled.continuous == group[0].continuous and rolled.finished == group[-1].finished
@@ -349,7 +364,7 @@ def test_the_rollup_tail_rolls_the_oldest_run_first() -> None:
     """Commits that arrive while a rollup works are not stranded between rollups."""
     from datetime import UTC, datetime, timedelta
 
-    from upr_cli.jobs.rollup import Tail
+    from upr_cli.jobs.rollup import Link, Tail
     from upr_cli.repo import BackupId, Manifest, Totals
 
     t0 = datetime(2026, 12, 6, tzinfo=UTC)
@@ -366,15 +381,15 @@ def test_the_rollup_tail_rolls_the_oldest_run_first() -> None:
     for m in made[:5]:
         tail.add(m)
     group = tail.due()
-    assert group == made[:3]  # the oldest run first
+    assert group == [Link.of(m) for m in made[:3]]  # the oldest run first
     tail.rolled(group, made[2])
     assert [lv for _m, lv in tail.items] == [1, 0, 0]
     assert tail.due() is None
     tail.add(made[5])
-    assert tail.due() == made[3:6]
-    tail.rolled(made[3:6], made[5])
+    assert tail.due() == [Link.of(m) for m in made[3:6]]
+    tail.rolled([Link.of(m) for m in made[3:6]], made[5])
     tail.add(made[6])
     assert [lv for _m, lv in tail.items] == [1, 1, 0] and tail.due() is None
     # a group too large to roll leaves the tail with what came before it
-    tail.freeze([made[2], made[5]])
-    assert [m for m, _lv in tail.items] == [made[6]]
+    tail.freeze([Link.of(made[2]), Link.of(made[5])])
+    assert [m for m, _lv in tail.items] == [Link.of(made[6])]

@@ -76,6 +76,7 @@ from upr_cli.jobs.backup_stream import (
 from upr_cli.jobs.follow_stream import Checkpoint, FollowStream
 from upr_cli.jobs.rollup import (
     TOO_LARGE,
+    Link,
     Prepared,
     Tail,
     absorbed_dirs,
@@ -340,7 +341,9 @@ class _Session:
         self.since: datetime = newest.finished
         self.filter = newest.collection_filter
         self.manifests = manifests
-        self.left = leftover(manifests)  # an earlier session's tail, rolled once at start
+        # an earlier session's tail, rolled once at start
+        self.left = [Link.of(m) for m in leftover(manifests)]
+        repo.manifest_store.forget(bucket)  # read once: a session keeps no chain
         self.collections: CollectionsManifest | None = None
         # rollups (jobs/rollup.py): the tail of commits, the one rollup at work, the
         # directories it could not remove yet (a reader was there), and the write turn
@@ -506,7 +509,7 @@ class _Session:
         group = self.tail.due()
         self.rolling = None if group is None else asyncio.ensure_future(self._roll(group))
 
-    async def _roll(self, group: list[Manifest], *, tail: bool = True) -> None:
+    async def _roll(self, group: list[Link], *, tail: bool = True) -> None:
         """Prepare without a lock, publish with it (jobs/rollup.py); cascade upwards.
         A group not from the session's tail (an earlier session's leftover) leaves it be."""
         if self.pool is None:
@@ -530,7 +533,6 @@ class _Session:
         if isinstance(prepared, str):  # a member is not there as it was: prune, remove
             self._dropped(group, tail)
             return
-        prepared.group = group
         try:
             while True:
                 async with self.turn:
@@ -565,7 +567,7 @@ class _Session:
         self.rolling = None
         self._roll_if_due()
 
-    def _dropped(self, group: list[Manifest], tail: bool) -> None:
+    def _dropped(self, group: list[Link], tail: bool) -> None:
         """A rollup the chain moved under (nothing of it written): said, and the next."""
         if tail:
             self.tail = Tail()
@@ -652,7 +654,7 @@ class _Session:
         data = manifest.dumps()
         storage.write(d / MANIFEST_COPY, data)  # the commit point (formats/repository.md §4.3)
         storage.write(d / MANIFEST_FILE, data)
-        repo.manifest_store.remember(d / MANIFEST_FILE, manifest)  # a rollup reads it
+        repo.manifest_store.remember(manifest)  # a rollup's checks need no more of it
         self.last, self.since = backup_id, manifest.finished
         self.collections = chain_manifest([manifest])
         first = min((t for pts in cp.points.values() for _q, t in pts), default=None)

@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -146,21 +147,37 @@ def _level(m: Manifest) -> int:
     return level
 
 
+@dataclass(frozen=True)
+class Link:
+    """What the follower keeps of a backup of its tail: its names and times, not its
+    manifest (a rollup's holds megabytes of restore points; the worker reads them)."""
+
+    bucket: str
+    backup_id: BackupId
+    revision: int
+    finished: datetime
+    continuous: datetime | None
+
+    @classmethod
+    def of(cls, m: Manifest) -> Link:
+        return cls(m.bucket, m.backup_id, m.revision, m.finished, m.continuous)
+
+
 @dataclass
 class Tail:
     """The session's backups that can still be rolled up, oldest first, with levels."""
 
-    items: list[tuple[Manifest, int]] = field(default_factory=list)
+    items: list[tuple[Link, int]] = field(default_factory=list)
     fanout: int = field(default_factory=fanout)
 
     def add(self, m: Manifest) -> None:
         """A new commit: joins the tail, or (a rollback in it) starts it again."""
         if rollable(m) and (not self.items or self.items[-1][0].finished == m.continuous):
-            self.items.append((m, 0))
+            self.items.append((Link.of(m), 0))
         else:
             self.items = []
 
-    def due(self) -> list[Manifest] | None:
+    def due(self) -> list[Link] | None:
         """The oldest `fanout` backups of the first run of that many sharing a level
         (oldest first: commits that arrive while a rollup works are never stranded
         between two rollups), else None."""
@@ -172,7 +189,7 @@ class Tail:
                 start = i
         return None
 
-    def freeze(self, group: list[Manifest]) -> None:
+    def freeze(self, group: Sequence[Link]) -> None:
         """`group` is not to be rolled (its rollup would be too large): it and what came
         before it leave the tail, which goes on after it."""
         last = group[-1].backup_id
@@ -182,14 +199,14 @@ class Tail:
                 return
         self.items = []
 
-    def rolled(self, group: list[Manifest], into: Manifest) -> None:
+    def rolled(self, group: Sequence[Link], into: Manifest) -> None:
         """`group` became `into`, one level up (a tail changed meanwhile is dropped)."""
         ids = [m.backup_id for m, _lv in self.items]
         want = [m.backup_id for m in group]
         for i in range(len(ids) - len(want) + 1):
             if ids[i : i + len(want)] == want:
                 level = self.items[i][1] + 1
-                self.items[i : i + len(want)] = [(into, level)]
+                self.items[i : i + len(want)] = [(Link.of(into), level)]
                 return
         self.items = []
 
@@ -198,7 +215,7 @@ class Tail:
 class Prepared:
     """A rollup written to local files (or held, `_HELD`), waiting for its publication."""
 
-    group: list[Manifest]
+    group: list[Link]
     manifest: Manifest
     members: list[tuple[str, Path | bytes]]
     work: Path
@@ -293,7 +310,7 @@ def prepare(repo: Repository, group: list[Manifest]) -> Prepared:
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    return Prepared(group, manifest, members, work, data=data)
+    return Prepared([Link.of(m) for m in group], manifest, members, work, data=data)
 
 
 def prepare_at(location: Path, access: Access, bucket: str,
@@ -329,7 +346,6 @@ def prepare_at(location: Path, access: Access, bucket: str,
     except BaseException:
         prepared.discard()
         raise
-    prepared.group = []  # the follower holds them
     return prepared
 
 
@@ -449,7 +465,7 @@ def publish(repo: Repository, prepared: Prepared, lock: RepositoryLock) -> bool:
             write_pack(storage, d, prepared.members)
     elif storage.stat(d / PACK_NAME) is None and any(e.segments for e in manifest.partitions):
         return False  # another writer's sweep took the staged directory: dropped
-    repo.manifest_store.write_revision(manifest, lock, prepared.data)
+    repo.manifest_store.write_revision(manifest, lock, prepared.data)  # it remembers
     return True
 
 
@@ -475,7 +491,7 @@ def remove_absorbed(repo: Repository, bucket: str, paths: list[Path]) -> list[Pa
     return []
 
 
-def absorbed_dirs(repo: Repository, group: list[Manifest]) -> list[Path]:
+def absorbed_dirs(repo: Repository, group: Sequence[Link | Manifest]) -> list[Path]:
     """The directories a published rollup of `group` made stale: every member's, and the
     older revision of the newest one."""
     bucket = group[-1].bucket

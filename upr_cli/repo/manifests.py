@@ -28,7 +28,7 @@ from upr_cli.repo.chain import broken_parents, coverage_gaps, needed_from, order
 from upr_cli.repo.errors import BrokenChain, RepositoryError
 from upr_cli.repo.lock import require_held
 from upr_cli.repo.manifest import MAX_MANIFEST_BYTES, Manifest
-from upr_cli.repo.names import BackupId, format_backup_dir
+from upr_cli.repo.names import BackupId, format_backup_dir, parse_backup_dir
 from upr_cli.segments.format import SegmentError
 from upr_cli.storage import LOCAL, Storage
 
@@ -113,6 +113,7 @@ class ManifestStore:
         # manifests parsed, by (device, inode, size, mtime) of their file: a file is only
         # ever replaced by a rename (a new inode), so an entry never goes stale
         self._parsed: dict[tuple[int, int, int, int], Manifest] = {}
+        self._written: dict[tuple[str, BackupId], tuple[int, frozenset[BackupId]]] = {}
 
     @property
     def storage(self) -> Storage:
@@ -253,14 +254,33 @@ class ManifestStore:
         self.storage.write(path, data)
         return path
 
-    def remember(self, path: Path, manifest: Manifest) -> None:
-        """`manifest` is what this process just wrote at `path`: later reads take it
-        without parsing the file again (a follower commits every few seconds, and each
-        rollup's checks read the whole chain)."""
-        with contextlib.suppress(OSError):
-            st = self.storage.stat(path, follow_links=True)
-            if st is not None:
-                self._parsed[st.version] = manifest
+    def remember(self, manifest: Manifest) -> None:
+        """`manifest` was just committed by this process: a later revision's checks
+        take its revision and the backups it absorbed from here, without reading it (a
+        follower commits every few seconds and rolls its commits up; parsing them again
+        would take seconds under the lock, keeping them whole megabytes of restore
+        points each)."""
+        self._written[(manifest.bucket, manifest.backup_id)] = (
+            manifest.revision, frozenset(manifest.absorbed))  # fmt: skip
+
+    def forget(self, bucket: str) -> None:
+        """Drop what is cached of `bucket`'s manifests (a long-running writer that read
+        its chain once)."""
+        for key in [k for k, m in self._parsed.items() if m.bucket == bucket]:
+            del self._parsed[key]
+
+    def _facts(self, bucket: str, backup_id: BackupId) -> tuple[int, frozenset[BackupId]]:
+        """A committed backup's current revision and the backups it absorbed: as this
+        process committed them (`remember`) when that is still the current revision,
+        else read."""
+        d = self.layout.backup_dir(bucket, backup_id)
+        known = self._written.get((bucket, backup_id))
+        if known is not None and self.committed_mark(d):
+            with contextlib.suppress(RepositoryError):
+                if parse_backup_dir(d.name)[1] == known[0]:
+                    return known
+        m = self.read(bucket, backup_id)
+        return m.revision, frozenset(m.absorbed)
 
     def write_revision(
         self, manifest: Manifest, lock: RepositoryLock, data: bytes | None = None
@@ -275,17 +295,20 @@ class ManifestStore:
         require_held(lock, self.layout.lock_path(manifest.bucket))
         bucket, bid = manifest.bucket, manifest.backup_id
         d = self.layout.revision_dir(bucket, bid, manifest.revision)
-        current = self.read(bucket, bid)
-        if manifest.revision != current.revision + 1:
+        revision, absorbed = self._facts(bucket, bid)
+        if manifest.revision != revision + 1:
             raise RepositoryError(
                 f"{d}: revision {manifest.revision} does not follow the current revision "
-                f"{current.revision} of backup {bid}"
+                f"{revision} of backup {bid}"
             )
         if self.committed_mark(d):
             raise RepositoryError(f"{d}: revision {manifest.revision} is already committed")
         # a backup it absorbs is committed, or was absorbed already (by K or by one of the
         # backups it now absorbs, whose directory the sweep may have removed)
-        known = set(self.layout.committed_all(bucket)) | self.absorbed(bucket)
+        committed = set(self.layout.committed_all(bucket))
+        known = committed | absorbed
+        for b in set(manifest.absorbed) & committed:
+            known |= self._facts(bucket, b)[1]
         stray = [b for b in manifest.absorbed if b not in known]
         if stray:
             raise RepositoryError(f"{d}: absorbs backup {stray[0]}, which is not committed")
@@ -293,8 +316,10 @@ class ManifestStore:
         data = manifest.dumps() if data is None else data
         self.storage.write(d / MANIFEST_COPY, data)  # the commit point
         self.storage.write(d / MANIFEST_FILE, data)
-        self.remember(d / MANIFEST_FILE, manifest)
         self.layout.committed_revision(bucket, bid, d)  # the backup's current directory
+        self.remember(manifest)
+        for b in manifest.absorbed:  # gone for every reader
+            self._written.pop((bucket, b), None)
         return d / MANIFEST_FILE
 
     def _check_files(self, d: Path, manifest: Manifest) -> None:
