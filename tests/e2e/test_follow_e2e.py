@@ -210,9 +210,14 @@ def test_a_rollup_keeps_every_record_and_restore_point(
     store.forget("default")
     for m in group:
         store.remember(m)
-    parsed: list[object] = []
+    parsed: list[int] = []
     real_loads = Manifest.loads
-    monkeypatch.setattr(Manifest, "loads", lambda data: parsed.append(1) or real_loads(data))
+
+    def counted(data: bytes) -> Manifest:
+        parsed.append(len(data))
+        return real_loads(data)
+
+    monkeypatch.setattr(Manifest, "loads", counted)
     try:
         with RepositoryLock(r, "default") as lock:
             assert publish(r, prepared, lock)
@@ -238,25 +243,33 @@ def test_a_rollup_keeps_every_record_and_restore_point(
     assert store_rows(after) == store_rows(before) == node_rows(node.uri)
 
 
+def _follow_batches(node: Node, repo: Path, env: dict[str, str], seeds: range,
+                    then: Any = None) -> tuple[str, str]:  # fmt: skip
+    """A follower (commits every 50 ms, `env` added) through a batch of writes per seed,
+    caught up (and `then` true), stopped by SIGTERM: its stdout and stderr."""
+    with spawn_upr("backup", node.uri, "--repo", str(repo), "--follow", "--commit-every",
+                   "0.05s", "--json", env={**os.environ, **env}) as follower:  # fmt: skip
+        _wait_for(lambda: bool(_backups(repo)), what="catch-up")
+        for seed in seeds:
+            upr(*_load(node, 40, seed))
+            time.sleep(0.15)
+        _wait_for(lambda: _caught_up(repo, node), what="the follower to catch up")
+        if then is not None:
+            _wait_for(then, timeout=60, what="the rollups")
+        follower.send_signal(signal.SIGTERM)
+        out, err = follower.communicate(timeout=60)
+    assert follower.returncode == 0, err
+    return out, err
+
+
 def test_the_follower_rolls_its_commits_up_level_by_level(node: Node, tmp_path: Path) -> None:
     """The follower's own rollups (UPR_ROLLUP_FANOUT=2): each is said on stderr and
     counted in the summary, a rollup of rollups happens, and the chain restores to the
     node's state."""
     repo = tmp_path / "repo"
     upr(*_load(node, 200, 21))
-    env = {**os.environ, "UPR_ROLLUP_FANOUT": "2"}
-    with spawn_upr("backup", node.uri, "--repo", str(repo), "--follow", "--commit-every",
-                   "0.05s", "--json", env=env) as follower:  # fmt: skip
-        _wait_for(lambda: bool(_backups(repo)), what="catch-up")
-        for seed in range(22, 30):
-            upr(*_load(node, 40, seed))
-            time.sleep(0.15)
-        _wait_for(lambda: _caught_up(repo, node), what="the follower to catch up")
-        _wait_for(lambda: any(m.revision >= 3 for m in _backups(repo)), timeout=60,
-                  what="a rollup of rollups")  # fmt: skip
-        follower.send_signal(signal.SIGTERM)
-        out, err = follower.communicate(timeout=60)
-    assert follower.returncode == 0, err
+    out, err = _follow_batches(node, repo, {"UPR_ROLLUP_FANOUT": "2"}, range(22, 30),
+                               lambda: any(m.revision >= 3 for m in _backups(repo)))  # fmt: skip
     summary = json.loads(out)
     said = [line for line in err.splitlines() if line.startswith("upr: rolled up 2 backups")]
     assert summary["rollups"] >= 2 and len(said) >= summary["rollups"], err
@@ -270,17 +283,8 @@ def test_a_rollup_that_would_outgrow_its_manifest_is_left_out(node: Node, tmp_pa
     they are, the tail goes on after them and the chain restores to the node's state."""
     repo = tmp_path / "repo"
     upr(*_load(node, 200, 41))
-    env = {**os.environ, "UPR_ROLLUP_FANOUT": "2", "UPR_ROLLUP_MANIFEST_BYTES": "1024"}
-    with spawn_upr("backup", node.uri, "--repo", str(repo), "--follow", "--commit-every",
-                   "0.05s", "--json", env=env) as follower:  # fmt: skip
-        _wait_for(lambda: bool(_backups(repo)), what="catch-up")
-        for seed in range(42, 47):
-            upr(*_load(node, 40, seed))
-            time.sleep(0.15)
-        _wait_for(lambda: _caught_up(repo, node), what="the follower to catch up")
-        follower.send_signal(signal.SIGTERM)
-        out, err = follower.communicate(timeout=60)
-    assert follower.returncode == 0, err
+    env = {"UPR_ROLLUP_FANOUT": "2", "UPR_ROLLUP_MANIFEST_BYTES": "1024"}
+    out, err = _follow_batches(node, repo, env, range(42, 47))
     left = [line for line in err.splitlines() if "left out: its manifest would outgrow" in line]
     assert len(left) >= 2 and json.loads(out)["rollups"] == 0, err
     assert "warning:" not in err, err
