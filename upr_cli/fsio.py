@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
-import secrets
 import shutil
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +31,10 @@ from upr_cli.errors import os_error
 _TEMP = re.compile(r"\.(.+)\.tmp-([0-9a-f]{8})(?:-[a-z0-9]+)?")
 
 
+_NAMES = random.Random()
+os.register_at_fork(after_in_child=_NAMES.seed)
+
+
 def temp_name(final: str, token: str | None = None) -> str:
     """The name a file is written under before its rename to `final`: `.FINAL.tmp-RANDOM`.
 
@@ -38,8 +42,10 @@ def temp_name(final: str, token: str | None = None) -> str:
     """
     if not final or "/" in final:
         raise ValueError(f"a temp name needs a plain file name, got {final!r}")
-    token = secrets.token_hex(4) if token is None else token
-    if not re.fullmatch(r"[0-9a-f]{8}", token):
+    if token is None:  # as `tempfile` names its files: no system call per name (a
+        # follower names a thousand segments a commit), reseeded in a forked child
+        token = f"{_NAMES.getrandbits(32):08x}"
+    elif not re.fullmatch(r"[0-9a-f]{8}", token):
         raise ValueError(f"temp token {token!r} is not 8 lowercase hex digits")
     return f".{final}.tmp-{token}"
 
