@@ -500,3 +500,16 @@ def test_a_manifest_no_reader_would_take_is_never_written(monkeypatch: pytest.Mo
     monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(m.dumps()) - 1)
     with pytest.raises(RepositoryError, match="exceed the"):
         m.dumps()
+
+
+def test_a_followers_own_points_are_checked_cheaply() -> None:
+    """`Points.checked`: the range and the order, as for points read from elsewhere."""
+    from upr_cli.repo.manifest import Points
+
+    t0 = datetime(2026, 12, 6, tzinfo=UTC)
+    ok = [(5, t0), (9, t0 + timedelta(seconds=1))]
+    assert list(Points.checked(ok, "partition 3", 4, 9)) == ok
+    with pytest.raises(RepositoryError, match="partition 3: point seq 9 lies outside"):
+        Points.checked(ok, "partition 3", 4, 8)
+    with pytest.raises(RepositoryError, match="partition 3: points must ascend"):
+        Points.checked(ok[::-1], "partition 3", 4, 9)

@@ -79,7 +79,7 @@ from upr_cli.repo import (
     resume_point,
     snapshot_boundaries,
 )
-from upr_cli.repo.manifest import CollectionCount, CollectionFilter
+from upr_cli.repo.manifest import CollectionCount, CollectionFilter, Points
 from upr_cli.repo.readers import sweep_unless_read
 from upr_cli.segments import SegmentError, SegmentHeader, SegmentInfo, SegmentReader
 from upr_cli.storage import LOCAL, Storage
@@ -1003,10 +1003,11 @@ def _segment_entry(seg: SegmentInfo) -> SegmentEntry:
 
 
 def _entry(
-    r: PartitionResult, rb: RollbackRecord | None, reused: Sequence[SegmentInfo] = ()
-) -> PartitionEntry:
+    r: PartitionResult, rb: RollbackRecord | None, reused: Sequence[SegmentInfo] = (),
+    points: Sequence[tuple[int, datetime]] = (),
+) -> PartitionEntry:  # fmt: skip
     """The manifest entry of a partition: `reused` segments (an interrupted run's), then
-    this run's."""
+    this run's; a follower's commit gives its restore `points`."""
     segments = tuple(_segment_entry(s) for s in (*reused, r.segment) if s is not None)
     uuid = r.failover_log.latest.uuid if r.failover_log.entries else 0
     snap_start, snap_end = r.snapshot
@@ -1015,7 +1016,9 @@ def _entry(
         snap_start = snap_end = end
     cuts = tuple(CutBack(f, t, (_segment_entry(seg),)) for f, t, seg in r.cuts)
     return PartitionEntry(r.partition, uuid, r.failover_log, r.start_seq, end, snap_start,
-                          snap_end, segments, rb, cuts)  # fmt: skip
+                          snap_end, segments, rb, cuts,
+                          points=Points.checked(points, f"partition {r.partition}",
+                                                r.start_seq, end) if points else ())  # fmt: skip
 
 
 __all__ = ["BackupId", "BackupSummary", "backup", "decide_start"]

@@ -42,7 +42,7 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -635,7 +635,7 @@ class _Session:
         for p, r in sorted(cp.results.items()):
             rb = None if r.rollback is None else RollbackRecord(*r.rollback[:2], None,
                                                                 r.rollback[2])  # fmt: skip
-            entries.append(replace(_entry(r, rb), points=cp.points.get(p, ())))
+            entries.append(_entry(r, rb, points=cp.points.get(p, ())))
             segments += [] if r.segment is None else [r.segment]
             met = _rollbacks(p, r, rb)
             rollbacks += len(met)
