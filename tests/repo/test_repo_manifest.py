@@ -513,3 +513,25 @@ def test_a_followers_own_points_are_checked_cheaply() -> None:
         Points.checked(ok, "partition 3", 4, 8)
     with pytest.raises(RepositoryError, match="partition 3: points must ascend"):
         Points.checked(ok[::-1], "partition 3", 4, 9)
+
+
+def test_what_a_writer_remembers_is_bounded() -> None:
+    """`ManifestStore.remember` keeps the revision and absorbed backups of what this
+    process committed (a follower's rollups check them without parsing), the newest
+    only: a session of weeks does not add them up."""
+    from typing import cast
+
+    from upr_cli.repo.manifests import _REMEMBERED, ManifestStore
+
+    t0 = datetime(2026, 12, 6, tzinfo=UTC)
+    store = ManifestStore(cast(Any, None))
+    made = []
+    for i in range(_REMEMBERED + 10):
+        at = t0 + timedelta(seconds=i + 1)
+        made.append(Manifest(backup_id=BackupId(at), bucket="b", source="upr://h/b",
+                             started=at, finished=at, full=False, parent=BackupId(t0),
+                             partitions=(), totals=Totals.derive((), 0)))  # fmt: skip
+        store.remember(made[-1])
+    assert len(store._written) == _REMEMBERED
+    assert ("b", made[-1].backup_id) in store._written
+    assert ("b", made[0].backup_id) not in store._written

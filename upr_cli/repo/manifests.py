@@ -105,6 +105,12 @@ def absorbed_ids(manifests: Iterable[Manifest]) -> set[BackupId]:
     return {b for m in manifests for b in m.absorbed}
 
 
+_REMEMBERED = 1024
+"""Backups whose facts `ManifestStore.remember` keeps: a follower's tail needs some
+dozens (fanout - 1 per level and a rollup at work); those that never join a rollup
+(its size bound) must not add up over a session of weeks."""
+
+
 class ManifestStore:
     """The manifests of one repository and the chains they form."""
 
@@ -260,8 +266,11 @@ class ManifestStore:
         follower commits every few seconds and rolls its commits up; parsing them again
         would take seconds under the lock, keeping them whole megabytes of restore
         points each)."""
-        self._written[(manifest.bucket, manifest.backup_id)] = (
-            manifest.revision, frozenset(manifest.absorbed))  # fmt: skip
+        key = (manifest.bucket, manifest.backup_id)
+        self._written.pop(key, None)
+        self._written[key] = (manifest.revision, frozenset(manifest.absorbed))
+        while len(self._written) > _REMEMBERED:  # the oldest go: read again if needed
+            del self._written[next(iter(self._written))]
 
     def forget(self, bucket: str) -> None:
         """Drop what is cached of `bucket`'s manifests (a long-running writer that read
