@@ -9,20 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.repo.repo_helpers import commit_backup, run_upr
-from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
-from upr_cli.repo import Repository
+from tests.repo.repo_helpers import one_backup_repo, run_upr
 
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
-    root = tmp_path / "repo"
-    r = Repository(root)
-    r.init()
-    rows = [DcpRecord(OP_MUTATION, 0, s, s, s, 0, 0, 0, 0, f"k{s}".encode(), b"v", 0)
-            for s in (1, 2)]  # fmt: skip
-    commit_backup(r, 0, {0: rows})
-    return root
+    return one_backup_repo(tmp_path / "repo", (1, 2))
 
 
 def test_upr_repo_answers_info_and_verify(

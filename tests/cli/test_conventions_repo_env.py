@@ -11,10 +11,8 @@ from typing import Any
 import pytest
 import typer
 
-from tests.repo.repo_helpers import BUCKET, commit_backup, run_upr
+from tests.repo.repo_helpers import BUCKET, one_backup_repo, run_upr
 from upr_cli.cli.app import app
-from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
-from upr_cli.repo import Repository
 
 
 def commands(cmd: Any = None, path: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
@@ -44,13 +42,7 @@ def test_help_shows_the_env_var(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
-    root = tmp_path / "repo"
-    r = Repository(root)
-    r.init()
-    rows = [DcpRecord(OP_MUTATION, 0, s, s, s, 0, 0, 0, 0, f"k{s}".encode(), b"v", 0)
-            for s in (1, 2, 3)]  # fmt: skip
-    commit_backup(r, 0, {0: rows})
-    return root
+    return one_backup_repo(tmp_path / "repo", (1, 2, 3))
 
 
 def test_info_reads_the_repository_upr_repo_names(

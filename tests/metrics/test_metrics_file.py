@@ -12,22 +12,7 @@ from typing import Any
 import pytest
 
 from tests.metrics.metrics_helpers import one, samples
-from tests.repo.chain_gen import Step, build
 from tests.repo.repo_helpers import run_upr
-from upr_cli.repo import Repository
-
-STEPS = [
-    Step("full", (3, 3, 3), (0, 0, 0), (False, False, False), 1),
-    Step("inc", (4, 2, 3), (0, 0, 0), (False, False, False), 2),
-    Step("inc", (2, 3, 1), (0, 0, 0), (False, False, False), 3),
-]
-
-
-@pytest.fixture
-def repo(tmp_path: Path) -> Path:
-    path = tmp_path / "repo"
-    build(Repository(path), STEPS)
-    return path
 
 
 def _read(path: Path) -> dict[str, Any]:

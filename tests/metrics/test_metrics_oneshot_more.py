@@ -10,21 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.metrics.metrics_helpers import one, samples
-from tests.repo.chain_gen import Step, build
 from tests.repo.repo_helpers import run_upr
-from upr_cli.repo import Repository
 
-STEPS = [
-    Step("full", (3, 3, 3), (0, 0, 0), (False, False, False), 1),
-    Step("inc", (4, 2, 3), (0, 0, 0), (False, False, False), 2),
-]
-
-
-@pytest.fixture
-def repo(tmp_path: Path) -> Path:
-    path = tmp_path / "repo"
-    build(Repository(path), STEPS)
-    return path
+BACKUPS = 2  # the chain of the `repo` fixture (tests/metrics/conftest.py)
 
 
 def _ok(prom: Path, command: str, t0: float) -> dict[str, float]:
@@ -37,30 +25,26 @@ def _ok(prom: Path, command: str, t0: float) -> dict[str, float]:
     return {n: one(got, n, **key) for n in ("upr_last_items", "upr_last_bytes")}
 
 
-def test_a_one_shot_replay_counts_what_it_applied(
-    capsys: pytest.CaptureFixture[str], repo: Path, tmp_path: Path
-) -> None:
-    prom, t0 = tmp_path / "replay.prom", time.time()
-    code, out, err = run_upr(capsys, "replay", f"repo:{repo}", "--into", str(tmp_path / "r.db"),
-                             "--json", "--metrics-file", str(prom))  # fmt: skip
+@pytest.mark.parametrize(
+    ("command", "args", "items", "written"),
+    [
+        ("replay", ("replay", "repo:{repo}", "--into", "{tmp}/r.db"), "applied", "bytes"),
+        ("merge", ("merge", "--repo", "{repo}"), "items", "bytes_written"),
+    ],
+)
+def test_a_one_shot_counts_the_items_and_bytes_its_summary_says(
+    capsys: pytest.CaptureFixture[str], repo: Path, tmp_path: Path, command: str,
+    args: tuple[str, ...], items: str, written: str,
+) -> None:  # fmt: skip
+    """A one-shot replay (what it applied) and a merge (what it wrote)."""
+    prom, t0 = tmp_path / f"{command}.prom", time.time()
+    argv = [a.format(repo=repo, tmp=tmp_path) for a in args]
+    code, out, err = run_upr(capsys, *argv, "--json", "--metrics-file", str(prom))
     assert code == 0, err
     summary = json.loads(out)
-    got = _ok(prom, "replay", t0)
-    assert got["upr_last_items"] == summary["applied"] > 0
-    assert got["upr_last_bytes"] == summary["bytes"] > 0
-
-
-def test_merge_counts_the_items_and_bytes_it_wrote(
-    capsys: pytest.CaptureFixture[str], repo: Path, tmp_path: Path
-) -> None:
-    prom, t0 = tmp_path / "merge.prom", time.time()
-    code, out, err = run_upr(capsys, "merge", "--repo", str(repo), "--json",
-                             "--metrics-file", str(prom))  # fmt: skip
-    assert code == 0, err
-    summary = json.loads(out)
-    got = _ok(prom, "merge", t0)
-    assert got["upr_last_items"] == summary["items"] > 0
-    assert got["upr_last_bytes"] == summary["bytes_written"] > 0
+    got = _ok(prom, command, t0)
+    assert got["upr_last_items"] == summary[items] > 0
+    assert got["upr_last_bytes"] == summary[written] > 0
 
 
 def test_repo_copy_counts_backups_and_bytes_per_bucket(

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
 from upr_cli.failover import FailoverLog
-from upr_cli.protocol.decoder import DcpRecord
+from upr_cli.protocol.decoder import OP_MUTATION, DcpRecord
 from upr_cli.repo import (
     BackupId,
     Manifest,
@@ -52,6 +53,17 @@ def commit_backup(repo: Repository, n: int, rows: Mapping[int, Sequence[DcpRecor
                  parent is None, parent, tuple(entries), Totals.derive(entries, 1))  # fmt: skip
     repo.write_manifest(m)
     return m
+
+
+def one_backup_repo(root: Path, seqs: Sequence[int]) -> Path:
+    """A new repository at `root` with one backup of partition 0: a mutation of key
+    `k<seq>` at each of `seqs`."""
+    r = Repository(root)
+    r.init()
+    rows = [DcpRecord(OP_MUTATION, 0, s, s, s, 0, 0, 0, 0, f"k{s}".encode(), b"v", 0)
+            for s in seqs]  # fmt: skip
+    commit_backup(r, 0, {0: rows})
+    return root
 
 
 def run_upr(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
